@@ -1,0 +1,379 @@
+/*
+ * kvsieve: sparse-attention decoding over a KV cache, behind a stable C ABI.
+ *
+ * Conventions (see docs/api.md for the full reference):
+ *  - Every fallible call returns kvs_error_t: NULL on success, otherwise an owned error object the
+ *    caller frees with kvs_error_destroy(). On error, outputs are left untouched.
+ *  - Parameter structs start with `uint32_t struct_size`; fill them with kvs_X_params_init() and only
+ *    then change fields. Fields are only ever appended.
+ *  - Tensors are described by kvs_tensor, laid out exactly like DLPack's DLTensor. NULL strides mean
+ *    C-contiguous. Inputs are borrowed for the duration of the call (for asynchronous CUDA work: until
+ *    the stream passed with the call has completed).
+ *  - Every log-sum-exp crossing this API is a natural logarithm (base e).
+ *  - Thread safety is tagged on each function:
+ *      @threadsafety any              callable from any thread at any time
+ *      @threadsafety concurrent-const concurrent calls on one object are fine if none mutates it
+ *      @threadsafety exclusive        the caller serialises all calls on the object
+ *
+ * This header is C99. No STL, no FILE*, no CUDA or oneDNN types: a CUDA stream crosses as void*.
+ */
+#ifndef KVSIEVE_KVSIEVE_H
+#define KVSIEVE_KVSIEVE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#if defined(KVS_BUILDING_LIBRARY)
+#define KVS_API __declspec(dllexport)
+#else
+#define KVS_API __declspec(dllimport)
+#endif
+#else
+#define KVS_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Versions                                                                                       */
+/* ---------------------------------------------------------------------------------------------- */
+
+#define KVS_VERSION_MAJOR 0
+#define KVS_VERSION_MINOR 1
+#define KVS_VERSION_PATCH 0
+/* ABI version: bumped with every incompatible change of this header; equals the SONAME. */
+#define KVS_ABI_VERSION 0
+
+/** "MAJOR.MINOR.PATCH" of the loaded library. @threadsafety any */
+KVS_API const char* kvs_version(void);
+/** MAJOR*10000 + MINOR*100 + PATCH of the loaded library. @threadsafety any */
+KVS_API uint32_t kvs_version_number(void);
+/** ABI version of the loaded library. @threadsafety any */
+KVS_API uint32_t kvs_abi_version(void);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Errors                                                                                         */
+/* ---------------------------------------------------------------------------------------------- */
+
+/** Error codes. Values are explicit and never reused. */
+typedef enum kvs_status {
+  KVS_STATUS_OK = 0,
+  KVS_STATUS_INVALID_ARGUMENT = 1, /* a NULL, a wrong shape, dtype, device, layer, value */
+  KVS_STATUS_OUT_OF_MEMORY = 2,
+  KVS_STATUS_UNSUPPORTED = 3,      /* valid request the build or method cannot do (e.g. no CUDA) */
+  KVS_STATUS_INVALID_STATE = 4,    /* call out of order (decode before prefill, ...) */
+  KVS_STATUS_IO = 5,               /* open/read/write/rename failed */
+  KVS_STATUS_FORMAT_MAGIC = 6,     /* not a kvsieve file */
+  KVS_STATUS_FORMAT_VERSION = 7,   /* unknown major format version */
+  KVS_STATUS_FORMAT_TRUNCATED = 8, /* file shorter than its directory says */
+  KVS_STATUS_FORMAT_CHECKSUM = 9,  /* a section's checksum does not match */
+  KVS_STATUS_FORMAT_INVALID = 10,  /* inconsistent header, sizes or values */
+  KVS_STATUS_BACKEND = 11,         /* CUDA / oneDNN / BLAS failure; see kvs_error_backend_code */
+  KVS_STATUS_ABI_MISMATCH = 12,
+  KVS_STATUS_INTERNAL = 13
+} kvs_status;
+
+typedef struct kvs_error_s* kvs_error_t;
+
+/** The code of an error (KVS_STATUS_OK for NULL). @threadsafety concurrent-const */
+KVS_API int32_t kvs_error_code(const struct kvs_error_s* err);
+/** UTF-8 message naming the offending argument and what was expected ("" for NULL). Valid until
+ *  kvs_error_destroy. @threadsafety concurrent-const */
+KVS_API const char* kvs_error_message(const struct kvs_error_s* err);
+/** The backend's own code (cudaError_t, dnnl_status_t, errno), 0 if none. */
+KVS_API int64_t kvs_error_backend_code(const struct kvs_error_s* err);
+/** Frees an error; NULL is a no-op. @threadsafety exclusive */
+KVS_API void kvs_error_destroy(kvs_error_t err);
+
+/** Fails with KVS_STATUS_ABI_MISMATCH when the loaded library was built for another ABI than the
+ *  header the caller compiled against. Call as kvs_abi_check(KVS_ABI_VERSION). */
+KVS_API kvs_error_t kvs_abi_check(uint32_t header_abi_version);
+
+/** Frees a string the library returned as owned (e.g. from kvs_tables_describe). NULL is a no-op. */
+KVS_API void kvs_string_free(char* s);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Tensors: layout-identical to DLPack's DLTensor (DLPack >= 0.6)                                 */
+/* ---------------------------------------------------------------------------------------------- */
+
+typedef enum kvs_device_type {
+  KVS_DEVICE_CPU = 1,       /* kDLCPU */
+  KVS_DEVICE_CUDA = 2,      /* kDLCUDA */
+  KVS_DEVICE_CUDA_HOST = 3  /* kDLCUDAHost: pinned host memory, readable by CPU kernels */
+} kvs_device_type;
+
+typedef struct kvs_device {
+  int32_t device_type; /* kvs_device_type */
+  int32_t device_id;
+} kvs_device;
+
+typedef enum kvs_dtype_code {
+  KVS_DTYPE_CODE_INT = 0,   /* kDLInt */
+  KVS_DTYPE_CODE_UINT = 1,  /* kDLUInt */
+  KVS_DTYPE_CODE_FLOAT = 2, /* kDLFloat */
+  KVS_DTYPE_CODE_BFLOAT = 4 /* kDLBfloat */
+} kvs_dtype_code;
+
+typedef struct kvs_dtype {
+  uint8_t code;   /* kvs_dtype_code */
+  uint8_t bits;   /* 16, 32, ... */
+  uint16_t lanes; /* 1 */
+} kvs_dtype;
+
+typedef struct kvs_tensor {
+  void* data;
+  kvs_device device;
+  int32_t ndim;
+  kvs_dtype dtype;
+  int64_t* shape;       /* ndim entries */
+  int64_t* strides;     /* ndim entries, in elements; NULL = C-contiguous */
+  uint64_t byte_offset; /* added to data */
+} kvs_tensor;
+
+/** Storage/element types by name, used where a plain enum is clearer than a kvs_dtype. */
+typedef enum kvs_scalar_type {
+  KVS_SCALAR_F32 = 1,
+  KVS_SCALAR_F16 = 2,
+  KVS_SCALAR_BF16 = 3
+} kvs_scalar_type;
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Logging                                                                                        */
+/* ---------------------------------------------------------------------------------------------- */
+
+typedef enum kvs_log_level {
+  KVS_LOG_DEBUG = 0,
+  KVS_LOG_INFO = 1,
+  KVS_LOG_WARN = 2,
+  KVS_LOG_ERROR = 3,
+  KVS_LOG_OFF = 4
+} kvs_log_level;
+
+/** Receives whole lines (no trailing newline). May be called from library worker threads. */
+typedef void (*kvs_log_fn)(int32_t level, const char* line, void* user_data);
+
+/** Installs the process-wide log sink atomically (NULL restores the default: warnings and errors
+ *  to stderr). Messages below min_level are dropped before formatting. @threadsafety any */
+KVS_API void kvs_set_log_callback(kvs_log_fn fn, void* user_data, int32_t min_level);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Method registry                                                                                */
+/* ---------------------------------------------------------------------------------------------- */
+
+typedef struct kvs_param_info {
+  uint32_t struct_size;
+  const char* name;          /* static strings, valid for the life of the process */
+  const char* type;          /* "int", "float", "bool", "string", or "enum:a|b|c" */
+  const char* default_value; /* as text */
+  const char* doc;           /* one line */
+} kvs_param_info;
+
+/** Number of registered methods. @threadsafety any */
+KVS_API size_t kvs_method_count(void);
+/** Name of method i (0 <= i < count), NULL if out of range. @threadsafety any */
+KVS_API const char* kvs_method_name(size_t i);
+/** One-line description of a method, NULL if unknown. @threadsafety any */
+KVS_API const char* kvs_method_doc(const char* method);
+/** Backends the method supports, as a bit mask of (1 << kvs_backend). 0 if unknown. */
+KVS_API uint32_t kvs_method_backends(const char* method);
+/** Number of parameters of a method; fails on an unknown method. @threadsafety any */
+KVS_API kvs_error_t kvs_method_param_count(const char* method, size_t* out_count);
+/** Parameter i of a method; out->struct_size must be set by the caller. @threadsafety any */
+KVS_API kvs_error_t kvs_method_param(const char* method, size_t i, kvs_param_info* out);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Sessions                                                                                       */
+/* ---------------------------------------------------------------------------------------------- */
+
+typedef enum kvs_backend {
+  KVS_BACKEND_CPU = 1,
+  KVS_BACKEND_CUDA = 2,
+  KVS_BACKEND_HYBRID = 3
+} kvs_backend;
+
+typedef enum kvs_gemm_provider {
+  KVS_GEMM_AUTO = 0, /* KVS_GEMM environment variable ("onednn"/"openblas"), else oneDNN */
+  KVS_GEMM_ONEDNN = 1,
+  KVS_GEMM_OPENBLAS = 2
+} kvs_gemm_provider;
+
+typedef struct kvs_session_params {
+  uint32_t struct_size;   /* sizeof(kvs_session_params) */
+  uint32_t num_layers;    /* >= 1 */
+  uint32_t num_q_heads;   /* >= 1, a multiple of num_kv_heads */
+  uint32_t num_kv_heads;  /* >= 1 */
+  uint32_t head_dim;      /* 8 .. 256 */
+  float softmax_scale;    /* 0 = 1/sqrt(head_dim) */
+  int32_t kv_dtype;       /* kvs_scalar_type of the stored K/V; default BF16 */
+  int32_t backend;        /* kvs_backend; default CPU */
+  int32_t device_id;      /* CUDA device for the cuda/hybrid backends */
+  uint32_t num_threads;   /* CPU worker threads; 0 = all hardware threads */
+  int32_t gemm;           /* kvs_gemm_provider */
+  const char* method;     /* registry name; NULL = "full". Copied. */
+  const char* method_params; /* "key=value,key=value" (see kvs_method_param); NULL = defaults. Copied. */
+  double budget;          /* fraction of the context in (0, 1]; 0 = unset */
+  int64_t budget_tokens;  /* absolute number of exact keys; 0 = unset. Wins over budget. */
+} kvs_session_params;
+
+/** Fills defaults (struct_size included). @threadsafety any */
+KVS_API void kvs_session_params_init(kvs_session_params* p);
+
+typedef struct kvs_session_s* kvs_session_t;
+
+/** Creates a session (owned; free with kvs_session_destroy). @threadsafety any */
+KVS_API kvs_error_t kvs_session_create(const kvs_session_params* params, kvs_session_t* out);
+/** Frees a session; NULL is a no-op. Sessions forked from it stay valid. @threadsafety exclusive */
+KVS_API void kvs_session_destroy(kvs_session_t s);
+
+/** Appends one layer's prompt: q [n, Hq, d], k and v [n, Hkv, d] (n >= 1). The layer must be empty.
+ *  o (optional, NULL to skip) [n, Hq, d] receives causal attention of the prompt over itself.
+ *  stream: a cudaStream_t for the cuda backend (NULL = default stream); ignored on the CPU.
+ *  @threadsafety exclusive */
+KVS_API kvs_error_t kvs_session_prefill(kvs_session_t s, uint32_t layer, const kvs_tensor* q,
+                                        const kvs_tensor* k, const kvs_tensor* v, const kvs_tensor* o,
+                                        void* stream);
+
+/** Builds the method's index over every prefilled layer (a no-op for index-free methods).
+ *  @threadsafety exclusive */
+KVS_API kvs_error_t kvs_session_build_index(kvs_session_t s, void* stream);
+
+/** One decode step of one layer: appends k_new, v_new [Hkv, d], selects, attends with q [Hq, d] and
+ *  writes o [Hq, d] and, when lse is not NULL, lse [Hq] (fp32, natural log). o may be fp32/fp16/bf16.
+ *  @threadsafety exclusive */
+KVS_API kvs_error_t kvs_session_decode(kvs_session_t s, uint32_t layer, const kvs_tensor* q,
+                                       const kvs_tensor* k_new, const kvs_tensor* v_new,
+                                       const kvs_tensor* o, const kvs_tensor* lse, void* stream);
+
+/** Appends several tokens of one layer (a new chat turn): q [n, Hq, d], k, v [n, Hkv, d]; o
+ *  (optional) [n, Hq, d] receives exact causal attention over the whole context. Methods update
+ *  their index as their spec prescribes. @threadsafety exclusive */
+KVS_API kvs_error_t kvs_session_append(kvs_session_t s, uint32_t layer, const kvs_tensor* q,
+                                       const kvs_tensor* k, const kvs_tensor* v, const kvs_tensor* o,
+                                       void* stream);
+
+/** One layer's decode step for `count` sessions of the same shape, method and backend: q [B, Hq, d],
+ *  k_new, v_new [B, Hkv, d], o [B, Hq, d], lse [B, Hq] or NULL, B = count. All or nothing: inputs are
+ *  validated for every session before any state changes. @threadsafety exclusive (each session) */
+KVS_API kvs_error_t kvs_decode_batch(kvs_session_t* sessions, size_t count, uint32_t layer,
+                                     const kvs_tensor* q, const kvs_tensor* k_new,
+                                     const kvs_tensor* v_new, const kvs_tensor* o,
+                                     const kvs_tensor* lse, void* stream);
+
+typedef enum kvs_save_flags {
+  KVS_SAVE_TABLES = 0,     /* index tables only */
+  KVS_SAVE_INCLUDE_KV = 1  /* tables and the KV cache */
+} kvs_save_flags;
+
+/** Writes the session (parameters, method tables, optionally KV) atomically to path.
+ *  @threadsafety concurrent-const */
+KVS_API kvs_error_t kvs_session_save(kvs_session_t s, const char* path, uint32_t flags);
+
+typedef struct kvs_load_params {
+  uint32_t struct_size;
+  int32_t backend;      /* 0 = as saved */
+  int32_t device_id;
+  uint32_t num_threads; /* 0 = all hardware threads */
+  int32_t gemm;
+} kvs_load_params;
+
+KVS_API void kvs_load_params_init(kvs_load_params* p);
+
+/** Loads a session saved by kvs_session_save (params may be NULL). The file is memory-mapped; its
+ *  KV pages are shared read-only until written. A file without KV yields a session whose layers must
+ *  be prefilled again with the same lengths before decode (the loaded index is kept).
+ *  @threadsafety any */
+KVS_API kvs_error_t kvs_session_load(const char* path, const kvs_load_params* params,
+                                     kvs_session_t* out);
+
+/** A new session sharing s's current KV prefix read-only (copy-on-write after). The method index is
+ *  copied. Either may be destroyed first. @threadsafety concurrent-const (on s) */
+KVS_API kvs_error_t kvs_session_fork(kvs_session_t s, kvs_session_t* out);
+
+typedef struct kvs_session_stats {
+  uint32_t struct_size;
+  int64_t tokens;             /* tokens in layer 0 */
+  int64_t decode_steps;       /* decode calls, all layers */
+  uint64_t kv_bytes;          /* KV held by this session (shared pages included) */
+  uint64_t kv_shared_bytes;   /* part of kv_bytes shared with other sessions or a mapped file */
+  uint64_t index_bytes;       /* method tables */
+  uint64_t workspace_bytes;   /* scratch */
+  double last_selected_keys;  /* exact keys attended in the last decode step, mean over KV heads */
+  double mean_selected_keys;  /* same, averaged over every decode step so far */
+  double last_selected_fraction; /* last_selected_keys / context length */
+} kvs_session_stats;
+
+/** @threadsafety concurrent-const */
+KVS_API kvs_error_t kvs_session_get_stats(kvs_session_t s, kvs_session_stats* out);
+
+/** Number of tokens in a layer. @threadsafety concurrent-const */
+KVS_API kvs_error_t kvs_session_layer_tokens(kvs_session_t s, uint32_t layer, int64_t* out);
+
+/** The exact keys that the last decode step of `layer` attended for `kv_head` (union over the group
+ *  for per-query-head methods), ascending. Writes min(count, capacity) indices to out (may be NULL
+ *  with capacity 0) and the full count to *out_count. @threadsafety concurrent-const */
+KVS_API kvs_error_t kvs_session_last_selection(kvs_session_t s, uint32_t layer, uint32_t kv_head,
+                                               int32_t* out, size_t capacity, size_t* out_count);
+
+/** A method-specific statistic by name (e.g. "dedup_coefficient"); fails if the method has none.
+ *  @threadsafety concurrent-const */
+KVS_API kvs_error_t kvs_session_method_stat(kvs_session_t s, const char* name, double* out);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Tables files                                                                                   */
+/* ---------------------------------------------------------------------------------------------- */
+
+/** Verifies a tables file and describes it as JSON (header, parameters, sections with sizes and
+ *  checksum status, memory by part). *out_json is owned: free with kvs_string_free. Corruption is
+ *  reported inside the JSON ("ok": false, "error": ...) and as the returned error.
+ *  @threadsafety any */
+KVS_API kvs_error_t kvs_tables_describe(const char* path, char** out_json);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Traces (safetensors, format "kvsieve-trace" v1; see docs/formats.md)                           */
+/* ---------------------------------------------------------------------------------------------- */
+
+typedef struct kvs_trace_s* kvs_trace_t;
+
+typedef struct kvs_trace_info {
+  uint32_t struct_size;
+  uint32_t num_layers;
+  uint32_t num_q_heads;
+  uint32_t num_kv_heads;
+  uint32_t head_dim;
+  int64_t prefill_len;
+  int64_t total_len;      /* T */
+  uint32_t num_present_layers;
+  float softmax_scale;
+  int32_t dtype;          /* kvs_scalar_type of the tensors */
+  const char* source;     /* free text; owned by the trace (or the caller when writing) */
+} kvs_trace_info;
+
+KVS_API void kvs_trace_info_init(kvs_trace_info* info);
+
+/** Opens (memory-maps) and validates a trace. @threadsafety any */
+KVS_API kvs_error_t kvs_trace_open(const char* path, kvs_trace_t* out);
+KVS_API void kvs_trace_destroy(kvs_trace_t t);
+/** @threadsafety concurrent-const */
+KVS_API kvs_error_t kvs_trace_get_info(kvs_trace_t t, kvs_trace_info* out);
+/** The i-th present layer's index (0 <= i < num_present_layers). */
+KVS_API kvs_error_t kvs_trace_layer_index(kvs_trace_t t, uint32_t i, uint32_t* out_layer);
+/** A view of tensor `name` ("q", "k", "v") of a present layer; the view (data, shape) stays valid
+ *  while the trace is open. */
+KVS_API kvs_error_t kvs_trace_tensor(kvs_trace_t t, uint32_t layer, const char* name,
+                                     kvs_tensor* out);
+
+/** Writes a trace atomically. layers[i] is the layer index of q[i], k[i], v[i] (each [T, H, d], CPU,
+ *  contiguous, all of info->dtype). tokens may be NULL or [T] int32. @threadsafety any */
+KVS_API kvs_error_t kvs_trace_write(const char* path, const kvs_trace_info* info,
+                                    const uint32_t* layers, size_t num_layers_present,
+                                    const kvs_tensor* const* q, const kvs_tensor* const* k,
+                                    const kvs_tensor* const* v, const kvs_tensor* tokens);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* KVSIEVE_KVSIEVE_H */

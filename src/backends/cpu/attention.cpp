@@ -1,0 +1,336 @@
+#include "backends/cpu/attention.hpp"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+namespace kvs::cpu {
+namespace {
+
+constexpr int kBlock = 64;  // keys per softmax block
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Online-softmax state of G query heads over one chunk of keys.
+struct State {
+  int G, d;
+  float* m;    // [G] running max
+  float* l;    // [G] running sum of exp(s - m)
+  float* acc;  // [G][d] running sum of exp(s - m) v
+};
+
+// ---------------------------------------------------------------------------------------------
+// Row conversion and dot products: a portable path and an AVX2/FMA/F16C path chosen at run time.
+
+void to_f32_row(const std::byte* src, DType t, int d, float* dst) {
+  convert_to_f32(src, t, dst, size_t(d));
+}
+
+struct Scalar {
+  static void convert(const std::byte* src, DType t, int d, float* dst) { to_f32_row(src, t, d, dst); }
+  static float dot(const float* a, const float* b, int d) {
+    float s = 0.f;
+    for (int i = 0; i < d; ++i) s += a[i] * b[i];
+    return s;
+  }
+  static void axpy(float a, const float* x, float* y, int d) {
+    for (int i = 0; i < d; ++i) y[i] += a * x[i];
+  }
+  static void scale(float a, float* y, int d) {
+    for (int i = 0; i < d; ++i) y[i] *= a;
+  }
+  static void exp_block(float* x, int n, float m, float* sum) {
+    float s = 0.f;
+    for (int i = 0; i < n; ++i) {
+      x[i] = std::exp(x[i] - m);
+      s += x[i];
+    }
+    *sum = s;
+  }
+};
+
+#define KVS_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+KVS_AVX2 inline __m256 exp256(__m256 x) {
+  // exp(x) = 2^n * p(f), n = round(x / ln2), f = x - n ln2 in [-ln2/2, ln2/2]; |rel err| < 2e-7.
+  const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f);
+  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+KVS_AVX2 inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Requires d % 8 == 0.
+struct Avx2 {
+  KVS_AVX2 static void convert(const std::byte* src, DType t, int d, float* dst) {
+    switch (t) {
+      case DType::BF16:
+        for (int i = 0; i < d; i += 8) {
+          __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i));
+          _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+        }
+        break;
+      case DType::F16:
+        for (int i = 0; i < d; i += 8)
+          _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i))));
+        break;
+      case DType::F32: std::memcpy(dst, src, size_t(d) * 4); break;
+    }
+  }
+  KVS_AVX2 static float dot(const float* a, const float* b, int d) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= d; i += 16) {
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    for (; i < d; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    return hsum(_mm256_add_ps(s0, s1));
+  }
+  KVS_AVX2 static void axpy(float a, const float* x, float* y, int d) {
+    const __m256 av = _mm256_set1_ps(a);
+    for (int i = 0; i < d; i += 8)
+      _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  }
+  KVS_AVX2 static void scale(float a, float* y, int d) {
+    const __m256 av = _mm256_set1_ps(a);
+    for (int i = 0; i < d; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(av, _mm256_loadu_ps(y + i)));
+  }
+  KVS_AVX2 static void exp_block(float* x, int n, float m, float* sum) {
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 s = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+      __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+      _mm256_storeu_ps(x + i, e);
+      s = _mm256_add_ps(s, e);
+    }
+    float t = hsum(s);
+    for (; i < n; ++i) {
+      x[i] = std::exp(x[i] - m);
+      t += x[i];
+    }
+    *sum = t;
+  }
+};
+
+// One block of `cnt` keys (cnt <= kBlock) into the state. krow(j)/vrow(j) give row pointers.
+// q is [G][d], pre-multiplied by the softmax scale. buf: d floats; s: G*kBlock floats.
+template <class Isa, class KRow, class VRow>
+inline void block_update(State& st, const float* q, DType t, int cnt, KRow krow, VRow vrow,
+                         float* buf, float* s) {
+  const int G = st.G, d = st.d;
+  for (int j = 0; j < cnt; ++j) {
+    Isa::convert(krow(j), t, d, buf);
+    for (int g = 0; g < G; ++g) s[g * kBlock + j] = Isa::dot(q + size_t(g) * d, buf, d);
+  }
+  for (int g = 0; g < G; ++g) {
+    float* sg = s + g * kBlock;
+    float mx = sg[0];
+    for (int j = 1; j < cnt; ++j) mx = std::max(mx, sg[j]);
+    const float m_new = std::max(st.m[g], mx);
+    if (st.m[g] != m_new) {
+      const float c = st.m[g] == kNegInf ? 0.f : std::exp(st.m[g] - m_new);
+      st.l[g] *= c;
+      Isa::scale(c, st.acc + size_t(g) * d, d);
+      st.m[g] = m_new;
+    }
+    float sum;
+    Isa::exp_block(sg, cnt, m_new, &sum);
+    st.l[g] += sum;
+  }
+  for (int j = 0; j < cnt; ++j) {
+    Isa::convert(vrow(j), t, d, buf);
+    for (int g = 0; g < G; ++g) Isa::axpy(s[g * kBlock + j], buf, st.acc + size_t(g) * d, d);
+  }
+}
+
+bool use_avx2(int d) {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  return has && d % 8 == 0;
+}
+
+// Converts a finished state into (o, lse) for its G heads.
+void finish(const State& st, float* o, float* lse) {
+  for (int g = 0; g < st.G; ++g) {
+    if (st.l[g] <= 0.f || st.m[g] == kNegInf) {
+      lse[g] = kNegInf;
+      std::fill(o + size_t(g) * st.d, o + size_t(g + 1) * st.d, 0.f);
+      continue;
+    }
+    lse[g] = st.m[g] + std::log(st.l[g]);
+    const float inv = 1.f / st.l[g];
+    for (int i = 0; i < st.d; ++i) o[size_t(g) * st.d + i] = st.acc[size_t(g) * st.d + i] * inv;
+  }
+}
+
+// Scratch for one task: state + buffers.
+struct TaskScratch {
+  std::vector<float> m, l, acc, buf, s, q;
+  State init(int G, int d) {
+    m.assign(size_t(G), kNegInf);
+    l.assign(size_t(G), 0.f);
+    acc.assign(size_t(G) * d, 0.f);
+    buf.resize(size_t(d));
+    s.resize(size_t(G) * kBlock);
+    return State{G, d, m.data(), l.data(), acc.data()};
+  }
+};
+
+// Runs a chunk of keys given as row accessors over [begin, end) for one KV head.
+template <class Isa, class KAt, class VAt>
+void run_chunk(State& st, const float* qs, DType t, int64_t begin, int64_t end, KAt kat, VAt vat,
+               TaskScratch& sc) {
+  for (int64_t b = begin; b < end; b += kBlock) {
+    const int cnt = int(std::min<int64_t>(kBlock, end - b));
+    block_update<Isa>(st, qs, t, cnt, [&](int j) { return kat(b + j); }, [&](int j) { return vat(b + j); },
+                      sc.buf.data(), sc.s.data());
+  }
+}
+
+// Merge partial states part_o[c][G][d], part_lse[c][G] over chunks c into o/lse of G heads.
+void merge_chunks(const float* part_o, const float* part_lse, int chunks, int G, int d, float* o,
+                  float* lse) {
+  for (int g = 0; g < G; ++g) {
+    float mx = kNegInf;
+    for (int c = 0; c < chunks; ++c) mx = std::max(mx, part_lse[size_t(c) * G + g]);
+    float* og = o + size_t(g) * d;
+    std::fill(og, og + d, 0.f);
+    if (mx == kNegInf) {
+      lse[g] = kNegInf;
+      continue;
+    }
+    double tot = 0.0;
+    for (int c = 0; c < chunks; ++c) tot += std::exp(double(part_lse[size_t(c) * G + g]) - mx);
+    const float l = mx + float(std::log(tot));
+    for (int c = 0; c < chunks; ++c) {
+      const float w = std::exp(part_lse[size_t(c) * G + g] - l);
+      if (w == 0.f) continue;
+      const float* oc = part_o + (size_t(c) * G + g) * d;
+      for (int i = 0; i < d; ++i) og[i] += w * oc[i];
+    }
+    lse[g] = l;
+  }
+}
+
+// Generic driver: `heads` groups, each with `gq` query heads starting at qhead0(h), over a key
+// range split into chunks. keys_of(h) gives the number of keys of group h; kat(h, i) / vat(h, i)
+// the i-th key/value row of group h.
+template <class NKeys, class KAt, class VAt>
+void drive(const KVLayer& kv, const float* q, int heads, int gq, int d, float scale, NKeys nkeys,
+           KAt kat, VAt vat, float* o, float* lse, ThreadPool& pool) {
+  int64_t max_keys = 0;
+  for (int h = 0; h < heads; ++h) max_keys = std::max(max_keys, nkeys(h));
+  // Enough chunks for the pool to balance, each at least one page of keys.
+  const int64_t want = std::max<int64_t>(1, (4 * int64_t(pool.size()) + heads - 1) / heads);
+  const int64_t chunk = std::max<int64_t>(kPageTokens, (max_keys + want - 1) / std::max<int64_t>(1, want));
+  const int chunks = int(std::max<int64_t>(1, (max_keys + chunk - 1) / chunk));
+  std::vector<float> part_o(size_t(heads) * chunks * gq * d);
+  std::vector<float> part_lse(size_t(heads) * chunks * gq);
+  const bool avx = use_avx2(d);
+  const DType t = kv.dtype();
+  pool.parallel_for(int64_t(heads) * chunks, [&](int64_t task) {
+    const int h = int(task / chunks);
+    const int c = int(task % chunks);
+    TaskScratch sc;
+    State st = sc.init(gq, d);
+    const int64_t n = nkeys(h);
+    const int64_t b = int64_t(c) * chunk, e = std::min(n, b + chunk);
+    sc.q.resize(size_t(gq) * d);
+    for (size_t i = 0; i < sc.q.size(); ++i) sc.q[i] = q[size_t(h) * gq * d + i] * scale;
+    auto ka = [&](int64_t i) { return kat(h, i); };
+    auto va = [&](int64_t i) { return vat(h, i); };
+    if (b < e) {
+      if (avx) run_chunk<Avx2>(st, sc.q.data(), t, b, e, ka, va, sc);
+      else run_chunk<Scalar>(st, sc.q.data(), t, b, e, ka, va, sc);
+    }
+    const size_t slot = size_t(h) * chunks + c;
+    finish(st, part_o.data() + slot * gq * d, part_lse.data() + slot * gq);
+  });
+  for (int h = 0; h < heads; ++h)
+    merge_chunks(part_o.data() + size_t(h) * chunks * gq * d, part_lse.data() + size_t(h) * chunks * gq,
+                 chunks, gq, d, o + size_t(h) * gq * d, lse + size_t(h) * gq);
+}
+
+}  // namespace
+
+void attend_dense(const KVLayer& kv, const float* q, int G, int64_t n_keys, float scale, float* o,
+                  float* lse, ThreadPool& pool) {
+  const int d = kv.head_dim();
+  drive(kv, q, kv.num_kv_heads(), G, d, scale, [&](int) { return n_keys; },
+        [&](int h, int64_t i) { return kv.k_row(h, i); }, [&](int h, int64_t i) { return kv.v_row(h, i); },
+        o, lse, pool);
+}
+
+void attend_gather_kv(const KVLayer& kv, const float* q, int G,
+                      const std::vector<std::vector<int32_t>>& lists, float scale, float* o,
+                      float* lse, ThreadPool& pool) {
+  const int d = kv.head_dim();
+  drive(kv, q, kv.num_kv_heads(), G, d, scale, [&](int h) { return int64_t(lists[size_t(h)].size()); },
+        [&](int h, int64_t i) { return kv.k_row(h, lists[size_t(h)][size_t(i)]); },
+        [&](int h, int64_t i) { return kv.v_row(h, lists[size_t(h)][size_t(i)]); }, o, lse, pool);
+}
+
+void attend_gather_q(const KVLayer& kv, const float* q, int G,
+                     const std::vector<std::vector<int32_t>>& lists, float scale, float* o,
+                     float* lse, ThreadPool& pool) {
+  const int d = kv.head_dim();
+  const int hq = kv.num_kv_heads() * G;
+  drive(kv, q, hq, 1, d, scale, [&](int h) { return int64_t(lists[size_t(h)].size()); },
+        [&](int h, int64_t i) { return kv.k_row(h / G, lists[size_t(h)][size_t(i)]); },
+        [&](int h, int64_t i) { return kv.v_row(h / G, lists[size_t(h)][size_t(i)]); }, o, lse, pool);
+}
+
+void merge_states(float* o_a, float* lse_a, const float* o_b, const float* lse_b, int H, int d) {
+  for (int h = 0; h < H; ++h) {
+    const float a = lse_a[h], b = lse_b[h];
+    const float m = std::max(a, b);
+    if (m == kNegInf) continue;  // both empty: stays empty
+    const float l = m + std::log(std::exp(a - m) + std::exp(b - m));
+    const float wa = std::exp(a - l), wb = std::exp(b - l);
+    for (int i = 0; i < d; ++i) o_a[size_t(h) * d + i] = wa * o_a[size_t(h) * d + i] + wb * o_b[size_t(h) * d + i];
+    lse_a[h] = l;
+  }
+}
+
+void score_keys(const KVLayer& kv, int h, const float* q_group, int G, int64_t n, float scale,
+                float* out, ThreadPool& pool) {
+  const int d = kv.head_dim();
+  const bool avx = use_avx2(d);
+  const int64_t chunk = 4 * kPageTokens;
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  pool.parallel_for(chunks, [&](int64_t c) {
+    std::vector<float> buf(static_cast<size_t>(d)), qs(size_t(G) * d);
+    for (size_t i = 0; i < qs.size(); ++i) qs[i] = q_group[i] * scale;
+    const int64_t b = c * chunk, e = std::min(n, b + chunk);
+    for (int64_t t = b; t < e; ++t) {
+      if (avx) Avx2::convert(kv.k_row(h, t), kv.dtype(), d, buf.data());
+      else Scalar::convert(kv.k_row(h, t), kv.dtype(), d, buf.data());
+      for (int g = 0; g < G; ++g)
+        out[size_t(g) * n + t] = avx ? Avx2::dot(qs.data() + size_t(g) * d, buf.data(), d)
+                                     : Scalar::dot(qs.data() + size_t(g) * d, buf.data(), d);
+    }
+  });
+}
+
+}  // namespace kvs::cpu

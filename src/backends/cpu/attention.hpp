@@ -1,0 +1,37 @@
+// CPU attention kernels for one decode query per head: dense over a layer's keys [0, n), and
+// gathered over index lists. Work is split over KV heads and chunks of keys; every chunk yields an
+// attention state (o, lse) for each query head of its group, and the states are merged exactly
+// (DESIGN.md "Attention state"). A KV head's keys and values are read once for its whole GQA group.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "core/kv_store.hpp"
+#include "core/thread_pool.hpp"
+
+namespace kvs::cpu {
+
+// q: [Hq][d] fp32, Hq = G * Hkv; o: [Hq][d] fp32; lse: [Hq] (natural log). scale multiplies q.k.
+void attend_dense(const KVLayer& kv, const float* q, int G, int64_t n_keys, float scale, float* o,
+                  float* lse, ThreadPool& pool);
+
+// lists[h] for each KV head (size Hkv): token indices < kv.size(), no duplicates. An empty list
+// gives the empty state (lse = -inf, o = 0).
+void attend_gather_kv(const KVLayer& kv, const float* q, int G,
+                      const std::vector<std::vector<int32_t>>& lists, float scale, float* o,
+                      float* lse, ThreadPool& pool);
+
+// lists[hq] for each query head (size Hq).
+void attend_gather_q(const KVLayer& kv, const float* q, int G,
+                     const std::vector<std::vector<int32_t>>& lists, float scale, float* o,
+                     float* lse, ThreadPool& pool);
+
+// (o_a, lse_a) <- merge((o_a, lse_a), (o_b, lse_b)) for H heads of dimension d.
+void merge_states(float* o_a, float* lse_a, const float* o_b, const float* lse_b, int H, int d);
+
+// Scores s[g][j] = scale * q_g . k_t for the G query heads of KV head h and keys t in [0, n).
+// out: [G][n]. Used by exact_topk and by methods that need exact scores.
+void score_keys(const KVLayer& kv, int h, const float* q_group, int G, int64_t n, float scale,
+                float* out, ThreadPool& pool);
+
+}  // namespace kvs::cpu

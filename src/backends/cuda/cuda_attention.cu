@@ -1,0 +1,989 @@
+// CUDA decode-attention kernels: see cuda_attention.cuh for the contract of each entry point.
+//
+// Dense/gathered decode (flash-decoding): grid (split, KV head x query-group, sequence). A CTA
+// streams one chunk of its KV head's keys through a per-warp cp.async pipeline (16-byte copies,
+// STAGES deep, each warp private so no CTA barrier inside the loop) and keeps an online softmax
+// for up to GT query heads of the group in registers, so K and V cross HBM once per KV head.
+// Thread layout in a warp: TPR = d/8 lanes cover one key row (8 elements = 16 bytes each), the
+// warp covers RPP = 32/TPR rows per copy, ROWS copies per tile. Scores are kept in base 2
+// (q pre-multiplied by scale*log2(e)) and converted to a natural-log LSE on output.
+// Each chunk writes a normalized partial (o, lse); a merge kernel combines the chunks exactly.
+// When one chunk covers the whole context the first kernel writes the final output directly.
+#include "backends/cuda/cuda_attention.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <cub/device/device_segmented_sort.cuh>
+
+#include "kvsieve/kvsieve.h"
+
+namespace kvs::cuda {
+
+static_assert(int(Scalar::F32) == KVS_SCALAR_F32 && int(Scalar::F16) == KVS_SCALAR_F16 &&
+                  int(Scalar::BF16) == KVS_SCALAR_BF16,
+              "Scalar must match kvs_scalar numbers");
+
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr int kMinChunk = 256;     // fewest keys a split is worth
+constexpr int kMaxSplits = 1024;   // cap on chunks per (sequence, head)
+constexpr int kMaxCtasPerSm = 16;  // 2048 threads / 128: bound used for workspace sizing
+
+Status invalid(const char* m) { return Status{KVS_STATUS_INVALID_ARGUMENT, 0, m}; }
+Status unsupported(const char* m) { return Status{KVS_STATUS_UNSUPPORTED, 0, m}; }
+Status cuda_fail(cudaError_t e, const char* m) { return Status{KVS_STATUS_BACKEND, int32_t(e), m}; }
+
+#define KVS_CUDA_TRY(call, what)                          \
+  do {                                                    \
+    cudaError_t kvs_e_ = (call);                          \
+    if (kvs_e_ != cudaSuccess) return cuda_fail(kvs_e_, what); \
+  } while (0)
+#define KVS_LAUNCH_CHECK(what)                            \
+  do {                                                    \
+    cudaError_t kvs_e_ = cudaGetLastError();              \
+    if (kvs_e_ != cudaSuccess) return cuda_fail(kvs_e_, what); \
+  } while (0)
+
+size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+// ---- element conversions -------------------------------------------------------------------
+template <typename T>
+struct Cvt;
+template <>
+struct Cvt<__nv_bfloat16> {
+  static __device__ __forceinline__ void f32x8(const uint4& u, float (&f)[8]) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+  static __device__ __forceinline__ __nv_bfloat16 from(float x) { return __float2bfloat16_rn(x); }
+};
+template <>
+struct Cvt<__half> {
+  static __device__ __forceinline__ void f32x8(const uint4& u, float (&f)[8]) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __half2 h;
+      memcpy(&h, &w[i], 4);
+      const float2 p = __half22float2(h);
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+    }
+  }
+  static __device__ __forceinline__ __half from(float x) { return __float2half_rn(x); }
+};
+
+// 8 query elements starting at p (16-byte aligned), as float times mul.
+template <typename T>
+__device__ __forceinline__ void load_q8(const void* p, bool f32, float mul, float (&out)[8]) {
+  if (f32) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+    const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+  } else {
+    Cvt<T>::f32x8(__ldg(reinterpret_cast<const uint4*>(p)), out);
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) out[j] *= mul;
+}
+
+// ---- cp.async --------------------------------------------------------------------------------
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int n = pred ? 16 : 0;  // 0: no global read, the 16 bytes are zero-filled
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// ---- decode kernels --------------------------------------------------------------------------
+struct DecodeArgs {
+  const void* q;
+  int32_t q_f32;
+  const void* const* k;
+  const void* const* v;
+  int64_t capacity;
+  const int32_t* lengths;  // dense: [B]; gathered: counts [B * Hkv]
+  const int32_t* indices;  // gathered: [B, Hkv, max_tokens]
+  int32_t max_tokens;      // max_length or max_selected
+  int32_t B, Hq, Hkv, G, ngroups;
+  float qmul;  // scale * log2(e)
+  int32_t nsplit, chunk;
+  void* o;  // final output (nsplit == 1)
+  int32_t o_f32;
+  float* lse;
+  float* o_part;    // [B * Hq, nsplit, D]
+  float* lse_part;  // [B * Hq, nsplit]
+};
+
+template <int D>
+struct Geo {
+  static constexpr int TPR = D / 8;     // lanes per key row
+  static constexpr int RPP = 32 / TPR;  // rows per warp copy
+  static constexpr int ROWS = 4;        // copies per tile per lane
+  static constexpr int R = RPP * ROWS;  // keys per warp tile
+};
+
+template <typename T, int D, int GT, int NW, int STAGES>
+constexpr int decode_smem_bytes() {
+  constexpr int pipe = NW * STAGES * 2 * Geo<D>::R * D * int(sizeof(T));
+  constexpr int red = NW * GT * (D + 2) * 4;
+  return pipe > red ? pipe : red;
+}
+
+template <typename T, int D, int GT, bool GATHER, int NW, int STAGES>
+__global__ void __launch_bounds__(NW * 32) decode_chunk_kernel(const DecodeArgs a) {
+  using G_ = Geo<D>;
+  constexpr int TPR = G_::TPR, RPP = G_::RPP, ROWS = G_::ROWS, R = G_::R;
+  constexpr int TILE = R * D;  // elements of one K (or V) tile
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int c = lane % TPR, rsub = lane / TPR;
+  const int split = blockIdx.x;
+  const int kvh = blockIdx.y / a.ngroups, qg = blockIdx.y % a.ngroups;
+  const int b = blockIdx.z;
+  const int g0 = qg * GT;
+
+  int len = GATHER ? a.lengths[b * a.Hkv + kvh] : a.lengths[b];
+  len = min(max(len, 0), a.max_tokens);
+  const int start = split * a.chunk;
+  const int end = min(len, start + a.chunk);
+
+  if (start >= end) {  // uniform over the CTA
+    if (a.nsplit == 1) {  // direct mode: this CTA owns the final output, write an empty state
+      for (int e = threadIdx.x; e < GT * D; e += NW * 32) {
+        const int g = e / D, dim = e % D;
+        if (g0 + g >= a.G) continue;
+        const int64_t row = int64_t(b) * a.Hq + kvh * a.G + g0 + g;
+        if (a.o_f32) static_cast<float*>(a.o)[row * D + dim] = 0.f;
+        else static_cast<T*>(a.o)[row * D + dim] = Cvt<T>::from(0.f);
+        if (dim == 0) a.lse[row] = -INFINITY;
+      }
+    }
+    return;
+  }
+
+  // Query heads of this CTA, pre-scaled into base 2. Heads past the group get q = 0 (discarded).
+  float qr[GT][8];
+#pragma unroll
+  for (int g = 0; g < GT; ++g) {
+    if (g0 + g < a.G) {
+      const int64_t row = int64_t(b) * a.Hq + kvh * a.G + g0 + g;
+      const char* qp = static_cast<const char*>(a.q) +
+                       (row * D + c * 8) * (a.q_f32 ? 4 : int64_t(sizeof(T)));
+      load_q8<T>(qp, a.q_f32 != 0, a.qmul, qr[g]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) qr[g][j] = 0.f;
+    }
+  }
+
+  const T* kbase = static_cast<const T*>(a.k[b]) + int64_t(kvh) * a.capacity * D;
+  const T* vbase = static_cast<const T*>(a.v[b]) + int64_t(kvh) * a.capacity * D;
+  const int32_t* idx =
+      GATHER ? a.indices + (int64_t(b) * a.Hkv + kvh) * a.max_tokens : nullptr;
+
+  const int ntiles = (end - start + R - 1) / R;
+  const int my_tiles = ntiles > warp ? (ntiles - warp + NW - 1) / NW : 0;
+  T* wsm = reinterpret_cast<T*>(smem_raw) + warp * STAGES * 2 * TILE;
+
+  auto issue = [&](int j, int stage) {
+    const int tb = start + (warp + j * NW) * R;
+    int src[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {  // all index loads first: one latency, not ROWS
+      const int tok = tb + r * RPP + rsub;
+      src[r] = tok < end ? (GATHER ? __ldg(idx + tok) : tok) : -1;
+    }
+    T* ks = wsm + stage * 2 * TILE;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int row = r * RPP + rsub;
+      const bool ok = src[r] >= 0;
+      const int64_t off = int64_t(ok ? src[r] : 0) * D + c * 8;
+      cp_async16(ks + row * D + c * 8, kbase + off, ok);
+      cp_async16(ks + TILE + row * D + c * 8, vbase + off, ok);
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < my_tiles) issue(s, s);
+    cp_async_commit();
+  }
+
+  float m[GT], l[GT], acc[GT][8];
+#pragma unroll
+  for (int g = 0; g < GT; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[g][j] = 0.f;
+  }
+
+  for (int j = 0; j < my_tiles; ++j) {
+    __syncwarp();  // the stage refilled below was read in iteration j-1
+    const int jn = j + STAGES - 1;
+    if (jn < my_tiles) issue(jn, jn % STAGES);
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();  // tile j's group has landed (each lane reads only its own copies)
+
+    const T* ks = wsm + (j % STAGES) * 2 * TILE;
+    const T* vs = ks + TILE;
+    const int tb = start + (warp + j * NW) * R;
+
+    float s[ROWS][GT];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      float kf[8];
+      Cvt<T>::f32x8(*reinterpret_cast<const uint4*>(ks + (r * RPP + rsub) * D + c * 8), kf);
+#pragma unroll
+      for (int g = 0; g < GT; ++g) {
+        float t = qr[g][0] * kf[0];
+#pragma unroll
+        for (int e = 1; e < 8; ++e) t = fmaf(qr[g][e], kf[e], t);
+        s[r][g] = t;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+      for (int g = 0; g < GT; ++g)
+#pragma unroll
+        for (int off = TPR / 2; off > 0; off >>= 1)
+          s[r][g] += __shfl_xor_sync(0xffffffffu, s[r][g], off);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+      if (tb + r * RPP + rsub >= end)
+#pragma unroll
+        for (int g = 0; g < GT; ++g) s[r][g] = -INFINITY;
+
+#pragma unroll
+    for (int g = 0; g < GT; ++g) {
+      float tmax = s[0][g];
+#pragma unroll
+      for (int r = 1; r < ROWS; ++r) tmax = fmaxf(tmax, s[r][g]);
+      const float mn = fmaxf(m[g], tmax);
+      const float mu = mn == -INFINITY ? 0.f : mn;
+      if (mn > m[g]) {  // rescale only when the running max grows (rare after the first tiles)
+        const float corr = exp2f(m[g] - mu);
+        l[g] *= corr;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[g][e] *= corr;
+      }
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        s[r][g] = exp2f(s[r][g] - mu);
+        l[g] += s[r][g];
+      }
+      m[g] = mn;
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      float vf[8];
+      Cvt<T>::f32x8(*reinterpret_cast<const uint4*>(vs + (r * RPP + rsub) * D + c * 8), vf);
+#pragma unroll
+      for (int g = 0; g < GT; ++g)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(s[r][g], vf[e], acc[g][e]);
+    }
+  }
+  cp_async_wait<0>();
+
+  // Merge the RPP row groups of the warp (lanes c, c+TPR, ...): butterfly, every lane ends merged.
+#pragma unroll
+  for (int off = TPR; off < 32; off <<= 1) {
+#pragma unroll
+    for (int g = 0; g < GT; ++g) {
+      const float mo = __shfl_xor_sync(0xffffffffu, m[g], off);
+      const float lo = __shfl_xor_sync(0xffffffffu, l[g], off);
+      const float mn = fmaxf(m[g], mo);
+      const float mu = mn == -INFINITY ? 0.f : mn;
+      const float ca = exp2f(m[g] - mu), cb = exp2f(mo - mu);
+      l[g] = l[g] * ca + lo * cb;
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        acc[g][e] = acc[g][e] * ca + __shfl_xor_sync(0xffffffffu, acc[g][e], off) * cb;
+      m[g] = mn;
+    }
+  }
+
+  // Merge the warps through shared memory (the pipeline buffers are free now).
+  __syncthreads();
+  float* red_m = reinterpret_cast<float*>(smem_raw);
+  float* red_l = red_m + NW * GT;
+  float* red_acc = red_l + NW * GT;
+  if (rsub == 0) {
+#pragma unroll
+    for (int g = 0; g < GT; ++g) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) red_acc[(warp * GT + g) * D + c * 8 + e] = acc[g][e];
+      if (c == 0) {
+        red_m[warp * GT + g] = m[g];
+        red_l[warp * GT + g] = l[g];
+      }
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < GT * D; e += NW * 32) {
+    const int g = e / D, dim = e % D;
+    if (g0 + g >= a.G) continue;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) M = fmaxf(M, red_m[w * GT + g]);
+    float L = 0.f, O = 0.f;
+    if (M != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float f = exp2f(red_m[w * GT + g] - M);
+        L += red_l[w * GT + g] * f;
+        O += red_acc[(w * GT + g) * D + dim] * f;
+      }
+    }
+    const bool empty = !(L > 0.f);
+    const float ov = empty ? 0.f : O / L;
+    const float lv = empty ? -INFINITY : (M + log2f(L)) * kLn2;
+    const int64_t row = int64_t(b) * a.Hq + kvh * a.G + g0 + g;
+    if (a.nsplit == 1) {
+      if (a.o_f32) static_cast<float*>(a.o)[row * D + dim] = ov;
+      else static_cast<T*>(a.o)[row * D + dim] = Cvt<T>::from(ov);
+      if (dim == 0) a.lse[row] = lv;
+    } else {
+      a.o_part[(row * a.nsplit + split) * D + dim] = ov;
+      if (dim == 0) a.lse_part[row * a.nsplit + split] = lv;
+    }
+  }
+}
+
+// Block-wide reductions for 128 threads.
+template <bool MAX>
+__device__ __forceinline__ float block_reduce128(float x, float* sh) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float y = __shfl_xor_sync(0xffffffffu, x, off);
+    x = MAX ? fmaxf(x, y) : x + y;
+  }
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = x;
+  __syncthreads();
+  float r = sh[0];
+#pragma unroll
+  for (int w = 1; w < 4; ++w) r = MAX ? fmaxf(r, sh[w]) : r + sh[w];
+  return r;
+}
+
+// Combines the chunk partials of one (sequence, query head) row. grid B*Hq, block 128.
+template <typename T, int D>
+__global__ void __launch_bounds__(128) decode_merge_kernel(const DecodeArgs a, int per_head) {
+  extern __shared__ float wgt[];  // [nsplit]
+  __shared__ float red[4];
+  __shared__ float4 part[128];
+  const int64_t row = blockIdx.x;
+  const int b = int(row / a.Hq), h = int(row % a.Hq);
+  int len = per_head ? a.lengths[b * a.Hkv + h / a.G] : a.lengths[b];
+  len = min(max(len, 0), a.max_tokens);
+  const int ns = min((len + a.chunk - 1) / a.chunk, a.nsplit);
+  const float* lp = a.lse_part + row * a.nsplit;
+
+  float mx = -INFINITY;
+  for (int s = threadIdx.x; s < ns; s += 128) mx = fmaxf(mx, lp[s]);
+  mx = block_reduce128<true>(mx, red);
+  float sum = 0.f;
+  if (mx != -INFINITY)
+    for (int s = threadIdx.x; s < ns; s += 128) sum += expf(lp[s] - mx);
+  sum = block_reduce128<false>(sum, red);
+  const bool empty = !(sum > 0.f);
+  const float lse = empty ? -INFINITY : mx + logf(sum);
+  for (int s = threadIdx.x; s < ns; s += 128) wgt[s] = empty ? 0.f : expf(lp[s] - lse);
+  __syncthreads();
+
+  constexpr int TPRm = D / 4, P = 128 / TPRm;
+  const int cc = threadIdx.x % TPRm, pr = threadIdx.x / TPRm;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  const float4* op = reinterpret_cast<const float4*>(a.o_part + row * a.nsplit * D);
+  for (int s = pr; s < ns; s += P) {
+    const float w = wgt[s];
+    const float4 x = op[s * TPRm + cc];
+    acc.x = fmaf(w, x.x, acc.x);
+    acc.y = fmaf(w, x.y, acc.y);
+    acc.z = fmaf(w, x.z, acc.z);
+    acc.w = fmaf(w, x.w, acc.w);
+  }
+  part[threadIdx.x] = acc;
+  __syncthreads();
+  if (pr == 0) {
+    for (int p = 1; p < P; ++p) {
+      const float4 y = part[p * TPRm + cc];
+      acc.x += y.x; acc.y += y.y; acc.z += y.z; acc.w += y.w;
+    }
+    if (a.o_f32) {
+      reinterpret_cast<float4*>(static_cast<float*>(a.o) + row * D)[cc] = acc;
+    } else {
+      T* o = static_cast<T*>(a.o) + row * D + cc * 4;
+      o[0] = Cvt<T>::from(acc.x);
+      o[1] = Cvt<T>::from(acc.y);
+      o[2] = Cvt<T>::from(acc.z);
+      o[3] = Cvt<T>::from(acc.w);
+    }
+    if (threadIdx.x == 0) a.lse[row] = lse;
+  }
+}
+
+// ---- kernel configurations and launch --------------------------------------------------------
+struct Cfg {
+  int nw, stages;
+};
+// Variants for the bf16 d=128 dense path (benchmark knob); index 0 is the default everywhere.
+constexpr Cfg kVariants[] = {{4, 4}, {8, 4}, {4, 6}, {8, 2}};
+std::atomic<int> g_variant{0};
+
+template <typename T, int D, int GT, bool GATHER, int NW, int STAGES>
+struct DecodeKernel {
+  static constexpr int kSmem = decode_smem_bytes<T, D, GT, NW, STAGES>();
+  static constexpr int kTileTokens = Geo<D>::R * NW;
+  // CTAs per SM (> 0), or -cudaError_t. Set up once per process (assumes one GPU model).
+  static int occupancy() {
+    static const int occ = []() -> int {
+      auto fn = decode_chunk_kernel<T, D, GT, GATHER, NW, STAGES>;
+      cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+      if (e != cudaSuccess) return -int(e);
+      int n = 0;
+      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, NW * 32, kSmem);
+      if (e != cudaSuccess) return -int(e);
+      return std::max(n, 1);
+    }();
+    return occ;
+  }
+};
+
+Status sm_count(int* sms) {
+  int dev = 0;
+  KVS_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
+  KVS_CUDA_TRY(cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev),
+               "cudaDeviceGetAttribute(MultiProcessorCount)");
+  return {};
+}
+
+int group_tile(int G) { return G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8; }
+
+struct Plan {
+  int nsplit, chunk;
+};
+Plan make_plan(int heads_ctas, int max_tokens, int sms, int occ, int tile_tokens) {
+  if (max_tokens <= 0) return {1, tile_tokens};
+  int ns = std::max(1, sms * occ / std::max(1, heads_ctas));  // one full wave, never more
+  ns = std::min(ns, std::max(1, (max_tokens + kMinChunk - 1) / kMinChunk));
+  ns = std::min(ns, kMaxSplits);
+  int chunk = (max_tokens + ns - 1) / ns;
+  chunk = (chunk + tile_tokens - 1) / tile_tokens * tile_tokens;
+  ns = (max_tokens + chunk - 1) / chunk;
+  return {ns, chunk};
+}
+
+size_t split_bytes(const AttnShape& s, int nsplit) {
+  if (nsplit <= 1) return 0;
+  const size_t rows = size_t(s.batch) * s.num_q_heads;
+  return align_up(rows * nsplit * s.head_dim * 4, 256) + align_up(rows * nsplit * 4, 256);
+}
+
+Status check_shape(const AttnShape& s) {
+  if (s.batch < 1) return invalid("batch must be >= 1");
+  if (s.num_kv_heads < 1) return invalid("num_kv_heads must be >= 1");
+  if (s.num_q_heads < 1 || s.num_q_heads % s.num_kv_heads != 0)
+    return invalid("num_q_heads must be a positive multiple of num_kv_heads");
+  if (s.head_dim != 64 && s.head_dim != 128) return unsupported("head_dim must be 64 or 128");
+  if (!(std::isfinite(s.scale))) return invalid("scale must be finite");
+  if (s.batch > 65535) return unsupported("batch must be <= 65535");
+  return {};
+}
+
+template <typename T, int D, int GT, bool GATHER, int NW, int STAGES>
+Status launch_decode(DecodeArgs a, const AttnShape& s, const Workspace& ws, cudaStream_t st,
+                     int per_head) {
+  using K = DecodeKernel<T, D, GT, GATHER, NW, STAGES>;
+  const int occ = K::occupancy();
+  if (occ < 0) return cuda_fail(cudaError_t(-occ), "decode kernel setup");
+  int sms = 0;
+  Status e = sm_count(&sms);
+  if (!e.ok()) return e;
+  const int heads_ctas = s.batch * s.num_kv_heads * a.ngroups;
+  const Plan p = make_plan(heads_ctas, a.max_tokens, sms, occ, K::kTileTokens);
+  a.nsplit = p.nsplit;
+  a.chunk = p.chunk;
+  if (p.nsplit > 1) {
+    const size_t need = split_bytes(s, p.nsplit);
+    if (ws.ptr == nullptr || ws.bytes < need) return invalid("workspace too small (ask *_workspace_bytes)");
+    const size_t rows = size_t(s.batch) * s.num_q_heads;
+    a.o_part = static_cast<float*>(ws.ptr);
+    a.lse_part = reinterpret_cast<float*>(static_cast<char*>(ws.ptr) +
+                                          align_up(rows * p.nsplit * s.head_dim * 4, 256));
+  }
+  if (s.num_kv_heads * a.ngroups > 65535) return unsupported("num_kv_heads too large");
+  dim3 grid(p.nsplit, s.num_kv_heads * a.ngroups, s.batch);
+  decode_chunk_kernel<T, D, GT, GATHER, NW, STAGES><<<grid, NW * 32, K::kSmem, st>>>(a);
+  KVS_LAUNCH_CHECK("decode_chunk_kernel launch");
+  if (p.nsplit > 1) {
+    decode_merge_kernel<T, D><<<s.batch * s.num_q_heads, 128, p.nsplit * sizeof(float), st>>>(a, per_head);
+    KVS_LAUNCH_CHECK("decode_merge_kernel launch");
+  }
+  return {};
+}
+
+template <typename T, int D, int GT, bool GATHER>
+Status pick_variant(const DecodeArgs& a, const AttnShape& s, const Workspace& ws, cudaStream_t st,
+                    int per_head) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && D == 128 && !GATHER) {
+    switch (g_variant.load(std::memory_order_relaxed)) {
+      case 1: return launch_decode<T, D, GT, GATHER, 8, 4>(a, s, ws, st, per_head);
+      case 2: return launch_decode<T, D, GT, GATHER, 4, 6>(a, s, ws, st, per_head);
+      case 3: return launch_decode<T, D, GT, GATHER, 8, 2>(a, s, ws, st, per_head);
+      default: break;
+    }
+  }
+  return launch_decode<T, D, GT, GATHER, 4, 4>(a, s, ws, st, per_head);
+}
+
+template <typename T, bool GATHER>
+Status dispatch_dim(const DecodeArgs& a, const AttnShape& s, const Workspace& ws, cudaStream_t st) {
+  const int gt = group_tile(a.G);
+  const int ph = GATHER ? 1 : 0;
+#define KVS_CASE(D_, GT_) \
+  if (s.head_dim == D_ && gt == GT_) return pick_variant<T, D_, GT_, GATHER>(a, s, ws, st, ph);
+  KVS_CASE(64, 1) KVS_CASE(64, 2) KVS_CASE(64, 4) KVS_CASE(64, 8)
+  KVS_CASE(128, 1) KVS_CASE(128, 2) KVS_CASE(128, 4) KVS_CASE(128, 8)
+#undef KVS_CASE
+  return unsupported("head_dim must be 64 or 128");
+}
+
+Status decode_common(const AttnShape& s, const Query& q, const KvCache& kv, const int32_t* lens,
+                     const int32_t* indices, int32_t max_tokens, const Output& out,
+                     const Workspace& ws, void* stream, bool gather) {
+  Status e = check_shape(s);
+  if (!e.ok()) return e;
+  if (kv.dtype != Scalar::BF16 && kv.dtype != Scalar::F16) return unsupported("KV dtype must be BF16 or F16");
+  if (q.dtype != Scalar::F32 && q.dtype != kv.dtype) return invalid("query dtype must be F32 or the KV dtype");
+  if (out.dtype != Scalar::F32 && out.dtype != kv.dtype) return invalid("output dtype must be F32 or the KV dtype");
+  if (!q.data || !out.o || !out.lse) return invalid("q, o and lse must be non-null");
+  if (reinterpret_cast<uintptr_t>(q.data) % 16 != 0) return invalid("q must be 16-byte aligned");
+  if (reinterpret_cast<uintptr_t>(out.o) % 16 != 0) return invalid("o must be 16-byte aligned");
+  if (max_tokens < 0) return invalid("max length / max selected must be >= 0");
+  if (max_tokens > 0 && (!kv.k || !kv.v || !lens)) return invalid("k, v and lengths/counts must be non-null");
+  if (!lens) return invalid("lengths/counts must be non-null");
+  if (gather && max_tokens > 0 && !indices) return invalid("indices must be non-null");
+  if (!gather && int64_t(max_tokens) > kv.capacity) return invalid("max_length must be <= capacity");
+  if (kv.capacity < 0) return invalid("capacity must be >= 0");
+
+  DecodeArgs a{};
+  a.q = q.data;
+  a.q_f32 = q.dtype == Scalar::F32;
+  a.k = kv.k;
+  a.v = kv.v;
+  a.capacity = kv.capacity;
+  a.lengths = lens;
+  a.indices = indices;
+  a.max_tokens = max_tokens;
+  a.B = s.batch;
+  a.Hq = s.num_q_heads;
+  a.Hkv = s.num_kv_heads;
+  a.G = s.num_q_heads / s.num_kv_heads;
+  a.ngroups = (a.G + group_tile(a.G) - 1) / group_tile(a.G);
+  a.qmul = s.scale * kLog2e;
+  a.o = out.o;
+  a.o_f32 = out.dtype == Scalar::F32;
+  a.lse = out.lse;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (kv.dtype == Scalar::BF16)
+    return gather ? dispatch_dim<__nv_bfloat16, true>(a, s, ws, st)
+                  : dispatch_dim<__nv_bfloat16, false>(a, s, ws, st);
+  return gather ? dispatch_dim<__half, true>(a, s, ws, st) : dispatch_dim<__half, false>(a, s, ws, st);
+}
+
+size_t decode_ws_bound(const AttnShape& s, int32_t max_tokens) {
+  if (!check_shape(s).ok() || max_tokens <= 0) return 0;
+  int sms = 0;
+  if (!sm_count(&sms).ok()) return 0;
+  const int G = s.num_q_heads / s.num_kv_heads;
+  const int ngroups = (G + group_tile(G) - 1) / group_tile(G);
+  // Tightest tile is 32 tokens (d=128, 4 warps); occupancy is at most kMaxCtasPerSm.
+  const Plan p = make_plan(s.batch * s.num_kv_heads * ngroups, max_tokens, sms, kMaxCtasPerSm, 32);
+  // make_plan rounds chunks up to tiles, which can only lower the split count; add one for safety.
+  return split_bytes(s, std::min(p.nsplit + 1, kMaxSplits));
+}
+
+// ---- merge of two states ---------------------------------------------------------------------
+// One warp per row; lanes read both LSEs before lane 0 overwrites (in-place safe).
+__global__ void __launch_bounds__(256) merge_states_kernel(const float* o_a, const float* lse_a,
+                                                           const float* o_b, const float* lse_b,
+                                                           float* o, float* lse, int64_t rows,
+                                                           int d) {
+  const int64_t row = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const float la = lse_a[row], lb = lse_b[row];
+  const float mx = fmaxf(la, lb);
+  float wa = 0.f, wb = 0.f, l = -INFINITY;
+  if (mx != -INFINITY) {
+    const float ea = expf(la - mx), eb = expf(lb - mx);  // la or lb may be -inf: e = 0
+    l = mx + logf(ea + eb);
+    wa = expf(la - l);
+    wb = expf(lb - l);
+  }
+  __syncwarp();
+  for (int j = lane; j < d; j += 32) {
+    const int64_t i = row * d + j;
+    // A side with weight 0 (an empty state) is never read, so even a NaN there cannot leak.
+    float v = 0.f;
+    if (wa != 0.f) v += wa * o_a[i];
+    if (wb != 0.f) v += wb * o_b[i];
+    o[i] = v;
+  }
+  __syncwarp();
+  if (lane == 0) lse[row] = l;
+}
+
+// ---- top-k ------------------------------------------------------------------------------------
+struct TopkArgs {
+  const void* q;
+  int32_t q_f32;
+  const void* const* k;
+  int64_t capacity;
+  const int32_t* lengths;
+  int32_t max_len, k_top;
+  int32_t B, Hq, Hkv, G, ngroups;
+  float scale;
+  float* z;        // [B*Hq, max_len] natural-log logits
+  float* lse;      // [B*Hq]
+  float* keys_in;  // [B*Hkv, max_len]
+  float* keys_out;
+  int32_t* vals_in;
+  int32_t* vals_out;
+  int32_t* seg_begin;  // [B*Hkv]
+  int32_t* seg_end;
+  int32_t* out_idx;
+  int32_t* out_cnt;
+};
+
+constexpr int kTopkTok = 128;  // keys per CTA of the logits kernel
+
+// grid (ceil(max_len / kTopkTok), Hkv * ngroups, B), block 128.
+template <typename T, int D, int GT>
+__global__ void __launch_bounds__(128) topk_logits_kernel(const TopkArgs a) {
+  constexpr int TPR = D / 8, RPP = 32 / TPR;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int c = lane % TPR, rsub = lane / TPR;
+  const int kvh = blockIdx.y / a.ngroups, qg = blockIdx.y % a.ngroups, b = blockIdx.z;
+  const int g0 = qg * GT;
+  int len = min(max(a.lengths[b], 0), a.max_len);
+  const int t_begin = blockIdx.x * kTopkTok, t_end = min(len, t_begin + kTopkTok);
+  if (t_begin >= t_end) return;
+  float qr[GT][8];
+#pragma unroll
+  for (int g = 0; g < GT; ++g) {
+    if (g0 + g < a.G) {
+      const int64_t row = int64_t(b) * a.Hq + kvh * a.G + g0 + g;
+      const char* qp = static_cast<const char*>(a.q) + (row * D + c * 8) * (a.q_f32 ? 4 : int64_t(sizeof(T)));
+      load_q8<T>(qp, a.q_f32 != 0, a.scale, qr[g]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) qr[g][j] = 0.f;
+    }
+  }
+  const T* kbase = static_cast<const T*>(a.k[b]) + int64_t(kvh) * a.capacity * D;
+  for (int t0 = t_begin + warp * RPP; t0 < t_end; t0 += 4 * RPP) {  // warp-uniform bound
+    const int t = t0 + rsub;
+    const bool ok = t < t_end;
+    uint4 u = make_uint4(0, 0, 0, 0);
+    if (ok) u = __ldg(reinterpret_cast<const uint4*>(kbase + int64_t(t) * D + c * 8));
+    float kf[8];
+    Cvt<T>::f32x8(u, kf);
+#pragma unroll
+    for (int g = 0; g < GT; ++g) {
+      float s = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s = fmaf(qr[g][e], kf[e], s);
+#pragma unroll
+      for (int off = TPR / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+      if (ok && c == 0 && g0 + g < a.G)
+        a.z[(int64_t(b) * a.Hq + kvh * a.G + g0 + g) * a.max_len + t] = s;
+    }
+  }
+}
+
+// grid B*Hq, block 128: lse of each query head's logits.
+__global__ void __launch_bounds__(128) topk_lse_kernel(const TopkArgs a) {
+  __shared__ float red[4];
+  const int64_t row = blockIdx.x;
+  const int b = int(row / a.Hq);
+  const int len = min(max(a.lengths[b], 0), a.max_len);
+  const float* z = a.z + row * a.max_len;
+  float mx = -INFINITY;
+  for (int t = threadIdx.x; t < len; t += 128) mx = fmaxf(mx, z[t]);
+  mx = block_reduce128<true>(mx, red);
+  float sum = 0.f;
+  if (mx != -INFINITY)
+    for (int t = threadIdx.x; t < len; t += 128) sum += expf(z[t] - mx);
+  sum = block_reduce128<false>(sum, red);
+  if (threadIdx.x == 0) a.lse[row] = sum > 0.f ? mx + logf(sum) : -INFINITY;
+}
+
+// grid (ceil(max_len/256), Hkv, B), block 256: group-summed softmax -> sort keys.
+__global__ void __launch_bounds__(256) topk_score_kernel(const TopkArgs a) {
+  const int kvh = blockIdx.y, b = blockIdx.z;
+  const int seg = b * a.Hkv + kvh;
+  const int len = min(max(a.lengths[b], 0), a.max_len);
+  const int t = blockIdx.x * 256 + threadIdx.x;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    a.seg_begin[seg] = seg * a.max_len;
+    a.seg_end[seg] = seg * a.max_len + len;
+  }
+  if (t >= a.max_len) return;
+  float s = 0.f;
+  if (t < len) {
+    for (int g = 0; g < a.G; ++g) {
+      const int64_t row = int64_t(b) * a.Hq + kvh * a.G + g;
+      s += expf(a.z[row * a.max_len + t] - a.lse[row]);
+    }
+  }
+  a.keys_in[int64_t(seg) * a.max_len + t] = s;
+  a.vals_in[int64_t(seg) * a.max_len + t] = t;
+}
+
+// grid B*Hkv, block 256.
+__global__ void __launch_bounds__(256) topk_gather_kernel(const TopkArgs a) {
+  const int seg = blockIdx.x, b = seg / a.Hkv;
+  const int len = min(max(a.lengths[b], 0), a.max_len);
+  const int cnt = min(len, a.k_top);
+  for (int i = threadIdx.x; i < a.k_top; i += 256)
+    a.out_idx[int64_t(seg) * a.k_top + i] = i < cnt ? a.vals_out[int64_t(seg) * a.max_len + i] : -1;
+  if (threadIdx.x == 0 && a.out_cnt) a.out_cnt[seg] = cnt;
+}
+
+struct TopkLayout {
+  size_t z, lse, keys_in, keys_out, vals_in, vals_out, seg_begin, seg_end, cub, total;
+  size_t cub_bytes;
+};
+
+Status topk_layout(const AttnShape& s, int32_t max_len, TopkLayout* L) {
+  const size_t rows = size_t(s.batch) * s.num_q_heads;
+  const size_t segs = size_t(s.batch) * s.num_kv_heads;
+  const size_t n = segs * size_t(max_len);
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    const size_t o = off;
+    off += align_up(bytes, 256);
+    return o;
+  };
+  L->z = take(rows * max_len * 4);
+  L->lse = take(rows * 4);
+  L->keys_in = take(n * 4);
+  L->keys_out = take(n * 4);
+  L->vals_in = take(n * 4);
+  L->vals_out = take(n * 4);
+  L->seg_begin = take(segs * 4);
+  L->seg_end = take(segs * 4);
+  size_t cub_bytes = 0;
+  KVS_CUDA_TRY(cub::DeviceSegmentedSort::StableSortPairsDescending(
+                   nullptr, cub_bytes, static_cast<const float*>(nullptr), static_cast<float*>(nullptr),
+                   static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+                   int64_t(n), int64_t(segs), static_cast<const int32_t*>(nullptr),
+                   static_cast<const int32_t*>(nullptr), cudaStream_t(0)),
+               "cub::DeviceSegmentedSort size query");
+  L->cub_bytes = cub_bytes;
+  L->cub = take(cub_bytes);
+  L->total = off;
+  return {};
+}
+
+template <typename T, int D, int GT>
+Status launch_topk_logits(const TopkArgs& a, cudaStream_t st) {
+  dim3 grid((a.max_len + kTopkTok - 1) / kTopkTok, a.Hkv * a.ngroups, a.B);
+  topk_logits_kernel<T, D, GT><<<grid, 128, 0, st>>>(a);
+  KVS_LAUNCH_CHECK("topk_logits_kernel launch");
+  return {};
+}
+
+template <typename T>
+Status dispatch_topk_logits(const TopkArgs& a, int D, cudaStream_t st) {
+  const int gt = group_tile(a.G);
+#define KVS_CASE(D_, GT_) \
+  if (D == D_ && gt == GT_) return launch_topk_logits<T, D_, GT_>(a, st);
+  KVS_CASE(64, 1) KVS_CASE(64, 2) KVS_CASE(64, 4) KVS_CASE(64, 8)
+  KVS_CASE(128, 1) KVS_CASE(128, 2) KVS_CASE(128, 4) KVS_CASE(128, 8)
+#undef KVS_CASE
+  return unsupported("head_dim must be 64 or 128");
+}
+
+template <typename K>
+void kernel_info(int* occ, int* tile) {
+  *occ = K::occupancy();
+  *tile = K::kTileTokens;
+}
+// Occupancy and tile of the dense kernel pick_variant would launch.
+template <int D, int GT>
+void plan_info(bool bf16, int variant, int* occ, int* tile) {
+  if (!bf16) return kernel_info<DecodeKernel<__half, D, GT, false, 4, 4>>(occ, tile);
+  if constexpr (D == 128) {
+    if (variant == 1) return kernel_info<DecodeKernel<__nv_bfloat16, D, GT, false, 8, 4>>(occ, tile);
+    if (variant == 2) return kernel_info<DecodeKernel<__nv_bfloat16, D, GT, false, 4, 6>>(occ, tile);
+    if (variant == 3) return kernel_info<DecodeKernel<__nv_bfloat16, D, GT, false, 8, 2>>(occ, tile);
+  }
+  kernel_info<DecodeKernel<__nv_bfloat16, D, GT, false, 4, 4>>(occ, tile);
+}
+
+}  // namespace
+
+// ---- public entry points ---------------------------------------------------------------------
+size_t dense_decode_workspace_bytes(const AttnShape& shape, int32_t max_length) noexcept {
+  return decode_ws_bound(shape, max_length);
+}
+
+Status dense_decode(const AttnShape& shape, const Query& q, const KvCache& kv,
+                    const int32_t* lengths, int32_t max_length, const Output& out,
+                    const Workspace& ws, void* stream) noexcept {
+  return decode_common(shape, q, kv, lengths, nullptr, max_length, out, ws, stream, false);
+}
+
+size_t gathered_decode_workspace_bytes(const AttnShape& shape, int32_t max_selected) noexcept {
+  return decode_ws_bound(shape, max_selected);
+}
+
+Status gathered_decode(const AttnShape& shape, const Query& q, const KvCache& kv,
+                       const int32_t* indices, const int32_t* counts, int32_t max_selected,
+                       const Output& out, const Workspace& ws, void* stream) noexcept {
+  return decode_common(shape, q, kv, counts, indices, max_selected, out, ws, stream, true);
+}
+
+Status merge_states(const float* o_a, const float* lse_a, const float* o_b, const float* lse_b,
+                    float* o, float* lse, int64_t rows, int32_t head_dim, void* stream) noexcept {
+  if (rows < 0 || head_dim < 1) return invalid("rows must be >= 0 and head_dim >= 1");
+  if (rows == 0) return {};
+  if (!o_a || !lse_a || !o_b || !lse_b || !o || !lse) return invalid("merge_states: null pointer");
+  const int64_t blocks = (rows + 7) / 8;
+  if (blocks > 0x7fffffffLL) return unsupported("merge_states: too many rows");
+  merge_states_kernel<<<unsigned(blocks), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      o_a, lse_a, o_b, lse_b, o, lse, rows, head_dim);
+  KVS_LAUNCH_CHECK("merge_states_kernel launch");
+  return {};
+}
+
+size_t group_topk_workspace_bytes(const AttnShape& shape, int32_t max_length, int32_t k) noexcept {
+  (void)k;
+  if (!check_shape(shape).ok() || max_length <= 0) return 0;
+  TopkLayout L{};
+  if (!topk_layout(shape, max_length, &L).ok()) return 0;
+  return L.total;
+}
+
+Status group_topk(const AttnShape& s, const Query& q, const KvCache& kv, const int32_t* lengths,
+                  int32_t max_length, int32_t k, int32_t* out_indices, int32_t* out_counts,
+                  const Workspace& ws, void* stream) noexcept {
+  Status e = check_shape(s);
+  if (!e.ok()) return e;
+  if (kv.dtype != Scalar::BF16 && kv.dtype != Scalar::F16) return unsupported("KV dtype must be BF16 or F16");
+  if (q.dtype != Scalar::F32 && q.dtype != kv.dtype) return invalid("query dtype must be F32 or the KV dtype");
+  if (k < 1) return invalid("k must be >= 1");
+  if (max_length < 0 || int64_t(max_length) > kv.capacity) return invalid("max_length must be in [0, capacity]");
+  if (!q.data || !kv.k || !lengths || !out_indices) return invalid("group_topk: null pointer");
+  if (reinterpret_cast<uintptr_t>(q.data) % 16 != 0) return invalid("q must be 16-byte aligned");
+  const int64_t segs = int64_t(s.batch) * s.num_kv_heads;
+  if (segs * int64_t(std::max(max_length, 1)) >= (int64_t(1) << 31))
+    return unsupported("B * Hkv * max_length must be < 2^31");
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  TopkArgs a{};
+  a.q = q.data;
+  a.q_f32 = q.dtype == Scalar::F32;
+  a.k = kv.k;
+  a.capacity = kv.capacity;
+  a.lengths = lengths;
+  a.max_len = max_length;
+  a.k_top = k;
+  a.B = s.batch;
+  a.Hq = s.num_q_heads;
+  a.Hkv = s.num_kv_heads;
+  a.G = s.num_q_heads / s.num_kv_heads;
+  a.ngroups = (a.G + group_tile(a.G) - 1) / group_tile(a.G);
+  a.scale = s.scale;
+  a.out_idx = out_indices;
+  a.out_cnt = out_counts;
+  if (max_length == 0) {  // nothing to score: -1 everywhere, counts 0
+    KVS_CUDA_TRY(cudaMemsetAsync(out_indices, 0xff, size_t(segs) * k * 4, st), "cudaMemsetAsync(out_indices)");
+    if (out_counts) KVS_CUDA_TRY(cudaMemsetAsync(out_counts, 0, size_t(segs) * 4, st), "cudaMemsetAsync(out_counts)");
+    return {};
+  }
+  TopkLayout L{};
+  e = topk_layout(s, max_length, &L);
+  if (!e.ok()) return e;
+  if (!ws.ptr || ws.bytes < L.total) return invalid("workspace too small (ask group_topk_workspace_bytes)");
+  char* base = static_cast<char*>(ws.ptr);
+  a.z = reinterpret_cast<float*>(base + L.z);
+  a.lse = reinterpret_cast<float*>(base + L.lse);
+  a.keys_in = reinterpret_cast<float*>(base + L.keys_in);
+  a.keys_out = reinterpret_cast<float*>(base + L.keys_out);
+  a.vals_in = reinterpret_cast<int32_t*>(base + L.vals_in);
+  a.vals_out = reinterpret_cast<int32_t*>(base + L.vals_out);
+  a.seg_begin = reinterpret_cast<int32_t*>(base + L.seg_begin);
+  a.seg_end = reinterpret_cast<int32_t*>(base + L.seg_end);
+
+  e = kv.dtype == Scalar::BF16 ? dispatch_topk_logits<__nv_bfloat16>(a, s.head_dim, st)
+                               : dispatch_topk_logits<__half>(a, s.head_dim, st);
+  if (!e.ok()) return e;
+  topk_lse_kernel<<<s.batch * s.num_q_heads, 128, 0, st>>>(a);
+  KVS_LAUNCH_CHECK("topk_lse_kernel launch");
+  topk_score_kernel<<<dim3((max_length + 255) / 256, s.num_kv_heads, s.batch), 256, 0, st>>>(a);
+  KVS_LAUNCH_CHECK("topk_score_kernel launch");
+  size_t cub_bytes = L.cub_bytes;
+  KVS_CUDA_TRY(cub::DeviceSegmentedSort::StableSortPairsDescending(
+                   base + L.cub, cub_bytes, a.keys_in, a.keys_out, a.vals_in, a.vals_out,
+                   segs * int64_t(max_length), segs, a.seg_begin, a.seg_end, st),
+               "cub::DeviceSegmentedSort::StableSortPairsDescending");
+  topk_gather_kernel<<<unsigned(segs), 256, 0, st>>>(a);
+  KVS_LAUNCH_CHECK("topk_gather_kernel launch");
+  return {};
+}
+
+int32_t decode_num_splits(const AttnShape& s, int32_t max_tokens, Scalar kv_dtype) noexcept {
+  if (!check_shape(s).ok()) return 0;
+  int sms = 0;
+  if (!sm_count(&sms).ok()) return 0;
+  const int G = s.num_q_heads / s.num_kv_heads, gt = group_tile(G);
+  const int ngroups = (G + gt - 1) / gt;
+  int occ = 0, tile = 0;
+  const bool bf = kv_dtype == Scalar::BF16;
+  const int v = g_variant.load(std::memory_order_relaxed);
+#define KVS_CASE(D_, GT_) \
+  if (s.head_dim == D_ && gt == GT_) plan_info<D_, GT_>(bf, v, &occ, &tile);
+  KVS_CASE(64, 1) KVS_CASE(64, 2) KVS_CASE(64, 4) KVS_CASE(64, 8)
+  KVS_CASE(128, 1) KVS_CASE(128, 2) KVS_CASE(128, 4) KVS_CASE(128, 8)
+#undef KVS_CASE
+  if (occ <= 0) return 0;
+  return make_plan(s.batch * s.num_kv_heads * ngroups, max_tokens, sms, occ, tile).nsplit;
+}
+
+namespace detail {
+bool set_dense_variant(int variant) noexcept {
+  if (variant < 0 || variant >= int(sizeof(kVariants) / sizeof(kVariants[0]))) return false;
+  g_variant.store(variant, std::memory_order_relaxed);
+  return true;
+}
+}  // namespace detail
+
+}  // namespace kvs::cuda

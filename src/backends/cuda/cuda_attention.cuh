@@ -1,0 +1,137 @@
+// CUDA kernels for decode attention: dense split-K ("flash-decoding"), gathered (index lists),
+// exact merge of two attention states, and the group-summed-softmax top-k used by exact_topk.
+//
+// This header is private to the library (src/), plain C++: no CUDA types cross it; a CUDA stream
+// crosses as `void*` (a cudaStream_t; nullptr = the legacy default stream). It compiles without
+// nvcc. Nothing here throws: every function is noexcept and returns a Status.
+//
+// Conventions shared by every function below
+// ------------------------------------------
+// - All pointers are DEVICE pointers unless the comment says "host". Every kernel is enqueued on
+//   `stream` and returns without synchronizing; inputs, outputs and the workspace must stay alive
+//   and untouched by other streams until the stream reaches that point.
+// - Shapes: B = batch (sequences), Hq = query heads, Hkv = KV heads, G = Hq / Hkv (any integer >= 1;
+//   query head h reads KV head h / G), d = head dim (64 or 128; others return UNSUPPORTED).
+// - Query: [B, Hq, d] contiguous, dtype F32 or the KV dtype (bf16/fp16).
+// - KV cache: per sequence b, `k[b]` / `v[b]` (a device array of B device pointers) points at a
+//   [Hkv, capacity, d] contiguous block of the KV dtype: element (h, t, j) of sequence b is
+//   k[b][(h * capacity + t) * d + j]. Every k[b], v[b] must be 16-byte aligned.
+// - Softmax: scores are `scale * dot(q_h, k_t)` (scale is a multiplier, typically 1/sqrt(d)).
+//   Arithmetic is fp32 throughout (products, running max, sums, accumulators).
+// - Output state: o [B, Hq, d] (dtype F32 or the KV dtype), lse [B, Hq] fp32, NATURAL log:
+//   lse = log(sum_t exp(scale * q.k_t)). An empty key set gives lse = -inf, o = 0 (never NaN).
+// - Workspace: functions that need scratch take a caller-owned device buffer; ask its size with the
+//   matching *_workspace_bytes function (same shape, same device current). Size 0 means none
+//   needed (a null pointer is then fine). Workspace use is stream-ordered: one workspace must not
+//   serve two calls that can run concurrently.
+// - The current CUDA device (cudaGetDevice) must be the one owning every pointer.
+// - Threading: every function is safe to call concurrently from several host threads
+//   (@threadsafety any) given distinct outputs and workspaces.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace kvs::cuda {
+
+// Same numbers as KVS_SCALAR_* and kvs::DType, so a DType casts straight across.
+enum class Scalar : int32_t { F32 = 1, F16 = 2, BF16 = 3 };
+
+// Status of a call. `code` uses kvs_status numbers: 0 OK, 1 INVALID_ARGUMENT, 3 UNSUPPORTED,
+// 11 BACKEND (a CUDA call or launch failed; `cuda_error` holds the cudaError_t). `message` is a
+// static string naming the failed check or CUDA call (never null, never to be freed).
+struct Status {
+  int32_t code = 0;
+  int32_t cuda_error = 0;
+  const char* message = "ok";
+  bool ok() const noexcept { return code == 0; }
+};
+
+// Shape and softmax scale shared by the attention calls.
+struct AttnShape {
+  int32_t batch = 0;         // B >= 1
+  int32_t num_q_heads = 0;   // Hq, a multiple of Hkv
+  int32_t num_kv_heads = 0;  // Hkv >= 1
+  int32_t head_dim = 0;      // d: 64 or 128
+  float scale = 0.f;         // softmax scale multiplying q.k (e.g. 1/sqrt(d))
+};
+
+// Per-sequence K/V caches (see the layout above).
+struct KvCache {
+  const void* const* k = nullptr;  // device array [B] of device pointers to [Hkv, capacity, d]
+  const void* const* v = nullptr;  // same for V
+  int64_t capacity = 0;            // tokens reserved per head: head h starts at h * capacity * d
+  Scalar dtype = Scalar::BF16;     // BF16 or F16 (K and V alike)
+};
+
+struct Query {
+  const void* data = nullptr;  // [B, Hq, d] contiguous, 16-byte aligned
+  Scalar dtype = Scalar::F32;  // F32, or the KV dtype
+};
+
+struct Output {
+  void* o = nullptr;           // [B, Hq, d] contiguous; every element is written
+  Scalar dtype = Scalar::F32;  // F32, or the KV dtype
+  float* lse = nullptr;        // [B, Hq] fp32, natural log; every element is written
+};
+
+struct Workspace {
+  void* ptr = nullptr;  // device, 256-byte aligned (cudaMalloc's alignment)
+  size_t bytes = 0;
+};
+
+// ---- 1. Dense decode -------------------------------------------------------------------------
+// One query token per sequence attends to tokens [0, lengths[b]) of its own cache.
+// lengths: device int32 [B]; max_length (host) must be >= every lengths[b] (larger lengths are
+// clamped to max_length) and <= capacity. Split-K over KV chunks, a CTA per (chunk, KV head,
+// sequence) serving the whole query group so K and V are read once per KV head; a second kernel
+// merges the chunks (skipped when one chunk suffices). Two launches at most, no host sync.
+size_t dense_decode_workspace_bytes(const AttnShape& shape, int32_t max_length) noexcept;
+Status dense_decode(const AttnShape& shape, const Query& q, const KvCache& kv,
+                    const int32_t* lengths, int32_t max_length, const Output& out,
+                    const Workspace& ws, void* stream) noexcept;
+
+// ---- 2. Gathered decode ----------------------------------------------------------------------
+// Like dense_decode, but KV head h of sequence b attends only to the tokens
+// indices[(b * Hkv + h) * max_selected + i], i < counts[b * Hkv + h]. indices: device int32
+// [B, Hkv, max_selected], each in [0, capacity) (not checked on device: out-of-range is undefined);
+// any order, duplicates count twice. counts: device int32 [B, Hkv], clamped to [0, max_selected].
+// A count of 0 gives lse = -inf, o = 0 for that KV head's query heads.
+size_t gathered_decode_workspace_bytes(const AttnShape& shape, int32_t max_selected) noexcept;
+Status gathered_decode(const AttnShape& shape, const Query& q, const KvCache& kv,
+                       const int32_t* indices, const int32_t* counts, int32_t max_selected,
+                       const Output& out, const Workspace& ws, void* stream) noexcept;
+
+// ---- 3. Merge of two attention states --------------------------------------------------------
+// For each of `rows` rows (e.g. B * Hq): m = max(la, lb); lse = m + log(e^(la-m) + e^(lb-m));
+// o = e^(la-lse) o_a + e^(lb-lse) o_b. All fp32, o_* [rows, head_dim] contiguous, lse_* [rows],
+// natural log. An empty state (lse = -inf, o = 0) changes nothing; two empty states give -inf, 0.
+// The output may alias either input (in-place merge). head_dim: any value >= 1.
+Status merge_states(const float* o_a, const float* lse_a, const float* o_b, const float* lse_b,
+                    float* o, float* lse, int64_t rows, int32_t head_dim, void* stream) noexcept;
+
+// ---- 4. Group top-k (exact_topk oracle) ------------------------------------------------------
+// For each (b, KV head h), scores key t in [0, lengths[b]) by the group's summed softmax
+//   s_t = sum_{g < G} softmax_{h*G+g}(scale * q_{h*G+g} . k_t)_t
+// (each query head's softmax over all lengths[b] keys, exactly normalized), and writes the indices
+// of the min(k, lengths[b]) highest scores to out_indices[(b * Hkv + h) * k + i], SORTED by
+// descending score, ties by ascending token index; slots past the count are set to -1.
+// out_counts[b * Hkv + h] = min(k, lengths[b]) (device int32 [B, Hkv]; may be null).
+// Query dtype F32 or the KV dtype. Uses CUB's segmented sort; workspace holds logits, scores and
+// the sort's scratch (about (Hq + 4*Hkv) * 4 * B * max_length bytes plus CUB's need).
+size_t group_topk_workspace_bytes(const AttnShape& shape, int32_t max_length, int32_t k) noexcept;
+Status group_topk(const AttnShape& shape, const Query& q, const KvCache& kv,
+                  const int32_t* lengths, int32_t max_length, int32_t k, int32_t* out_indices,
+                  int32_t* out_counts, const Workspace& ws, void* stream) noexcept;
+
+// ---- introspection / tuning (benchmarks and tests) -------------------------------------------
+// Number of KV chunks dense/gathered decode uses for this shape on the current device (1 = no
+// merge kernel). Returns 0 on an unsupported shape.
+int32_t decode_num_splits(const AttnShape& shape, int32_t max_tokens, Scalar kv_dtype) noexcept;
+
+namespace detail {
+// Process-wide kernel variant for the bf16, d=128 dense path (0 = default). For benchmarking
+// only; not meant to be called by the library. Returns false for an unknown variant.
+bool set_dense_variant(int variant) noexcept;
+}  // namespace detail
+
+}  // namespace kvs::cuda

@@ -1,0 +1,88 @@
+// The KV cache of one layer: fixed-size pages of kPageTokens tokens, each page holding
+// K [Hkv][P][d] then V [Hkv][P][d] in the storage dtype. Pages are reference-counted so a forked
+// session or a memory-mapped tables file can share them read-only; a shared page is copied before
+// it is written (copy-on-write; only the last, partly filled page is ever written).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/dtype.hpp"
+
+namespace kvs {
+
+constexpr int64_t kPageTokens = 256;
+
+class Page {
+ public:
+  // Allocates an owned page (64-byte aligned, through mimalloc).
+  Page(size_t bytes);
+  // Wraps external read-only memory kept alive by `owner` (e.g. a mapped file).
+  Page(const std::byte* external, size_t bytes, std::shared_ptr<const void> owner);
+  ~Page();
+  Page(const Page&) = delete;
+  Page& operator=(const Page&) = delete;
+
+  std::byte* data() { return data_; }
+  const std::byte* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  bool owned() const { return owner_ == nullptr; }
+
+ private:
+  std::byte* data_;
+  size_t bytes_;
+  std::shared_ptr<const void> owner_;
+};
+
+class KVLayer {
+ public:
+  KVLayer(DType dtype, int num_kv_heads, int head_dim);
+
+  DType dtype() const { return dtype_; }
+  int num_kv_heads() const { return hkv_; }
+  int head_dim() const { return d_; }
+  int64_t size() const { return n_; }
+  int64_t num_pages() const { return int64_t(pages_.size()); }
+  size_t page_bytes() const { return page_bytes_; }
+  size_t elem_size() const { return dtype_size(dtype_); }
+
+  // Base of key / value block [P][d] of head h in page p.
+  const std::byte* k_block(int64_t p, int h) const {
+    return pages_[size_t(p)]->data() + size_t(h) * block_bytes_;
+  }
+  const std::byte* v_block(int64_t p, int h) const {
+    return pages_[size_t(p)]->data() + (size_t(hkv_) + size_t(h)) * block_bytes_;
+  }
+  // Row of token t (< size()) for head h.
+  const std::byte* k_row(int h, int64_t t) const {
+    return k_block(t / kPageTokens, h) + size_t(t % kPageTokens) * row_bytes_;
+  }
+  const std::byte* v_row(int h, int64_t t) const {
+    return v_block(t / kPageTokens, h) + size_t(t % kPageTokens) * row_bytes_;
+  }
+
+  // Appends n tokens given as fp32 rows k[n][Hkv][d], v[n][Hkv][d] (converted to the storage dtype).
+  void append(const float* k, const float* v, int64_t n);
+  // Removes every token (used when a prefill fails half-way, so state stays unchanged).
+  void truncate(int64_t n);
+
+  // Read-only access to pages (for save and for sharing on fork/load).
+  const std::vector<std::shared_ptr<Page>>& pages() const { return pages_; }
+  // Replaces content with shared pages holding n tokens (load, fork).
+  void adopt(std::vector<std::shared_ptr<Page>> pages, int64_t n);
+
+  uint64_t bytes() const { return uint64_t(pages_.size()) * page_bytes_; }
+  uint64_t shared_bytes() const;
+
+ private:
+  Page& writable_last_page();
+
+  DType dtype_;
+  int hkv_, d_;
+  size_t row_bytes_, block_bytes_, page_bytes_;
+  int64_t n_ = 0;
+  std::vector<std::shared_ptr<Page>> pages_;
+};
+
+}  // namespace kvs

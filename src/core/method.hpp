@@ -1,0 +1,95 @@
+// The method interface: the strategy that decides which keys each decode step attends to.
+// A method sees the layer's KV store (read-only), the prompt and decode queries, and returns a
+// Selection; optionally it adds an extra attention state (estimated or bypassed part) that the
+// session merges by LSE. See docs/architecture.md for the data flow.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/kv_store.hpp"
+#include "core/params.hpp"
+#include "core/thread_pool.hpp"
+
+namespace kvs::io {
+class TablesWriter;
+class TablesFile;
+}  // namespace kvs::io
+
+namespace kvs {
+
+struct ModelShape {
+  uint32_t num_layers, num_q_heads, num_kv_heads, head_dim;
+  float softmax_scale;
+  DType kv_dtype;
+  int group() const { return int(num_q_heads / num_kv_heads); }
+};
+
+// How many exact keys a step may attend: absolute tokens win over a fraction of the context.
+struct Budget {
+  double fraction = 0.0;  // 0 = unset
+  int64_t tokens = 0;     // 0 = unset
+  bool set() const { return fraction > 0 || tokens > 0; }
+  // Keys for a context of n tokens given the method's default fraction; at least 1, at most n.
+  int64_t keys(int64_t n, double default_fraction) const;
+};
+
+struct Selection {
+  enum class Kind { All, PerKvHead, PerQueryHead };
+  Kind kind = Kind::All;
+  std::vector<std::vector<int32_t>> lists;  // Hkv or Hq lists of distinct token indices
+};
+
+struct MethodContext {
+  ModelShape shape;
+  Budget budget;
+  ThreadPool* pool;
+  int32_t gemm;  // kvs_gemm_provider, resolved
+};
+
+class Method {
+ public:
+  virtual ~Method() = default;
+
+  // After a layer's prompt K/V are stored: q [n][Hq][d] fp32 (the prompt's queries).
+  virtual void on_prefill(uint32_t layer, const float* q, int64_t n, const KVLayer& kv) {}
+  // Builds the index of one prefilled layer.
+  virtual void build_index(uint32_t layer, const KVLayer& kv) {}
+  // After n new tokens were appended to the layer (n = 1 for a decode step, before select).
+  // q [n][Hq][d] fp32. decode = true for a decode step, false for kvs_session_append.
+  virtual void on_append(uint32_t layer, const float* q, int64_t n, const KVLayer& kv, bool decode) {}
+  // The exact keys to attend for decode query q [Hq][d] over kv (which already holds the new token).
+  virtual void select(uint32_t layer, const float* q, const KVLayer& kv, Selection& out) = 0;
+  // An extra attention state over keys disjoint from the selection (o [Hq][d], lse [Hq]); return
+  // false when there is none this step.
+  virtual bool extra(uint32_t layer, const float* q, const KVLayer& kv, float* o, float* lse) { return false; }
+
+  // Tables: header entries (small JSON stored in the file header under method.meta) and sections
+  // written through w (borrowed pieces must stay valid until the write ends).
+  virtual nlohmann::json save_meta() const { return nlohmann::json::object(); }
+  virtual void save(io::TablesWriter& w) const {}
+  virtual void load(const io::TablesFile& f, const nlohmann::json& meta) {}
+  virtual std::unique_ptr<Method> clone() const = 0;
+  virtual uint64_t index_bytes() const { return 0; }
+  // A named method-specific statistic; false if unknown.
+  virtual bool stat(std::string_view name, double* out) const { return false; }
+};
+
+struct MethodSpec {
+  const char* name;
+  const char* doc;
+  uint32_t backends;  // bit mask of (1 << kvs_backend)
+  double default_budget;  // fraction used when the session sets none
+  std::vector<ParamSpec> params;
+  std::function<std::unique_ptr<Method>(const MethodContext&, const ParamSet&)> create;
+};
+
+const std::vector<MethodSpec>& method_registry();
+const MethodSpec* find_method(std::string_view name);
+
+}  // namespace kvs

@@ -1,0 +1,113 @@
+#include "core/params.hpp"
+
+#include <cerrno>
+#include <cstdlib>
+#include <sstream>
+
+#include "core/error.hpp"
+
+namespace kvs {
+namespace {
+
+std::string trim(const std::string& s) {
+  size_t a = s.find_first_not_of(" \t"), b = s.find_last_not_of(" \t");
+  return a == std::string::npos ? "" : s.substr(a, b - a + 1);
+}
+
+void check_value(const std::string& method, const ParamSpec& sp, const std::string& v) {
+  const std::string type = sp.type;
+  auto bad = [&](const std::string& what) {
+    invalid("method_params: parameter '" + std::string(sp.name) + "' of method '" + method + "' expects " +
+            what + ", got '" + v + "'");
+  };
+  if (type == "int") {
+    char* end = nullptr;
+    errno = 0;
+    std::strtoll(v.c_str(), &end, 10);
+    if (v.empty() || *end || errno) bad("an integer");
+  } else if (type == "float") {
+    char* end = nullptr;
+    errno = 0;
+    std::strtod(v.c_str(), &end);
+    if (v.empty() || *end || errno) bad("a number");
+  } else if (type == "bool") {
+    if (v != "true" && v != "false" && v != "1" && v != "0") bad("true or false");
+  } else if (type.rfind("enum:", 0) == 0) {
+    std::stringstream ss(type.substr(5));
+    std::string opt;
+    while (std::getline(ss, opt, '|'))
+      if (opt == v) return;
+    bad("one of " + type.substr(5));
+  }
+}
+
+}  // namespace
+
+ParamSet ParamSet::parse(const std::string& method, const std::vector<ParamSpec>& specs, const char* text) {
+  ParamSet ps;
+  ps.method_ = method;
+  for (auto& s : specs) {
+    ps.values_[s.name] = s.default_value;
+    ps.types_[s.name] = s.type;
+  }
+  if (!text) return ps;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    item = trim(item);
+    if (item.empty()) continue;
+    const size_t eq = item.find('=');
+    if (eq == std::string::npos)
+      invalid("method_params: expected key=value, got '" + item + "'");
+    const std::string key = trim(item.substr(0, eq)), val = trim(item.substr(eq + 1));
+    const ParamSpec* sp = nullptr;
+    for (auto& s : specs)
+      if (key == s.name) sp = &s;
+    if (!sp) {
+      std::string names;
+      for (auto& s : specs) names += (names.empty() ? "" : ", ") + std::string(s.name);
+      invalid("method_params: method '" + method + "' has no parameter '" + key + "' (parameters: " +
+              (names.empty() ? "none" : names) + ")");
+    }
+    check_value(method, *sp, val);
+    ps.values_[key] = val;
+  }
+  return ps;
+}
+
+ParamSet ParamSet::from_json(const std::string& method, const std::vector<ParamSpec>& specs,
+                             const nlohmann::json& j) {
+  std::string text;
+  if (j.is_object())
+    for (auto it = j.begin(); it != j.end(); ++it) {
+      if (!it.value().is_string()) fail(KVS_STATUS_FORMAT_INVALID, "tables header: parameter '" + it.key() + "' is not a string");
+      text += (text.empty() ? "" : ",") + it.key() + "=" + it.value().get<std::string>();
+    }
+  return parse(method, specs, text.c_str());
+}
+
+int64_t ParamSet::get_int(const std::string& key) const { return std::strtoll(get_string(key).c_str(), nullptr, 10); }
+double ParamSet::get_float(const std::string& key) const { return std::strtod(get_string(key).c_str(), nullptr); }
+bool ParamSet::get_bool(const std::string& key) const {
+  const auto& v = get_string(key);
+  return v == "true" || v == "1";
+}
+const std::string& ParamSet::get_string(const std::string& key) const {
+  auto it = values_.find(key);
+  if (it == values_.end()) fail(KVS_STATUS_INTERNAL, "method '" + method_ + "' read undeclared parameter '" + key + "'");
+  return it->second;
+}
+
+nlohmann::json ParamSet::to_json() const {
+  nlohmann::json j = nlohmann::json::object();
+  for (auto& [k, v] : values_) j[k] = v;
+  return j;
+}
+
+std::string ParamSet::to_text() const {
+  std::string s;
+  for (auto& [k, v] : values_) s += (s.empty() ? "" : ",") + k + "=" + v;
+  return s;
+}
+
+}  // namespace kvs

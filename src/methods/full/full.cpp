@@ -1,0 +1,22 @@
+// full: dense, exact attention over every key (the reference every method is judged against).
+#include "core/method.hpp"
+#include "kvsieve/kvsieve.h"
+
+namespace kvs {
+namespace {
+class Full final : public Method {
+ public:
+  void select(uint32_t, const float*, const KVLayer&, Selection& out) override {
+    out.kind = Selection::Kind::All;
+    out.lists.clear();
+  }
+  std::unique_ptr<Method> clone() const override { return std::make_unique<Full>(*this); }
+};
+}  // namespace
+
+MethodSpec full_spec() {
+  return MethodSpec{"full", "dense exact attention over every key (baseline)",
+                    (1u << KVS_BACKEND_CPU) | (1u << KVS_BACKEND_CUDA), 1.0, {},
+                    [](const MethodContext&, const ParamSet&) { return std::make_unique<Full>(); }};
+}
+}  // namespace kvs

@@ -1,0 +1,180 @@
+// quest: query-aware page selection (Tang et al., ICML 2024; METHODS.md §4, after
+// mit-han-lab/Quest@01c1623). Keys are grouped in pages of P tokens; per page and KV head the
+// element-wise max M and min m of the keys are kept (built at build_index, updated on append).
+// A query scores a page by the upper bound U_p = sum_i max(q_i M_i, q_i m_i) >= max_{j in p} q.k_j
+// (estimate.cu), the top pages are attended exactly, and the current (last) page always is (the
+// kernel path's page budget counts it). GQA: per query head (the eval path's repeat_kv, default) or
+// per KV head with the group's bounds summed. Bounds hold the stored-dtype key values exactly, so
+// the bound is never below the true page maximum.
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "backends/cpu/topk.hpp"
+#include "core/error.hpp"
+#include "core/method.hpp"
+#include "io/tables.hpp"
+#include "kvsieve/kvsieve.h"
+
+namespace kvs {
+namespace {
+
+class Quest final : public Method {
+ public:
+  Quest(const MethodContext& ctx, const ParamSet& p)
+      : ctx_(ctx),
+        page_(p.get_int("page_size")),
+        dense_layers_(p.get_int("dense_layers")),
+        per_query_(p.get_string("gqa") == "per_query_head"),
+        bounds_(ctx.shape.num_layers),
+        indexed_(ctx.shape.num_layers, 0) {
+    if (page_ < 1 || page_ > 4096) invalid("method_params: quest page_size must be in [1, 4096]");
+    if (dense_layers_ < 0) invalid("method_params: quest dense_layers must be >= 0");
+  }
+
+  void build_index(uint32_t layer, const KVLayer& kv) override {
+    bounds_[layer].clear();
+    indexed_[layer] = 0;
+    extend(layer, kv);
+  }
+  void on_append(uint32_t layer, const float*, int64_t, const KVLayer& kv, bool) override { extend(layer, kv); }
+
+  void select(uint32_t layer, const float* q, const KVLayer& kv, Selection& out) override {
+    const int64_t n = kv.size();
+    if (int64_t(layer) < dense_layers_) {
+      out.kind = Selection::Kind::All;
+      out.lists.clear();
+      return;
+    }
+    extend(layer, kv);  // index built lazily if build_index was not called
+    const int G = ctx_.shape.group(), d = int(ctx_.shape.head_dim), hkv = int(ctx_.shape.num_kv_heads);
+    const int64_t pages = (n + page_ - 1) / page_;
+    const int64_t k = ctx_.budget.keys(n, 0.05);
+    const int64_t want = std::clamp<int64_t>(k / page_, 1, pages);  // page budget, current page included
+    const float* b = bounds_[layer].data();
+    std::vector<float> score(static_cast<size_t>(pages));
+    std::vector<int32_t> cand, chosen;
+    out.kind = per_query_ ? Selection::Kind::PerQueryHead : Selection::Kind::PerKvHead;
+    out.lists.assign(size_t(per_query_ ? hkv * G : hkv), {});
+    for (int h = 0; h < hkv; ++h) {
+      for (int g0 = 0; g0 < (per_query_ ? G : 1); ++g0) {
+        std::fill(score.begin(), score.end(), 0.f);
+        for (int g = (per_query_ ? g0 : 0); g < (per_query_ ? g0 + 1 : G); ++g) {
+          const float* qg = q + size_t(h * G + g) * d;
+          for (int64_t p = 0; p < pages - 1; ++p) score[size_t(p)] += upper_bound(qg, page_bounds(b, p, h), d);
+        }
+        cand.clear();
+        for (int64_t p = 0; p < pages - 1; ++p) cand.push_back(int32_t(p));
+        chosen.clear();
+        chosen.push_back(int32_t(pages - 1));
+        cpu::topk_of(score.data(), cand, want - 1, chosen);
+        std::sort(chosen.begin(), chosen.end());
+        auto& l = out.lists[size_t(per_query_ ? h * G + g0 : h)];
+        for (int32_t p : chosen)
+          for (int64_t t = int64_t(p) * page_; t < std::min(n, int64_t(p + 1) * page_); ++t) l.push_back(int32_t(t));
+      }
+    }
+  }
+
+  // U_p = sum_i max(q_i M_i, q_i m_i) (Quest estimate.cu).
+  static float upper_bound(const float* q, const float* mm, int d) {
+    const float* mx = mm;
+    const float* mn = mm + d;
+    float u = 0.f;
+    for (int i = 0; i < d; ++i) u += std::max(q[i] * mx[i], q[i] * mn[i]);
+    return u;
+  }
+
+  // Bounds layout per layer: [page][Hkv][2][d] (max then min), fp32.
+  const float* page_bounds(const float* b, int64_t p, int h) const {
+    return b + (size_t(p) * ctx_.shape.num_kv_heads + size_t(h)) * 2 * ctx_.shape.head_dim;
+  }
+
+  nlohmann::json save_meta() const override {
+    nlohmann::json meta = nlohmann::json::object();
+    for (uint32_t l = 0; l < bounds_.size(); ++l)
+      if (!bounds_[l].empty()) meta["indexed_tokens"][std::to_string(l)] = indexed_[l];
+    return meta;
+  }
+  void save(io::TablesWriter& w) const override {
+    for (uint32_t l = 0; l < bounds_.size(); ++l)
+      if (!bounds_[l].empty())
+        w.add("quest.bounds", int32_t(l), -1,
+              {io::Piece{bounds_[l].data(), uint64_t(bounds_[l].size() * sizeof(float))}});
+  }
+  void load(const io::TablesFile& f, const nlohmann::json& meta) override {
+    const size_t per_page = size_t(ctx_.shape.num_kv_heads) * 2 * ctx_.shape.head_dim;
+    for (uint32_t l = 0; l < bounds_.size(); ++l) {
+      const auto* s = f.find("quest.bounds", int32_t(l), -1);
+      if (!s) continue;
+      const auto key = std::to_string(l);
+      if (!meta.contains("indexed_tokens") || !meta["indexed_tokens"].contains(key))
+        fail(KVS_STATUS_FORMAT_INVALID, "quest.bounds layer " + key + ": indexed_tokens missing from the header");
+      const int64_t n = meta["indexed_tokens"][key].get<int64_t>();
+      const int64_t pages = (n + page_ - 1) / page_;
+      if (n < 0 || s->length != uint64_t(pages) * per_page * sizeof(float))
+        fail(KVS_STATUS_FORMAT_INVALID, "section quest.bounds layer " + key + ": size does not match " +
+                                            std::to_string(n) + " indexed tokens");
+      bounds_[l].resize(size_t(pages) * per_page);
+      std::memcpy(bounds_[l].data(), s->data, s->length);
+      indexed_[l] = n;
+    }
+  }
+  std::unique_ptr<Method> clone() const override { return std::make_unique<Quest>(*this); }
+  uint64_t index_bytes() const override {
+    uint64_t b = 0;
+    for (auto& v : bounds_) b += v.size() * sizeof(float);
+    return b;
+  }
+
+ private:
+  // Folds tokens [indexed_, kv.size()) into the page bounds.
+  void extend(uint32_t layer, const KVLayer& kv) {
+    const int64_t n = kv.size();
+    const int d = int(ctx_.shape.head_dim), hkv = int(ctx_.shape.num_kv_heads);
+    auto& b = bounds_[layer];
+    const size_t per_page = size_t(hkv) * 2 * d;
+    std::vector<float> row(static_cast<size_t>(d));
+    for (int64_t t = indexed_[layer]; t < n; ++t) {
+      const int64_t p = t / page_;
+      if (t % page_ == 0) {
+        b.resize(size_t(p + 1) * per_page);
+        for (int h = 0; h < hkv; ++h) {
+          float* mm = b.data() + (size_t(p) * hkv + h) * 2 * d;
+          std::fill(mm, mm + d, -std::numeric_limits<float>::infinity());
+          std::fill(mm + d, mm + 2 * d, std::numeric_limits<float>::infinity());
+        }
+      }
+      for (int h = 0; h < hkv; ++h) {
+        convert_to_f32(kv.k_row(h, t), kv.dtype(), row.data(), size_t(d));
+        float* mm = b.data() + (size_t(p) * hkv + h) * 2 * d;
+        for (int i = 0; i < d; ++i) {
+          mm[i] = std::max(mm[i], row[size_t(i)]);
+          mm[d + i] = std::min(mm[d + i], row[size_t(i)]);
+        }
+      }
+    }
+    indexed_[layer] = n;
+  }
+
+  MethodContext ctx_;
+  int64_t page_, dense_layers_;
+  bool per_query_;
+  std::vector<std::vector<float>> bounds_;
+  std::vector<int64_t> indexed_;
+};
+
+}  // namespace
+
+MethodSpec quest_spec() {
+  return MethodSpec{
+      "quest", "Quest: pages of 16 keys scored by their min/max upper bound, top pages attended (METHODS.md 4)",
+      1u << KVS_BACKEND_CPU, 0.05,
+      {{"page_size", "int", "16", "tokens per page (Quest --chunk_size 16)"},
+       {"dense_layers", "int", "0", "first layers attended densely (Quest's reference keeps 2; 0 keeps budgets comparable)"},
+       {"gqa", "enum:per_query_head|sum", "per_query_head",
+        "pages per query head (eval path, repeat_kv) or per KV head with the group's bounds summed"}},
+      [](const MethodContext& c, const ParamSet& p) { return std::make_unique<Quest>(c, p); }};
+}
+
+}  // namespace kvs

@@ -1,0 +1,177 @@
+// CPU attention kernels and the session decode path against float64 references.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <memory>
+#include <numeric>
+
+#include "backends/cpu/attention.hpp"
+#include "core/thread_pool.hpp"
+#include "reference.hpp"
+
+using namespace kvt;
+
+namespace {
+
+struct Case {
+  kvs::DType dt;
+  int d, G, hkv;
+  int64_t n;
+};
+
+// Builds a KV layer from random rows; returns the dtype-rounded K and V ([n][hkv][d]).
+std::unique_ptr<kvs::KVLayer> make_layer(const Case& c, Rng& rng, std::vector<float>& K, std::vector<float>& V) {
+  auto layer = std::make_unique<kvs::KVLayer>(c.dt, c.hkv, c.d);
+  K = rng.normals(size_t(c.n) * c.hkv * c.d);
+  V = rng.normals(size_t(c.n) * c.hkv * c.d);
+  // Append in uneven chunks to cross page boundaries in different ways.
+  int64_t done = 0;
+  while (done < c.n) {
+    const int64_t step = std::min<int64_t>(c.n - done, rng.uniform(1, 300));
+    layer->append(K.data() + done * c.hkv * c.d, V.data() + done * c.hkv * c.d, step);
+    done += step;
+  }
+  K = rounded(K, c.dt);
+  V = rounded(V, c.dt);
+  return layer;
+}
+
+double tol(kvs::DType) { return 2e-5; }  // the reference uses the same rounded K/V; fp32 accumulation
+
+}  // namespace
+
+TEST_CASE("dense attention equals the float64 reference over dtypes, head dims, GQA ratios and lengths") {
+  kvs::ThreadPool pool(2);
+  Rng rng(7);
+  for (kvs::DType dt : {kvs::DType::F32, kvs::DType::F16, kvs::DType::BF16})
+    for (int d : {8, 12, 64, 128, 256})
+      for (int G : {1, 4})
+        for (int64_t n : {int64_t(1), int64_t(3), int64_t(255), int64_t(256), int64_t(1000)}) {
+          if (d == 256 && n > 300) continue;
+          Case c{dt, d, G, 2, n};
+          std::vector<float> K, V;
+          auto layer = make_layer(c, rng, K, V);
+          const int hq = G * c.hkv;
+          auto q = rng.normals(size_t(hq) * d);
+          std::vector<float> o(size_t(hq) * d, -7.f), lse(size_t(hq), -7.f);
+          const float scale = 1.f / std::sqrt(float(d));
+          kvs::cpu::attend_dense(*layer, q.data(), G, n, scale, o.data(), lse.data(), pool);
+          std::vector<int64_t> keys(static_cast<size_t>(n));
+          std::iota(keys.begin(), keys.end(), 0);
+          for (int h = 0; h < hq; ++h) {
+            std::vector<double> ref;
+            double lref;
+            attention_ref(q.data(), K.data(), V.data(), h, G, c.hkv, d, keys, scale, ref, lref);
+            INFO("dtype " << kvs::dtype_name(dt) << " d " << d << " G " << G << " n " << n << " head " << h);
+            CHECK(rel_err(ref, o.data() + size_t(h) * d, d) < tol(dt));
+            CHECK(std::abs(lse[size_t(h)] - lref) < 1e-4);
+          }
+        }
+}
+
+TEST_CASE("dense attention over a prefix of the keys (causal) uses exactly n_keys keys") {
+  kvs::ThreadPool pool(2);
+  Rng rng(11);
+  Case c{kvs::DType::BF16, 64, 2, 2, 700};
+  std::vector<float> K, V;
+  auto layer = make_layer(c, rng, K, V);
+  auto q = rng.normals(size_t(4) * 64);
+  std::vector<float> o(4 * 64), lse(4);
+  kvs::cpu::attend_dense(*layer, q.data(), 2, 333, 0.125f, o.data(), lse.data(), pool);
+  std::vector<int64_t> keys(333);
+  std::iota(keys.begin(), keys.end(), 0);
+  for (int h = 0; h < 4; ++h) {
+    std::vector<double> ref;
+    double lref;
+    attention_ref(q.data(), K.data(), V.data(), h, 2, 2, 64, keys, 0.125, ref, lref);
+    CHECK(rel_err(ref, o.data() + h * 64, 64) < 2e-5);
+  }
+}
+
+TEST_CASE("gathered attention per KV head and per query head equals the reference; empty lists give the empty state") {
+  kvs::ThreadPool pool(2);
+  Rng rng(3);
+  Case c{kvs::DType::F16, 64, 4, 2, 2000};
+  std::vector<float> K, V;
+  auto layer = make_layer(c, rng, K, V);
+  const int hq = 8, d = 64;
+  auto q = rng.normals(size_t(hq) * d);
+  const float scale = 0.125f;
+  std::vector<std::vector<int32_t>> kv_lists(2);
+  for (int t = 0; t < 2000; ++t)
+    if (rng.uniform(0, 9) == 0) kv_lists[0].push_back(t);
+  std::shuffle(kv_lists[0].begin(), kv_lists[0].end(), rng.g);  // order must not matter
+  // kv_lists[1] stays empty
+  std::vector<float> o(size_t(hq) * d), lse(hq);
+  kvs::cpu::attend_gather_kv(*layer, q.data(), 4, kv_lists, scale, o.data(), lse.data(), pool);
+  for (int h = 0; h < hq; ++h) {
+    std::vector<int64_t> keys(kv_lists[size_t(h / 4)].begin(), kv_lists[size_t(h / 4)].end());
+    std::vector<double> ref;
+    double lref;
+    attention_ref(q.data(), K.data(), V.data(), h, 4, 2, d, keys, scale, ref, lref);
+    if (keys.empty()) {
+      CHECK(std::isinf(lse[size_t(h)]));
+      CHECK(lse[size_t(h)] < 0);
+      for (int i = 0; i < d; ++i) CHECK(o[size_t(h) * d + i] == 0.f);
+    } else {
+      CHECK(rel_err(ref, o.data() + size_t(h) * d, d) < 2e-5);
+      CHECK(std::abs(lse[size_t(h)] - lref) < 1e-4);
+    }
+  }
+  std::vector<std::vector<int32_t>> q_lists(hq);
+  for (int h = 0; h < hq; ++h)
+    for (int t = 0; t < 2000; ++t)
+      if (rng.uniform(0, 20) == 0) q_lists[size_t(h)].push_back(t);
+  kvs::cpu::attend_gather_q(*layer, q.data(), 4, q_lists, scale, o.data(), lse.data(), pool);
+  for (int h = 0; h < hq; ++h) {
+    std::vector<int64_t> keys(q_lists[size_t(h)].begin(), q_lists[size_t(h)].end());
+    std::vector<double> ref;
+    double lref;
+    attention_ref(q.data(), K.data(), V.data(), h, 4, 2, d, keys, scale, ref, lref);
+    CHECK(rel_err(ref, o.data() + size_t(h) * d, d) < 2e-5);
+  }
+}
+
+TEST_CASE("merging the states of random disjoint splits equals attention over the whole") {
+  kvs::ThreadPool pool(2);
+  Rng rng(5);
+  Case c{kvs::DType::F32, 32, 2, 1, 600};
+  std::vector<float> K, V;
+  auto layer = make_layer(c, rng, K, V);
+  const int hq = 2, d = 32;
+  for (int trial = 0; trial < 10; ++trial) {
+    auto q = rng.normals(size_t(hq) * d, 2.f);
+    std::vector<std::vector<int32_t>> a(1), b(1);
+    for (int t = 0; t < 600; ++t) (rng.uniform(0, 1) ? a[0] : b[0]).push_back(t);
+    if (trial == 0) {  // one side empty: merging the empty state changes nothing
+      for (int32_t t : a[0]) b[0].push_back(t);
+      a[0].clear();
+    }
+    std::vector<float> oa(hq * d), la(hq), ob(hq * d), lb(hq), ow(hq * d), lw(hq);
+    kvs::cpu::attend_gather_kv(*layer, q.data(), 2, a, 0.2f, oa.data(), la.data(), pool);
+    kvs::cpu::attend_gather_kv(*layer, q.data(), 2, b, 0.2f, ob.data(), lb.data(), pool);
+    kvs::cpu::attend_dense(*layer, q.data(), 2, 600, 0.2f, ow.data(), lw.data(), pool);
+    kvs::cpu::merge_states(oa.data(), la.data(), ob.data(), lb.data(), hq, d);
+    for (int i = 0; i < hq * d; ++i) {
+      CHECK(std::isfinite(oa[size_t(i)]));
+      CHECK(oa[size_t(i)] == doctest::Approx(ow[size_t(i)]).epsilon(1e-4));
+    }
+    for (int h = 0; h < hq; ++h) CHECK(la[size_t(h)] == doctest::Approx(lw[size_t(h)]).epsilon(1e-5));
+  }
+  // Two empty states merge to the empty state without NaN.
+  std::vector<float> o1(d, 0.f), o2(d, 0.f);
+  float l1 = -INFINITY, l2 = -INFINITY;
+  kvs::cpu::merge_states(o1.data(), &l1, o2.data(), &l2, 1, d);
+  CHECK(std::isinf(l1));
+  for (float x : o1) CHECK(x == 0.f);
+}
+
+TEST_CASE("thread pool runs every index once and propagates exceptions") {
+  kvs::ThreadPool pool(3);
+  std::vector<int> hits(1000, 0);
+  pool.parallel_for(1000, [&](int64_t i) { hits[size_t(i)]++; });
+  CHECK(std::all_of(hits.begin(), hits.end(), [](int h) { return h == 1; }));
+  CHECK_THROWS(pool.parallel_for(10, [&](int64_t i) { if (i == 5) throw std::runtime_error("x"); }));
+  pool.parallel_for(4, [&](int64_t i) { hits[size_t(i)]++; });  // still usable
+  CHECK(hits[3] == 2);
+}
