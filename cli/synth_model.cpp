@@ -150,7 +150,7 @@ void generate_group(const SynthConfig& cfg, uint32_t layer, uint32_t g, SynthLay
   std::sort(cover.begin(), cover.end());
 
   Rope rope(d, cfg.rope_theta);
-  std::vector<double> x(static_cast<size_t>(d)), e(static_cast<size_t>(d));
+  std::vector<double> x(static_cast<size_t>(d));
 
   // Keys and values, token by token.
   Rng krng(derive_seed(cfg.seed, {layer, g, kStreamKeys}));

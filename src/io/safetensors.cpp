@@ -478,8 +478,12 @@ void write_trace(const std::string& path, const TraceMeta& meta, DType dtype, in
   w.set_metadata("prefill_len", std::to_string(meta.prefill_len));
   w.set_metadata("layers", ls);
   if (meta.softmax_scale > 0.f) {
+    // Shortest text that reads back as the same float.
     char buf[32];
-    std::snprintf(buf, sizeof buf, "%.9g", double(meta.softmax_scale));
+    for (int prec = 6; prec <= 9; ++prec) {
+      std::snprintf(buf, sizeof buf, "%.*g", prec, double(meta.softmax_scale));
+      if (std::strtof(buf, nullptr) == meta.softmax_scale) break;
+    }
     w.set_metadata("softmax_scale", buf);
   }
   if (!meta.source.empty()) w.set_metadata("source", meta.source);

@@ -20,7 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
-#include <cub/device/device_segmented_sort.cuh>
+#include <cub/device/device_radix_sort.cuh>
 
 #include "kvsieve/kvsieve.h"
 
@@ -34,7 +34,7 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-constexpr int kMinChunk = 256;     // fewest keys a split is worth
+constexpr int kMinChunk = 128;     // fewest keys a split is worth
 constexpr int kMaxSplits = 1024;   // cap on chunks per (sequence, head)
 constexpr int kMaxCtasPerSm = 16;  // 2048 threads / 128: bound used for workspace sizing
 
@@ -99,6 +99,14 @@ __device__ __forceinline__ void load_q8(const void* p, bool f32, float mul, floa
   }
 #pragma unroll
   for (int j = 0; j < 8; ++j) out[j] *= mul;
+}
+
+// 2^x with one MUFU op; x <= 0 here (scores minus a running max), -inf gives 0, and results
+// below 2^-126 flush to 0 (they are below fp32 resolution of the sums anyway).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // ---- cp.async --------------------------------------------------------------------------------
@@ -285,14 +293,14 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_kernel(const DecodeArgs 
       const float mn = fmaxf(m[g], tmax);
       const float mu = mn == -INFINITY ? 0.f : mn;
       if (mn > m[g]) {  // rescale only when the running max grows (rare after the first tiles)
-        const float corr = exp2f(m[g] - mu);
+        const float corr = fast_exp2(m[g] - mu);
         l[g] *= corr;
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[g][e] *= corr;
       }
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
-        s[r][g] = exp2f(s[r][g] - mu);
+        s[r][g] = fast_exp2(s[r][g] - mu);
         l[g] += s[r][g];
       }
       m[g] = mn;
@@ -453,7 +461,7 @@ struct Cfg {
   int nw, stages;
 };
 // Variants for the bf16 d=128 dense path (benchmark knob); index 0 is the default everywhere.
-constexpr Cfg kVariants[] = {{4, 4}, {8, 4}, {4, 6}, {8, 2}};
+constexpr Cfg kVariants[] = {{4, 4}, {8, 3}, {4, 3}, {8, 2}};
 std::atomic<int> g_variant{0};
 
 template <typename T, int D, int GT, bool GATHER, int NW, int STAGES>
@@ -551,10 +559,10 @@ Status launch_decode(DecodeArgs a, const AttnShape& s, const Workspace& ws, cuda
 template <typename T, int D, int GT, bool GATHER>
 Status pick_variant(const DecodeArgs& a, const AttnShape& s, const Workspace& ws, cudaStream_t st,
                     int per_head) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16> && D == 128 && !GATHER) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && !GATHER) {
     switch (g_variant.load(std::memory_order_relaxed)) {
-      case 1: return launch_decode<T, D, GT, GATHER, 8, 4>(a, s, ws, st, per_head);
-      case 2: return launch_decode<T, D, GT, GATHER, 4, 6>(a, s, ws, st, per_head);
+      case 1: return launch_decode<T, D, GT, GATHER, 8, 3>(a, s, ws, st, per_head);
+      case 2: return launch_decode<T, D, GT, GATHER, 4, 3>(a, s, ws, st, per_head);
       case 3: return launch_decode<T, D, GT, GATHER, 8, 2>(a, s, ws, st, per_head);
       default: break;
     }
@@ -670,14 +678,12 @@ struct TopkArgs {
   int32_t max_len, k_top;
   int32_t B, Hq, Hkv, G, ngroups;
   float scale;
-  float* z;        // [B*Hq, max_len] natural-log logits
-  float* lse;      // [B*Hq]
-  float* keys_in;  // [B*Hkv, max_len]
-  float* keys_out;
-  int32_t* vals_in;
+  float* z;           // [B*Hq, max_len] natural-log logits
+  float* lse;         // [B*Hq]
+  uint64_t* keys_in;  // [B*Hkv, max_len]: segment << 32 | ~bits(score) (ascending = best first)
+  uint64_t* keys_out;
+  int32_t* vals_in;  // token index
   int32_t* vals_out;
-  int32_t* seg_begin;  // [B*Hkv]
-  int32_t* seg_end;
   int32_t* out_idx;
   int32_t* out_cnt;
 };
@@ -745,25 +751,26 @@ __global__ void __launch_bounds__(128) topk_lse_kernel(const TopkArgs a) {
   if (threadIdx.x == 0) a.lse[row] = sum > 0.f ? mx + logf(sum) : -INFINITY;
 }
 
-// grid (ceil(max_len/256), Hkv, B), block 256: group-summed softmax -> sort keys.
+// grid (ceil(max_len/256), Hkv, B), block 256: group-summed softmax -> radix-sort keys. One
+// global (stable, LSD) radix sort over all segments keeps each segment's max_len items together,
+// best first; keys past a sequence's length sort last in their segment (0xffffffff low word, and
+// stability keeps them after any real score of exactly 0).
 __global__ void __launch_bounds__(256) topk_score_kernel(const TopkArgs a) {
   const int kvh = blockIdx.y, b = blockIdx.z;
   const int seg = b * a.Hkv + kvh;
   const int len = min(max(a.lengths[b], 0), a.max_len);
   const int t = blockIdx.x * 256 + threadIdx.x;
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    a.seg_begin[seg] = seg * a.max_len;
-    a.seg_end[seg] = seg * a.max_len + len;
-  }
   if (t >= a.max_len) return;
-  float s = 0.f;
+  uint32_t low = 0xffffffffu;
   if (t < len) {
+    float s = 0.f;
     for (int g = 0; g < a.G; ++g) {
       const int64_t row = int64_t(b) * a.Hq + kvh * a.G + g;
       s += expf(a.z[row * a.max_len + t] - a.lse[row]);
     }
+    low = ~__float_as_uint(fmaxf(s, 0.f));  // s >= 0: bit order = value order
   }
-  a.keys_in[int64_t(seg) * a.max_len + t] = s;
+  a.keys_in[int64_t(seg) * a.max_len + t] = (uint64_t(seg) << 32) | low;
   a.vals_in[int64_t(seg) * a.max_len + t] = t;
 }
 
@@ -778,8 +785,9 @@ __global__ void __launch_bounds__(256) topk_gather_kernel(const TopkArgs a) {
 }
 
 struct TopkLayout {
-  size_t z, lse, keys_in, keys_out, vals_in, vals_out, seg_begin, seg_end, cub, total;
+  size_t z, lse, keys_in, keys_out, vals_in, vals_out, cub, total;
   size_t cub_bytes;
+  int end_bit;
 };
 
 Status topk_layout(const AttnShape& s, int32_t max_len, TopkLayout* L) {
@@ -794,19 +802,20 @@ Status topk_layout(const AttnShape& s, int32_t max_len, TopkLayout* L) {
   };
   L->z = take(rows * max_len * 4);
   L->lse = take(rows * 4);
-  L->keys_in = take(n * 4);
-  L->keys_out = take(n * 4);
+  L->keys_in = take(n * 8);
+  L->keys_out = take(n * 8);
   L->vals_in = take(n * 4);
   L->vals_out = take(n * 4);
-  L->seg_begin = take(segs * 4);
-  L->seg_end = take(segs * 4);
+  int seg_bits = 0;
+  while ((size_t(1) << seg_bits) < segs) ++seg_bits;
+  L->end_bit = 32 + seg_bits;
   size_t cub_bytes = 0;
-  KVS_CUDA_TRY(cub::DeviceSegmentedSort::StableSortPairsDescending(
-                   nullptr, cub_bytes, static_cast<const float*>(nullptr), static_cast<float*>(nullptr),
-                   static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
-                   int64_t(n), int64_t(segs), static_cast<const int32_t*>(nullptr),
-                   static_cast<const int32_t*>(nullptr), cudaStream_t(0)),
-               "cub::DeviceSegmentedSort size query");
+  KVS_CUDA_TRY(cub::DeviceRadixSort::SortPairs(nullptr, cub_bytes, static_cast<const uint64_t*>(nullptr),
+                                               static_cast<uint64_t*>(nullptr),
+                                               static_cast<const int32_t*>(nullptr),
+                                               static_cast<int32_t*>(nullptr), int64_t(n), 0,
+                                               L->end_bit, cudaStream_t(0)),
+               "cub::DeviceRadixSort size query");
   L->cub_bytes = cub_bytes;
   L->cub = take(cub_bytes);
   L->total = off;
@@ -841,11 +850,9 @@ void kernel_info(int* occ, int* tile) {
 template <int D, int GT>
 void plan_info(bool bf16, int variant, int* occ, int* tile) {
   if (!bf16) return kernel_info<DecodeKernel<__half, D, GT, false, 4, 4>>(occ, tile);
-  if constexpr (D == 128) {
-    if (variant == 1) return kernel_info<DecodeKernel<__nv_bfloat16, D, GT, false, 8, 4>>(occ, tile);
-    if (variant == 2) return kernel_info<DecodeKernel<__nv_bfloat16, D, GT, false, 4, 6>>(occ, tile);
-    if (variant == 3) return kernel_info<DecodeKernel<__nv_bfloat16, D, GT, false, 8, 2>>(occ, tile);
-  }
+  if (variant == 1) return kernel_info<DecodeKernel<__nv_bfloat16, D, GT, false, 8, 3>>(occ, tile);
+  if (variant == 2) return kernel_info<DecodeKernel<__nv_bfloat16, D, GT, false, 4, 3>>(occ, tile);
+  if (variant == 3) return kernel_info<DecodeKernel<__nv_bfloat16, D, GT, false, 8, 2>>(occ, tile);
   kernel_info<DecodeKernel<__nv_bfloat16, D, GT, false, 4, 4>>(occ, tile);
 }
 
@@ -936,12 +943,10 @@ Status group_topk(const AttnShape& s, const Query& q, const KvCache& kv, const i
   char* base = static_cast<char*>(ws.ptr);
   a.z = reinterpret_cast<float*>(base + L.z);
   a.lse = reinterpret_cast<float*>(base + L.lse);
-  a.keys_in = reinterpret_cast<float*>(base + L.keys_in);
-  a.keys_out = reinterpret_cast<float*>(base + L.keys_out);
+  a.keys_in = reinterpret_cast<uint64_t*>(base + L.keys_in);
+  a.keys_out = reinterpret_cast<uint64_t*>(base + L.keys_out);
   a.vals_in = reinterpret_cast<int32_t*>(base + L.vals_in);
   a.vals_out = reinterpret_cast<int32_t*>(base + L.vals_out);
-  a.seg_begin = reinterpret_cast<int32_t*>(base + L.seg_begin);
-  a.seg_end = reinterpret_cast<int32_t*>(base + L.seg_end);
 
   e = kv.dtype == Scalar::BF16 ? dispatch_topk_logits<__nv_bfloat16>(a, s.head_dim, st)
                                : dispatch_topk_logits<__half>(a, s.head_dim, st);
@@ -951,10 +956,10 @@ Status group_topk(const AttnShape& s, const Query& q, const KvCache& kv, const i
   topk_score_kernel<<<dim3((max_length + 255) / 256, s.num_kv_heads, s.batch), 256, 0, st>>>(a);
   KVS_LAUNCH_CHECK("topk_score_kernel launch");
   size_t cub_bytes = L.cub_bytes;
-  KVS_CUDA_TRY(cub::DeviceSegmentedSort::StableSortPairsDescending(
-                   base + L.cub, cub_bytes, a.keys_in, a.keys_out, a.vals_in, a.vals_out,
-                   segs * int64_t(max_length), segs, a.seg_begin, a.seg_end, st),
-               "cub::DeviceSegmentedSort::StableSortPairsDescending");
+  KVS_CUDA_TRY(cub::DeviceRadixSort::SortPairs(base + L.cub, cub_bytes, a.keys_in, a.keys_out,
+                                               a.vals_in, a.vals_out, segs * int64_t(max_length),
+                                               0, L.end_bit, st),
+               "cub::DeviceRadixSort::SortPairs");
   topk_gather_kernel<<<unsigned(segs), 256, 0, st>>>(a);
   KVS_LAUNCH_CHECK("topk_gather_kernel launch");
   return {};

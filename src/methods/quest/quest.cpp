@@ -15,6 +15,7 @@
 #include "core/method.hpp"
 #include "io/tables.hpp"
 #include "kvsieve/kvsieve.h"
+#include "methods/quest/quest.hpp"
 
 namespace kvs {
 namespace {
@@ -76,14 +77,7 @@ class Quest final : public Method {
     }
   }
 
-  // U_p = sum_i max(q_i M_i, q_i m_i) (Quest estimate.cu).
-  static float upper_bound(const float* q, const float* mm, int d) {
-    const float* mx = mm;
-    const float* mn = mm + d;
-    float u = 0.f;
-    for (int i = 0; i < d; ++i) u += std::max(q[i] * mx[i], q[i] * mn[i]);
-    return u;
-  }
+  static float upper_bound(const float* q, const float* mm, int d) { return quest_upper_bound(q, mm, mm + d, d); }
 
   // Bounds layout per layer: [page][Hkv][2][d] (max then min), fp32.
   const float* page_bounds(const float* b, int64_t p, int h) const {

@@ -1,0 +1,70 @@
+// kvsieve eval --trace T --methods a,b,... --budget B: replay a trace through each method and
+// score it against exact float64 attention (DESIGN.md "Evaluation", docs/cli.md).
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <memory>
+
+#include "commands.hpp"
+#include "common.hpp"
+#include "eval.hpp"
+
+namespace kvcli {
+
+namespace {
+
+struct EvalCliOptions {
+  std::string trace, methods = "all", backend = "cpu", json;
+  std::vector<std::string> params;
+  double budget = 0.05;
+  unsigned threads = 0;
+  int64_t steps = 0;
+};
+
+int run_eval_command(const EvalCliOptions& c) {
+  if (c.steps < 0) throw UsageError("--steps must be >= 0");
+  EvalOptions o;
+  o.trace = c.trace;
+  o.backend = parse_backend(c.backend);
+  o.methods = resolve_methods(c.methods, o.backend);
+  o.method_params = parse_method_params(c.params, o.methods);
+  o.budget = c.budget;
+  o.threads = c.threads;
+  o.max_steps = c.steps;
+
+  const EvalReport rep = run_eval(o);
+  Trace trace(c.trace);  // for the header line only; cheap (memory-mapped)
+  const auto& info = trace.info();
+  std::printf("eval %s: %lld decode steps x %zu layers after a %lld-token prompt; %u q heads, %u kv heads, "
+              "d %u, %s; budget %g; %s backend, %u threads\n\n",
+              c.trace.c_str(), static_cast<long long>(rep.steps), rep.layers,
+              static_cast<long long>(info.prefill_len), info.num_q_heads, info.num_kv_heads,
+              info.head_dim, dtype_name(trace.dtype()), c.budget, c.backend.c_str(),
+              resolve_threads(c.threads));
+  std::fputs(render_eval_table(rep).c_str(), stdout);
+  if (!c.json.empty()) {
+    write_text_file(c.json, eval_json(rep).dump(2) + "\n");
+    std::printf("\nwrote %s\n", c.json.c_str());
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+Command add_eval_command(CLI::App& root) {
+  auto o = std::make_shared<EvalCliOptions>();
+  CLI::App* cmd = root.add_subcommand(
+      "eval", "replay a trace through methods; recall, mass recall, output/LSE error and speed vs exact");
+  cmd->add_option("--trace", o->trace, "input trace (.safetensors, kvsieve-trace)")->required();
+  cmd->add_option("--methods", o->methods, "comma-separated methods, or `all` (every registered one)");
+  cmd->add_option("--budget", o->budget, "exact keys per step, as a fraction of the context, (0, 1]");
+  cmd->add_option("--params", o->params,
+                  "method parameters: method:key=value,key=value,other:key=value (repeatable)")
+      ->take_all();
+  cmd->add_option("--backend", o->backend, "cpu, cuda or hybrid");
+  cmd->add_option("--threads", o->threads, "library and reference threads (0 = all hardware threads)");
+  cmd->add_option("--steps", o->steps, "replay at most this many decode steps (0 = all)");
+  cmd->add_option("--json", o->json, "also write the results as JSON to this file");
+  return {cmd, [o] { return run_eval_command(*o); }};
+}
+
+}  // namespace kvcli

@@ -1,0 +1,302 @@
+#include "eval.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <memory>
+#include <numeric>
+
+#include "progress.hpp"
+#include "reference.hpp"
+
+namespace kvcli {
+
+namespace {
+
+// Above this mean output error `full` is not computing dense attention: say so loudly, since every
+// other row of the table is then measured against a broken yardstick.
+constexpr double kFullTolerance = 1e-3;
+
+struct Accum {
+  double recall = 0, mass = 0, lse = 0, time_us = 0, kept = 0;
+  int64_t recall_n = 0, head_n = 0, calls = 0;
+  std::vector<double> errs;
+  int64_t nonfinite = 0;
+  bool warned_selection = false;
+};
+
+struct Runner {
+  std::string name;
+  bool reported = true;
+  std::unique_ptr<Session> session;
+  Accum acc;
+};
+
+struct LayerData {
+  uint32_t layer;
+  StridedArray q, k, v;
+};
+
+double mean(double sum, int64_t n) { return n > 0 ? sum / double(n) : 0.0; }
+
+// Scores one decode call of one layer against the exact reference.
+void score_step(Runner& r, const ExactAttention& ex, uint32_t layer, int64_t t,
+                const std::vector<float>& o, const std::vector<float>& lse, std::vector<int32_t>& sel) {
+  const int64_t hq = ex.q_heads, hkv = ex.kv_heads, d = ex.head_dim, group = hq / hkv;
+  const int64_t n = ex.n;
+  Accum& a = r.acc;
+  for (int64_t g = 0; g < hkv; ++g) {
+    r.session->last_selection(layer, uint32_t(g), sel);
+    const bool sorted_unique = std::adjacent_find(sel.begin(), sel.end(), std::greater_equal<>()) == sel.end();
+    const bool in_range = sel.empty() || (*std::min_element(sel.begin(), sel.end()) >= 0 &&
+                                          *std::max_element(sel.begin(), sel.end()) < n);
+    if (!sorted_unique || !in_range) {
+      if (!a.warned_selection) {
+        std::fprintf(stderr,
+                     "kvsieve: warning: %s: kvs_session_last_selection returned %s at layer %u, step "
+                     "%lld (expected ascending unique indices in [0, %lld)); scoring the valid part\n",
+                     r.name.c_str(), in_range ? "unsorted or repeated indices" : "indices out of range",
+                     layer, static_cast<long long>(t), static_cast<long long>(n));
+        a.warned_selection = true;
+      }
+      sel.erase(std::remove_if(sel.begin(), sel.end(), [n](int32_t j) { return j < 0 || j >= n; }), sel.end());
+      std::sort(sel.begin(), sel.end());
+      sel.erase(std::unique(sel.begin(), sel.end()), sel.end());
+    }
+    const int64_t k = int64_t(sel.size());
+    const int32_t* rank = ex.ranks(g);
+    int64_t hits = 0;
+    for (int32_t j : sel) hits += rank[j] < k;
+    a.recall += k > 0 ? double(hits) / double(k) : 0.0;
+    a.kept += double(k) / double(n);
+    ++a.recall_n;
+
+    for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+      const double* p = ex.probs(h);
+      double m = 0.0;
+      for (int32_t j : sel) m += p[j];
+      a.mass += m;
+
+      const double* ref = ex.output(h);
+      double diff2 = 0.0, ref2 = 0.0;
+      bool finite = std::isfinite(lse[size_t(h)]);
+      for (int64_t i = 0; i < d; ++i) {
+        const double x = o[size_t(h * d + i)];
+        finite = finite && std::isfinite(x);
+        diff2 += (x - ref[i]) * (x - ref[i]);
+        ref2 += ref[i] * ref[i];
+      }
+      if (finite) {
+        a.errs.push_back(std::sqrt(diff2) / std::max(std::sqrt(ref2), std::numeric_limits<double>::min()));
+        a.lse += std::abs(double(lse[size_t(h)]) - ex.lse[size_t(h)]);
+      } else {
+        a.errs.push_back(std::numeric_limits<double>::infinity());
+        a.lse += std::numeric_limits<double>::infinity();
+        ++a.nonfinite;
+      }
+      ++a.head_n;
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<std::string> resolve_methods(const std::string& list, int32_t backend) {
+  const auto registered = registered_methods();
+  std::vector<std::string> out, unknown;
+  auto add = [&](const std::string& m) {
+    if (std::find(out.begin(), out.end(), m) == out.end()) out.push_back(m);
+  };
+  const auto items = split(list, ',');
+  if (items.empty()) throw UsageError("--methods is empty");
+  for (const auto& item : items) {
+    if (item == "all") {
+      for (const auto& m : registered) {
+        if (kvs_method_backends(m.c_str()) & (1u << backend))
+          add(m);
+        else
+          std::fprintf(stderr, "kvsieve: note: skipping %s (no %s backend)\n", m.c_str(), backend_name(backend));
+      }
+    } else if (std::find(registered.begin(), registered.end(), item) != registered.end()) {
+      add(item);
+    } else {
+      unknown.push_back(item);
+    }
+  }
+  if (!unknown.empty())
+    throw UsageError(std::string(unknown.size() == 1 ? "unknown method " : "unknown methods ") +
+                     join(unknown, ", ") + " (available: " + join(registered, ", ") + ")");
+  if (out.empty()) throw UsageError(std::string("no method supports the ") + backend_name(backend) + " backend");
+  return out;
+}
+
+std::map<std::string, std::string> parse_method_params(const std::vector<std::string>& specs,
+                                                       const std::vector<std::string>& methods) {
+  std::map<std::string, std::string> out;
+  for (const auto& spec : specs) {
+    std::string current;
+    for (const auto& item : split(spec, ',')) {
+      const size_t colon = item.find(':'), eq = item.find('=');
+      std::string kv = item;
+      if (colon != std::string::npos && (eq == std::string::npos || colon < eq)) {
+        current = item.substr(0, colon);
+        kv = item.substr(colon + 1);
+        if (std::find(methods.begin(), methods.end(), current) == methods.end())
+          throw UsageError("--params names method '" + current + "', which is not being evaluated (" +
+                           join(methods, ", ") + ")");
+      }
+      if (current.empty())
+        throw UsageError("--params: '" + item + "' does not name a method (expected method:key=value)");
+      if (kv.find('=') == std::string::npos || kv.front() == '=')
+        throw UsageError("--params: '" + item + "' is not key=value");
+      auto& dst = out[current];
+      if (!dst.empty()) dst += ',';
+      dst += kv;
+    }
+  }
+  return out;
+}
+
+EvalReport run_eval(const EvalOptions& opts) {
+  if (!(opts.budget > 0.0 && opts.budget <= 1.0)) throw UsageError("--budget must be in (0, 1]");
+  if (opts.methods.empty()) throw UsageError("no method to evaluate");
+  Trace trace(opts.trace);
+  const kvs_trace_info& info = trace.info();
+  const int64_t P = info.prefill_len, T = info.total_len;
+  if (T <= P)
+    throw CliError(strfmt("trace '%s' has no decode step (prefill_len %lld = total_len %lld)",
+                          opts.trace.c_str(), static_cast<long long>(P), static_cast<long long>(T)));
+  if (P < 1) throw CliError("trace '" + opts.trace + "' has an empty prompt (prefill_len 0)");
+  const int64_t steps = opts.max_steps > 0 ? std::min(opts.max_steps, T - P) : T - P;
+  const unsigned threads = resolve_threads(opts.threads);
+  const double scale = trace.softmax_scale();
+
+  std::vector<LayerData> layers;
+  for (uint32_t l : trace.present_layers())
+    layers.push_back({l, trace.tensor(l, "q"), trace.tensor(l, "k"), trace.tensor(l, "v")});
+
+  // `full` runs first and always: its step time is the yardstick of the speed column.
+  std::vector<Runner> runners;
+  const bool full_reported = std::find(opts.methods.begin(), opts.methods.end(), "full") != opts.methods.end();
+  runners.push_back(Runner{"full", full_reported, nullptr, {}});
+  for (const auto& m : opts.methods)
+    if (m != "full") runners.push_back(Runner{m, true, nullptr, {}});
+
+  {
+    Progress bar("prefill + index", int64_t(runners.size() * (layers.size() + 1)));
+    for (auto& r : runners) {
+      kvs_session_params p = session_params_for(info);
+      p.method = r.name.c_str();
+      const auto it = opts.method_params.find(r.name);
+      p.method_params = it != opts.method_params.end() ? it->second.c_str() : nullptr;
+      p.budget = opts.budget;
+      p.backend = opts.backend;
+      p.num_threads = opts.threads;
+      r.session = std::make_unique<Session>(p, r.name);
+      for (const auto& L : layers) {
+        r.session->prefill(L.layer, L.q.rows_view(0, P), L.k.rows_view(0, P), L.v.rows_view(0, P));
+        bar.advance();
+      }
+      r.session->build_index();
+      bar.advance();
+    }
+  }
+
+  const int64_t hq = info.num_q_heads, d = info.head_dim;
+  std::vector<float> o(size_t(hq * d)), lse(size_t(hq));
+  const Tensor o_t(o.data(), DType::F32, {hq, d});
+  const Tensor lse_t(lse.data(), DType::F32, {hq});
+  std::vector<int32_t> sel;
+  sel.reserve(size_t(T));
+  ExactAttention ex;
+  for (auto& r : runners) r.acc.errs.reserve(size_t(steps) * layers.size() * size_t(hq));
+
+  {
+    Progress bar("replaying", steps * int64_t(layers.size()));
+    for (int64_t s = 0; s < steps; ++s) {
+      const int64_t t = P + s;
+      for (const auto& L : layers) {
+        exact_attention(L.q, L.k, L.v, t, scale, /*want_ranks=*/true, threads, ex);
+        const Tensor qt = L.q.row_view(t), kt = L.k.row_view(t), vt = L.v.row_view(t);
+        for (auto& r : runners) {
+          const auto t0 = Clock::now();
+          r.session->decode(L.layer, qt, kt, vt, o_t, &lse_t);
+          r.acc.time_us += std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+          ++r.acc.calls;
+          score_step(r, ex, L.layer, t, o, lse, sel);
+        }
+        bar.advance();
+      }
+    }
+  }
+
+  EvalReport rep;
+  rep.trace = opts.trace;
+  rep.steps = steps;
+  rep.layers = layers.size();
+  const double full_us = mean(runners.front().acc.time_us, runners.front().acc.calls);
+  const double full_err = mean(std::accumulate(runners.front().acc.errs.begin(), runners.front().acc.errs.end(), 0.0),
+                               int64_t(runners.front().acc.errs.size()));
+  if (!(full_err <= kFullTolerance))
+    std::fprintf(stderr,
+                 "kvsieve: warning: `full` differs from the float64 reference by %.3g on average "
+                 "(expected below %.0e): dense attention in the library (or the trace reading) is wrong, "
+                 "so every error below is suspect\n",
+                 full_err, kFullTolerance);
+  for (const auto& m : opts.methods) {
+    const auto it = std::find_if(runners.begin(), runners.end(), [&](const Runner& r) { return r.name == m; });
+    const Accum& a = it->acc;
+    MethodResult res;
+    res.name = m;
+    res.budget = opts.budget;
+    res.recall_at_k = mean(a.recall, a.recall_n);
+    res.mass_recall = mean(a.mass, a.head_n);
+    double err_sum = 0.0;
+    for (double e : a.errs) err_sum += e;
+    res.output_rel_err = mean(err_sum, int64_t(a.errs.size()));
+    res.output_rel_err_p95 = percentile(a.errs, 95.0);
+    res.lse_abs_err = mean(a.lse, a.head_n);
+    res.step_us = mean(a.time_us, a.calls);
+    res.full_step_us = full_us;
+    res.kept_fraction = mean(a.kept, a.recall_n);
+    res.nonfinite = a.nonfinite;
+    if (a.nonfinite > 0)
+      std::fprintf(stderr, "kvsieve: warning: %s returned %lld non-finite outputs (counted as infinite error)\n",
+                   m.c_str(), static_cast<long long>(a.nonfinite));
+    rep.methods.push_back(res);
+  }
+  return rep;
+}
+
+std::string render_eval_table(const EvalReport& r) {
+  TextTable table({"method", "budget", "kept", "recall@k", "mass recall", "out err", "out err p95",
+                   "lse err", "step us", "speed vs full"},
+                  {false, true, true, true, true, true, true, true, true, true});
+  for (const auto& m : r.methods) {
+    table.add_row({m.name, strfmt("%.3g", m.budget), strfmt("%.1f%%", 100.0 * m.kept_fraction),
+                   strfmt("%.3f", m.recall_at_k), strfmt("%.3f", m.mass_recall),
+                   strfmt("%.2e", m.output_rel_err), strfmt("%.2e", m.output_rel_err_p95),
+                   strfmt("%.2e", m.lse_abs_err), strfmt("%.1f", m.step_us),
+                   m.step_us > 0 ? strfmt("%.2fx", m.full_step_us / m.step_us) : std::string("-")});
+  }
+  return table.render();
+}
+
+nlohmann::json eval_json(const EvalReport& r) {
+  nlohmann::json methods = nlohmann::json::array();
+  for (const auto& m : r.methods) {
+    methods.push_back({{"name", m.name},
+                       {"budget", m.budget},
+                       {"recall_at_k", m.recall_at_k},
+                       {"mass_recall", m.mass_recall},
+                       {"output_rel_err", m.output_rel_err},
+                       {"output_rel_err_p95", m.output_rel_err_p95},
+                       {"lse_abs_err", m.lse_abs_err},
+                       {"step_us", m.step_us},
+                       {"full_step_us", m.full_step_us}});
+  }
+  return {{"trace", r.trace}, {"steps", r.steps}, {"methods", std::move(methods)}};
+}
+
+}  // namespace kvcli

@@ -1,0 +1,59 @@
+// Trace replay against a float64 reference (DESIGN.md "Evaluation"), shared by `eval` and `demo`.
+#pragma once
+
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "common.hpp"
+
+namespace kvcli {
+
+struct EvalOptions {
+  std::string trace;
+  std::vector<std::string> methods;                 // registry names, in report order
+  std::map<std::string, std::string> method_params;  // method -> "key=value,..."
+  double budget = 0.05;
+  int32_t backend = KVS_BACKEND_CPU;
+  unsigned threads = 0;  // library and reference threads; 0 = all
+  int64_t max_steps = 0;  // 0 = every decode step of the trace
+};
+
+struct MethodResult {
+  std::string name;
+  double budget = 0;
+  double recall_at_k = 0;         // mean over steps, layers, KV heads
+  double mass_recall = 0;         // mean over steps, layers, query heads
+  double output_rel_err = 0;      // mean over steps, layers, query heads
+  double output_rel_err_p95 = 0;  // 95th percentile of the same samples
+  double lse_abs_err = 0;         // mean over steps, layers, query heads
+  double step_us = 0;             // mean time of one kvs_session_decode call (one layer, one token)
+  double full_step_us = 0;        // the same for `full`, measured in the same run
+  double kept_fraction = 0;       // mean |S| / (t + 1), not in the JSON
+  int64_t nonfinite = 0;          // outputs with NaN/inf (counted as error inf)
+};
+
+struct EvalReport {
+  std::string trace;
+  int64_t steps = 0;  // decode steps replayed per layer
+  size_t layers = 0;  // present layers replayed
+  std::vector<MethodResult> methods;
+};
+
+// Resolves a --methods list: "all" (alone or as an item) expands to every registered method that
+// supports `backend`; unknown names fail with a UsageError listing the available ones.
+std::vector<std::string> resolve_methods(const std::string& list, int32_t backend);
+
+// Parses "--params method:key=value,key=value,other:key=value" (items without "method:" continue
+// the previous method). Every method named must be in `methods`.
+std::map<std::string, std::string> parse_method_params(const std::vector<std::string>& specs,
+                                                       const std::vector<std::string>& methods);
+
+EvalReport run_eval(const EvalOptions& opts);
+
+std::string render_eval_table(const EvalReport& r);
+// Exactly the keys of DESIGN.md.
+nlohmann::json eval_json(const EvalReport& r);
+
+}  // namespace kvcli
