@@ -32,13 +32,12 @@ int run_eval_command(const EvalCliOptions& c) {
   o.max_steps = c.steps;
 
   const EvalReport rep = run_eval(o);
-  Trace trace(c.trace);  // for the header line only; cheap (memory-mapped)
-  const auto& info = trace.info();
+  const auto& info = rep.info;
   std::printf("eval %s: %lld decode steps x %zu layers after a %lld-token prompt; %u q heads, %u kv heads, "
               "d %u, %s; budget %g; %s backend, %u threads\n\n",
               c.trace.c_str(), static_cast<long long>(rep.steps), rep.layers,
               static_cast<long long>(info.prefill_len), info.num_q_heads, info.num_kv_heads,
-              info.head_dim, dtype_name(trace.dtype()), c.budget, c.backend.c_str(),
+              info.head_dim, dtype_name(dtype_from_scalar(info.dtype)), c.budget, c.backend.c_str(),
               resolve_threads(c.threads));
   std::fputs(render_eval_table(rep).c_str(), stdout);
   if (!c.json.empty()) {
@@ -58,8 +57,7 @@ Command add_eval_command(CLI::App& root) {
   cmd->add_option("--methods", o->methods, "comma-separated methods, or `all` (every registered one)");
   cmd->add_option("--budget", o->budget, "exact keys per step, as a fraction of the context, (0, 1]");
   cmd->add_option("--params", o->params,
-                  "method parameters: method:key=value,key=value,other:key=value (repeatable)")
-      ->take_all();
+                  "method parameters: method:key=value,key=value,other:key=value (repeatable)");
   cmd->add_option("--backend", o->backend, "cpu, cuda or hybrid");
   cmd->add_option("--threads", o->threads, "library and reference threads (0 = all hardware threads)");
   cmd->add_option("--steps", o->steps, "replay at most this many decode steps (0 = all)");

@@ -235,6 +235,8 @@ EvalReport run_eval(const EvalOptions& opts) {
   rep.trace = opts.trace;
   rep.steps = steps;
   rep.layers = layers.size();
+  rep.info = info;
+  rep.info.source = nullptr;
   const double full_us = mean(runners.front().acc.time_us, runners.front().acc.calls);
   const double full_err = mean(std::accumulate(runners.front().acc.errs.begin(), runners.front().acc.errs.end(), 0.0),
                                int64_t(runners.front().acc.errs.size()));

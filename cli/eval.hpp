@@ -38,6 +38,7 @@ struct EvalReport {
   std::string trace;
   int64_t steps = 0;  // decode steps replayed per layer
   size_t layers = 0;  // present layers replayed
+  kvs_trace_info info{};  // the trace's shape (info.source is not kept)
   std::vector<MethodResult> methods;
 };
 

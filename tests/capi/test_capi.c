@@ -1,1 +1,270 @@
-int main(void){return 0;}
+/* The public header compiled as C99 (-std=c99 -pedantic -Werror), linked against the shared
+ * library: every entry point's error paths, and that a rejected call leaves the session unchanged.
+ * Prints "N passed, M failed" and exits nonzero on any failure. */
+#include <kvsieve/kvsieve.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int passed = 0, failed = 0;
+
+#define CHECK(cond)                                                   \
+  do {                                                                \
+    if (cond) {                                                       \
+      ++passed;                                                       \
+    } else {                                                          \
+      ++failed;                                                       \
+      fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+    }                                                                 \
+  } while (0)
+
+/* Expects err to carry `code` and a message mentioning `word`; frees it. */
+static void expect(kvs_error_t err, int32_t code, const char* word, int line) {
+  const char* msg = kvs_error_message(err);
+  if (err && kvs_error_code(err) == code && (!word || strstr(msg, word))) {
+    ++passed;
+  } else {
+    ++failed;
+    fprintf(stderr, "line %d: expected code %d mentioning '%s', got %d: %s\n", line, (int)code,
+            word ? word : "", err ? (int)kvs_error_code(err) : 0, err ? msg : "(success)");
+  }
+  kvs_error_destroy(err);
+}
+#define EXPECT(call, code, word) expect((call), (code), (word), __LINE__)
+#define OK(call)                                                                 \
+  do {                                                                           \
+    kvs_error_t e_ = (call);                                                     \
+    if (e_) {                                                                    \
+      ++failed;                                                                  \
+      fprintf(stderr, "line %d: unexpected error: %s\n", __LINE__, kvs_error_message(e_)); \
+      kvs_error_destroy(e_);                                                     \
+    } else {                                                                     \
+      ++passed;                                                                  \
+    }                                                                            \
+  } while (0)
+
+enum { HQ = 4, HKV = 2, D = 16, N = 40 };
+
+static kvs_tensor tensor(void* data, int ndim, int64_t* shape, kvs_dtype dt, int32_t device) {
+  kvs_tensor t;
+  t.data = data;
+  t.device.device_type = device;
+  t.device.device_id = 0;
+  t.ndim = ndim;
+  t.dtype = dt;
+  t.shape = shape;
+  t.strides = NULL;
+  t.byte_offset = 0;
+  return t;
+}
+
+static float frand(unsigned* s) {
+  *s = *s * 1103515245u + 12345u;
+  return (float)((*s >> 8) & 0xffff) / 32768.0f - 1.0f;
+}
+
+static void log_fn(int32_t level, const char* line, void* user) {
+  (void)level;
+  (void)line;
+  ++*(int*)user;
+}
+
+int main(void) {
+  kvs_dtype f32 = {KVS_DTYPE_CODE_FLOAT, 32, 1}, i32 = {KVS_DTYPE_CODE_INT, 32, 1};
+  static float q[N * HQ * D], k[N * HKV * D], v[N * HKV * D], o[HQ * D], lse[HQ], o2[HQ * D];
+  unsigned seed = 7;
+  int i;
+  int64_t qs3[3] = {N, HQ, D}, ks3[3] = {N, HKV, D}, qs2[2] = {HQ, D}, ks2[2] = {HKV, D}, ls1[1] = {HQ};
+  int64_t bad3[3] = {N, HQ + 1, D}, bad2[2] = {HKV, D + 1};
+  kvs_tensor tq, tk, tv, dq, dk, dv, dout, dlse, bad;
+  kvs_session_params p;
+  kvs_session_t s = NULL, s2 = NULL;
+  kvs_session_stats st;
+  int64_t ntok = 0;
+  size_t count = 0;
+  int logged = 0;
+  char* json = NULL;
+  kvs_param_info info;
+
+  for (i = 0; i < N * HQ * D; ++i) q[i] = frand(&seed);
+  for (i = 0; i < N * HKV * D; ++i) k[i] = frand(&seed), v[i] = frand(&seed);
+
+  /* versions, errors, registry */
+  CHECK(strlen(kvs_version()) >= 5);
+  CHECK(kvs_abi_version() == KVS_ABI_VERSION);
+  OK(kvs_abi_check(KVS_ABI_VERSION));
+  EXPECT(kvs_abi_check(KVS_ABI_VERSION + 1), KVS_STATUS_ABI_MISMATCH, "ABI");
+  kvs_error_destroy(NULL);
+  CHECK(kvs_error_code(NULL) == KVS_STATUS_OK);
+  CHECK(strcmp(kvs_error_message(NULL), "") == 0);
+  CHECK(kvs_method_count() >= 4);
+  CHECK(kvs_method_name(kvs_method_count()) == NULL);
+  CHECK(kvs_method_doc("quest") != NULL);
+  CHECK(kvs_method_doc("nope") == NULL);
+  CHECK(kvs_method_backends("full") & (1u << KVS_BACKEND_CPU));
+  OK(kvs_method_param_count("quest", &count));
+  CHECK(count >= 1);
+  info.struct_size = sizeof info;
+  OK(kvs_method_param("quest", 0, &info));
+  CHECK(info.name && info.type && info.default_value && info.doc);
+  EXPECT(kvs_method_param("quest", 99, &info), KVS_STATUS_INVALID_ARGUMENT, "i:");
+  EXPECT(kvs_method_param_count("nope", &count), KVS_STATUS_INVALID_ARGUMENT, "nope");
+  EXPECT(kvs_method_param_count(NULL, &count), KVS_STATUS_INVALID_ARGUMENT, "method");
+  EXPECT(kvs_method_param("quest", 0, NULL), KVS_STATUS_INVALID_ARGUMENT, "out");
+  kvs_set_log_callback(log_fn, &logged, KVS_LOG_DEBUG);
+
+  /* create: every bad field is named */
+  kvs_session_params_init(&p);
+  p.num_layers = 2;
+  p.num_q_heads = HQ;
+  p.num_kv_heads = HKV;
+  p.head_dim = D;
+  p.kv_dtype = KVS_SCALAR_F32;
+  p.num_threads = 2;
+  EXPECT(kvs_session_create(NULL, &s), KVS_STATUS_INVALID_ARGUMENT, "params");
+  EXPECT(kvs_session_create(&p, NULL), KVS_STATUS_INVALID_ARGUMENT, "out");
+  p.struct_size = 8;
+  EXPECT(kvs_session_create(&p, &s), KVS_STATUS_INVALID_ARGUMENT, "struct_size");
+  p.struct_size = sizeof p;
+  p.num_q_heads = 3;
+  EXPECT(kvs_session_create(&p, &s), KVS_STATUS_INVALID_ARGUMENT, "num_q_heads");
+  p.num_q_heads = HQ;
+  p.head_dim = 300;
+  EXPECT(kvs_session_create(&p, &s), KVS_STATUS_INVALID_ARGUMENT, "head_dim");
+  p.head_dim = D;
+  p.kv_dtype = 9;
+  EXPECT(kvs_session_create(&p, &s), KVS_STATUS_INVALID_ARGUMENT, "kv_dtype");
+  p.kv_dtype = KVS_SCALAR_F32;
+  p.method = "nope";
+  EXPECT(kvs_session_create(&p, &s), KVS_STATUS_INVALID_ARGUMENT, "nope");
+  p.method = "quest";
+  p.method_params = "page_size=abc";
+  EXPECT(kvs_session_create(&p, &s), KVS_STATUS_INVALID_ARGUMENT, "page_size");
+  p.method_params = "bogus=1";
+  EXPECT(kvs_session_create(&p, &s), KVS_STATUS_INVALID_ARGUMENT, "bogus");
+  p.method_params = NULL;
+  p.budget = 1.5;
+  EXPECT(kvs_session_create(&p, &s), KVS_STATUS_INVALID_ARGUMENT, "budget");
+  p.budget = 0.25;
+  p.backend = 7;
+  EXPECT(kvs_session_create(&p, &s), KVS_STATUS_INVALID_ARGUMENT, "backend");
+  p.backend = KVS_BACKEND_HYBRID;
+  EXPECT(kvs_session_create(&p, &s), KVS_STATUS_UNSUPPORTED, "backend");
+  p.backend = KVS_BACKEND_CPU;
+  p.gemm = 5;
+  EXPECT(kvs_session_create(&p, &s), KVS_STATUS_INVALID_ARGUMENT, "gemm");
+  p.gemm = KVS_GEMM_AUTO;
+  CHECK(s == NULL);
+  OK(kvs_session_create(&p, &s));
+
+  tq = tensor(q, 3, qs3, f32, KVS_DEVICE_CPU);
+  tk = tensor(k, 3, ks3, f32, KVS_DEVICE_CPU);
+  tv = tensor(v, 3, ks3, f32, KVS_DEVICE_CPU);
+
+  /* decode and build before prefill */
+  dq = tensor(q, 2, qs2, f32, KVS_DEVICE_CPU);
+  dk = tensor(k, 2, ks2, f32, KVS_DEVICE_CPU);
+  dv = tensor(v, 2, ks2, f32, KVS_DEVICE_CPU);
+  dout = tensor(o, 2, qs2, f32, KVS_DEVICE_CPU);
+  dlse = tensor(lse, 1, ls1, f32, KVS_DEVICE_CPU);
+  EXPECT(kvs_session_build_index(s, NULL), KVS_STATUS_INVALID_STATE, "prefill");
+  EXPECT(kvs_session_decode(s, 0, &dq, &dk, &dv, &dout, &dlse, NULL), KVS_STATUS_INVALID_STATE, "prefill");
+
+  /* prefill errors: NULL session, layer, NULL tensors, shape, dtype, device; then success */
+  EXPECT(kvs_session_prefill(NULL, 0, &tq, &tk, &tv, NULL, NULL), KVS_STATUS_INVALID_ARGUMENT, "session");
+  EXPECT(kvs_session_prefill(s, 2, &tq, &tk, &tv, NULL, NULL), KVS_STATUS_INVALID_ARGUMENT, "layer");
+  EXPECT(kvs_session_prefill(s, 0, NULL, &tk, &tv, NULL, NULL), KVS_STATUS_INVALID_ARGUMENT, "q");
+  EXPECT(kvs_session_prefill(s, 0, &tq, NULL, &tv, NULL, NULL), KVS_STATUS_INVALID_ARGUMENT, "k");
+  EXPECT(kvs_session_prefill(s, 0, &tq, &tk, NULL, NULL, NULL), KVS_STATUS_INVALID_ARGUMENT, "v");
+  bad = tensor(q, 3, bad3, f32, KVS_DEVICE_CPU);
+  EXPECT(kvs_session_prefill(s, 0, &bad, &tk, &tv, NULL, NULL), KVS_STATUS_INVALID_ARGUMENT, "q: expected shape");
+  bad = tensor(q, 3, qs3, i32, KVS_DEVICE_CPU);
+  EXPECT(kvs_session_prefill(s, 0, &bad, &tk, &tv, NULL, NULL), KVS_STATUS_INVALID_ARGUMENT, "dtype");
+  bad = tensor(k, 3, ks3, f32, KVS_DEVICE_CUDA);
+  EXPECT(kvs_session_prefill(s, 0, &tq, &bad, &tv, NULL, NULL), KVS_STATUS_INVALID_ARGUMENT, "host");
+  bad = tensor(NULL, 3, ks3, f32, KVS_DEVICE_CPU);
+  EXPECT(kvs_session_prefill(s, 0, &tq, &tk, &bad, NULL, NULL), KVS_STATUS_INVALID_ARGUMENT, "data is NULL");
+  OK(kvs_session_layer_tokens(s, 0, &ntok));
+  CHECK(ntok == 0); /* nothing changed */
+  qs3[0] = N - 1; /* prompt: tokens 0..N-2; token N-1 is the decode step */
+  ks3[0] = N - 1;
+  OK(kvs_session_prefill(s, 0, &tq, &tk, &tv, NULL, NULL));
+  EXPECT(kvs_session_prefill(s, 0, &tq, &tk, &tv, NULL, NULL), KVS_STATUS_INVALID_STATE, "append");
+  OK(kvs_session_build_index(s, NULL));
+
+  /* decode errors leave the layer unchanged */
+  dq.data = q + (N - 1) * HQ * D;
+  dk.data = k + (N - 1) * HKV * D;
+  dv.data = v + (N - 1) * HKV * D;
+  EXPECT(kvs_session_decode(s, 1, &dq, &dk, &dv, &dout, &dlse, NULL), KVS_STATUS_INVALID_STATE, "layer 1");
+  EXPECT(kvs_session_decode(s, 5, &dq, &dk, &dv, &dout, &dlse, NULL), KVS_STATUS_INVALID_ARGUMENT, "layer");
+  EXPECT(kvs_session_decode(s, 0, NULL, &dk, &dv, &dout, &dlse, NULL), KVS_STATUS_INVALID_ARGUMENT, "q");
+  EXPECT(kvs_session_decode(s, 0, &dq, &dk, &dv, NULL, &dlse, NULL), KVS_STATUS_INVALID_ARGUMENT, "o");
+  bad = tensor(k, 2, bad2, f32, KVS_DEVICE_CPU);
+  EXPECT(kvs_session_decode(s, 0, &dq, &bad, &dv, &dout, &dlse, NULL), KVS_STATUS_INVALID_ARGUMENT, "k_new");
+  bad = tensor(v, 2, ks2, i32, KVS_DEVICE_CPU);
+  EXPECT(kvs_session_decode(s, 0, &dq, &dk, &bad, &dout, &dlse, NULL), KVS_STATUS_INVALID_ARGUMENT, "v_new");
+  bad = tensor(o, 2, qs2, f32, KVS_DEVICE_CUDA);
+  EXPECT(kvs_session_decode(s, 0, &dq, &dk, &dv, &bad, &dlse, NULL), KVS_STATUS_INVALID_ARGUMENT, "o:");
+  bad = tensor(lse, 1, qs2, f32, KVS_DEVICE_CPU);
+  bad.shape = ks3; /* [N-1] */
+  EXPECT(kvs_session_decode(s, 0, &dq, &dk, &dv, &dout, &bad, NULL), KVS_STATUS_INVALID_ARGUMENT, "lse");
+  OK(kvs_session_layer_tokens(s, 0, &ntok));
+  CHECK(ntok == N - 1);
+  OK(kvs_session_decode(s, 0, &dq, &dk, &dv, &dout, &dlse, NULL));
+  OK(kvs_session_layer_tokens(s, 0, &ntok));
+  CHECK(ntok == N);
+  for (i = 0; i < HQ; ++i) CHECK(isfinite(lse[i]));
+
+  /* append, batch, stats, selection, save/load/fork argument errors */
+  EXPECT(kvs_session_append(s, 1, &tq, &tk, &tv, NULL, NULL), KVS_STATUS_INVALID_STATE, "prefill");
+  EXPECT(kvs_session_append(s, 0, &tq, &tk, NULL, NULL, NULL), KVS_STATUS_INVALID_ARGUMENT, "v");
+  EXPECT(kvs_decode_batch(NULL, 1, 0, &tq, &tk, &tv, &dout, NULL, NULL), KVS_STATUS_INVALID_ARGUMENT, "sessions");
+  EXPECT(kvs_decode_batch(&s, 0, 0, &tq, &tk, &tv, &dout, NULL, NULL), KVS_STATUS_INVALID_ARGUMENT, "count");
+  EXPECT(kvs_decode_batch(&s, 1, 0, &dq, &dk, &dv, &dout, NULL, NULL), KVS_STATUS_INVALID_ARGUMENT, "3 dimensions");
+  EXPECT(kvs_session_get_stats(s, NULL), KVS_STATUS_INVALID_ARGUMENT, "out");
+  st.struct_size = 4;
+  EXPECT(kvs_session_get_stats(s, &st), KVS_STATUS_INVALID_ARGUMENT, "struct_size");
+  st.struct_size = sizeof st;
+  OK(kvs_session_get_stats(s, &st));
+  CHECK(st.tokens == N && st.decode_steps == 1 && st.kv_bytes > 0 && st.index_bytes > 0);
+  CHECK(st.last_selected_keys > 0 && st.last_selected_keys <= N);
+  EXPECT(kvs_session_last_selection(s, 0, HKV, NULL, 0, &count), KVS_STATUS_INVALID_ARGUMENT, "kv_head");
+  EXPECT(kvs_session_last_selection(s, 0, 0, NULL, 4, &count), KVS_STATUS_INVALID_ARGUMENT, "out");
+  EXPECT(kvs_session_last_selection(s, 0, 0, NULL, 0, NULL), KVS_STATUS_INVALID_ARGUMENT, "out_count");
+  OK(kvs_session_last_selection(s, 0, 0, NULL, 0, &count));
+  CHECK(count > 0 && count <= N);
+  { double dv_ = 0; EXPECT(kvs_session_method_stat(s, "nothing", &dv_), KVS_STATUS_INVALID_ARGUMENT, "nothing"); }
+  EXPECT(kvs_session_layer_tokens(s, 9, &ntok), KVS_STATUS_INVALID_ARGUMENT, "layer");
+  EXPECT(kvs_session_save(s, NULL, 0), KVS_STATUS_INVALID_ARGUMENT, "path");
+  EXPECT(kvs_session_save(s, "/nonexistent-dir/x.kvt", 0), KVS_STATUS_IO, NULL);
+  EXPECT(kvs_session_save(s, "x.kvt", 77), KVS_STATUS_INVALID_ARGUMENT, "flags");
+  EXPECT(kvs_session_load(NULL, NULL, &s2), KVS_STATUS_INVALID_ARGUMENT, "path");
+  EXPECT(kvs_session_load("/nonexistent-file.kvt", NULL, &s2), KVS_STATUS_IO, NULL);
+  EXPECT(kvs_session_fork(NULL, &s2), KVS_STATUS_INVALID_ARGUMENT, "session");
+  EXPECT(kvs_session_fork(s, NULL), KVS_STATUS_INVALID_ARGUMENT, "out");
+  CHECK(s2 == NULL);
+  EXPECT(kvs_tables_describe(NULL, &json), KVS_STATUS_INVALID_ARGUMENT, "path");
+  EXPECT(kvs_trace_open(NULL, NULL), KVS_STATUS_INVALID_ARGUMENT, NULL);
+
+  /* a fork decodes the same next token to the same output */
+  OK(kvs_session_fork(s, &s2));
+  dq.data = q;
+  dk.data = k;
+  dv.data = v;
+  OK(kvs_session_decode(s, 0, &dq, &dk, &dv, &dout, NULL, NULL));
+  dout.data = o2;
+  OK(kvs_session_decode(s2, 0, &dq, &dk, &dv, &dout, NULL, NULL));
+  CHECK(memcmp(o, o2, sizeof o) == 0);
+
+  kvs_session_destroy(s);
+  kvs_session_destroy(s2);
+  kvs_session_destroy(NULL);
+  kvs_string_free(NULL);
+  kvs_set_log_callback(NULL, NULL, KVS_LOG_WARN);
+
+  printf("%d passed, %d failed\n", passed, failed);
+  return failed ? 1 : 0;
+}

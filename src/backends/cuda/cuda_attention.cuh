@@ -116,8 +116,10 @@ Status merge_states(const float* o_a, const float* lse_a, const float* o_b, cons
 // of the min(k, lengths[b]) highest scores to out_indices[(b * Hkv + h) * k + i], SORTED by
 // descending score, ties by ascending token index; slots past the count are set to -1.
 // out_counts[b * Hkv + h] = min(k, lengths[b]) (device int32 [B, Hkv]; may be null).
-// Query dtype F32 or the KV dtype. Uses CUB's segmented sort; workspace holds logits, scores and
-// the sort's scratch (about (Hq + 4*Hkv) * 4 * B * max_length bytes plus CUB's need).
+// Query dtype F32 or the KV dtype. Steps: logits (one pass over K), per-head LSE, group scores,
+// one CUB radix sort over all (segment, score) keys, gather. The workspace holds the logits, the
+// sort keys/values and CUB's scratch: about B * max_length * (4*Hq + 24*Hkv) bytes plus CUB's.
+// Requires B * Hkv * max_length < 2^31.
 size_t group_topk_workspace_bytes(const AttnShape& shape, int32_t max_length, int32_t k) noexcept;
 Status group_topk(const AttnShape& shape, const Query& q, const KvCache& kv,
                   const int32_t* lengths, int32_t max_length, int32_t k, int32_t* out_indices,
