@@ -204,7 +204,7 @@ EvalReport run_eval(const EvalOptions& opts) {
   }
 
   const int64_t hq = info.num_q_heads, d = info.head_dim;
-  std::vector<float> o(size_t(hq * d)), lse(size_t(hq));
+  std::vector<float> o(static_cast<size_t>(hq * d)), lse(static_cast<size_t>(hq));
   const Tensor o_t(o.data(), DType::F32, {hq, d});
   const Tensor lse_t(lse.data(), DType::F32, {hq});
   std::vector<int32_t> sel;

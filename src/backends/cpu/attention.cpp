@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 namespace kvs::cpu {
 namespace {
@@ -19,6 +20,7 @@ struct State {
   float* m;    // [G] running max
   float* l;    // [G] running sum of exp(s - m)
   float* acc;  // [G][d] running sum of exp(s - m) v
+  float* corr; // [G] scratch: rescale factor of acc in the current block
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -164,6 +166,118 @@ inline void block_update(State& st, const float* q, DType t, int cnt, KRow krow,
   }
 }
 
+// 8 elements of a row as fp32.
+template <DType T>
+KVS_AVX2 inline __m256 load8(const std::byte* p) {
+  if constexpr (T == DType::BF16)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  else if constexpr (T == DType::F16)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  else
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+}
+
+// Scores of KJ keys at a time for GN (<= 8) query heads: KJ * GN independent FMA chains hide the
+// FMA latency (one chain per head would leave the core waiting on its own results).
+template <DType T, int GN, int KJ>
+KVS_AVX2 inline void score_pass(const float* q, int d, int cnt, const std::byte* const* krows, float* s) {
+  constexpr size_t es = T == DType::F32 ? 4 : 2;
+  int j = 0;
+  for (; j + KJ <= cnt; j += KJ) {
+    __m256 acc[KJ][GN];
+    for (int a = 0; a < KJ; ++a)
+      for (int g = 0; g < GN; ++g) acc[a][g] = _mm256_setzero_ps();
+    for (int c = 0; c < d; c += 8) {
+      for (int a = 0; a < KJ; ++a) {
+        const __m256 kv = load8<T>(krows[j + a] + size_t(c) * es);
+        for (int g = 0; g < GN; ++g) acc[a][g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + size_t(g) * d + c), kv, acc[a][g]);
+      }
+    }
+    for (int a = 0; a < KJ; ++a)
+      for (int g = 0; g < GN; ++g) s[g * kBlock + j + a] = hsum(acc[a][g]);
+  }
+  if constexpr (KJ > 1)
+    if (j < cnt) score_pass<T, GN, 1>(q, d, cnt - j, krows + j, s + j);
+}
+
+// Accumulates p[g][j] v_j into acc[g] for CC column chunks at a time (CC * GN chains); acc is first
+// rescaled by corr[g] (the online-softmax correction of this block).
+template <DType T, int GN, int CC>
+KVS_AVX2 inline void value_pass(float* acc_mem, const float* corr, const float* s, int d, int cnt,
+                                const std::byte* const* vrows, int c_begin) {
+  constexpr size_t es = T == DType::F32 ? 4 : 2;
+  int c = c_begin;
+  for (; c + 8 * CC <= d; c += 8 * CC) {
+    __m256 acc[CC][GN];
+    for (int a = 0; a < CC; ++a)
+      for (int g = 0; g < GN; ++g)
+        acc[a][g] = _mm256_mul_ps(_mm256_set1_ps(corr[g]), _mm256_loadu_ps(acc_mem + size_t(g) * d + c + 8 * a));
+    for (int j = 0; j < cnt; ++j) {
+      for (int a = 0; a < CC; ++a) {
+        const __m256 vv = load8<T>(vrows[j] + size_t(c + 8 * a) * es);
+        for (int g = 0; g < GN; ++g) acc[a][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(s + g * kBlock + j), vv, acc[a][g]);
+      }
+    }
+    for (int a = 0; a < CC; ++a)
+      for (int g = 0; g < GN; ++g) _mm256_storeu_ps(acc_mem + size_t(g) * d + c + 8 * a, acc[a][g]);
+  }
+  if constexpr (CC > 1)
+    if (c < d) value_pass<T, GN, 1>(acc_mem, corr, s, d, cnt, vrows, c);
+}
+
+template <DType T, int GN>
+KVS_AVX2 inline void heads_pass(State& st, const float* q, int g0, int cnt, const std::byte* const* krows,
+                                const std::byte* const* vrows, float* s, bool values) {
+  constexpr int W = GN <= 2 ? 4 : GN <= 4 ? 2 : 1;
+  const int d = st.d;
+  if (!values)
+    score_pass<T, GN, W>(q + size_t(g0) * d, d, cnt, krows, s + g0 * kBlock);
+  else
+    value_pass<T, GN, W>(st.acc + size_t(g0) * d, st.corr + g0, s + g0 * kBlock, d, cnt, vrows, 0);
+}
+
+template <DType T>
+KVS_AVX2 inline void heads_dispatch(State& st, const float* q, int cnt, const std::byte* const* krows,
+                                    const std::byte* const* vrows, float* s, bool values) {
+  for (int g0 = 0; g0 < st.G; g0 += 8) {
+    switch (std::min(8, st.G - g0)) {
+      case 1: heads_pass<T, 1>(st, q, g0, cnt, krows, vrows, s, values); break;
+      case 2: heads_pass<T, 2>(st, q, g0, cnt, krows, vrows, s, values); break;
+      case 3: heads_pass<T, 3>(st, q, g0, cnt, krows, vrows, s, values); break;
+      case 4: heads_pass<T, 4>(st, q, g0, cnt, krows, vrows, s, values); break;
+      case 5: heads_pass<T, 5>(st, q, g0, cnt, krows, vrows, s, values); break;
+      case 6: heads_pass<T, 6>(st, q, g0, cnt, krows, vrows, s, values); break;
+      case 7: heads_pass<T, 7>(st, q, g0, cnt, krows, vrows, s, values); break;
+      default: heads_pass<T, 8>(st, q, g0, cnt, krows, vrows, s, values); break;
+    }
+  }
+}
+
+// The AVX2 block kernel: K is read once per key for all the group's heads, then the online softmax
+// update, then V is read once per block with the output accumulators held in registers.
+template <DType T>
+KVS_AVX2 void avx2_block(State& st, const float* q, int cnt, const std::byte* const* krows,
+                         const std::byte* const* vrows, float* s) {
+  heads_dispatch<T>(st, q, cnt, krows, vrows, s, false);
+  for (int g = 0; g < st.G; ++g) {
+    float* sg = s + g * kBlock;
+    float mx = sg[0];
+    for (int j = 1; j < cnt; ++j) mx = std::max(mx, sg[j]);
+    const float m_new = std::max(st.m[g], mx);
+    float c = 1.f;
+    if (st.m[g] != m_new) {
+      c = st.m[g] == kNegInf ? 0.f : std::exp(st.m[g] - m_new);
+      st.l[g] *= c;
+      st.m[g] = m_new;
+    }
+    st.corr[g] = c;
+    float sum;
+    Avx2::exp_block(sg, cnt, m_new, &sum);
+    st.l[g] += sum;
+  }
+  heads_dispatch<T>(st, q, cnt, krows, vrows, s, true);
+}
+
 bool use_avx2(int d) {
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                           __builtin_cpu_supports("f16c");
@@ -186,14 +300,15 @@ void finish(const State& st, float* o, float* lse) {
 
 // Scratch for one task: state + buffers.
 struct TaskScratch {
-  std::vector<float> m, l, acc, buf, s, q;
+  std::vector<float> m, l, acc, corr, buf, s, q;
   State init(int G, int d) {
     m.assign(size_t(G), kNegInf);
     l.assign(size_t(G), 0.f);
     acc.assign(size_t(G) * d, 0.f);
+    corr.assign(size_t(G), 1.f);
     buf.resize(size_t(d));
     s.resize(size_t(G) * kBlock);
-    return State{G, d, m.data(), l.data(), acc.data()};
+    return State{G, d, m.data(), l.data(), acc.data(), corr.data()};
   }
 };
 
@@ -201,10 +316,27 @@ struct TaskScratch {
 template <class Isa, class KAt, class VAt>
 void run_chunk(State& st, const float* qs, DType t, int64_t begin, int64_t end, KAt kat, VAt vat,
                TaskScratch& sc) {
-  for (int64_t b = begin; b < end; b += kBlock) {
-    const int cnt = int(std::min<int64_t>(kBlock, end - b));
-    block_update<Isa>(st, qs, t, cnt, [&](int j) { return kat(b + j); }, [&](int j) { return vat(b + j); },
-                      sc.buf.data(), sc.s.data());
+  if constexpr (std::is_same_v<Isa, Avx2>) {
+    const std::byte* kr[kBlock];
+    const std::byte* vr[kBlock];
+    for (int64_t b = begin; b < end; b += kBlock) {
+      const int cnt = int(std::min<int64_t>(kBlock, end - b));
+      for (int j = 0; j < cnt; ++j) {
+        kr[j] = kat(b + j);
+        vr[j] = vat(b + j);
+      }
+      switch (t) {
+        case DType::BF16: avx2_block<DType::BF16>(st, qs, cnt, kr, vr, sc.s.data()); break;
+        case DType::F16: avx2_block<DType::F16>(st, qs, cnt, kr, vr, sc.s.data()); break;
+        case DType::F32: avx2_block<DType::F32>(st, qs, cnt, kr, vr, sc.s.data()); break;
+      }
+    }
+  } else {
+    for (int64_t b = begin; b < end; b += kBlock) {
+      const int cnt = int(std::min<int64_t>(kBlock, end - b));
+      block_update<Isa>(st, qs, t, cnt, [&](int j) { return kat(b + j); }, [&](int j) { return vat(b + j); },
+                        sc.buf.data(), sc.s.data());
+    }
   }
 }
 
