@@ -157,6 +157,58 @@ constexpr int decode_smem_bytes() {
   return pipe > red ? pipe : red;
 }
 
+// Final step of a chunk CTA: red_m/red_l [NW*GT] and red_acc [NW*GT, D] (at the start of shared
+// memory, filled by every warp, barrier done) are merged over the warps and written out, either
+// as the final output (nsplit == 1) or as this chunk's normalized partial. Heads past the group
+// are skipped.
+template <typename T, int D, int GT, int NW>
+__device__ __forceinline__ void cta_epilogue(const DecodeArgs& a, const float* red_m,
+                                             const float* red_l, const float* red_acc, int b,
+                                             int kvh, int g0, int split) {
+  for (int e = threadIdx.x; e < GT * D; e += NW * 32) {
+    const int g = e / D, dim = e % D;
+    if (g0 + g >= a.G) continue;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) M = fmaxf(M, red_m[w * GT + g]);
+    float L = 0.f, O = 0.f;
+    if (M != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float f = exp2f(red_m[w * GT + g] - M);
+        L += red_l[w * GT + g] * f;
+        O += red_acc[(w * GT + g) * D + dim] * f;
+      }
+    }
+    const bool empty = !(L > 0.f);
+    const float ov = empty ? 0.f : O / L;
+    const float lv = empty ? -INFINITY : (M + log2f(L)) * kLn2;
+    const int64_t row = int64_t(b) * a.Hq + kvh * a.G + g0 + g;
+    if (a.nsplit == 1) {
+      if (a.o_f32) static_cast<float*>(a.o)[row * D + dim] = ov;
+      else static_cast<T*>(a.o)[row * D + dim] = Cvt<T>::from(ov);
+      if (dim == 0) a.lse[row] = lv;
+    } else {
+      a.o_part[(row * a.nsplit + split) * D + dim] = ov;
+      if (dim == 0) a.lse_part[row * a.nsplit + split] = lv;
+    }
+  }
+}
+
+// A CTA whose chunk is empty (start >= end): in direct mode it still owns the final output.
+template <typename T, int D, int GT, int NW>
+__device__ __forceinline__ void cta_write_empty(const DecodeArgs& a, int b, int kvh, int g0) {
+  if (a.nsplit != 1) return;  // split mode: the merge kernel ignores chunks past the length
+  for (int e = threadIdx.x; e < GT * D; e += NW * 32) {
+    const int g = e / D, dim = e % D;
+    if (g0 + g >= a.G) continue;
+    const int64_t row = int64_t(b) * a.Hq + kvh * a.G + g0 + g;
+    if (a.o_f32) static_cast<float*>(a.o)[row * D + dim] = 0.f;
+    else static_cast<T*>(a.o)[row * D + dim] = Cvt<T>::from(0.f);
+    if (dim == 0) a.lse[row] = -INFINITY;
+  }
+}
+
 template <typename T, int D, int GT, bool GATHER, int NW, int STAGES>
 __global__ void __launch_bounds__(NW * 32) decode_chunk_kernel(const DecodeArgs a) {
   using G_ = Geo<D>;
@@ -177,16 +229,7 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_kernel(const DecodeArgs 
   const int end = min(len, start + a.chunk);
 
   if (start >= end) {  // uniform over the CTA
-    if (a.nsplit == 1) {  // direct mode: this CTA owns the final output, write an empty state
-      for (int e = threadIdx.x; e < GT * D; e += NW * 32) {
-        const int g = e / D, dim = e % D;
-        if (g0 + g >= a.G) continue;
-        const int64_t row = int64_t(b) * a.Hq + kvh * a.G + g0 + g;
-        if (a.o_f32) static_cast<float*>(a.o)[row * D + dim] = 0.f;
-        else static_cast<T*>(a.o)[row * D + dim] = Cvt<T>::from(0.f);
-        if (dim == 0) a.lse[row] = -INFINITY;
-      }
-    }
+    cta_write_empty<T, D, GT, NW>(a, b, kvh, g0);
     return;
   }
 
@@ -352,36 +395,10 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_kernel(const DecodeArgs 
     }
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < GT * D; e += NW * 32) {
-    const int g = e / D, dim = e % D;
-    if (g0 + g >= a.G) continue;
-    float M = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) M = fmaxf(M, red_m[w * GT + g]);
-    float L = 0.f, O = 0.f;
-    if (M != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < NW; ++w) {
-        const float f = exp2f(red_m[w * GT + g] - M);
-        L += red_l[w * GT + g] * f;
-        O += red_acc[(w * GT + g) * D + dim] * f;
-      }
-    }
-    const bool empty = !(L > 0.f);
-    const float ov = empty ? 0.f : O / L;
-    const float lv = empty ? -INFINITY : (M + log2f(L)) * kLn2;
-    const int64_t row = int64_t(b) * a.Hq + kvh * a.G + g0 + g;
-    if (a.nsplit == 1) {
-      if (a.o_f32) static_cast<float*>(a.o)[row * D + dim] = ov;
-      else static_cast<T*>(a.o)[row * D + dim] = Cvt<T>::from(ov);
-      if (dim == 0) a.lse[row] = lv;
-    } else {
-      a.o_part[(row * a.nsplit + split) * D + dim] = ov;
-      if (dim == 0) a.lse_part[row * a.nsplit + split] = lv;
-    }
-  }
+  cta_epilogue<T, D, GT, NW>(a, red_m, red_l, red_acc, b, kvh, g0, split);
 }
 
+@@MMA@@
 // Block-wide reductions for 128 threads.
 template <bool MAX>
 __device__ __forceinline__ float block_reduce128(float x, float* sh) {
