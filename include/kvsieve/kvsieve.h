@@ -83,16 +83,17 @@ KVS_API int32_t kvs_error_code(const struct kvs_error_s* err);
 /** UTF-8 message naming the offending argument and what was expected ("" for NULL). Valid until
  *  kvs_error_destroy. @threadsafety concurrent-const */
 KVS_API const char* kvs_error_message(const struct kvs_error_s* err);
-/** The backend's own code (cudaError_t, dnnl_status_t, errno), 0 if none. */
+/** The backend's own code (cudaError_t, dnnl_status_t, errno), 0 if none. @threadsafety concurrent-const */
 KVS_API int64_t kvs_error_backend_code(const struct kvs_error_s* err);
 /** Frees an error; NULL is a no-op. @threadsafety exclusive */
 KVS_API void kvs_error_destroy(kvs_error_t err);
 
 /** Fails with KVS_STATUS_ABI_MISMATCH when the loaded library was built for another ABI than the
- *  header the caller compiled against. Call as kvs_abi_check(KVS_ABI_VERSION). */
+ *  header the caller compiled against. Call as kvs_abi_check(KVS_ABI_VERSION). @threadsafety any */
 KVS_API kvs_error_t kvs_abi_check(uint32_t header_abi_version);
 
-/** Frees a string the library returned as owned (e.g. from kvs_tables_describe). NULL is a no-op. */
+/** Frees a string the library returned as owned (e.g. from kvs_tables_describe). NULL is a no-op.
+ *  @threadsafety exclusive (on the string) */
 KVS_API void kvs_string_free(char* s);
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -177,7 +178,7 @@ KVS_API size_t kvs_method_count(void);
 KVS_API const char* kvs_method_name(size_t i);
 /** One-line description of a method, NULL if unknown. @threadsafety any */
 KVS_API const char* kvs_method_doc(const char* method);
-/** Backends the method supports, as a bit mask of (1 << kvs_backend). 0 if unknown. */
+/** Backends the method supports, as a bit mask of (1 << kvs_backend). 0 if unknown. @threadsafety any */
 KVS_API uint32_t kvs_method_backends(const char* method);
 /** Number of parameters of a method; fails on an unknown method. @threadsafety any */
 KVS_API kvs_error_t kvs_method_param_count(const char* method, size_t* out_count);
@@ -202,15 +203,15 @@ typedef enum kvs_gemm_provider {
 
 typedef struct kvs_session_params {
   uint32_t struct_size;   /* sizeof(kvs_session_params) */
-  uint32_t num_layers;    /* >= 1 */
-  uint32_t num_q_heads;   /* >= 1, a multiple of num_kv_heads */
-  uint32_t num_kv_heads;  /* >= 1 */
+  uint32_t num_layers;    /* 1 .. 4096 */
+  uint32_t num_q_heads;   /* a multiple of num_kv_heads, <= 8192 */
+  uint32_t num_kv_heads;  /* 1 .. 1024 */
   uint32_t head_dim;      /* 8 .. 256 */
   float softmax_scale;    /* 0 = 1/sqrt(head_dim) */
   int32_t kv_dtype;       /* kvs_scalar_type of the stored K/V; default BF16 */
   int32_t backend;        /* kvs_backend; default CPU */
   int32_t device_id;      /* CUDA device for the cuda/hybrid backends */
-  uint32_t num_threads;   /* CPU worker threads; 0 = all hardware threads */
+  uint32_t num_threads;   /* CPU worker threads, <= 1024; 0 = all hardware threads */
   int32_t gemm;           /* kvs_gemm_provider */
   const char* method;     /* registry name; NULL = "full". Copied. */
   const char* method_params; /* "key=value,key=value" (see kvs_method_param); NULL = defaults. Copied. */
@@ -279,6 +280,7 @@ typedef struct kvs_load_params {
   int32_t gemm;
 } kvs_load_params;
 
+/** Fills defaults (struct_size included). @threadsafety any */
 KVS_API void kvs_load_params_init(kvs_load_params* p);
 
 /** Loads a session saved by kvs_session_save (params may be NULL). The file is memory-mapped; its
@@ -351,22 +353,26 @@ typedef struct kvs_trace_info {
   const char* source;     /* free text; owned by the trace (or the caller when writing) */
 } kvs_trace_info;
 
+/** Fills defaults (struct_size included). @threadsafety any */
 KVS_API void kvs_trace_info_init(kvs_trace_info* info);
 
 /** Opens (memory-maps) and validates a trace. @threadsafety any */
 KVS_API kvs_error_t kvs_trace_open(const char* path, kvs_trace_t* out);
+/** Closes a trace; NULL is a no-op. Views from kvs_trace_tensor die with it. @threadsafety exclusive */
 KVS_API void kvs_trace_destroy(kvs_trace_t t);
 /** @threadsafety concurrent-const */
 KVS_API kvs_error_t kvs_trace_get_info(kvs_trace_t t, kvs_trace_info* out);
-/** The i-th present layer's index (0 <= i < num_present_layers). */
+/** The i-th present layer's index (0 <= i < num_present_layers). @threadsafety concurrent-const */
 KVS_API kvs_error_t kvs_trace_layer_index(kvs_trace_t t, uint32_t i, uint32_t* out_layer);
-/** A view of tensor `name` ("q", "k", "v") of a present layer; the view (data, shape) stays valid
- *  while the trace is open. */
+/** A view of tensor `name` ("q", "k", "v" of a present layer, or "tokens" [T] int32 when the
+ *  trace has them; layer is then ignored); the view (data, shape) stays valid while the trace is
+ *  open. @threadsafety concurrent-const */
 KVS_API kvs_error_t kvs_trace_tensor(kvs_trace_t t, uint32_t layer, const char* name,
                                      kvs_tensor* out);
 
-/** Writes a trace atomically. layers[i] is the layer index of q[i], k[i], v[i] (each [T, H, d], CPU,
- *  contiguous, all of info->dtype). tokens may be NULL or [T] int32. @threadsafety any */
+/** Writes a trace atomically. layers[i] is the layer index of q[i], k[i], v[i] (each [T, H, d], host
+ *  memory (CPU or CUDA_HOST), any strides, all of info->dtype). tokens may be NULL or [T] int32.
+ *  @threadsafety any */
 KVS_API kvs_error_t kvs_trace_write(const char* path, const kvs_trace_info* info,
                                     const uint32_t* layers, size_t num_layers_present,
                                     const kvs_tensor* const* q, const kvs_tensor* const* k,

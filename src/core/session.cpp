@@ -109,6 +109,9 @@ Session::Session(const SessionConfig& cfg, std::shared_ptr<ThreadPool> pool) : c
   }
   if (cfg_.backend == KVS_BACKEND_HYBRID)
     fail(KVS_STATUS_UNSUPPORTED, "params->backend: the hybrid backend is not available yet in this version");
+  logf(LogLevel::Debug, "session: method %s (%s), %u layers, %u/%u heads, d %u, kv %s, %u threads", cfg_.method.c_str(),
+       cfg_.method_params.c_str(), cfg_.shape.num_layers, cfg_.shape.num_q_heads, cfg_.shape.num_kv_heads,
+       cfg_.shape.head_dim, dtype_name(cfg_.shape.kv_dtype), pool_->size());
 }
 
 Session::~Session() = default;
@@ -121,9 +124,16 @@ void Session::check_layer(uint32_t layer, const char* fn) const {
     invalid(std::string(fn) + ": layer: expected 0.." + std::to_string(cfg_.shape.num_layers - 1) + ", got " + L(layer));
 }
 
+int64_t Session::n_tokens(uint32_t layer) const {
+#ifdef KVS_HAVE_CUDA
+  if (cuda_) return cuda_->layer_tokens(layer);
+#endif
+  return layers_[layer].size();
+}
+
 void Session::check_decodable(uint32_t layer, const char* fn) const {
   check_layer(layer, fn);
-  if (layers_[layer].size() == 0)
+  if (n_tokens(layer) == 0)
     fail(KVS_STATUS_INVALID_STATE, std::string(fn) + ": layer " + L(layer) + " has no tokens: call kvs_session_prefill first");
   if (!built_[layer])
     fail(KVS_STATUS_INVALID_STATE, std::string(fn) + ": layer " + L(layer) + " has no index: call kvs_session_build_index after prefill");
@@ -187,7 +197,7 @@ void Session::prefill(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, 
 void Session::build_index(void* stream) {
   bool any = false;
   for (uint32_t l = 0; l < cfg_.shape.num_layers; ++l) {
-    if (layers_[l].size() == 0 || expected_len_[l] >= 0) continue;
+    if (n_tokens(l) == 0 || expected_len_[l] >= 0) continue;
     any = true;
     if (built_[l]) continue;
 #ifdef KVS_HAVE_CUDA
@@ -197,6 +207,7 @@ void Session::build_index(void* stream) {
     built_[l] = 1;
   }
   if (!any) fail(KVS_STATUS_INVALID_STATE, "kvs_session_build_index: no layer has been prefilled (call kvs_session_prefill first)");
+  logf(LogLevel::Info, "%s: index built (%llu bytes)", cfg_.method.c_str(), (unsigned long long)method_->index_bytes());
 }
 
 void Session::append(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, const kvs_tensor* v,
@@ -219,18 +230,16 @@ void Session::append(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, c
   read_f32(vv, vf.data());
   auto& lay = layers_[layer];
   const int64_t n0 = lay.size();
+  std::vector<float> of(o ? size_t(n) * hq * d : 0);
   try {
     lay.append(kf.data(), vf.data(), n);
-    if (o) {
-      std::vector<float> of(size_t(n) * hq * d);
-      causal_outputs(layer, qf.data(), n, n0, of.data());
-      write_f32(ov, of.data());
-    }
+    if (o) causal_outputs(layer, qf.data(), n, n0, of.data());
+    method_->on_append(layer, qf.data(), n, lay, false);
   } catch (...) {
     lay.truncate(n0);
     throw;
   }
-  method_->on_append(layer, qf.data(), n, lay, false);
+  if (o) write_f32(ov, of.data());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -300,8 +309,10 @@ void Session::decode_batch(Session* const* sessions, size_t count, uint32_t laye
     const Session& sb = *sessions[b];
     const auto &a = sb.cfg_.shape, &z = s0.cfg_.shape;
     if (a.num_q_heads != z.num_q_heads || a.num_kv_heads != z.num_kv_heads || a.head_dim != z.head_dim ||
-        a.num_layers != z.num_layers || a.kv_dtype != z.kv_dtype || sb.cfg_.backend != s0.cfg_.backend)
-      invalid("kvs_decode_batch: sessions[" + std::to_string(b) + "]: expected the shape, dtype and backend of sessions[0]");
+        a.num_layers != z.num_layers || a.kv_dtype != z.kv_dtype || a.softmax_scale != z.softmax_scale ||
+        sb.cfg_.backend != s0.cfg_.backend || sb.cfg_.method != s0.cfg_.method)
+      invalid("kvs_decode_batch: sessions[" + std::to_string(b) +
+              "]: expected the shape, dtype, softmax scale, method and backend of sessions[0]");
     for (size_t c = 0; c < b; ++c)
       if (sessions[c] == sessions[b]) invalid("kvs_decode_batch: sessions[" + std::to_string(b) + "] appears twice");
     sb.check_decodable(layer, fn);
@@ -348,7 +359,7 @@ void Session::stats(kvs_session_stats* out) const {
             ", got " + std::to_string(out->struct_size));
   kvs_session_stats st{};
   st.struct_size = sizeof(st);
-  st.tokens = layers_[0].size();
+  st.tokens = n_tokens(0);
   st.decode_steps = decode_steps_;
   for (auto& l : layers_) {
     st.kv_bytes += l.bytes();
@@ -367,10 +378,7 @@ void Session::stats(kvs_session_stats* out) const {
 
 int64_t Session::layer_tokens(uint32_t layer) const {
   check_layer(layer, "kvs_session_layer_tokens");
-#ifdef KVS_HAVE_CUDA
-  if (cuda_) return cuda_->layer_tokens(layer);
-#endif
-  return layers_[layer].size();
+  return n_tokens(layer);
 }
 
 std::vector<int32_t> Session::last_selection(uint32_t layer, uint32_t kv_head) const {
@@ -378,6 +386,9 @@ std::vector<int32_t> Session::last_selection(uint32_t layer, uint32_t kv_head) c
   if (kv_head >= cfg_.shape.num_kv_heads)
     invalid("kvs_session_last_selection: kv_head: expected 0.." + std::to_string(cfg_.shape.num_kv_heads - 1) +
             ", got " + std::to_string(kv_head));
+#ifdef KVS_HAVE_CUDA
+  if (cuda_) return cuda_->last_selection(layer, kv_head);
+#endif
   const Selection& sel = last_sel_[layer];
   std::vector<int32_t> out;
   switch (sel.kind) {
@@ -424,6 +435,10 @@ void Session::save(const std::string& path, uint32_t flags) const {
     invalid("kvs_session_save: flags: expected KVS_SAVE_TABLES (0) or KVS_SAVE_INCLUDE_KV (1), got " + std::to_string(flags));
   if (cuda_) fail(KVS_STATUS_UNSUPPORTED, "kvs_session_save: saving a cuda-backend session is not supported yet");
   const bool with_kv = flags & KVS_SAVE_INCLUDE_KV;
+  for (uint32_t l = 0; l < cfg_.shape.num_layers; ++l)
+    if (expected_len_[l] >= 0 && with_kv)
+      fail(KVS_STATUS_INVALID_STATE, "kvs_session_save: layer " + L(l) +
+                                         " was loaded without KV and not prefilled again; save with KVS_SAVE_TABLES or prefill it first");
   nlohmann::json h;
   h["format"] = "kvsieve-tables";
   h["library_version"] = kvs_version();
@@ -435,7 +450,8 @@ void Session::save(const std::string& path, uint32_t flags) const {
   h["flags"] = {{"kv_included", with_kv}};
   nlohmann::json layers = nlohmann::json::array();
   for (uint32_t l = 0; l < cfg_.shape.num_layers; ++l)
-    layers.push_back({{"tokens", layers_[l].size()}, {"index_built", bool(built_[l])}});
+    layers.push_back({{"tokens", expected_len_[l] >= 0 ? expected_len_[l] : layers_[l].size()},
+                      {"index_built", bool(built_[l])}});
   h["layers"] = layers;
   h["method"]["meta"] = method_->save_meta();
   io::TablesWriter w(h);
@@ -515,6 +531,8 @@ std::unique_ptr<Session> Session::load(const std::string& path, const kvs_load_p
       lay.adopt(std::move(pages), n);
     }
     s->method_->load(*file, h.at("method").value("meta", nlohmann::json::object()));
+    logf(LogLevel::Info, "loaded '%s': method %s, %u layers, KV %s", path.c_str(), method.c_str(), p.num_layers,
+         with_kv ? "mapped from the file" : "to be prefilled again");
     return s;
   } catch (const nlohmann::json::exception& e) {
     fail(KVS_STATUS_FORMAT_INVALID,

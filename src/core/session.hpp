@@ -63,6 +63,7 @@ class Session {
 
  private:
   void check_layer(uint32_t layer, const char* fn) const;
+  int64_t n_tokens(uint32_t layer) const;  // tokens held by the layer on whichever backend
   void check_decodable(uint32_t layer, const char* fn) const;
   void causal_outputs(uint32_t layer, const float* q, int64_t n, int64_t first, float* o);
 

@@ -589,10 +589,15 @@ int main(int argc, char** argv) {
   run_dense(BF, F32, F32, 128, 3, 2, {1000, 5000});   // G not a power of two
   run_dense(BF, F32, F32, 128, 16, 1, {1000, 5000});  // G > 8: two query groups
   run_dense(BF, F32, F32, 64, 6, 3, {2500});
+  run_dense(F16, F32, F32, 128, 8, 2, {L, 17, 1000});  // f16 through the tensor-core kernel
+  run_dense(F16, F16, F16, 64, 8, 1, {3000});
+  run_dense(BF, BF, F32, 128, 8, 8, {g_small ? 3000 : 131072});
+  run_dense(BF, F32, F32, 128, 8, 2, {4000}, 4.f, 1.f);  // peaked softmax, tensor-core kernel
   run_dense(BF, F32, F32, 128, 4, 8, {g_small ? 3000 : 131072});  // the benchmark shape
   run_dense(BF, F32, F32, 128, 4, 2, {2000, 0, 333});  // an empty sequence
   run_dense(BF, F32, F32, 128, 4, 2, {4000}, 4.f, 1.f);  // peaked softmax
-  // The other dense kernel variants (bf16 only; f16 always uses variant 0's configuration).
+  // The other dense kernel variants (bf16 only): 1 = CUDA-core 4x4 for every group size,
+  // 2, 3 = tensor-core kernel for every group size (padding small groups).
   for (int v = 1; v < 4; ++v) {
     if (!kvs::cuda::detail::set_dense_variant(v)) {
       report(false, "set_dense_variant", std::to_string(v));
@@ -612,6 +617,8 @@ int main(int argc, char** argv) {
   for (int D : {64, 128})
     for (int G : {1, 4, 8}) run_gathered(BF, (G & 4) ? BF : F32, (G & 1) ? BF : F32, D, G, 2, 2, g_small ? 1500 : 20000, g_small ? 700 : 3000);
   run_gathered(F16, F32, F32, 128, 4, 2, 3, 5000, 1024);
+  run_gathered(F16, F16, F32, 128, 8, 2, 3, 5000, 1024);
+  run_gathered(BF, F32, F32, 64, 6, 2, 2, 3000, 777);
   run_gathered(BF, F32, F32, 64, 2, 2, 1, 100, 17);
   // Merge
   for (int D : {64, 128, 5}) run_merge(37, D, false);

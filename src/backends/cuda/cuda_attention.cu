@@ -398,7 +398,274 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_kernel(const DecodeArgs 
   cta_epilogue<T, D, GT, NW>(a, red_m, red_l, red_acc, b, kvh, g0, split);
 }
 
-@@MMA@@
+// ---- tensor-core variant for large query groups ----------------------------------------------
+// For G > 4 the CUDA-core kernel above is bound by instruction issue (per key: GT dot products, a
+// shuffle reduction per head, GT exps). This kernel does QK^T and PV with mma.sync m16n8k16:
+// A = the 8 query heads of the group (rows 8..15 zero), B = K^T / V from shared memory via
+// ldmatrix (K tile rows XOR-swizzled in 16-byte chunks so 8 rows hit 8 different bank groups).
+// fp32 accuracy is kept by splitting q and the probabilities p into hi + lo 16-bit parts (two MMAs
+// each), so the result matches the fp32 CUDA-core path to ~1e-6 rather than 16-bit rounding.
+// Fragment layouts (PTX ISA, m16n8k16): lane = 4*r + c; A rows r / r+8, cols 2c.. / 2c+8..;
+// B rows (k) 2c.. / 2c+8.., col (n) r; C rows r / r+8, cols 2c, 2c+1.
+#pragma nv_diag_suppress 550  // d2/d3 below: padding rows of the product, set and dropped
+template <typename T>
+struct Mma;
+template <>
+struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ uint32_t pack(float x0, float x1) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);  // x0 in the low half (lower column)
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return u;
+  }
+  static __device__ __forceinline__ float round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+  // c[0..1] += A * B for an A whose rows 8..15 are zero (a1 = a3 = 0).
+  static __device__ __forceinline__ void mma(float (&c)[2], uint32_t a0, uint32_t a2, uint32_t b0,
+                                             uint32_t b1) {
+    float d2, d3;
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%10,%11,%12,%13};\n"
+        : "=f"(c[0]), "=f"(c[1]), "=f"(d2), "=f"(d3)
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(0.f),
+          "f"(0.f));
+  }
+};
+template <>
+struct Mma<__half> {
+  static __device__ __forceinline__ uint32_t pack(float x0, float x1) {
+    __half2 v = __floats2half2_rn(x0, x1);
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return u;
+  }
+  static __device__ __forceinline__ float round(float x) { return __half2float(__float2half_rn(x)); }
+  static __device__ __forceinline__ void mma(float (&c)[2], uint32_t a0, uint32_t a2, uint32_t b0,
+                                             uint32_t b1) {
+    float d2, d3;
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%10,%11,%12,%13};\n"
+        : "=f"(c[0]), "=f"(c[1]), "=f"(d2), "=f"(d3)
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(0.f),
+          "f"(0.f));
+  }
+};
+
+#pragma nv_diag_default 550
+
+__device__ __forceinline__ void ldsm_x4(const void* p, uint32_t& x0, uint32_t& x1, uint32_t& x2,
+                                        uint32_t& x3) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(x0), "=r"(x1), "=r"(x2), "=r"(x3)
+               : "r"(s)
+               : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_trans(const void* p, uint32_t& x0, uint32_t& x1,
+                                              uint32_t& x2, uint32_t& x3) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(x0), "=r"(x1), "=r"(x2), "=r"(x3)
+               : "r"(s)
+               : "memory");
+}
+
+// Split x into hi + lo, both representable in T (|x - hi - lo| ~ 2^-16 |x| for bf16).
+template <typename T>
+__device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const float h0 = Mma<T>::round(x0), h1 = Mma<T>::round(x1);
+  hi = Mma<T>::pack(h0, h1);
+  lo = Mma<T>::pack(x0 - h0, x1 - h1);
+}
+
+template <typename T, int D, bool GATHER, int NW, int STAGES>
+__global__ void __launch_bounds__(NW * 32) decode_chunk_mma_kernel(const DecodeArgs a) {
+  constexpr int GT = 8;          // query heads per CTA (MMA rows 0..7)
+  constexpr int R = 16;          // keys per warp tile
+  constexpr int TILE = R * D;    // elements of one K (or V) tile
+  constexpr int CPR = D / 8;     // 16-byte chunks per row
+  constexpr int RPP = 32 / CPR;  // rows per copy pass
+  constexpr int PASSES = R / RPP;
+  constexpr int KS = D / 16;     // k-steps of QK^T
+  constexpr int NB = D / 8;      // 8-wide output column blocks of PV
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int qr_ = lane >> 2, qc = lane & 3;  // fragment row / column pair
+  const int split = blockIdx.x;
+  const int kvh = blockIdx.y / a.ngroups, qg = blockIdx.y % a.ngroups;
+  const int b = blockIdx.z;
+  const int g0 = qg * GT;
+
+  int len = GATHER ? a.lengths[b * a.Hkv + kvh] : a.lengths[b];
+  len = min(max(len, 0), a.max_tokens);
+  const int start = split * a.chunk;
+  const int end = min(len, start + a.chunk);
+  if (start >= end) {
+    cta_write_empty<T, D, GT, NW>(a, b, kvh, g0);
+    return;
+  }
+
+  // A fragments of q (pre-scaled into base 2), hi and lo parts; head g0 + qr_ (zero past G).
+  uint32_t qa_hi[KS][2], qa_lo[KS][2];
+  {
+    const bool live = g0 + qr_ < a.G;
+    const int64_t row = int64_t(b) * a.Hq + kvh * a.G + g0 + min(qr_, a.G - 1 - g0);
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int d0 = ks * 16 + h * 8 + qc * 2;
+        float x0, x1;
+        if (a.q_f32) {
+          const float2 v = __ldg(reinterpret_cast<const float2*>(static_cast<const float*>(a.q) + row * D + d0));
+          x0 = v.x;
+          x1 = v.y;
+        } else {
+          const T* qp = static_cast<const T*>(a.q) + row * D + d0;
+          x0 = float(qp[0]);
+          x1 = float(qp[1]);
+        }
+        x0 = live ? x0 * a.qmul : 0.f;
+        x1 = live ? x1 * a.qmul : 0.f;
+        split2<T>(x0, x1, qa_hi[ks][h], qa_lo[ks][h]);
+      }
+  }
+
+  const T* kbase = static_cast<const T*>(a.k[b]) + int64_t(kvh) * a.capacity * D;
+  const T* vbase = static_cast<const T*>(a.v[b]) + int64_t(kvh) * a.capacity * D;
+  const int32_t* idx = GATHER ? a.indices + (int64_t(b) * a.Hkv + kvh) * a.max_tokens : nullptr;
+  const int ntiles = (end - start + R - 1) / R;
+  const int my_tiles = ntiles > warp ? (ntiles - warp + NW - 1) / NW : 0;
+  T* wsm = reinterpret_cast<T*>(smem_raw) + warp * STAGES * 2 * TILE;
+  const int cc = lane % CPR, r0 = lane / CPR;
+
+  auto issue = [&](int j, int stage) {
+    const int tb = start + (warp + j * NW) * R;
+    int src[PASSES];
+#pragma unroll
+    for (int p = 0; p < PASSES; ++p) {
+      const int tok = tb + p * RPP + r0;
+      src[p] = tok < end ? (GATHER ? __ldg(idx + tok) : tok) : -1;
+    }
+    T* ks = wsm + stage * 2 * TILE;
+#pragma unroll
+    for (int p = 0; p < PASSES; ++p) {
+      const int row = p * RPP + r0;
+      const bool ok = src[p] >= 0;
+      const int64_t off = int64_t(ok ? src[p] : 0) * D + cc * 8;
+      const int dst = row * D + ((cc ^ (row & 7)) * 8);
+      cp_async16(ks + dst, kbase + off, ok);
+      cp_async16(ks + TILE + dst, vbase + off, ok);
+    }
+  };
+
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) {
+    if (st < my_tiles) issue(st, st);
+    cp_async_commit();
+  }
+
+  float m = -INFINITY, l = 0.f;  // head g0 + qr_; l is this lane's partial sum (quad-reduced at end)
+  float acc[NB][2];
+#pragma unroll
+  for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = 0.f;
+
+  for (int j = 0; j < my_tiles; ++j) {
+    __syncwarp();  // every lane is done reading the stage refilled below
+    const int jn = j + STAGES - 1;
+    if (jn < my_tiles) issue(jn, jn % STAGES);
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();
+    __syncwarp();  // other lanes' copies of tile j are visible to this lane's ldmatrix
+
+    const T* ks = wsm + (j % STAGES) * 2 * TILE;
+    const T* vs = ks + TILE;
+    const int tb = start + (warp + j * NW) * R;
+
+    // S = Q K^T for 2 blocks of 8 keys: sc[nb] = scores of keys nb*8 + 2qc, +1 for head qr_.
+    float sc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+      for (int kk = 0; kk < D / 32; ++kk) {
+        const int row = nb * 8 + (lane & 7);
+        const int chunk = 4 * kk + (lane >> 3);
+        uint32_t x0, x1, x2, x3;
+        ldsm_x4(ks + row * D + ((chunk ^ (lane & 7)) * 8), x0, x1, x2, x3);
+        Mma<T>::mma(sc[nb], qa_hi[2 * kk][0], qa_hi[2 * kk][1], x0, x1);
+        Mma<T>::mma(sc[nb], qa_lo[2 * kk][0], qa_lo[2 * kk][1], x0, x1);
+        Mma<T>::mma(sc[nb], qa_hi[2 * kk + 1][0], qa_hi[2 * kk + 1][1], x2, x3);
+        Mma<T>::mma(sc[nb], qa_lo[2 * kk + 1][0], qa_lo[2 * kk + 1][1], x2, x3);
+      }
+    float s4[4] = {sc[0][0], sc[0][1], sc[1][0], sc[1][1]};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int tok = tb + (i >> 1) * 8 + qc * 2 + (i & 1);
+      if (tok >= end) s4[i] = -INFINITY;
+    }
+    float tmax = fmaxf(fmaxf(s4[0], s4[1]), fmaxf(s4[2], s4[3]));
+    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
+    const float mn = fmaxf(m, tmax);
+    const float mu = mn == -INFINITY ? 0.f : mn;
+    if (mn > m) {
+      const float corr = fast_exp2(m - mu);
+      l *= corr;
+#pragma unroll
+      for (int jb = 0; jb < NB; ++jb) {
+        acc[jb][0] *= corr;
+        acc[jb][1] *= corr;
+      }
+    }
+    m = mn;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      s4[i] = fast_exp2(s4[i] - mu);
+      l += s4[i];
+    }
+    // P as the A operand: keys 2qc,+1 (block 0) and 8+2qc,+1 (block 1) of row qr_.
+    uint32_t pa_hi0, pa_lo0, pa_hi2, pa_lo2;
+    split2<T>(s4[0], s4[1], pa_hi0, pa_lo0);
+    split2<T>(s4[2], s4[3], pa_hi2, pa_lo2);
+#pragma unroll
+    for (int jj = 0; jj < NB / 2; ++jj) {
+      const int trow = ((lane >> 3) & 1) * 8 + (lane & 7);
+      const int chunk = 2 * jj + (lane >> 4);
+      uint32_t y0, y1, y2, y3;
+      ldsm_x4_trans(vs + trow * D + ((chunk ^ (lane & 7)) * 8), y0, y1, y2, y3);
+      Mma<T>::mma(acc[2 * jj], pa_hi0, pa_hi2, y0, y1);
+      Mma<T>::mma(acc[2 * jj], pa_lo0, pa_lo2, y0, y1);
+      Mma<T>::mma(acc[2 * jj + 1], pa_hi0, pa_hi2, y2, y3);
+      Mma<T>::mma(acc[2 * jj + 1], pa_lo0, pa_lo2, y2, y3);
+    }
+  }
+  cp_async_wait<0>();
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+
+  __syncthreads();
+  float* red_m = reinterpret_cast<float*>(smem_raw);
+  float* red_l = red_m + NW * GT;
+  float* red_acc = red_l + NW * GT;
+#pragma unroll
+  for (int jb = 0; jb < NB; ++jb) {
+    red_acc[(warp * GT + qr_) * D + jb * 8 + qc * 2] = acc[jb][0];
+    red_acc[(warp * GT + qr_) * D + jb * 8 + qc * 2 + 1] = acc[jb][1];
+  }
+  if (qc == 0) {
+    red_m[warp * GT + qr_] = m;
+    red_l[warp * GT + qr_] = l;
+  }
+  __syncthreads();
+  cta_epilogue<T, D, GT, NW>(a, red_m, red_l, red_acc, b, kvh, g0, split);
+}
+
+template <typename T, int D, int NW, int STAGES>
+constexpr int mma_smem_bytes() {
+  constexpr int pipe = NW * STAGES * 2 * 16 * D * int(sizeof(T));
+  constexpr int red = NW * 8 * (D + 2) * 4;
+  return pipe > red ? pipe : red;
+}
 // Block-wide reductions for 128 threads.
 template <bool MAX>
 __device__ __forceinline__ float block_reduce128(float x, float* sh) {
@@ -474,31 +741,77 @@ __global__ void __launch_bounds__(128) decode_merge_kernel(const DecodeArgs a, i
 }
 
 // ---- kernel configurations and launch --------------------------------------------------------
-struct Cfg {
-  int nw, stages;
-};
-// Variants for the bf16 d=128 dense path (benchmark knob); index 0 is the default everywhere.
-constexpr Cfg kVariants[] = {{4, 4}, {8, 3}, {4, 3}, {8, 2}};
+// Benchmark knob (bf16 dense only): 0 = the default selection below; 1 = CUDA-core kernel with
+// 4 warps x 4 stages for every group size (the first version); 2 / 3 = tensor-core kernel with
+// 4 warps x 3 / 4 stages for every group size.
+constexpr int kNumVariants = 4;
 std::atomic<int> g_variant{0};
 
+// CTAs per SM (> 0) for kernel fn, or -cudaError_t. Set up once per instantiation and process
+// (assumes every GPU in the process is the same model).
+template <typename Fn>
+int setup_occupancy(Fn fn, int threads, int smem) {
+  cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return -int(e);
+  int n = 0;
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, threads, smem);
+  if (e != cudaSuccess) return -int(e);
+  return std::max(n, 1);
+}
+
+// CUDA-core kernel: GT query heads per CTA.
 template <typename T, int D, int GT, bool GATHER, int NW, int STAGES>
 struct DecodeKernel {
+  static constexpr int kGroupTile = GT;
+  static constexpr int kThreads = NW * 32;
   static constexpr int kSmem = decode_smem_bytes<T, D, GT, NW, STAGES>();
   static constexpr int kTileTokens = Geo<D>::R * NW;
-  // CTAs per SM (> 0), or -cudaError_t. Set up once per process (assumes one GPU model).
+  static constexpr const char* kName = "decode_chunk_kernel";
+  static constexpr void (*kernel)(DecodeArgs) = decode_chunk_kernel<T, D, GT, GATHER, NW, STAGES>;
   static int occupancy() {
-    static const int occ = []() -> int {
-      auto fn = decode_chunk_kernel<T, D, GT, GATHER, NW, STAGES>;
-      cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-      if (e != cudaSuccess) return -int(e);
-      int n = 0;
-      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, NW * 32, kSmem);
-      if (e != cudaSuccess) return -int(e);
-      return std::max(n, 1);
-    }();
+    static const int occ = setup_occupancy(kernel, kThreads, kSmem);
     return occ;
   }
 };
+
+// Tensor-core kernel: 8 query heads per CTA (fewer are padded).
+template <typename T, int D, bool GATHER, int NW, int STAGES>
+struct MmaDecodeKernel {
+  static constexpr int kGroupTile = 8;
+  static constexpr int kThreads = NW * 32;
+  static constexpr int kSmem = mma_smem_bytes<T, D, NW, STAGES>();
+  static constexpr int kTileTokens = 16 * NW;
+  static constexpr const char* kName = "decode_chunk_mma_kernel";
+  static constexpr void (*kernel)(DecodeArgs) = decode_chunk_mma_kernel<T, D, GATHER, NW, STAGES>;
+  static int occupancy() {
+    static const int occ = setup_occupancy(kernel, kThreads, kSmem);
+    return occ;
+  }
+};
+
+// The kernel used for (T, D, group tile, gather) under the current variant; calls f(K{}).
+// Defaults, from the side-by-side runs in docs/perf-cuda.md: dense decode runs the tensor-core
+// kernel for groups of 3+ heads (G=4: 141 vs 148 us, G=8: 143 vs 231 us at 128K on an H200) and
+// the CUDA-core one (8 warps x 3 stages) for G <= 2 (MHA: 483 vs 491 us); gathered decode keeps
+// the CUDA-core kernel (4 x 4) up to 4 heads and the tensor-core one above.
+template <typename T, int D, int GT, bool GATHER, typename F>
+Status with_kernel(F&& f) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && !GATHER) {
+    switch (g_variant.load(std::memory_order_relaxed)) {
+      case 1: return f(DecodeKernel<T, D, GT, GATHER, 4, 4>{});
+      case 2: return f(MmaDecodeKernel<T, D, GATHER, 4, 3>{});
+      case 3: return f(MmaDecodeKernel<T, D, GATHER, 4, 4>{});
+      default: break;
+    }
+  }
+  if constexpr (GATHER) {
+    if constexpr (GT == 8) return f(MmaDecodeKernel<T, D, GATHER, 4, 3>{});
+    else return f(DecodeKernel<T, D, GT, GATHER, 4, 4>{});
+  } else {
+    if constexpr (GT >= 4) return f(MmaDecodeKernel<T, D, GATHER, 4, 3>{});
+    else return f(DecodeKernel<T, D, GT, GATHER, 8, 3>{});
+  }
+}
 
 Status sm_count(int* sms) {
   int dev = 0;
@@ -541,10 +854,10 @@ Status check_shape(const AttnShape& s) {
   return {};
 }
 
-template <typename T, int D, int GT, bool GATHER, int NW, int STAGES>
+template <typename K, typename T, int D>
 Status launch_decode(DecodeArgs a, const AttnShape& s, const Workspace& ws, cudaStream_t st,
                      int per_head) {
-  using K = DecodeKernel<T, D, GT, GATHER, NW, STAGES>;
+  a.ngroups = (a.G + K::kGroupTile - 1) / K::kGroupTile;
   const int occ = K::occupancy();
   if (occ < 0) return cuda_fail(cudaError_t(-occ), "decode kernel setup");
   int sms = 0;
@@ -564,8 +877,8 @@ Status launch_decode(DecodeArgs a, const AttnShape& s, const Workspace& ws, cuda
   }
   if (s.num_kv_heads * a.ngroups > 65535) return unsupported("num_kv_heads too large");
   dim3 grid(p.nsplit, s.num_kv_heads * a.ngroups, s.batch);
-  decode_chunk_kernel<T, D, GT, GATHER, NW, STAGES><<<grid, NW * 32, K::kSmem, st>>>(a);
-  KVS_LAUNCH_CHECK("decode_chunk_kernel launch");
+  K::kernel<<<grid, K::kThreads, K::kSmem, st>>>(a);
+  KVS_LAUNCH_CHECK(K::kName);
   if (p.nsplit > 1) {
     decode_merge_kernel<T, D><<<s.batch * s.num_q_heads, 128, p.nsplit * sizeof(float), st>>>(a, per_head);
     KVS_LAUNCH_CHECK("decode_merge_kernel launch");
@@ -576,15 +889,9 @@ Status launch_decode(DecodeArgs a, const AttnShape& s, const Workspace& ws, cuda
 template <typename T, int D, int GT, bool GATHER>
 Status pick_variant(const DecodeArgs& a, const AttnShape& s, const Workspace& ws, cudaStream_t st,
                     int per_head) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16> && !GATHER) {
-    switch (g_variant.load(std::memory_order_relaxed)) {
-      case 1: return launch_decode<T, D, GT, GATHER, 8, 3>(a, s, ws, st, per_head);
-      case 2: return launch_decode<T, D, GT, GATHER, 4, 3>(a, s, ws, st, per_head);
-      case 3: return launch_decode<T, D, GT, GATHER, 8, 2>(a, s, ws, st, per_head);
-      default: break;
-    }
-  }
-  return launch_decode<T, D, GT, GATHER, 4, 4>(a, s, ws, st, per_head);
+  return with_kernel<T, D, GT, GATHER>([&](auto k) {
+    return launch_decode<decltype(k), T, D>(a, s, ws, st, per_head);
+  });
 }
 
 template <typename T, bool GATHER>
@@ -630,8 +937,7 @@ Status decode_common(const AttnShape& s, const Query& q, const KvCache& kv, cons
   a.Hq = s.num_q_heads;
   a.Hkv = s.num_kv_heads;
   a.G = s.num_q_heads / s.num_kv_heads;
-  a.ngroups = (a.G + group_tile(a.G) - 1) / group_tile(a.G);
-  a.qmul = s.scale * kLog2e;
+  a.qmul = s.scale * kLog2e;  // a.ngroups is set by the launcher from its kernel's group tile
   a.o = out.o;
   a.o_f32 = out.dtype == Scalar::F32;
   a.lse = out.lse;
@@ -858,19 +1164,18 @@ Status dispatch_topk_logits(const TopkArgs& a, int D, cudaStream_t st) {
   return unsupported("head_dim must be 64 or 128");
 }
 
-template <typename K>
-void kernel_info(int* occ, int* tile) {
-  *occ = K::occupancy();
-  *tile = K::kTileTokens;
-}
-// Occupancy and tile of the dense kernel pick_variant would launch.
+// Occupancy, tile and group tile of the dense kernel pick_variant would launch.
 template <int D, int GT>
-void plan_info(bool bf16, int variant, int* occ, int* tile) {
-  if (!bf16) return kernel_info<DecodeKernel<__half, D, GT, false, 4, 4>>(occ, tile);
-  if (variant == 1) return kernel_info<DecodeKernel<__nv_bfloat16, D, GT, false, 8, 3>>(occ, tile);
-  if (variant == 2) return kernel_info<DecodeKernel<__nv_bfloat16, D, GT, false, 4, 3>>(occ, tile);
-  if (variant == 3) return kernel_info<DecodeKernel<__nv_bfloat16, D, GT, false, 8, 2>>(occ, tile);
-  kernel_info<DecodeKernel<__nv_bfloat16, D, GT, false, 4, 4>>(occ, tile);
+void plan_info(bool bf16, int* occ, int* tile, int* gtile) {
+  auto f = [&](auto k) {
+    using K = decltype(k);
+    *occ = K::occupancy();
+    *tile = K::kTileTokens;
+    *gtile = K::kGroupTile;
+    return Status{};
+  };
+  if (bf16) with_kernel<__nv_bfloat16, D, GT, false>(f);
+  else with_kernel<__half, D, GT, false>(f);
 }
 
 }  // namespace
@@ -987,22 +1292,21 @@ int32_t decode_num_splits(const AttnShape& s, int32_t max_tokens, Scalar kv_dtyp
   int sms = 0;
   if (!sm_count(&sms).ok()) return 0;
   const int G = s.num_q_heads / s.num_kv_heads, gt = group_tile(G);
-  const int ngroups = (G + gt - 1) / gt;
-  int occ = 0, tile = 0;
+  int occ = 0, tile = 0, gtile = 1;
   const bool bf = kv_dtype == Scalar::BF16;
-  const int v = g_variant.load(std::memory_order_relaxed);
 #define KVS_CASE(D_, GT_) \
-  if (s.head_dim == D_ && gt == GT_) plan_info<D_, GT_>(bf, v, &occ, &tile);
+  if (s.head_dim == D_ && gt == GT_) plan_info<D_, GT_>(bf, &occ, &tile, &gtile);
   KVS_CASE(64, 1) KVS_CASE(64, 2) KVS_CASE(64, 4) KVS_CASE(64, 8)
   KVS_CASE(128, 1) KVS_CASE(128, 2) KVS_CASE(128, 4) KVS_CASE(128, 8)
 #undef KVS_CASE
   if (occ <= 0) return 0;
+  const int ngroups = (G + gtile - 1) / gtile;
   return make_plan(s.batch * s.num_kv_heads * ngroups, max_tokens, sms, occ, tile).nsplit;
 }
 
 namespace detail {
 bool set_dense_variant(int variant) noexcept {
-  if (variant < 0 || variant >= int(sizeof(kVariants) / sizeof(kVariants[0]))) return false;
+  if (variant < 0 || variant >= kNumVariants) return false;
   g_variant.store(variant, std::memory_order_relaxed);
   return true;
 }

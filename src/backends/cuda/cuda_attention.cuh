@@ -83,8 +83,11 @@ struct Workspace {
 // One query token per sequence attends to tokens [0, lengths[b]) of its own cache.
 // lengths: device int32 [B]; max_length (host) must be >= every lengths[b] (larger lengths are
 // clamped to max_length) and <= capacity. Split-K over KV chunks, a CTA per (chunk, KV head,
-// sequence) serving the whole query group so K and V are read once per KV head; a second kernel
-// merges the chunks (skipped when one chunk suffices). Two launches at most, no host sync.
+// sequence) serving the whole query group (up to 8 heads; larger groups take ceil(G/8) CTAs) so
+// K and V are read once per KV head; a second kernel merges the chunks (skipped when one chunk
+// suffices). Two launches at most, no host sync, no allocation. Groups of more than 4 heads run on
+// tensor cores (mma.sync, q and p split into hi+lo 16-bit parts, fp32 accumulation): with fp16 KV
+// there, |q * scale * log2(e)| must stay below 65504.
 size_t dense_decode_workspace_bytes(const AttnShape& shape, int32_t max_length) noexcept;
 Status dense_decode(const AttnShape& shape, const Query& q, const KvCache& kv,
                     const int32_t* lengths, int32_t max_length, const Output& out,

@@ -1,0 +1,244 @@
+// The cuda backend through the public C API against the CPU backend (the reference), on the GPU
+// machine: full and exact_topk, bf16 and fp16 KV, head dims 64 and 128, GQA, batched decode across
+// sessions of different lengths, and the argument errors specific to the backend.
+// Built into kvsieve_cuda_tests (its main lives in test_cuda_attention.cu, which calls
+// run_session_tests()); skips with the rest when no GPU is present.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/dtype.hpp"
+#include "kvsieve/kvsieve.h"
+
+namespace {
+
+int g_pass = 0, g_fail = 0;
+#define SCHECK(cond, ...)                                   \
+  do {                                                      \
+    if (cond) ++g_pass;                                     \
+    else {                                                  \
+      ++g_fail;                                             \
+      std::printf("FAIL %s:%d: %s ", __FILE__, __LINE__, #cond); \
+      std::printf(__VA_ARGS__);                             \
+      std::printf("\n");                                    \
+    }                                                       \
+  } while (0)
+
+bool ok(kvs_error_t e, const char* what) {
+  if (!e) return true;
+  std::printf("FAIL %s: %s\n", what, kvs_error_message(e));
+  ++g_fail;
+  kvs_error_destroy(e);
+  return false;
+}
+
+struct Tensor {
+  kvs_tensor t{};
+  int64_t shape[3]{};
+  Tensor(void* data, int dev, kvs_dtype dt, std::initializer_list<int64_t> dims) {
+    t.data = data;
+    t.device = kvs_device{dev, 0};
+    t.ndim = int32_t(dims.size());
+    t.dtype = dt;
+    int i = 0;
+    for (auto x : dims) shape[i++] = x;
+    t.shape = shape;
+  }
+};
+
+const kvs_dtype F32{KVS_DTYPE_CODE_FLOAT, 32, 1};
+
+kvs_dtype dt16(kvs_scalar_type s) {
+  return s == KVS_SCALAR_BF16 ? kvs_dtype{KVS_DTYPE_CODE_BFLOAT, 16, 1} : kvs_dtype{KVS_DTYPE_CODE_FLOAT, 16, 1};
+}
+
+std::vector<uint16_t> to16(const std::vector<float>& x, kvs_scalar_type s) {
+  std::vector<uint16_t> r(x.size());
+  for (size_t i = 0; i < x.size(); ++i) r[i] = s == KVS_SCALAR_BF16 ? kvs::f32_to_bf16(x[i]) : kvs::f32_to_f16(x[i]);
+  return r;
+}
+
+template <class T>
+T* upload(const std::vector<T>& h) {
+  T* d = nullptr;
+  cudaMalloc(&d, h.size() * sizeof(T));
+  cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
+  return d;
+}
+
+// One configuration: B sessions per backend with prompt lengths n0 + 37 b, `steps` decode steps.
+void run_case(const char* method, kvs_scalar_type kvdt, int hq, int hkv, int d, int64_t n0, int B, int steps,
+              double budget) {
+  std::mt19937 rng(uint32_t(n0 + d + hq));
+  std::normal_distribution<float> nd;
+  const int64_t T = n0 + 37 * (B - 1) + steps;
+  std::vector<std::vector<float>> q(B), k(B), v(B);
+  for (int b = 0; b < B; ++b) {
+    q[b].resize(size_t(T) * hq * d);
+    k[b].resize(size_t(T) * hkv * d);
+    v[b].resize(size_t(T) * hkv * d);
+    for (auto& x : q[b]) x = nd(rng);
+    for (auto& x : k[b]) x = nd(rng);
+    for (auto& x : v[b]) x = nd(rng);
+    for (int64_t t = 0; t < T; t += 29)
+      for (int i = 0; i < hkv * d; ++i) k[b][size_t(t) * hkv * d + i] *= 3.f;
+  }
+  kvs_session_params p;
+  kvs_session_params_init(&p);
+  p.num_layers = 1;
+  p.num_q_heads = uint32_t(hq);
+  p.num_kv_heads = uint32_t(hkv);
+  p.head_dim = uint32_t(d);
+  p.kv_dtype = kvdt;
+  p.method = method;
+  p.budget = budget;
+  if (B > 1 && std::string(method) == "exact_topk") p.budget_tokens = 128;  // one k for the batch
+  std::vector<kvs_session_t> cpu(B), gpu(B);
+  for (int b = 0; b < B; ++b) {
+    p.backend = KVS_BACKEND_CPU;
+    if (!ok(kvs_session_create(&p, &cpu[b]), "create cpu")) return;
+    p.backend = KVS_BACKEND_CUDA;
+    if (!ok(kvs_session_create(&p, &gpu[b]), "create cuda")) return;
+    const int64_t n = n0 + 37 * b;
+    Tensor tq(q[b].data(), KVS_DEVICE_CPU, F32, {n, hq, d}), tk(k[b].data(), KVS_DEVICE_CPU, F32, {n, hkv, d}),
+        tv(v[b].data(), KVS_DEVICE_CPU, F32, {n, hkv, d});
+    ok(kvs_session_prefill(cpu[b], 0, &tq.t, &tk.t, &tv.t, nullptr, nullptr), "prefill cpu");
+    auto k16 = to16(k[b], kvdt), v16 = to16(v[b], kvdt);
+    uint16_t* dk = upload(k16);
+    uint16_t* dv = upload(v16);
+    float* dq = upload(q[b]);
+    Tensor gq(dq, KVS_DEVICE_CUDA, F32, {n, hq, d}), gk(dk, KVS_DEVICE_CUDA, dt16(kvdt), {n, hkv, d}),
+        gv(dv, KVS_DEVICE_CUDA, dt16(kvdt), {n, hkv, d});
+    ok(kvs_session_prefill(gpu[b], 0, &gq.t, &gk.t, &gv.t, nullptr, nullptr), "prefill cuda");
+    cudaDeviceSynchronize();
+    cudaFree(dk);
+    cudaFree(dv);
+    cudaFree(dq);
+    ok(kvs_session_build_index(cpu[b], nullptr), "build cpu");
+    ok(kvs_session_build_index(gpu[b], nullptr), "build cuda");
+  }
+  cudaStream_t stream;
+  cudaStreamCreate(&stream);
+  double worst = 0, worst_lse = 0;
+  bool sel_equal = true;
+  for (int s = 0; s < steps; ++s) {
+    // Batched on the GPU, one by one on the CPU.
+    std::vector<float> hq_(size_t(B) * hq * d), ref(size_t(B) * hq * d), rlse(size_t(B) * hq);
+    std::vector<uint16_t> hk(size_t(B) * hkv * d), hv(size_t(B) * hkv * d);
+    for (int b = 0; b < B; ++b) {
+      const int64_t t = n0 + 37 * b + s;
+      std::copy(q[b].begin() + t * hq * d, q[b].begin() + (t + 1) * hq * d, hq_.begin() + size_t(b) * hq * d);
+      auto kr = to16(std::vector<float>(k[b].begin() + t * hkv * d, k[b].begin() + (t + 1) * hkv * d), kvdt);
+      auto vr = to16(std::vector<float>(v[b].begin() + t * hkv * d, v[b].begin() + (t + 1) * hkv * d), kvdt);
+      std::copy(kr.begin(), kr.end(), hk.begin() + size_t(b) * hkv * d);
+      std::copy(vr.begin(), vr.end(), hv.begin() + size_t(b) * hkv * d);
+      Tensor tq(q[b].data() + t * hq * d, KVS_DEVICE_CPU, F32, {hq, d});
+      Tensor tk(k[b].data() + t * hkv * d, KVS_DEVICE_CPU, F32, {hkv, d}), tv(v[b].data() + t * hkv * d, KVS_DEVICE_CPU, F32, {hkv, d});
+      Tensor to(ref.data() + size_t(b) * hq * d, KVS_DEVICE_CPU, F32, {hq, d}), tl(rlse.data() + size_t(b) * hq, KVS_DEVICE_CPU, F32, {hq});
+      ok(kvs_session_decode(cpu[b], 0, &tq.t, &tk.t, &tv.t, &to.t, &tl.t, nullptr), "decode cpu");
+    }
+    float* dq = upload(hq_);
+    uint16_t* dk = upload(hk);
+    uint16_t* dv = upload(hv);
+    float *dout = nullptr, *dlse = nullptr;
+    cudaMalloc(&dout, ref.size() * 4);
+    cudaMalloc(&dlse, rlse.size() * 4);
+    cudaMemset(dout, 0xff, ref.size() * 4);  // poison: NaN
+    Tensor gq(dq, KVS_DEVICE_CUDA, F32, {B, hq, d}), gk(dk, KVS_DEVICE_CUDA, dt16(kvdt), {B, hkv, d}),
+        gv(dv, KVS_DEVICE_CUDA, dt16(kvdt), {B, hkv, d}), go(dout, KVS_DEVICE_CUDA, F32, {B, hq, d}),
+        gl(dlse, KVS_DEVICE_CUDA, F32, {B, hq});
+    ok(kvs_decode_batch(gpu.data(), size_t(B), 0, &gq.t, &gk.t, &gv.t, &go.t, &gl.t, stream), "decode_batch cuda");
+    cudaStreamSynchronize(stream);
+    std::vector<float> out(ref.size()), lse(rlse.size());
+    cudaMemcpy(out.data(), dout, out.size() * 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(lse.data(), dlse, lse.size() * 4, cudaMemcpyDeviceToHost);
+    for (int r = 0; r < B * hq; ++r) {
+      double num = 0, den = 0;
+      for (int i = 0; i < d; ++i) {
+        const double a = out[size_t(r) * d + i], b = ref[size_t(r) * d + i];
+        num += (a - b) * (a - b);
+        den += b * b;
+      }
+      const double e = std::sqrt(num / den);
+      worst = std::isnan(e) ? 1e9 : std::max(worst, e);
+      worst_lse = std::max(worst_lse, double(std::fabs(lse[size_t(r)] - rlse[size_t(r)])));
+    }
+    if (std::string(method) == "exact_topk")
+      for (int b = 0; b < B; ++b)
+        for (uint32_t h = 0; h < uint32_t(hkv); ++h) {
+          size_t nc = 0, ng = 0;
+          kvs_session_last_selection(cpu[b], 0, h, nullptr, 0, &nc);
+          kvs_session_last_selection(gpu[b], 0, h, nullptr, 0, &ng);
+          std::vector<int32_t> sc(nc), sg(ng);
+          kvs_session_last_selection(cpu[b], 0, h, sc.data(), nc, &nc);
+          kvs_session_last_selection(gpu[b], 0, h, sg.data(), ng, &ng);
+          // bf16 scores may reorder near-ties: demand at least 95% overlap.
+          size_t common = 0;
+          for (int32_t x : sg) common += std::binary_search(sc.begin(), sc.end(), x);
+          if (nc != ng || common < size_t(0.95 * double(nc))) sel_equal = false;
+        }
+    cudaFree(dq);
+    cudaFree(dk);
+    cudaFree(dv);
+    cudaFree(dout);
+    cudaFree(dlse);
+  }
+  SCHECK(worst < 1e-2, "%s kv=%d hq=%d hkv=%d d=%d n0=%lld B=%d: worst rel err %.3g", method, int(kvdt), hq, hkv, d,
+         (long long)n0, B, worst);
+  SCHECK(worst_lse < 2e-2, "%s: worst lse err %.3g", method, worst_lse);
+  SCHECK(sel_equal, "%s: GPU and CPU selections differ beyond near-ties", method);
+  std::printf("session %-10s kv=%s hq=%d hkv=%d d=%d n0=%lld B=%d steps=%d: rel err %.2e, lse err %.2e\n", method,
+              kvdt == KVS_SCALAR_BF16 ? "bf16" : "f16", hq, hkv, d, (long long)n0, B, steps, worst, worst_lse);
+  cudaStreamDestroy(stream);
+  for (int b = 0; b < B; ++b) {
+    kvs_session_destroy(cpu[b]);
+    kvs_session_destroy(gpu[b]);
+  }
+}
+
+void run_errors() {
+  kvs_session_params p;
+  kvs_session_params_init(&p);
+  p.num_q_heads = 8;
+  p.num_kv_heads = 2;
+  p.head_dim = 96;
+  p.backend = KVS_BACKEND_CUDA;
+  kvs_session_t s = nullptr;
+  kvs_error_t e = kvs_session_create(&p, &s);
+  SCHECK(e && kvs_error_code(e) == KVS_STATUS_UNSUPPORTED, "head_dim 96 on cuda: %s", kvs_error_message(e));
+  kvs_error_destroy(e);
+  p.head_dim = 64;
+  p.method = "quest";
+  e = kvs_session_create(&p, &s);
+  SCHECK(e && kvs_error_code(e) == KVS_STATUS_UNSUPPORTED, "quest on cuda: %s", kvs_error_message(e));
+  kvs_error_destroy(e);
+  p.method = "full";
+  if (!ok(kvs_session_create(&p, &s), "create")) return;
+  std::vector<float> hq(16 * 8 * 64, 0.5f);
+  Tensor host(hq.data(), KVS_DEVICE_CPU, F32, {16, 8, 64});
+  e = kvs_session_prefill(s, 0, &host.t, &host.t, &host.t, nullptr, nullptr);
+  SCHECK(e && kvs_error_code(e) == KVS_STATUS_INVALID_ARGUMENT && std::string(kvs_error_message(e)).find("CUDA") != std::string::npos,
+         "host tensor on cuda: %s", kvs_error_message(e));
+  kvs_error_destroy(e);
+  kvs_session_destroy(s);
+}
+
+}  // namespace
+
+// Returns the number of failures.
+int run_session_tests() {
+  for (auto kv : {KVS_SCALAR_BF16, KVS_SCALAR_F16}) {
+    run_case("full", kv, 32, 8, 128, 5000, 1, 3, 0.0);
+    run_case("full", kv, 8, 8, 64, 1, 1, 3, 0.0);
+    run_case("full", kv, 16, 2, 64, 3000, 3, 3, 0.0);
+    run_case("exact_topk", kv, 32, 8, 128, 8000, 1, 3, 0.05);
+    run_case("exact_topk", kv, 8, 1, 64, 2000, 2, 2, 0.1);
+  }
+  run_errors();
+  std::printf("session tests: %d passed, %d failed\n", g_pass, g_fail);
+  return g_fail;
+}
