@@ -561,6 +561,9 @@ void run_errors() {
 
 }  // namespace
 
+int run_session_tests();
+int run_session_passed();
+
 int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i)
     if (std::string(argv[i]) == "--small") g_small = true;
@@ -629,7 +632,15 @@ int main(int argc, char** argv) {
   run_topk(BF, BF, 128, 4, 2, {3000, 777}, 1000);  // k > one length: padding with -1
   run_topk(F16, F32, 128, 2, 2, {500}, 1);
   if (!g_small) run_topk(BF, F32, 128, 4, 8, {65536}, 2048);
+  std::printf("kernel tests: %d passed, %d failed\n", g_pass, g_fail);
 
-  std::printf("%d passed, %d failed\n", g_pass, g_fail);
-  return g_fail == 0 ? 0 : 1;
+#ifndef KVS_NO_SESSION_TESTS
+  // Sessions through the C API, cuda backend against the CPU backend (test_cuda_session.cu).
+  const int session_failures = run_session_tests();
+  const int session_passed = run_session_passed();
+#else  // the kernels-only build of tools/device/cuda_check.sh
+  const int session_failures = 0, session_passed = 0;
+#endif
+  std::printf("%d passed, %d failed\n", g_pass + session_passed, g_fail + session_failures);
+  return g_fail == 0 && session_failures == 0 ? 0 : 1;
 }

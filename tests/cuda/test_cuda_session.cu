@@ -229,6 +229,8 @@ void run_errors() {
 
 }  // namespace
 
+int run_session_passed() { return g_pass; }
+
 // Returns the number of failures.
 int run_session_tests() {
   for (auto kv : {KVS_SCALAR_BF16, KVS_SCALAR_F16}) {
