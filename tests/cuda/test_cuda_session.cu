@@ -5,6 +5,7 @@
 // run_session_tests()); skips with the rest when no GPU is present.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
