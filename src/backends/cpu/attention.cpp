@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -166,99 +167,9 @@ inline void block_update(State& st, const float* q, DType t, int cnt, KRow krow,
   }
 }
 
-// 8 elements of a row as fp32.
-template <DType T>
-KVS_AVX2 inline __m256 load8(const std::byte* p) {
-  if constexpr (T == DType::BF16)
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-  else if constexpr (T == DType::F16)
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  else
-    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
-}
-
-// Scores of KJ keys at a time for GN (<= 8) query heads: KJ * GN independent FMA chains hide the
-// FMA latency (one chain per head would leave the core waiting on its own results).
-template <DType T, int GN, int KJ>
-KVS_AVX2 inline void score_pass(const float* q, int d, int cnt, const std::byte* const* krows, float* s) {
-  constexpr size_t es = T == DType::F32 ? 4 : 2;
-  int j = 0;
-  for (; j + KJ <= cnt; j += KJ) {
-    __m256 acc[KJ][GN];
-    for (int a = 0; a < KJ; ++a)
-      for (int g = 0; g < GN; ++g) acc[a][g] = _mm256_setzero_ps();
-    for (int c = 0; c < d; c += 8) {
-      for (int a = 0; a < KJ; ++a) {
-        const __m256 kv = load8<T>(krows[j + a] + size_t(c) * es);
-        for (int g = 0; g < GN; ++g) acc[a][g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + size_t(g) * d + c), kv, acc[a][g]);
-      }
-    }
-    for (int a = 0; a < KJ; ++a)
-      for (int g = 0; g < GN; ++g) s[g * kBlock + j + a] = hsum(acc[a][g]);
-  }
-  if constexpr (KJ > 1)
-    if (j < cnt) score_pass<T, GN, 1>(q, d, cnt - j, krows + j, s + j);
-}
-
-// Accumulates p[g][j] v_j into acc[g] for CC column chunks at a time (CC * GN chains); acc is first
-// rescaled by corr[g] (the online-softmax correction of this block).
-template <DType T, int GN, int CC>
-KVS_AVX2 inline void value_pass(float* acc_mem, const float* corr, const float* s, int d, int cnt,
-                                const std::byte* const* vrows, int c_begin) {
-  constexpr size_t es = T == DType::F32 ? 4 : 2;
-  int c = c_begin;
-  for (; c + 8 * CC <= d; c += 8 * CC) {
-    __m256 acc[CC][GN];
-    for (int a = 0; a < CC; ++a)
-      for (int g = 0; g < GN; ++g)
-        acc[a][g] = _mm256_mul_ps(_mm256_set1_ps(corr[g]), _mm256_loadu_ps(acc_mem + size_t(g) * d + c + 8 * a));
-    for (int j = 0; j < cnt; ++j) {
-      for (int a = 0; a < CC; ++a) {
-        const __m256 vv = load8<T>(vrows[j] + size_t(c + 8 * a) * es);
-        for (int g = 0; g < GN; ++g) acc[a][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(s + g * kBlock + j), vv, acc[a][g]);
-      }
-    }
-    for (int a = 0; a < CC; ++a)
-      for (int g = 0; g < GN; ++g) _mm256_storeu_ps(acc_mem + size_t(g) * d + c + 8 * a, acc[a][g]);
-  }
-  if constexpr (CC > 1)
-    if (c < d) value_pass<T, GN, 1>(acc_mem, corr, s, d, cnt, vrows, c);
-}
-
-template <DType T, int GN>
-KVS_AVX2 inline void heads_pass(State& st, const float* q, int g0, int cnt, const std::byte* const* krows,
-                                const std::byte* const* vrows, float* s, bool values) {
-  constexpr int W = GN <= 2 ? 4 : GN <= 4 ? 2 : 1;
-  const int d = st.d;
-  if (!values)
-    score_pass<T, GN, W>(q + size_t(g0) * d, d, cnt, krows, s + g0 * kBlock);
-  else
-    value_pass<T, GN, W>(st.acc + size_t(g0) * d, st.corr + g0, s + g0 * kBlock, d, cnt, vrows, 0);
-}
-
-template <DType T>
-KVS_AVX2 inline void heads_dispatch(State& st, const float* q, int cnt, const std::byte* const* krows,
-                                    const std::byte* const* vrows, float* s, bool values) {
-  for (int g0 = 0; g0 < st.G; g0 += 8) {
-    switch (std::min(8, st.G - g0)) {
-      case 1: heads_pass<T, 1>(st, q, g0, cnt, krows, vrows, s, values); break;
-      case 2: heads_pass<T, 2>(st, q, g0, cnt, krows, vrows, s, values); break;
-      case 3: heads_pass<T, 3>(st, q, g0, cnt, krows, vrows, s, values); break;
-      case 4: heads_pass<T, 4>(st, q, g0, cnt, krows, vrows, s, values); break;
-      case 5: heads_pass<T, 5>(st, q, g0, cnt, krows, vrows, s, values); break;
-      case 6: heads_pass<T, 6>(st, q, g0, cnt, krows, vrows, s, values); break;
-      case 7: heads_pass<T, 7>(st, q, g0, cnt, krows, vrows, s, values); break;
-      default: heads_pass<T, 8>(st, q, g0, cnt, krows, vrows, s, values); break;
-    }
-  }
-}
-
-// The AVX2 block kernel: K is read once per key for all the group's heads, then the online softmax
-// update, then V is read once per block with the output accumulators held in registers.
-template <DType T>
-KVS_AVX2 void avx2_block(State& st, const float* q, int cnt, const std::byte* const* krows,
-                         const std::byte* const* vrows, float* s) {
-  heads_dispatch<T>(st, q, cnt, krows, vrows, s, false);
+// Online-softmax update of a block's scores s[g][0..cnt): new running max, rescale factor of the
+// accumulators (st.corr), running sums; s becomes exp(s - m).
+void softmax_update(State& st, float* s, int cnt) {
   for (int g = 0; g < st.G; ++g) {
     float* sg = s + g * kBlock;
     float mx = sg[0];
@@ -275,14 +186,94 @@ KVS_AVX2 void avx2_block(State& st, const float* q, int cnt, const std::byte* co
     Avx2::exp_block(sg, cnt, m_new, &sum);
     st.l[g] += sum;
   }
-  heads_dispatch<T>(st, q, cnt, krows, vrows, s, true);
 }
 
-bool use_avx2(int d) {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c");
-  return has && d % 8 == 0;
+#define KVS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+
+KVS_AVX512 inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// AVX2 instantiation (8 lanes).
+#define KVS_NS simd8
+#define KVS_TGT KVS_AVX2
+#define VEC __m256
+#define W 8
+#define V_LOADU _mm256_loadu_ps
+#define V_STOREU _mm256_storeu_ps
+#define V_FMA _mm256_fmadd_ps
+#define V_MUL _mm256_mul_ps
+#define V_SET1 _mm256_set1_ps
+#define V_ZERO _mm256_setzero_ps
+#define V_BCAST _mm256_broadcast_ss
+#define V_HSUM hsum
+#define V_LOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16))
+#define V_LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
+#include "backends/cpu/attention_simd.inc"
+#undef KVS_NS
+#undef KVS_TGT
+#undef VEC
+#undef W
+#undef V_LOADU
+#undef V_STOREU
+#undef V_FMA
+#undef V_MUL
+#undef V_SET1
+#undef V_ZERO
+#undef V_BCAST
+#undef V_HSUM
+#undef V_LOAD_BF16
+#undef V_LOAD_F16
+
+// AVX-512 instantiation (16 lanes).
+#define KVS_NS simd16
+#define KVS_TGT KVS_AVX512
+#define VEC __m512
+#define W 16
+#define V_LOADU _mm512_loadu_ps
+#define V_STOREU _mm512_storeu_ps
+#define V_FMA _mm512_fmadd_ps
+#define V_MUL _mm512_mul_ps
+#define V_SET1 _mm512_set1_ps
+#define V_ZERO _mm512_setzero_ps
+#define V_BCAST(p) _mm512_set1_ps(*(p))
+#define V_HSUM hsum512
+#define V_LOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16))
+#define V_LOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))
+#include "backends/cpu/attention_simd.inc"
+#undef KVS_NS
+#undef KVS_TGT
+#undef VEC
+#undef W
+#undef V_LOADU
+#undef V_STOREU
+#undef V_FMA
+#undef V_MUL
+#undef V_SET1
+#undef V_ZERO
+#undef V_BCAST
+#undef V_HSUM
+#undef V_LOAD_BF16
+#undef V_LOAD_F16
+
+enum class Isa { Scalar, Avx2, Avx512 };
+
+// The widest instruction set the CPU has whose vector width divides d (KVS_CPU_ISA=avx2 or scalar
+// caps it, for comparisons).
+Isa pick_isa(int d) {
+  static const Isa best = [] {
+    const char* cap = std::getenv("KVS_CPU_ISA");
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl");
+    if (cap && std::strcmp(cap, "scalar") == 0) return Isa::Scalar;
+    if (cap && std::strcmp(cap, "avx2") == 0) return avx2 ? Isa::Avx2 : Isa::Scalar;
+    return avx512 ? Isa::Avx512 : avx2 ? Isa::Avx2 : Isa::Scalar;
+  }();
+  if (best == Isa::Avx512 && d % 16 == 0) return Isa::Avx512;
+  if (best != Isa::Scalar && d % 8 == 0) return Isa::Avx2;
+  return Isa::Scalar;
 }
+
+bool use_avx2(int d) { return pick_isa(d) != Isa::Scalar; }
 
 // Converts a finished state into (o, lse) for its G heads.
 void finish(const State& st, float* o, float* lse) {
@@ -312,30 +303,37 @@ struct TaskScratch {
   }
 };
 
-// Runs a chunk of keys given as row accessors over [begin, end) for one KV head.
-template <class Isa, class KAt, class VAt>
-void run_chunk(State& st, const float* qs, DType t, int64_t begin, int64_t end, KAt kat, VAt vat,
+template <DType T>
+void simd_block(Isa isa, State& st, const float* q, int cnt, const std::byte* const* kr,
+                const std::byte* const* vr, float* s) {
+  if (isa == Isa::Avx512) simd16::block<T>(st, q, cnt, kr, vr, s);
+  else simd8::block<T>(st, q, cnt, kr, vr, s);
+}
+
+// Runs keys [begin, end) of one KV head (row accessors kat/vat) into the state.
+template <class KAt, class VAt>
+void run_chunk(Isa isa, State& st, const float* qs, DType t, int64_t begin, int64_t end, KAt kat, VAt vat,
                TaskScratch& sc) {
-  if constexpr (std::is_same_v<Isa, Avx2>) {
-    const std::byte* kr[kBlock];
-    const std::byte* vr[kBlock];
+  if (isa == Isa::Scalar) {
     for (int64_t b = begin; b < end; b += kBlock) {
       const int cnt = int(std::min<int64_t>(kBlock, end - b));
-      for (int j = 0; j < cnt; ++j) {
-        kr[j] = kat(b + j);
-        vr[j] = vat(b + j);
-      }
-      switch (t) {
-        case DType::BF16: avx2_block<DType::BF16>(st, qs, cnt, kr, vr, sc.s.data()); break;
-        case DType::F16: avx2_block<DType::F16>(st, qs, cnt, kr, vr, sc.s.data()); break;
-        case DType::F32: avx2_block<DType::F32>(st, qs, cnt, kr, vr, sc.s.data()); break;
-      }
+      block_update<Scalar>(st, qs, t, cnt, [&](int j) { return kat(b + j); }, [&](int j) { return vat(b + j); },
+                           sc.buf.data(), sc.s.data());
     }
-  } else {
-    for (int64_t b = begin; b < end; b += kBlock) {
-      const int cnt = int(std::min<int64_t>(kBlock, end - b));
-      block_update<Isa>(st, qs, t, cnt, [&](int j) { return kat(b + j); }, [&](int j) { return vat(b + j); },
-                        sc.buf.data(), sc.s.data());
+    return;
+  }
+  const std::byte* kr[kBlock];
+  const std::byte* vr[kBlock];
+  for (int64_t b = begin; b < end; b += kBlock) {
+    const int cnt = int(std::min<int64_t>(kBlock, end - b));
+    for (int j = 0; j < cnt; ++j) {
+      kr[j] = kat(b + j);
+      vr[j] = vat(b + j);
+    }
+    switch (t) {
+      case DType::BF16: simd_block<DType::BF16>(isa, st, qs, cnt, kr, vr, sc.s.data()); break;
+      case DType::F16: simd_block<DType::F16>(isa, st, qs, cnt, kr, vr, sc.s.data()); break;
+      case DType::F32: simd_block<DType::F32>(isa, st, qs, cnt, kr, vr, sc.s.data()); break;
     }
   }
 }
@@ -379,7 +377,7 @@ void drive(const KVLayer& kv, const float* q, int heads, int gq, int d, float sc
   const int chunks = int(std::max<int64_t>(1, (max_keys + chunk - 1) / chunk));
   std::vector<float> part_o(size_t(heads) * chunks * gq * d);
   std::vector<float> part_lse(size_t(heads) * chunks * gq);
-  const bool avx = use_avx2(d);
+  const Isa isa = pick_isa(d);
   const DType t = kv.dtype();
   pool.parallel_for(int64_t(heads) * chunks, [&](int64_t task) {
     const int h = int(task / chunks);
@@ -392,10 +390,7 @@ void drive(const KVLayer& kv, const float* q, int heads, int gq, int d, float sc
     for (size_t i = 0; i < sc.q.size(); ++i) sc.q[i] = q[size_t(h) * gq * d + i] * scale;
     auto ka = [&](int64_t i) { return kat(h, i); };
     auto va = [&](int64_t i) { return vat(h, i); };
-    if (b < e) {
-      if (avx) run_chunk<Avx2>(st, sc.q.data(), t, b, e, ka, va, sc);
-      else run_chunk<Scalar>(st, sc.q.data(), t, b, e, ka, va, sc);
-    }
+    if (b < e) run_chunk(isa, st, sc.q.data(), t, b, e, ka, va, sc);
     const size_t slot = size_t(h) * chunks + c;
     finish(st, part_o.data() + slot * gq * d, part_lse.data() + slot * gq);
   });
