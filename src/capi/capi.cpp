@@ -167,7 +167,7 @@ kvs_error_t kvs_decode_batch(kvs_session_t* sessions, size_t count, uint32_t lay
                              const kvs_tensor* lse, void* stream) {
   return guarded([&] {
     need(sessions, "kvs_decode_batch", "sessions");
-    if (count == 0) kvs::invalid("kvs_decode_batch: count: expected >= 1, got 0");
+    if (count == 0 || count > 65536) kvs::invalid("kvs_decode_batch: count: expected 1..65536, got " + std::to_string(count));
     if (!q) kvs::invalid("kvs_decode_batch: q: expected a tensor, got NULL");
     if (q->ndim != 3) kvs::invalid("kvs_decode_batch: q: expected 3 dimensions [count, num_q_heads, head_dim], got ndim " + std::to_string(q->ndim));
     std::vector<kvs::Session*> v(count);

@@ -63,6 +63,9 @@ class Method {
   // After n new tokens were appended to the layer (n = 1 for a decode step, before select).
   // q [n][Hq][d] fp32. decode = true for a decode step, false for kvs_session_append.
   virtual void on_append(uint32_t layer, const float* q, int64_t n, const KVLayer& kv, bool decode) {}
+  // The layer was truncated back to n tokens (a failed call is rolled back): forget indexed state
+  // about tokens >= n.
+  virtual void truncate(uint32_t layer, int64_t n) {}
   // The exact keys to attend for decode query q [Hq][d] over kv (which already holds the new token).
   virtual void select(uint32_t layer, const float* q, const KVLayer& kv, Selection& out) = 0;
   // An extra attention state over keys disjoint from the selection (o [Hq][d], lse [Hq]); return

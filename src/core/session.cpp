@@ -23,6 +23,8 @@ namespace kvs {
 
 namespace {
 std::string L(uint32_t layer) { return std::to_string(layer); }
+// Token indices are int32 in selections and on the GPU.
+constexpr int64_t kMaxLayerTokens = (int64_t(1) << 31) - 1;
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -174,6 +176,8 @@ void Session::prefill(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, 
     fail(KVS_STATUS_INVALID_STATE, "kvs_session_prefill: layer " + L(layer) + " already holds " +
                                        std::to_string(lay.size()) + " tokens; use kvs_session_append for more");
   }
+  if (n > kMaxLayerTokens)
+    invalid("kvs_session_prefill: q: at most " + std::to_string(kMaxLayerTokens) + " tokens per layer, got " + std::to_string(n));
   std::vector<float> qf(static_cast<size_t>(qv.numel())), kf(size_t(kv.numel())), vf(size_t(vv.numel()));
   read_f32(qv, qf.data());
   read_f32(kv, kf.data());
@@ -188,6 +192,7 @@ void Session::prefill(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, 
     }
   } catch (...) {
     lay.truncate(0);
+    method_->truncate(layer, 0);
     throw;
   }
   if (expected_len_[layer] < 0) built_[layer] = 0;
@@ -230,6 +235,8 @@ void Session::append(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, c
   read_f32(vv, vf.data());
   auto& lay = layers_[layer];
   const int64_t n0 = lay.size();
+  if (n > kMaxLayerTokens - n0)
+    invalid("kvs_session_append: q: the layer would exceed " + std::to_string(kMaxLayerTokens) + " tokens");
   std::vector<float> of(o ? size_t(n) * hq * d : 0);
   try {
     lay.append(kf.data(), vf.data(), n);
@@ -237,6 +244,7 @@ void Session::append(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, c
     method_->on_append(layer, qf.data(), n, lay, false);
   } catch (...) {
     lay.truncate(n0);
+    method_->truncate(layer, n0);
     throw;
   }
   if (o) write_f32(ov, of.data());
@@ -285,6 +293,7 @@ void Session::decode_f32(uint32_t layer, const float* q, const float* k, const f
     sum_selected_ += selected;
   } catch (...) {
     lay.truncate(n0);
+    method_->truncate(layer, n0);
     throw;
   }
 }
@@ -343,8 +352,25 @@ void Session::decode_batch(Session* const* sessions, size_t count, uint32_t laye
   read_f32(kv, kf.data());
   read_f32(vv, vf.data());
   for (int64_t b = 0; b < B; ++b)
-    sessions[b]->decode_f32(layer, qf.data() + b * hq * d, kf.data() + b * hkv * d, vf.data() + b * hkv * d,
-                            of.data() + b * hq * d, lf.data() + b * hq);
+    if (sessions[b]->layers_[layer].size() >= kMaxLayerTokens)
+      invalid(std::string(fn) + ": layer " + L(layer) + " of sessions[" + std::to_string(b) + "] is full (" +
+              std::to_string(kMaxLayerTokens) + " tokens)");
+  for (int64_t b = 0; b < B; ++b) {
+    try {
+      sessions[b]->decode_f32(layer, qf.data() + b * hq * d, kf.data() + b * hkv * d, vf.data() + b * hkv * d,
+                              of.data() + b * hq * d, lf.data() + b * hq);
+    } catch (...) {
+      // All or nothing: the sessions already advanced drop their new token again.
+      for (int64_t a = 0; a < b; ++a) {
+        Session& sa = *sessions[a];
+        const int64_t n = sa.layers_[layer].size() - 1;
+        sa.layers_[layer].truncate(n);
+        sa.method_->truncate(layer, n);
+        --sa.decode_steps_;
+      }
+      throw;
+    }
+  }
   write_f32(ov, of.data());
   if (lse) write_f32(lv, lf.data());
 }
@@ -511,7 +537,7 @@ std::unique_ptr<Session> Session::load(const std::string& path, const kvs_load_p
     std::shared_ptr<const void> keep = file;
     for (uint32_t l = 0; l < p.num_layers; ++l) {
       const int64_t n = layers[l].at("tokens").get<int64_t>();
-      if (n < 0) bad("layer " + L(l) + " has a negative token count");
+      if (n < 0 || n > kMaxLayerTokens) bad("layer " + L(l) + " has an invalid token count " + std::to_string(n));
       s->built_[l] = layers[l].at("index_built").get<bool>() ? 1 : 0;
       if (n == 0) continue;
       if (!with_kv) {

@@ -80,8 +80,12 @@ View check_tensor(const kvs_tensor* t, const char* name, std::initializer_list<i
   v.ndim = nd;
   v.dtype = dtype_from_dl(t->dtype, name);
   int i = 0;
+  int64_t total = 1;
   for (int64_t e : expected) {
     const int64_t s = t->shape[i];
+    if (s > (int64_t(1) << 31) || __builtin_mul_overflow(total, s < 0 ? 0 : s, &total) || total > (int64_t(1) << 40))
+      invalid(std::string(name) + ": shape too large (dimension " + std::to_string(i) + " = " + std::to_string(s) +
+              "; at most 2^31 per dimension and 2^40 elements)");
     if (s < 0 || (e >= 0 && s != e) || (e < 0 && s < 1)) {
       View got;
       got.ndim = nd;

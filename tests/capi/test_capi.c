@@ -186,6 +186,11 @@ int main(void) {
   EXPECT(kvs_session_prefill(s, 0, &tq, &bad, &tv, NULL, NULL), KVS_STATUS_INVALID_ARGUMENT, "host");
   bad = tensor(NULL, 3, ks3, f32, KVS_DEVICE_CPU);
   EXPECT(kvs_session_prefill(s, 0, &tq, &tk, &bad, NULL, NULL), KVS_STATUS_INVALID_ARGUMENT, "data is NULL");
+  {
+    int64_t huge[3] = {(int64_t)1 << 61, HQ, D};
+    bad = tensor(q, 3, huge, f32, KVS_DEVICE_CPU);
+    EXPECT(kvs_session_prefill(s, 0, &bad, &tk, &tv, NULL, NULL), KVS_STATUS_INVALID_ARGUMENT, "too large");
+  }
   OK(kvs_session_layer_tokens(s, 0, &ntok));
   CHECK(ntok == 0); /* nothing changed */
   qs3[0] = N - 1; /* prompt: tokens 0..N-2; token N-1 is the decode step */

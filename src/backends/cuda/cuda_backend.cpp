@@ -191,6 +191,7 @@ void CudaBackend::append(uint32_t layer, const kvs_tensor* q, const kvs_tensor* 
   View kv = cuda_view(k, "k", {n, sh.num_kv_heads, sh.head_dim}, device_, {sh.kv_dtype});
   View vv = cuda_view(v, "v", {n, sh.num_kv_heads, sh.head_dim}, device_, {sh.kv_dtype});
   if (o) fail(KVS_STATUS_UNSUPPORTED, "kvs_session_append: o: chunk outputs are not computed by the cuda backend yet; pass NULL");
+  if (n >= (int64_t(1) << 31) - layers_[layer].n) invalid("kvs_session_append: q: the layer would exceed 2^31 tokens");
   reserve(layer, layers_[layer].n + n, stream);
   copy_rows(layer, kv.base, vv.base, n, stream);
 }
@@ -233,7 +234,11 @@ void CudaBackend::decode_batch(Session* const* sessions, size_t count, uint32_t 
   }
   // Append every session's new token, growing all to one capacity (the kernels take one stride).
   int64_t cap = 0, max_len = 0;
-  for (int64_t b = 0; b < B; ++b) cap = std::max(cap, round_capacity(sessions[b]->cuda_->layers_[layer].n + 1));
+  for (int64_t b = 0; b < B; ++b) {
+    const auto& l = sessions[b]->cuda_->layers_[layer];
+    if (l.n + 1 >= (int64_t(1) << 31)) invalid("kvs_decode_batch: layer " + std::to_string(layer) + " is full (2^31 tokens)");
+    cap = std::max({cap, l.cap, round_capacity(l.n + 1)});  // buffers never shrink
+  }
   const size_t row = size_t(d) * dtype_size(sh.kv_dtype);
   for (int64_t b = 0; b < B; ++b) {
     CudaBackend& cb = *sessions[b]->cuda_;

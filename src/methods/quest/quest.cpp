@@ -39,6 +39,13 @@ class Quest final : public Method {
     extend(layer, kv);
   }
   void on_append(uint32_t layer, const float*, int64_t, const KVLayer& kv, bool) override { extend(layer, kv); }
+  void truncate(uint32_t layer, int64_t n) override {
+    if (indexed_[layer] <= n) return;
+    // Drop the pages past n and the partial page holding n: extend() rebuilds it from the keys.
+    const int64_t keep = n / page_;
+    bounds_[layer].resize(size_t(keep) * ctx_.shape.num_kv_heads * 2 * ctx_.shape.head_dim);
+    indexed_[layer] = keep * page_;
+  }
 
   void select(uint32_t layer, const float* q, const KVLayer& kv, Selection& out) override {
     const int64_t n = kv.size();
@@ -105,8 +112,10 @@ class Quest final : public Method {
       if (!meta.contains("indexed_tokens") || !meta["indexed_tokens"].contains(key))
         fail(KVS_STATUS_FORMAT_INVALID, "quest.bounds layer " + key + ": indexed_tokens missing from the header");
       const int64_t n = meta["indexed_tokens"][key].get<int64_t>();
+      if (n < 0 || n > (int64_t(1) << 31))
+        fail(KVS_STATUS_FORMAT_INVALID, "quest.bounds layer " + key + ": invalid indexed_tokens " + std::to_string(n));
       const int64_t pages = (n + page_ - 1) / page_;
-      if (n < 0 || s->length != uint64_t(pages) * per_page * sizeof(float))
+      if (s->length != uint64_t(pages) * per_page * sizeof(float))
         fail(KVS_STATUS_FORMAT_INVALID, "section quest.bounds layer " + key + ": size does not match " +
                                             std::to_string(n) + " indexed tokens");
       bounds_[l].resize(size_t(pages) * per_page);
