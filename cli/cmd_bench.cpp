@@ -2,6 +2,7 @@
 // data of a given shape, alternating the two in one process, beside the machine's measured read
 // bandwidth (DESIGN.md "Performance").
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -152,7 +153,7 @@ int run_bench(const BenchOptions& o) {
   std::printf("  speedup vs full: %.2fx\n", speedup);
 
   if (!o.json.empty()) {
-    const nlohmann::json j = {{"method", o.method},
+    const nlohmann::ordered_json j = {{"method", o.method},
                               {"backend", o.backend},
                               {"context", P},
                               {"q_heads", o.q_heads},
@@ -166,7 +167,7 @@ int run_bench(const BenchOptions& o) {
                               {"speedup_vs_full", speedup},
                               {"index_build_ms", index_ms},
                               {"achieved_GBps", achieved},
-                              {"measured_read_GBps", o.no_membw ? nlohmann::json(nullptr) : nlohmann::json(measured)},
+                              {"measured_read_GBps", o.no_membw ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(measured)},
                               {"index_bytes", st.index_bytes},
                               {"kv_bytes", st.kv_bytes}};
     write_text_file(o.json, j.dump(2) + "\n");

@@ -66,11 +66,14 @@ int run_demo(const DemoOptions& o) {
   std::fputs(render_eval_table(rep).c_str(), stdout);
   write_text_file(json_path, eval_json(rep).dump(2) + "\n");
   std::printf(
-      "\nrecall@k: share of the exact top-|S| keys (by the KV group's summed softmax) that the method "
-      "selected; mass recall: exact softmax weight of the selected keys; out err: ||o - o*|| / ||o*||; "
-      "lse err: |lse - lse*|; step us: one layer's decode call; kept: keys attended / context.\n"
-      "Results in %s (%.1f s). Next: `kvsieve eval --trace %s --methods ... --budget ...`, "
-      "`kvsieve bench --method quest --context 131072`; docs/cli.md.\n",
+      "\n  kept         keys attended / context (compare with the budget)\n"
+      "  recall@k     share of the exact top-|S| keys (by the KV group's summed softmax) selected\n"
+      "  mass recall  exact softmax weight of the selected keys\n"
+      "  out err      ||o - o*|| / ||o*|| against float64 attention (mean and 95th percentile)\n"
+      "  lse err      |lse - lse*|\n"
+      "  step us      one layer's kvs_session_decode call; speed vs full = full's / this\n"
+      "\nResults in %s (%.1f s). Next: `kvsieve eval --trace %s --methods a,b --budget 0.02`,\n"
+      "`kvsieve bench --method quest --context 131072`; see docs/cli.md.\n",
       json_path.c_str(), seconds_since(t0), trace_path.c_str());
   return kExitOk;
 }

@@ -4,6 +4,7 @@
 // purpose: scalars as "key: value", objects as indented blocks, arrays of objects (the section
 // directory) as tables, so a new field shows up without a CLI change.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -41,14 +42,20 @@ bool ends_with(const std::string& s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-std::string scalar_text(const std::string& key, const ojson& v) {
+bool is_size_key(const std::string& key) {
+  return ends_with(key, "bytes") || ends_with(key, "_size") || key == "size" ||
+         key.find("bytes_") != std::string::npos;
+}
+
+// `in_bytes`: the value sits in an object of sizes (e.g. "bytes_by_tag").
+std::string scalar_text(const std::string& key, const ojson& v, bool in_bytes = false) {
   if (v.is_string()) return v.get<std::string>();
   if (v.is_boolean()) return v.get<bool>() ? "yes" : "no";
   if (v.is_null()) return "-";
+  if (key == "backend" && v.is_number_integer()) return backend_name(v.get<int32_t>());
   std::string text = v.dump();
   // Sizes read better with a unit beside them.
-  if (v.is_number_integer() && (ends_with(key, "bytes") || key == "size" || key == "file_size") &&
-      v.get<double>() >= 1024.0)
+  if (v.is_number_integer() && (in_bytes || is_size_key(key)) && v.get<double>() >= 1024.0)
     text += " (" + human_bytes(v.get<double>()) + ")";
   return text;
 }
@@ -59,7 +66,7 @@ bool all_scalars(const ojson& a) {
   return true;
 }
 
-void print_value(const std::string& key, const ojson& v, int indent);
+void print_value(const std::string& key, const ojson& v, int indent, bool in_bytes = false);
 
 void print_table(const std::string& key, const ojson& arr, int indent) {
   std::vector<std::string> cols;
@@ -67,11 +74,12 @@ void print_table(const std::string& key, const ojson& arr, int indent) {
     for (const auto& [k, _] : row.items())
       if (std::find(cols.begin(), cols.end(), k) == cols.end()) cols.push_back(k);
   std::printf("%*s%s (%zu):\n", indent, "", key.c_str(), arr.size());
+  cols.insert(cols.begin(), "#");
   std::vector<bool> numeric;
   for (const auto& c : cols) {
     bool num = true;
     for (const auto& row : arr)
-      if (row.contains(c) && !row[c].is_number()) num = false;
+      if (c != "#" && row.contains(c) && !row[c].is_number()) num = false;
     numeric.push_back(num);
   }
   TextTable table(cols, numeric);
@@ -80,7 +88,9 @@ void print_table(const std::string& key, const ojson& arr, int indent) {
     if (shown++ == kMaxTableRows) break;
     std::vector<std::string> cells;
     for (const auto& c : cols) {
-      if (!row.contains(c)) {
+      if (c == "#") {
+        cells.push_back(std::to_string(shown - 1));
+      } else if (!row.contains(c)) {
         cells.emplace_back("");
       } else if (row[c].is_structured()) {
         cells.push_back(row[c].dump());
@@ -90,22 +100,16 @@ void print_table(const std::string& key, const ojson& arr, int indent) {
     }
     table.add_row(std::move(cells));
   }
-  const std::string text = table.render();
-  size_t start = 0;
-  while (start < text.size()) {
-    const size_t end = text.find('\n', start);
-    std::printf("%*s%s\n", indent + 2, "", text.substr(start, end - start).c_str());
-    start = end + 1;
-  }
+  std::fputs(table.render(indent + 2).c_str(), stdout);
   if (arr.size() > kMaxTableRows)
     std::printf("%*s... %zu more (use --json for all)\n", indent + 2, "", arr.size() - kMaxTableRows);
 }
 
-void print_value(const std::string& key, const ojson& v, int indent) {
+void print_value(const std::string& key, const ojson& v, int indent, bool in_bytes) {
   if (v.is_object()) {
     std::printf("%*s%s:\n", indent, "", key.c_str());
     if (v.empty()) std::printf("%*s(none)\n", indent + 2, "");
-    for (const auto& [k, x] : v.items()) print_value(k, x, indent + 2);
+    for (const auto& [k, x] : v.items()) print_value(k, x, indent + 2, is_size_key(key));
   } else if (v.is_array()) {
     if (v.empty()) {
       std::printf("%*s%s: (none)\n", indent, "", key.c_str());
@@ -124,7 +128,7 @@ void print_value(const std::string& key, const ojson& v, int indent) {
       }
     }
   } else {
-    std::printf("%*s%s: %s\n", indent, "", key.c_str(), scalar_text(key, v).c_str());
+    std::printf("%*s%s: %s\n", indent, "", key.c_str(), scalar_text(key, v, in_bytes).c_str());
   }
 }
 
@@ -152,8 +156,11 @@ int run_inspect(const InspectOptions& o) {
     } else {
       std::printf("%s: %s\n", o.file.c_str(), (st.ok() && !json_says_bad) ? "ok" : "FAILED VERIFICATION");
       if (doc.is_object()) {
-        for (const auto& [k, v] : doc.items())
-          if (k != "ok") print_value(k, v, 2);
+        for (const auto& [k, v] : doc.items()) {
+          // "ok" is the status line above; an absent error needs no line of its own.
+          if (k == "ok" || (k == "error" && v.is_null()) || (k == "error_code" && v == 0)) continue;
+          print_value(k, v, 2);
+        }
       } else {
         print_value("description", doc, 2);
       }
@@ -161,7 +168,7 @@ int run_inspect(const InspectOptions& o) {
   }
 
   if (!st.ok()) {
-    const std::string msg = strfmt("'%s': %s [%s]", o.file.c_str(), st.message.c_str(), status_name(st.code));
+    const std::string msg = strfmt("%s [%s]", st.message.c_str(), status_name(st.code));
     if (is_corruption(st.code)) throw CliError(msg, kExitCorrupt);
     throw CliError(msg);
   }

@@ -61,9 +61,9 @@ int run_methods(bool json) {
       std::printf("  (no parameters)\n");
       continue;
     }
-    TextTable table({"  parameter", "type", "default", "description"});
-    for (const auto& p : params) table.add_row({"  " + p.name, p.type, p.default_value, p.doc});
-    std::fputs(table.render().c_str(), stdout);
+    TextTable table({"parameter", "type", "default", "description"});
+    for (const auto& p : params) table.add_row({p.name, p.type, p.default_value, p.doc});
+    std::fputs(table.render(2).c_str(), stdout);
   }
   std::printf("\nSet parameters with --params key=value,... (build, bench) or --params method:key=value,... (eval).\n");
   return kExitOk;

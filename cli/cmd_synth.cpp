@@ -58,9 +58,9 @@ int run_synth(SynthOptions& o) {
     }
     std::printf("exact attention mass, mean over %lld sampled steps x layers x query heads:\n"
                 "  sinks %.3f  needles %.3f  last 64 tokens %.3f  top 1%% keys %.3f  top 5%% keys %.3f  "
-                "max weight %.3f\n",
+                "max weight %.3f\n  background logit std %.2f\n",
                 static_cast<long long>(st.steps), st.sink_mass, st.needle_mass, st.recent_mass,
-                st.top1_mass, st.top5_mass, st.max_prob);
+                st.top1_mass, st.top5_mass, st.max_prob, st.background_logit_std);
   }
   return kExitOk;
 }

@@ -333,13 +333,17 @@ void Session::decode(uint32_t layer, const Tensor& q, const Tensor& k, const Ten
 }
 
 void Session::last_selection(uint32_t layer, uint32_t kv_head, std::vector<int32_t>& out) const {
+  auto query = [&](size_t& count) {
+    const kvs_error_t err = kvs_session_last_selection(get(), layer, kv_head, out.data(), out.size(), &count);
+    if (err != nullptr)
+      check(err, strfmt("%s: selection of layer %u, KV head %u", label_.c_str(), layer, kv_head));
+  };
   size_t count = 0;
-  const std::string what = strfmt("%s: selection of layer %u, KV head %u", label_.c_str(), layer, kv_head);
   out.resize(out.capacity());
-  check(kvs_session_last_selection(get(), layer, kv_head, out.data(), out.size(), &count), what);
-  if (count > out.size()) {
+  query(count);
+  if (count > out.size()) {  // grow once to the reported size and ask again
     out.resize(count);
-    check(kvs_session_last_selection(get(), layer, kv_head, out.data(), out.size(), &count), what);
+    query(count);
   }
   out.resize(std::min(count, out.size()));
 }
@@ -526,14 +530,15 @@ void TextTable::add_row(std::vector<std::string> cells) {
   rows_.push_back(std::move(cells));
 }
 
-std::string TextTable::render() const {
+std::string TextTable::render(int indent) const {
   std::vector<size_t> width(headers_.size());
   for (size_t c = 0; c < headers_.size(); ++c) {
     width[c] = headers_[c].size();
     for (const auto& r : rows_) width[c] = std::max(width[c], r[c].size());
   }
+  const std::string lead(size_t(std::max(indent, 0)), ' ');
   auto line = [&](const std::vector<std::string>& cells) {
-    std::string out;
+    std::string out = lead;
     for (size_t c = 0; c < cells.size(); ++c) {
       const size_t pad = width[c] - cells[c].size();
       if (c) out += "  ";
@@ -547,6 +552,7 @@ std::string TextTable::render() const {
   std::string out = line(headers_);
   size_t total = 0;
   for (size_t c = 0; c < width.size(); ++c) total += width[c] + (c ? 2 : 0);
+  out += lead;
   out.append(total, '-');
   out += '\n';
   for (const auto& r : rows_) out += line(r);

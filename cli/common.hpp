@@ -270,7 +270,8 @@ class TextTable {
  public:
   explicit TextTable(std::vector<std::string> headers, std::vector<bool> numeric = {});
   void add_row(std::vector<std::string> cells);
-  std::string render() const;
+  // Every line is prefixed with `indent` spaces.
+  std::string render(int indent = 0) const;
 
  private:
   std::vector<std::string> headers_;

@@ -55,6 +55,6 @@ EvalReport run_eval(const EvalOptions& opts);
 
 std::string render_eval_table(const EvalReport& r);
 // Exactly the keys of DESIGN.md.
-nlohmann::json eval_json(const EvalReport& r);
+nlohmann::ordered_json eval_json(const EvalReport& r);
 
 }  // namespace kvcli

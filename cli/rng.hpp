@@ -52,10 +52,9 @@ class Rng {
   // Uniform in [0, 1) with 53 random bits.
   double uniform() { return double(next() >> 11) * 0x1.0p-53; }
   double uniform(double lo, double hi) { return lo + (hi - lo) * uniform(); }
-  // Uniform integer in [0, n) (n >= 1), by 128-bit multiply (Lemire; the tiny bias is irrelevant).
-  uint64_t below(uint64_t n) {
-    return uint64_t((static_cast<unsigned __int128>(next()) * n) >> 64);
-  }
+  // Uniform integer in [0, n) (n >= 1): the high 64 bits of next() * n (Lemire's multiply, without
+  // the rejection step; the bias is below n / 2^64).
+  uint64_t below(uint64_t n) { return mulhi(next(), n); }
   // Standard normal by Box-Muller; the second value of each pair is kept for the next call.
   double normal() {
     if (has_spare_) {
@@ -74,6 +73,13 @@ class Rng {
 
  private:
   static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+  // High half of the 128-bit product, in portable 32-bit pieces.
+  static uint64_t mulhi(uint64_t a, uint64_t b) {
+    const uint64_t a_lo = a & 0xffffffffu, a_hi = a >> 32, b_lo = b & 0xffffffffu, b_hi = b >> 32;
+    const uint64_t lo_lo = a_lo * b_lo, hi_lo = a_hi * b_lo, lo_hi = a_lo * b_hi, hi_hi = a_hi * b_hi;
+    const uint64_t cross = (lo_lo >> 32) + (hi_lo & 0xffffffffu) + lo_hi;
+    return hi_hi + (hi_lo >> 32) + (cross >> 32);
+  }
   uint64_t s_[4];
   double spare_ = 0.0;
   bool has_spare_ = false;

@@ -17,18 +17,29 @@ namespace {
 // Stream tags of derive_seed(seed, {layer, kv_head, tag}).
 enum : uint64_t { kStreamDirections = 1, kStreamKeys = 2, kStreamQueries = 3, kStreamTargets = 4 };
 
-// Pairs (i, i + d/2) of rotate-half RoPE, by frequency band.
+// Pairs (i, i + d/2) of rotate-half RoPE, fastest first, split into bands (docs/synth.md, "Bands"):
+//   noise [0, q)  recency [q, 2q)  needles [2q, 3q)  topics [3q, half - ns)  sink [half - ns, half)
+// with q = max(1, half/4) and ns = max(1, q/4). A rotation only mixes the two dims of a pair, so
+// components on disjoint pairs stay orthogonal at every relative position: that is what keeps the
+// cross-talk between the structured components, and with the token noise, small.
 struct Bands {
-  int half;
-  int fast_hi;  // fast pairs: [0, fast_hi)
-  int slow_lo;  // slow pairs: [slow_lo, half)
-  explicit Bands(int d)
-      : half(d / 2), fast_hi(std::max(1, d / 4)), slow_lo(d / 2 - std::max(1, d / 8)) {}
+  int half, rec_lo, needle_lo, topic_lo, topic_hi, sink_lo;
+  explicit Bands(int d) : half(d / 2) {
+    const int q = std::max(1, half / 4);
+    const int ns = std::max(1, q / 4);
+    rec_lo = q;
+    needle_lo = 2 * q;
+    topic_lo = 3 * q;
+    sink_lo = half - ns;
+    topic_hi = topic_lo < sink_lo ? sink_lo : half;  // tiny heads: topics share the sink pairs
+  }
+  // Relative amplitude of token noise in dim i: 1 in the noise band, `other` elsewhere.
+  double noise_weight(int i, double other) const { return (i % half) < rec_lo ? 1.0 : other; }
 };
 
 // A unit vector with i.i.d. normal entries on the dims of pairs [lo, hi), zero elsewhere.
 std::vector<double> unit_on(Rng& rng, int d, int lo, int hi) {
-  std::vector<double> x(size_t(d), 0.0);
+  std::vector<double> x(static_cast<size_t>(d), 0.0);
   const int half = d / 2;
   double norm2 = 0.0;
   for (int i = lo; i < hi; ++i) {
@@ -40,6 +51,38 @@ std::vector<double> unit_on(Rng& rng, int d, int lo, int hi) {
   const double inv = norm2 > 0.0 ? 1.0 / std::sqrt(norm2) : 0.0;
   for (double& v : x) v *= inv;
   return x;
+}
+
+// A unit vector with equal weight 1/n on each of the n pairs [lo, hi) and a uniform random phase
+// per pair, so that r . R(delta) r = mean over the pairs of cos(delta * theta_p): the flattest
+// RoPE kernel those pairs can make (random weights would fluctuate more at long distance).
+std::vector<double> flat_on(Rng& rng, int d, int lo, int hi) {
+  std::vector<double> x(static_cast<size_t>(d), 0.0);
+  const int half = d / 2;
+  const double amp = 1.0 / std::sqrt(double(hi - lo));
+  for (int i = lo; i < hi; ++i) {
+    const double phase = rng.uniform(0.0, 6.283185307179586476925);
+    x[size_t(i)] = amp * std::cos(phase);
+    x[size_t(i + half)] = amp * std::sin(phase);
+  }
+  return x;
+}
+
+// Removes from x its components along the (unit, orthogonal) vectors of `basis` and renormalises;
+// leaves x unchanged if almost nothing would remain (the band is full).
+bool orthogonalize(std::vector<double>& x, const std::vector<std::vector<double>>& basis) {
+  std::vector<double> y = x;
+  for (const auto& b : basis) {
+    double dot = 0.0;
+    for (size_t i = 0; i < y.size(); ++i) dot += y[i] * b[i];
+    for (size_t i = 0; i < y.size(); ++i) y[i] -= dot * b[i];
+  }
+  double n2 = 0.0;
+  for (double v : y) n2 += v * v;
+  if (n2 < 1e-6) return false;
+  for (double& v : y) v /= std::sqrt(n2);
+  x = std::move(y);
+  return true;
 }
 
 class Rope {
@@ -109,7 +152,13 @@ void generate_group(const SynthConfig& cfg, uint32_t layer, uint32_t g, SynthLay
 
   // Coefficients (docs/synth.md, "Coefficients").
   const double s = 1.0 / std::sqrt(double(d));
-  const double sigma_k = std::sqrt(cfg.noise_logit * d / cfg.qk_scale_ratio);
+  std::vector<double> w(static_cast<size_t>(d));  // noise amplitude per dim
+  double w4 = 0.0;
+  for (int i = 0; i < d; ++i) {
+    w[size_t(i)] = bands.noise_weight(i, cfg.band_noise);
+    w4 += std::pow(w[size_t(i)], 4) / d;
+  }
+  const double sigma_k = std::sqrt(cfg.noise_logit * d / std::sqrt(w4) / cfg.qk_scale_ratio);
   const double sigma_q = cfg.qk_scale_ratio * sigma_k;
   const double m_k = cfg.key_offset * sigma_k, m_q = cfg.query_offset * sigma_q;
   const double a_s = std::sqrt(cfg.sink_logit / s);
@@ -120,26 +169,34 @@ void generate_group(const SynthConfig& cfg, uint32_t layer, uint32_t g, SynthLay
 
   // Directions, in this order (the order of draws is part of the format of a seed).
   Rng dir(derive_seed(cfg.seed, {layer, g, kStreamDirections}));
-  const auto mu_k = unit_on(dir, d, 0, bands.half);
-  const auto u = unit_on(dir, d, bands.slow_lo, bands.half);
+  const auto mu_k = unit_on(dir, d, 0, bands.rec_lo);
+  const auto u = unit_on(dir, d, bands.sink_lo, bands.half);
   std::vector<std::vector<double>> topic(cfg.segments + 1);
-  for (auto& c : topic) c = unit_on(dir, d, bands.slow_lo, bands.half);
-  const auto r = unit_on(dir, d, 0, bands.fast_hi);
+  std::vector<std::vector<double>> slow_basis = {u};
+  for (auto& c : topic) {
+    c = unit_on(dir, d, bands.topic_lo, bands.topic_hi);
+    if (orthogonalize(c, slow_basis)) {
+      slow_basis.push_back(c);
+    } else {
+      orthogonalize(c, {u});  // the band is full: only keep clear of the sink direction
+    }
+  }
+  const auto r = flat_on(dir, d, bands.rec_lo, bands.needle_lo);
   const auto mu_v = unit_on(dir, d, 0, bands.half);
   std::vector<std::vector<double>> vtopic(cfg.segments + 1);
-  for (auto& w : vtopic) w = unit_on(dir, d, 0, bands.half);
+  for (auto& wt : vtopic) wt = unit_on(dir, d, 0, bands.half);
   std::vector<NeedleSpan> spans(N);
   std::vector<std::vector<double>> z(N), y(N);
   for (uint32_t n = 0; n < N; ++n) {
     spans[n].len = cfg.needle_len;
     spans[n].start = lay.S + int64_t(dir.below(uint64_t(lay.P - lay.S - cfg.needle_len + 1)));
-    z[n] = unit_on(dir, d, 0, bands.half);
+    z[n] = unit_on(dir, d, bands.needle_lo, bands.topic_lo);
     y[n] = unit_on(dir, d, 0, bands.half);
   }
   std::vector<std::vector<double>> mu_q(group);
   std::vector<double> gain(group);
   for (uint32_t h = 0; h < group; ++h) {
-    mu_q[h] = unit_on(dir, d, 0, bands.half);
+    mu_q[h] = unit_on(dir, d, 0, bands.rec_lo);
     gain[h] = dir.uniform(1.0 - cfg.head_spread, 1.0 + cfg.head_spread);
   }
 
@@ -157,7 +214,8 @@ void generate_group(const SynthConfig& cfg, uint32_t layer, uint32_t g, SynthLay
   size_t ci = 0;
   for (int64_t j = 0; j < T; ++j) {
     const int64_t seg = lay.segment(j);
-    for (int i = 0; i < d; ++i) x[size_t(i)] = m_k * mu_k[size_t(i)] + sigma_k * krng.normal() * inv_sqrt_d;
+    for (int i = 0; i < d; ++i)
+      x[size_t(i)] = m_k * mu_k[size_t(i)] + sigma_k * w[size_t(i)] * krng.normal() * inv_sqrt_d;
     axpy(a_r, r, x.data());
     if (seg < 0)
       axpy(a_s, u, x.data());
@@ -228,8 +286,9 @@ void generate_group(const SynthConfig& cfg, uint32_t layer, uint32_t g, SynthLay
     rope.at(t);
     for (uint32_t hh = 0; hh < group; ++hh) {
       const uint32_t h = g * group + hh;
-      for (int i = 0; i < d; ++i) x[size_t(i)] = m_q * mu_q[hh][size_t(i)] + sigma_q * qrng.normal() * inv_sqrt_d;
-      axpy(a_r, r, x.data());
+      for (int i = 0; i < d; ++i)
+        x[size_t(i)] = m_q * mu_q[hh][size_t(i)] + sigma_q * w[size_t(i)] * qrng.normal() * inv_sqrt_d;
+      axpy(a_r * (2.0 - gain[hh]), r, x.data());  // heads that retrieve less look more locally
       rope.apply(x.data());
       axpy(1.0, sink_q, x.data());
       axpy(gain[hh], retrieve, x.data());
@@ -280,6 +339,7 @@ void validate(const SynthConfig& c) {
                          {"--needle-logit", c.needle_logit}, {"--recency-logit", c.recency_logit},
                          {"--noise-logit", c.noise_logit}, {"--key-offset", c.key_offset},
                          {"--query-offset", c.query_offset}, {"--value-offset", c.value_offset},
+                         {"--band-noise", c.band_noise},
                          {"--value-noise", c.value_noise}, {"--value-topic", c.value_topic},
                          {"--needle-value", c.needle_value},
                          {"--sink-value-scale", c.sink_value_scale}})
@@ -340,11 +400,11 @@ std::string synth_source(const SynthConfig& c) {
       "kvsieve synth: seed=%llu sinks=%u sink_logit=%g sink_value_scale=%g segments=%u "
       "topic_logit=%g value_topic=%g needles=%u needle_len=%u needle_logit=%g needle_value=%g "
       "max_targets=%u retarget=%g recency_logit=%g noise_logit=%g qk_scale_ratio=%g key_offset=%g "
-      "query_offset=%g value_offset=%g value_noise=%g head_spread=%g rope_theta=%g",
+      "query_offset=%g band_noise=%g value_offset=%g value_noise=%g head_spread=%g rope_theta=%g",
       static_cast<unsigned long long>(c.seed), c.sinks, c.sink_logit, c.sink_value_scale, c.segments,
       c.topic_logit, c.value_topic, c.needle_count(), c.needle_len, c.needle_logit, c.needle_value,
       c.max_targets, c.retarget, c.recency_logit, c.noise_logit, c.qk_scale_ratio, c.key_offset,
-      c.query_offset, c.value_offset, c.value_noise, c.head_spread, c.rope_theta);
+      c.query_offset, c.band_noise, c.value_offset, c.value_noise, c.head_spread, c.rope_theta);
 }
 
 void synth_write(const SynthTrace& tr, const std::string& path) {
@@ -422,6 +482,7 @@ void add_synth_model_options(CLI::App* cmd, SynthConfig& c) {
   cmd->add_option("--qk-scale-ratio", c.qk_scale_ratio, "query noise scale / key noise scale")->group(g);
   cmd->add_option("--key-offset", c.key_offset, "norm of the key mean, in key-noise units")->group(g);
   cmd->add_option("--query-offset", c.query_offset, "norm of each query head's mean, in query-noise units")->group(g);
+  cmd->add_option("--band-noise", c.band_noise, "token-noise amplitude in the needle and slow bands, relative to the fast band")->group(g);
   cmd->add_option("--value-offset", c.value_offset, "norm of the value mean")->group(g);
   cmd->add_option("--value-noise", c.value_noise, "norm of the per-token value noise")->group(g);
   cmd->add_option("--head-spread", c.head_spread, "query heads' retrieval gain is uniform in 1 +- this")->group(g);
@@ -453,11 +514,20 @@ SynthStats synth_stats(const SynthTrace& tr, int64_t max_steps, unsigned threads
         is_needle.assign(size_t(n), 0);
         for (const auto& sp : tr.layers[li].needles[h / group])
           for (int64_t j = sp.start; j < std::min(n, sp.start + sp.len); ++j) is_needle[size_t(j)] = 1;
+        double bs = 0, bs2 = 0, bn = 0;
         for (int64_t j = 0; j < n; ++j) {
-          if (j < int64_t(c.sinks)) st.sink_mass += p[j];
-          if (j > t - 64) st.recent_mass += p[j];
-          if (is_needle[size_t(j)]) st.needle_mass += p[j];
+          const bool sink = j < int64_t(c.sinks), recent = j > t - 64, needle = is_needle[size_t(j)] != 0;
+          if (sink) st.sink_mass += p[j];
+          if (recent) st.recent_mass += p[j];
+          if (needle) st.needle_mass += p[j];
+          if (!sink && !recent && !needle && p[j] > 0) {
+            const double logit = std::log(p[j]);  // + lse, which cancels in the std
+            bs += logit;
+            bs2 += logit * logit;
+            bn += 1;
+          }
         }
+        if (bn > 1) st.background_logit_std += std::sqrt(std::max(0.0, bs2 / bn - (bs / bn) * (bs / bn)));
         sorted.assign(p, p + n);
         std::sort(sorted.begin(), sorted.end(), std::greater<>());
         const auto top = [&](double frac) {
@@ -474,7 +544,7 @@ SynthStats synth_stats(const SynthTrace& tr, int64_t max_steps, unsigned threads
   st.steps = int64_t(steps.size());
   if (samples > 0) {
     for (double* x : {&st.sink_mass, &st.needle_mass, &st.recent_mass, &st.top1_mass, &st.top5_mass,
-                      &st.max_prob})
+                      &st.max_prob, &st.background_logit_std})
       *x /= samples;
   }
   return st;

@@ -29,22 +29,23 @@ struct SynthConfig {
 
   // structure (logit contributions are in units of the scaled logit q.k/sqrt(d))
   uint32_t sinks = 4;
-  double sink_logit = 8.0;
+  double sink_logit = 9.0;
   double sink_value_scale = 0.1;
   uint32_t segments = 16;
   double topic_logit = 2.0;
   double value_topic = 1.0;
   uint32_t needles = 0;  // 0 = 2 per segment
   uint32_t needle_len = 4;
-  double needle_logit = 8.0;
+  double needle_logit = 6.0;
   double needle_value = 2.0;
   uint32_t max_targets = 3;
   double retarget = 0.25;
   double recency_logit = 4.0;
   double noise_logit = 1.0;
   double qk_scale_ratio = 1.5;
-  double key_offset = 1.0;
-  double query_offset = 1.0;
+  double key_offset = 0.25;
+  double query_offset = 0.25;
+  double band_noise = 0.3;
   double value_offset = 1.0;
   double value_noise = 1.0;
   double head_spread = 0.5;
@@ -100,6 +101,7 @@ struct SynthStats {
   int64_t steps = 0;
   double sink_mass = 0, needle_mass = 0, recent_mass = 0, top1_mass = 0, top5_mass = 0;
   double max_prob = 0;
+  double background_logit_std = 0;  // std of the scaled logits of keys that are none of the above
 };
 SynthStats synth_stats(const SynthTrace& trace, int64_t max_steps, unsigned threads);
 

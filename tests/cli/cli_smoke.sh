@@ -1,1 +1,227 @@
-echo "0 passed, 0 failed"
+#!/usr/bin/env bash
+# Smoke tests of the kvsieve command: every subcommand on small inputs, the JSON it writes, and its
+# error exits (0 ok, 1 runtime error, 2 usage error, 3 corrupt file; docs/cli.md).
+#
+#   tests/cli/cli_smoke.sh path/to/kvsieve
+#
+# Prints one line per failure (with the command's stderr) and ends with "N passed, M failed";
+# exits nonzero when anything failed. Needs bash, cmp, dd, head; python3 (if present) checks the
+# JSON documents key by key.
+set -u
+
+KVS=${1:?usage: cli_smoke.sh path/to/kvsieve}
+if [[ ! -x $KVS ]]; then
+  echo "cli_smoke.sh: '$KVS' is not an executable" >&2
+  echo "0 passed, 1 failed"
+  exit 1
+fi
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/kvsieve-smoke.XXXXXX")
+trap 'rm -rf "$TMP"' EXIT
+OUT=$TMP/stdout
+ERR=$TMP/stderr
+PASSED=0
+FAILED=0
+HAVE_PY=0
+command -v python3 >/dev/null 2>&1 && HAVE_PY=1
+
+ok() { PASSED=$((PASSED + 1)); }
+ko() {
+  FAILED=$((FAILED + 1))
+  echo "FAIL: $1"
+  if [[ -s $ERR ]]; then sed 's/^/    stderr: /' "$ERR" | head -n 5; fi
+}
+
+# expect WANT NAME CMD...: runs CMD; WANT is an exit code or "nonzero".
+expect() {
+  local want=$1 name=$2
+  shift 2
+  "$@" >"$OUT" 2>"$ERR"
+  local rc=$?
+  if [[ $want == nonzero && $rc -ne 0 ]] || [[ $want == "$rc" ]]; then
+    ok
+  else
+    ko "$name: exit $rc, expected $want ($*)"
+  fi
+}
+
+# contains FILE TEXT NAME: the last command's stdout/stderr file holds TEXT.
+contains() {
+  if grep -qF -- "$2" "$1"; then ok; else ko "$3: output lacks '$2'"; fi
+}
+
+# one_line NAME: the last command wrote exactly one line to stderr, starting "kvsieve: error:".
+one_error_line() {
+  if [[ $(wc -l <"$ERR") -eq 1 ]] && grep -q '^kvsieve: error: ' "$ERR"; then ok; else ko "$1: expected one 'kvsieve: error:' line on stderr"; fi
+}
+
+# py NAME SCRIPT ARGS...: a python3 check (skipped, counted as passed, without python3).
+py() {
+  local name=$1 script=$2
+  shift 2
+  if [[ $HAVE_PY -eq 0 ]]; then ok; return; fi
+  if python3 -c "$script" "$@" >"$TMP/py.out" 2>&1; then ok; else
+    ko "$name: $(tail -n 1 "$TMP/py.out")"
+  fi
+}
+
+# ---- top level ---------------------------------------------------------------------------------
+expect 0 "--help" "$KVS" --help
+for cmd in demo methods synth build inspect eval bench; do
+  contains "$OUT" "$cmd" "--help lists $cmd"
+done
+for cmd in demo methods synth build inspect eval bench; do
+  expect 0 "$cmd --help" "$KVS" "$cmd" --help
+done
+expect 0 "--version" "$KVS" --version
+contains "$OUT" "kvsieve" "--version"
+expect 2 "no command" "$KVS"
+one_error_line "no command"
+expect 2 "unknown command" "$KVS" frobnicate
+expect 2 "unknown option" "$KVS" methods --frob
+one_error_line "unknown option"
+
+# ---- methods -----------------------------------------------------------------------------------
+expect 0 "methods" "$KVS" methods
+contains "$OUT" "full" "methods lists full"
+expect 0 "methods --json" "$KVS" methods --json
+cp "$OUT" "$TMP/methods.json"
+py "methods --json schema" '
+import json, sys
+d = json.load(open(sys.argv[1]))
+names = [m["name"] for m in d["methods"]]
+assert "full" in names, names
+for m in d["methods"]:
+    assert set(m) == {"name", "doc", "backends", "params"}, m.keys()
+    for p in m["params"]:
+        assert set(p) == {"name", "type", "default", "doc"}, p.keys()
+' "$TMP/methods.json"
+METHODS=()
+if [[ $HAVE_PY -eq 1 ]]; then
+  mapfile -t METHODS < <(python3 -c 'import json,sys; [print(m["name"]) for m in json.load(open(sys.argv[1]))["methods"] if "cpu" in m["backends"]]' "$TMP/methods.json" 2>/dev/null)
+fi
+[[ ${#METHODS[@]} -gt 0 ]] || METHODS=(full)
+
+# ---- synth -------------------------------------------------------------------------------------
+SHAPE=(--q-heads 4 --kv-heads 2 --head-dim 32 --prefill 512 --decode 6 --segments 4)
+T1=$TMP/t1.safetensors
+expect 0 "synth" "$KVS" synth --out "$T1" --layers 3 --present 0,2 --dtype bf16 "${SHAPE[@]}"
+contains "$OUT" "layers 0,2 of 3" "synth reports the present layers"
+expect 0 "synth again" "$KVS" synth --out "$TMP/t1b.safetensors" --layers 3 --present 0,2 --dtype bf16 --threads 1 -q "${SHAPE[@]}"
+if cmp -s "$T1" "$TMP/t1b.safetensors"; then ok; else ko "synth is not deterministic (seed 1, 1 vs all threads)"; fi
+expect 0 "synth seed 2" "$KVS" synth --out "$TMP/t1c.safetensors" --layers 3 --present 0,2 --dtype bf16 --seed 2 -q "${SHAPE[@]}"
+if ! cmp -s "$T1" "$TMP/t1c.safetensors"; then ok; else ko "synth ignores --seed"; fi
+expect 0 "synth f16 --stats" "$KVS" synth --out "$TMP/t16.safetensors" --dtype f16 --stats "${SHAPE[@]}"
+contains "$OUT" "top 5% keys" "synth --stats"
+T32=$TMP/t32.safetensors
+expect 0 "synth f32" "$KVS" synth --out "$T32" --dtype f32 -q "${SHAPE[@]}"
+expect 2 "synth heads not a multiple" "$KVS" synth --out "$TMP/x" --q-heads 3 --kv-heads 2
+one_error_line "synth heads not a multiple"
+expect 2 "synth bad dtype" "$KVS" synth --out "$TMP/x" --dtype f64
+expect 2 "synth odd head dim" "$KVS" synth --out "$TMP/x" --head-dim 7
+expect 2 "synth absent present layer" "$KVS" synth --out "$TMP/x" --layers 2 --present 5
+expect 2 "synth prompt too short" "$KVS" synth --out "$TMP/x" --prefill 8 --segments 16
+expect 2 "synth without --out" "$KVS" synth
+expect 1 "synth unwritable" "$KVS" synth --out "$TMP/no/such/dir/x.safetensors" -q "${SHAPE[@]}"
+one_error_line "synth unwritable"
+
+# ---- build / inspect ---------------------------------------------------------------------------
+TB=$TMP/quest.kvt
+BUILD_METHOD=quest
+[[ " ${METHODS[*]} " == *" quest "* ]] || BUILD_METHOD=${METHODS[0]}
+expect 0 "build" "$KVS" build --trace "$T1" --method "$BUILD_METHOD" --budget 0.1 --out "$TB"
+contains "$OUT" "2 of 3 layers" "build prefills only the present layers"
+expect 0 "build --include-kv" "$KVS" build --trace "$T1" --method "$BUILD_METHOD" --include-kv --out "$TMP/kv.kvt" -q
+expect 0 "inspect" "$KVS" inspect "$TB"
+contains "$OUT" ": ok" "inspect says ok"
+expect 0 "inspect --json" "$KVS" inspect --json "$TMP/kv.kvt"
+cp "$OUT" "$TMP/describe.json"
+py "inspect --json parses" 'import json, sys; d = json.load(open(sys.argv[1])); assert isinstance(d, dict) and d' "$TMP/describe.json"
+SIZE=$(wc -c <"$TB" 2>/dev/null || echo 128)
+cp "$TB" "$TMP/flipped.kvt" 2>/dev/null || : >"$TMP/flipped.kvt"
+printf '\xde\xad\xbe\xef\xde\xad\xbe\xef' | dd of="$TMP/flipped.kvt" bs=1 seek=$((SIZE - 64)) conv=notrunc 2>/dev/null
+expect 3 "inspect a flipped payload" "$KVS" inspect "$TMP/flipped.kvt"
+one_error_line "inspect a flipped payload"
+head -c $((SIZE / 2)) "$TB" >"$TMP/truncated.kvt" 2>/dev/null
+expect 3 "inspect a truncated file" "$KVS" inspect "$TMP/truncated.kvt"
+expect 3 "inspect a non-tables file" "$KVS" inspect "$T1"
+expect 1 "inspect a missing file" "$KVS" inspect "$TMP/missing.kvt"
+one_error_line "inspect a missing file"
+expect 2 "inspect without a file" "$KVS" inspect
+expect 2 "build unknown method" "$KVS" build --trace "$T1" --method no_such_method --out "$TMP/x.kvt"
+contains "$ERR" "available" "build unknown method lists the methods"
+expect 1 "build unknown parameter" "$KVS" build --trace "$T1" --method full --params no_such_param=1 --out "$TMP/x.kvt"
+expect 1 "build missing trace" "$KVS" build --trace "$TMP/missing.safetensors" --method full --out "$TMP/x.kvt"
+expect 2 "build bad budget" "$KVS" build --trace "$T1" --method full --budget 0 --out "$TMP/x.kvt"
+expect 2 "build bad backend" "$KVS" build --trace "$T1" --method full --backend tpu --out "$TMP/x.kvt"
+
+# ---- eval --------------------------------------------------------------------------------------
+expect 0 "eval" "$KVS" eval --trace "$T1" --methods full,exact_topk --budget 0.1 --json "$TMP/eval.json"
+contains "$OUT" "exact_topk" "eval table"
+py "eval JSON schema and sanity" '
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert list(d) == ["trace", "steps", "methods"], list(d)
+assert d["steps"] == 6, d["steps"]
+keys = ["name", "budget", "recall_at_k", "mass_recall", "output_rel_err", "output_rel_err_p95",
+        "lse_abs_err", "step_us", "full_step_us"]
+by = {m["name"]: m for m in d["methods"]}
+assert list(by) == ["full", "exact_topk"], list(by)
+for m in d["methods"]:
+    assert list(m) == keys, list(m)
+    assert m["step_us"] > 0 and m["full_step_us"] == by["full"]["step_us"]
+f, x = by["full"], by["exact_topk"]
+assert f["recall_at_k"] == 1 and abs(f["mass_recall"] - 1) < 1e-9, f
+assert f["output_rel_err"] < 1e-3 and f["lse_abs_err"] < 1e-3, f
+assert x["recall_at_k"] > 0.99, x
+assert x["mass_recall"] <= 1 + 1e-9 and x["output_rel_err"] <= x["output_rel_err_p95"] + 1e-12, x
+' "$TMP/eval.json"
+expect 0 "eval all, f32, 2 steps" "$KVS" eval --trace "$T32" --methods all --steps 2 --threads 1 --json "$TMP/all.json"
+for m in "${METHODS[@]}"; do contains "$OUT" "$m" "eval --methods all runs $m"; done
+py "eval --steps limits the steps" 'import json, sys; d = json.load(open(sys.argv[1])); assert d["steps"] == 2, d["steps"]' "$TMP/all.json"
+expect 2 "eval unknown methods" "$KVS" eval --trace "$T1" --methods full,no_such_method,other
+contains "$ERR" "no_such_method, other" "eval names the unknown methods"
+contains "$ERR" "available: " "eval lists the available methods"
+one_error_line "eval unknown methods"
+expect 2 "eval params of an absent method" "$KVS" eval --trace "$T1" --methods full --params exact_topk:sinks=1
+expect 2 "eval params without method" "$KVS" eval --trace "$T1" --methods full --params sinks=1
+expect 1 "eval bad parameter value" "$KVS" eval --trace "$T1" --methods exact_topk --params exact_topk:sinks=abc
+expect 0 "eval method params" "$KVS" eval --trace "$T1" --methods exact_topk --params exact_topk:sinks=2,local=4 --steps 1
+expect 1 "eval missing trace" "$KVS" eval --trace "$TMP/missing.safetensors" --methods full
+expect 2 "eval bad budget" "$KVS" eval --trace "$T1" --budget 1.5
+expect 0 "synth without decode" "$KVS" synth --out "$TMP/nodecode.safetensors" --decode 0 -q --q-heads 2 --kv-heads 1 --head-dim 16 --prefill 64 --segments 2
+expect 1 "eval a trace without decode steps" "$KVS" eval --trace "$TMP/nodecode.safetensors" --methods full
+one_error_line "eval a trace without decode steps"
+
+# ---- bench -------------------------------------------------------------------------------------
+BENCH=(--context 1024 --q-heads 4 --kv-heads 2 --head-dim 64 --steps 3 --warmup 1 --threads 2)
+expect 0 "bench" "$KVS" bench --method "$BUILD_METHOD" "${BENCH[@]}" --membw-mib 16 --json "$TMP/bench.json"
+contains "$OUT" "speedup vs full" "bench summary"
+py "bench JSON schema" '
+import json, sys
+d = json.load(open(sys.argv[1]))
+keys = ["method", "backend", "context", "q_heads", "kv_heads", "head_dim", "dtype", "budget", "steps",
+        "step_us", "full_step_us", "speedup_vs_full", "index_build_ms", "achieved_GBps",
+        "measured_read_GBps", "index_bytes", "kv_bytes"]
+assert list(d) == keys, list(d)
+assert d["context"] == 1024 and d["steps"] == 3 and d["dtype"] == "bf16", d
+assert d["step_us"] > 0 and d["full_step_us"] > 0 and d["speedup_vs_full"] > 0, d
+assert d["achieved_GBps"] > 0 and d["measured_read_GBps"] > 0 and d["kv_bytes"] > 0, d
+' "$TMP/bench.json"
+expect 0 "bench full, no probe" "$KVS" bench --method full "${BENCH[@]}" --no-membw --dtype f16
+expect 2 "bench cuda" "$KVS" bench --method full --backend cuda
+contains "$ERR" "bench/" "bench cuda points at bench/"
+one_error_line "bench cuda"
+expect 2 "bench unknown method" "$KVS" bench --method no_such_method "${BENCH[@]}"
+expect 2 "bench without method" "$KVS" bench
+expect 2 "bench tiny context" "$KVS" bench --method full --context 8
+
+# ---- demo --------------------------------------------------------------------------------------
+expect 0 "demo" "$KVS" demo --out-dir "$TMP/demo" --prefill 1024 --decode 4 --threads 2
+contains "$OUT" "speed vs full" "demo prints the table"
+for m in "${METHODS[@]}"; do contains "$OUT" "$m" "demo evaluates $m"; done
+if [[ -s $TMP/demo/trace.safetensors && -s $TMP/demo/eval.json ]]; then ok; else ko "demo leaves trace.safetensors and eval.json"; fi
+expect 0 "verbose flag" "$KVS" -v methods
+expect 1 "demo unwritable dir" "$KVS" demo --out-dir /proc/kvsieve-demo
+
+echo "$PASSED passed, $FAILED failed"
+[[ $FAILED -eq 0 ]]
