@@ -229,8 +229,10 @@ KVS_API kvs_error_t kvs_session_create(const kvs_session_params* params, kvs_ses
 /** Frees a session; NULL is a no-op. Sessions forked from it stay valid. @threadsafety exclusive */
 KVS_API void kvs_session_destroy(kvs_session_t s);
 
-/** Appends one layer's prompt: q [n, Hq, d], k and v [n, Hkv, d] (n >= 1). The layer must be empty.
- *  o (optional, NULL to skip) [n, Hq, d] receives causal attention of the prompt over itself.
+/** Appends a chunk of one layer's prompt: q [n, Hq, d], k and v [n, Hkv, d] (n >= 1). A prompt may
+ *  come in several chunks (chunked prefill) until kvs_session_build_index indexes the layer; after
+ *  that, use kvs_session_append. o (optional, NULL to skip) [n, Hq, d] receives causal attention of
+ *  the chunk over the prompt so far.
  *  stream: a cudaStream_t for the cuda backend (NULL = default stream); ignored on the CPU.
  *  @threadsafety exclusive */
 KVS_API kvs_error_t kvs_session_prefill(kvs_session_t s, uint32_t layer, const kvs_tensor* q,
@@ -296,7 +298,7 @@ KVS_API kvs_error_t kvs_session_fork(kvs_session_t s, kvs_session_t* out);
 
 typedef struct kvs_session_stats {
   uint32_t struct_size;
-  int64_t tokens;             /* tokens in layer 0 */
+  int64_t tokens;             /* tokens of the longest layer */
   int64_t decode_steps;       /* decode calls, all layers */
   uint64_t kv_bytes;          /* KV held by this session (shared pages included) */
   uint64_t kv_shared_bytes;   /* part of kv_bytes shared with other sessions or a mapped file */
@@ -329,7 +331,8 @@ KVS_API kvs_error_t kvs_session_method_stat(kvs_session_t s, const char* name, d
 
 /** Verifies a tables file and describes it as JSON (header, parameters, sections with sizes and
  *  checksum status, memory by part). *out_json is owned: free with kvs_string_free. Corruption is
- *  reported inside the JSON ("ok": false, "error": ...) and as the returned error.
+ *  reported inside the JSON ("ok": false, "error": ...) and as the returned error: the one function
+ *  that fills its output on error (so a caller can show what was readable); free both.
  *  @threadsafety any */
 KVS_API kvs_error_t kvs_tables_describe(const char* path, char** out_json);
 

@@ -168,16 +168,18 @@ void Session::prefill(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, 
   View ov;
   if (o) ov = check_tensor(o, "o", {n, hq, d}, Where::Host);
   auto& lay = layers_[layer];
+  const int64_t n0 = lay.size();
   if (expected_len_[layer] >= 0) {
-    if (n != expected_len_[layer])
+    if (n0 + n > expected_len_[layer])
       invalid("kvs_session_prefill: layer " + L(layer) + " was loaded without KV for " +
-              std::to_string(expected_len_[layer]) + " tokens; q, k, v must have that many rows, got " + std::to_string(n));
-  } else if (lay.size() != 0) {
-    fail(KVS_STATUS_INVALID_STATE, "kvs_session_prefill: layer " + L(layer) + " already holds " +
-                                       std::to_string(lay.size()) + " tokens; use kvs_session_append for more");
+              std::to_string(expected_len_[layer]) + " tokens; the prompt chunks must add up to that many rows, got " +
+              std::to_string(n0 + n));
+  } else if (built_[layer]) {
+    fail(KVS_STATUS_INVALID_STATE, "kvs_session_prefill: layer " + L(layer) + " is already indexed (" +
+                                       std::to_string(n0) + " tokens); use kvs_session_append for more");
   }
-  if (n > kMaxLayerTokens)
-    invalid("kvs_session_prefill: q: at most " + std::to_string(kMaxLayerTokens) + " tokens per layer, got " + std::to_string(n));
+  if (n > kMaxLayerTokens - n0)
+    invalid("kvs_session_prefill: q: at most " + std::to_string(kMaxLayerTokens) + " tokens per layer");
   std::vector<float> qf(static_cast<size_t>(qv.numel())), kf(size_t(kv.numel())), vf(size_t(vv.numel()));
   read_f32(qv, qf.data());
   read_f32(kv, kf.data());
@@ -187,16 +189,16 @@ void Session::prefill(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, 
     method_->on_prefill(layer, qf.data(), n, lay);
     if (o) {
       std::vector<float> of(size_t(n) * hq * d);
-      causal_outputs(layer, qf.data(), n, 0, of.data());
+      causal_outputs(layer, qf.data(), n, n0, of.data());
       write_f32(ov, of.data());
     }
   } catch (...) {
-    lay.truncate(0);
-    method_->truncate(layer, 0);
+    lay.truncate(n0);
+    method_->truncate(layer, n0);
     throw;
   }
-  if (expected_len_[layer] < 0) built_[layer] = 0;
-  expected_len_[layer] = -1;
+  // A tables-only load is complete once the chunks reach the saved length; its index stays valid.
+  if (expected_len_[layer] >= 0 && lay.size() == expected_len_[layer]) expected_len_[layer] = -1;
 }
 
 void Session::build_index(void* stream) {
@@ -385,7 +387,7 @@ void Session::stats(kvs_session_stats* out) const {
             ", got " + std::to_string(out->struct_size));
   kvs_session_stats st{};
   st.struct_size = sizeof(st);
-  st.tokens = n_tokens(0);
+  for (uint32_t l = 0; l < cfg_.shape.num_layers; ++l) st.tokens = std::max(st.tokens, n_tokens(l));
   st.decode_steps = decode_steps_;
   for (auto& l : layers_) {
     st.kv_bytes += l.bytes();

@@ -196,8 +196,8 @@ int main(void) {
   qs3[0] = N - 1; /* prompt: tokens 0..N-2; token N-1 is the decode step */
   ks3[0] = N - 1;
   OK(kvs_session_prefill(s, 0, &tq, &tk, &tv, NULL, NULL));
-  EXPECT(kvs_session_prefill(s, 0, &tq, &tk, &tv, NULL, NULL), KVS_STATUS_INVALID_STATE, "append");
   OK(kvs_session_build_index(s, NULL));
+  EXPECT(kvs_session_prefill(s, 0, &tq, &tk, &tv, NULL, NULL), KVS_STATUS_INVALID_STATE, "append");
 
   /* decode errors leave the layer unchanged */
   dq.data = q + (N - 1) * HQ * D;

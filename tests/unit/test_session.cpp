@@ -441,3 +441,44 @@ TEST_CASE("decode_batch equals one decode per session; append writes causal outp
   OK(kvs_session_layer_tokens(a.s, 0, &n));
   CHECK(n == 251);
 }
+
+TEST_CASE("chunked prefill equals one prefill; prefill after build_index is refused") {
+  Rng rng(9);
+  Data D(rng, 4, 2, 32, 700);
+  Sess A, B;
+  auto p = params(D, "quest", KVS_SCALAR_BF16, 0.1);
+  OK(kvs_session_create(&p, &A.s));
+  OK(kvs_session_create(&p, &B.s));
+  prefill(A.s, D, 0, 600);
+  std::vector<float> oc(size_t(600) * 4 * 32);
+  for (int64_t c0 : {int64_t(0), int64_t(100), int64_t(355)}) {
+    const int64_t c1 = c0 == 0 ? 100 : c0 == 100 ? 355 : 600, n = c1 - c0;
+    T q(D.qt(c0), f32(), {n, 4, 32}), k(D.kt(c0), f32(), {n, 2, 32}), v(D.vt(c0), f32(), {n, 2, 32});
+    T o(oc.data() + c0 * 128, f32(), {n, 4, 32});
+    OK(kvs_session_prefill(B.s, 0, &q.t, &k.t, &v.t, &o.t, nullptr));
+  }
+  // Chunk outputs are causal over the whole prompt so far.
+  auto Dr = D;
+  Dr.k = rounded(D.k, kvs::DType::BF16);
+  Dr.v = rounded(D.v, kvs::DType::BF16);
+  for (int64_t t : {int64_t(0), int64_t(99), int64_t(100), int64_t(400), int64_t(599)})
+    for (int h = 0; h < 4; ++h) {
+      std::vector<int64_t> keys(static_cast<size_t>(t + 1));
+      std::iota(keys.begin(), keys.end(), 0);
+      std::vector<double> ref;
+      double lref;
+      attention_ref(D.qt(t), Dr.k.data(), Dr.v.data(), h, 2, 2, 32, keys, 1.0 / std::sqrt(32.0), ref, lref);
+      CHECK(rel_err(ref, oc.data() + t * 128 + h * 32, 32) < 2e-5);
+    }
+  OK(kvs_session_build_index(A.s, nullptr));
+  OK(kvs_session_build_index(B.s, nullptr));
+  std::vector<float> o1, l1, o2, l2;
+  for (int64_t t = 600; t < 610; ++t) {
+    decode(A.s, D, 0, t, o1, l1);
+    decode(B.s, D, 0, t, o2, l2);
+    CHECK(std::memcmp(o1.data(), o2.data(), o1.size() * 4) == 0);
+  }
+  T q(D.qt(0), f32(), {1, 4, 32}), k(D.kt(0), f32(), {1, 2, 32}), v(D.vt(0), f32(), {1, 2, 32});
+  Err e{kvs_session_prefill(A.s, 0, &q.t, &k.t, &v.t, nullptr, nullptr)};
+  CHECK(e.code() == KVS_STATUS_INVALID_STATE);
+}

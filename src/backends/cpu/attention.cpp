@@ -192,6 +192,18 @@ void softmax_update(State& st, float* s, int cnt) {
 
 KVS_AVX512 inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
 
+// Sums of 16 vectors at once: lane l of the result is the sum of a[(l % 4) * 4 + l / 4].
+KVS_AVX512 inline __m512 reduce16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_unpacklo_ps(c[2 * i], c[2 * i + 1]), _mm512_unpackhi_ps(c[2 * i], c[2 * i + 1]));
+  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x44), _mm512_shuffle_ps(d[0], d[1], 0xEE));
+}
+
 // AVX2 instantiation (8 lanes).
 #define KVS_NS simd8
 #define KVS_TGT KVS_AVX2
@@ -236,6 +248,7 @@ KVS_AVX512 inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
 #define V_ZERO _mm512_setzero_ps
 #define V_BCAST(p) _mm512_set1_ps(*(p))
 #define V_HSUM hsum512
+#define V_REDUCE16 reduce16
 #define V_LOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16))
 #define V_LOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))
 #include "backends/cpu/attention_simd.inc"
@@ -250,6 +263,7 @@ KVS_AVX512 inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
 #undef V_SET1
 #undef V_ZERO
 #undef V_BCAST
+#undef V_REDUCE16
 #undef V_HSUM
 #undef V_LOAD_BF16
 #undef V_LOAD_F16

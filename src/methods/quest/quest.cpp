@@ -60,11 +60,12 @@ class Quest final : public Method {
     const int64_t k = ctx_.budget.keys(n, 0.05);
     const int64_t want = std::clamp<int64_t>(k / page_, 1, pages);  // page budget, current page included
     const float* b = bounds_[layer].data();
-    std::vector<float> score(static_cast<size_t>(pages));
-    std::vector<int32_t> cand, chosen;
     out.kind = per_query_ ? Selection::Kind::PerQueryHead : Selection::Kind::PerKvHead;
     out.lists.assign(size_t(per_query_ ? hkv * G : hkv), {});
-    for (int h = 0; h < hkv; ++h) {
+    ctx_.pool->parallel_for(hkv, [&](int64_t hh) {
+      const int h = int(hh);
+      std::vector<float> score(static_cast<size_t>(pages));
+      std::vector<int32_t> cand, chosen;
       for (int g0 = 0; g0 < (per_query_ ? G : 1); ++g0) {
         std::fill(score.begin(), score.end(), 0.f);
         for (int g = (per_query_ ? g0 : 0); g < (per_query_ ? g0 + 1 : G); ++g) {
@@ -81,7 +82,7 @@ class Quest final : public Method {
         for (int32_t p : chosen)
           for (int64_t t = int64_t(p) * page_; t < std::min(n, int64_t(p + 1) * page_); ++t) l.push_back(int32_t(t));
       }
-    }
+    });
   }
 
   static float upper_bound(const float* q, const float* mm, int d) { return quest_upper_bound(q, mm, mm + d, d); }
@@ -175,8 +176,8 @@ MethodSpec quest_spec() {
       1u << KVS_BACKEND_CPU, 0.05,
       {{"page_size", "int", "16", "tokens per page (Quest --chunk_size 16)"},
        {"dense_layers", "int", "0", "first layers attended densely (Quest's reference keeps 2; 0 keeps budgets comparable)"},
-       {"gqa", "enum:per_query_head|sum", "per_query_head",
-        "pages per query head (eval path, repeat_kv) or per KV head with the group's bounds summed"}},
+       {"gqa", "enum:sum|per_query_head", "sum",
+        "pages per KV head with the group's bounds summed (keeps the budget), or per query head (eval path, repeat_kv)"}},
       [](const MethodContext& c, const ParamSet& p) { return std::make_unique<Quest>(c, p); }};
 }
 
