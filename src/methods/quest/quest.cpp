@@ -67,10 +67,13 @@ class Quest final : public Method {
       std::vector<float> score(static_cast<size_t>(pages));
       std::vector<int32_t> cand, chosen;
       for (int g0 = 0; g0 < (per_query_ ? G : 1); ++g0) {
-        std::fill(score.begin(), score.end(), 0.f);
-        for (int g = (per_query_ ? g0 : 0); g < (per_query_ ? g0 + 1 : G); ++g) {
-          const float* qg = q + size_t(h * G + g) * d;
-          for (int64_t p = 0; p < pages - 1; ++p) score[size_t(p)] += upper_bound(qg, page_bounds(b, p, h), d);
+        // Pages outer, heads inner: each page's bounds are read from memory once for the group.
+        const int ga = per_query_ ? g0 : 0, gb = per_query_ ? g0 + 1 : G;
+        for (int64_t p = 0; p < pages - 1; ++p) {
+          const float* mm = page_bounds(b, p, h);
+          float u = 0.f;
+          for (int g = ga; g < gb; ++g) u += upper_bound(q + size_t(h * G + g) * d, mm, d);
+          score[size_t(p)] = u;
         }
         cand.clear();
         for (int64_t p = 0; p < pages - 1; ++p) cand.push_back(int32_t(p));
