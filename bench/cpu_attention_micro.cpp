@@ -1,0 +1,48 @@
+// Micro-benchmark of the CPU dense decode kernel alone (no session, no data generation):
+//   kvsieve_cpu_attention_micro THREADS CONTEXT [REPS]
+// One layer of 8 KV heads x head dim 128, bf16, GQA 4 (32 query heads). Prints the median time of
+// REPS calls, the implied K+V read rate and the thread CPU time of the first call. With a small
+// CONTEXT (256: one page, held in L2) it measures the kernel's compute rate; KVS_CPU_ISA=avx2|scalar
+// caps the instruction set for comparisons. `kvsieve bench` is the end-to-end benchmark.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <random>
+#include <vector>
+
+#include "backends/cpu/attention.hpp"
+
+int main(int argc, char** argv) {
+  const unsigned threads = argc > 1 ? unsigned(std::atoi(argv[1])) : 2;
+  const int64_t N = argc > 2 ? std::atoll(argv[2]) : 131072;
+  const int reps = argc > 3 ? std::atoi(argv[3]) : 15;
+  const int hkv = 8, d = 128, G = 4;
+  kvs::KVLayer layer(kvs::DType::BF16, hkv, d);
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd;
+  std::vector<float> k(size_t(1024) * hkv * d), v(k.size());
+  for (auto& x : k) x = nd(rng);
+  for (auto& x : v) x = nd(rng);
+  for (int64_t i = 0; i < N; i += 1024) layer.append(k.data(), v.data(), std::min<int64_t>(1024, N - i));
+  kvs::ThreadPool pool(threads);
+  std::vector<float> q(size_t(G) * hkv * d), o(q.size()), lse(size_t(G) * hkv);
+  for (auto& x : q) x = nd(rng);
+  std::vector<double> times;
+  double cpu_ms = 0;
+  for (int r = 0; r < reps; ++r) {
+    timespec c0, c1;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c0);
+    const auto t0 = std::chrono::steady_clock::now();
+    kvs::cpu::attend_dense(layer, q.data(), G, N, 0.0884f, o.data(), lse.data(), pool);
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c1);
+    if (r == 0) cpu_ms = double(c1.tv_sec - c0.tv_sec) * 1e3 + double(c1.tv_nsec - c0.tv_nsec) * 1e-6;
+  }
+  std::sort(times.begin(), times.end());
+  const double med = times[times.size() / 2], bytes = double(N) * hkv * d * 2 * 2;
+  std::printf("threads %u, context %lld: median %.3f ms, %.2f GB/s of K+V (first call: %.2f ms of calling-thread CPU)\n",
+              threads, (long long)N, med * 1e3, bytes / med / 1e9, cpu_ms);
+  return 0;
+}
