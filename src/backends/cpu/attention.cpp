@@ -220,20 +220,6 @@ KVS_AVX512 inline __m512 reduce16(const __m512* a) {
 #define V_LOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16))
 #define V_LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
 #include "backends/cpu/attention_simd.inc"
-#undef KVS_NS
-#undef KVS_TGT
-#undef VEC
-#undef W
-#undef V_LOADU
-#undef V_STOREU
-#undef V_FMA
-#undef V_MUL
-#undef V_SET1
-#undef V_ZERO
-#undef V_BCAST
-#undef V_HSUM
-#undef V_LOAD_BF16
-#undef V_LOAD_F16
 
 // AVX-512 instantiation (16 lanes).
 #define KVS_NS simd16
@@ -252,21 +238,6 @@ KVS_AVX512 inline __m512 reduce16(const __m512* a) {
 #define V_LOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16))
 #define V_LOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))
 #include "backends/cpu/attention_simd.inc"
-#undef KVS_NS
-#undef KVS_TGT
-#undef VEC
-#undef W
-#undef V_LOADU
-#undef V_STOREU
-#undef V_FMA
-#undef V_MUL
-#undef V_SET1
-#undef V_ZERO
-#undef V_BCAST
-#undef V_REDUCE16
-#undef V_HSUM
-#undef V_LOAD_BF16
-#undef V_LOAD_F16
 
 enum class Isa { Scalar, Avx2, Avx512 };
 
@@ -340,9 +311,13 @@ void run_chunk(Isa isa, State& st, const float* qs, DType t, int64_t begin, int6
   const std::byte* vr[kBlock];
   for (int64_t b = begin; b < end; b += kBlock) {
     const int cnt = int(std::min<int64_t>(kBlock, end - b));
+    const size_t row_bytes = size_t(st.d) * dtype_size(t);
     for (int j = 0; j < cnt; ++j) {
       kr[j] = kat(b + j);
       vr[j] = vat(b + j);
+      // The value pass walks the block's V rows column chunk by column chunk, a pattern the
+      // hardware prefetchers miss; ask for the rows now, while the score pass works on K.
+      for (size_t off = 0; off < row_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(vr[j]) + off, _MM_HINT_T0);
     }
     switch (t) {
       case DType::BF16: simd_block<DType::BF16>(isa, st, qs, cnt, kr, vr, sc.s.data()); break;

@@ -165,35 +165,31 @@ void CudaBackend::copy_rows(uint32_t layer, const void* k, const void* v, int64_
   l.n += rows;
 }
 
-void CudaBackend::prefill(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, const kvs_tensor* v,
-                          const kvs_tensor* o, void* stream) {
+void CudaBackend::add_tokens(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, const kvs_tensor* v,
+                             const kvs_tensor* o, void* stream, const char* fn) {
   const auto& sh = s_.cfg_.shape;
   DeviceGuard g(device_);
   View qv = cuda_view(q, "q", {-1, sh.num_q_heads, sh.head_dim}, device_, {DType::F32, sh.kv_dtype});
   const int64_t n = qv.shape[0];
   View kv = cuda_view(k, "k", {n, sh.num_kv_heads, sh.head_dim}, device_, {sh.kv_dtype});
   View vv = cuda_view(v, "v", {n, sh.num_kv_heads, sh.head_dim}, device_, {sh.kv_dtype});
-  if (o) fail(KVS_STATUS_UNSUPPORTED, "kvs_session_prefill: o: prompt outputs are not computed by the cuda backend yet; pass NULL");
-  if (layers_[layer].n != 0)
-    fail(KVS_STATUS_INVALID_STATE, "kvs_session_prefill: layer " + std::to_string(layer) + " already holds tokens");
-  if (n >= (int64_t(1) << 31)) invalid("q: more than 2^31 tokens");
-  reserve(layer, n, stream);
+  if (o) fail(KVS_STATUS_UNSUPPORTED, std::string(fn) + ": o: outputs of prompt chunks are not computed by the cuda backend yet; pass NULL");
+  if (n >= (int64_t(1) << 31) - layers_[layer].n) invalid(std::string(fn) + ": q: the layer would exceed 2^31 tokens");
+  reserve(layer, layers_[layer].n + n, stream);
   copy_rows(layer, kv.base, vv.base, n, stream);
-  s_.built_[layer] = 0;
+}
+
+void CudaBackend::prefill(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, const kvs_tensor* v,
+                          const kvs_tensor* o, void* stream) {
+  if (s_.built_[layer])
+    fail(KVS_STATUS_INVALID_STATE, "kvs_session_prefill: layer " + std::to_string(layer) +
+                                       " is already indexed; use kvs_session_append for more");
+  add_tokens(layer, q, k, v, o, stream, "kvs_session_prefill");
 }
 
 void CudaBackend::append(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, const kvs_tensor* v,
                          const kvs_tensor* o, void* stream) {
-  const auto& sh = s_.cfg_.shape;
-  DeviceGuard g(device_);
-  View qv = cuda_view(q, "q", {-1, sh.num_q_heads, sh.head_dim}, device_, {DType::F32, sh.kv_dtype});
-  const int64_t n = qv.shape[0];
-  View kv = cuda_view(k, "k", {n, sh.num_kv_heads, sh.head_dim}, device_, {sh.kv_dtype});
-  View vv = cuda_view(v, "v", {n, sh.num_kv_heads, sh.head_dim}, device_, {sh.kv_dtype});
-  if (o) fail(KVS_STATUS_UNSUPPORTED, "kvs_session_append: o: chunk outputs are not computed by the cuda backend yet; pass NULL");
-  if (n >= (int64_t(1) << 31) - layers_[layer].n) invalid("kvs_session_append: q: the layer would exceed 2^31 tokens");
-  reserve(layer, layers_[layer].n + n, stream);
-  copy_rows(layer, kv.base, vv.base, n, stream);
+  add_tokens(layer, q, k, v, o, stream, "kvs_session_append");
 }
 
 void CudaBackend::decode_batch(Session* const* sessions, size_t count, uint32_t layer, const kvs_tensor* q,

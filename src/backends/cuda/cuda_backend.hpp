@@ -40,6 +40,9 @@ class CudaBackend {
     int64_t cap = 0;
     int64_t n = 0;
   };
+  // Appends n rows of a contiguous CUDA q/k/v chunk (prefill chunks and append share it).
+  void add_tokens(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, const kvs_tensor* v,
+                  const kvs_tensor* o, void* stream, const char* fn);
   void reserve(uint32_t layer, int64_t tokens, void* stream);
   void copy_rows(uint32_t layer, const void* k, const void* v, int64_t rows, void* stream);
   void* workspace(size_t bytes);
