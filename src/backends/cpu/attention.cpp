@@ -192,6 +192,50 @@ void softmax_update(State& st, float* s, int cnt) {
 
 KVS_AVX512 inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
 
+// exp256's polynomial on 16 lanes.
+KVS_AVX512 inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// softmax_update for full blocks on 16 lanes: the block max and the exponentials vectorised.
+KVS_AVX512 void softmax_update512(State& st, float* s, int cnt) {
+  if (cnt != kBlock) return softmax_update(st, s, cnt);
+  for (int g = 0; g < st.G; ++g) {
+    float* sg = s + g * kBlock;
+    __m512 mv = _mm512_loadu_ps(sg);
+    for (int j = 16; j < kBlock; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + j));
+    const float m_new = std::max(st.m[g], _mm512_reduce_max_ps(mv));
+    float c = 1.f;
+    if (st.m[g] != m_new) {
+      c = st.m[g] == kNegInf ? 0.f : std::exp(st.m[g] - m_new);
+      st.l[g] *= c;
+      st.m[g] = m_new;
+    }
+    st.corr[g] = c;
+    const __m512 m = _mm512_set1_ps(m_new);
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < kBlock; j += 16) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + j), m));
+      _mm512_storeu_ps(sg + j, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    st.l[g] += _mm512_reduce_add_ps(sum);
+  }
+}
+
 // Sums of 16 vectors at once: lane l of the result is the sum of a[(l % 4) * 4 + l / 4].
 KVS_AVX512 inline __m512 reduce16(const __m512* a) {
   __m512 b[8], c[4], d[2];
@@ -217,6 +261,7 @@ KVS_AVX512 inline __m512 reduce16(const __m512* a) {
 #define V_ZERO _mm256_setzero_ps
 #define V_BCAST _mm256_broadcast_ss
 #define V_HSUM hsum
+#define V_SOFTMAX softmax_update
 #define V_LOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16))
 #define V_LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
 #include "backends/cpu/attention_simd.inc"
@@ -235,6 +280,7 @@ KVS_AVX512 inline __m512 reduce16(const __m512* a) {
 #define V_BCAST(p) _mm512_set1_ps(*(p))
 #define V_HSUM hsum512
 #define V_REDUCE16 reduce16
+#define V_SOFTMAX softmax_update512
 #define V_LOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16))
 #define V_LOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))
 #include "backends/cpu/attention_simd.inc"
