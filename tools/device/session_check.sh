@@ -11,3 +11,13 @@ export LD_LIBRARY_PATH=/tmp/kvs_libs/libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
 set -o pipefail
 .dev/kvsieve_cuda_tests "$@" 2>&1 | tee "$OUT/cuda_tests.log" | grep -vE '^PASS' | tail -60
+rc=$?
+# The same binary under compute-sanitizer memcheck (small kernel sizes; sessions as above).
+if command -v compute-sanitizer >/dev/null; then
+  timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 .dev/kvsieve_cuda_tests --small \
+    >"$OUT/memcheck.log" 2>&1
+  m=$?
+  grep -E 'ERROR SUMMARY' "$OUT/memcheck.log"
+  [ $m -ne 0 ] && rc=1
+fi
+exit $rc
