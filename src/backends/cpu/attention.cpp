@@ -56,20 +56,23 @@ struct Scalar {
 
 #define KVS_AVX2 __attribute__((target("avx2,fma,f16c")))
 
+// exp(x) = 2^n * p(f), n = round(x / ln2), f = x - n ln2 in [-ln2/2, ln2/2]; |rel err| < 2e-7.
+// Inputs are clamped to [kExpLo, kExpHi]. The constants serve the 8- and 16-lane versions.
+namespace expc {
+constexpr float kExpLo = -87.3f, kExpHi = 88.3f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                         4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace expc
+
 KVS_AVX2 inline __m256 exp256(__m256 x) {
-  // exp(x) = 2^n * p(f), n = round(x / ln2), f = x - n ln2 in [-ln2/2, ln2/2]; |rel err| < 2e-7.
-  const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f);
-  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0000001201e-1f));
+  using namespace expc;
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(kExpHi)), _mm256_set1_ps(kExpLo));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), f);
+  __m256 p = _mm256_set1_ps(kP[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kP[i]));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
@@ -192,19 +195,15 @@ void softmax_update(State& st, float* s, int cnt) {
 
 KVS_AVX512 inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
 
-// exp256's polynomial on 16 lanes.
+// exp256 on 16 lanes.
 KVS_AVX512 inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
+  using namespace expc;
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(kExpHi)), _mm512_set1_ps(kExpLo));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), f);
+  __m512 p = _mm512_set1_ps(kP[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kP[i]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.f)));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
