@@ -137,6 +137,9 @@ void Session::check_decodable(uint32_t layer, const char* fn) const {
   check_layer(layer, fn);
   if (n_tokens(layer) == 0)
     fail(KVS_STATUS_INVALID_STATE, std::string(fn) + ": layer " + L(layer) + " has no tokens: call kvs_session_prefill first");
+  if (expected_len_[layer] >= 0)
+    fail(KVS_STATUS_INVALID_STATE, std::string(fn) + ": layer " + L(layer) + " was loaded without KV: prefill its " +
+                                       std::to_string(expected_len_[layer]) + " prompt tokens first");
   if (!built_[layer])
     fail(KVS_STATUS_INVALID_STATE, std::string(fn) + ": layer " + L(layer) + " has no index: call kvs_session_build_index after prefill");
 }

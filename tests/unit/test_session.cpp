@@ -290,7 +290,18 @@ TEST_CASE("save/load round trip reproduces decode outputs bit for bit, with and 
       Err e{kvs_session_decode(C.s, 0, &q.t, &k.t, &v.t, &ot.t, nullptr, nullptr)};
       CHECK(e.code() == KVS_STATUS_INVALID_STATE);
     }
-    prefill(C.s, D, 0, 600);
+    prefill(C.s, D, 0, 300);  // half the prompt: still not decodable
+    {
+      T q(D.qt(600), f32(), {D.hq, D.d}), k(D.kt(600), f32(), {D.hkv, D.d}), v(D.vt(600), f32(), {D.hkv, D.d});
+      std::vector<float> o(size_t(D.hq) * D.d);
+      T ot(o.data(), f32(), {D.hq, D.d});
+      Err e{kvs_session_decode(C.s, 0, &q.t, &k.t, &v.t, &ot.t, nullptr, nullptr)};
+      CHECK(e.code() == KVS_STATUS_INVALID_STATE);
+    }
+    {
+      T q(D.qt(300), f32(), {300, D.hq, D.d}), k(D.kt(300), f32(), {300, D.hkv, D.d}), v(D.vt(300), f32(), {300, D.hkv, D.d});
+      OK(kvs_session_prefill(C.s, 0, &q.t, &k.t, &v.t, nullptr, nullptr));
+    }
     prefill(C.s, D, 1, 600);
     kvs_session_stats st;
     st.struct_size = sizeof st;
