@@ -149,11 +149,7 @@ kvs_error_t kvs_session_build_index(kvs_session_t s, void* stream) {
 kvs_error_t kvs_session_decode(kvs_session_t s, uint32_t layer, const kvs_tensor* q, const kvs_tensor* k_new,
                                const kvs_tensor* v_new, const kvs_tensor* o, const kvs_tensor* lse, void* stream) {
   return guarded([&] {
-    auto& sess = S(s, "kvs_session_decode");
-    // Rank is checked here so that decode never falls into the batched path by accident.
-    if (q && q->ndim != 2) kvs::invalid("kvs_session_decode: q: expected 2 dimensions [num_q_heads, head_dim], got ndim " + std::to_string(q->ndim));
-    if (!q) kvs::invalid("kvs_session_decode: q: expected a tensor, got NULL");
-    sess.decode(layer, q, k_new, v_new, o, lse, stream);
+    S(s, "kvs_session_decode").decode(layer, q, k_new, v_new, o, lse, stream);
   });
 }
 
@@ -167,9 +163,8 @@ kvs_error_t kvs_decode_batch(kvs_session_t* sessions, size_t count, uint32_t lay
                              const kvs_tensor* lse, void* stream) {
   return guarded([&] {
     need(sessions, "kvs_decode_batch", "sessions");
+    // Checked before the handle array is allocated (the core checks it again for its own callers).
     if (count == 0 || count > 65536) kvs::invalid("kvs_decode_batch: count: expected 1..65536, got " + std::to_string(count));
-    if (!q) kvs::invalid("kvs_decode_batch: q: expected a tensor, got NULL");
-    if (q->ndim != 3) kvs::invalid("kvs_decode_batch: q: expected 3 dimensions [count, num_q_heads, head_dim], got ndim " + std::to_string(q->ndim));
     std::vector<kvs::Session*> v(count);
     for (size_t i = 0; i < count; ++i) {
       if (!sessions[i] || !sessions[i]->impl)

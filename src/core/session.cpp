@@ -162,6 +162,20 @@ void Session::prefill(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, 
 #ifdef KVS_HAVE_CUDA
   if (cuda_) return cuda_->prefill(layer, q, k, v, o, stream);
 #endif
+  if (expected_len_[layer] < 0 && built_[layer])
+    fail(KVS_STATUS_INVALID_STATE, "kvs_session_prefill: layer " + L(layer) + " is already indexed (" +
+                                       std::to_string(layers_[layer].size()) + " tokens); use kvs_session_append for more");
+  // After a tables-only load the chunks must add up to exactly the saved length.
+  add_tokens(layer, q, k, v, o, "kvs_session_prefill", /*prompt=*/true,
+             expected_len_[layer] >= 0 ? expected_len_[layer] : kMaxLayerTokens);
+  // A tables-only load is complete once the chunks reach the saved length; its index stays valid.
+  if (expected_len_[layer] >= 0 && layers_[layer].size() == expected_len_[layer]) expected_len_[layer] = -1;
+}
+
+// Prompt chunks and appended turns: validate, convert, append (rolled back on failure), let the
+// method see the tokens, and write the causal outputs only once everything succeeded.
+void Session::add_tokens(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, const kvs_tensor* v,
+                         const kvs_tensor* o, const char* fn, bool prompt, int64_t max_tokens) {
   const auto& s = cfg_.shape;
   const int64_t hq = s.num_q_heads, hkv = s.num_kv_heads, d = s.head_dim;
   View qv = check_tensor(q, "q", {-1, hq, d}, Where::Host);
@@ -172,36 +186,25 @@ void Session::prefill(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, 
   if (o) ov = check_tensor(o, "o", {n, hq, d}, Where::Host);
   auto& lay = layers_[layer];
   const int64_t n0 = lay.size();
-  if (expected_len_[layer] >= 0) {
-    if (n0 + n > expected_len_[layer])
-      invalid("kvs_session_prefill: layer " + L(layer) + " was loaded without KV for " +
-              std::to_string(expected_len_[layer]) + " tokens; the prompt chunks must add up to that many rows, got " +
-              std::to_string(n0 + n));
-  } else if (built_[layer]) {
-    fail(KVS_STATUS_INVALID_STATE, "kvs_session_prefill: layer " + L(layer) + " is already indexed (" +
-                                       std::to_string(n0) + " tokens); use kvs_session_append for more");
-  }
-  if (n > kMaxLayerTokens - n0)
-    invalid("kvs_session_prefill: q: at most " + std::to_string(kMaxLayerTokens) + " tokens per layer");
+  if (n > max_tokens - n0)
+    invalid(std::string(fn) + ": q: layer " + L(layer) + " may hold at most " + std::to_string(max_tokens) +
+            " tokens here (it has " + std::to_string(n0) + "), got " + std::to_string(n) + " more");
   std::vector<float> qf(static_cast<size_t>(qv.numel())), kf(size_t(kv.numel())), vf(size_t(vv.numel()));
   read_f32(qv, qf.data());
   read_f32(kv, kf.data());
   read_f32(vv, vf.data());
+  std::vector<float> of(o ? size_t(n) * hq * d : 0);
   try {
     lay.append(kf.data(), vf.data(), n);
-    method_->on_prefill(layer, qf.data(), n, lay);
-    if (o) {
-      std::vector<float> of(size_t(n) * hq * d);
-      causal_outputs(layer, qf.data(), n, n0, of.data());
-      write_f32(ov, of.data());
-    }
+    if (prompt) method_->on_prefill(layer, qf.data(), n, lay);
+    else method_->on_append(layer, qf.data(), n, lay, false);
+    if (o) causal_outputs(layer, qf.data(), n, n0, of.data());
   } catch (...) {
     lay.truncate(n0);
     method_->truncate(layer, n0);
     throw;
   }
-  // A tables-only load is complete once the chunks reach the saved length; its index stays valid.
-  if (expected_len_[layer] >= 0 && lay.size() == expected_len_[layer]) expected_len_[layer] = -1;
+  if (o) write_f32(ov, of.data());
 }
 
 void Session::build_index(void* stream) {
@@ -226,33 +229,7 @@ void Session::append(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, c
 #ifdef KVS_HAVE_CUDA
   if (cuda_) return cuda_->append(layer, q, k, v, o, stream);
 #endif
-  const auto& s = cfg_.shape;
-  const int64_t hq = s.num_q_heads, hkv = s.num_kv_heads, d = s.head_dim;
-  View qv = check_tensor(q, "q", {-1, hq, d}, Where::Host);
-  const int64_t n = qv.shape[0];
-  View kv = check_tensor(k, "k", {n, hkv, d}, Where::Host);
-  View vv = check_tensor(v, "v", {n, hkv, d}, Where::Host);
-  View ov;
-  if (o) ov = check_tensor(o, "o", {n, hq, d}, Where::Host);
-  std::vector<float> qf(static_cast<size_t>(qv.numel())), kf(size_t(kv.numel())), vf(size_t(vv.numel()));
-  read_f32(qv, qf.data());
-  read_f32(kv, kf.data());
-  read_f32(vv, vf.data());
-  auto& lay = layers_[layer];
-  const int64_t n0 = lay.size();
-  if (n > kMaxLayerTokens - n0)
-    invalid("kvs_session_append: q: the layer would exceed " + std::to_string(kMaxLayerTokens) + " tokens");
-  std::vector<float> of(o ? size_t(n) * hq * d : 0);
-  try {
-    lay.append(kf.data(), vf.data(), n);
-    if (o) causal_outputs(layer, qf.data(), n, n0, of.data());
-    method_->on_append(layer, qf.data(), n, lay, false);
-  } catch (...) {
-    lay.truncate(n0);
-    method_->truncate(layer, n0);
-    throw;
-  }
-  if (o) write_f32(ov, of.data());
+  add_tokens(layer, q, k, v, o, "kvs_session_append", /*prompt=*/false, kMaxLayerTokens);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -306,17 +283,17 @@ void Session::decode_f32(uint32_t layer, const float* q, const float* k, const f
 void Session::decode(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, const kvs_tensor* v,
                      const kvs_tensor* o, const kvs_tensor* lse, void* stream) {
   Session* self = this;
-  decode_batch(&self, 1, layer, q, k, v, o, lse, stream);
+  decode_batch(&self, 1, layer, q, k, v, o, lse, stream, /*single=*/true);
 }
 
 void Session::decode_batch(Session* const* sessions, size_t count, uint32_t layer, const kvs_tensor* q,
                            const kvs_tensor* k, const kvs_tensor* v, const kvs_tensor* o,
-                           const kvs_tensor* lse, void* stream) {
-  // decode() is decode_batch with B = 1 and rank-2 tensors; decode_batch proper has rank 3.
-  const bool single = count == 1 && q && q->ndim == 2;
+                           const kvs_tensor* lse, void* stream, bool single) {
+  // decode() is decode_batch with B = 1 and rank-2 tensors (single); decode_batch proper has rank 3.
   const char* fn = single ? "kvs_session_decode" : "kvs_decode_batch";
   if (!sessions) invalid(std::string(fn) + ": sessions: expected an array, got NULL");
-  if (count == 0) invalid("kvs_decode_batch: count: expected >= 1, got 0");
+  if (count == 0 || count > 65536 || (single && count != 1))
+    invalid(std::string(fn) + ": count: expected 1..65536, got " + std::to_string(count));
   Session& s0 = *sessions[0];
   for (size_t b = 0; b < count; ++b) {
     if (!sessions[b]) invalid("kvs_decode_batch: sessions[" + std::to_string(b) + "] is NULL");

@@ -47,7 +47,7 @@ class Session {
               const kvs_tensor* o, void* stream);
   static void decode_batch(Session* const* sessions, size_t count, uint32_t layer, const kvs_tensor* q,
                            const kvs_tensor* k, const kvs_tensor* v, const kvs_tensor* o,
-                           const kvs_tensor* lse, void* stream);
+                           const kvs_tensor* lse, void* stream, bool single = false);
 
   void save(const std::string& path, uint32_t flags) const;
   static std::unique_ptr<Session> load(const std::string& path, const kvs_load_params* params);
@@ -66,6 +66,8 @@ class Session {
   int64_t n_tokens(uint32_t layer) const;  // tokens held by the layer on whichever backend
   void check_decodable(uint32_t layer, const char* fn) const;
   void causal_outputs(uint32_t layer, const float* q, int64_t n, int64_t first, float* o);
+  void add_tokens(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, const kvs_tensor* v,
+                  const kvs_tensor* o, const char* fn, bool prompt, int64_t max_tokens);
 
   SessionConfig cfg_;
   const MethodSpec* spec_;

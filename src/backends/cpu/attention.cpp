@@ -38,12 +38,6 @@ struct Scalar {
     for (int i = 0; i < d; ++i) s += a[i] * b[i];
     return s;
   }
-  static void axpy(float a, const float* x, float* y, int d) {
-    for (int i = 0; i < d; ++i) y[i] += a * x[i];
-  }
-  static void scale(float a, float* y, int d) {
-    for (int i = 0; i < d; ++i) y[i] *= a;
-  }
   static void exp_block(float* x, int n, float m, float* sum) {
     float s = 0.f;
     for (int i = 0; i < n; ++i) {
@@ -112,15 +106,6 @@ struct Avx2 {
     for (; i < d; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
     return hsum(_mm256_add_ps(s0, s1));
   }
-  KVS_AVX2 static void axpy(float a, const float* x, float* y, int d) {
-    const __m256 av = _mm256_set1_ps(a);
-    for (int i = 0; i < d; i += 8)
-      _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  }
-  KVS_AVX2 static void scale(float a, float* y, int d) {
-    const __m256 av = _mm256_set1_ps(a);
-    for (int i = 0; i < d; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(av, _mm256_loadu_ps(y + i)));
-  }
   KVS_AVX2 static void exp_block(float* x, int n, float m, float* sum) {
     const __m256 mv = _mm256_set1_ps(m);
     __m256 s = _mm256_setzero_ps();
@@ -139,40 +124,10 @@ struct Avx2 {
   }
 };
 
-// One block of `cnt` keys (cnt <= kBlock) into the state. krow(j)/vrow(j) give row pointers.
-// q is [G][d], pre-multiplied by the softmax scale. buf: d floats; s: G*kBlock floats.
-template <class Isa, class KRow, class VRow>
-inline void block_update(State& st, const float* q, DType t, int cnt, KRow krow, VRow vrow,
-                         float* buf, float* s) {
-  const int G = st.G, d = st.d;
-  for (int j = 0; j < cnt; ++j) {
-    Isa::convert(krow(j), t, d, buf);
-    for (int g = 0; g < G; ++g) s[g * kBlock + j] = Isa::dot(q + size_t(g) * d, buf, d);
-  }
-  for (int g = 0; g < G; ++g) {
-    float* sg = s + g * kBlock;
-    float mx = sg[0];
-    for (int j = 1; j < cnt; ++j) mx = std::max(mx, sg[j]);
-    const float m_new = std::max(st.m[g], mx);
-    if (st.m[g] != m_new) {
-      const float c = st.m[g] == kNegInf ? 0.f : std::exp(st.m[g] - m_new);
-      st.l[g] *= c;
-      Isa::scale(c, st.acc + size_t(g) * d, d);
-      st.m[g] = m_new;
-    }
-    float sum;
-    Isa::exp_block(sg, cnt, m_new, &sum);
-    st.l[g] += sum;
-  }
-  for (int j = 0; j < cnt; ++j) {
-    Isa::convert(vrow(j), t, d, buf);
-    for (int g = 0; g < G; ++g) Isa::axpy(s[g * kBlock + j], buf, st.acc + size_t(g) * d, d);
-  }
-}
-
 // Online-softmax update of a block's scores s[g][0..cnt): new running max, rescale factor of the
-// accumulators (st.corr), running sums; s becomes exp(s - m).
-void softmax_update(State& st, float* s, int cnt) {
+// accumulators (st.corr), running sums; s becomes exp(s - m). Isa::exp_block does the exponentials.
+template <class Isa>
+void softmax_update_isa(State& st, float* s, int cnt) {
   for (int g = 0; g < st.G; ++g) {
     float* sg = s + g * kBlock;
     float mx = sg[0];
@@ -186,8 +141,30 @@ void softmax_update(State& st, float* s, int cnt) {
     }
     st.corr[g] = c;
     float sum;
-    Avx2::exp_block(sg, cnt, m_new, &sum);
+    Isa::exp_block(sg, cnt, m_new, &sum);
     st.l[g] += sum;
+  }
+}
+
+// The AVX2 instantiation, and the tail of partial blocks for AVX-512.
+void softmax_update(State& st, float* s, int cnt) { softmax_update_isa<Avx2>(st, s, cnt); }
+
+// The portable block kernel (CPUs without AVX2, head dims not a multiple of 8). q is [G][d],
+// pre-multiplied by the softmax scale; buf: d floats; s: G*kBlock floats.
+template <class KRow, class VRow>
+void scalar_block(State& st, const float* q, DType t, int cnt, KRow krow, VRow vrow, float* buf, float* s) {
+  const int G = st.G, d = st.d;
+  for (int j = 0; j < cnt; ++j) {
+    Scalar::convert(krow(j), t, d, buf);
+    for (int g = 0; g < G; ++g) s[g * kBlock + j] = Scalar::dot(q + size_t(g) * d, buf, d);
+  }
+  softmax_update_isa<Scalar>(st, s, cnt);
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < d; ++i) st.acc[size_t(g) * d + i] *= st.corr[g];
+  for (int j = 0; j < cnt; ++j) {
+    Scalar::convert(vrow(j), t, d, buf);
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < d; ++i) st.acc[size_t(g) * d + i] += s[g * kBlock + j] * buf[i];
   }
 }
 
@@ -347,8 +324,8 @@ void run_chunk(Isa isa, State& st, const float* qs, DType t, int64_t begin, int6
   if (isa == Isa::Scalar) {
     for (int64_t b = begin; b < end; b += kBlock) {
       const int cnt = int(std::min<int64_t>(kBlock, end - b));
-      block_update<Scalar>(st, qs, t, cnt, [&](int j) { return kat(b + j); }, [&](int j) { return vat(b + j); },
-                           sc.buf.data(), sc.s.data());
+      scalar_block(st, qs, t, cnt, [&](int j) { return kat(b + j); }, [&](int j) { return vat(b + j); },
+                   sc.buf.data(), sc.s.data());
     }
     return;
   }
