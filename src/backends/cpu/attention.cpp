@@ -22,6 +22,7 @@ struct State {
   float* l;    // [G] running sum of exp(s - m)
   float* acc;  // [G][d] running sum of exp(s - m) v
   float* corr; // [G] scratch: rescale factor of acc in the current block
+  bool x2 = false;  // q and acc are in the paired-bf16 column order (see bf16x2)
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -224,6 +225,30 @@ KVS_AVX512 inline __m512 reduce16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x44), _mm512_shuffle_ps(d[0], d[1], 0xEE));
 }
 
+// 32 bf16 values (64 bytes) to two fp32 vectors by interleaving with zeros: lo holds columns
+// {0-3, 8-11, 16-19, 24-27}, hi {4-7, 12-15, 20-23, 28-31}. Both are port-5 shuffles; the usual
+// widen (port 5) and shift (port 0) puts half the conversion on the port the FMAs need.
+KVS_AVX512 inline void bf16x2(const std::byte* p, __m512& lo, __m512& hi) {
+  const __m512i x = _mm512_loadu_si512(p);
+  lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), x));
+  hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), x));
+}
+
+// Rows of d floats (d % 32 == 0) between natural column order and bf16x2's order, in place.
+KVS_AVX512 void x2_order(float* rows, size_t n, int d, bool to_x2) {
+  const __m512i to_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i to_hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const __m512i from_a = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i from_b = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (size_t r = 0; r < n; ++r)
+    for (int c = 0; c < d; c += 32) {
+      float* p = rows + r * size_t(d) + c;
+      const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+      _mm512_storeu_ps(p, _mm512_permutex2var_ps(a, to_x2 ? to_lo : from_a, b));
+      _mm512_storeu_ps(p + 16, _mm512_permutex2var_ps(a, to_x2 ? to_hi : from_b, b));
+    }
+}
+
 // AVX2 instantiation (8 lanes).
 #define KVS_NS simd8
 #define KVS_TGT KVS_AVX2
@@ -259,6 +284,7 @@ KVS_AVX512 inline __m512 reduce16(const __m512* a) {
 #define V_SOFTMAX softmax_update512
 #define V_LOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16))
 #define V_LOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))
+#define V_BF16X2(p, lo, hi) bf16x2(p, lo, hi)
 #include "backends/cpu/attention_simd.inc"
 
 enum class Isa { Scalar, Avx2, Avx512 };
@@ -298,7 +324,7 @@ void finish(const State& st, float* o, float* lse) {
 
 // Scratch for one task: state + buffers.
 struct TaskScratch {
-  std::vector<float> m, l, acc, corr, buf, s, q;
+  std::vector<float> m, l, acc, corr, buf, s, q, qx;
   State init(int G, int d) {
     m.assign(size_t(G), kNegInf);
     l.assign(size_t(G), 0.f);
@@ -329,6 +355,20 @@ void run_chunk(Isa isa, State& st, const float* qs, DType t, int64_t begin, int6
     }
     return;
   }
+  // bf16 with AVX-512: q and the accumulators in bf16x2's column order for this run.
+  // KVS_CPU_BF16X2=off keeps the widen-and-shift conversion (for comparisons, like KVS_CPU_ISA).
+  static const bool no_x2 = [] {
+    const char* e = std::getenv("KVS_CPU_BF16X2");
+    return e != nullptr && std::strcmp(e, "off") == 0;
+  }();
+  const bool x2 = !no_x2 && isa == Isa::Avx512 && t == DType::BF16 && st.d % 32 == 0 && end > begin;
+  if (x2) {
+    sc.qx.assign(qs, qs + size_t(st.G) * st.d);
+    x2_order(sc.qx.data(), size_t(st.G), st.d, true);
+    x2_order(st.acc, size_t(st.G), st.d, true);
+    qs = sc.qx.data();
+    st.x2 = true;
+  }
   const std::byte* kr[kBlock];
   const std::byte* vr[kBlock];
   for (int64_t b = begin; b < end; b += kBlock) {
@@ -346,6 +386,10 @@ void run_chunk(Isa isa, State& st, const float* qs, DType t, int64_t begin, int6
       case DType::F16: simd_block<DType::F16>(isa, st, qs, cnt, kr, vr, sc.s.data()); break;
       case DType::F32: simd_block<DType::F32>(isa, st, qs, cnt, kr, vr, sc.s.data()); break;
     }
+  }
+  if (x2) {
+    x2_order(st.acc, size_t(st.G), st.d, false);
+    st.x2 = false;
   }
 }
 
