@@ -116,41 +116,56 @@ class Model:
         out[..., 1::2] = x0 * s + x1 * c
         return out
 
-    def forward(self, tokens, record=False):
-        """Causal forward pass over the whole sequence. Returns logits [T, V] and, with record,
-        per-layer dicts: q [T,Hq,hd], k,v [T,Hkv,hd] (q, k after RoPE) and attn [T,Hq,hd] (the
-        attention output of each query head, before wo)."""
-        tokens = np.asarray(tokens, dtype=np.int64)
-        T = tokens.size
+    def new_cache(self):
+        """A KV cache for incremental decoding: forward(tokens, cache=c) appends to it."""
+        return {"len": 0, "k": [None] * self.n_layers, "v": [None] * self.n_layers}
+
+    def forward(self, tokens, record=False, cache=None):
+        """Causal forward pass of tokens at positions cache["len"].. (0 without a cache).
+        Returns logits [n, V] and, with record, per-layer dicts: q [n,Hq,hd], k,v [n,Hkv,hd]
+        (q, k after RoPE) and attn [n,Hq,hd] (the attention output of each query head, before
+        wo)."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        n = tokens.size
+        start = cache["len"] if cache is not None else 0
+        T = start + n
         if T > self.seq_len:
             raise ValueError("sequence of %d tokens exceeds the context %d" % (T, self.seq_len))
         hd, Hq, Hkv = self.head_dim, self.n_heads, self.n_kv_heads
         group = Hq // Hkv
-        pos = np.arange(T)
-        mask = np.triu(np.ones((T, T), dtype=bool), k=1)
+        pos = np.arange(start, T)
+        mask = np.arange(T)[None, :] > pos[:, None]  # [n, T]: key after query
         scale = 1.0 / np.sqrt(hd)
         x = self.tok_emb[tokens].copy()
         layers = []
         for l in range(self.n_layers):
             xb = self.rmsnorm(x, self.rms_att[l])
-            q = self.rope((xb @ self.wq[l].T).reshape(T, Hq, hd), pos)
-            k = self.rope((xb @ self.wk[l].T).reshape(T, Hkv, hd), pos)
-            v = (xb @ self.wv[l].T).reshape(T, Hkv, hd)
-            kq = np.repeat(k, group, axis=1)  # [T, Hq, hd], q head h -> kv head h // group
-            vq = np.repeat(v, group, axis=1)
+            q = self.rope((xb @ self.wq[l].T).reshape(n, Hq, hd), pos)
+            k = self.rope((xb @ self.wk[l].T).reshape(n, Hkv, hd), pos)
+            v = (xb @ self.wv[l].T).reshape(n, Hkv, hd)
+            kall, vall = k, v
+            if cache is not None:
+                if start:
+                    kall = np.concatenate([cache["k"][l], k])
+                    vall = np.concatenate([cache["v"][l], v])
+                cache["k"][l], cache["v"][l] = kall, vall
+            kq = np.repeat(kall, group, axis=1)  # [T, Hq, hd], q head h -> kv head h // group
+            vq = np.repeat(vall, group, axis=1)
             s = np.einsum("thd,shd->hts", q, kq) * scale
             s[:, mask] = -np.inf
             s -= s.max(axis=-1, keepdims=True)
             p = np.exp(s)
             p /= p.sum(axis=-1, keepdims=True)
             attn = np.einsum("hts,shd->thd", p, vq)
-            x = x + attn.reshape(T, Hq * hd) @ self.wo[l].T
+            x = x + attn.reshape(n, Hq * hd) @ self.wo[l].T
             xb = self.rmsnorm(x, self.rms_ffn[l])
             h1 = xb @ self.w1[l].T
             h3 = xb @ self.w3[l].T
             x = x + ((h1 / (1.0 + np.exp(-h1))) * h3) @ self.w2[l].T
             if record:
                 layers.append({"q": q, "k": k, "v": v, "attn": attn})
+        if cache is not None:
+            cache["len"] = T
         x = self.rmsnorm(x, self.rms_final)
         logits = x @ self.wcls.T
         return (logits, layers) if record else logits
@@ -168,8 +183,11 @@ def generate(model, prompt, n, temperature=1.0, seed=0):
     BOS/EOS: the model was trained on stories separated by BOS and simply starts a new one."""
     rng = np.random.default_rng(seed)
     toks = list(prompt)
-    for _ in range(n):
-        logits = model.forward(toks)[-1]
+    cache = model.new_cache()
+    logits = model.forward(toks, cache=cache)[-1]
+    for i in range(n):
+        if i:
+            logits = model.forward(toks[-1:], cache=cache)[-1]
         if temperature == 0:
             nxt = int(np.argmax(logits))
         else:
