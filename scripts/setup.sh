@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PKGS=(cmake ninja-build g++ pkg-config libdnnl-dev libopenblas-dev libmimalloc-dev doctest-dev
-      libcli11-dev nlohmann-json3-dev libxxhash-dev libdlpack-dev swig python3)
+      libcli11-dev nlohmann-json3-dev libxxhash-dev libdlpack-dev swig python3 python3-numpy)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
