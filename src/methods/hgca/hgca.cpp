@@ -380,6 +380,9 @@ class Hgca final : public Method {
   }
 
   std::unique_ptr<Method> clone() const override { return std::make_unique<Hgca>(*this); }
+  const LayerState* layer_state(uint32_t l) const {
+    return l < layers_.size() && layers_[l].built && layers_[l].materialised ? &layers_[l] : nullptr;
+  }
 
   uint64_t index_bytes() const override {
     uint64_t b = 0;
@@ -472,6 +475,18 @@ Params parse(const MethodContext& ctx, const ParamSet& ps) {
 }
 
 }  // namespace
+
+const NearWindow* window_of(const Method& m, uint32_t layer) {
+  const auto* h = dynamic_cast<const Hgca*>(&m);
+  const auto* st = h ? h->layer_state(layer) : nullptr;
+  return st ? st->win.get() : nullptr;
+}
+const FarStore* far_of(const Method& m, uint32_t layer) {
+  const auto* h = dynamic_cast<const Hgca*>(&m);
+  const auto* st = h ? h->layer_state(layer) : nullptr;
+  return st ? &st->far : nullptr;
+}
+
 }  // namespace hgca
 
 MethodSpec hgca_spec() {

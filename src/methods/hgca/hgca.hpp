@@ -173,4 +173,9 @@ class FarStore {
 void mean_attention(const KVLayer& kv, int h, int64_t a, int64_t b, const float* queries, const int64_t* qpos,
                     int64_t r, const ModelShape& shape, int32_t gemm, float* out);
 
+// White-box access for tests: the components of an hgca method's layer (nullptr when the method
+// is not hgca or the layer has no built, materialised state).
+const NearWindow* window_of(const Method& m, uint32_t layer);
+const FarStore* far_of(const Method& m, uint32_t layer);
+
 }  // namespace kvs::hgca

@@ -40,6 +40,7 @@ void CpuNearWindow::evict(int64_t count, float* maw_out) {
 }
 
 void CpuNearWindow::skip(int64_t count) {
+  if (count == 0) return;
   if (size() != 0 || count < 0) fail(KVS_STATUS_INTERNAL, "hgca: window skip with resident entries");
   b_ += count;
   e_ += count;
