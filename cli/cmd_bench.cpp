@@ -151,6 +151,8 @@ int run_bench(const BenchOptions& o) {
   std::printf("  %-8s %10.1f us/step  reads <= %s (%.0f keys/KV head + index)  -> %.1f GB/s\n",
               o.method.c_str(), step_us, human_bytes(method_bytes).c_str(), st.mean_selected_keys, method_gbps);
   std::printf("  speedup vs full: %.2fx\n", speedup);
+  std::printf("  step time p50 / p99: full %.1f / %.1f us, %s %.1f / %.1f us\n", full_step_us,
+              percentile(full_us, 99.0), o.method.c_str(), step_us, percentile(method_us, 99.0));
 
   if (!o.json.empty()) {
     const nlohmann::ordered_json j = {{"method", o.method},

@@ -43,6 +43,9 @@ struct Selection {
   enum class Kind { All, PerKvHead, PerQueryHead };
   Kind kind = Kind::All;
   std::vector<std::vector<int32_t>> lists;  // Hkv or Hq lists of distinct token indices
+  // false: the lists only report the exact keys the method attends itself, its whole state coming
+  // from extra() (HGCA: near window + far part); the session does not attend them.
+  bool attend = true;
 };
 
 struct MethodContext {

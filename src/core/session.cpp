@@ -247,20 +247,24 @@ void Session::decode_f32(uint32_t layer, const float* q, const float* k, const f
     method_->select(layer, q, lay, sel);
     const int64_t n = lay.size();
     double selected = 0;
+    if (!sel.attend) {  // reported only: the method's extra() is the whole state
+      std::fill(o, o + size_t(s.num_q_heads) * s.head_dim, 0.f);
+      std::fill(lse, lse + s.num_q_heads, -std::numeric_limits<float>::infinity());
+    }
     switch (sel.kind) {
       case Selection::Kind::All:
-        cpu::attend_dense(lay, q, G, n, s.softmax_scale, o, lse, *pool_);
+        if (sel.attend) cpu::attend_dense(lay, q, G, n, s.softmax_scale, o, lse, *pool_);
         selected = double(n);
         break;
       case Selection::Kind::PerKvHead:
         if (sel.lists.size() != s.num_kv_heads) fail(KVS_STATUS_INTERNAL, "method returned a selection of the wrong size");
-        cpu::attend_gather_kv(lay, q, G, sel.lists, s.softmax_scale, o, lse, *pool_);
+        if (sel.attend) cpu::attend_gather_kv(lay, q, G, sel.lists, s.softmax_scale, o, lse, *pool_);
         for (auto& l : sel.lists) selected += double(l.size());
         selected /= double(s.num_kv_heads);
         break;
       case Selection::Kind::PerQueryHead:
         if (sel.lists.size() != s.num_q_heads) fail(KVS_STATUS_INTERNAL, "method returned a selection of the wrong size");
-        cpu::attend_gather_q(lay, q, G, sel.lists, s.softmax_scale, o, lse, *pool_);
+        if (sel.attend) cpu::attend_gather_q(lay, q, G, sel.lists, s.softmax_scale, o, lse, *pool_);
         for (uint32_t h = 0; h < s.num_kv_heads; ++h) selected += double(last_selection(layer, h).size());
         selected /= double(s.num_kv_heads);
         break;

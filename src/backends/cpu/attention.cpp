@@ -515,4 +515,30 @@ void score_keys(const KVLayer& kv, int h, const float* q_group, int G, int64_t n
   });
 }
 
+void attend_rows(DType t, int d, int G, const float* q, float scale, const std::byte* const* k_rows,
+                 const std::byte* const* v_rows, int64_t n, float* o, float* lse) {
+  TaskScratch sc;
+  State st = sc.init(G, d);
+  sc.q.resize(size_t(G) * d);
+  for (size_t i = 0; i < sc.q.size(); ++i) sc.q[i] = q[i] * scale;
+  if (n > 0)
+    run_chunk(pick_isa(d), st, sc.q.data(), t, 0, n, [&](int64_t i) { return k_rows[i]; },
+              [&](int64_t i) { return v_rows[i]; }, sc);
+  finish(st, o, lse);
+}
+
+void score_rows(DType t, int d, int G, const float* q, float scale, const std::byte* const* k_rows, int64_t n,
+                float* out) {
+  const bool avx = use_avx2(d);
+  std::vector<float> buf(static_cast<size_t>(d)), qs(size_t(G) * d);
+  for (size_t i = 0; i < qs.size(); ++i) qs[i] = q[i] * scale;
+  for (int64_t j = 0; j < n; ++j) {
+    if (avx) Avx2::convert(k_rows[j], t, d, buf.data());
+    else Scalar::convert(k_rows[j], t, d, buf.data());
+    for (int g = 0; g < G; ++g)
+      out[size_t(g) * n + j] = avx ? Avx2::dot(qs.data() + size_t(g) * d, buf.data(), d)
+                                   : Scalar::dot(qs.data() + size_t(g) * d, buf.data(), d);
+  }
+}
+
 }  // namespace kvs::cpu

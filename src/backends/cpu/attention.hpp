@@ -34,4 +34,13 @@ void merge_states(float* o_a, float* lse_a, const float* o_b, const float* lse_b
 void score_keys(const KVLayer& kv, int h, const float* q_group, int G, int64_t n, float scale,
                 float* out, ThreadPool& pool);
 
+// Serial kernels over caller-provided rows (dtype t, d elements each), for methods that schedule
+// their own tasks (HGCA's window and far part). q: [G][d], unscaled.
+// attend_rows: o [G][d], lse [G] over rows k_rows[i], v_rows[i], i < n (n = 0: the empty state).
+void attend_rows(DType t, int d, int G, const float* q, float scale, const std::byte* const* k_rows,
+                 const std::byte* const* v_rows, int64_t n, float* o, float* lse);
+// score_rows: out[g][i] = scale * q_g . k_rows[i] (out: [G][n]).
+void score_rows(DType t, int d, int G, const float* q, float scale, const std::byte* const* k_rows, int64_t n,
+                float* out);
+
 }  // namespace kvs::cpu

@@ -1,0 +1,312 @@
+// HGCA's far part on the host: every evicted entry with its MAW, the per-head salient sets stored
+// contiguously (Alg. 1 lines 19-25, §3.2.2), padding of merged-head tasks and the threaded sparse
+// attention (§3.3), and the mean attention used by the prompt RECON and re-evaluation (§8.3).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+
+#include "backends/cpu/attention.hpp"
+#include "backends/cpu/gemm.hpp"
+#include "core/error.hpp"
+#include "methods/hgca/hgca.hpp"
+
+namespace kvs::hgca {
+
+namespace {
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+}
+
+FarStore::FarStore(const ModelShape& shape, const Params& p) : shape_(shape), p_(p) {
+  row_ = size_t(shape.head_dim) * dtype_size(shape.kv_dtype);
+  heads_.resize(shape.num_kv_heads);
+}
+
+float FarStore::agg(const float* w) const {
+  const int G = shape_.group();
+  if (p_.gqa == GqaAgg::Max) return *std::max_element(w, w + G);
+  double s = 0;
+  for (int g = 0; g < G; ++g) s += w[g];
+  return float(s / G);
+}
+
+void FarStore::renormalise(Head& hd) {
+  double sum = 0;
+  for (float s : hd.score) sum += s;
+  hd.weight.resize(hd.score.size());
+  for (size_t i = 0; i < hd.score.size(); ++i)
+    hd.weight[i] = sum > 0 ? float(hd.score[i] / sum) : float(1.0 / double(hd.score.size()));
+}
+
+void FarStore::push(const KVLayer& kv, Head& hd, int h, int32_t t, float score) {
+  hd.pos.push_back(t);
+  hd.score.push_back(score);
+  const auto* k = kv.k_row(h, t);
+  const auto* v = kv.v_row(h, t);
+  hd.k.insert(hd.k.end(), k, k + row_);
+  hd.v.insert(hd.v.end(), v, v + row_);
+}
+
+void FarStore::add_evicted(const KVLayer& kv, int64_t count, const float* maw, int64_t w_size, bool test) {
+  const int hq = int(shape_.num_q_heads), G = shape_.group();
+  const double thr = p_.beta / double(w_size);
+  maw_.insert(maw_.end(), maw, maw + size_t(count) * hq);
+  for (size_t h = 0; h < heads_.size(); ++h) {
+    Head& hd = heads_[h];
+    hd.in_ctx.resize(size_t(n_ + count), 0);
+    bool changed = false;
+    for (int64_t j = 0; test && j < count; ++j) {
+      const float a = agg(maw + size_t(j) * hq + h * G);
+      if (p_.beta == 0 || double(a) > thr) {
+        push(kv, hd, int(h), int32_t(n_ + j), a);
+        hd.in_ctx[size_t(n_ + j)] = 1;
+        changed = true;
+      }
+    }
+    if (changed) renormalise(hd);
+  }
+  n_ += count;
+}
+
+void FarStore::reevaluate(const KVLayer& kv, const float* a) {
+  const int hq = int(shape_.num_q_heads), G = shape_.group();
+  maw_.assign(a, a + size_t(n_) * hq);
+  const double thr = p_.beta / double(std::max<int64_t>(1, n_));
+  for (size_t h = 0; h < heads_.size(); ++h) {
+    Head& hd = heads_[h];
+    hd.pos.clear();
+    hd.score.clear();
+    hd.k.clear();
+    hd.v.clear();
+    hd.in_ctx.assign(size_t(n_), 0);
+    for (int64_t t = 0; t < n_; ++t) {
+      const float s = agg(a + size_t(t) * hq + h * G);
+      if (p_.beta == 0 || double(s) > thr) {
+        push(kv, hd, int(h), int32_t(t), s);
+        hd.in_ctx[size_t(t)] = 1;
+      }
+    }
+    renormalise(hd);
+  }
+}
+
+void FarStore::repad(const KVLayer& kv, int heads_per_task) {
+  if (armed_pad_ && !pad_saved_) {
+    ck_pad_.resize(heads_.size());
+    for (size_t h = 0; h < heads_.size(); ++h) ck_pad_[h] = std::move(heads_[h].pad);
+    pad_saved_ = true;
+  }
+  for (auto& hd : heads_) hd.pad.clear();
+  if (!p_.pad || heads_per_task <= 1) return;
+  const int hkv = int(heads_.size()), hq = int(shape_.num_q_heads), G = shape_.group();
+  std::vector<int32_t> cand;
+  std::vector<float> score(static_cast<size_t>(n_));
+  for (int t0 = 0; t0 < hkv; t0 += heads_per_task) {
+    const int t1 = std::min(hkv, t0 + heads_per_task);
+    size_t longest = 0;
+    for (int h = t0; h < t1; ++h) longest = std::max(longest, heads_[size_t(h)].pos.size());
+    for (int h = t0; h < t1; ++h) {
+      Head& hd = heads_[size_t(h)];
+      const int64_t need = int64_t(longest - hd.pos.size());
+      if (need <= 0) continue;
+      cand.clear();
+      for (int64_t t = 0; t < n_; ++t)
+        if (!hd.in_ctx[size_t(t)]) {
+          cand.push_back(int32_t(t));
+          score[size_t(t)] = agg(maw_.data() + size_t(t) * hq + h * G);
+        }
+      auto better = [&](int32_t a, int32_t b) { return score[a] > score[b] || (score[a] == score[b] && a < b); };
+      const int64_t k = std::min<int64_t>(need, int64_t(cand.size()));
+      if (k <= 0) continue;
+      std::nth_element(cand.begin(), cand.begin() + (k - 1), cand.end(), better);
+      cand.resize(size_t(k));
+      std::sort(cand.begin(), cand.end(), better);
+      hd.pad = cand;
+    }
+  }
+}
+
+void FarStore::attend(const KVLayer& kv, const float* q, float* o, float* lse, ThreadPool& pool, int heads_per_task) {
+  const int hkv = int(heads_.size()), G = shape_.group(), d = int(shape_.head_dim);
+  const int hpt = std::max(1, heads_per_task);
+  const int tasks = (hkv + hpt - 1) / hpt;
+  std::vector<int64_t> len(static_cast<size_t>(hkv)), task_len(static_cast<size_t>(tasks), 0);
+  for (int h = 0; h < hkv; ++h) {
+    len[size_t(h)] = int64_t(heads_[size_t(h)].pos.size() + heads_[size_t(h)].pad.size());
+    task_len[size_t(h / hpt)] = std::max(task_len[size_t(h / hpt)], len[size_t(h)]);
+  }
+  // Tasks of adjacent heads; a long task is cut into chunks of keys so every thread gets a share
+  // (chunk states are merged by LSE like the window and far parts).
+  const int64_t longest = *std::max_element(task_len.begin(), task_len.end());
+  const int64_t want = std::max<int64_t>(1, (4 * int64_t(pool.size()) + tasks - 1) / tasks);
+  const int64_t chunk = std::max<int64_t>(256, (longest + want - 1) / want);
+  const int chunks = int(std::max<int64_t>(1, (longest + chunk - 1) / chunk));
+  std::vector<std::pair<int, int>> items;
+  for (int t = 0; t < tasks; ++t)
+    for (int c = 0; c < std::max<int64_t>(1, (task_len[size_t(t)] + chunk - 1) / chunk); ++c) items.push_back({t, c});
+  std::vector<float> part_o(size_t(hkv) * chunks * G * d, 0.f), part_lse(size_t(hkv) * chunks * G, kNegInf);
+  pool.parallel_for(int64_t(items.size()), [&](int64_t it) {
+    const auto [t, c] = items[size_t(it)];
+    std::vector<const std::byte*> kr, vr;
+    for (int h = t * hpt; h < std::min(hkv, (t + 1) * hpt); ++h) {
+      const Head& hd = heads_[size_t(h)];
+      const int64_t b = int64_t(c) * chunk, e = std::min(len[size_t(h)], b + chunk);
+      if (b >= e) continue;
+      kr.resize(size_t(e - b));
+      vr.resize(size_t(e - b));
+      const int64_t L = int64_t(hd.pos.size());
+      for (int64_t j = b; j < e; ++j) {
+        if (j < L) {
+          kr[size_t(j - b)] = hd.k.data() + size_t(j) * row_;
+          vr[size_t(j - b)] = hd.v.data() + size_t(j) * row_;
+        } else {
+          const int32_t pos = hd.pad[size_t(j - L)];
+          kr[size_t(j - b)] = kv.k_row(h, pos);
+          vr[size_t(j - b)] = kv.v_row(h, pos);
+        }
+      }
+      const size_t slot = size_t(h) * chunks + size_t(c);
+      cpu::attend_rows(shape_.kv_dtype, d, G, q + size_t(h) * G * d, shape_.softmax_scale, kr.data(), vr.data(),
+                       e - b, part_o.data() + slot * G * d, part_lse.data() + slot * G);
+    }
+  });
+  for (int h = 0; h < hkv; ++h) {
+    float* oh = o + size_t(h) * G * d;
+    float* lh = lse + size_t(h) * G;
+    std::fill(oh, oh + size_t(G) * d, 0.f);
+    std::fill(lh, lh + G, kNegInf);
+    for (int c = 0; c < chunks; ++c) {
+      const size_t slot = size_t(h) * chunks + size_t(c);
+      cpu::merge_states(oh, lh, part_o.data() + slot * G * d, part_lse.data() + slot * G, G, d);
+    }
+  }
+}
+
+void FarStore::materialise(const KVLayer& kv) {
+  for (size_t h = 0; h < heads_.size(); ++h) {
+    Head& hd = heads_[h];
+    hd.k.clear();
+    hd.v.clear();
+    hd.k.reserve(hd.pos.size() * row_);
+    hd.v.reserve(hd.pos.size() * row_);
+    for (int32_t t : hd.pos) {
+      const auto* k = kv.k_row(int(h), t);
+      const auto* v = kv.v_row(int(h), t);
+      hd.k.insert(hd.k.end(), k, k + row_);
+      hd.v.insert(hd.v.end(), v, v + row_);
+    }
+  }
+}
+
+void FarStore::set_far(int64_t n, std::vector<float> maw) {
+  n_ = n;
+  maw_ = std::move(maw);
+  for (auto& hd : heads_) hd.in_ctx.assign(size_t(n), 0);
+}
+
+void FarStore::restore_head(int h, std::vector<int32_t> pos, std::vector<float> score, std::vector<int32_t> pad) {
+  Head& hd = heads_[size_t(h)];
+  for (int32_t t : pos) {
+    if (t < 0 || t >= n_ || hd.in_ctx[size_t(t)])
+      fail(KVS_STATUS_FORMAT_INVALID, "hgca: salient set of head " + std::to_string(h) + " holds an invalid or repeated position");
+    hd.in_ctx[size_t(t)] = 1;
+  }
+  for (int32_t t : pad)
+    if (t < 0 || t >= n_ || hd.in_ctx[size_t(t)])
+      fail(KVS_STATUS_FORMAT_INVALID, "hgca: padding of head " + std::to_string(h) + " holds an invalid or salient position");
+  hd.pos = std::move(pos);
+  hd.score = std::move(score);
+  hd.pad = std::move(pad);
+  renormalise(hd);
+}
+
+void FarStore::checkpoint() {
+  ck_n_ = n_;
+  ck_len_.resize(heads_.size());
+  for (size_t h = 0; h < heads_.size(); ++h) ck_len_[h] = heads_[h].pos.size();
+  armed_pad_ = true;
+  pad_saved_ = false;
+}
+
+void FarStore::rollback() {
+  if (!armed_pad_) return;
+  n_ = ck_n_;
+  maw_.resize(size_t(n_) * shape_.num_q_heads);
+  for (size_t h = 0; h < heads_.size(); ++h) {
+    Head& hd = heads_[h];
+    const size_t L = ck_len_[h];
+    hd.pos.resize(L);
+    hd.score.resize(L);
+    hd.k.resize(L * row_);
+    hd.v.resize(L * row_);
+    hd.in_ctx.resize(size_t(n_));
+    renormalise(hd);
+    if (pad_saved_) hd.pad = std::move(ck_pad_[h]);
+  }
+  armed_pad_ = pad_saved_ = false;
+}
+
+uint64_t FarStore::bytes() const {
+  uint64_t b = maw_.size() * sizeof(float);
+  for (auto& hd : heads_)
+    b += hd.pos.size() * 4 + hd.score.size() * 4 + hd.weight.size() * 4 + hd.k.size() + hd.v.size() +
+         hd.pad.size() * 4 + hd.in_ctx.size();
+  return b;
+}
+
+void mean_attention(const KVLayer& kv, int h, int64_t a, int64_t b, const float* queries, const int64_t* qpos,
+                    int64_t r, const ModelShape& shape, int32_t gemm, float* out) {
+  const int G = shape.group(), d = int(shape.head_dim), hq = int(shape.num_q_heads);
+  const int64_t n = b - a, M = r * G;
+  std::fill(out, out + size_t(n) * G, 0.f);
+  if (n <= 0 || r <= 0) return;
+  std::vector<float> Q(size_t(M) * d);
+  for (int64_t i = 0; i < r; ++i)
+    for (int g = 0; g < G; ++g)
+      for (int x = 0; x < d; ++x)
+        Q[(size_t(i) * G + g) * d + x] = queries[(size_t(i) * hq + h * G + g) * d + x] * shape.softmax_scale;
+  const int64_t C = 4096;
+  std::vector<float> Kc(size_t(std::min(C, n)) * d), S(size_t(M) * std::min(C, n));
+  std::vector<double> mx(size_t(M), -std::numeric_limits<double>::infinity()), z(size_t(M), 0.0);
+  const auto prov = cpu::GemmProvider(gemm);
+  auto scores = [&](int64_t c0, int64_t cnt) {
+    for (int64_t j = 0; j < cnt; ++j) convert_to_f32(kv.k_row(h, a + c0 + j), kv.dtype(), Kc.data() + size_t(j) * d, size_t(d));
+    cpu::sgemm(prov, false, true, M, cnt, d, 1.f, Q.data(), d, Kc.data(), d, 0.f, S.data(), cnt);
+  };
+  // Pass 1: each query row's max and normaliser over the keys it sees.
+  for (int64_t c0 = 0; c0 < n; c0 += C) {
+    const int64_t cnt = std::min(C, n - c0);
+    scores(c0, cnt);
+    for (int64_t row = 0; row < M; ++row) {
+      const int64_t see = std::min(cnt, qpos[row / G] - (a + c0) + 1);
+      if (see <= 0) continue;
+      const float* s = S.data() + size_t(row) * cnt;
+      double m = mx[size_t(row)];
+      for (int64_t j = 0; j < see; ++j) m = std::max(m, double(s[j]));
+      double zz = z[size_t(row)] * std::exp(mx[size_t(row)] - m);
+      if (!std::isfinite(zz)) zz = 0;
+      for (int64_t j = 0; j < see; ++j) zz += std::exp(double(s[j]) - m);
+      mx[size_t(row)] = m;
+      z[size_t(row)] = zz;
+    }
+  }
+  int64_t seen = 0;
+  for (int64_t i = 0; i < r; ++i) seen += qpos[i] >= a ? 1 : 0;
+  if (seen == 0) return;
+  // Pass 2: the mean of the normalised weights.
+  for (int64_t c0 = 0; c0 < n; c0 += C) {
+    const int64_t cnt = std::min(C, n - c0);
+    scores(c0, cnt);
+    for (int64_t row = 0; row < M; ++row) {
+      const int64_t see = std::min(cnt, qpos[row / G] - (a + c0) + 1);
+      if (see <= 0 || z[size_t(row)] <= 0) continue;
+      const float* s = S.data() + size_t(row) * cnt;
+      const int g = int(row % G);
+      const double m = mx[size_t(row)], inv = 1.0 / (z[size_t(row)] * double(seen));
+      for (int64_t j = 0; j < see; ++j) out[size_t(c0 + j) * G + g] += float(std::exp(double(s[j]) - m) * inv);
+    }
+  }
+}
+
+}  // namespace kvs::hgca

@@ -1,0 +1,181 @@
+// HGCA (Hybrid GPU-CPU Attention; arXiv 2507.03153, METHODS.md §8): the two placements of the paper
+// as two components behind explicit interfaces, merged by LSE.
+//  - NearWindow: the "GPU" part. A circular buffer of blk_num blocks of blk_size entries holding the
+//    most recent tokens' K/V and a moving average of attention weights (MAW) per entry and query
+//    head; dense attention over it (Alg. 1 lines 2-13, Alg. 2 line 10). CpuNearWindow implements it
+//    on the host; the CUDA window of the hybrid backend implements the same interface.
+//  - FarStore: the "CPU" part. Every evicted entry with its MAW (KV_cpu: the evicted prefix of the
+//    layer's host KV store), and per KV head the salient subset KV_ctx (positions, scores,
+//    re-normalised weights, K/V rows copied contiguously per head), selected by MAW > beta / W
+//    (Alg. 1 lines 23-25), re-evaluated on append (lines 19-22); sparse attention split over
+//    threads in tasks of adjacent heads padded to equal length (§3.3).
+// The session sees a Selection that only reports the keys attended (window + far salient + padding),
+// and the merged state through extra().
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/kv_store.hpp"
+#include "core/method.hpp"
+
+namespace kvs::hgca {
+
+enum class GqaAgg { Max, Mean };
+
+struct Params {
+  double beta = 1.0;         // salience factor: keep an entry iff its weight > beta / size
+  int64_t window = 0;        // window tokens W (rounded up to blocks); 0: window_ratio or the budget
+  double window_ratio = 0;   // W = ceil(ratio * prompt tokens); 0: the session budget
+  int64_t block_size = 64;   // blk_size [ASSUMPTION]
+  double alpha = 0.1;        // MAW factor [ASSUMPTION]
+  float maw_init = 0.f;      // MAW of a newly inserted token [ASSUMPTION]
+  GqaAgg gqa = GqaAgg::Max;  // MAW aggregation over a GQA group [RECON]
+  int64_t score_queries = 64;  // r: last queries scoring prompt/append tokens [RECON]; 0 = all
+  bool prompt_maw_queries = true;  // prompt/appended tokens' MAW from the r queries [RECON], else maw_init
+  bool reeval_on_append = true;    // re-evaluate every far entry on append (Alg. 1 lines 19-22)
+  bool free_slot = true;     // Alg. 1 as printed: evict when size+m >= l_max (one slot kept free)
+  bool pad = true;           // pad heads of a task to equal length with sub-threshold entries (§3.3)
+  int64_t heads_per_task = 0;  // adjacent KV heads per far task; 0 = ceil(Hkv / threads) (fn. 4)
+};
+
+// Alg. 1 lines 10-11 with the sign typo fixed: entries (of `resident` + `incoming`, oldest first)
+// to evict, a multiple of blk_size; 0 when nothing has to go.
+int64_t evict_count(int64_t resident, int64_t incoming, int64_t l_max, int64_t blk, bool free_slot);
+
+// The near part. Tokens [begin, end) are resident; token t lives in slot t mod capacity (blocks are
+// aligned to token multiples of blk_size, so the slots of a block are contiguous).
+class NearWindow {
+ public:
+  virtual ~NearWindow() = default;
+  virtual std::unique_ptr<NearWindow> clone() const = 0;
+  virtual int64_t capacity() const = 0;  // l_max = blk_num * blk_size slots
+  virtual int64_t begin() const = 0;
+  virtual int64_t end() const = 0;
+  int64_t size() const { return end() - begin(); }
+  // Removes the oldest `count` resident tokens; their MAW goes to maw_out [count][Hq].
+  virtual void evict(int64_t count, float* maw_out) = 0;
+  // Tokens [end(), end() + count) go straight to the far part (an insertion larger than the
+  // window): the empty window moves past them.
+  virtual void skip(int64_t count) = 0;
+  // Appends tokens [end(), end() + m) from the layer's store, each with MAW maw [m][Hq].
+  virtual void insert(const KVLayer& kv, int64_t m, const float* maw) = 0;
+  // Dense attention of q [Hq][d] over the resident entries: o [Hq][d], lse [Hq]. With update, MAW
+  // <- (1 - alpha) MAW + alpha A for every resident token < no_update_from (A: window softmax).
+  virtual void attend(const float* q, float* o, float* lse, bool update, int64_t no_update_from) = 0;
+  // MAW of resident token t: out [Hq].
+  virtual void maw(int64_t t, float* out) const = 0;
+  virtual void set_maw(int64_t t, const float* in) = 0;
+  // One-step undo: checkpoint() before a decode step, rollback() restores it.
+  virtual void checkpoint() = 0;
+  virtual void rollback() = 0;
+  virtual uint64_t bytes() const = 0;
+};
+
+class CpuNearWindow final : public NearWindow {
+ public:
+  CpuNearWindow(const ModelShape& shape, int64_t capacity, int64_t first_token, double alpha, ThreadPool* pool);
+  std::unique_ptr<NearWindow> clone() const override { return std::make_unique<CpuNearWindow>(*this); }
+  int64_t capacity() const override { return cap_; }
+  int64_t begin() const override { return b_; }
+  int64_t end() const override { return e_; }
+  void evict(int64_t count, float* maw_out) override;
+  void insert(const KVLayer& kv, int64_t m, const float* maw) override;
+  void skip(int64_t count) override;
+  void attend(const float* q, float* o, float* lse, bool update, int64_t no_update_from) override;
+  void maw(int64_t t, float* out) const override;
+  void set_maw(int64_t t, const float* in) override;
+  void checkpoint() override;
+  void rollback() override;
+  uint64_t bytes() const override;
+
+ private:
+  std::byte* krow(int h, int64_t slot) { return k_.data() + (size_t(h) * cap_ + size_t(slot)) * row_; }
+  std::byte* vrow(int h, int64_t slot) { return v_.data() + (size_t(h) * cap_ + size_t(slot)) * row_; }
+  float* mawp(int buf, int hq) { return maw_[buf].data() + size_t(hq) * cap_; }
+
+  ModelShape shape_;
+  int64_t cap_, b_, e_;
+  double alpha_;
+  ThreadPool* pool_;
+  size_t row_;                       // bytes of one K or V row
+  std::vector<std::byte> k_, v_;     // [Hkv][cap][d] storage dtype
+  std::vector<float> maw_[2];        // [Hq][cap], double-buffered (the update writes the other one)
+  int cur_ = 0;
+  // Undo of one step.
+  struct Saved { int64_t slot; std::vector<std::byte> k, v; std::vector<float> maw; };
+  bool armed_ = false;
+  int64_t ck_b_ = 0, ck_e_ = 0;
+  int ck_cur_ = 0;
+  std::vector<Saved> saved_;
+};
+
+// The far part of one layer.
+class FarStore {
+ public:
+  FarStore() = default;
+  FarStore(const ModelShape& shape, const Params& p);
+
+  int64_t tokens() const { return n_; }  // evicted prefix [0, n)
+  const std::vector<float>& maw() const { return maw_; }  // [n][Hq]
+  struct Head {
+    std::vector<int32_t> pos;      // salient positions (ascending after a re-evaluation)
+    std::vector<float> score;      // the aggregated weight each was judged by
+    std::vector<float> weight;     // score re-normalised to sum to 1 over the head's set
+    std::vector<std::byte> k, v;   // [L][d] storage dtype, contiguous
+    std::vector<int32_t> pad;      // padding positions (sub-threshold, highest score first)
+    std::vector<uint8_t> in_ctx;   // [n] membership
+  };
+  const std::vector<Head>& heads() const { return heads_; }
+
+  // Takes the evicted tokens [n, n + count) with their MAW [count][Hq]; with test, tests them
+  // against beta / w_size and appends the salient ones per head (without: a re-evaluation follows).
+  void add_evicted(const KVLayer& kv, int64_t count, const float* maw, int64_t w_size, bool test = true);
+  // Re-evaluation (Alg. 1 lines 19-22): a [n][Hq] weights of every far entry; replaces the MAW
+  // and rebuilds every head's set with the threshold beta / n.
+  void reevaluate(const KVLayer& kv, const float* a);
+  // Pads the heads of each task of `heads_per_task` adjacent heads to the task's longest set.
+  void repad(const KVLayer& kv, int heads_per_task);
+  // Sparse attention of q [Hq][d] over each head's set + padding: o [Hq][d], lse [Hq].
+  void attend(const KVLayer& kv, const float* q, float* o, float* lse, ThreadPool& pool, int heads_per_task);
+  // Copies the K/V rows of every head's set from kv (after a load).
+  void materialise(const KVLayer& kv);
+  void restore_head(int h, std::vector<int32_t> pos, std::vector<float> score, std::vector<int32_t> pad);
+  void set_far(int64_t n, std::vector<float> maw);
+
+  // One-step undo (decode): checkpoint() then rollback().
+  void checkpoint();
+  void rollback();
+  uint64_t bytes() const;
+  int64_t padded_keys(int h) const { return int64_t(heads_[size_t(h)].pad.size()); }
+
+ private:
+  float agg(const float* w) const;  // over the G query heads of one KV head
+  void renormalise(Head& hd);
+  void push(const KVLayer& kv, Head& hd, int h, int32_t t, float score);
+
+  ModelShape shape_{};
+  Params p_{};
+  size_t row_ = 0;
+  int64_t n_ = 0;
+  std::vector<float> maw_;
+  std::vector<Head> heads_;
+  // Undo of one step.
+  int64_t ck_n_ = 0;
+  std::vector<size_t> ck_len_;
+  std::vector<std::vector<int32_t>> ck_pad_;
+  bool armed_pad_ = false, pad_saved_ = false;
+};
+
+// Mean over queries of the causal softmax over keys [a, b) of KV head h: out [b - a][G]. queries:
+// r rows [r][Hq][d] at positions qpos; a query sees keys <= its position; queries that see none are
+// left out of the mean. Used by the prompt RECON and the append re-evaluation.
+void mean_attention(const KVLayer& kv, int h, int64_t a, int64_t b, const float* queries, const int64_t* qpos,
+                    int64_t r, const ModelShape& shape, int32_t gemm, float* out);
+
+// White-box access for tests: the components of an hgca method's layer (nullptr when the method
+// is not hgca or the layer has no built, materialised state).
+const NearWindow* window_of(const Method& m, uint32_t layer);
+const FarStore* far_of(const Method& m, uint32_t layer);
+
+}  // namespace kvs::hgca

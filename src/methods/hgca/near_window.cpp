@@ -1,0 +1,159 @@
+// HGCA's near part on the host: the block circular buffer with MAW (Alg. 1 lines 2-13) and its
+// dense attention (Alg. 2 line 10), which also yields the window-normalised weights A_gpu that
+// the MAW update needs (METHODS.md §8.2 steps 1-3).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "backends/cpu/attention.hpp"
+#include "core/error.hpp"
+#include "methods/hgca/hgca.hpp"
+
+namespace kvs::hgca {
+
+int64_t evict_count(int64_t resident, int64_t incoming, int64_t l_max, int64_t blk, bool free_slot) {
+  const int64_t l_cur = resident + incoming;
+  // Printed: ceil((l_max - l_cur + 1) / blk) * blk, sign reversed (METHODS.md §8.2 step 4).
+  const int64_t over = free_slot ? l_cur - l_max + 1 : l_cur - l_max;
+  if (over <= 0) return 0;
+  return (over + blk - 1) / blk * blk;
+}
+
+CpuNearWindow::CpuNearWindow(const ModelShape& shape, int64_t capacity, int64_t first_token, double alpha,
+                             ThreadPool* pool)
+    : shape_(shape), cap_(capacity), b_(first_token), e_(first_token), alpha_(alpha), pool_(pool) {
+  row_ = size_t(shape.head_dim) * dtype_size(shape.kv_dtype);
+  k_.assign(size_t(shape.num_kv_heads) * cap_ * row_, std::byte{0});
+  v_.assign(k_.size(), std::byte{0});
+  for (auto& m : maw_) m.assign(size_t(shape.num_q_heads) * cap_, 0.f);
+}
+
+void CpuNearWindow::evict(int64_t count, float* maw_out) {
+  if (count < 0 || count > size()) fail(KVS_STATUS_INTERNAL, "hgca: window eviction beyond its resident entries");
+  const int hq = int(shape_.num_q_heads);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t slot = (b_ + i) % cap_;
+    for (int h = 0; h < hq; ++h) maw_out[size_t(i) * hq + h] = mawp(cur_, h)[slot];
+  }
+  b_ += count;
+}
+
+void CpuNearWindow::skip(int64_t count) {
+  if (count == 0) return;
+  if (size() != 0 || count < 0) fail(KVS_STATUS_INTERNAL, "hgca: window skip with resident entries");
+  b_ += count;
+  e_ += count;
+}
+
+void CpuNearWindow::insert(const KVLayer& kv, int64_t m, const float* maw) {
+  if (size() + m > cap_) fail(KVS_STATUS_INTERNAL, "hgca: window insertion beyond its capacity");
+  if (e_ + m > kv.size()) fail(KVS_STATUS_INTERNAL, "hgca: window insertion of tokens the layer does not hold");
+  const int hkv = int(shape_.num_kv_heads), hq = int(shape_.num_q_heads);
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t t = e_ + i, slot = t % cap_;
+    if (armed_ && t - cap_ >= ck_b_) {  // overwrites an entry resident at the checkpoint
+      Saved s{slot, std::vector<std::byte>(row_ * hkv), std::vector<std::byte>(row_ * hkv), std::vector<float>(size_t(hq))};
+      for (int h = 0; h < hkv; ++h) {
+        std::memcpy(s.k.data() + h * row_, krow(h, slot), row_);
+        std::memcpy(s.v.data() + h * row_, vrow(h, slot), row_);
+      }
+      for (int h = 0; h < hq; ++h) s.maw[size_t(h)] = mawp(cur_, h)[slot];
+      saved_.push_back(std::move(s));
+    }
+    for (int h = 0; h < hkv; ++h) {
+      std::memcpy(krow(h, slot), kv.k_row(h, t), row_);
+      std::memcpy(vrow(h, slot), kv.v_row(h, t), row_);
+    }
+    for (int h = 0; h < hq; ++h) mawp(cur_, h)[slot] = maw[size_t(i) * hq + h];
+  }
+  e_ += m;
+}
+
+void CpuNearWindow::attend(const float* q, float* o, float* lse, bool update, int64_t no_update_from) {
+  const int hkv = int(shape_.num_kv_heads), G = shape_.group(), d = int(shape_.head_dim);
+  const int64_t n = size();
+  const int nb = 1 - cur_;
+  pool_->parallel_for(hkv, [&](int64_t hh) {
+    const int h = int(hh);
+    std::vector<const std::byte*> kr(static_cast<size_t>(n)), vr(static_cast<size_t>(n));
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t slot = (b_ + j) % cap_;
+      kr[size_t(j)] = krow(h, slot);
+      vr[size_t(j)] = vrow(h, slot);
+    }
+    std::vector<float> s(size_t(G) * n), acc(size_t(G) * d, 0.f);
+    std::vector<float> buf(static_cast<size_t>(d));
+    cpu::score_rows(shape_.kv_dtype, d, G, q + size_t(h) * G * d, shape_.softmax_scale, kr.data(), n, s.data());
+    for (int g = 0; g < G; ++g) {
+      float* sg = s.data() + size_t(g) * n;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
+      double z = 0;
+      for (int64_t j = 0; j < n; ++j) z += std::exp(double(sg[j]) - mx);
+      const float inv = float(1.0 / z);
+      for (int64_t j = 0; j < n; ++j) sg[j] = std::exp(sg[j] - mx) * inv;  // A_gpu
+      lse[h * G + g] = n ? float(mx + std::log(z)) : -std::numeric_limits<float>::infinity();
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      convert_to_f32(vr[size_t(j)], shape_.kv_dtype, buf.data(), size_t(d));
+      for (int g = 0; g < G; ++g) {
+        const float p = s[size_t(g) * n + j];
+        float* a = acc.data() + size_t(g) * d;
+        for (int i = 0; i < d; ++i) a[i] += p * buf[size_t(i)];
+      }
+    }
+    std::copy(acc.begin(), acc.end(), o + size_t(h) * G * d);
+    if (update)
+      for (int g = 0; g < G; ++g) {
+        const float* src = mawp(cur_, h * G + g);
+        float* dst = mawp(nb, h * G + g);
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t t = b_ + j, slot = t % cap_;
+          dst[slot] = t < no_update_from ? float((1.0 - alpha_) * src[slot] + alpha_ * s[size_t(g) * n + j]) : src[slot];
+        }
+      }
+  });
+  if (update) cur_ = nb;
+}
+
+void CpuNearWindow::maw(int64_t t, float* out) const {
+  const int64_t slot = t % cap_;
+  for (uint32_t h = 0; h < shape_.num_q_heads; ++h) out[h] = maw_[cur_][size_t(h) * cap_ + size_t(slot)];
+}
+
+void CpuNearWindow::set_maw(int64_t t, const float* in) {
+  const int64_t slot = t % cap_;
+  for (uint32_t h = 0; h < shape_.num_q_heads; ++h) maw_[cur_][size_t(h) * cap_ + size_t(slot)] = in[h];
+}
+
+void CpuNearWindow::checkpoint() {
+  armed_ = true;
+  ck_b_ = b_;
+  ck_e_ = e_;
+  ck_cur_ = cur_;
+  saved_.clear();
+}
+
+void CpuNearWindow::rollback() {
+  if (!armed_) return;
+  b_ = ck_b_;
+  e_ = ck_e_;
+  cur_ = ck_cur_;
+  const int hkv = int(shape_.num_kv_heads), hq = int(shape_.num_q_heads);
+  for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
+    for (int h = 0; h < hkv; ++h) {
+      std::memcpy(krow(h, it->slot), it->k.data() + h * row_, row_);
+      std::memcpy(vrow(h, it->slot), it->v.data() + h * row_, row_);
+    }
+    for (int h = 0; h < hq; ++h) mawp(cur_, h)[it->slot] = it->maw[size_t(h)];
+  }
+  saved_.clear();
+  armed_ = false;
+}
+
+uint64_t CpuNearWindow::bytes() const {
+  return uint64_t(k_.size() + v_.size()) + uint64_t(maw_[0].size() + maw_[1].size()) * sizeof(float);
+}
+
+}  // namespace kvs::hgca
