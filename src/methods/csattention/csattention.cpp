@@ -47,51 +47,57 @@ std::vector<std::string> split_colon(const std::string& s) {
   return out;
 }
 
+// Accumulator slot of one token: the running sum and the search epoch that last touched it
+// (one cache line access per list entry).
+struct Slot {
+  float acc;
+  uint32_t stamp;
+};
+
 // Reduce-by-key of one list into the accumulator: acc[t] (+)= w * val, first touch recorded in U.
 template <class S>
-void gather_portable(const int32_t* idx, const S* val, int64_t L, float w, float* acc, uint32_t* stamp,
-                     uint32_t epoch, int32_t* U, int64_t& nu) {
+void gather_portable(const int32_t* idx, const S* val, int64_t L, float w, Slot* acc, uint32_t epoch, int32_t* U,
+                     int64_t& nu) {
   for (int64_t i = 0; i < L; ++i) {
-    const int32_t t = idx[i];
+    Slot& a = acc[idx[i]];
     const float v = w * score_f(val[i]);
-    if (stamp[t] != epoch) {
-      stamp[t] = epoch;
-      acc[t] = v;
-      U[nu++] = t;
+    if (a.stamp != epoch) {
+      a.stamp = epoch;
+      a.acc = v;
+      U[nu++] = idx[i];
     } else {
-      acc[t] += v;
+      a.acc += v;
     }
   }
 }
 
 __attribute__((target("avx2,f16c"))) void gather_f16c(const int32_t* idx, const uint16_t* val, int64_t L, float w,
-                                                      float* acc, uint32_t* stamp, uint32_t epoch, int32_t* U,
-                                                      int64_t& nu) {
+                                                      Slot* acc, uint32_t epoch, int32_t* U, int64_t& nu) {
   alignas(32) float vf[8];
   const __m256 wv = _mm256_set1_ps(w);
   int64_t i = 0;
   for (; i + 8 <= L; i += 8) {
     _mm256_store_ps(vf, _mm256_mul_ps(wv, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(val + i)))));
     for (int l = 0; l < 8; ++l) {
-      const int32_t t = idx[i + l];
-      if (stamp[t] != epoch) {
-        stamp[t] = epoch;
-        acc[t] = vf[l];
-        U[nu++] = t;
+      Slot& a = acc[idx[i + l]];
+      if (a.stamp != epoch) {
+        a.stamp = epoch;
+        a.acc = vf[l];
+        U[nu++] = idx[i + l];
       } else {
-        acc[t] += vf[l];
+        a.acc += vf[l];
       }
     }
   }
   for (; i < L; ++i) {
-    const int32_t t = idx[i];
+    Slot& a = acc[idx[i]];
     const float v = w * _cvtsh_ss(val[i]);
-    if (stamp[t] != epoch) {
-      stamp[t] = epoch;
-      acc[t] = v;
-      U[nu++] = t;
+    if (a.stamp != epoch) {
+      a.stamp = epoch;
+      a.acc = v;
+      U[nu++] = idx[i];
     } else {
-      acc[t] += v;
+      a.acc += v;
     }
   }
 }
@@ -126,6 +132,7 @@ class CSAttention final : public Method {
     window_in_budget_ = p.get_bool("window_in_budget");
     period_ = p.get_int("period");
     per_query_ = p.get_string("gqa") == "per_query_head";
+    group_sum_ = p.get_string("group_pick") == "sum";
     const std::string sched = p.get_string("schedule");
     if (sched != "none") {
       sched_ = true;
@@ -252,8 +259,7 @@ class CSAttention final : public Method {
         cpu::sgemm(gemm, false, true, C_, N, db, 1.f, cent, db, kf.data() + off, d_, 0.f, scores.data(), N);
         for (int64_t j = 0; j < C_; ++j) {
           float* srow = scores.data() + size_t(j) * N;
-          if (f16_)
-            for (int64_t i = 0; i < N; ++i) srow[i] = score_round(srow[i], true);
+          if (f16_) round_f16(srow, N);
           const size_t base = list_base(L, h, b, j);
           if (f16_) build_list(srow, N, L.L, &L.idx[base], &L.v16[base], tmp);
           else build_list(srow, N, L.L, &L.idx[base], &L.v32[base], tmp);
@@ -553,9 +559,9 @@ class CSAttention final : public Method {
     std::vector<std::vector<int32_t>> cached;
   };
   struct Scratch {
-    std::vector<float> acc;
-    std::vector<uint32_t> stamp;
-    std::vector<int32_t> U, cand;
+    std::vector<Slot> acc;
+    std::vector<int32_t> U;
+    std::vector<std::pair<float, int32_t>> cand;
     uint32_t epoch = 0;
     int64_t last_union = 0;
   };
@@ -611,6 +617,7 @@ class CSAttention final : public Method {
     j["list_len_param"] = list_len_;
     j["score_dtype"] = f16_ ? "f16" : "f32";
     j["gqa"] = per_query_ ? "per_query_head" : "per_kv_head";
+    j["group_pick"] = group_sum_ ? "sum" : "union";
     j["table_heads"] = TH_;
     j["period"] = period_;
     uint64_t tb = 0, kvb = 0;
@@ -636,19 +643,25 @@ class CSAttention final : public Method {
   void search_head(LayerState& L, int h, const float* q, int64_t n, int64_t s_end, int64_t w_begin, int64_t rest) {
     Scratch& S = scratch_[size_t(h)];
     if (int64_t(S.acc.size()) < n) {
-      S.acc.resize(size_t(n));
-      S.stamp.resize(size_t(n), 0);
+      S.acc.resize(size_t(n), Slot{0.f, 0u});
       S.U.resize(size_t(n));
     }
     if (++S.epoch == 0) {  // wrapped: clear the stamps
-      std::fill(S.stamp.begin(), S.stamp.end(), 0u);
+      std::fill(S.acc.begin(), S.acc.end(), Slot{0.f, 0u});
       S.epoch = 1;
     }
     // (subspace, centroid) pairs with their summed weights over the group's query heads.
     std::vector<std::pair<int64_t, float>> pairs;
-    const int gq = per_query_ ? 1 : G_;
+    const bool sum = !per_query_ && group_sum_;
+    const int gq = per_query_ || sum ? 1 : G_;
+    std::vector<float> qsum;
+    if (sum) {  // the group's summed query picks one centroid per subspace, weighted G (uniform)
+      qsum.assign(size_t(d_), 0.f);
+      for (int g = 0; g < G_; ++g)
+        for (int i = 0; i < d_; ++i) qsum[size_t(i)] += q[size_t(h * G_ + g) * d_ + i];
+    }
     for (int g = 0; g < gq; ++g) {
-      const float* qh = q + size_t(per_query_ ? h : h * G_ + g) * d_;
+      const float* qh = sum ? qsum.data() : q + size_t(per_query_ ? h : h * G_ + g) * d_;
       for (int b = 0; b < m_; ++b) {
         const int db = db_[size_t(b)], off = off_[size_t(b)];
         const float* cent = centroids(L, h, b);
@@ -666,7 +679,7 @@ class CSAttention final : public Method {
             best = j;
           }
         }
-        const float w = w_[size_t(b)] * (qnorm_ ? float(std::sqrt(nn)) : 1.f);
+        const float w = w_[size_t(b)] * (qnorm_ ? float(std::sqrt(nn)) : sum ? float(G_) : 1.f);
         pairs.emplace_back(int64_t(b) * C_ + best, w);
       }
     }
@@ -679,22 +692,31 @@ class CSAttention final : public Method {
       const int b = int(pairs[i].first / C_);
       const size_t base = list_base(L, h, b, pairs[i].first % C_);
       if (f16_) {
-        if (kHaveF16c) gather_f16c(&L.idx[base], &L.v16[base], L.L, w, S.acc.data(), S.stamp.data(), S.epoch, S.U.data(), nu);
-        else gather_portable(&L.idx[base], &L.v16[base], L.L, w, S.acc.data(), S.stamp.data(), S.epoch, S.U.data(), nu);
+        if (kHaveF16c) gather_f16c(&L.idx[base], &L.v16[base], L.L, w, S.acc.data(), S.epoch, S.U.data(), nu);
+        else gather_portable(&L.idx[base], &L.v16[base], L.L, w, S.acc.data(), S.epoch, S.U.data(), nu);
       } else {
-        gather_portable(&L.idx[base], &L.v32[base], L.L, w, S.acc.data(), S.stamp.data(), S.epoch, S.U.data(), nu);
+        gather_portable(&L.idx[base], &L.v32[base], L.L, w, S.acc.data(), S.epoch, S.U.data(), nu);
       }
       i = j;
     }
     S.last_union = nu;
+    // Top-rest of the union outside the forced keys, by (score desc, token asc).
     S.cand.clear();
     for (int64_t i = 0; i < nu; ++i) {
       const int32_t t = S.U[size_t(i)];
-      if (t >= s_end && t < w_begin) S.cand.push_back(t);
+      if (t >= s_end && t < w_begin) S.cand.emplace_back(S.acc[size_t(t)].acc, t);
     }
     auto& out = L.cached[size_t(h)];
     out.clear();
-    cpu::topk_of(S.acc.data(), S.cand, rest, out);
+    const int64_t k = std::min<int64_t>(rest, int64_t(S.cand.size()));
+    if (k > 0) {
+      auto better = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
+        return a.first > b.first || (a.first == b.first && a.second < b.second);
+      };
+      if (k < int64_t(S.cand.size())) std::nth_element(S.cand.begin(), S.cand.begin() + (k - 1), S.cand.end(), better);
+      out.reserve(size_t(k));
+      for (int64_t i = 0; i < k; ++i) out.push_back(S.cand[size_t(i)].second);
+    }
     std::sort(out.begin(), out.end());
   }
 
@@ -703,7 +725,7 @@ class CSAttention final : public Method {
   int64_t C_, list_len_, sample_, recent_, sinks_, period_;
   double alpha_;
   uint64_t seed_;
-  bool f16_, qnorm_, window_in_budget_, per_query_, sched_ = false;
+  bool f16_, qnorm_, window_in_budget_, per_query_, group_sum_, sched_ = false;
   Schedule schedule_{0.05, 1};
   KMeansConfig km_;
   std::vector<int> db_, off_;
@@ -732,7 +754,7 @@ MethodSpec csattention_spec() {
        {"kmeans", "enum:minibatch|lloyd", "minibatch",
         "spherical mini-batch k-means (paper) or full-batch Lloyd (objective never increases)"},
        {"batch", "int", "1024", "mini-batch size [ASSUMPTION]"},
-       {"sample", "int", "16384",
+       {"sample", "int", "8192",
         "query sub-vectors per table head clustered: every stride-th prompt token kept [ASSUMPTION]"},
        {"init", "enum:kmeans++|queries", "kmeans++",
         "centroid seeding; queries = the sampled normalised queries themselves (needs centroids = their count; "
@@ -750,7 +772,10 @@ MethodSpec csattention_spec() {
        {"schedule", "enum:none|0.05-step-1|0.15-step-4|0.20-step-8", "none",
         "the paper's rho-step-P schedules: set the keep ratio (replacing the session budget) and period"},
        {"gqa", "enum:per_kv_head|per_query_head", "per_kv_head",
-        "tables per KV head over pooled group queries, union of the group's lists [RECON], or per query head"}},
+        "tables per KV head over pooled group queries [RECON], or per query head"},
+       {"group_pick", "enum:union|sum", "union",
+        "per_kv_head: every query head picks its centroids and the G*m lists are unioned [RECON], or the group's "
+        "summed query picks m lists (weight G): G times fewer gathers"}},
       [](const MethodContext& c, const ParamSet& p) { return std::make_unique<CSAttention>(c, p); }};
 }
 

@@ -29,8 +29,13 @@ void spherical_kmeans(const float* X, int64_t n, int db, const KMeansConfig& cfg
 // Objective sum_x min_j ||x - c_j||^2 in float64 (rows of X and centroids as given).
 double kmeans_objective(const float* X, int64_t n, int db, const float* cent, int C);
 
+// fp16 -> fp32 through a 65536-entry table (no F16C assumed; heap compares and portable gathers).
+const float* f16_table();
+// x[i] <- fp32(fp16(x[i])) for n values (F16C when the CPU has it).
+void round_f16(float* x, int64_t n);
+
 // Table score storage: fp16 (the paper's tables) or fp32 (an exact-ordering option).
-inline float score_f(uint16_t v) { return f16_to_f32(v); }
+inline float score_f(uint16_t v) { return f16_table()[v]; }
 inline float score_f(float v) { return v; }
 inline void score_store(uint16_t& dst, float v) { dst = f32_to_f16(v); }
 inline void score_store(float& dst, float v) { dst = v; }

@@ -4,6 +4,8 @@
 // after every batch; one iteration = one epoch over the shuffled points, sklearn's max_iter) or
 // full-batch Lloyd iterations (c_j = normalised sum of its points; never increases the objective).
 // Point-centroid similarities go through the GEMM layer.
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -15,6 +17,30 @@
 #include "methods/csattention/csattention.hpp"
 
 namespace kvs::csa {
+
+const float* f16_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(65536);
+    for (uint32_t i = 0; i < 65536; ++i) t[i] = f16_to_f32(uint16_t(i));
+    return t;
+  }();
+  return table.data();
+}
+
+namespace {
+__attribute__((target("avx2,f16c"))) void round_f16_f16c(float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT)));
+  for (; i < n; ++i) x[i] = f16_to_f32(f32_to_f16(x[i]));
+}
+}  // namespace
+
+void round_f16(float* x, int64_t n) {
+  static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  if (f16c) return round_f16_f16c(x, n);
+  for (int64_t i = 0; i < n; ++i) x[i] = f16_to_f32(f32_to_f16(x[i]));
+}
 
 namespace {
 
