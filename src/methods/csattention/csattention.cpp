@@ -47,59 +47,37 @@ std::vector<std::string> split_colon(const std::string& s) {
   return out;
 }
 
-// Accumulator slot of one token: the running sum and the search epoch that last touched it
-// (one cache line access per list entry).
+// Accumulator slot of one token: the running sum and the search epoch that last touched it.
 struct Slot {
   float acc;
   uint32_t stamp;
 };
+// A gathered list entry: token and weighted score.
+struct Pair {
+  int32_t t;
+  float v;
+};
 
-// Reduce-by-key of one list into the accumulator: acc[t] (+)= w * val, first touch recorded in U.
+// Reduce-by-key in three passes, the CPU form of the paper's radix sort + segmented sum: entries
+// are bucketed by token block (kBlockShift: a block's slots stay in L1/L2), then summed block by
+// block. Entries of a token are summed in list order, so the result does not depend on blocking.
+constexpr int kBlockShift = 12;
+
 template <class S>
-void gather_portable(const int32_t* idx, const S* val, int64_t L, float w, Slot* acc, uint32_t epoch, int32_t* U,
-                     int64_t& nu) {
-  for (int64_t i = 0; i < L; ++i) {
-    Slot& a = acc[idx[i]];
-    const float v = w * score_f(val[i]);
-    if (a.stamp != epoch) {
-      a.stamp = epoch;
-      a.acc = v;
-      U[nu++] = idx[i];
-    } else {
-      a.acc += v;
-    }
-  }
+void distribute_portable(const int32_t* idx, const S* val, int64_t L, float w, Pair* out, int64_t* pos) {
+  for (int64_t i = 0; i < L; ++i) out[pos[idx[i] >> kBlockShift]++] = Pair{idx[i], w * score_f(val[i])};
 }
 
-__attribute__((target("avx2,f16c"))) void gather_f16c(const int32_t* idx, const uint16_t* val, int64_t L, float w,
-                                                      Slot* acc, uint32_t epoch, int32_t* U, int64_t& nu) {
+__attribute__((target("avx2,f16c"))) void distribute_f16c(const int32_t* idx, const uint16_t* val, int64_t L, float w,
+                                                          Pair* out, int64_t* pos) {
   alignas(32) float vf[8];
   const __m256 wv = _mm256_set1_ps(w);
   int64_t i = 0;
   for (; i + 8 <= L; i += 8) {
     _mm256_store_ps(vf, _mm256_mul_ps(wv, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(val + i)))));
-    for (int l = 0; l < 8; ++l) {
-      Slot& a = acc[idx[i + l]];
-      if (a.stamp != epoch) {
-        a.stamp = epoch;
-        a.acc = vf[l];
-        U[nu++] = idx[i + l];
-      } else {
-        a.acc += vf[l];
-      }
-    }
+    for (int l = 0; l < 8; ++l) out[pos[idx[i + l] >> kBlockShift]++] = Pair{idx[i + l], vf[l]};
   }
-  for (; i < L; ++i) {
-    Slot& a = acc[idx[i]];
-    const float v = w * _cvtsh_ss(val[i]);
-    if (a.stamp != epoch) {
-      a.stamp = epoch;
-      a.acc = v;
-      U[nu++] = idx[i];
-    } else {
-      a.acc += v;
-    }
-  }
+  for (; i < L; ++i) out[pos[idx[i] >> kBlockShift]++] = Pair{idx[i], w * _cvtsh_ss(val[i])};
 }
 
 const bool kHaveF16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
@@ -562,6 +540,8 @@ class CSAttention final : public Method {
     std::vector<Slot> acc;
     std::vector<int32_t> U;
     std::vector<std::pair<float, int32_t>> cand;
+    std::vector<int64_t> pos;
+    std::vector<Pair> pairs;
     uint32_t epoch = 0;
     int64_t last_union = 0;
   };
@@ -684,20 +664,40 @@ class CSAttention final : public Method {
       }
     }
     std::sort(pairs.begin(), pairs.end(), [](auto& a, auto& b) { return a.first < b.first; });
-    int64_t nu = 0;
+    // Distinct lists with their summed weights.
+    std::vector<std::pair<size_t, float>> lists;
     for (size_t i = 0; i < pairs.size();) {
       float w = 0.f;
       size_t j = i;
       for (; j < pairs.size() && pairs[j].first == pairs[i].first; ++j) w += pairs[j].second;
-      const int b = int(pairs[i].first / C_);
-      const size_t base = list_base(L, h, b, pairs[i].first % C_);
-      if (f16_) {
-        if (kHaveF16c) gather_f16c(&L.idx[base], &L.v16[base], L.L, w, S.acc.data(), S.epoch, S.U.data(), nu);
-        else gather_portable(&L.idx[base], &L.v16[base], L.L, w, S.acc.data(), S.epoch, S.U.data(), nu);
-      } else {
-        gather_portable(&L.idx[base], &L.v32[base], L.L, w, S.acc.data(), S.epoch, S.U.data(), nu);
-      }
+      lists.emplace_back(list_base(L, h, int(pairs[i].first / C_), pairs[i].first % C_), w);
       i = j;
+    }
+    const int64_t nb = ((n - 1) >> kBlockShift) + 1;
+    S.pos.assign(size_t(nb) + 1, 0);
+    for (auto& [base, w] : lists) {
+      const int32_t* idx = &L.idx[base];
+      for (int64_t e = 0; e < L.L; ++e) ++S.pos[size_t(idx[e] >> kBlockShift) + 1];
+    }
+    for (int64_t blk = 0; blk < nb; ++blk) S.pos[size_t(blk) + 1] += S.pos[size_t(blk)];
+    S.pairs.resize(size_t(S.pos[size_t(nb)]));
+    for (auto& [base, w] : lists) {
+      if (!f16_) distribute_portable(&L.idx[base], &L.v32[base], L.L, w, S.pairs.data(), S.pos.data());
+      else if (kHaveF16c) distribute_f16c(&L.idx[base], &L.v16[base], L.L, w, S.pairs.data(), S.pos.data());
+      else distribute_portable(&L.idx[base], &L.v16[base], L.L, w, S.pairs.data(), S.pos.data());
+    }
+    int64_t nu = 0;
+    Slot* acc = S.acc.data();
+    const uint32_t epoch = S.epoch;
+    for (const Pair& pr : S.pairs) {
+      Slot& a = acc[pr.t];
+      if (a.stamp != epoch) {
+        a.stamp = epoch;
+        a.acc = pr.v;
+        S.U[size_t(nu++)] = pr.t;
+      } else {
+        a.acc += pr.v;
+      }
     }
     S.last_union = nu;
     // Top-rest of the union outside the forced keys, by (score desc, token asc).
