@@ -576,7 +576,8 @@ class CSAttention final : public Method {
   uint64_t kv_bytes(int64_t n) const {
     return uint64_t(n) * ctx_.shape.num_kv_heads * d_ * 2 * dtype_size(ctx_.shape.kv_dtype);
   }
-  // The paper's linear coefficient 3 m C alpha / (2 d) (bf16/fp16 KV), with per-query-head tables
+  // The paper's linear coefficient 6 m C alpha / (2 d B) (= 3 m C alpha / (2 d) for bf16/fp16 KV,
+  // B = KV dtype bytes), with per-query-head tables
   // G times larger, for the configured alpha (or the first built layer's L/N).
   double paper_ratio() const {
     double a = alpha_;
@@ -585,7 +586,7 @@ class CSAttention final : public Method {
         a = double(L.L) / double(L.indexed);
         break;
       }
-    return 3.0 * m_ * double(C_) * a / (2.0 * d_) * (per_query_ ? G_ : 1);
+    return 6.0 * m_ * double(C_) * a / (2.0 * d_ * double(dtype_size(ctx_.shape.kv_dtype))) * (per_query_ ? G_ : 1);
   }
 
   nlohmann::json figures() const {
@@ -612,7 +613,7 @@ class CSAttention final : public Method {
     j["table_bytes"] = tb;
     j["kv_bytes_indexed"] = kvb;
     j["table_kv_ratio"] = kvb ? double(tb) / double(kvb) : 0.0;
-    j["paper_ratio_3mCalpha_over_2d"] = paper_ratio();
+    j["paper_ratio_6mCalpha_over_2dB"] = paper_ratio();
     if (kvb && tb > kvb)
       j["warning"] = "tables exceed the KV cache (ratio " + std::to_string(double(tb) / double(kvb)) +
                      "): lower centroids or list_frac";
