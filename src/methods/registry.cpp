@@ -11,10 +11,18 @@ MethodSpec full_spec();
 MethodSpec exact_topk_spec();
 MethodSpec streaming_spec();
 MethodSpec quest_spec();
+MethodSpec csattention_spec();
 MethodSpec hgca_spec();
 
 const std::vector<MethodSpec>& method_registry() {
-  static const std::vector<MethodSpec> reg = {full_spec(), exact_topk_spec(), streaming_spec(), quest_spec(), hgca_spec()};
+  static const std::vector<MethodSpec> reg = {
+      full_spec(),
+      exact_topk_spec(),
+      streaming_spec(),
+      quest_spec(),
+      csattention_spec(),
+      hgca_spec(),
+  };
   return reg;
 }
 

@@ -1,0 +1,783 @@
+// csattention: Centroid-Scoring Attention (PAPER-000 3.1-3.4, B; METHODS.md 5), CPU reference.
+//
+// Index (build_index, from the prompt's queries and keys), per layer and table head:
+//   - the head dim is split into m subspaces (uniform d/m, or `splits`);
+//   - per subspace, C unit centroids from spherical k-means (k-means++ seeding, mini-batch or
+//     Lloyd) over the normalised query sub-vectors of a sample of the prompt's queries;
+//   - centroid-key partial scores s_j^(b)(i) = c_j^(b) . k_i^(b) by one GEMM per subspace
+//     (C x d_b times d_b x N through the GEMM layer), raw keys, no scaling;
+//   - per centroid a fixed-length Top-L list (int32 token index + fp16 score) kept as a binary
+//     min-heap, L = alpha N or `list_len`.
+// Decode (select): per query head and subspace the nearest centroid (max cosine), the chosen lists
+// gathered and reduced by key (s(i) = sum_b w_b V[i], a dense accumulator with epoch stamps), the
+// recent window R and optional sinks forced, Top-(K - forced) from the rest (window inside the
+// budget by default), exact attention by the session. The search runs every `period` steps; in
+// between the previous search result is reused with the current window.
+// Streaming (on_append): every appended key is scored against all m*C centroids and try-inserted
+// into each list when it beats the list minimum; lists never grow; centroids are frozen.
+// GQA: per KV head tables over the pooled group queries with the union of the G heads' lists
+// (default), or per query head tables and selections.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <sstream>
+
+#include "backends/cpu/gemm.hpp"
+#include "backends/cpu/topk.hpp"
+#include "core/error.hpp"
+#include "core/log.hpp"
+#include "core/method.hpp"
+#include "io/tables.hpp"
+#include "kvsieve/kvsieve.h"
+#include "methods/csattention/csattention.hpp"
+
+namespace kvs {
+namespace {
+
+using namespace csa;
+
+std::vector<std::string> split_colon(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ':')) out.push_back(item);
+  return out;
+}
+
+// Accumulator slot of one token: the running sum and the search epoch that last touched it.
+struct Slot {
+  float acc;
+  uint32_t stamp;
+};
+// A gathered list entry: token and weighted score.
+struct Pair {
+  int32_t t;
+  float v;
+};
+
+// Reduce-by-key in three passes, the CPU form of the paper's radix sort + segmented sum: entries
+// are bucketed by token block (kBlockShift: a block's slots stay in L1/L2), then summed block by
+// block. Entries of a token are summed in list order, so the result does not depend on blocking.
+constexpr int kBlockShift = 12;
+
+template <class S>
+void distribute_portable(const int32_t* idx, const S* val, int64_t L, float w, Pair* out, int64_t* pos) {
+  for (int64_t i = 0; i < L; ++i) out[pos[idx[i] >> kBlockShift]++] = Pair{idx[i], w * score_f(val[i])};
+}
+
+__attribute__((target("avx2,f16c"))) void distribute_f16c(const int32_t* idx, const uint16_t* val, int64_t L, float w,
+                                                          Pair* out, int64_t* pos) {
+  alignas(32) float vf[8];
+  const __m256 wv = _mm256_set1_ps(w);
+  int64_t i = 0;
+  for (; i + 8 <= L; i += 8) {
+    _mm256_store_ps(vf, _mm256_mul_ps(wv, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(val + i)))));
+    for (int l = 0; l < 8; ++l) out[pos[idx[i + l] >> kBlockShift]++] = Pair{idx[i + l], vf[l]};
+  }
+  for (; i < L; ++i) out[pos[idx[i] >> kBlockShift]++] = Pair{idx[i], w * _cvtsh_ss(val[i])};
+}
+
+const bool kHaveF16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+
+struct Schedule {
+  double rho;
+  int64_t period;
+};
+
+class CSAttention final : public Method {
+ public:
+  CSAttention(const MethodContext& ctx, const ParamSet& p) : ctx_(ctx) {
+    const auto& s = ctx.shape;
+    d_ = int(s.head_dim);
+    G_ = s.group();
+    m_ = int(p.get_int("subspaces"));
+    C_ = p.get_int("centroids");
+    alpha_ = p.get_float("list_frac");
+    list_len_ = p.get_int("list_len");
+    km_.iters = int(p.get_int("iters"));
+    km_.batch = int(p.get_int("batch"));
+    km_.full_batch = p.get_string("kmeans") == "lloyd";
+    km_.init_queries = p.get_string("init") == "queries";
+    seed_ = uint64_t(p.get_int("seed"));
+    sample_ = p.get_int("sample");
+    f16_ = p.get_string("score_dtype") == "f16";
+    qnorm_ = p.get_string("weights") == "qnorm";
+    recent_ = p.get_int("recent");
+    sinks_ = p.get_int("sinks");
+    window_in_budget_ = p.get_bool("window_in_budget");
+    period_ = p.get_int("period");
+    per_query_ = p.get_string("gqa") == "per_query_head";
+    group_sum_ = p.get_string("group_pick") == "sum";
+    const std::string sched = p.get_string("schedule");
+    if (sched != "none") {
+      sched_ = true;
+      schedule_.rho = sched == "0.05-step-1" ? 0.05 : sched == "0.15-step-4" ? 0.15 : 0.20;
+      schedule_.period = sched == "0.05-step-1" ? 1 : sched == "0.15-step-4" ? 4 : 8;
+      period_ = schedule_.period;
+    }
+    if (m_ < 1 || m_ > d_)
+      invalid("method_params: csattention subspaces must be in [1, head_dim=" + std::to_string(d_) + "], got " +
+              std::to_string(m_));
+    const std::string splits = p.get_string("splits");
+    if (splits.empty()) {
+      if (d_ % m_)
+        invalid("method_params: csattention subspaces must divide head_dim=" + std::to_string(d_) +
+                " for a uniform split (or give splits=a:b:...), got " + std::to_string(m_));
+      for (int b = 0; b < m_; ++b) db_.push_back(d_ / m_);
+    } else {
+      int sum = 0;
+      for (auto& t : split_colon(splits)) {
+        char* end = nullptr;
+        const long v = std::strtol(t.c_str(), &end, 10);
+        if (t.empty() || *end || v < 1 || v > d_)
+          invalid("method_params: csattention splits must be colon-separated positive sizes, got '" + splits + "'");
+        db_.push_back(int(v));
+        sum += int(v);
+      }
+      if (int(db_.size()) != m_ || sum != d_)
+        invalid("method_params: csattention splits must have subspaces=" + std::to_string(m_) +
+                " sizes summing to head_dim=" + std::to_string(d_) + ", got '" + splits + "'");
+    }
+    for (int b = 0, o = 0; b < m_; ++b) {
+      off_.push_back(o);
+      o += db_[size_t(b)];
+    }
+    if (C_ < 1 || C_ > (int64_t(1) << 20)) invalid("method_params: csattention centroids must be in [1, 1048576]");
+    if (!(alpha_ > 0.0 && alpha_ <= 1.0)) invalid("method_params: csattention list_frac must be in (0, 1]");
+    if (list_len_ < 0) invalid("method_params: csattention list_len must be >= 0 (0 = list_frac * N)");
+    if (km_.iters < 0 || km_.iters > 10000) invalid("method_params: csattention iters must be in [0, 10000]");
+    if (km_.batch < 1) invalid("method_params: csattention batch must be >= 1");
+    if (sample_ < 1) invalid("method_params: csattention sample must be >= 1");
+    if (recent_ < 0) invalid("method_params: csattention recent must be >= 0");
+    if (sinks_ < 0) invalid("method_params: csattention sinks must be >= 0");
+    if (period_ < 1) invalid("method_params: csattention period must be >= 1");
+    const std::string wl = p.get_string("weight_list");
+    w_.assign(size_t(m_), 1.f);
+    if (!wl.empty()) {
+      auto parts = split_colon(wl);
+      if (int(parts.size()) != m_)
+        invalid("method_params: csattention weight_list must have subspaces=" + std::to_string(m_) +
+                " colon-separated numbers, got '" + wl + "'");
+      for (int b = 0; b < m_; ++b) {
+        char* end = nullptr;
+        const double v = std::strtod(parts[size_t(b)].c_str(), &end);
+        if (parts[size_t(b)].empty() || *end || !std::isfinite(v) || v < 0)
+          invalid("method_params: csattention weight_list entries must be finite numbers >= 0, got '" + wl + "'");
+        w_[size_t(b)] = float(v);
+      }
+    }
+    km_.C = int(C_);
+    TH_ = per_query_ ? int(s.num_q_heads) : int(s.num_kv_heads);
+    layers_.resize(s.num_layers);
+    scratch_.resize(size_t(TH_));
+  }
+
+  // ---- prefill: keep a systematic sample of the prompt's queries (every stride-th token) ----
+  void on_prefill(uint32_t layer, const float* q, int64_t n, const KVLayer& kv) override {
+    auto& L = layers_[layer];
+    if (L.built) return;  // a tables-only load gets its prompt again: the index is already there
+    const size_t row = size_t(ctx_.shape.num_q_heads) * d_;
+    const int64_t n0 = kv.size() - n;
+    const int64_t cap = std::max<int64_t>(1, per_query_ ? sample_ : sample_ / G_);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = n0 + i;
+      if (t % L.stride) continue;
+      L.qtok.push_back(t);
+      L.qrows.insert(L.qrows.end(), q + size_t(i) * row, q + size_t(i + 1) * row);
+      while (int64_t(L.qtok.size()) > cap) thin(L, row);
+    }
+  }
+
+  void build_index(uint32_t layer, const KVLayer& kv) override {
+    auto& L = layers_[layer];
+    const int64_t N = kv.size();
+    if (L.qtok.empty())
+      fail(KVS_STATUS_INVALID_STATE, "csattention: layer " + std::to_string(layer) + " has no prompt queries to cluster");
+    L.L = std::clamp<int64_t>(list_len_ > 0 ? list_len_ : int64_t(std::llround(alpha_ * double(N))), 1, N);
+    const size_t per_head_lists = size_t(m_) * C_ * L.L;
+    L.cent.assign(size_t(TH_) * C_ * d_, 0.f);
+    L.idx.assign(size_t(TH_) * per_head_lists, 0);
+    if (f16_) L.v16.assign(L.idx.size(), 0);
+    else L.v32.assign(L.idx.size(), 0.f);
+    const auto gemm = cpu::GemmProvider(ctx_.gemm);
+    const size_t row = size_t(ctx_.shape.num_q_heads) * d_;
+    const int64_t ntok = int64_t(L.qtok.size());
+    ctx_.pool->parallel_for(TH_, [&](int64_t th) {
+      const int h = int(th), kvh = per_query_ ? h / G_ : h;
+      // The head's keys in fp32 [N][d].
+      std::vector<float> kf(size_t(N) * d_);
+      for (int64_t t = 0; t < N; ++t) convert_to_f32(kv.k_row(kvh, t), kv.dtype(), &kf[size_t(t) * d_], size_t(d_));
+      const int gq = per_query_ ? 1 : G_;
+      const int64_t rows = ntok * gq;
+      std::vector<float> X, scores(size_t(C_) * N), tmp;
+      for (int b = 0; b < m_; ++b) {
+        const int db = db_[size_t(b)], off = off_[size_t(b)];
+        // Normalised query sub-vectors of the sample (pooled over the group in per-KV-head mode).
+        X.assign(size_t(rows) * db, 0.f);
+        for (int64_t r = 0; r < ntok; ++r)
+          for (int g = 0; g < gq; ++g) {
+            const int qh = per_query_ ? h : h * G_ + g;
+            const float* src = L.qrows.data() + size_t(r) * row + size_t(qh) * d_ + off;
+            float* dst = &X[size_t(r * gq + g) * db];
+            double nn = 0;
+            for (int i = 0; i < db; ++i) nn += double(src[i]) * src[i];
+            if (nn > 0) {
+              const float inv = float(1.0 / std::sqrt(nn));
+              for (int i = 0; i < db; ++i) dst[i] = src[i] * inv;
+            }
+          }
+        float* cent = centroids(L, h, b);
+        KMeansConfig kc = km_;
+        kc.seed = seed_ * 0x9E3779B97F4A7C15ull + uint64_t(layer) * 1000003ull + uint64_t(h) * 8191ull + uint64_t(b);
+        spherical_kmeans(X.data(), rows, db, kc, gemm, cent);
+        // Centroid-key partial scores [C][N] = cent [C][db] x K^(b)^T.
+        cpu::sgemm(gemm, false, true, C_, N, db, 1.f, cent, db, kf.data() + off, d_, 0.f, scores.data(), N);
+        for (int64_t j = 0; j < C_; ++j) {
+          float* srow = scores.data() + size_t(j) * N;
+          if (f16_) round_f16(srow, N);
+          const size_t base = list_base(L, h, b, j);
+          if (f16_) build_list(srow, N, L.L, &L.idx[base], &L.v16[base], tmp);
+          else build_list(srow, N, L.L, &L.idx[base], &L.v32[base], tmp);
+        }
+      }
+    });
+    L.indexed = N;
+    L.built = true;
+    L.dense_fallback = false;
+    L.undo.clear();
+    L.step = 0;
+    L.cached.clear();
+    std::vector<float>().swap(L.qrows);
+    std::vector<int64_t>().swap(L.qtok);
+    const double ratio = double(table_bytes(L)) / double(kv_bytes(N));
+    if (ratio > 1.0)
+      logf(LogLevel::Warn,
+           "csattention: layer %u tables (%.1f MiB) exceed its KV cache (%.1f MiB), ratio %.2f; lower centroids or list_frac",
+           layer, double(table_bytes(L)) / 1048576.0, double(kv_bytes(N)) / 1048576.0, ratio);
+  }
+
+  // ---- streaming update ----
+  void on_append(uint32_t layer, const float*, int64_t, const KVLayer& kv, bool) override {
+    auto& L = layers_[layer];
+    L.undo.clear();  // the previous call succeeded: its inserts are final
+    if (!L.built || L.dense_fallback) return;
+    const int64_t n = kv.size();
+    if (L.indexed >= n) return;
+    const int64_t t0 = L.indexed;
+    std::vector<std::vector<Undo>> logs(static_cast<size_t>(TH_));
+    auto work = [&](int64_t th) {
+      const int h = int(th), kvh = per_query_ ? h / G_ : h;
+      std::vector<float> k(static_cast<size_t>(d_));
+      for (int64_t t = t0; t < n; ++t) {
+        convert_to_f32(kv.k_row(kvh, t), kv.dtype(), k.data(), size_t(d_));
+        for (int b = 0; b < m_; ++b) {
+          const int db = db_[size_t(b)], off = off_[size_t(b)];
+          const float* cent = centroids(L, h, b);
+          for (int64_t j = 0; j < C_; ++j) {
+            const float* c = cent + size_t(j) * db;
+            float s = 0.f;
+            for (int i = 0; i < db; ++i) s += c[i] * k[size_t(off + i)];
+            const size_t base = list_base(L, h, b, j);
+            Undo u{base, int32_t(t), 0, 0};
+            bool ins;
+            if (f16_) {
+              uint16_t ev;
+              ins = heap_try_insert(&L.idx[base], &L.v16[base], L.L, int32_t(t), s, &u.old_idx, &ev);
+              u.old_bits = ev;
+            } else {
+              float ev;
+              ins = heap_try_insert(&L.idx[base], &L.v32[base], L.L, int32_t(t), s, &u.old_idx, &ev);
+              std::memcpy(&u.old_bits, &ev, 4);
+            }
+            if (ins) logs[size_t(h)].push_back(u);
+          }
+        }
+      }
+    };
+    if ((n - t0) * TH_ >= 4) ctx_.pool->parallel_for(TH_, work);
+    else for (int h = 0; h < TH_; ++h) work(h);
+    for (auto& lg : logs) L.undo.insert(L.undo.end(), lg.begin(), lg.end());
+    std::sort(L.undo.begin(), L.undo.end(), [](const Undo& a, const Undo& b) { return a.token < b.token; });
+    L.indexed = n;
+  }
+
+  void truncate(uint32_t layer, int64_t n) override {
+    auto& L = layers_[layer];
+    if (!L.built) {  // prompt chunks: drop the sampled queries of tokens >= n
+      size_t keep = 0;
+      while (keep < L.qtok.size() && L.qtok[keep] < n) ++keep;
+      L.qtok.resize(keep);
+      L.qrows.resize(keep * size_t(ctx_.shape.num_q_heads) * d_);
+      return;
+    }
+    for (auto& c : L.cached) c.erase(std::remove_if(c.begin(), c.end(), [&](int32_t t) { return t >= n; }), c.end());
+    if (L.indexed <= n) return;
+    const int64_t first_logged = L.undo.empty() ? L.indexed : std::min<int64_t>(L.undo.front().token, L.indexed);
+    // Inserts of tokens >= n are undone in reverse order (the evicted entry comes back).
+    while (!L.undo.empty() && L.undo.back().token >= n) {
+      const Undo u = L.undo.back();
+      L.undo.pop_back();
+      int32_t* idx = &L.idx[u.base];
+      int64_t p = 0;
+      while (p < L.L && idx[p] != u.token) ++p;
+      if (p == L.L) continue;
+      idx[p] = u.old_idx;
+      if (f16_) {
+        L.v16[u.base + size_t(p)] = uint16_t(u.old_bits);
+        heap_make(idx, &L.v16[u.base], L.L);
+      } else {
+        std::memcpy(&L.v32[u.base + size_t(p)], &u.old_bits, 4);
+        heap_make(idx, &L.v32[u.base], L.L);
+      }
+    }
+    if (n < first_logged && n < L.indexed) {
+      // Beyond what the undo log covers (not reachable through the session, which only rolls back
+      // its latest call): the lists may name tokens that are gone, so attend densely.
+      L.dense_fallback = true;
+      logf(LogLevel::Warn, "csattention: layer %u truncated below its indexed prompt; decoding densely", layer);
+    }
+    L.indexed = n;
+  }
+
+  // ---- decode ----
+  void select(uint32_t layer, const float* q, const KVLayer& kv, Selection& out) override {
+    auto& L = layers_[layer];
+    const int64_t n = kv.size();
+    if (!L.built || L.dense_fallback) {
+      out.kind = Selection::Kind::All;
+      out.lists.clear();
+      return;
+    }
+    if (L.indexed < n) on_append(layer, q, n - L.indexed, kv, true);  // keys appended without on_append
+    const int64_t k = sched_ ? Budget{schedule_.rho, 0}.keys(n, schedule_.rho) : ctx_.budget.keys(n, 0.05);
+    // Forced keys: sinks [0, s) and the recent window [n - R, n).
+    const int64_t s_end = std::min(sinks_, n), w_begin = std::max(s_end, n - recent_);
+    std::vector<int32_t> forced;
+    for (int64_t t = 0; t < s_end; ++t) forced.push_back(int32_t(t));
+    for (int64_t t = w_begin; t < n; ++t) forced.push_back(int32_t(t));
+    if (int64_t(forced.size()) > k) {  // sinks first, then the newest keys
+      std::vector<int32_t> f(forced.begin(), forced.begin() + std::min<int64_t>(s_end, k));
+      for (int64_t t = n - (k - int64_t(f.size())); t < n; ++t)
+        if (t >= s_end) f.push_back(int32_t(t));
+      forced.swap(f);
+    }
+    const int64_t rest = window_in_budget_ ? std::max<int64_t>(0, k - int64_t(forced.size())) : k;
+    const bool search = L.cached.size() != size_t(TH_) || L.step % period_ == 0;
+    ++L.step;
+    if (search) {
+      L.cached.assign(size_t(TH_), {});
+      ctx_.pool->parallel_for(TH_, [&](int64_t th) { search_head(L, int(th), q, n, s_end, w_begin, rest); });
+      ++searches_;
+      for (auto& S : scratch_) union_sum_ += double(S.last_union);
+      union_samples_ += TH_;
+    }
+    out.kind = per_query_ ? Selection::Kind::PerQueryHead : Selection::Kind::PerKvHead;
+    out.lists.assign(size_t(TH_), {});
+    for (int h = 0; h < TH_; ++h) {
+      auto& l = out.lists[size_t(h)];
+      l = forced;
+      for (int32_t t : L.cached[size_t(h)])
+        if (t >= s_end && t < w_begin) l.push_back(t);
+      std::sort(l.begin(), l.end());
+    }
+  }
+
+  // ---- tables ----
+  nlohmann::json save_meta() const override {
+    nlohmann::json meta = figures();
+    nlohmann::json layers = nlohmann::json::object();
+    for (uint32_t l = 0; l < layers_.size(); ++l) {
+      const auto& L = layers_[l];
+      if (!L.built) continue;
+      layers[std::to_string(l)] = {{"indexed_tokens", L.indexed}, {"list_len", L.L}, {"step", L.step},
+                                   {"table_bytes", table_bytes(L)}, {"dense_fallback", L.dense_fallback}};
+    }
+    meta["layers"] = layers;
+    return meta;
+  }
+
+  void save(io::TablesWriter& w) const override {
+    for (uint32_t l = 0; l < layers_.size(); ++l) {
+      const auto& L = layers_[l];
+      if (!L.built) continue;
+      const int32_t li = int32_t(l);
+      w.add("csa.cent", li, -1, {io::Piece{L.cent.data(), uint64_t(L.cent.size() * 4)}});
+      w.add("csa.idx", li, -1, {io::Piece{L.idx.data(), uint64_t(L.idx.size() * 4)}});
+      if (f16_) w.add("csa.val", li, -1, {io::Piece{L.v16.data(), uint64_t(L.v16.size() * 2)}});
+      else w.add("csa.val", li, -1, {io::Piece{L.v32.data(), uint64_t(L.v32.size() * 4)}});
+      if (L.cached.size() == size_t(TH_)) {  // the period's reused search result
+        std::vector<int32_t> sel;
+        for (auto& c : L.cached) sel.push_back(int32_t(c.size()));
+        for (auto& c : L.cached) sel.insert(sel.end(), c.begin(), c.end());
+        w.add_copy("csa.sel", li, -1, sel.data(), sel.size() * 4);
+      }
+    }
+  }
+
+  void load(const io::TablesFile& f, const nlohmann::json& meta) override {
+    const auto layers = meta.value("layers", nlohmann::json::object());
+    for (uint32_t l = 0; l < layers_.size(); ++l) {
+      const auto key = std::to_string(l);
+      const auto* cs = f.find("csa.cent", int32_t(l), -1);
+      if (!cs) continue;
+      auto bad = [&](const std::string& what) {
+        fail(KVS_STATUS_FORMAT_INVALID, "csattention tables layer " + key + ": " + what);
+      };
+      if (!layers.contains(key)) bad("no entry in method.meta.layers");
+      const auto& lm = layers[key];
+      auto& L = layers_[l];
+      L.indexed = lm.at("indexed_tokens").get<int64_t>();
+      L.L = lm.at("list_len").get<int64_t>();
+      L.step = lm.value("step", int64_t(0));
+      L.dense_fallback = lm.value("dense_fallback", false);
+      if (L.indexed < 1 || L.indexed > (int64_t(1) << 31) - 1 || L.L < 1 || L.L > L.indexed)
+        bad("invalid indexed_tokens / list_len");
+      const uint64_t lists = uint64_t(TH_) * m_ * C_ * L.L;
+      const auto& is = f.require("csa.idx", int32_t(l), -1);
+      const auto& vs = f.require("csa.val", int32_t(l), -1);
+      if (cs->length != uint64_t(TH_) * C_ * d_ * 4) bad("csa.cent size does not match the shape and centroids");
+      if (is.length != lists * 4) bad("csa.idx size does not match list_len and the shape");
+      if (vs.length != lists * (f16_ ? 2 : 4)) bad("csa.val size does not match list_len and score_dtype");
+      L.cent.resize(size_t(TH_) * C_ * d_);
+      std::memcpy(L.cent.data(), cs->data, cs->length);
+      L.idx.resize(size_t(lists));
+      std::memcpy(L.idx.data(), is.data, is.length);
+      for (int32_t t : L.idx)
+        if (t < 0 || t >= L.indexed) bad("csa.idx holds a token index outside [0, indexed_tokens)");
+      if (f16_) {
+        L.v16.resize(size_t(lists));
+        std::memcpy(L.v16.data(), vs.data, vs.length);
+      } else {
+        L.v32.resize(size_t(lists));
+        std::memcpy(L.v32.data(), vs.data, vs.length);
+      }
+      L.cached.clear();
+      if (const auto* ss = f.find("csa.sel", int32_t(l), -1)) {
+        const int32_t* p = reinterpret_cast<const int32_t*>(ss->data);
+        const uint64_t words = ss->length / 4;
+        if (words < uint64_t(TH_)) bad("csa.sel too short");
+        uint64_t total = TH_;
+        for (int h = 0; h < TH_; ++h) {
+          if (p[h] < 0) bad("csa.sel has a negative count");
+          total += uint64_t(p[h]);
+        }
+        if (total != words) bad("csa.sel size does not match its counts");
+        L.cached.resize(size_t(TH_));
+        const int32_t* q = p + TH_;
+        for (int h = 0; h < TH_; ++h) {
+          L.cached[size_t(h)].assign(q, q + p[h]);
+          for (int32_t t : L.cached[size_t(h)])
+            if (t < 0 || t >= L.indexed) bad("csa.sel holds a token index outside [0, indexed_tokens)");
+          q += p[h];
+        }
+      }
+      L.built = true;
+      L.undo.clear();
+    }
+  }
+
+  std::unique_ptr<Method> clone() const override { return std::make_unique<CSAttention>(*this); }
+
+  uint64_t index_bytes() const override {
+    uint64_t b = 0;
+    for (auto& L : layers_) b += table_bytes(L);
+    return b;
+  }
+
+  bool stat(std::string_view name, double* out) const override {
+    if (name == "table_kv_ratio") {
+      uint64_t kvb = 0;
+      for (auto& L : layers_)
+        if (L.built) kvb += kv_bytes(L.indexed);
+      *out = kvb ? double(index_bytes()) / double(kvb) : 0.0;
+    } else if (name == "paper_ratio") {
+      *out = paper_ratio();
+    } else if (name == "mean_union") {
+      *out = union_samples_ ? union_sum_ / double(union_samples_) : 0.0;
+    } else if (name == "searches") {
+      *out = double(searches_);
+    } else if (name == "list_len") {
+      *out = 0;
+      for (auto& L : layers_)
+        if (L.built) {
+          *out = double(L.L);
+          break;
+        }
+    } else {
+      return false;
+    }
+    return true;
+  }
+
+ private:
+  struct Undo {
+    size_t base;
+    int32_t token;
+    int32_t old_idx;
+    uint32_t old_bits;
+  };
+  struct LayerState {
+    // Before build: sampled prompt tokens and their query rows [kept][Hq][d].
+    int64_t stride = 1;
+    std::vector<int64_t> qtok;
+    std::vector<float> qrows;
+    // Tables.
+    bool built = false, dense_fallback = false;
+    int64_t L = 0, indexed = 0;
+    std::vector<float> cent;     // [TH][subspace b: C x d_b] (C * d floats per head)
+    std::vector<int32_t> idx;    // [TH][m][C][L]
+    std::vector<uint16_t> v16;   // [TH][m][C][L] fp16 scores (score_dtype=f16)
+    std::vector<float> v32;      // fp32 scores (score_dtype=f32)
+    std::vector<Undo> undo;      // inserts of the latest call, by token
+    // Search period.
+    int64_t step = 0;
+    std::vector<std::vector<int32_t>> cached;
+  };
+  struct Scratch {
+    std::vector<Slot> acc;
+    std::vector<int32_t> U;
+    std::vector<std::pair<float, int32_t>> cand;
+    std::vector<int64_t> pos;
+    std::vector<Pair> pairs;
+    uint32_t epoch = 0;
+    int64_t last_union = 0;
+  };
+
+  void thin(LayerState& L, size_t row) {
+    L.stride *= 2;
+    size_t w = 0;
+    for (size_t i = 0; i < L.qtok.size(); ++i)
+      if (L.qtok[i] % L.stride == 0) {
+        if (w != i) {
+          L.qtok[w] = L.qtok[i];
+          std::memmove(&L.qrows[w * row], &L.qrows[i * row], row * sizeof(float));
+        }
+        ++w;
+      }
+    L.qtok.resize(w);
+    L.qrows.resize(w * row);
+  }
+
+  float* centroids(LayerState& L, int h, int b) const {
+    return L.cent.data() + size_t(h) * C_ * d_ + size_t(C_) * off_[size_t(b)];
+  }
+  const float* centroids(const LayerState& L, int h, int b) const {
+    return L.cent.data() + size_t(h) * C_ * d_ + size_t(C_) * off_[size_t(b)];
+  }
+  size_t list_base(const LayerState& L, int h, int b, int64_t j) const {
+    return ((size_t(h) * m_ + size_t(b)) * size_t(C_) + size_t(j)) * size_t(L.L);
+  }
+  uint64_t table_bytes(const LayerState& L) const {
+    return L.cent.size() * 4 + L.idx.size() * 4 + L.v16.size() * 2 + L.v32.size() * 4;
+  }
+  uint64_t kv_bytes(int64_t n) const {
+    return uint64_t(n) * ctx_.shape.num_kv_heads * d_ * 2 * dtype_size(ctx_.shape.kv_dtype);
+  }
+  // The paper's linear coefficient 6 m C alpha / (2 d B) (= 3 m C alpha / (2 d) for bf16/fp16 KV,
+  // B = KV dtype bytes), with per-query-head tables
+  // G times larger, for the configured alpha (or the first built layer's L/N).
+  double paper_ratio() const {
+    double a = alpha_;
+    for (auto& L : layers_)
+      if (L.built && list_len_ > 0) {
+        a = double(L.L) / double(L.indexed);
+        break;
+      }
+    return 6.0 * m_ * double(C_) * a / (2.0 * d_ * double(dtype_size(ctx_.shape.kv_dtype))) * (per_query_ ? G_ : 1);
+  }
+
+  nlohmann::json figures() const {
+    nlohmann::json j;
+    j["subspaces_m"] = m_;
+    j["subspace_dims"] = db_;
+    j["centroids_C"] = C_;
+    j["list_frac_alpha"] = alpha_;
+    j["list_len_param"] = list_len_;
+    j["score_dtype"] = f16_ ? "f16" : "f32";
+    j["gqa"] = per_query_ ? "per_query_head" : "per_kv_head";
+    j["group_pick"] = group_sum_ ? "sum" : "union";
+    j["table_heads"] = TH_;
+    j["period"] = period_;
+    uint64_t tb = 0, kvb = 0;
+    int64_t Lmax = 0;
+    for (auto& L : layers_)
+      if (L.built) {
+        tb += table_bytes(L);
+        kvb += kv_bytes(L.indexed);
+        Lmax = std::max(Lmax, L.L);
+      }
+    j["list_len_L"] = Lmax;
+    j["table_bytes"] = tb;
+    j["kv_bytes_indexed"] = kvb;
+    j["table_kv_ratio"] = kvb ? double(tb) / double(kvb) : 0.0;
+    j["paper_ratio_6mCalpha_over_2dB"] = paper_ratio();
+    if (kvb && tb > kvb)
+      j["warning"] = "tables exceed the KV cache (ratio " + std::to_string(double(tb) / double(kvb)) +
+                     "): lower centroids or list_frac";
+    return j;
+  }
+
+  // One table head's search: nearest centroids, reduce-by-key of the chosen lists, Top-rest.
+  void search_head(LayerState& L, int h, const float* q, int64_t n, int64_t s_end, int64_t w_begin, int64_t rest) {
+    Scratch& S = scratch_[size_t(h)];
+    if (int64_t(S.acc.size()) < n) {
+      S.acc.resize(size_t(n), Slot{0.f, 0u});
+      S.U.resize(size_t(n));
+    }
+    if (++S.epoch == 0) {  // wrapped: clear the stamps
+      std::fill(S.acc.begin(), S.acc.end(), Slot{0.f, 0u});
+      S.epoch = 1;
+    }
+    // (subspace, centroid) pairs with their summed weights over the group's query heads.
+    std::vector<std::pair<int64_t, float>> pairs;
+    const bool sum = !per_query_ && group_sum_;
+    const int gq = per_query_ || sum ? 1 : G_;
+    std::vector<float> qsum;
+    if (sum) {  // the group's summed query picks one centroid per subspace, weighted G (uniform)
+      qsum.assign(size_t(d_), 0.f);
+      for (int g = 0; g < G_; ++g)
+        for (int i = 0; i < d_; ++i) qsum[size_t(i)] += q[size_t(h * G_ + g) * d_ + i];
+    }
+    for (int g = 0; g < gq; ++g) {
+      const float* qh = sum ? qsum.data() : q + size_t(per_query_ ? h : h * G_ + g) * d_;
+      for (int b = 0; b < m_; ++b) {
+        const int db = db_[size_t(b)], off = off_[size_t(b)];
+        const float* cent = centroids(L, h, b);
+        double nn = 0;
+        for (int i = 0; i < db; ++i) nn += double(qh[off + i]) * qh[off + i];
+        // argmax_j c_j . q^(b) (= max cosine: the norm of q^(b) does not change the argmax).
+        int64_t best = 0;
+        float bs = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < C_; ++j) {
+          const float* c = cent + size_t(j) * db;
+          float s = 0.f;
+          for (int i = 0; i < db; ++i) s += c[i] * qh[off + i];
+          if (s > bs) {
+            bs = s;
+            best = j;
+          }
+        }
+        const float w = w_[size_t(b)] * (qnorm_ ? float(std::sqrt(nn)) : sum ? float(G_) : 1.f);
+        pairs.emplace_back(int64_t(b) * C_ + best, w);
+      }
+    }
+    std::sort(pairs.begin(), pairs.end(), [](auto& a, auto& b) { return a.first < b.first; });
+    // Distinct lists with their summed weights.
+    std::vector<std::pair<size_t, float>> lists;
+    for (size_t i = 0; i < pairs.size();) {
+      float w = 0.f;
+      size_t j = i;
+      for (; j < pairs.size() && pairs[j].first == pairs[i].first; ++j) w += pairs[j].second;
+      lists.emplace_back(list_base(L, h, int(pairs[i].first / C_), pairs[i].first % C_), w);
+      i = j;
+    }
+    const int64_t nb = ((n - 1) >> kBlockShift) + 1;
+    S.pos.assign(size_t(nb) + 1, 0);
+    for (auto& [base, w] : lists) {
+      const int32_t* idx = &L.idx[base];
+      for (int64_t e = 0; e < L.L; ++e) ++S.pos[size_t(idx[e] >> kBlockShift) + 1];
+    }
+    for (int64_t blk = 0; blk < nb; ++blk) S.pos[size_t(blk) + 1] += S.pos[size_t(blk)];
+    S.pairs.resize(size_t(S.pos[size_t(nb)]));
+    for (auto& [base, w] : lists) {
+      if (!f16_) distribute_portable(&L.idx[base], &L.v32[base], L.L, w, S.pairs.data(), S.pos.data());
+      else if (kHaveF16c) distribute_f16c(&L.idx[base], &L.v16[base], L.L, w, S.pairs.data(), S.pos.data());
+      else distribute_portable(&L.idx[base], &L.v16[base], L.L, w, S.pairs.data(), S.pos.data());
+    }
+    int64_t nu = 0;
+    Slot* acc = S.acc.data();
+    const uint32_t epoch = S.epoch;
+    for (const Pair& pr : S.pairs) {
+      Slot& a = acc[pr.t];
+      if (a.stamp != epoch) {
+        a.stamp = epoch;
+        a.acc = pr.v;
+        S.U[size_t(nu++)] = pr.t;
+      } else {
+        a.acc += pr.v;
+      }
+    }
+    S.last_union = nu;
+    // Top-rest of the union outside the forced keys, by (score desc, token asc).
+    S.cand.clear();
+    for (int64_t i = 0; i < nu; ++i) {
+      const int32_t t = S.U[size_t(i)];
+      if (t >= s_end && t < w_begin) S.cand.emplace_back(S.acc[size_t(t)].acc, t);
+    }
+    auto& out = L.cached[size_t(h)];
+    out.clear();
+    const int64_t k = std::min<int64_t>(rest, int64_t(S.cand.size()));
+    if (k > 0) {
+      auto better = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
+        return a.first > b.first || (a.first == b.first && a.second < b.second);
+      };
+      if (k < int64_t(S.cand.size())) std::nth_element(S.cand.begin(), S.cand.begin() + (k - 1), S.cand.end(), better);
+      out.reserve(size_t(k));
+      for (int64_t i = 0; i < k; ++i) out.push_back(S.cand[size_t(i)].second);
+    }
+    std::sort(out.begin(), out.end());
+  }
+
+  MethodContext ctx_;
+  int d_, G_, m_, TH_;
+  int64_t C_, list_len_, sample_, recent_, sinks_, period_;
+  double alpha_;
+  uint64_t seed_;
+  bool f16_, qnorm_, window_in_budget_, per_query_, group_sum_, sched_ = false;
+  Schedule schedule_{0.05, 1};
+  KMeansConfig km_;
+  std::vector<int> db_, off_;
+  std::vector<float> w_;
+  std::vector<LayerState> layers_;
+  std::vector<Scratch> scratch_;
+  double union_sum_ = 0;
+  int64_t union_samples_ = 0, searches_ = 0;
+};
+
+}  // namespace
+
+MethodSpec csattention_spec() {
+  return MethodSpec{
+      "csattention",
+      "CSAttention: per-subspace query centroids score keys offline into Top-L lists; decode sums the nearest "
+      "centroids' lists, keeps the recent window and the Top-K (METHODS.md 5)",
+      1u << KVS_BACKEND_CPU,
+      0.05,
+      {{"subspaces", "int", "8", "m: subspaces the head dim is split into (paper 8)"},
+       {"splits", "string", "", "non-uniform subspace sizes a:b:..., summing to head_dim (empty = d/m each)"},
+       {"centroids", "int", "64", "C: query centroids per subspace (paper 64/128/200; with alpha 0.1 tables are 0.6x a bf16 KV at d=128)"},
+       {"list_frac", "float", "0.1", "alpha: list length L = alpha * prompt tokens (paper: typical 0.2-0.4; 0.1 measured as accurate, half the memory and gathers)"},
+       {"list_len", "int", "0", "absolute list length L (overrides list_frac when > 0)"},
+       {"iters", "int", "10", "I: k-means iterations (mini-batch: epochs over the sample) (paper 10)"},
+       {"kmeans", "enum:minibatch|lloyd", "minibatch",
+        "spherical mini-batch k-means (paper) or full-batch Lloyd (objective never increases)"},
+       {"batch", "int", "1024", "mini-batch size [ASSUMPTION]"},
+       {"sample", "int", "8192",
+        "query sub-vectors per table head clustered: every stride-th prompt token kept [ASSUMPTION]"},
+       {"init", "enum:kmeans++|queries", "kmeans++",
+        "centroid seeding; queries = the sampled normalised queries themselves (needs centroids = their count; "
+        "the exactness test)"},
+       {"seed", "int", "0", "k-means random seed"},
+       {"score_dtype", "enum:f16|f32", "f16", "stored list scores (paper fp16; f32 orders exactly)"},
+       {"weights", "enum:uniform|qnorm", "uniform",
+        "w_b: 1 (paper) or ||q^(b)|| (RECON: restores the query norm cosine matching drops)"},
+       {"weight_list", "string", "", "explicit w_b as w1:w2:...:wm (multiplies weights)"},
+       {"recent", "int", "64", "R: recent window always attended [ASSUMPTION, paper leaves it open]"},
+       {"sinks", "int", "0", "first tokens always attended [RECON: peers use 4; the paper has none]"},
+       {"window_in_budget", "bool", "true",
+        "window and sinks count inside K (Top-(K-R) from the rest) [RECON]; false adds them on top"},
+       {"period", "int", "1", "P: search every P steps, reuse the selection (plus the current window) between"},
+       {"schedule", "enum:none|0.05-step-1|0.15-step-4|0.20-step-8", "none",
+        "the paper's rho-step-P schedules: set the keep ratio (replacing the session budget) and period"},
+       {"gqa", "enum:per_kv_head|per_query_head", "per_kv_head",
+        "tables per KV head over pooled group queries [RECON], or per query head"},
+       {"group_pick", "enum:union|sum", "union",
+        "per_kv_head: every query head picks its centroids and the G*m lists are unioned [RECON], or the group's "
+        "summed query picks m lists (weight G): G times fewer gathers"}},
+      [](const MethodContext& c, const ParamSet& p) { return std::make_unique<CSAttention>(c, p); }};
+}
+
+}  // namespace kvs

@@ -1,0 +1,103 @@
+// CSAttention building blocks shared by the method and its white-box tests: spherical k-means
+// (k-means++ seeding, mini-batch or full-batch Lloyd updates), the fixed-length Top-L score lists
+// kept as binary min-heaps, and the streaming try-insert.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "backends/cpu/gemm.hpp"
+#include "core/dtype.hpp"
+
+namespace kvs::csa {
+
+struct KMeansConfig {
+  int C = 64;              // centroids
+  int iters = 10;          // epochs over the sample (mini-batch) or Lloyd iterations (full batch)
+  int batch = 1024;        // mini-batch size
+  bool full_batch = false; // Lloyd's spherical k-means instead of Sculley's mini-batch updates
+  bool init_queries = false;  // centroids = the (normalised) points themselves; requires n == C
+  uint64_t seed = 0;
+};
+
+// Spherical k-means over the rows of X [n][db] (rows already unit-norm, or zero: zero rows are
+// ignored by the updates). Writes C unit centroids to cent [C][db]. on_iter (optional) is called
+// after the seeding (iter 0) and after every iteration with the current centroids.
+void spherical_kmeans(const float* X, int64_t n, int db, const KMeansConfig& cfg, cpu::GemmProvider gemm,
+                      float* cent, const std::function<void(int, const float*)>* on_iter = nullptr);
+
+// Objective sum_x min_j ||x - c_j||^2 in float64 (rows of X and centroids as given).
+double kmeans_objective(const float* X, int64_t n, int db, const float* cent, int C);
+
+// fp16 -> fp32 through a 65536-entry table (no F16C assumed; heap compares and portable gathers).
+const float* f16_table();
+// x[i] <- fp32(fp16(x[i])) for n values (F16C when the CPU has it).
+void round_f16(float* x, int64_t n);
+
+// Table score storage: fp16 (the paper's tables) or fp32 (an exact-ordering option).
+inline float score_f(uint16_t v) { return f16_table()[v]; }
+inline float score_f(float v) { return v; }
+inline void score_store(uint16_t& dst, float v) { dst = f32_to_f16(v); }
+inline void score_store(float& dst, float v) { dst = v; }
+// The value a score takes once stored (ordering is always on stored values).
+inline float score_round(float v, bool f16) { return f16 ? f16_to_f32(f32_to_f16(v)) : v; }
+
+// A list entry a is worse than b: lower stored score, or equal score and a later token (so an
+// appended key must strictly beat the minimum, and build and streaming agree on ties).
+template <class S>
+inline bool worse(float va, int32_t ia, float vb, int32_t ib) {
+  return va < vb || (va == vb && ia > ib);
+}
+
+// Restores the min-heap property (root = worst entry) below position i of a list of length L.
+template <class S>
+void heap_sift_down(int32_t* idx, S* val, int64_t L, int64_t i) {
+  const int32_t xi = idx[i];
+  const S xv = val[i];
+  const float xf = score_f(xv);
+  for (;;) {
+    int64_t c = 2 * i + 1;
+    if (c >= L) break;
+    float cf = score_f(val[c]);
+    if (c + 1 < L) {
+      const float rf = score_f(val[c + 1]);
+      if (worse<S>(rf, idx[c + 1], cf, idx[c])) {
+        ++c;
+        cf = rf;
+      }
+    }
+    if (!worse<S>(cf, idx[c], xf, xi)) break;
+    idx[i] = idx[c];
+    val[i] = val[c];
+    i = c;
+  }
+  idx[i] = xi;
+  val[i] = xv;
+}
+
+template <class S>
+void heap_make(int32_t* idx, S* val, int64_t L) {
+  for (int64_t i = L / 2 - 1; i >= 0; --i) heap_sift_down(idx, val, L, i);
+}
+
+// Try-insert of token t (later than every listed token) with raw score s: replaces the list's
+// minimum when the stored score beats it. Returns true and the evicted entry when inserted.
+template <class S>
+bool heap_try_insert(int32_t* idx, S* val, int64_t L, int32_t t, float s, int32_t* ev_idx, S* ev_val) {
+  S sv;
+  score_store(sv, s);
+  if (L <= 0 || !(score_f(sv) > score_f(val[0]))) return false;
+  *ev_idx = idx[0];
+  *ev_val = val[0];
+  idx[0] = t;
+  val[0] = sv;
+  heap_sift_down(idx, val, L, 0);
+  return true;
+}
+
+// Top-L of scores[0..n) (already rounded to their stored values) by (score desc, index asc),
+// written as a heap. tmp: scratch of n floats.
+template <class S>
+void build_list(const float* scores, int64_t n, int64_t L, int32_t* idx, S* val, std::vector<float>& tmp);
+
+}  // namespace kvs::csa

@@ -1,0 +1,384 @@
+// csattention: the degenerate exact case (m = 1, C = prompt queries as centroids, L = N), the
+// streaming lists against a float64 brute-force Top-L over every key seen, save/load bit-exactness,
+// the k-means objective, the search period, and parameter errors.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <numeric>
+#include <set>
+#include <string>
+#include <unistd.h>
+
+#include "io/tables.hpp"
+#include "kvsieve/kvsieve.h"
+#include "methods/csattention/csattention.hpp"
+#include "reference.hpp"
+
+using namespace kvt;
+
+namespace {
+
+struct Err {
+  kvs_error_t e;
+  ~Err() { kvs_error_destroy(e); }
+  int code() const { return kvs_error_code(e); }
+  std::string msg() const { return kvs_error_message(e); }
+};
+#define OK(expr)              \
+  do {                        \
+    Err _e{(expr)};           \
+    INFO(_e.msg());           \
+    REQUIRE(_e.e == nullptr); \
+  } while (0)
+
+std::string tmp_path(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / ("kvsieve_csa_" + std::to_string(::getpid()) + "_" + name)).string();
+}
+
+struct Data {
+  int hq, hkv, d;
+  int64_t T;
+  std::vector<float> q, k, v;
+  Data(Rng& rng, int hq_, int hkv_, int d_, int64_t T_) : hq(hq_), hkv(hkv_), d(d_), T(T_) {
+    q = rng.normals(size_t(T) * hq * d);
+    k = rng.normals(size_t(T) * hkv * d);
+    v = rng.normals(size_t(T) * hkv * d);
+  }
+  float* qt(int64_t t) { return q.data() + t * hq * d; }
+  float* kt(int64_t t) { return k.data() + t * hkv * d; }
+  float* vt(int64_t t) { return v.data() + t * hkv * d; }
+};
+
+struct Sess {
+  kvs_session_t s = nullptr;
+  ~Sess() { kvs_session_destroy(s); }
+};
+
+kvs_session_params params(const Data& D, const char* mp, uint32_t layers = 1, double budget = 0.0,
+                          kvs_scalar_type kv = KVS_SCALAR_F32) {
+  kvs_session_params p;
+  kvs_session_params_init(&p);
+  p.num_layers = layers;
+  p.num_q_heads = uint32_t(D.hq);
+  p.num_kv_heads = uint32_t(D.hkv);
+  p.head_dim = uint32_t(D.d);
+  p.kv_dtype = kv;
+  p.method = "csattention";
+  p.method_params = mp;
+  p.budget = budget;
+  p.num_threads = 2;
+  return p;
+}
+
+void prefill(kvs_session_t s, Data& D, uint32_t layer, int64_t from, int64_t n) {
+  T q(D.qt(from), f32(), {n, D.hq, D.d}), k(D.kt(from), f32(), {n, D.hkv, D.d}), v(D.vt(from), f32(), {n, D.hkv, D.d});
+  OK(kvs_session_prefill(s, layer, &q.t, &k.t, &v.t, nullptr, nullptr));
+}
+
+// Decode token t with query q (default: the trace's).
+void decode(kvs_session_t s, Data& D, uint32_t layer, int64_t t, std::vector<float>& o, std::vector<float>& lse,
+            const float* q = nullptr) {
+  o.assign(size_t(D.hq) * D.d, NAN);
+  lse.assign(size_t(D.hq), NAN);
+  T qt(const_cast<float*>(q ? q : D.qt(t)), f32(), {D.hq, D.d}), k(D.kt(t), f32(), {D.hkv, D.d}),
+      v(D.vt(t), f32(), {D.hkv, D.d});
+  T ot(o.data(), f32(), {D.hq, D.d}), lt(lse.data(), f32(), {D.hq});
+  OK(kvs_session_decode(s, layer, &qt.t, &k.t, &v.t, &ot.t, &lt.t, nullptr));
+}
+
+std::vector<int32_t> selection(kvs_session_t s, uint32_t layer, uint32_t h) {
+  size_t n = 0;
+  OK(kvs_session_last_selection(s, layer, h, nullptr, 0, &n));
+  std::vector<int32_t> out(n);
+  OK(kvs_session_last_selection(s, layer, h, out.data(), n, &n));
+  return out;
+}
+
+// Exact top-k of q . k_j over keys [0, n) of KV head h (float64, ties to the lower index).
+std::vector<int32_t> exact_topk(Data& D, const float* q, int h, int64_t n, int64_t k) {
+  std::vector<double> s(static_cast<size_t>(n));
+  for (int64_t j = 0; j < n; ++j) {
+    double a = 0;
+    for (int i = 0; i < D.d; ++i) a += double(q[i]) * D.kt(j)[h * D.d + i];
+    s[size_t(j)] = a;
+  }
+  std::vector<int32_t> idx(static_cast<size_t>(n));
+  std::iota(idx.begin(), idx.end(), 0);
+  std::sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
+  idx.resize(size_t(k));
+  std::sort(idx.begin(), idx.end());
+  return idx;
+}
+
+}  // namespace
+
+TEST_CASE("csattention: m=1, C=#prompt queries with the normalised queries as centroids, L=N selects exact top-K") {
+  Rng rng(11);
+  for (const char* mode : {"per_kv_head", "per_query_head"}) {
+    const bool pq = std::string(mode) == "per_query_head";
+    // per_kv_head with G = 1 (the table head is the query head); per_query_head with G = 2.
+    Data D(rng, pq ? 4 : 2, 2, 16, 240);
+    const int64_t N = 200;
+    const std::string mp = std::string("subspaces=1,centroids=200,init=queries,list_frac=1,recent=0,sinks=0,"
+                                       "score_dtype=f32,gqa=") + mode;
+    Sess S;
+    auto p = params(D, mp.c_str(), 1, 0.1);
+    OK(kvs_session_create(&p, &S.s));
+    prefill(S.s, D, 0, 0, N);
+    OK(kvs_session_build_index(S.s, nullptr));
+    std::vector<float> o, l;
+    const int G = D.hq / D.hkv;
+    for (int64_t t = N; t < D.T; ++t) {
+      // The decode query of every head is (twice) the prompt query of that head at a random token,
+      // so its nearest centroid is that query's own direction.
+      const int64_t src = rng.uniform(0, N - 1);
+      std::vector<float> q(D.qt(src), D.qt(src) + D.hq * D.d);
+      for (auto& x : q) x *= 2.f;
+      decode(S.s, D, 0, t, o, l, q.data());
+      const int64_t n = t + 1, K = int64_t(std::ceil(0.1 * double(n)));
+      for (int h = 0; h < D.hkv; ++h) {
+        std::set<int32_t> want;
+        for (int g = 0; g < G; ++g)
+          for (int32_t j : exact_topk(D, q.data() + size_t(h * G + g) * D.d, h, n, K)) want.insert(j);
+        const auto got = selection(S.s, 0, uint32_t(h));
+        INFO(mode << " step " << t << " kv head " << h);
+        CHECK(std::vector<int32_t>(want.begin(), want.end()) == got);
+      }
+    }
+  }
+}
+
+TEST_CASE("csattention: streaming lists equal a float64 brute-force top-L over every key seen") {
+  Rng rng(12);
+  Data D(rng, 4, 2, 32, 420);
+  for (const char* dt : {"f16", "f32"}) {
+    const int64_t N = 300, L = 40;
+    const int m = 4, C = 8, db = D.d / m;
+    const std::string mp = std::string("subspaces=4,centroids=8,list_len=40,iters=3,batch=64,score_dtype=") + dt;
+    Sess S;
+    auto p = params(D, mp.c_str());
+    OK(kvs_session_create(&p, &S.s));
+    prefill(S.s, D, 0, 0, N);
+    OK(kvs_session_build_index(S.s, nullptr));
+    std::vector<float> o, lse;
+    for (int64_t t = N; t < N + 60; ++t) decode(S.s, D, 0, t, o, lse);
+    {  // an appended turn streams in too
+      const int64_t n = 60;
+      T q(D.qt(N + 60), f32(), {n, D.hq, D.d}), k(D.kt(N + 60), f32(), {n, D.hkv, D.d}),
+          v(D.vt(N + 60), f32(), {n, D.hkv, D.d});
+      OK(kvs_session_append(S.s, 0, &q.t, &k.t, &v.t, nullptr, nullptr));
+    }
+    const int64_t n = D.T;
+    const std::string path = tmp_path(std::string("stream_") + dt + ".kvt");
+    OK(kvs_session_save(S.s, path.c_str(), KVS_SAVE_TABLES));
+    auto f = kvs::io::TablesFile::open(path);
+    const auto& meta = f->header()["method"]["meta"]["layers"]["0"];
+    REQUIRE(meta["indexed_tokens"].get<int64_t>() == n);
+    REQUIRE(meta["list_len"].get<int64_t>() == L);
+    const float* cent = reinterpret_cast<const float*>(f->require("csa.cent", 0, -1).data);
+    const int32_t* idx = reinterpret_cast<const int32_t*>(f->require("csa.idx", 0, -1).data);
+    const std::byte* val = f->require("csa.val", 0, -1).data;
+    const bool f16 = std::string(dt) == "f16";
+    int64_t checked = 0, boundary = 0;
+    for (int h = 0; h < D.hkv; ++h)
+      for (int b = 0; b < m; ++b)
+        for (int j = 0; j < C; ++j) {
+          const float* c = cent + size_t(h) * C * D.d + size_t(C) * b * db + size_t(j) * db;
+          double cn = 0;
+          for (int i = 0; i < db; ++i) cn += double(c[i]) * c[i];
+          CHECK(std::abs(cn - 1.0) < 1e-5);  // unit centroids
+          std::vector<double> ref(static_cast<size_t>(n));
+          for (int64_t t = 0; t < n; ++t) {
+            double s = 0;
+            for (int i = 0; i < db; ++i) s += double(c[i]) * D.kt(t)[h * D.d + b * db + i];
+            ref[size_t(t)] = s;
+          }
+          std::vector<double> sorted = ref;
+          std::sort(sorted.begin(), sorted.end(), std::greater<double>());
+          const double tau = sorted[size_t(L - 1)];
+          const double eps = f16 ? std::abs(tau) * std::ldexp(1.0, -10) + 1e-4 : 1e-5;
+          const size_t base = ((size_t(h) * m + b) * C + j) * size_t(L);
+          std::set<int32_t> got;
+          for (int64_t e = 0; e < L; ++e) {
+            const int32_t t = idx[base + size_t(e)];
+            REQUIRE(t >= 0);
+            REQUIRE(t < n);
+            got.insert(t);
+            const float sv = f16 ? kvs::f16_to_f32(reinterpret_cast<const uint16_t*>(val)[base + size_t(e)])
+                                 : reinterpret_cast<const float*>(val)[base + size_t(e)];
+            CHECK(std::abs(double(sv) - ref[size_t(t)]) <= (f16 ? std::abs(ref[size_t(t)]) * std::ldexp(1.0, -10) + 1e-6 : 1e-5));
+            CHECK(ref[size_t(t)] >= tau - eps);  // nothing below the L-th best
+          }
+          CHECK(got.size() == size_t(L));  // distinct
+          for (int64_t t = 0; t < n; ++t) {
+            if (ref[size_t(t)] > tau + eps) CHECK(got.count(int32_t(t)) == 1);  // everything clearly above is kept
+            else if (ref[size_t(t)] >= tau - eps) ++boundary;
+          }
+          ++checked;
+        }
+    CHECK(checked == D.hkv * m * C);
+    MESSAGE(std::string(dt) << ": " << checked << " lists checked, " << boundary << " keys within rounding of a threshold");
+    std::remove(path.c_str());
+  }
+}
+
+TEST_CASE("csattention: save/load round trip reproduces decode outputs bit for bit, with and without KV") {
+  Rng rng(13);
+  Data D(rng, 8, 2, 32, 760);
+  for (const char* mp : {"centroids=16,subspaces=4,iters=4", "centroids=16,splits=8:8:16,subspaces=3,period=4,weights=qnorm",
+                         "centroids=8,gqa=per_query_head,schedule=0.15-step-4,sinks=4"}) {
+    INFO(mp);
+    Sess A;
+    auto p = params(D, mp, 2, 0.08, KVS_SCALAR_BF16);
+    OK(kvs_session_create(&p, &A.s));
+    prefill(A.s, D, 0, 0, 600);
+    prefill(A.s, D, 1, 0, 600);
+    OK(kvs_session_build_index(A.s, nullptr));
+    std::vector<float> o1, l1, o2, l2, o3, l3;
+    for (int64_t t = 600; t < 606; ++t)  // mid-period state is saved too
+      for (uint32_t l = 0; l < 2; ++l) decode(A.s, D, l, t, o1, l1);
+    const std::string kvp = tmp_path("rt_kv.kvt"), tp = tmp_path("rt_t.kvt");
+    OK(kvs_session_save(A.s, kvp.c_str(), KVS_SAVE_INCLUDE_KV));
+    OK(kvs_session_save(A.s, tp.c_str(), KVS_SAVE_TABLES));
+    Sess B, C;
+    OK(kvs_session_load(kvp.c_str(), nullptr, &B.s));
+    OK(kvs_session_load(tp.c_str(), nullptr, &C.s));
+    for (uint32_t l = 0; l < 2; ++l) {
+      prefill(C.s, D, l, 0, 300);  // the prompt again, in two chunks, plus the decoded tokens
+      prefill(C.s, D, l, 300, 306);
+    }
+    for (int64_t t = 606; t < 626; ++t)
+      for (uint32_t l = 0; l < 2; ++l) {
+        decode(A.s, D, l, t, o1, l1);
+        decode(B.s, D, l, t, o2, l2);
+        decode(C.s, D, l, t, o3, l3);
+        CHECK(std::memcmp(o1.data(), o2.data(), o1.size() * 4) == 0);
+        CHECK(std::memcmp(l1.data(), l2.data(), l1.size() * 4) == 0);
+        CHECK(std::memcmp(o1.data(), o3.data(), o1.size() * 4) == 0);
+        CHECK(std::memcmp(l1.data(), l3.data(), l1.size() * 4) == 0);
+        for (uint32_t h = 0; h < 2; ++h) CHECK(selection(A.s, l, h) == selection(B.s, l, h));
+      }
+    std::remove(kvp.c_str());
+    std::remove(tp.c_str());
+  }
+}
+
+TEST_CASE("csattention: spherical k-means objective never increases (full batch); mini-batch lowers it") {
+  Rng rng(14);
+  const int n = 3000, db = 8, C = 16;
+  // Points around 12 directions, normalised (the method clusters unit query sub-vectors).
+  std::vector<float> dirs = rng.normals(12 * db), X(size_t(n) * db);
+  for (int r = 0; r < n; ++r) {
+    const int c = int(rng.uniform(0, 11));
+    double nn = 0;
+    for (int i = 0; i < db; ++i) {
+      X[size_t(r) * db + i] = dirs[size_t(c) * db + i] + 0.4f * rng.normal();
+      nn += double(X[size_t(r) * db + i]) * X[size_t(r) * db + i];
+    }
+    for (int i = 0; i < db; ++i) X[size_t(r) * db + i] = float(X[size_t(r) * db + i] / std::sqrt(nn));
+  }
+  // Independent float64 objective: sum over points of the squared distance to the nearest centroid.
+  auto objective = [&](const float* cent) {
+    double total = 0;
+    for (int r = 0; r < n; ++r) {
+      double best = 1e300;
+      for (int j = 0; j < C; ++j) {
+        double s = 0;
+        for (int i = 0; i < db; ++i) {
+          const double e = double(X[size_t(r) * db + i]) - cent[size_t(j) * db + i];
+          s += e * e;
+        }
+        best = std::min(best, s);
+      }
+      total += best;
+    }
+    return total;
+  };
+  const auto gemm = kvs::cpu::resolve_gemm(KVS_GEMM_AUTO);
+  for (uint64_t seed : {1u, 2u, 3u}) {
+    std::vector<double> hist;
+    std::function<void(int, const float*)> cb = [&](int it, const float* cent) {
+      CHECK(it == int(hist.size()));
+      for (int j = 0; j < C; ++j) {
+        double nn = 0;
+        for (int i = 0; i < db; ++i) nn += double(cent[size_t(j) * db + i]) * cent[size_t(j) * db + i];
+        CHECK(std::abs(nn - 1.0) < 1e-5);
+      }
+      hist.push_back(objective(cent));
+    };
+    std::vector<float> cent(size_t(C) * db);
+    kvs::csa::KMeansConfig kc;
+    kc.C = C;
+    kc.iters = 12;
+    kc.full_batch = true;
+    kc.seed = seed;
+    kvs::csa::spherical_kmeans(X.data(), n, db, kc, gemm, cent.data(), &cb);
+    REQUIRE(hist.size() == 13);
+    for (size_t i = 1; i < hist.size(); ++i) {
+      INFO("seed " << seed << " iteration " << i << ": " << hist[i - 1] << " -> " << hist[i]);
+      CHECK(hist[i] <= hist[i - 1] * (1 + 1e-6) + 1e-9);
+    }
+    CHECK(hist.back() < hist.front());
+    CHECK(std::abs(kvs::csa::kmeans_objective(X.data(), n, db, cent.data(), C) - hist.back()) < 1e-6 * hist.back());
+    // Mini-batch (the default): the full-set objective ends below the k-means++ seeding.
+    hist.clear();
+    kc.full_batch = false;
+    kc.batch = 256;
+    kvs::csa::spherical_kmeans(X.data(), n, db, kc, gemm, cent.data(), &cb);
+    REQUIRE(hist.size() == 13);
+    CHECK(hist.back() < hist.front());
+  }
+}
+
+TEST_CASE("csattention: search period reuses the selection with the current window; bad parameters are refused") {
+  Rng rng(15);
+  Data D(rng, 4, 2, 32, 400);
+  {
+    Sess S;
+    auto p = params(D, "centroids=8,period=4,recent=8", 1, 0.1);
+    OK(kvs_session_create(&p, &S.s));
+    prefill(S.s, D, 0, 0, 300);
+    OK(kvs_session_build_index(S.s, nullptr));
+    std::vector<float> o, l;
+    std::vector<std::vector<int32_t>> searched(2);
+    for (int64_t t = 300; t < 316; ++t) {
+      decode(S.s, D, 0, t, o, l);
+      const int64_t n = t + 1;
+      for (uint32_t h = 0; h < 2; ++h) {
+        auto sel = selection(S.s, 0, h);
+        std::vector<int32_t> mid, win;
+        for (int32_t x : sel) (x >= n - 8 ? win : mid).push_back(x);
+        CHECK(win.size() == 8);  // the current window
+        if ((t - 300) % 4 == 0) {
+          searched[h] = mid;
+          CHECK(int64_t(sel.size()) == int64_t(std::ceil(0.1 * double(n))));
+        } else {
+          // The searched keys of the last search, less those now inside the window.
+          std::vector<int32_t> want;
+          for (int32_t x : searched[h])
+            if (x < n - 8) want.push_back(x);
+          CHECK(mid == want);
+        }
+      }
+    }
+  }
+  for (const char* bad : {"subspaces=5", "splits=8:8", "splits=8:8:8:9,subspaces=4", "list_frac=0", "centroids=0",
+                          "period=0", "weight_list=1:2", "recent=-1", "init=queries,centroids=7"}) {
+    INFO(bad);
+    Sess S;
+    auto p = params(D, bad);
+    Err e{kvs_session_create(&p, &S.s)};
+    if (e.e == nullptr) {  // some checks need the prompt (init=queries)
+      prefill(S.s, D, 0, 0, 100);
+      Err e2{kvs_session_build_index(S.s, nullptr)};
+      CHECK(e2.code() == KVS_STATUS_INVALID_ARGUMENT);
+      CHECK(e2.msg().find("csattention") != std::string::npos);
+    } else {
+      CHECK(e.code() == KVS_STATUS_INVALID_ARGUMENT);
+      CHECK(e.msg().find("csattention") != std::string::npos);
+    }
+  }
+}
