@@ -45,6 +45,38 @@ struct StepStats {
          steady_tokens = 0, budget_unused = 0, budget_overrun = 0;
 };
 
+// E[g][c] = scale * q_g . C_c for the G query heads of a group; each centroid row is read once for
+// the group, sixteen independent partial sums per head so the loop vectorises.
+// Cloned for AVX-512 / AVX2 / baseline; the loader picks one (GCC target_clones, ifunc).
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void centroid_logits(const float* q, int G, const float* cent, int64_t C, int d, float scale, float* E) {
+  constexpr int kMaxG = 16;
+  for (int g0 = 0; g0 < G; g0 += kMaxG) {
+    const int gn = std::min(kMaxG, G - g0);
+    for (int64_t c = 0; c < C; ++c) {
+      const float* x = cent + size_t(c) * d;
+      float part[kMaxG][16] = {};
+      int i = 0;
+      for (; i + 16 <= d; i += 16)
+        for (int g = 0; g < gn; ++g) {
+          const float* qq = q + size_t(g0 + g) * d + i;
+          for (int l = 0; l < 16; ++l) part[g][l] += qq[l] * x[i + l];
+        }
+      for (int g = 0; g < gn; ++g) {
+        float s = 0.f;
+        for (int j = i; j < d; ++j) s += q[size_t(g0 + g) * d + j] * x[j];
+        for (int l = 0; l < 16; ++l) s += part[g][l];
+        E[size_t(g0 + g) * C + size_t(c)] = s * scale;
+      }
+    }
+  }
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void axpy(float* y, float a, const float* x, int d) {
+  for (int j = 0; j < d; ++j) y[j] += a * x[j];
+}
+
 class RetroInfer final : public Method {
  public:
   RetroInfer(const MethodContext& ctx, const ParamSet& p)
@@ -151,8 +183,7 @@ class RetroInfer final : public Method {
       const float* qg = q + size_t(h) * G * d;
       // 1. Cluster ranking: P[g][c] = softmax_c(q_g.C_c * scale) over non-empty clusters, summed over g.
       std::vector<float> E(size_t(G) * C), dist(size_t(C), 0.f), mx(static_cast<size_t>(G));
-      cpu::sgemm(cpu::GemmProvider(ctx_.gemm), false, true, G, C, d, scale, qg, d, W.centroids.data(), d, 0.f,
-                 E.data(), C);
+      centroid_logits(qg, G, W.centroids.data(), C, d, scale, E.data());
       std::vector<int32_t> cand;
       cand.reserve(size_t(C));
       for (int64_t c = 0; c < C; ++c)
@@ -222,22 +253,25 @@ class RetroInfer final : public Method {
       int64_t et = 0;
       for (int64_t i = r; i < k2; ++i) et += W.size[size_t(cand[size_t(i)])];
       if (k2 > r) {
-        std::vector<double> num(static_cast<size_t>(d));
-        for (int g = 0; g < G; ++g) {
-          const float* e = E.data() + size_t(g) * C;
-          std::fill(num.begin(), num.end(), 0.0);
-          double den = 0;
-          for (int64_t i = r; i < k2; ++i) {
-            const int32_t c = cand[size_t(i)];
-            const double w = e[c];
-            if (w == 0) continue;
-            den += w * W.size[size_t(c)];
-            const float* vs = W.value_sum.data() + size_t(c) * d;
-            for (int j = 0; j < d; ++j) num[size_t(j)] += w * vs[j];
+        // Value sums read once for the whole group; fp32 accumulation (vectorised axpy), fp64 denominator.
+        std::vector<float> num(size_t(G) * d, 0.f);
+        std::vector<double> dens(static_cast<size_t>(G), 0.0);
+        for (int64_t i = r; i < k2; ++i) {
+          const int32_t c = cand[size_t(i)];
+          const float* vs = W.value_sum.data() + size_t(c) * d;
+          const double sz = W.size[size_t(c)];
+          for (int g = 0; g < G; ++g) {
+            const float w = E[size_t(g) * C + size_t(c)];
+            dens[size_t(g)] += double(w) * sz;
+            axpy(num.data() + size_t(g) * d, w, vs, d);
           }
+        }
+        for (int g = 0; g < G; ++g) {
+          const double den = dens[size_t(g)];
+          const float* nu = num.data() + size_t(g) * d;
           if (den > 0) {
             float* o = est_o_.data() + (size_t(h) * G + g) * d;
-            for (int j = 0; j < d; ++j) o[j] = float(num[size_t(j)] / den);
+            for (int j = 0; j < d; ++j) o[j] = float(double(nu[j]) / den);
             est_lse_[size_t(h) * G + g] = float(double(mx[size_t(g)]) + std::log(den));
           }
         }
