@@ -45,29 +45,23 @@ struct StepStats {
          steady_tokens = 0, budget_unused = 0, budget_overrun = 0;
 };
 
-// E[g][c] = scale * q_g . C_c for the G query heads of a group; each centroid row is read once for
-// the group, sixteen independent partial sums per head so the loop vectorises.
+// E[g][c] = scale * q_g . C_c for the G query heads of a group; each centroid row is read from memory
+// once for the group, sixteen independent partial sums (registers) so the loop vectorises.
 // Cloned for AVX-512 / AVX2 / baseline; the loader picks one (GCC target_clones, ifunc).
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void centroid_logits(const float* q, int G, const float* cent, int64_t C, int d, float scale, float* E) {
-  constexpr int kMaxG = 16;
-  for (int g0 = 0; g0 < G; g0 += kMaxG) {
-    const int gn = std::min(kMaxG, G - g0);
-    for (int64_t c = 0; c < C; ++c) {
-      const float* x = cent + size_t(c) * d;
-      float part[kMaxG][16] = {};
+  for (int64_t c = 0; c < C; ++c) {
+    const float* x = cent + size_t(c) * d;  // stays in L1 across the group
+    for (int g = 0; g < G; ++g) {
+      const float* qq = q + size_t(g) * d;
+      float part[16] = {};
       int i = 0;
       for (; i + 16 <= d; i += 16)
-        for (int g = 0; g < gn; ++g) {
-          const float* qq = q + size_t(g0 + g) * d + i;
-          for (int l = 0; l < 16; ++l) part[g][l] += qq[l] * x[i + l];
-        }
-      for (int g = 0; g < gn; ++g) {
-        float s = 0.f;
-        for (int j = i; j < d; ++j) s += q[size_t(g0 + g) * d + j] * x[j];
-        for (int l = 0; l < 16; ++l) s += part[g][l];
-        E[size_t(g0 + g) * C + size_t(c)] = s * scale;
-      }
+        for (int l = 0; l < 16; ++l) part[l] += qq[i + l] * x[i + l];
+      float s = 0.f;
+      for (; i < d; ++i) s += qq[i] * x[i];
+      for (int l = 0; l < 16; ++l) s += part[l];
+      E[size_t(g) * C + size_t(c)] = s * scale;
     }
   }
 }
