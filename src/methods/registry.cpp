@@ -13,6 +13,7 @@ MethodSpec streaming_spec();
 MethodSpec quest_spec();
 MethodSpec csattention_spec();
 MethodSpec hgca_spec();
+MethodSpec retroinfer_spec();
 
 const std::vector<MethodSpec>& method_registry() {
   static const std::vector<MethodSpec> reg = {
@@ -22,6 +23,7 @@ const std::vector<MethodSpec>& method_registry() {
       quest_spec(),
       csattention_spec(),
       hgca_spec(),
+      retroinfer_spec(),
   };
   return reg;
 }

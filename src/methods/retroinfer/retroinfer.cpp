@@ -1,0 +1,607 @@
+// retroinfer: the wave index of RetroInfer (Chen et al., arXiv 2505.02922; METHODS.md section 9,
+// after microsoft/RetrievalAttention@6b1228c), CPU reference. Per layer and KV head the keys
+// outside the steady zone (4 sinks + 64 local) are clustered by segmented spherical k-means
+// (wave_index.hpp); a decode step ranks the clusters by the group's summed per-head softmax of
+// q.C/sqrt(d), attends the top r clusters (retrieval zone) exactly together with the steady zone
+// (returned by select, attended by the session), estimates the next e clusters (estimation zone)
+// from centroids, exact sizes and value sums (eqs. 2-4, returned by extra and merged by LSE by the
+// session), and ignores the rest. Every update_segment tokens past the index are clustered on their
+// own and appended. docs/methods/retroinfer.md documents every parameter and deviation.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "core/error.hpp"
+#include "core/method.hpp"
+#include "io/tables.hpp"
+#include "kvsieve/kvsieve.h"
+#include "methods/retroinfer/wave_index.hpp"
+
+namespace kvs {
+namespace {
+
+using retro::WaveHead;
+
+// One clustering run: tokens [tok_begin, tok_end), clusters [clu_begin, clu_end), and the zone
+// sizes it adds.
+struct Chunk {
+  int64_t tok_begin, tok_end, clu_begin, clu_end, segments, r_add, e_add;
+  double build_ms;
+};
+
+struct LayerIndex {
+  std::vector<WaveHead> heads;  // Hkv, empty = no index
+  std::vector<Chunk> chunks;
+  int64_t indexed_end = 0;      // tokens [sinks, indexed_end) are clustered
+  int64_t r = 0, e = 0;         // retrieval / estimation zone sizes in clusters
+  int64_t clusters() const { return heads.empty() ? 0 : heads[0].clusters(); }
+};
+
+// Per-step figures, averaged over KV heads.
+struct StepStats {
+  double retrieval_clusters = 0, retrieval_tokens = 0, estimation_clusters = 0, estimation_tokens = 0,
+         steady_tokens = 0, budget_unused = 0, budget_overrun = 0;
+};
+
+// E[g][c] = scale * q_g . C_c for the G query heads of a group; each centroid row is read from memory
+// once for the group, sixteen independent partial sums (registers) so the loop vectorises.
+// Cloned for AVX-512 / AVX2 / baseline; the loader picks one (GCC target_clones, ifunc).
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void centroid_logits(const float* q, int G, const float* cent, int64_t C, int d, float scale, float* E) {
+  for (int64_t c = 0; c < C; ++c) {
+    const float* x = cent + size_t(c) * d;  // stays in L1 across the group
+    for (int g = 0; g < G; ++g) {
+      const float* qq = q + size_t(g) * d;
+      float part[16] = {};
+      int i = 0;
+      for (; i + 16 <= d; i += 16)
+        for (int l = 0; l < 16; ++l) part[l] += qq[i + l] * x[i + l];
+      float s = 0.f;
+      for (; i < d; ++i) s += qq[i] * x[i];
+      for (int l = 0; l < 16; ++l) s += part[l];
+      E[size_t(g) * C + size_t(c)] = s * scale;
+    }
+  }
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void axpy(float* y, float a, const float* x, int d) {
+  for (int j = 0; j < d; ++j) y[j] += a * x[j];
+}
+
+class RetroInfer final : public Method {
+ public:
+  RetroInfer(const MethodContext& ctx, const ParamSet& p)
+      : ctx_(ctx),
+        sinks_(p.get_int("sinks")),
+        local_(p.get_int("local")),
+        cluster_size_(p.get_int("cluster_size")),
+        segment_size_(p.get_int("segment_size")),
+        iterations_(p.get_int("iterations")),
+        align_(p.get_int("cluster_align")),
+        retrieval_(p.get_float("retrieval")),
+        estimation_(p.get_float("estimation")),
+        update_(p.get_int("update_segment")),
+        session_budget_(p.get_string("budget") == "session"),
+        centre_(p.get_bool("centre")),
+        probe_(p.get_int("recall_probe")),
+        layers_(ctx.shape.num_layers) {
+    auto bad = [](const std::string& name, const std::string& want, const std::string& got) {
+      invalid("method_params: retroinfer " + name + ": expected " + want + ", got " + got);
+    };
+    if (sinks_ < 0) bad("sinks", ">= 0", std::to_string(sinks_));
+    if (local_ < 0) bad("local", ">= 0", std::to_string(local_));
+    if (cluster_size_ < 1) bad("cluster_size", ">= 1", std::to_string(cluster_size_));
+    if (segment_size_ < 0) bad("segment_size", ">= 0 (0 = whole context)", std::to_string(segment_size_));
+    if (iterations_ < 1 || iterations_ > 1000) bad("iterations", "1..1000", std::to_string(iterations_));
+    if (align_ < 1 || align_ > 4096) bad("cluster_align", "1..4096", std::to_string(align_));
+    if (!(retrieval_ >= 0 && retrieval_ <= 1)) bad("retrieval", "a fraction of the clusters in [0, 1]", std::to_string(retrieval_));
+    if (!(estimation_ >= 0 && estimation_ <= 1)) bad("estimation", "a fraction of the clusters in [0, 1]", std::to_string(estimation_));
+    if (update_ < 1) bad("update_segment", ">= 1", std::to_string(update_));
+    if (probe_ < 0) bad("recall_probe", ">= 0 (0 = off)", std::to_string(probe_));
+    for (auto& l : layers_) l.indexed_end = sinks_;
+  }
+
+  // ------------------------------------------------------------------------------------------
+  // Index build and update
+
+  void build_index(uint32_t layer, const KVLayer& kv) override {
+    auto& L = layers_[layer];
+    L = LayerIndex{};
+    L.indexed_end = sinks_;
+    const int64_t n_idx = kv.size() - local_ - sinks_;
+    // Short prompts (n < sinks + local + update_segment) stay in the steady zone until enough
+    // tokens accumulate (retroinfer_cache.py).
+    if (n_idx >= update_) {
+      const int64_t s = retro::segment_count(n_idx, segment_size_);
+      const int64_t C = retro::cluster_count(n_idx, cluster_size_, align_, s);
+      const int64_t r = std::clamp<int64_t>(std::llround(double(C) * retrieval_), retrieval_ > 0 ? 1 : 0, C);
+      const int64_t e = std::min<int64_t>(std::llround(double(C) * estimation_), C - r);
+      add_chunk(layer, kv, sinks_, sinks_ + n_idx, s, C, r, e);
+    }
+    update(layer, kv);
+  }
+
+  void on_append(uint32_t layer, const float*, int64_t, const KVLayer& kv, bool) override { update(layer, kv); }
+
+  void truncate(uint32_t layer, int64_t n) override {
+    auto& L = layers_[layer];
+    const size_t rb = size_t(ctx_.shape.head_dim) * dtype_size(ctx_.shape.kv_dtype);
+    // A chunk exists only while its tokens are outside the local window; drop those that are not.
+    while (!L.chunks.empty() && L.chunks.back().tok_end > n - local_) {
+      const Chunk c = L.chunks.back();
+      L.chunks.pop_back();
+      for (auto& h : L.heads) h.truncate_clusters(c.clu_begin, rb);
+      L.r -= c.r_add;
+      L.e -= c.e_add;
+      L.indexed_end = c.tok_begin;
+    }
+    if (L.chunks.empty()) {
+      L.heads.clear();
+      L.r = L.e = 0;
+      L.indexed_end = sinks_;
+    }
+  }
+
+  // ------------------------------------------------------------------------------------------
+  // Decode
+
+  void select(uint32_t layer, const float* q, const KVLayer& kv, Selection& out) override {
+    auto& L = layers_[layer];
+    const int64_t n = kv.size();
+    est_layer_ = -1;
+    if (L.clusters() == 0) {  // nothing indexed: the steady zone is the whole context
+      out.kind = Selection::Kind::All;
+      out.lists.clear();
+      last_ = StepStats{};
+      last_.steady_tokens = double(n);
+      return;
+    }
+    const int G = ctx_.shape.group(), d = int(ctx_.shape.head_dim), hkv = int(ctx_.shape.num_kv_heads);
+    const int64_t C = L.clusters();
+    const float scale = ctx_.shape.softmax_scale;
+    const int64_t steady = std::min(sinks_, n) + (n - L.indexed_end);
+    const int64_t budget_keys = session_budget_ ? ctx_.budget.keys(n, 0.05) : 0;
+    out.kind = Selection::Kind::PerKvHead;
+    out.lists.assign(size_t(hkv), {});
+    est_o_.assign(size_t(hkv) * G * d, 0.f);
+    est_lse_.assign(size_t(hkv) * G, -std::numeric_limits<float>::infinity());
+    std::vector<StepStats> hs(static_cast<size_t>(hkv));
+    std::vector<double> probe(static_cast<size_t>(hkv), 0.0), probe_cl(static_cast<size_t>(hkv), 0.0);
+
+    ctx_.pool->parallel_for(hkv, [&](int64_t hh) {
+      const int h = int(hh);
+      const WaveHead& W = L.heads[size_t(h)];
+      const float* qg = q + size_t(h) * G * d;
+      // 1. Cluster ranking: P[g][c] = softmax_c(q_g.C_c * scale) over non-empty clusters, summed over g.
+      std::vector<float> E(size_t(G) * C), dist(size_t(C), 0.f), mx(static_cast<size_t>(G));
+      centroid_logits(qg, G, W.centroids.data(), C, d, scale, E.data());
+      std::vector<int32_t> cand;
+      cand.reserve(size_t(C));
+      for (int64_t c = 0; c < C; ++c)
+        if (W.size[size_t(c)] > 0) cand.push_back(int32_t(c));
+      for (int g = 0; g < G; ++g) {
+        float* e = E.data() + size_t(g) * C;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int32_t c : cand) m = std::max(m, e[c]);
+        double z = 0;
+        for (int64_t c = 0; c < C; ++c) {
+          e[c] = W.size[size_t(c)] > 0 ? std::exp(e[c] - m) : 0.f;
+          z += e[c];
+        }
+        const float inv = float(1.0 / z);
+        for (int32_t c : cand) dist[size_t(c)] += e[c] * inv;
+        mx[size_t(g)] = m;
+      }
+      auto better = [&](int32_t a, int32_t b) {
+        return dist[size_t(a)] > dist[size_t(b)] || (dist[size_t(a)] == dist[size_t(b)] && a < b);
+      };
+      // 2. Zones: cand[0, r) retrieval, cand[r, r + e) estimation.
+      const int64_t nc = int64_t(cand.size());
+      int64_t r, k2;
+      StepStats& st = hs[size_t(h)];
+      if (!session_budget_) {
+        r = std::min(L.r, nc);
+        k2 = std::min(L.r + L.e, nc);
+        if (k2 < nc) std::nth_element(cand.begin(), cand.begin() + k2, cand.end(), better);
+        if (r < k2) std::nth_element(cand.begin(), cand.begin() + r, cand.begin() + k2, better);
+      } else {
+        // Whole clusters in rank order while they fit the exact budget left after the steady zone;
+        // the first that does not fit ends the retrieval zone (budget_unused_tokens says how much
+        // of the budget stayed unused, budget_overrun_tokens how far the steady zone exceeds it).
+        int64_t room = budget_keys - steady;
+        if (room < 0) st.budget_overrun = double(-room), room = 0;
+        int64_t sorted = 0, i = 0, used = 0;
+        while (i < nc) {
+          if (i >= sorted) {
+            const int64_t upto = std::min(nc, std::max<int64_t>(2 * sorted, 64));
+            std::partial_sort(cand.begin() + sorted, cand.begin() + upto, cand.end(), better);
+            sorted = upto;
+          }
+          const int64_t sz = W.size[size_t(cand[size_t(i)])];
+          if (sz > room - used) break;
+          used += sz;
+          ++i;
+        }
+        st.budget_unused = double(room - used);
+        r = i;
+        k2 = std::min(nc, r + L.e);
+        if (k2 > sorted && k2 < nc) std::nth_element(cand.begin() + sorted, cand.begin() + k2, cand.end(), better);
+      }
+      // 3. Exact part: steady zone + retrieval clusters (original positions, ascending).
+      auto& list = out.lists[size_t(h)];
+      list.reserve(size_t(steady) + size_t(16 * r));
+      for (int64_t t = 0; t < std::min(sinks_, n); ++t) list.push_back(int32_t(t));
+      int64_t rt = 0;
+      for (int64_t i = 0; i < r; ++i) {
+        const int32_t c = cand[size_t(i)];
+        const int32_t* p = W.pos.data() + W.start[size_t(c)];
+        list.insert(list.end(), p, p + W.size[size_t(c)]);
+        rt += W.size[size_t(c)];
+      }
+      for (int64_t t = L.indexed_end; t < n; ++t) list.push_back(int32_t(t));
+      std::sort(list.begin() + std::min(sinks_, n), list.end() - (n - L.indexed_end));
+      // 4. Estimation zone (eqs. 2-4): lse = mx + log sum s_i E_i, o = sum E_i VS_i / sum s_i E_i.
+      int64_t et = 0;
+      for (int64_t i = r; i < k2; ++i) et += W.size[size_t(cand[size_t(i)])];
+      if (k2 > r) {
+        // Value sums read once for the whole group; fp32 accumulation (vectorised axpy), fp64 denominator.
+        std::vector<float> num(size_t(G) * d, 0.f);
+        std::vector<double> dens(static_cast<size_t>(G), 0.0);
+        for (int64_t i = r; i < k2; ++i) {
+          const int32_t c = cand[size_t(i)];
+          const float* vs = W.value_sum.data() + size_t(c) * d;
+          const double sz = W.size[size_t(c)];
+          for (int g = 0; g < G; ++g) {
+            const float w = E[size_t(g) * C + size_t(c)];
+            dens[size_t(g)] += double(w) * sz;
+            axpy(num.data() + size_t(g) * d, w, vs, d);
+          }
+        }
+        for (int g = 0; g < G; ++g) {
+          const double den = dens[size_t(g)];
+          const float* nu = num.data() + size_t(g) * d;
+          if (den > 0) {
+            float* o = est_o_.data() + (size_t(h) * G + g) * d;
+            for (int j = 0; j < d; ++j) o[j] = float(double(nu[j]) / den);
+            est_lse_[size_t(h) * G + g] = float(double(mx[size_t(g)]) + std::log(den));
+          }
+        }
+      }
+      st.retrieval_clusters = double(r);
+      st.retrieval_tokens = double(rt);
+      st.estimation_clusters = double(k2 - r);
+      st.estimation_tokens = double(et);
+      st.steady_tokens = double(steady);
+      if (probe_ > 0) probe_recall(W, qg, dist, cand, probe[size_t(h)], probe_cl[size_t(h)]);
+    });
+    last_ = StepStats{};
+    for (auto& s : hs) {
+      last_.retrieval_clusters += s.retrieval_clusters / hkv;
+      last_.retrieval_tokens += s.retrieval_tokens / hkv;
+      last_.estimation_clusters += s.estimation_clusters / hkv;
+      last_.estimation_tokens += s.estimation_tokens / hkv;
+      last_.steady_tokens += s.steady_tokens / hkv;
+      last_.budget_unused += s.budget_unused / hkv;
+      last_.budget_overrun += s.budget_overrun / hkv;
+    }
+    sum_budget_unused_ += last_.budget_unused;
+    sum_budget_overrun_ += last_.budget_overrun;
+    ++steps_;
+    if (probe_ > 0)
+      for (int h = 0; h < hkv; ++h) {
+        probe_sum_ += probe[size_t(h)];
+        probe_cl_sum_ += probe_cl[size_t(h)];
+        ++probe_n_;
+      }
+    est_layer_ = int64_t(layer);
+    est_any_ = last_.estimation_clusters > 0;
+  }
+
+  bool extra(uint32_t layer, const float*, const KVLayer&, float* o, float* lse) override {
+    if (est_layer_ != int64_t(layer) || !est_any_) return false;
+    std::memcpy(o, est_o_.data(), est_o_.size() * sizeof(float));
+    std::memcpy(lse, est_lse_.data(), est_lse_.size() * sizeof(float));
+    return true;
+  }
+
+  // ------------------------------------------------------------------------------------------
+  // Tables
+
+  nlohmann::json save_meta() const override {
+    nlohmann::json meta = nlohmann::json::object();
+    meta["layout"] =
+        "per layer and KV head: centroids [C][d] f32, value_sum [C][d] f32, size [C] i32, pos [R] i32, keys/values "
+        "[R][d] kv dtype, rows cluster by cluster (start[c] = sum of earlier sizes)";
+    nlohmann::json layers = nlohmann::json::object();
+    for (uint32_t l = 0; l < layers_.size(); ++l) {
+      const auto& L = layers_[l];
+      if (L.chunks.empty()) continue;
+      nlohmann::json j;
+      j["indexed_end"] = L.indexed_end;
+      j["clusters"] = L.clusters();
+      j["retrieval_clusters"] = L.r;
+      j["estimation_clusters"] = L.e;
+      int64_t mx = 0, empty = 0;
+      for (const auto& h : L.heads)
+        for (int32_t s : h.size) mx = std::max<int64_t>(mx, s), empty += s == 0;
+      j["max_cluster_size"] = mx;
+      j["empty_clusters"] = empty;
+      nlohmann::json ch = nlohmann::json::array();
+      for (const auto& c : L.chunks)
+        ch.push_back({{"tokens", {c.tok_begin, c.tok_end}}, {"clusters", {c.clu_begin, c.clu_end}},
+                      {"segments", c.segments}, {"r_add", c.r_add}, {"e_add", c.e_add}, {"build_ms", c.build_ms}});
+      j["chunks"] = ch;
+      layers[std::to_string(l)] = j;
+    }
+    meta["layers"] = layers;
+    return meta;
+  }
+
+  void save(io::TablesWriter& w) const override {
+    for (uint32_t l = 0; l < layers_.size(); ++l) {
+      const auto& L = layers_[l];
+      if (L.chunks.empty()) continue;
+      for (size_t h = 0; h < L.heads.size(); ++h) {
+        const auto& H = L.heads[h];
+        const int32_t li = int32_t(l), hi = int32_t(h);
+        w.add("retroinfer.centroids", li, hi, {io::Piece{H.centroids.data(), H.centroids.size() * sizeof(float)}});
+        w.add("retroinfer.value_sum", li, hi, {io::Piece{H.value_sum.data(), H.value_sum.size() * sizeof(float)}});
+        w.add("retroinfer.size", li, hi, {io::Piece{H.size.data(), H.size.size() * sizeof(int32_t)}});
+        w.add("retroinfer.pos", li, hi, {io::Piece{H.pos.data(), H.pos.size() * sizeof(int32_t)}});
+        w.add("retroinfer.keys", li, hi, {io::Piece{H.keys.data(), H.keys.size()}});
+        w.add("retroinfer.values", li, hi, {io::Piece{H.values.data(), H.values.size()}});
+      }
+    }
+  }
+
+  void load(const io::TablesFile& f, const nlohmann::json& meta) override {
+    const int d = int(ctx_.shape.head_dim), hkv = int(ctx_.shape.num_kv_heads);
+    const size_t rb = size_t(d) * dtype_size(ctx_.shape.kv_dtype);
+    const nlohmann::json layers = meta.value("layers", nlohmann::json::object());
+    for (uint32_t l = 0; l < layers_.size(); ++l) {
+      auto& L = layers_[l];
+      L = LayerIndex{};
+      L.indexed_end = sinks_;
+      const auto key = std::to_string(l);
+      if (!layers.contains(key)) continue;
+      auto bad = [&](const std::string& what) {
+        fail(KVS_STATUS_FORMAT_INVALID, "retroinfer tables, layer " + key + ": " + what);
+      };
+      try {
+        const auto& j = layers.at(key);
+        L.indexed_end = j.at("indexed_end").get<int64_t>();
+        L.r = j.at("retrieval_clusters").get<int64_t>();
+        L.e = j.at("estimation_clusters").get<int64_t>();
+        const int64_t C = j.at("clusters").get<int64_t>();
+        for (const auto& c : j.at("chunks")) {
+          Chunk ch{};
+          ch.tok_begin = c.at("tokens").at(0).get<int64_t>();
+          ch.tok_end = c.at("tokens").at(1).get<int64_t>();
+          ch.clu_begin = c.at("clusters").at(0).get<int64_t>();
+          ch.clu_end = c.at("clusters").at(1).get<int64_t>();
+          ch.segments = c.at("segments").get<int64_t>();
+          ch.r_add = c.at("r_add").get<int64_t>();
+          ch.e_add = c.at("e_add").get<int64_t>();
+          ch.build_ms = c.at("build_ms").get<double>();
+          L.chunks.push_back(ch);
+        }
+        const int64_t rows = L.indexed_end - sinks_;
+        if (L.chunks.empty() || C < 1 || rows < 1 || L.chunks.front().tok_begin != sinks_ ||
+            L.chunks.back().tok_end != L.indexed_end || L.chunks.back().clu_end != C)
+          bad("chunks do not cover the indexed tokens and clusters (different sinks parameter?)");
+        L.heads.resize(size_t(hkv));
+        for (int h = 0; h < hkv; ++h) {
+          auto& H = L.heads[size_t(h)];
+          auto sec = [&](const char* tag, uint64_t bytes) {
+            const auto& s = f.require(tag, int32_t(l), h);
+            if (s.length != bytes)
+              bad(std::string(tag) + " head " + std::to_string(h) + ": expected " + std::to_string(bytes) +
+                  " bytes, got " + std::to_string(s.length));
+            return s.data;
+          };
+          auto copy = [&](auto& v, const char* tag, size_t count) {
+            v.resize(count);
+            std::memcpy(v.data(), sec(tag, count * sizeof(v[0])), count * sizeof(v[0]));
+          };
+          copy(H.centroids, "retroinfer.centroids", size_t(C) * d);
+          copy(H.value_sum, "retroinfer.value_sum", size_t(C) * d);
+          copy(H.size, "retroinfer.size", size_t(C));
+          copy(H.pos, "retroinfer.pos", size_t(rows));
+          copy(H.keys, "retroinfer.keys", size_t(rows) * rb);
+          copy(H.values, "retroinfer.values", size_t(rows) * rb);
+          H.start.resize(size_t(C));
+          int64_t at = 0;
+          for (int64_t c = 0; c < C; ++c) {
+            if (H.size[size_t(c)] < 0) bad("negative cluster size");
+            H.start[size_t(c)] = at;
+            at += H.size[size_t(c)];
+          }
+          if (at != rows) bad("cluster sizes do not add up to the indexed tokens");
+          for (int32_t p : H.pos)
+            if (p < sinks_ || p >= L.indexed_end) bad("a list position lies outside the indexed tokens");
+        }
+      } catch (const nlohmann::json::exception& e) {
+        bad(std::string("header: missing or mistyped field (") + e.what() + ")");
+      }
+    }
+  }
+
+  std::unique_ptr<Method> clone() const override { return std::make_unique<RetroInfer>(*this); }
+
+  uint64_t index_bytes() const override {
+    uint64_t b = 0;
+    for (const auto& L : layers_)
+      for (const auto& h : L.heads) b += h.bytes();
+    return b;
+  }
+
+  bool stat(std::string_view name, double* out) const override {
+    if (name == "retrieval_clusters") *out = last_.retrieval_clusters;
+    else if (name == "retrieval_tokens") *out = last_.retrieval_tokens;
+    else if (name == "estimation_clusters") *out = last_.estimation_clusters;
+    else if (name == "estimation_tokens") *out = last_.estimation_tokens;
+    else if (name == "steady_tokens") *out = last_.steady_tokens;
+    else if (name == "budget_unused_tokens") *out = last_.budget_unused;
+    else if (name == "budget_overrun_tokens") *out = last_.budget_overrun;
+    else if (name == "mean_budget_unused_tokens") *out = steps_ ? sum_budget_unused_ / double(steps_) : 0.0;
+    else if (name == "mean_budget_overrun_tokens") *out = steps_ ? sum_budget_overrun_ / double(steps_) : 0.0;
+    else if (name == "clusters") {
+      double c = 0;
+      for (const auto& L : layers_) c += double(L.clusters());
+      *out = c;
+    } else if (name == "indexed_tokens") {
+      double c = 0;
+      for (const auto& L : layers_) c += double(L.heads.empty() ? 0 : L.heads[0].rows());
+      *out = c;
+    } else if (name == "index_updates") {
+      double c = 0;
+      for (const auto& L : layers_) c += L.chunks.empty() ? 0.0 : double(L.chunks.size() - 1);
+      *out = c;
+    } else if (name == "build_ms") {
+      double c = 0;
+      for (const auto& L : layers_)
+        for (const auto& ch : L.chunks) c += ch.build_ms;
+      *out = c;
+    } else if (name == "probe_recall") *out = probe_n_ ? probe_sum_ / double(probe_n_) : 0.0;
+    else if (name == "probe_clusters") *out = probe_n_ ? probe_cl_sum_ / double(probe_n_) : 0.0;
+    else return false;
+    return true;
+  }
+
+ private:
+  // Clusters tokens [b, e) of every head (s segments, C clusters) and appends them.
+  void add_chunk(uint32_t layer, const KVLayer& kv, int64_t b, int64_t e, int64_t s, int64_t C, int64_t r_add,
+                 int64_t e_add) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto& L = layers_[layer];
+    const int d = int(ctx_.shape.head_dim), hkv = int(ctx_.shape.num_kv_heads);
+    const int64_t m = e - b;
+    std::vector<std::vector<float>> X(size_t(hkv), std::vector<float>(size_t(m) * d));
+    ctx_.pool->parallel_for(hkv, [&](int64_t h) {
+      for (int64_t t = 0; t < m; ++t)
+        convert_to_f32(kv.k_row(int(h), b + t), kv.dtype(), X[size_t(h)].data() + size_t(t) * d, size_t(d));
+    });
+    std::vector<float*> xp;
+    for (auto& x : X) xp.push_back(x.data());
+    retro::KMeansConfig cfg{C, s, int(iterations_), centre_};
+    std::vector<std::vector<int32_t>> assign;
+    std::vector<std::vector<float>> cent;
+    retro::segmented_kmeans(xp, m, d, cfg, *ctx_.pool, cpu::GemmProvider(ctx_.gemm), assign, cent);
+    X.clear();
+    if (L.heads.empty()) L.heads.resize(size_t(hkv));
+    const int64_t c0 = L.clusters();
+    ctx_.pool->parallel_for(hkv, [&](int64_t h) {
+      retro::append_clusters(L.heads[size_t(h)], kv, int(h), b, m, assign[size_t(h)].data(), cent[size_t(h)].data(), C);
+    });
+    L.r += r_add;
+    L.e += e_add;
+    L.indexed_end = e;
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    L.chunks.push_back(Chunk{b, e, c0, c0 + C, s, r_add, e_add, ms});
+  }
+
+  // Incremental update: while update_segment tokens lie between the index and the local window,
+  // cluster them alone (one segment) and append (decode_update_kv_cache / _update_kv_cache).
+  void update(uint32_t layer, const KVLayer& kv) {
+    auto& L = layers_[layer];
+    while (kv.size() - local_ - L.indexed_end >= update_) {
+      const int64_t C = retro::update_cluster_count(update_, cluster_size_, align_);
+      const int64_t r_add = retrieval_ > 0 ? std::max<int64_t>(std::llround(double(C) * retrieval_), 1) : 0;
+      const int64_t e_add = std::llround(double(C) * estimation_);
+      add_chunk(layer, kv, L.indexed_end, L.indexed_end + update_, 1, C, r_add, e_add);
+    }
+  }
+
+  // recall@k of the clustering (Fig. 17b): clusters in rank order until they hold >= k tokens;
+  // the share of the exact top-k indexed tokens (by the group's summed softmax) they contain.
+  void probe_recall(const WaveHead& W, const float* qg, const std::vector<float>& dist, std::vector<int32_t> cand,
+                    double& recall, double& clusters) const {
+    const int G = ctx_.shape.group(), d = int(ctx_.shape.head_dim);
+    const int64_t R = W.rows();
+    const int64_t k = std::min<int64_t>(probe_, R);
+    std::vector<double> sc(size_t(G) * R), agg(size_t(R), 0.0);
+    std::vector<float> row(static_cast<size_t>(d));
+    const size_t rb = size_t(d) * dtype_size(ctx_.shape.kv_dtype);
+    for (int64_t j = 0; j < R; ++j) {
+      convert_to_f32(W.keys.data() + size_t(j) * rb, ctx_.shape.kv_dtype, row.data(), size_t(d));
+      for (int g = 0; g < G; ++g) {
+        double s = 0;
+        for (int i = 0; i < d; ++i) s += double(qg[size_t(g) * d + i]) * row[size_t(i)];
+        sc[size_t(g) * R + j] = s * ctx_.shape.softmax_scale;
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const double* s = sc.data() + size_t(g) * R;
+      const double m = *std::max_element(s, s + R);
+      double z = 0;
+      for (int64_t j = 0; j < R; ++j) z += std::exp(s[j] - m);
+      for (int64_t j = 0; j < R; ++j) agg[size_t(j)] += std::exp(s[j] - m) / z;
+    }
+    std::vector<int64_t> rows(static_cast<size_t>(R));
+    for (int64_t j = 0; j < R; ++j) rows[size_t(j)] = j;
+    std::nth_element(rows.begin(), rows.begin() + (k - 1), rows.end(),
+                     [&](int64_t a, int64_t b) { return agg[size_t(a)] > agg[size_t(b)] || (agg[size_t(a)] == agg[size_t(b)] && a < b); });
+    std::vector<char> top(size_t(R), 0);
+    for (int64_t j = 0; j < k; ++j) top[size_t(rows[size_t(j)])] = 1;
+    std::sort(cand.begin(), cand.end(), [&](int32_t a, int32_t b) {
+      return dist[size_t(a)] > dist[size_t(b)] || (dist[size_t(a)] == dist[size_t(b)] && a < b);
+    });
+    int64_t got = 0, hits = 0, used = 0;
+    for (int32_t c : cand) {
+      if (got >= k) break;
+      for (int64_t j = W.start[size_t(c)]; j < W.start[size_t(c)] + W.size[size_t(c)]; ++j) hits += top[size_t(j)];
+      got += W.size[size_t(c)];
+      ++used;
+    }
+    recall = k > 0 ? double(hits) / double(k) : 0.0;
+    clusters = double(used);
+  }
+
+  MethodContext ctx_;
+  int64_t sinks_, local_, cluster_size_, segment_size_, iterations_, align_;
+  double retrieval_, estimation_;
+  int64_t update_;
+  bool session_budget_, centre_;
+  int64_t probe_;
+  std::vector<LayerIndex> layers_;
+  // The last select's estimation state ([Hkv*G][d], [Hkv*G]) for extra().
+  std::vector<float> est_o_, est_lse_;
+  int64_t est_layer_ = -1;
+  bool est_any_ = false;
+  StepStats last_;
+  int64_t steps_ = 0;
+  double sum_budget_unused_ = 0, sum_budget_overrun_ = 0;
+  double probe_sum_ = 0, probe_cl_sum_ = 0;
+  int64_t probe_n_ = 0;
+};
+
+}  // namespace
+
+MethodSpec retroinfer_spec() {
+  return MethodSpec{
+      "retroinfer",
+      "RetroInfer wave index: segmented spherical k-means clusters, top 1.8% attended exactly with sinks+local, "
+      "next 23.2% estimated from centroids/sizes/value sums, LSE-merged (METHODS.md 9)",
+      1u << KVS_BACKEND_CPU,
+      0.05,
+      {{"sinks", "int", "4", "steady zone: first tokens always attended, never clustered (static_pattern_start)"},
+       {"local", "int", "64", "steady zone: last tokens always attended, never clustered (static_pattern_end)"},
+       {"cluster_size", "int", "16", "average tokens per cluster: clusters = round(n / cluster_size) (avg_cluster_size)"},
+       {"segment_size", "int", "8192", "k-means segment length in tokens; segments = max(round(n / segment_size), 1); 0 = whole context"},
+       {"iterations", "int", "10", "k-means iterations: iterations-1 per-segment spherical passes + 1 global un-normalised pass"},
+       {"cluster_align", "int", "8", "cluster counts are multiples of lcm(cluster_align, segments) (authors' kernel tile)"},
+       {"retrieval", "float", "0.018", "retrieval zone: fraction of clusters attended exactly (at least 1 when > 0)"},
+       {"estimation", "float", "0.232", "estimation zone: fraction of clusters estimated from centroids (0 = off)"},
+       {"update_segment", "int", "1024", "generated tokens clustered on their own and appended (UPDATE_SEGMENT); also the minimum prompt to index"},
+       {"budget", "enum:paper|session", "paper",
+        "paper: r = retrieval x clusters (session budget ignored); session: exact keys = the session budget, "
+        "steady zone included, filled with whole clusters in rank order"},
+       {"centre", "bool", "true", "subtract the keys' mean before clustering (added back to the centroids)"},
+       {"recall_probe", "int", "0", "k > 0: measure the clustering's recall@k each step (stat probe_recall; slow, exact scores)"}},
+      [](const MethodContext& c, const ParamSet& p) { return std::make_unique<RetroInfer>(c, p); }};
+}
+
+}  // namespace kvs
