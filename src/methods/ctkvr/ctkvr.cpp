@@ -23,6 +23,8 @@
 #include <limits>
 #include <random>
 
+#include <immintrin.h>
+
 #include "backends/cpu/attention.hpp"
 #include "backends/cpu/gemm.hpp"
 #include "core/error.hpp"
@@ -60,7 +62,7 @@ inline float fast_exp(float x) {
   return p * sc;
 }
 
-float dot(const float* a, const float* b, int d) {
+float dot_scalar(const float* a, const float* b, int d) {
   float part[8] = {};
   int i = 0;
   for (; i + 8 <= d; i += 8)
@@ -70,14 +72,116 @@ float dot(const float* a, const float* b, int d) {
   for (int l = 0; l < 8; ++l) s += part[l];
   return s;
 }
+
+#define CTKVR_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+
+CTKVR_AVX512 float dot512(const float* a, const float* b, int d) {
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  int i = 0;
+  for (; i + 32 <= d; i += 32) {
+    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
+  }
+  for (; i + 16 <= d; i += 16) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+  float r = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+  for (; i < d; ++i) r += a[i] * b[i];
+  return r;
+}
+
+// out[g] = scale * q_g . k for the G rows of qg [G][d] and one stored key row (d % 16 == 0).
+CTKVR_AVX512 void score_row512(const std::byte* k, DType t, const float* qg, int G, int d, float scale, float* out) {
+  constexpr int kMaxG = 16;
+  for (int g0 = 0; g0 < G; g0 += kMaxG) {
+    const int gn = std::min(kMaxG, G - g0);
+    __m512 acc[kMaxG];
+    for (int g = 0; g < gn; ++g) acc[g] = _mm512_setzero_ps();
+    for (int i = 0; i < d; i += 16) {
+      __m512 kv;
+      if (t == DType::BF16)
+        kv = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + 2 * i))), 16));
+      else if (t == DType::F16)
+        kv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + 2 * i)));
+      else
+        kv = _mm512_loadu_ps(reinterpret_cast<const float*>(k) + i);
+      for (int g = 0; g < gn; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + size_t(g0 + g) * d + i), kv, acc[g]);
+    }
+    for (int g = 0; g < gn; ++g) out[g0 + g] = scale * _mm512_reduce_add_ps(acc[g]);
+  }
+}
+
+// exp on 16 lanes (the same polynomial as fast_exp).
+CTKVR_AVX512 inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// s[j] <- exp(s[j] - max); returns the max, *z = the sum.
+CTKVR_AVX512 float softmax_row512(float* s, int64_t N, float* z) {
+  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 16 <= N; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
+  float mx = _mm512_reduce_max_ps(mv);
+  for (int64_t r = j; r < N; ++r) mx = std::max(mx, s[r]);
+  const __m512 m = _mm512_set1_ps(mx);
+  __m512 acc = _mm512_setzero_ps();
+  for (j = 0; j + 16 <= N; j += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
+    _mm512_storeu_ps(s + j, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  float t = _mm512_reduce_add_ps(acc);
+  for (; j < N; ++j) t += (s[j] = fast_exp(s[j] - mx));
+  *z = t;
+  return mx;
+}
+
+float softmax_row(float* s, int64_t N, float* z);
+
+bool use_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
+                         __builtin_cpu_supports("fma");
+  return ok;
+}
+
+float softmax_row(float* s, int64_t N, float* z) {
+  if (use_avx512()) return softmax_row512(s, N, z);
+  float mx = -std::numeric_limits<float>::infinity(), t = 0.f;
+  for (int64_t j = 0; j < N; ++j) mx = std::max(mx, s[j]);
+  for (int64_t j = 0; j < N; ++j) t += (s[j] = fast_exp(s[j] - mx));
+  *z = t;
+  return mx;
+}
+
+float dot(const float* a, const float* b, int d) { return use_avx512() ? dot512(a, b, d) : dot_scalar(a, b, d); }
+
+// Scores one stored key row against G query rows; kf is scratch of d floats.
+void score_row(const std::byte* k, DType t, const float* qg, int G, int d, float scale, float* out, float* kf) {
+  if (use_avx512() && d % 16 == 0) return score_row512(k, t, qg, G, d, scale, out);
+  convert_to_f32(k, t, kf, size_t(d));
+  for (int g = 0; g < G; ++g) out[g] = scale * dot_scalar(qg + size_t(g) * d, kf, d);
+}
 }  // namespace
 
 float aggregate(Agg a, const float* s, const float* lse, int G) {
   float r = 0.f;
   for (int g = 0; g < G; ++g) {
     switch (a) {
-      case Agg::SumSoftmax: r += std::exp(s[g] - lse[g]); break;
-      case Agg::MaxSoftmax: r = std::max(r, std::exp(s[g] - lse[g])); break;
+      case Agg::SumSoftmax: r += fast_exp(s[g] - lse[g]); break;
+      case Agg::MaxSoftmax: r = std::max(r, fast_exp(s[g] - lse[g])); break;
       case Agg::SumLogits: r += s[g]; break;
     }
   }
@@ -188,6 +292,7 @@ using ctkvr::Fifo;
 using ctkvr::dot;
 using ctkvr::fast_exp;
 using ctkvr::kNegInf;
+using ctkvr::score_row;
 
 enum class Init { Last, Random, Initial, Equispaced };
 enum class NewTokens { Insert, Dcu, None };
@@ -392,9 +497,13 @@ class Ctkvr final : public Method {
     if (!built_[layer]) fail(KVS_STATUS_INVALID_STATE, "ctkvr: layer " + std::to_string(layer) + " has no index");
     const int64_t n = kv.size();
     const int hkv = int(ctx_.shape.num_kv_heads);
-    const int64_t s_end = std::min<int64_t>(sinks_, n), l_begin = std::max<int64_t>(s_end, n - local_);
-    const int64_t n_static = s_end + (n - l_begin);
+    // With topk = 0 the whole selection keeps to the session budget: the static set is clipped to it
+    // (sinks first, like exact_topk's forced keys) and the rerank keeps the rest.
     const int64_t budget = ctx_.budget.keys(n, 0.05);
+    const int64_t cap = topk_ > 0 ? n : budget;
+    const int64_t s_end = std::min({sinks_, n, cap});
+    const int64_t l_begin = std::max<int64_t>(s_end, n - std::min(local_, cap - s_end));
+    const int64_t n_static = s_end + (n - l_begin);
     const int64_t k = topk_ > 0 ? topk_ : std::max<int64_t>(0, budget - n_static);
     const int64_t ev0 = indexed_[layer], ev1 = std::max(indexed_[layer], l_begin);
     auto& U = undo_[layer];
@@ -407,9 +516,12 @@ class Ctkvr final : public Method {
     out.lists.assign(size_t(hkv), {});
     ctx_.pool->parallel_for(hkv, [&](int64_t hh) {
       const int h = int(hh);
-      if (new_ == NewTokens::Insert) insert_tokens(layer, h, ev0, ev1, kv);
+      // Policy (a): a few evicted tokens (one per decode step) are scored in the recall's pass over
+      // the centroids; a longer range (after an append or a load) first, separately.
+      const bool fuse = new_ == NewTokens::Insert && ev1 - ev0 <= 4;
+      if (new_ == NewTokens::Insert && !fuse) insert_tokens(layer, h, ev0, ev1, kv);
       select_head(layer, h, q + size_t(h) * ctx_.shape.group() * ctx_.shape.head_dim, kv, s_end, l_begin, k,
-                  new_ == NewTokens::Dcu ? ev0 : ev1, ev1, U[size_t(h)], out.lists[size_t(h)]);
+                  new_ == NewTokens::Dcu ? ev0 : ev1, ev1, fuse ? ev0 : ev1, ev1, U[size_t(h)], out.lists[size_t(h)]);
     });
     indexed_[layer] = ev1;
     if (!union_) {
@@ -569,7 +681,7 @@ class Ctkvr final : public Method {
   struct Workspace {
     std::vector<uint64_t> bits;
     std::vector<int32_t> all, rec, cand, top;
-    std::vector<float> sims, s, agg, kf, qn;
+    std::vector<float> sims, s, agg, kf, qn, sv;
     std::vector<int32_t> cidx;
     std::vector<Entry> list;
     double beta_sum = 0, recalled_sum = 0, last_beta = 0;
@@ -598,14 +710,20 @@ class Ctkvr final : public Method {
     const int G = ctx_.shape.group(), d = int(ctx_.shape.head_dim);
     const float scale = ctx_.shape.softmax_scale;
     w.kf.resize(size_t(d));
+    const size_t row_bytes = size_t(d) * kv.elem_size();
+    constexpr size_t ahead = 8;
     for (size_t j = 0; j < m; ++j) {
-      convert_to_f32(kv.k_row(h, ids[j]), kv.dtype(), w.kf.data(), size_t(d));
-      for (int g = 0; g < G; ++g) out[j * G + size_t(g)] = scale * dot(qg + size_t(g) * d, w.kf.data(), d);
+      if (j + ahead < m) {
+        const char* pf = reinterpret_cast<const char*>(kv.k_row(h, ids[j + ahead]));
+        for (size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(pf + b);
+      }
+      score_row(kv.k_row(h, ids[j]), kv.dtype(), qg, G, d, scale, out + j * G, w.kf.data());
     }
   }
 
   void select_head(uint32_t layer, int h, const float* qg, const KVLayer& kv, int64_t s_end, int64_t l_begin,
-                   int64_t k, int64_t ev0, int64_t ev1, HeadUndo& undo, std::vector<int32_t>& out) {
+                   int64_t k, int64_t ev0, int64_t ev1, int64_t ins0, int64_t ins1, HeadUndo& undo,
+                   std::vector<int32_t>& out) {
     Fifo& f = fifo_[layer][size_t(h)];
     Workspace& w = ws_[size_t(h)];
     const int G = ctx_.shape.group(), d = int(ctx_.shape.head_dim);
@@ -621,8 +739,17 @@ class Ctkvr final : public Method {
       qall += qn[g] * qn[g];
     }
     qall = std::sqrt(qall);
+    const int nins = int(ins1 - ins0);
+    w.kf.resize(size_t(std::max(nins, 1)) * d);
+    for (int r = 0; r < nins; ++r) convert_to_f32(kv.k_row(h, ins0 + r), kv.dtype(), w.kf.data() + size_t(r) * d, size_t(d));
+    w.sv.resize(size_t(G));
+    const float scale = ctx_.shape.softmax_scale;
     for (int i = 0; i < c; ++i) {
       const float* cc = f.cent(i);
+      for (int r = 0; r < nins; ++r) {  // tokens leaving the window (7.3 (a)), while the centroid is in cache
+        for (int g = 0; g < G; ++g) w.sv[size_t(g)] = scale * dot(cc + size_t(g) * d, w.kf.data() + size_t(r) * d, d);
+        f.offer(i, ctkvr::aggregate(agg_, w.sv.data(), f.lse(i), G), int32_t(ins0 + r));
+      }
       float sim = 0;
       if (mean_head_) {
         const float* hn = f.hnorm(i);
@@ -643,8 +770,7 @@ class Ctkvr final : public Method {
     // 2. Gather + deduplicate with the bitmap; 3. drop the static keys.
     const size_t words = size_t((n + 63) / 64);
     if (w.bits.size() < words) w.bits.resize(std::max(words, w.bits.size() * 2), 0);
-    w.all.clear();
-    w.rec.clear();
+    size_t n_all = 0;
     for (int r = 0; r < lam; ++r) {
       const int i = w.cidx[size_t(r)];
       const Entry* l = f.list(i);
@@ -652,24 +778,34 @@ class Ctkvr final : public Method {
         const int32_t t = l[j].i;
         uint64_t& word = w.bits[size_t(t) >> 6];
         const uint64_t bit = uint64_t(1) << (t & 63);
-        if (word & bit) continue;
+        n_all += !(word & bit);
         word |= bit;
-        w.all.push_back(t);
-        if (t >= s_end && t < l_begin) w.rec.push_back(t);
       }
     }
-    const double beta = double(w.all.size()) / (double(lambda_) * double(rho_));
+    const double beta = double(n_all) / (double(lambda_) * double(rho_));
+    // Policy (b): the tokens evicted from the window since the last step join the DCU candidates.
+    w.all.clear();
+    for (int64_t t = ev0; t < ev1; ++t)
+      if (!(w.bits[size_t(t) >> 6] & (uint64_t(1) << (t & 63)))) w.all.push_back(int32_t(t));
+    // The recalled keys in token order (rows read in address order), the bitmap cleared on the way;
+    // the bitmap is n/64 words, the only per-step pass whose length grows with the context.
+    w.rec.clear();
+    for (size_t wi = 0; wi < words; ++wi) {
+      uint64_t x = w.bits[wi];
+      if (!x) continue;
+      w.bits[wi] = 0;
+      do {
+        const int32_t t = int32_t(wi * 64 + size_t(__builtin_ctzll(x)));
+        if (t >= s_end && t < l_begin) w.rec.push_back(t);
+        x &= x - 1;
+      } while (x);
+    }
     w.beta_sum += beta;
     w.last_beta = beta;
     w.recalled_sum += double(w.rec.size());
     ++w.steps;
-    // Policy (b): the tokens evicted from the window since the last step join the DCU candidates.
     w.cand = w.rec;
-    for (int64_t t = ev0; t < ev1; ++t) {
-      const uint64_t bit = uint64_t(1) << (t & 63);
-      if (!(w.bits[size_t(t) >> 6] & bit)) w.cand.push_back(int32_t(t));
-    }
-    for (int32_t t : w.all) w.bits[size_t(t) >> 6] &= ~(uint64_t(1) << (t & 63));
+    w.cand.insert(w.cand.end(), w.all.begin(), w.all.end());
     // 4. Rerank: exact scores, per-head normalisers over the candidates and the static set.
     const size_t m = w.cand.size(), nst = size_t(s_end + (n - l_begin));
     w.s.resize((m + nst) * G);
@@ -683,9 +819,9 @@ class Ctkvr final : public Method {
       for (int g = 0; g < G; ++g) {
         float mx = kNegInf;
         for (size_t j = 0; j < m + nst; ++j) mx = std::max(mx, w.s[j * G + size_t(g)]);
-        double z = 0;
-        for (size_t j = 0; j < m + nst; ++j) z += std::exp(double(w.s[j * G + size_t(g)] - mx));
-        lse[size_t(g)] = mx + float(std::log(z));
+        float z = 0;
+        for (size_t j = 0; j < m + nst; ++j) z += fast_exp(w.s[j * G + size_t(g)] - mx);
+        lse[size_t(g)] = mx + std::log(z);
       }
     }
     w.agg.resize(m);
@@ -766,19 +902,13 @@ class Ctkvr final : public Method {
     std::vector<float> agg(size_t(N), 0.f);
     for (int g = 0; g < G; ++g) {
       float* s = S + size_t(g) * N;
-      float mx = kNegInf;
-      for (int64_t j = 0; j < N; ++j) mx = std::max(mx, s[j]);
       if (agg_ == Agg::SumLogits) {
         lse[size_t(g)] = 0.f;
         for (int64_t j = 0; j < N; ++j) agg[size_t(j)] += s[j];
         continue;
       }
       float z = 0.f;
-      for (int64_t j = 0; j < N; ++j) {
-        const float e = fast_exp(s[j] - mx);
-        s[j] = e;
-        z += e;
-      }
+      const float mx = ctkvr::softmax_row(s, N, &z);
       lse[size_t(g)] = mx + std::log(z);
       const float inv = 1.f / z;
       if (agg_ == Agg::SumSoftmax)
