@@ -150,6 +150,34 @@ CTKVR_AVX512 float softmax_row512(float* s, int64_t N, float* z) {
 
 float softmax_row(float* s, int64_t N, float* z);
 
+// log sum_j exp(x[j]).
+CTKVR_AVX512 float lse_row512(const float* x, size_t n) {
+  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  size_t j = 0;
+  for (; j + 16 <= n; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + j));
+  float mx = _mm512_reduce_max_ps(mv);
+  for (size_t r = j; r < n; ++r) mx = std::max(mx, x[r]);
+  if (mx == -std::numeric_limits<float>::infinity()) return mx;
+  const __m512 m = _mm512_set1_ps(mx);
+  __m512 acc = _mm512_setzero_ps();
+  for (j = 0; j + 16 <= n; j += 16) acc = _mm512_add_ps(acc, exp512(_mm512_sub_ps(_mm512_loadu_ps(x + j), m)));
+  float t = _mm512_reduce_add_ps(acc);
+  for (; j < n; ++j) t += fast_exp(x[j] - mx);
+  return mx + std::log(t);
+}
+
+// agg[j] += exp(x[j] - c) (or agg[j] = max(agg[j], exp(x[j] - c)) with take_max).
+CTKVR_AVX512 void add_exp_row512(float* agg, const float* x, float c, size_t n, bool take_max) {
+  const __m512 cv = _mm512_set1_ps(c);
+  size_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(x + j), cv));
+    const __m512 a = _mm512_loadu_ps(agg + j);
+    _mm512_storeu_ps(agg + j, take_max ? _mm512_max_ps(a, e) : _mm512_add_ps(a, e));
+  }
+  for (; j < n; ++j) agg[j] = take_max ? std::max(agg[j], fast_exp(x[j] - c)) : agg[j] + fast_exp(x[j] - c);
+}
+
 bool use_avx512() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
@@ -164,6 +192,20 @@ float softmax_row(float* s, int64_t N, float* z) {
   for (int64_t j = 0; j < N; ++j) t += (s[j] = fast_exp(s[j] - mx));
   *z = t;
   return mx;
+}
+
+float lse_row(const float* x, size_t n) {
+  if (use_avx512()) return lse_row512(x, n);
+  float mx = -std::numeric_limits<float>::infinity(), t = 0.f;
+  for (size_t j = 0; j < n; ++j) mx = std::max(mx, x[j]);
+  if (mx == -std::numeric_limits<float>::infinity()) return mx;
+  for (size_t j = 0; j < n; ++j) t += fast_exp(x[j] - mx);
+  return mx + std::log(t);
+}
+
+void add_exp_row(float* agg, const float* x, float c, size_t n, bool take_max) {
+  if (use_avx512()) return add_exp_row512(agg, x, c, n, take_max);
+  for (size_t j = 0; j < n; ++j) agg[j] = take_max ? std::max(agg[j], fast_exp(x[j] - c)) : agg[j] + fast_exp(x[j] - c);
 }
 
 float dot(const float* a, const float* b, int d) { return use_avx512() ? dot512(a, b, d) : dot_scalar(a, b, d); }
@@ -193,6 +235,7 @@ Fifo::Fifo(int cap, int rho, int G, int d) : cap_(cap), rho_(rho), G_(G), d_(d),
   lse_.resize(size_t(cap) * G);
   hnorm_.resize(size_t(cap) * G);
   cnorm_.resize(size_t(cap));
+  min_.resize(size_t(cap));
   pos_.resize(size_t(cap));
   len_.resize(size_t(cap));
   lists_.resize(size_t(cap) * rho);
@@ -215,6 +258,7 @@ void Fifo::set(int p, int64_t pos, const float* cent, const float* lse, const En
   Entry* l = lists_.data() + size_t(p) * rho_;
   std::copy(list, list + len, l);
   std::make_heap(l, l + len, heap_cmp);
+  refresh_min(p);
 }
 
 void Fifo::push_back(int64_t pos, const float* cent, const float* lse, const Entry* list, int len, Item* popped) {
@@ -251,6 +295,8 @@ Fifo::Item Fifo::item(int i) const {
 }
 
 void Fifo::offer(int i, float s, int32_t t) {
+  const int p = phys(i);
+  if (s < min_[size_t(p)]) return;  // below a full list's weakest member: the list is not touched
   Entry* l = list_mut(i);
   int& len = list_len_mut(i);
   if (len < rho_) {
@@ -261,6 +307,12 @@ void Fifo::offer(int i, float s, int32_t t) {
     l[len - 1] = Entry{s, t};
     std::push_heap(l, l + len, heap_cmp);
   }
+  refresh_min(p);
+}
+
+void Fifo::refresh_min(int p) {
+  const int len = len_[size_t(p)];
+  min_[size_t(p)] = len == rho_ && len > 0 ? lists_[size_t(p) * rho_].s : -std::numeric_limits<float>::infinity();
 }
 
 void Fifo::forget_tokens_from(int64_t n) {
@@ -273,12 +325,13 @@ void Fifo::forget_tokens_from(int64_t n) {
     if (m != len) {
       len = m;
       std::make_heap(l, l + len, heap_cmp);
+      refresh_min(phys(i));
     }
   }
 }
 
 uint64_t Fifo::bytes() const {
-  return uint64_t(cent_.size() + lse_.size() + hnorm_.size() + cnorm_.size()) * 4 + pos_.size() * 8 +
+  return uint64_t(cent_.size() + lse_.size() + hnorm_.size() + cnorm_.size() + min_.size()) * 4 + pos_.size() * 8 +
          len_.size() * 4 + lists_.size() * sizeof(Entry);
 }
 
@@ -293,6 +346,7 @@ using ctkvr::dot;
 using ctkvr::fast_exp;
 using ctkvr::kNegInf;
 using ctkvr::score_row;
+using ctkvr::lse_row;
 
 enum class Init { Last, Random, Initial, Equispaced };
 enum class NewTokens { Insert, Dcu, None };
@@ -326,6 +380,9 @@ class Ctkvr final : public Method {
     pos_int(C_, 1 << 20, "centroids", "in [1, 1048576] (the FIFO capacity C)");
     pos_int(rho_, int64_t(1) << 30, "rho", "in [1, 2^30] (keys per centroid)");
     pos_int(lambda_, 1 << 20, "lambda", "in [1, 1048576] (centroids recalled per step)");
+    if (C_ * rho_ > (int64_t(1) << 27))
+      invalid("method_params: ctkvr centroids * rho must be <= 2^27 (posting lists take 8 bytes per entry per layer and "
+              "KV head), got " + std::to_string(C_) + " * " + std::to_string(rho_));
     if (topk_ < 0) invalid("method_params: ctkvr topk must be >= 0 (0 = the session budget)");
     if (sinks_ < 0 || local_ < 0) invalid("method_params: ctkvr sinks and local must be >= 0");
     if (append_q_ < -1) invalid("method_params: ctkvr append_queries must be >= -1 (-1 = C, 0 = none)");
@@ -681,7 +738,7 @@ class Ctkvr final : public Method {
   struct Workspace {
     std::vector<uint64_t> bits;
     std::vector<int32_t> all, rec, cand, top;
-    std::vector<float> sims, s, agg, kf, qn, sv;
+    std::vector<float> sims, s, st, agg, kf, qn, sv;
     std::vector<int32_t> cidx;
     std::vector<Entry> list;
     double beta_sum = 0, recalled_sum = 0, last_beta = 0;
@@ -811,21 +868,27 @@ class Ctkvr final : public Method {
     w.s.resize((m + nst) * G);
     score_rows(kv, h, qg, w.cand.data(), m, w.s.data(), w);
     std::vector<float> lse(size_t(G), 0.f);
+    // Per-head rows [G][m + nst] so the normalisers and the aggregation run on 16 lanes.
+    w.st.resize((m + nst) * G);
     if (agg_ != Agg::SumLogits) {
       w.top.clear();
       for (int64_t t = 0; t < s_end; ++t) w.top.push_back(int32_t(t));
       for (int64_t t = l_begin; t < n; ++t) w.top.push_back(int32_t(t));
       score_rows(kv, h, qg, w.top.data(), nst, w.s.data() + m * G, w);
-      for (int g = 0; g < G; ++g) {
-        float mx = kNegInf;
-        for (size_t j = 0; j < m + nst; ++j) mx = std::max(mx, w.s[j * G + size_t(g)]);
-        float z = 0;
-        for (size_t j = 0; j < m + nst; ++j) z += fast_exp(w.s[j * G + size_t(g)] - mx);
-        lse[size_t(g)] = mx + std::log(z);
+    }
+    const size_t mt = agg_ == Agg::SumLogits ? m : m + nst;
+    for (size_t j = 0; j < mt; ++j)
+      for (int g = 0; g < G; ++g) w.st[size_t(g) * mt + j] = w.s[j * G + size_t(g)];
+    w.agg.assign(m, 0.f);
+    for (int g = 0; g < G; ++g) {
+      const float* row = w.st.data() + size_t(g) * mt;
+      if (agg_ == Agg::SumLogits) {
+        for (size_t j = 0; j < m; ++j) w.agg[j] += row[j];
+      } else {
+        lse[size_t(g)] = ctkvr::lse_row(row, mt);
+        ctkvr::add_exp_row(w.agg.data(), row, lse[size_t(g)], m, agg_ == Agg::MaxSoftmax);
       }
     }
-    w.agg.resize(m);
-    for (size_t j = 0; j < m; ++j) w.agg[j] = ctkvr::aggregate(agg_, w.s.data() + j * G, lse.data(), G);
     // Top-k among the recalled keys (evicted DCU-only candidates are not attended this step).
     const size_t nrec = w.rec.size();
     w.cidx.resize(nrec);
