@@ -362,6 +362,12 @@ TEST_CASE("ctkvr: multi-turn append, the dynamic update finds the new chunk's ne
         for (int g = 0; g < G; ++g) m += mass(D, t, h * G + g, sel) / double(hq * steps);
       }
     }
+    double beta = -1, rec = -1;
+    OK(kvs_session_method_stat(S.s, "dedup_coefficient", &beta));
+    OK(kvs_session_method_stat(S.s, "recalled_keys", &rec));
+    MESSAGE("update " << std::string(on ? "on" : "off") << ": dedup coefficient " << beta << ", recalled keys per KV head " << rec);
+    CHECK(beta > 0.0);
+    CHECK(beta <= 1.0);
     (on ? m_on : m_off) = m;
     (on ? needle_on : needle_off) = nm;
   }

@@ -37,7 +37,10 @@ namespace ctkvr {
 
 namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-bool heap_cmp(const Entry& a, const Entry& b) { return a.s > b.s || (a.s == b.s && a.i < b.i); }  // min-heap on s
+struct HeapCmp {  // min-heap on s (a functor, so the heap routines inline it)
+  bool operator()(const Entry& a, const Entry& b) const { return a.s > b.s || (a.s == b.s && a.i < b.i); }
+};
+constexpr HeapCmp heap_cmp{};
 
 // exp(x) for x <= 0 ranges, branch-free so loops over it vectorise: 2^n * p(f), |rel err| < 2e-7
 // (the constants of the attention kernel's exp256).
