@@ -12,6 +12,7 @@ MethodSpec exact_topk_spec();
 MethodSpec streaming_spec();
 MethodSpec quest_spec();
 MethodSpec csattention_spec();
+MethodSpec ctkvr_spec();
 MethodSpec hgca_spec();
 MethodSpec retroinfer_spec();
 
@@ -22,6 +23,7 @@ const std::vector<MethodSpec>& method_registry() {
       streaming_spec(),
       quest_spec(),
       csattention_spec(),
+      ctkvr_spec(),
       hgca_spec(),
       retroinfer_spec(),
   };
