@@ -11,9 +11,10 @@ MethodSpec full_spec();
 MethodSpec exact_topk_spec();
 MethodSpec streaming_spec();
 MethodSpec quest_spec();
+MethodSpec lfps_spec();
 
 const std::vector<MethodSpec>& method_registry() {
-  static const std::vector<MethodSpec> reg = {full_spec(), exact_topk_spec(), streaming_spec(), quest_spec()};
+  static const std::vector<MethodSpec> reg = {full_spec(), exact_topk_spec(), streaming_spec(), quest_spec(), lfps_spec()};
   return reg;
 }
 
