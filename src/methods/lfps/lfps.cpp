@@ -754,7 +754,7 @@ void Lfps::step_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, 
 
   // ---- Step D: table update, eq. (10): X = gamma X + a~, a~ = half the softmax over the selected
   // non-sink keys (summed over the group's active heads in per_kv_head mode).
-  if (ks == 0) return;
+  // (A head with no selected key still decays: a~ = 0 in eq. (10).)
   std::vector<double> at(ks, 0.0);
   for (int a = 0; a < na; ++a) {
     const double lse = log_sum_exp(ssel.data() + size_t(a) * ks, ks);
