@@ -116,26 +116,25 @@ float dot_row(const float* q, const std::byte* row, DType t, int d, float* buf) 
   return dot(q, buf, d);
 }
 
-// Appends base + i for every i < n with x[i] > tau (the threshold scan: one compare per entry).
-LFPS_AVX2 void scan_avx2(const float* x, int64_t n, float tau, std::vector<int32_t>& out, int32_t base, int32_t sign) {
+// mark[sign * i] = 1 for every i < n with x[i] > tau (mark points at the token of entry 0).
+LFPS_AVX2 void scan_mark_avx2(const float* x, int64_t n, float tau, uint8_t* mark, int sign) {
   const __m256 tv = _mm256_set1_ps(tau);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    unsigned m = unsigned(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), tv, _CMP_GT_OQ)));
-    while (m) {
-      const int b = __builtin_ctz(m);
-      out.push_back(base + sign * int32_t(i + b));
-      m &= m - 1;
+    unsigned msk = unsigned(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), tv, _CMP_GT_OQ)));
+    while (msk) {
+      mark[sign * (i + __builtin_ctz(msk))] = 1;
+      msk &= msk - 1;
     }
   }
   for (; i < n; ++i)
-    if (x[i] > tau) out.push_back(base + sign * int32_t(i));
+    if (x[i] > tau) mark[sign * i] = 1;
 }
 
-void scan(const float* x, int64_t n, float tau, std::vector<int32_t>& out, int32_t base, int32_t sign) {
-  if (kHaveAvx2) return scan_avx2(x, n, tau, out, base, sign);
+void scan_mark(const float* x, int64_t n, float tau, uint8_t* mark, int sign) {
+  if (kHaveAvx2) return scan_mark_avx2(x, n, tau, mark, sign);
   for (int64_t i = 0; i < n; ++i)
-    if (x[i] > tau) out.push_back(base + sign * int32_t(i));
+    if (x[i] > tau) mark[sign * i] = 1;
 }
 
 double log_sum_exp(const double* s, size_t n) {
@@ -169,6 +168,7 @@ std::vector<int> parse_offsets(const std::string& s) {
     if (std::find(out.begin(), out.end(), int(v)) == out.end()) out.push_back(int(v));
   }
   if (std::find(out.begin(), out.end(), 0) == out.end()) out.push_back(0);  // o = 0 always kept
+  std::sort(out.begin(), out.end());
   return out;
 }
 
@@ -672,49 +672,50 @@ void Lfps::step_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, 
   auto stored = [&](double v) { return v == kNegInf ? -std::numeric_limits<float>::infinity() : float(v / H.g); };
   const float tau_v = stored(st_v.tau), tau_s = stored(st_s.tau);
   const float mu_v = stored(st_v.mean), mu_s = stored(st_s.mean);
-  if (sc.mark.size() < size_t(n)) sc.mark.resize(size_t(n) + 4096, 0);
+  if (sc.mark.size() < size_t(n) + 8) sc.mark.resize(size_t(n) + 4096, 0);
   uint8_t* mark = sc.mark.data();
+  scan_mark(xv, m, tau_v, mark + ns, 1);  // vertical: j = ns + i
+  scan_mark(xs, m, tau_s, mark + t, -1);  // slash: j = t - delta
+  // One ordered pass over the marks: C0 (mark 1) and its expansion (mark 2), eq. (9), collected in
+  // ascending token order so the key rows are then read front to back.
   auto& cand = sc.cand;
   cand.clear();
-  scan(xv, m, tau_v, cand, int32_t(ns), 1);        // vertical: j = ns + i
-  for (int32_t j : cand) mark[j] = 1;
-  const size_t nv = cand.size();
-  scan(xs, m, tau_s, cand, int32_t(t), -1);         // slash: j = t - delta
-  {
-    size_t w = nv;
-    for (size_t i = nv; i < cand.size(); ++i)
-      if (!mark[cand[i]]) {
-        mark[cand[i]] = 1;
-        cand[w++] = cand[i];
-      }
-    cand.resize(w);
-  }
-  const size_t n0 = cand.size();
-  for (size_t i = 0; i < n0; ++i) {
-    const int64_t j = cand[i];
-    for (int o : p_.offsets) {
-      const int64_t jj = j + o;
-      if (o == 0 || jj < ns || jj > t || mark[jj]) continue;
-      if (xv[jj - ns] > mu_v || xs[t - jj] > mu_s) {  // eq. (9): above either table's mean
-        mark[jj] = 1;
-        cand.push_back(int32_t(jj));
+  auto keep = [&](int64_t jj) { return xv[jj - ns] > mu_v || xs[t - jj] > mu_s; };  // above either mean
+  for (int64_t j = ns; j < n;) {
+    if ((j & 7) == 0 && j + 8 <= n) {
+      uint64_t w;
+      std::memcpy(&w, mark + j, 8);
+      if (w == 0) {
+        j += 8;
+        continue;
       }
     }
+    if (mark[j] == 1) {
+      for (int o : p_.offsets) {
+        const int64_t jj = j + o;
+        if (o == 0 || jj < ns || jj > t || mark[jj]) continue;
+        if (keep(jj)) {
+          mark[jj] = 2;
+          if (o < 0) cand.push_back(int32_t(jj));
+        }
+      }
+      cand.push_back(int32_t(j));
+    } else if (mark[j] == 2) {
+      cand.push_back(int32_t(j));
+    }
+    ++j;
   }
+  if (p_.offsets.front() < -1) std::sort(cand.begin(), cand.end());  // offsets are sorted ascending
   // Forced recent keys (ASSUMPTION option): attended whatever their score.
   auto& chosen = sc.chosen;
   chosen.clear();
   const int64_t lw = std::min(p_.local_window, std::min(m, k_top));
-  for (int64_t j = n - lw; j < n; ++j) {
-    if (!mark[j]) mark[j] = 1;
-    chosen.push_back(int32_t(j));
-  }
+  for (int64_t j = n - lw; j < n; ++j) chosen.push_back(int32_t(j));
   auto& rest = sc.rest;
   rest.clear();
   for (int32_t j : cand)
     if (j < n - lw) rest.push_back(j);
   for (int32_t j : cand) mark[j] = 0;
-  for (int64_t j = n - lw; j < n; ++j) mark[j] = 0;
   H.last_cand = cand;
   H.cand_frac_sum += double(cand.size()) / double(m);
   ++H.cand_n;
@@ -724,10 +725,15 @@ void Lfps::step_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, 
   const size_t nc = rest.size();
   auto& score = sc.score;  // [na][nc]
   score.resize(size_t(na) * nc);
-  for (int a = 0; a < na; ++a) {
-    const float* qq = q + size_t(h0 + active[size_t(a)]) * d;
-    float* sa = score.data() + size_t(a) * nc;
-    for (size_t c = 0; c < nc; ++c) sa[c] = scale * dot_row(qq, kv.k_row(h, rest[c]), kv.dtype(), d, sc.row.data());
+  const size_t row_bytes = size_t(d) * kv.elem_size();
+  for (size_t c = 0; c < nc; ++c) {
+    if (c + 6 < nc) {  // the rows are scattered: fetch ahead
+      const char* pf = reinterpret_cast<const char*>(kv.k_row(h, rest[c + 6]));
+      for (size_t b = 0; b < row_bytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+    }
+    const std::byte* row = kv.k_row(h, rest[c]);
+    for (int a = 0; a < na; ++a)
+      score[size_t(a) * nc + c] = scale * dot_row(q + size_t(h0 + active[size_t(a)]) * d, row, kv.dtype(), d, sc.row.data());
   }
   const int64_t want = k_top - lw;
   // Positions into rest; the k best by the score (one head) or the group's summed softmax.
