@@ -203,6 +203,9 @@ TEST_CASE("lfps: lazy-decay tables, incremental moments and candidates equal bru
           std::set<int64_t> c0, c;
           for (int64_t j = ns; j < n; ++j)
             if (V[size_t(j - ns)] > sv.tau || S[size_t(t - j)] > ss.tau) c0.insert(j);
+          if (c0.empty())  // empty_fallback: the means serve as thresholds
+            for (int64_t j = ns; j < n; ++j)
+              if (V[size_t(j - ns)] > sv.mean || S[size_t(t - j)] > ss.mean) c0.insert(j);
           c = c0;
           for (int64_t j : c0)
             for (int o : {-1, 1, 2}) {

@@ -117,24 +117,35 @@ float dot_row(const float* q, const std::byte* row, DType t, int d, float* buf) 
 }
 
 // mark[sign * i] = 1 for every i < n with x[i] > tau (mark points at the token of entry 0).
-LFPS_AVX2 void scan_mark_avx2(const float* x, int64_t n, float tau, uint8_t* mark, int sign) {
+// Returns how many entries passed.
+LFPS_AVX2 int64_t scan_mark_avx2(const float* x, int64_t n, float tau, uint8_t* mark, int sign) {
   const __m256 tv = _mm256_set1_ps(tau);
-  int64_t i = 0;
+  int64_t i = 0, c = 0;
   for (; i + 8 <= n; i += 8) {
     unsigned msk = unsigned(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), tv, _CMP_GT_OQ)));
     while (msk) {
       mark[sign * (i + __builtin_ctz(msk))] = 1;
       msk &= msk - 1;
+      ++c;
     }
   }
   for (; i < n; ++i)
-    if (x[i] > tau) mark[sign * i] = 1;
+    if (x[i] > tau) {
+      mark[sign * i] = 1;
+      ++c;
+    }
+  return c;
 }
 
-void scan_mark(const float* x, int64_t n, float tau, uint8_t* mark, int sign) {
+int64_t scan_mark(const float* x, int64_t n, float tau, uint8_t* mark, int sign) {
   if (kHaveAvx2) return scan_mark_avx2(x, n, tau, mark, sign);
+  int64_t c = 0;
   for (int64_t i = 0; i < n; ++i)
-    if (x[i] > tau) mark[sign * i] = 1;
+    if (x[i] > tau) {
+      mark[sign * i] = 1;
+      ++c;
+    }
+  return c;
 }
 
 double log_sum_exp(const double* s, size_t n) {
@@ -233,6 +244,7 @@ Params parse_params(const ParamSet& ps) {
   p.per_kv_head = ps.get_string("gqa") == "per_kv_head";
   p.update_priors = ps.get_bool("update_priors");
   p.diagnostics = ps.get_bool("diagnostics");
+  p.empty_fallback = ps.get_bool("empty_fallback");
   return p;
 }
 
@@ -674,8 +686,15 @@ void Lfps::step_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, 
   const float mu_v = stored(st_v.mean), mu_s = stored(st_s.mean);
   if (sc.mark.size() < size_t(n) + 8) sc.mark.resize(size_t(n) + 4096, 0);
   uint8_t* mark = sc.mark.data();
-  scan_mark(xv, m, tau_v, mark + ns, 1);  // vertical: j = ns + i
-  scan_mark(xs, m, tau_s, mark + t, -1);  // slash: j = t - delta
+  int64_t c0 = scan_mark(xv, m, tau_v, mark + ns, 1);  // vertical: j = ns + i
+  c0 += scan_mark(xs, m, tau_s, mark + t, -1);         // slash: j = t - delta
+  if (c0 == 0 && p_.empty_fallback) {
+    // No entry above either threshold: the thresholds are scale-free and the tables would only decay,
+    // so the head would never select again. Fall back to the means (alpha = 0) for this step.
+    scan_mark(xv, m, mu_v, mark + ns, 1);
+    scan_mark(xs, m, mu_s, mark + t, -1);
+    ++H.fallback_n;
+  }
   // One ordered pass over the marks: C0 (mark 1) and its expansion (mark 2), eq. (9), collected in
   // ascending token order so the key rows are then read front to back.
   auto& cand = sc.cand;
@@ -977,7 +996,7 @@ uint64_t Lfps::index_bytes() const {
 
 bool Lfps::stat(std::string_view name, double* out) const {
   double cand = 0, ov = 0, ret = 0;
-  int64_t cn = 0, on = 0, byp = 0, hs = 0;
+  int64_t cn = 0, on = 0, byp = 0, hs = 0, fb = 0;
   for (const Layer& L : layers_) {
     for (const Head& H : L.heads) {
       cand += H.cand_frac_sum;
@@ -985,6 +1004,7 @@ bool Lfps::stat(std::string_view name, double* out) const {
       ov += H.overlap_sum;
       on += H.overlap_n;
       ret += H.retrieved_sum;
+      fb += H.fallback_n;
     }
     byp += L.bypass_heads;
     hs += L.head_steps;
@@ -993,6 +1013,7 @@ bool Lfps::stat(std::string_view name, double* out) const {
   else if (name == "bypass_fraction") *out = hs ? double(byp) / double(hs) : 0.0;  // bypassed head-steps
   else if (name == "overlap") *out = on ? ov / double(on) : 0.0;            // needs diagnostics=true
   else if (name == "retrieved_keys") *out = cn ? ret / double(cn) : 0.0;    // mean |S| (non-sink)
+  else if (name == "fallback_fraction") *out = cn ? double(fb) / double(cn) : 0.0;  // empty C0 steps
   else if (name == "decode_steps") *out = double(hs) / double(ctx_.shape.num_q_heads);
   else return false;
   return true;
@@ -1011,9 +1032,9 @@ MethodSpec lfps_spec() {
       0.02,
       {{"gamma", "float", "0.95", "decay of the score tables, eq. (10) (paper 5, App. B.2)"},
        {"alpha", "float", "0.2", "threshold coefficient of eq. (8); the paper uses 0.2 and 0.3; -inf makes every key a candidate"},
-       {"alpha_scale", "float", "500",
-        "calibration factor on alpha in tau = mu + alpha*alpha_scale*sigma*3/kurtosis [RECON]; 500 gives the paper's "
-        "Table 4 candidate fraction at 4K (alpha 0.2: 6.0%, 0.3: 4.7%) on the synthetic trace"},
+       {"alpha_scale", "float", "60",
+        "calibration factor on alpha in tau = mu + alpha*alpha_scale*sigma*3/kurtosis [RECON]; 60 puts the candidate "
+        "fraction of the real stories260K traces on the power-law fit of the paper's Table 4 (docs/methods/lfps.md)"},
        {"theta", "float", "0.85", "bypass a head when its sink share r exceeds theta, eq. (6) (Table 3)"},
        {"bypass", "bool", "true", "enable the sink-value bypass of highly sparse heads"},
        {"sinks", "int", "4", "first tokens always attended exactly (kept on the GPU in the paper)"},
@@ -1028,6 +1049,8 @@ MethodSpec lfps_spec() {
        {"gqa", "enum:per_query_head|per_kv_head", "per_query_head",
         "tables per query head (faithful) or per KV head with a~ summed over the group"},
        {"update_priors", "bool", "false", "keep K-bar, V-bar as running means over appended tokens (paper: prefill only)"},
+       {"empty_fallback", "bool", "true",
+        "when no table entry exceeds its threshold, use the tables' means for that step (else the head never selects again) [ASSUMPTION]"},
        {"diagnostics", "bool", "false", "measure overlap with exact top-k per step (stat 'overlap'; costs a full scan)"}},
       [](const MethodContext& c, const ParamSet& p) { return std::make_unique<lfps::Lfps>(c, lfps::parse_params(p)); }};
 }

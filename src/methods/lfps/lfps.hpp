@@ -34,7 +34,7 @@ struct TableStats {
 struct Params {
   double gamma = 0.95;         // eq. (10) decay
   double alpha = 0.2;          // eq. (8) threshold coefficient
-  double alpha_scale = 500.0;  // calibration factor multiplying alpha (docs/methods/lfps.md)
+  double alpha_scale = 60.0;   // calibration factor multiplying alpha (docs/methods/lfps.md)
   double theta = 0.85;         // eq. (6) bypass threshold
   bool bypass = true;          // the sink-value bypass of highly sparse heads
   int64_t sinks = 4;           // n_s
@@ -48,6 +48,7 @@ struct Params {
   int64_t min_keys = 0;        // floor of the retrieval budget k in keys
   bool per_kv_head = false;    // GQA: tables per KV head, a_t summed over the group
   bool update_priors = false;  // keep K-bar, V-bar as running means over appended tokens
+  bool empty_fallback = true;  // thresholds fall back to the means when nothing passes them
   bool diagnostics = false;    // measure the overlap with exact top-k (costs a full scan)
 };
 
@@ -111,7 +112,7 @@ class Lfps final : public Method {
     std::vector<int32_t> last_cand;
     // statistics of this owner (summed into the method's on demand)
     double cand_frac_sum = 0, overlap_sum = 0, retrieved_sum = 0;
-    int64_t cand_n = 0, overlap_n = 0;
+    int64_t cand_n = 0, overlap_n = 0, fallback_n = 0;
   };
   struct Layer {
     bool built = false;
