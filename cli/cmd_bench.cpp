@@ -18,7 +18,7 @@ namespace kvcli {
 namespace {
 
 struct BenchOptions {
-  std::string method, params, dtype = "bf16", backend = "cpu", json;
+  std::string method, params, dtype = "bf16", backend = "cpu", json, stats;
   int64_t context = 32768;
   uint32_t q_heads = 32, kv_heads = 8, head_dim = 128;
   double budget = 0.05;
@@ -153,6 +153,17 @@ int run_bench(const BenchOptions& o) {
   std::printf("  speedup vs full: %.2fx\n", speedup);
   std::printf("  step time p50 / p99: full %.1f / %.1f us, %s %.1f / %.1f us\n", full_step_us,
               percentile(full_us, 99.0), o.method.c_str(), step_us, percentile(method_us, 99.0));
+  if (!o.stats.empty()) {
+    std::printf("  %s stats:", o.method.c_str());
+    for (const auto& name : split(o.stats, ',')) {
+      double v = 0;
+      kvs_error_t e = kvs_session_method_stat(method.get(), name.c_str(), &v);
+      if (e == nullptr) std::printf(" %s=%.4g", name.c_str(), v);
+      else std::printf(" %s=(unknown)", name.c_str());
+      kvs_error_destroy(e);
+    }
+    std::printf("\n");
+  }
 
   if (!o.json.empty()) {
     const nlohmann::ordered_json j = {{"method", o.method},
@@ -199,6 +210,8 @@ Command add_bench_command(CLI::App& root) {
   cmd->add_option("--seed", o->seed, "seed of the synthetic data");
   cmd->add_option("--membw-mib", o->membw_mib, "bandwidth probe buffer in MiB (0 = 4x LLC, 256 MiB..2 GiB)");
   cmd->add_flag("--no-membw", o->no_membw, "skip the bandwidth probe (measured_read_GBps: null)");
+  cmd->add_option("--stats", o->stats,
+                  "comma-separated method statistics to print after the run (kvs_session_method_stat; unknown names skipped)");
   cmd->add_option("--json", o->json, "also write the results as JSON to this file");
   return {cmd, [o] { return run_bench(*o); }};
 }

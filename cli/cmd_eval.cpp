@@ -15,6 +15,7 @@ namespace {
 struct EvalCliOptions {
   std::string trace, methods = "all", backend = "cpu", json;
   std::vector<std::string> params;
+  std::string stats;
   double budget = 0.05;
   unsigned threads = 0;
   int64_t steps = 0;
@@ -30,6 +31,7 @@ int run_eval_command(const EvalCliOptions& c) {
   o.budget = c.budget;
   o.threads = c.threads;
   o.max_steps = c.steps;
+  if (!c.stats.empty()) o.stats = split(c.stats, ',');
 
   const EvalReport rep = run_eval(o);
   const auto& info = rep.info;
@@ -40,6 +42,12 @@ int run_eval_command(const EvalCliOptions& c) {
               info.head_dim, dtype_name(dtype_from_scalar(info.dtype)), c.budget, c.backend.c_str(),
               resolve_threads(c.threads));
   std::fputs(render_eval_table(rep).c_str(), stdout);
+  for (const auto& m : rep.methods) {
+    if (m.stats.empty()) continue;
+    std::printf("%s stats:", m.name.c_str());
+    for (const auto& [name, v] : m.stats) std::printf(" %s=%.4g", name.c_str(), v);
+    std::printf("\n");
+  }
   if (!c.json.empty()) {
     write_text_file(c.json, eval_json(rep).dump(2) + "\n");
     std::printf("\nwrote %s\n", c.json.c_str());
@@ -62,6 +70,9 @@ Command add_eval_command(CLI::App& root) {
   cmd->add_option("--threads", o->threads, "library and reference threads (0 = all hardware threads)");
   cmd->add_option("--steps", o->steps, "replay at most this many decode steps (0 = all)");
   cmd->add_option("--json", o->json, "also write the results as JSON to this file");
+  cmd->add_option("--stats", o->stats,
+                  "comma-separated method statistics to print after the table (kvs_session_method_stat; "
+                  "names a method does not know are skipped)");
   return {cmd, [o] { return run_eval_command(*o); }};
 }
 

@@ -262,6 +262,12 @@ EvalReport run_eval(const EvalOptions& opts) {
     res.full_step_us = full_us;
     res.kept_fraction = mean(a.kept, a.recall_n);
     res.nonfinite = a.nonfinite;
+    for (const auto& name : opts.stats) {
+      double v = 0;
+      kvs_error_t e = kvs_session_method_stat(it->session->get(), name.c_str(), &v);
+      if (e == nullptr) res.stats.emplace_back(name, v);
+      kvs_error_destroy(e);
+    }
     if (a.nonfinite > 0)
       std::fprintf(stderr, "kvsieve: warning: %s returned %lld non-finite outputs (counted as infinite error)\n",
                    m.c_str(), static_cast<long long>(a.nonfinite));

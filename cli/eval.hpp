@@ -18,6 +18,7 @@ struct EvalOptions {
   int32_t backend = KVS_BACKEND_CPU;
   unsigned threads = 0;  // library and reference threads; 0 = all
   int64_t max_steps = 0;  // 0 = every decode step of the trace
+  std::vector<std::string> stats;  // method statistics to read after the replay (kvs_session_method_stat)
 };
 
 struct MethodResult {
@@ -32,6 +33,7 @@ struct MethodResult {
   double full_step_us = 0;        // the same for `full`, measured in the same run
   double kept_fraction = 0;       // mean |S| / (t + 1), not in the JSON
   int64_t nonfinite = 0;          // outputs with NaN/inf (counted as error inf)
+  std::vector<std::pair<std::string, double>> stats;  // the requested statistics the method knows
 };
 
 struct EvalReport {

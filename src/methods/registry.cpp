@@ -13,6 +13,7 @@ MethodSpec streaming_spec();
 MethodSpec quest_spec();
 MethodSpec csattention_spec();
 MethodSpec ctkvr_spec();
+MethodSpec lfps_spec();
 MethodSpec hgca_spec();
 MethodSpec retroinfer_spec();
 
@@ -24,6 +25,7 @@ const std::vector<MethodSpec>& method_registry() {
       quest_spec(),
       csattention_spec(),
       ctkvr_spec(),
+      lfps_spec(),
       hgca_spec(),
       retroinfer_spec(),
   };

@@ -1,0 +1,1058 @@
+// lfps: Learn From the Past for Sparse Indexing (arXiv 2506.15704; METHODS.md §6, whose
+// reconstruction of the lost equations (4)-(10) is the spec here; every [RECON]/[ASSUMPTION] item
+// is a parameter, see docs/methods/lfps.md).
+//
+// Per layer and owner (a query head, or a KV head in per_kv_head mode) two score tables:
+//   vertical V[j] by absolute key position j in O = [sinks, n),
+//   slash    S[δ] by offset δ = t - j, t = n - 1 the current token (δ = 0 is the token itself).
+// build_index (§4.2, eq. 4 [RECON]): the tables are the attention of the last T prompt queries,
+//   renormalised over O (sinks excluded), weighted gamma^tau, scaled so each table sums to
+//   0.5 / (1 - gamma), the steady-state mass of update (10). Priors: K-bar, V-bar (means over O) and
+//   rho = Var_j(q_p.k_j) / |q_p|^2 with q_p the last prompt query.
+// select, per owner (§4.2 (1)-(4)):
+//   sparsity estimate (eqs. 5-6, App. B.1 [RECON]): A_sink exact, A_glob = |O| exp(mu + sigma^2/2)
+//   (log-normal logits, mu = q.K-bar s, sigma^2 = rho |q|^2 s^2), A_loc exact over the last W_loc
+//   keys of O; r = A_sink / (A_sink + max(A_glob, A_loc)); r > theta: the head is bypassed: it
+//   attends its sinks exactly and extra() adds (V-bar, log A_glob), merged by LSE; no update.
+//   candidates (eqs. 7-8 [RECON]): {j : V[j] > tau_V} u {j : S[t-j] > tau_S} with
+//   tau = mu + alpha * alpha_scale * sigma * 3 / kurtosis, moments kept incrementally (§6.4).
+//   expansion (eq. 9): j + o, o in {-1, 0, 1, 2}, kept if V or S there is above its mean.
+//   exact top-k over the candidates (k = budget minus the sinks); the selection is sinks + top-k.
+//   update (eq. 10): V = gamma V + a~, S = gamma S + a~ (shifted), a~ = half the softmax over the
+//   selected non-sink keys; lazy decay with a global scale (§6.4): O(k) per step.
+#include "methods/lfps/lfps.hpp"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+#include "backends/cpu/gemm.hpp"
+#include "core/error.hpp"
+#include "io/tables.hpp"
+#include "kvsieve/kvsieve.h"
+
+namespace kvs::lfps {
+namespace {
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+#define LFPS_AVX2 __attribute__((target("avx2,fma")))
+
+const bool kHaveAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+
+LFPS_AVX2 float dot_avx2(const float* a, const float* b, int d) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= d; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+  }
+  for (; i + 8 <= d; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+  alignas(32) float t[8];
+  _mm256_store_ps(t, _mm256_add_ps(s0, s1));
+  float s = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+  for (; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+float dot(const float* a, const float* b, int d) {
+  if (kHaveAvx2) return dot_avx2(a, b, d);
+  float part[8] = {};
+  int i = 0;
+  for (; i + 8 <= d; i += 8)
+    for (int l = 0; l < 8; ++l) part[l] += a[i + l] * b[i + l];
+  float s = 0.f;
+  for (; i < d; ++i) s += a[i] * b[i];
+  for (float p : part) s += p;
+  return s;
+}
+
+// q . k for a key row in the storage dtype, converted in registers (no row buffer). d % 8 == 0.
+__attribute__((target("avx2,fma,f16c"))) float dot_row_avx2(const float* q, const std::byte* row, DType t, int d) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int i = 0;
+  switch (t) {
+    case DType::BF16:
+      for (; i + 16 <= d; i += 16) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * i));
+        const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(a)), 16));
+        const __m256 hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(a, 1)), 16));
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), lo, s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), hi, s1);
+      }
+      for (; i < d; i += 8) {
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i));
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16)), s0);
+      }
+      break;
+    case DType::F16:
+      for (; i < d; i += 8)
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i),
+                             _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i))), s0);
+      break;
+    case DType::F32: {
+      const float* k = reinterpret_cast<const float*>(row);
+      for (; i + 16 <= d; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_loadu_ps(k + i + 8), s1);
+      }
+      for (; i < d; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), s0);
+      break;
+    }
+  }
+  alignas(32) float r[8];
+  _mm256_store_ps(r, _mm256_add_ps(s0, s1));
+  return ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+}
+
+const bool kHaveF16c = __builtin_cpu_supports("f16c");
+
+float dot_row(const float* q, const std::byte* row, DType t, int d, float* buf) {
+  if (kHaveAvx2 && kHaveF16c && d % 8 == 0) return dot_row_avx2(q, row, t, d);
+  convert_to_f32(row, t, buf, size_t(d));
+  return dot(q, buf, d);
+}
+
+// mark[sign * i] = 1 for every i < n with x[i] > tau (mark points at the token of entry 0).
+// Returns how many entries passed.
+LFPS_AVX2 int64_t scan_mark_avx2(const float* x, int64_t n, float tau, uint8_t* mark, int sign) {
+  const __m256 tv = _mm256_set1_ps(tau);
+  int64_t i = 0, c = 0;
+  for (; i + 8 <= n; i += 8) {
+    unsigned msk = unsigned(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), tv, _CMP_GT_OQ)));
+    while (msk) {
+      mark[sign * (i + __builtin_ctz(msk))] = 1;
+      msk &= msk - 1;
+      ++c;
+    }
+  }
+  for (; i < n; ++i)
+    if (x[i] > tau) {
+      mark[sign * i] = 1;
+      ++c;
+    }
+  return c;
+}
+
+int64_t scan_mark(const float* x, int64_t n, float tau, uint8_t* mark, int sign) {
+  if (kHaveAvx2) return scan_mark_avx2(x, n, tau, mark, sign);
+  int64_t c = 0;
+  for (int64_t i = 0; i < n; ++i)
+    if (x[i] > tau) {
+      mark[sign * i] = 1;
+      ++c;
+    }
+  return c;
+}
+
+double log_sum_exp(const double* s, size_t n) {
+  double m = kNegInf;
+  for (size_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+  if (m == kNegInf) return kNegInf;
+  double z = 0;
+  for (size_t i = 0; i < n; ++i) z += std::exp(s[i] - m);
+  return m + std::log(z);
+}
+
+// Per-thread scratch (the pool's threads persist): a mark per token, cleared after use.
+struct Scratch {
+  std::vector<uint8_t> mark;
+  std::vector<int32_t> cand, chosen, rest;
+  std::vector<float> row, score, agg;
+  std::vector<double> tmp;
+};
+thread_local Scratch tls;
+
+std::vector<int> parse_offsets(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ';')) {
+    if (item.empty()) continue;
+    char* end = nullptr;
+    const long v = std::strtol(item.c_str(), &end, 10);
+    if (*end || v < -64 || v > 64)
+      invalid("method_params: lfps offsets: expected integers in [-64, 64] separated by ';', got '" + s + "'");
+    if (std::find(out.begin(), out.end(), int(v)) == out.end()) out.push_back(int(v));
+  }
+  if (std::find(out.begin(), out.end(), 0) == out.end()) out.push_back(0);  // o = 0 always kept
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Tables
+
+void Table::pop_to(size_t m) {
+  while (x.size() > m) {
+    const double v = x.back();
+    x.pop_back();
+    const double v2 = v * v;
+    s[0] -= v;
+    s[1] -= v2;
+    s[2] -= v2 * v;
+    s[3] -= v2 * v2;
+  }
+  if (x.empty()) s[0] = s[1] = s[2] = s[3] = 0;
+}
+
+void Table::set(size_t i, float v) {
+  const double a = x[i], b = v, a2 = a * a, b2 = b * b;
+  s[0] += b - a;
+  s[1] += b2 - a2;
+  s[2] += b2 * b - a2 * a;
+  s[3] += b2 * b2 - a2 * a2;
+  x[i] = v;
+}
+
+void Table::recompute() {
+  double a[4] = {0, 0, 0, 0};
+  for (float f : x) {
+    const double v = f, v2 = v * v;
+    a[0] += v;
+    a[1] += v2;
+    a[2] += v2 * v;
+    a[3] += v2 * v2;
+  }
+  std::copy(a, a + 4, s);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Construction
+
+Params parse_params(const ParamSet& ps) {
+  Params p;
+  p.gamma = ps.get_float("gamma");
+  p.alpha = ps.get_float("alpha");
+  p.alpha_scale = ps.get_float("alpha_scale");
+  p.theta = ps.get_float("theta");
+  p.bypass = ps.get_bool("bypass");
+  p.sinks = ps.get_int("sinks");
+  p.last_q = ps.get_int("last_q");
+  p.init_decayed = ps.get_string("init_weights") == "decayed";
+  p.init_mass = ps.get_float("init_mass");
+  p.local_est = ps.get_int("local_est");
+  p.combine_sum = ps.get_string("combine") == "sum";
+  p.offsets = parse_offsets(ps.get_string("offsets"));
+  p.local_window = ps.get_int("local_window");
+  p.min_keys = ps.get_int("min_keys");
+  p.per_kv_head = ps.get_string("gqa") == "per_kv_head";
+  p.update_priors = ps.get_bool("update_priors");
+  p.diagnostics = ps.get_bool("diagnostics");
+  p.empty_fallback = ps.get_bool("empty_fallback");
+  return p;
+}
+
+Lfps::Lfps(const MethodContext& ctx, const Params& p) : ctx_(ctx), p_(p) {
+  if (!(p_.gamma > 0.0 && p_.gamma < 1.0)) invalid("method_params: lfps gamma: expected a number in (0, 1), got " + std::to_string(p_.gamma));
+  if (std::isnan(p_.alpha) || p_.alpha == std::numeric_limits<double>::infinity())
+    invalid("method_params: lfps alpha: expected a finite number or -inf (every entry a candidate)");
+  if (!(p_.alpha_scale >= 0.0) || std::isinf(p_.alpha_scale))
+    invalid("method_params: lfps alpha_scale: expected a finite number >= 0, got " + std::to_string(p_.alpha_scale));
+  if (!(p_.theta >= 0.0 && p_.theta <= 1.0)) invalid("method_params: lfps theta: expected a number in [0, 1], got " + std::to_string(p_.theta));
+  if (p_.sinks < 0 || p_.sinks > 4096) invalid("method_params: lfps sinks: expected 0..4096, got " + std::to_string(p_.sinks));
+  if (p_.last_q < 1 || p_.last_q > 4096) invalid("method_params: lfps last_q: expected 1..4096, got " + std::to_string(p_.last_q));
+  if (!(p_.init_mass >= 0.0) || std::isinf(p_.init_mass))
+    invalid("method_params: lfps init_mass: expected 0 (= 0.5 / (1 - gamma)) or a positive number");
+  if (p_.local_est < 0 || p_.local_est > 4096) invalid("method_params: lfps local_est: expected 0..4096, got " + std::to_string(p_.local_est));
+  if (p_.local_window < 0) invalid("method_params: lfps local_window: expected >= 0, got " + std::to_string(p_.local_window));
+  if (p_.min_keys < 0) invalid("method_params: lfps min_keys: expected >= 0, got " + std::to_string(p_.min_keys));
+  owners_ = int(p_.per_kv_head ? ctx_.shape.num_kv_heads : ctx_.shape.num_q_heads);
+  layers_.resize(ctx_.shape.num_layers);
+  for (auto& L : layers_) {
+    L.bypass.assign(ctx_.shape.num_q_heads, 0);
+    L.bypass_lse.assign(ctx_.shape.num_q_heads, 0.f);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill and index
+
+void Lfps::on_prefill(uint32_t layer, const float* q, int64_t n, const KVLayer& kv) {
+  Layer& L = layers_[layer];
+  if (L.built) {  // tables loaded without KV: the prompt comes again and the tables cover it
+    if (kv.size() >= L.tokens) L.awaiting_kv = false;
+    return;
+  }
+  // Keep the last T prompt query rows (the prompt may arrive in chunks).
+  const size_t row = size_t(ctx_.shape.num_q_heads) * ctx_.shape.head_dim;
+  const int64_t first = kv.size() - n;
+  int64_t rows = int64_t(L.tail.size() / row);
+  if (rows > 0 && L.tail_first + rows != first) {  // not contiguous (a failed chunk): restart
+    L.tail.clear();
+    rows = 0;
+  }
+  if (rows == 0) L.tail_first = first;
+  L.tail.insert(L.tail.end(), q, q + size_t(n) * row);
+  rows += n;
+  if (rows > p_.last_q) {
+    const int64_t drop = rows - p_.last_q;
+    L.tail.erase(L.tail.begin(), L.tail.begin() + ptrdiff_t(size_t(drop) * row));
+    L.tail_first += drop;
+  }
+}
+
+void Lfps::add_priors(Layer& L, const KVLayer& kv, int64_t from, int64_t to) {
+  const int d = int(ctx_.shape.head_dim), hkv = int(ctx_.shape.num_kv_heads);
+  std::vector<float> buf(size_t(d) * 2);
+  for (int64_t j = std::max(from, p_.sinks); j < to; ++j)
+    for (int h = 0; h < hkv; ++h) {
+      convert_to_f32(kv.k_row(h, j), kv.dtype(), buf.data(), size_t(d));
+      convert_to_f32(kv.v_row(h, j), kv.dtype(), buf.data() + d, size_t(d));
+      for (int i = 0; i < d; ++i) {
+        L.ksum[size_t(h) * d + i] += buf[size_t(i)];
+        L.vsum[size_t(h) * d + i] += buf[size_t(d + i)];
+      }
+    }
+  L.prior_count += std::max<int64_t>(0, to - std::max(from, p_.sinks));
+}
+
+void Lfps::build_index(uint32_t layer, const KVLayer& kv) {
+  Layer& L = layers_[layer];
+  const int64_t N = kv.size(), ns = p_.sinks, m = std::max<int64_t>(0, N - ns);
+  const int G = ctx_.shape.group(), d = int(ctx_.shape.head_dim), hkv = int(ctx_.shape.num_kv_heads);
+  const int hq = int(ctx_.shape.num_q_heads);
+  const double scale = ctx_.shape.softmax_scale;
+  L.tokens = N;
+  L.heads.assign(size_t(owners_), Head{});
+  for (auto& H : L.heads)
+    for (auto& t : H.t) t.x.assign(size_t(m), 0.f);
+  L.ksum.assign(size_t(hkv) * d, 0.0);
+  L.vsum.assign(size_t(hkv) * d, 0.0);
+  L.prior_count = 0;
+  add_priors(L, kv, ns, N);
+  L.rho.assign(size_t(hq), 0.0);
+  L.undo_tokens = -1;
+
+  const size_t qrow = size_t(hq) * d;
+  const int64_t R = int64_t(L.tail.size() / qrow);
+  // Only rows that see at least one key of O, and that lie in the prompt.
+  if (R > 0 && m > 0 && L.tail_first + R == N) {
+    // Weights of the rows: gamma^tau (tau = steps before the last prompt token) or 1; lambda makes
+    // each table's sum the steady-state mass of update (10).
+    std::vector<double> w(size_t(R), 0.0);
+    double wsum = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t pos = L.tail_first + r;
+      if (pos < ns) continue;
+      w[size_t(r)] = p_.init_decayed ? std::pow(p_.gamma, double(N - 1 - pos)) : 1.0;
+      wsum += w[size_t(r)];
+    }
+    const double target = p_.init_mass > 0 ? p_.init_mass : 0.5 / (1.0 - p_.gamma);
+    if (wsum > 0)
+      for (auto& x : w) x *= target / wsum;
+
+    const auto gemm = cpu::GemmProvider(ctx_.gemm);
+    constexpr int64_t kChunk = 2048;
+    const int64_t chunks = (N + kChunk - 1) / kChunk;
+    const int64_t M = int64_t(G) * R;  // rows of the group: g * R + r
+    std::vector<float> qg(size_t(M) * d), scores(size_t(M) * N);
+    std::vector<double> vacc(size_t(G) * m), sacc(size_t(G) * m);
+    for (int h = 0; h < hkv; ++h) {
+      for (int g = 0; g < G; ++g)
+        for (int64_t r = 0; r < R; ++r)
+          std::memcpy(qg.data() + (size_t(g) * R + r) * d, L.tail.data() + size_t(r) * qrow + size_t(h * G + g) * d,
+                      size_t(d) * sizeof(float));
+      // Raw dots of the group's last T queries with every key, a chunk of keys per task.
+      ctx_.pool->parallel_for(chunks, [&](int64_t c) {
+        const int64_t b = c * kChunk, e = std::min(N, b + kChunk);
+        std::vector<float> kb(size_t(e - b) * d);
+        for (int64_t j = b; j < e; ++j) convert_to_f32(kv.k_row(h, j), kv.dtype(), kb.data() + size_t(j - b) * d, size_t(d));
+        cpu::sgemm(gemm, false, true, M, e - b, d, 1.0f, qg.data(), d, kb.data(), d, 0.0f, scores.data() + b, N);
+      });
+      std::fill(vacc.begin(), vacc.end(), 0.0);
+      std::fill(sacc.begin(), sacc.end(), 0.0);
+      ctx_.pool->parallel_for(G, [&](int64_t g) {
+        double* va = vacc.data() + size_t(g) * m;
+        double* sa = sacc.data() + size_t(g) * m;
+        std::vector<double> e(static_cast<size_t>(N));
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t pos = L.tail_first + r;
+          if (pos < ns || w[size_t(r)] == 0.0) continue;
+          const float* s = scores.data() + (size_t(g) * R + r) * N;
+          // A_hat: the causal row (keys <= pos) renormalised over O (sinks excluded, §4.2 footnote).
+          double mx = kNegInf;
+          for (int64_t j = ns; j <= pos; ++j) mx = std::max(mx, double(s[j]) * scale);
+          double z = 0;
+          for (int64_t j = ns; j <= pos; ++j) z += (e[size_t(j)] = std::exp(double(s[j]) * scale - mx));
+          const double f = w[size_t(r)] / z;
+          for (int64_t j = ns; j <= pos; ++j) {
+            const double a = e[size_t(j)] * f;
+            va[j - ns] += a;
+            sa[pos - j] += a;
+          }
+        }
+        // rho (§4.2 priors [RECON]): variance over O of the last prompt query's raw dots, over |q_p|^2.
+        const int64_t rl = R - 1;
+        const float* qp = qg.data() + (size_t(g) * R + rl) * d;
+        double qn = 0;
+        for (int i = 0; i < d; ++i) qn += double(qp[i]) * qp[i];
+        const float* s = scores.data() + (size_t(g) * R + rl) * N;
+        double mu = 0, m2 = 0;
+        for (int64_t j = ns; j < N; ++j) mu += s[j];
+        mu /= double(m);
+        for (int64_t j = ns; j < N; ++j) m2 += (s[j] - mu) * (s[j] - mu);
+        L.rho[size_t(h * G + g)] = qn > 0 ? m2 / double(m) / qn : 0.0;
+      });
+      for (int g = 0; g < G; ++g) {
+        Head& H = L.heads[size_t(p_.per_kv_head ? h : h * G + g)];
+        for (int64_t i = 0; i < m; ++i) {
+          H.t[0].x[size_t(i)] += float(vacc[size_t(g) * m + i]);
+          H.t[1].x[size_t(i)] += float(sacc[size_t(g) * m + i]);
+        }
+      }
+    }
+  }
+  for (auto& H : L.heads)
+    for (auto& t : H.t) t.recompute();
+  L.tail.clear();
+  L.tail.shrink_to_fit();
+  L.built = true;
+  L.awaiting_kv = false;
+}
+
+void Lfps::add_zero_entries(Layer& L, int64_t n_new) {
+  for (int64_t i = 0; i < n_new; ++i) {
+    if (L.tokens + 1 > p_.sinks)
+      for (auto& H : L.heads)
+        for (auto& t : H.t) t.push_zero();
+    ++L.tokens;
+  }
+}
+
+void Lfps::on_append(uint32_t layer, const float*, int64_t n, const KVLayer& kv, bool) {
+  Layer& L = layers_[layer];
+  check_built(layer, "lfps: append");
+  // A new step: the previous step's writes are final.
+  for (auto& H : L.heads) {
+    H.undo.clear();
+    H.undo_rescaled = false;
+    H.undo_x[0].clear();
+    H.undo_x[1].clear();
+  }
+  L.undo_tokens = -1;
+  const int64_t from = L.tokens;
+  add_zero_entries(L, n);  // new keys enter with V = 0; slash offsets need no shift (eq. 10)
+  if (p_.update_priors) {
+    const std::vector<double> k0 = L.ksum, v0 = L.vsum;
+    const int64_t c0 = L.prior_count;
+    add_priors(L, kv, from, L.tokens);
+    L.prior_dk.resize(k0.size());
+    L.prior_dv.resize(v0.size());
+    for (size_t i = 0; i < k0.size(); ++i) {
+      L.prior_dk[i] = L.ksum[i] - k0[i];
+      L.prior_dv[i] = L.vsum[i] - v0[i];
+    }
+    L.prior_dn = L.prior_count - c0;
+    L.prior_from = from;
+  }
+}
+
+void Lfps::check_built(uint32_t layer, const char* fn) const {
+  if (!layers_[layer].built)
+    fail(KVS_STATUS_INVALID_STATE, std::string(fn) + ": lfps layer " + std::to_string(layer) + " has no tables (build the index first)");
+}
+
+void Lfps::apply_undo(Layer& L) {
+  for (auto& H : L.heads) {
+    if (H.undo_rescaled) {
+      for (int w = 0; w < 2; ++w) {
+        H.t[w].x = H.undo_x[w];
+        H.t[w].recompute();
+      }
+    } else {
+      for (auto it = H.undo.rbegin(); it != H.undo.rend(); ++it) H.t[it->which].set(size_t(it->idx), it->old);
+    }
+    H.g = H.undo_g;
+    H.undo.clear();
+    H.undo_rescaled = false;
+    H.last_upd.clear();
+  }
+}
+
+void Lfps::truncate(uint32_t layer, int64_t n) {
+  Layer& L = layers_[layer];
+  if (!L.built) {  // a failed prompt chunk: forget its query rows
+    const size_t row = size_t(ctx_.shape.num_q_heads) * ctx_.shape.head_dim;
+    const int64_t rows = int64_t(L.tail.size() / row);
+    const int64_t keep = std::clamp<int64_t>(n - L.tail_first, 0, rows);
+    L.tail.resize(size_t(keep) * row);
+    return;
+  }
+  if (L.awaiting_kv) return;  // re-prefill after a tables-only load: the tables stay
+  if (n >= L.tokens) return;
+  if (L.undo_tokens == L.tokens && n == L.tokens - 1) apply_undo(L);  // a failed decode step
+  L.undo_tokens = -1;
+  const size_t m = size_t(std::max<int64_t>(0, n - p_.sinks));
+  for (auto& H : L.heads)
+    for (auto& t : H.t) t.pop_to(m);
+  if (p_.update_priors && L.prior_from >= 0 && n <= L.prior_from) {  // the last append's keys go
+    for (size_t i = 0; i < L.ksum.size(); ++i) {
+      L.ksum[i] -= L.prior_dk[i];
+      L.vsum[i] -= L.prior_dv[i];
+    }
+    L.prior_count -= L.prior_dn;
+  }
+  L.prior_from = -1;
+  L.tokens = n;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Thresholds
+
+TableStats Lfps::stats_of(const Table& t, double g) const {
+  TableStats s;
+  s.count = int64_t(t.x.size());
+  if (s.count == 0) return s;
+  const double c = double(s.count);
+  const double e1 = t.s[0] / c, e2 = t.s[1] / c, e3 = t.s[2] / c, e4 = t.s[3] / c;
+  const double m2 = e2 - e1 * e1;
+  const double m4 = e4 - 4 * e1 * e3 + 6 * e1 * e1 * e2 - 3 * e1 * e1 * e1 * e1;
+  s.mean = g * e1;
+  if (m2 > 1e-12 * std::max(e2, 1e-300) && m4 > 0) {
+    s.stddev = g * std::sqrt(m2);
+    s.kurtosis = m4 / (m2 * m2);
+  }
+  s.tau = threshold_from(s);
+  return s;
+}
+
+double Lfps::threshold_from(const TableStats& s) const {
+  if (p_.alpha == kNegInf) return kNegInf;
+  if (s.stddev <= 0 || s.kurtosis <= 0) return s.mean;  // a flat table: its mean
+  // eq. (8) [RECON]: tau = mu + alpha sigma (3 / kappa); higher kurtosis -> lower tau, more candidates.
+  return s.mean + p_.alpha * p_.alpha_scale * s.stddev * (3.0 / s.kurtosis);
+}
+
+TableStats Lfps::brute_stats(const std::vector<double>& v) const {
+  TableStats s;
+  s.count = int64_t(v.size());
+  if (v.empty()) return s;
+  double mu = 0;
+  for (double x : v) mu += x;
+  mu /= double(v.size());
+  double m2 = 0, m4 = 0;
+  for (double x : v) {
+    const double dd = (x - mu) * (x - mu);
+    m2 += dd;
+    m4 += dd * dd;
+  }
+  m2 /= double(v.size());
+  m4 /= double(v.size());
+  s.mean = mu;
+  if (m2 > 0) {
+    s.stddev = std::sqrt(m2);
+    s.kurtosis = m4 / (m2 * m2);
+  }
+  s.tau = threshold_from(s);
+  return s;
+}
+
+TableStats Lfps::table_stats(uint32_t layer, int owner, int which) const {
+  const Head& H = layers_[layer].heads[size_t(owner)];
+  return stats_of(H.t[which], H.g);
+}
+
+std::vector<double> Lfps::table(uint32_t layer, int owner, int which) const {
+  const Head& H = layers_[layer].heads[size_t(owner)];
+  std::vector<double> out(H.t[which].x.size());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = H.g * double(H.t[which].x[i]);
+  return out;
+}
+
+std::vector<double> Lfps::mean_key(uint32_t layer, int h) const {
+  const Layer& L = layers_[layer];
+  const int d = int(ctx_.shape.head_dim);
+  std::vector<double> out(size_t(d), 0.0);
+  if (L.prior_count > 0)
+    for (int i = 0; i < d; ++i) out[size_t(i)] = L.ksum[size_t(h) * d + i] / double(L.prior_count);
+  return out;
+}
+std::vector<double> Lfps::mean_value(uint32_t layer, int h) const {
+  const Layer& L = layers_[layer];
+  const int d = int(ctx_.shape.head_dim);
+  std::vector<double> out(size_t(d), 0.0);
+  if (L.prior_count > 0)
+    for (int i = 0; i < d; ++i) out[size_t(i)] = L.vsum[size_t(h) * d + i] / double(L.prior_count);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode
+
+void Lfps::select(uint32_t layer, const float* q, const KVLayer& kv, Selection& out) {
+  check_built(layer, "lfps: select");
+  Layer& L = layers_[layer];
+  const int64_t n = kv.size();
+  if (L.tokens != n)
+    fail(KVS_STATUS_INTERNAL, "lfps: layer " + std::to_string(layer) + " tables cover " + std::to_string(L.tokens) +
+                                  " tokens, the KV store holds " + std::to_string(n));
+  const int hq = int(ctx_.shape.num_q_heads);
+  out.kind = Selection::Kind::PerQueryHead;
+  out.lists.assign(size_t(hq), {});
+  std::fill(L.bypass.begin(), L.bypass.end(), 0);
+  const int64_t ns = std::min(p_.sinks, n);
+  if (n <= p_.sinks) {  // nothing offloaded yet: the sinks are the whole context
+    for (auto& l : out.lists)
+      for (int64_t j = 0; j < n; ++j) l.push_back(int32_t(j));
+    return;
+  }
+  int64_t k_total = ctx_.budget.keys(n, 0.02);
+  k_total = std::max(k_total, std::min(p_.min_keys, n));
+  const int64_t k_top = std::max<int64_t>(0, k_total - ns);
+  L.undo_tokens = n;  // set first: a throw half-way still rolls back the owners already updated
+  ctx_.pool->parallel_for(owners_, [&](int64_t u) { step_owner(layer, int(u), q, kv, k_top, out); });
+  for (int h = 0; h < hq; ++h) L.bypass_heads += L.bypass[size_t(h)];
+  L.head_steps += hq;
+}
+
+void Lfps::step_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, int64_t k_top, Selection& out) {
+  Layer& L = layers_[layer];
+  Head& H = L.heads[size_t(u)];
+  const int G = ctx_.shape.group(), d = int(ctx_.shape.head_dim);
+  const int h = p_.per_kv_head ? u : u / G;                 // KV head
+  const int h0 = p_.per_kv_head ? u * G : u, nh = p_.per_kv_head ? G : 1;  // query heads served
+  const int64_t n = kv.size(), t = n - 1, ns = p_.sinks, m = n - ns;
+  const float scale = ctx_.shape.softmax_scale;
+  Scratch& sc = tls;
+  sc.row.resize(size_t(d));
+  H.last_upd.clear();
+  H.last_cand.clear();
+  H.undo.clear();
+  H.undo_rescaled = false;
+  H.undo_g = H.g;
+
+  auto key = [&](int64_t j) -> const float* {
+    convert_to_f32(kv.k_row(h, j), kv.dtype(), sc.row.data(), size_t(d));
+    return sc.row.data();
+  };
+
+  // ---- Step B: head sparsity (eqs. 5-6, App. B.1 [RECON]) and the sink-value bypass.
+  const std::vector<double> kbar = mean_key(layer, h);
+  const int64_t wl = std::min(p_.local_est, m);
+  std::vector<double> sink_all(size_t(ns) * nh), loc_all(size_t(wl) * nh);
+  for (int64_t j = 0; j < ns; ++j) {
+    const float* k = key(j);
+    for (int g = 0; g < nh; ++g) sink_all[size_t(g) * ns + j] = double(scale) * dot(q + size_t(h0 + g) * d, k, d);
+  }
+  for (int64_t i = 0; i < wl; ++i) {
+    const float* k = key(n - wl + i);
+    for (int g = 0; g < nh; ++g) loc_all[size_t(g) * wl + i] = double(scale) * dot(q + size_t(h0 + g) * d, k, d);
+  }
+  std::vector<int> active;
+  for (int g = 0; g < nh; ++g) {
+    const int qh = h0 + g;
+    const float* qq = q + size_t(qh) * d;
+    double qk = 0, qn = 0;
+    for (int i = 0; i < d; ++i) {
+      qk += double(qq[i]) * kbar[size_t(i)];
+      qn += double(qq[i]) * qq[i];
+    }
+    const double mu = qk * scale, var = L.rho[size_t(qh)] * qn * double(scale) * scale;
+    const double log_glob = std::log(double(m)) + mu + 0.5 * var;
+    const double log_sink = log_sum_exp(sink_all.data() + size_t(g) * ns, size_t(ns));
+    const double log_loc = log_sum_exp(loc_all.data() + size_t(g) * wl, size_t(wl));
+    double log_other;
+    if (p_.combine_sum) {
+      const double a[2] = {log_glob, log_loc};
+      log_other = log_sum_exp(a, 2);
+    } else {
+      log_other = std::max(log_glob, log_loc);
+    }
+    // r = A_sink / (A_sink + A_other) = 1 / (1 + exp(log_other - log_sink))
+    const double r = log_sink == kNegInf ? 0.0 : 1.0 / (1.0 + std::exp(log_other - log_sink));
+    if (p_.bypass && r > p_.theta) {
+      L.bypass[size_t(qh)] = 1;
+      L.bypass_lse[size_t(qh)] = float(log_glob);
+      auto& l = out.lists[size_t(qh)];
+      for (int64_t j = 0; j < ns; ++j) l.push_back(int32_t(j));
+    } else {
+      active.push_back(g);
+    }
+  }
+  if (active.empty()) return;  // every head served is bypassed: no candidates, no update
+
+  // ---- Step A: candidates (eqs. 7-9).
+  const TableStats st_v = stats_of(H.t[0], H.g), st_s = stats_of(H.t[1], H.g);
+  const float* xv = H.t[0].x.data();
+  const float* xs = H.t[1].x.data();
+  auto stored = [&](double v) { return v == kNegInf ? -std::numeric_limits<float>::infinity() : float(v / H.g); };
+  const float tau_v = stored(st_v.tau), tau_s = stored(st_s.tau);
+  const float mu_v = stored(st_v.mean), mu_s = stored(st_s.mean);
+  if (sc.mark.size() < size_t(n) + 8) sc.mark.resize(size_t(n) + 4096, 0);
+  uint8_t* mark = sc.mark.data();
+  int64_t c0 = scan_mark(xv, m, tau_v, mark + ns, 1);  // vertical: j = ns + i
+  c0 += scan_mark(xs, m, tau_s, mark + t, -1);         // slash: j = t - delta
+  if (c0 == 0 && p_.empty_fallback) {
+    // No entry above either threshold: the thresholds are scale-free and the tables would only decay,
+    // so the head would never select again. Fall back to the means (alpha = 0) for this step.
+    scan_mark(xv, m, mu_v, mark + ns, 1);
+    scan_mark(xs, m, mu_s, mark + t, -1);
+    ++H.fallback_n;
+  }
+  // One ordered pass over the marks: C0 (mark 1) and its expansion (mark 2), eq. (9), collected in
+  // ascending token order so the key rows are then read front to back.
+  auto& cand = sc.cand;
+  cand.clear();
+  auto keep = [&](int64_t jj) { return xv[jj - ns] > mu_v || xs[t - jj] > mu_s; };  // above either mean
+  for (int64_t j = ns; j < n;) {
+    if ((j & 7) == 0 && j + 8 <= n) {
+      uint64_t w;
+      std::memcpy(&w, mark + j, 8);
+      if (w == 0) {
+        j += 8;
+        continue;
+      }
+    }
+    if (mark[j] == 1) {
+      for (int o : p_.offsets) {
+        const int64_t jj = j + o;
+        if (o == 0 || jj < ns || jj > t || mark[jj]) continue;
+        if (keep(jj)) {
+          mark[jj] = 2;
+          if (o < 0) cand.push_back(int32_t(jj));
+        }
+      }
+      cand.push_back(int32_t(j));
+    } else if (mark[j] == 2) {
+      cand.push_back(int32_t(j));
+    }
+    ++j;
+  }
+  if (p_.offsets.front() < -1) std::sort(cand.begin(), cand.end());  // offsets are sorted ascending
+  // Forced recent keys (ASSUMPTION option): attended whatever their score.
+  auto& chosen = sc.chosen;
+  chosen.clear();
+  const int64_t lw = std::min(p_.local_window, std::min(m, k_top));
+  for (int64_t j = n - lw; j < n; ++j) chosen.push_back(int32_t(j));
+  auto& rest = sc.rest;
+  rest.clear();
+  for (int32_t j : cand)
+    if (j < n - lw) rest.push_back(j);
+  for (int32_t j : cand) mark[j] = 0;
+  H.last_cand = cand;
+  H.cand_frac_sum += double(cand.size()) / double(m);
+  ++H.cand_n;
+
+  // ---- Step C: exact scores on the candidates, top-k.
+  const int na = int(active.size());
+  const size_t nc = rest.size();
+  auto& score = sc.score;  // [na][nc]
+  score.resize(size_t(na) * nc);
+  const size_t row_bytes = size_t(d) * kv.elem_size();
+  for (size_t c = 0; c < nc; ++c) {
+    if (c + 6 < nc) {  // the rows are scattered: fetch ahead
+      const char* pf = reinterpret_cast<const char*>(kv.k_row(h, rest[c + 6]));
+      for (size_t b = 0; b < row_bytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+    }
+    const std::byte* row = kv.k_row(h, rest[c]);
+    for (int a = 0; a < na; ++a)
+      score[size_t(a) * nc + c] = scale * dot_row(q + size_t(h0 + active[size_t(a)]) * d, row, kv.dtype(), d, sc.row.data());
+  }
+  const int64_t want = k_top - lw;
+  // Positions into rest; the k best by the score (one head) or the group's summed softmax.
+  std::vector<int32_t> pos(nc), best;
+  for (size_t c = 0; c < nc; ++c) pos[c] = int32_t(c);
+  const float* rank_by = score.data();
+  if (na > 1) {
+    sc.agg.assign(nc, 0.f);
+    for (int a = 0; a < na; ++a) {
+      const float* s = score.data() + size_t(a) * nc;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (size_t c = 0; c < nc; ++c) mx = std::max(mx, s[c]);
+      double z = 0;
+      for (size_t c = 0; c < nc; ++c) z += std::exp(double(s[c] - mx));
+      for (size_t c = 0; c < nc; ++c) sc.agg[c] += float(std::exp(double(s[c] - mx)) / z);
+    }
+    rank_by = sc.agg.data();
+  }
+  if (int64_t(nc) > want) {
+    auto better = [&](int32_t a, int32_t b) {
+      return rank_by[a] > rank_by[b] || (rank_by[a] == rank_by[b] && rest[size_t(a)] < rest[size_t(b)]);
+    };
+    if (want > 0) std::nth_element(pos.begin(), pos.begin() + (want - 1), pos.end(), better);
+    pos.resize(size_t(std::max<int64_t>(want, 0)));
+  }
+  // The selected non-sink keys: forced local + top-k; their scores per active head.
+  std::vector<int32_t> sel;
+  sel.reserve(pos.size() + chosen.size());
+  std::vector<double> ssel(size_t(na) * (pos.size() + chosen.size()));
+  const size_t ks = pos.size() + chosen.size();
+  for (size_t i = 0; i < pos.size(); ++i) {
+    sel.push_back(rest[size_t(pos[i])]);
+    for (int a = 0; a < na; ++a) ssel[size_t(a) * ks + i] = score[size_t(a) * nc + size_t(pos[i])];
+  }
+  for (size_t i = 0; i < chosen.size(); ++i) {
+    sel.push_back(chosen[i]);
+    const float* k = key(chosen[i]);
+    for (int a = 0; a < na; ++a)
+      ssel[size_t(a) * ks + pos.size() + i] = double(scale) * dot(q + size_t(h0 + active[size_t(a)]) * d, k, d);
+  }
+  H.retrieved_sum += double(ks);
+  {
+    std::vector<int32_t> sorted = sel;
+    std::sort(sorted.begin(), sorted.end());
+    for (int a = 0; a < na; ++a) {
+      auto& l = out.lists[size_t(h0 + active[size_t(a)])];
+      l.clear();
+      for (int64_t j = 0; j < ns; ++j) l.push_back(int32_t(j));
+      l.insert(l.end(), sorted.begin(), sorted.end());
+    }
+  }
+
+  // Diagnostics: overlap with the exact top-|S| over O per active head (eq. 2, the paper's metric).
+  if (p_.diagnostics && ks > 0) {
+    std::vector<float> all(static_cast<size_t>(m));
+    std::vector<int32_t> idx(static_cast<size_t>(m));
+    std::vector<uint8_t> in(static_cast<size_t>(m), 0);
+    for (int32_t j : sel) in[size_t(j - ns)] = 1;
+    for (int a = 0; a < na; ++a) {
+      const float* qq = q + size_t(h0 + active[size_t(a)]) * d;
+      for (int64_t j = ns; j < n; ++j) all[size_t(j - ns)] = scale * dot_row(qq, kv.k_row(h, j), kv.dtype(), d, sc.row.data());
+      for (int64_t i = 0; i < m; ++i) idx[size_t(i)] = int32_t(i);
+      std::nth_element(idx.begin(), idx.begin() + int64_t(ks - 1), idx.end(),
+                       [&](int32_t x, int32_t y) { return all[size_t(x)] > all[size_t(y)] || (all[size_t(x)] == all[size_t(y)] && x < y); });
+      int64_t hit = 0;
+      for (size_t i = 0; i < ks; ++i) hit += in[size_t(idx[i])];
+      H.overlap_sum += double(hit) / double(ks);
+      ++H.overlap_n;
+    }
+  }
+
+  // ---- Step D: table update, eq. (10): X = gamma X + a~, a~ = half the softmax over the selected
+  // non-sink keys (summed over the group's active heads in per_kv_head mode).
+  // (A head with no selected key still decays: a~ = 0 in eq. (10).)
+  std::vector<double> at(ks, 0.0);
+  for (int a = 0; a < na; ++a) {
+    const double lse = log_sum_exp(ssel.data() + size_t(a) * ks, ks);
+    for (size_t i = 0; i < ks; ++i) at[i] += 0.5 * std::exp(ssel[size_t(a) * ks + i] - lse);
+  }
+  H.g *= p_.gamma;  // lazy decay of every entry of both tables
+  if (H.g < kRescaleBelow) {
+    H.undo_rescaled = true;
+    for (int w = 0; w < 2; ++w) {
+      H.undo_x[w] = H.t[w].x;
+      for (float& x : H.t[w].x) x = float(double(x) * H.g);
+      H.t[w].recompute();
+    }
+    H.g = 1.0;
+  }
+  const double inv = 1.0 / H.g;
+  for (size_t i = 0; i < ks; ++i) {
+    const int32_t j = sel[i];
+    const size_t iv = size_t(j - ns), is = size_t(t - j);
+    if (!H.undo_rescaled) {
+      H.undo.push_back({0, int32_t(iv), H.t[0].x[iv]});
+      H.undo.push_back({1, int32_t(is), H.t[1].x[is]});
+    }
+    H.t[0].set(iv, float(double(H.t[0].x[iv]) + at[i] * inv));
+    H.t[1].set(is, float(double(H.t[1].x[is]) + at[i] * inv));
+    H.last_upd.emplace_back(j, float(at[i]));
+  }
+}
+
+// The sink-value bypass (§4.2 [RECON]): o = V-bar, lse = log A_glob, merged by the session with
+// the exact sink attention of the selection.
+bool Lfps::extra(uint32_t layer, const float*, const KVLayer&, float* o, float* lse) {
+  const Layer& L = layers_[layer];
+  const int hq = int(ctx_.shape.num_q_heads), d = int(ctx_.shape.head_dim), G = ctx_.shape.group();
+  bool any = false;
+  for (int qh = 0; qh < hq; ++qh) {
+    float* oh = o + size_t(qh) * d;
+    if (!L.bypass[size_t(qh)]) {
+      std::fill(oh, oh + d, 0.f);
+      lse[qh] = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    any = true;
+    const std::vector<double> vb = mean_value(layer, qh / G);
+    for (int i = 0; i < d; ++i) oh[i] = float(vb[size_t(i)]);
+    lse[qh] = L.bypass_lse[size_t(qh)];
+  }
+  return any;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tables file, statistics
+
+nlohmann::json Lfps::save_meta() const {
+  nlohmann::json meta = nlohmann::json::object();
+  meta["owners"] = owners_;
+  meta["gqa"] = p_.per_kv_head ? "per_kv_head" : "per_query_head";
+  for (uint32_t l = 0; l < layers_.size(); ++l) {
+    const Layer& L = layers_[l];
+    if (!L.built) continue;
+    double kv = 0, ks = 0, fv = 0, fs = 0;
+    for (int u = 0; u < owners_; ++u) {
+      const Head& H = L.heads[size_t(u)];
+      const TableStats a = stats_of(H.t[0], H.g), b = stats_of(H.t[1], H.g);
+      kv += a.kurtosis;
+      ks += b.kurtosis;
+      int64_t cv = 0, cs = 0;
+      for (float x : H.t[0].x) cv += H.g * x > a.tau;
+      for (float x : H.t[1].x) cs += H.g * x > b.tau;
+      if (a.count > 0) fv += double(cv) / double(a.count);
+      if (b.count > 0) fs += double(cs) / double(b.count);
+    }
+    const double U = double(owners_);
+    meta["layers"][std::to_string(l)] = {{"tokens", L.tokens},
+                                         {"entries", L.heads.empty() ? 0 : L.heads[0].t[0].x.size()},
+                                         {"prior_count", L.prior_count},
+                                         {"mean_kurtosis_vertical", kv / U},
+                                         {"mean_kurtosis_slash", ks / U},
+                                         {"above_threshold_vertical", fv / U},
+                                         {"above_threshold_slash", fs / U}};
+  }
+  double v;
+  nlohmann::json st = nlohmann::json::object();
+  for (const char* name : {"candidate_fraction", "bypass_fraction", "retrieved_keys", "decode_steps"})
+    if (stat(name, &v)) st[name] = v;
+  meta["stats"] = st;
+  return meta;
+}
+
+void Lfps::save(io::TablesWriter& w) const {
+  for (uint32_t l = 0; l < layers_.size(); ++l) {
+    const Layer& L = layers_[l];
+    if (!L.built) continue;
+    for (int which = 0; which < 2; ++which) {
+      std::vector<io::Piece> pieces;
+      for (const Head& H : L.heads) pieces.push_back({H.t[which].x.data(), uint64_t(H.t[which].x.size() * sizeof(float))});
+      w.add(which == 0 ? "lfps.vertical" : "lfps.slash", int32_t(l), -1, std::move(pieces));
+    }
+    std::vector<double> g;
+    for (const Head& H : L.heads) g.push_back(H.g);
+    w.add_copy("lfps.scale", int32_t(l), -1, g.data(), g.size() * sizeof(double));
+    w.add("lfps.ksum", int32_t(l), -1, {io::Piece{L.ksum.data(), uint64_t(L.ksum.size() * sizeof(double))}});
+    w.add("lfps.vsum", int32_t(l), -1, {io::Piece{L.vsum.data(), uint64_t(L.vsum.size() * sizeof(double))}});
+    w.add("lfps.rho", int32_t(l), -1, {io::Piece{L.rho.data(), uint64_t(L.rho.size() * sizeof(double))}});
+  }
+}
+
+void Lfps::load(const io::TablesFile& f, const nlohmann::json& meta) {
+  const int d = int(ctx_.shape.head_dim), hkv = int(ctx_.shape.num_kv_heads), hq = int(ctx_.shape.num_q_heads);
+  if (meta.value("owners", owners_) != owners_)
+    fail(KVS_STATUS_FORMAT_INVALID, "lfps tables: owners " + meta.value("owners", nlohmann::json()).dump() +
+                                        " do not match the gqa mode of this session (" + std::to_string(owners_) + ")");
+  for (uint32_t l = 0; l < layers_.size(); ++l) {
+    const auto* sv = f.find("lfps.vertical", int32_t(l), -1);
+    if (!sv) continue;
+    const std::string key = std::to_string(l);
+    auto bad = [&](const std::string& what) { fail(KVS_STATUS_FORMAT_INVALID, "lfps tables layer " + key + ": " + what); };
+    if (!meta.contains("layers") || !meta["layers"].contains(key)) bad("layer entry missing from the header");
+    const auto& lm = meta["layers"][key];
+    const int64_t n = lm.at("tokens").get<int64_t>();
+    const int64_t cnt = lm.at("prior_count").get<int64_t>();
+    if (n < 0 || n > (int64_t(1) << 31) || cnt < 0 || cnt > n) bad("invalid tokens or prior_count");
+    const uint64_t m = uint64_t(std::max<int64_t>(0, n - p_.sinks));
+    const auto& ss = f.require("lfps.slash", int32_t(l), -1);
+    const auto& sg = f.require("lfps.scale", int32_t(l), -1);
+    const auto& sk = f.require("lfps.ksum", int32_t(l), -1);
+    const auto& sV = f.require("lfps.vsum", int32_t(l), -1);
+    const auto& sr = f.require("lfps.rho", int32_t(l), -1);
+    const uint64_t U = uint64_t(owners_);
+    if (sv->length != U * m * 4 || ss.length != U * m * 4) bad("table size does not match " + std::to_string(n) + " tokens");
+    if (sg.length != U * 8 || sk.length != uint64_t(hkv) * d * 8 || sV.length != uint64_t(hkv) * d * 8 ||
+        sr.length != uint64_t(hq) * 8)
+      bad("prior or scale section size does not match the model shape");
+    Layer& L = layers_[l];
+    L.heads.assign(size_t(U), Head{});
+    const float* pv = reinterpret_cast<const float*>(sv->data);
+    const float* ps = reinterpret_cast<const float*>(ss.data);
+    const double* pg = reinterpret_cast<const double*>(sg.data);
+    for (size_t u = 0; u < U; ++u) {
+      Head& H = L.heads[u];
+      H.t[0].x.assign(pv + u * m, pv + (u + 1) * m);
+      H.t[1].x.assign(ps + u * m, ps + (u + 1) * m);
+      H.g = pg[u];
+      if (!(H.g > 0 && H.g <= 1)) bad("scale out of (0, 1]");
+      for (auto& t : H.t) t.recompute();
+    }
+    L.ksum.assign(reinterpret_cast<const double*>(sk.data), reinterpret_cast<const double*>(sk.data) + size_t(hkv) * d);
+    L.vsum.assign(reinterpret_cast<const double*>(sV.data), reinterpret_cast<const double*>(sV.data) + size_t(hkv) * d);
+    L.rho.assign(reinterpret_cast<const double*>(sr.data), reinterpret_cast<const double*>(sr.data) + hq);
+    L.prior_count = cnt;
+    L.tokens = n;
+    L.built = true;
+    L.awaiting_kv = true;  // cleared by on_prefill when the prompt is back (or already: KV included)
+    L.tail.clear();
+    L.undo_tokens = -1;
+  }
+}
+
+uint64_t Lfps::index_bytes() const {
+  uint64_t b = 0;
+  for (const Layer& L : layers_) {
+    for (const Head& H : L.heads) b += (H.t[0].x.size() + H.t[1].x.size()) * sizeof(float) + sizeof(double);
+    b += (L.ksum.size() + L.vsum.size() + L.rho.size()) * sizeof(double);
+  }
+  return b;
+}
+
+bool Lfps::stat(std::string_view name, double* out) const {
+  double cand = 0, ov = 0, ret = 0;
+  int64_t cn = 0, on = 0, byp = 0, hs = 0, fb = 0;
+  for (const Layer& L : layers_) {
+    for (const Head& H : L.heads) {
+      cand += H.cand_frac_sum;
+      cn += H.cand_n;
+      ov += H.overlap_sum;
+      on += H.overlap_n;
+      ret += H.retrieved_sum;
+      fb += H.fallback_n;
+    }
+    byp += L.bypass_heads;
+    hs += L.head_steps;
+  }
+  if (name == "candidate_fraction") *out = cn ? cand / double(cn) : 0.0;      // mean |C| / |O|
+  else if (name == "bypass_fraction") *out = hs ? double(byp) / double(hs) : 0.0;  // bypassed head-steps
+  else if (name == "overlap") *out = on ? ov / double(on) : 0.0;            // needs diagnostics=true
+  else if (name == "retrieved_keys") *out = cn ? ret / double(cn) : 0.0;    // mean |S| (non-sink)
+  else if (name == "fallback_fraction") *out = cn ? double(fb) / double(cn) : 0.0;  // empty C0 steps
+  else if (name == "decode_steps") *out = double(hs) / double(ctx_.shape.num_q_heads);
+  else return false;
+  return true;
+}
+
+}  // namespace kvs::lfps
+
+namespace kvs {
+
+MethodSpec lfps_spec() {
+  return MethodSpec{
+      "lfps",
+      "LFPS: vertical and slash score tables learnt from past attention, kurtosis thresholds, "
+      "expansion, sink-value bypass of sparse heads, exact top-k on the candidates (METHODS.md 6)",
+      1u << KVS_BACKEND_CPU,
+      0.02,
+      {{"gamma", "float", "0.95", "decay of the score tables, eq. (10) (paper 5, App. B.2)"},
+       {"alpha", "float", "0.2", "threshold coefficient of eq. (8); the paper uses 0.2 and 0.3; -inf makes every key a candidate"},
+       {"alpha_scale", "float", "60",
+        "calibration factor on alpha in tau = mu + alpha*alpha_scale*sigma*3/kurtosis [RECON]; 60 puts the candidate "
+        "fraction of the real stories260K traces on the power-law fit of the paper's Table 4 (docs/methods/lfps.md)"},
+       {"theta", "float", "0.85", "bypass a head when its sink share r exceeds theta, eq. (6) (Table 3)"},
+       {"bypass", "bool", "true", "enable the sink-value bypass of highly sparse heads"},
+       {"sinks", "int", "4", "first tokens always attended exactly (kept on the GPU in the paper)"},
+       {"last_q", "int", "64", "T: last prompt queries whose attention seeds the tables, eq. (4) [ASSUMPTION]"},
+       {"init_weights", "enum:decayed|uniform", "decayed", "eq. (4) row weights gamma^tau or 1 [RECON]"},
+       {"init_mass", "float", "0", "sum of each initial table; 0 = 0.5/(1-gamma), the steady state of eq. (10) [RECON]"},
+       {"local_est", "int", "5", "W_loc: recent keys scored exactly for the sparsity estimate (App. B.1)"},
+       {"combine", "enum:max|sum", "max", "eq. (6): A_sink / (A_sink + max(A_glob, A_loc)) or + (A_glob + A_loc) [RECON]"},
+       {"offsets", "string", "-1;0;1;2", "expansion offsets of eq. (9), ';'-separated"},
+       {"local_window", "int", "0", "most recent keys always attended (counts toward k) [ASSUMPTION, safety]"},
+       {"min_keys", "int", "0", "floor of the budget in keys (METHODS.md suggests 256)"},
+       {"gqa", "enum:per_query_head|per_kv_head", "per_query_head",
+        "tables per query head (faithful) or per KV head with a~ summed over the group"},
+       {"update_priors", "bool", "false", "keep K-bar, V-bar as running means over appended tokens (paper: prefill only)"},
+       {"empty_fallback", "bool", "true",
+        "when no table entry exceeds its threshold, use the tables' means for that step (else the head never selects again) [ASSUMPTION]"},
+       {"diagnostics", "bool", "false", "measure overlap with exact top-k per step (stat 'overlap'; costs a full scan)"}},
+      [](const MethodContext& c, const ParamSet& p) { return std::make_unique<lfps::Lfps>(c, lfps::parse_params(p)); }};
+}
+
+}  // namespace kvs
