@@ -222,11 +222,12 @@ class Session:
         be = 0 if backend is None else _enum(backend, _BACKENDS, "backend")
         h = _native.session_load(str(path), be, int(device_id), int(num_threads), _enum(gemm, _GEMMS, "gemm"))
         s = cls(0, 0, 0, 0, _handle=h)
-        desc = _json.loads(_native.tables_describe(str(path)))
-        p = desc.get("params", desc.get("header", {}))
-        get = lambda k: int(p.get(k, desc.get(k, 0)) or 0)  # noqa: E731
-        s._set_shape(get("num_layers"), get("num_q_heads"), get("num_kv_heads"), get("head_dim"),
-                     p.get("method", desc.get("method")), be or _native.KVS_BACKEND_CPU, device_id)
+        # The C ABI has no shape getter: the shape comes from the file's header (already verified
+        # by the load, so describing it cannot fail differently).
+        hdr = _json.loads(_native.tables_describe(str(path)))["header"]
+        shape = hdr["shape"]
+        s._set_shape(shape["num_layers"], shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"],
+                     hdr["method"]["name"], be or int(hdr.get("backend", _native.KVS_BACKEND_CPU)), device_id)
         return s
 
     # -- lifetime
@@ -360,9 +361,6 @@ class _View:
     def __init__(self, owner, iface):
         self._owner = owner
         self.__array_interface__ = iface
-
-
-_TYPESTR = {(2, 32): "<f4", (2, 16): "<f2", (0, 32): "<i4", (4, 16): "<V2"}
 
 
 class Trace:
