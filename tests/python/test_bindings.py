@@ -422,11 +422,13 @@ def test_trace_views_outlive_the_trace(tmp_path):
 
 # ---- the GIL -------------------------------------------------------------------------------------
 def test_gil_released_during_long_calls(rng):
-    """A pure-Python thread must keep running while the main thread is inside the library. With
-    the GIL held, the ticker could not run at all in the second half of the call."""
-    n = 3072
+    """A pure-Python thread must keep running at full speed while the main thread is inside the
+    library. The ticker's rate during the second half of a long prefill is compared with its rate
+    while the main thread sleeps (GIL free); with the GIL held it drops to a trickle (measured about
+    a tenth, from the interpreter's periodic checks, in a GIL-holding C call such as a pathological
+    regular expression)."""
+    n = 1024
     q, k, v = rand(rng, n, 8, 128), rand(rng, n, 2, 128), rand(rng, n, 2, 128)
-    o = np.empty((n, 8, 128), np.float32)
     ticks = []
     stop = threading.Event()
 
@@ -436,27 +438,68 @@ def test_gil_released_during_long_calls(rng):
             for _ in range(200):
                 pass
 
+    def rate(a, b):
+        return sum(1 for t in ticks if a < t < b) / (b - a)
+
     th = threading.Thread(target=ticker)
     th.start()
     try:
-        time.sleep(0.05)
+        s0 = time.perf_counter()
+        time.sleep(0.2)
+        baseline = rate(s0, time.perf_counter())
         for attempt in range(4):
+            o = np.empty(q.shape, np.float32)
             s = kvsieve.Session(1, 8, 2, 128, kv_dtype="float32", num_threads=1)
             t0 = time.perf_counter()
-            s.prefill(0, q, k, v, out=o)  # causal attention of n tokens: long
+            s.prefill(0, q, k, v, out=o)  # causal attention over n tokens: long
             t1 = time.perf_counter()
             s.close()
-            if t1 - t0 > 0.1:
+            if t1 - t0 > 0.2:
                 break
             q, k, v = (np.concatenate([x, x]) for x in (q, k, v))
-            o = np.empty(q.shape, np.float32)
-        assert t1 - t0 > 0.1, "the call was too short to tell"
+        assert t1 - t0 > 0.2, "the call was too short to tell"
     finally:
         stop.set()
         th.join()
-    mid = (t0 + t1) / 2
-    inside = [t for t in ticks if mid < t < t1]
-    assert len(inside) > 10, f"only {len(inside)} ticks in the second half of a {t1 - t0:.3f}s call"
+    inside = rate((t0 + t1) / 2, t1)
+    assert inside > 0.25 * baseline, (f"ticker ran at {inside:.0f}/s in the second half of a {t1 - t0:.2f}s call, "
+                                      f"{baseline:.0f}/s with the GIL free")
+
+
+def test_sessions_from_threads(rng):
+    """Different sessions decode in parallel threads with the same results as serially; concurrent
+    calls on one session are serialised by the facade (none lost, none interleaved)."""
+    q, k, v = rand(rng, N, HQ, D), rand(rng, N, HKV, D), rand(rng, N, HKV, D)
+    steps = [(rand(rng, HQ, D), rand(rng, HKV, D), rand(rng, HKV, D)) for _ in range(8)]
+
+    def fresh():
+        s = make("quest", budget=0.2, num_threads=1)
+        for layer in range(L):
+            s.prefill(layer, q, k, v)
+        s.build_index()
+        return s
+
+    serial = fresh()
+    want = [serial.decode(0, *st)[0] for st in steps]
+    sessions = [fresh() for _ in range(3)]
+    got = [[] for _ in sessions]
+    ths = [threading.Thread(target=lambda i=i: got[i].extend(sessions[i].decode(0, *st)[0] for st in steps))
+           for i in range(3)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    for g in got:
+        for a, b in zip(g, want):
+            np.testing.assert_array_equal(a, b)
+    shared = fresh()
+    ths = [threading.Thread(target=lambda: [shared.decode(1, *st) for st in steps]) for _ in range(4)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    assert shared.layer_tokens(1) == N + 4 * len(steps)
+    assert shared.stats.decode_steps == 4 * len(steps)
 
 
 def test_log_callback_runs_with_the_gil():

@@ -186,8 +186,8 @@ class Session:
 
     Use as a context manager, or call :meth:`close`; a session not closed is freed when collected.
     Sessions forked from this one stay valid after it is closed (the library keeps what they share
-    alive). Calls on one session must be serialised by the caller (``@threadsafety exclusive``);
-    different sessions may be used from different threads, and the GIL is released meanwhile.
+    alive). Mutating calls on one session are serialised by a lock of this object (the C ABI marks
+    them exclusive); different sessions run in parallel from different threads, with the GIL released.
     """
 
     def __init__(self, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
@@ -195,6 +195,9 @@ class Session:
                  budget_tokens: Optional[int] = None, kv_dtype="bfloat16", backend="cpu",
                  device_id: int = 0, num_threads: int = 0, gemm="auto", softmax_scale: float = 0.0,
                  _handle=None):
+        # Calls on one session are serialised here (the C ABI marks them exclusive); different
+        # sessions run in parallel, the GIL being released inside each call.
+        self._lock = _threading.RLock()
         if _handle is not None:
             self._h = _handle
             return
@@ -258,11 +261,13 @@ class Session:
     def prefill(self, layer: int, q, k, v, *, out=None, stream=None) -> None:
         """Appends a chunk of one layer's prompt: q [n, Hq, d], k, v [n, Hkv, d]. ``out`` (optional,
         [n, Hq, d]) receives causal attention of the chunk over the prompt so far."""
-        self._handle().prefill(int(layer), q, k, v, out, _stream_ptr(stream), self._spec_or_none())
+        with self._lock:
+            self._handle().prefill(int(layer), q, k, v, out, _stream_ptr(stream), self._spec_or_none())
 
     def build_index(self, *, stream=None) -> None:
         """Builds the method's index over every prefilled layer."""
-        self._handle().build_index(_stream_ptr(stream))
+        with self._lock:
+            self._handle().build_index(_stream_ptr(stream))
 
     def decode(self, layer: int, q, k_new, v_new, *, out=None, lse=None, stream=None):
         """One decode step of one layer: q [Hq, d], k_new, v_new [Hkv, d].
@@ -278,13 +283,15 @@ class Session:
             out = _alloc_like(q, (hq, d) if hq else tuple(_shape(q)), "out")
         if lse is None:
             lse = _alloc_like(q, (hq,) if hq else (tuple(_shape(q))[0],), "lse")
-        h.decode(int(layer), q, k_new, v_new, out, lse, _stream_ptr(stream), self._spec_or_none())
+        with self._lock:
+            h.decode(int(layer), q, k_new, v_new, out, lse, _stream_ptr(stream), self._spec_or_none())
         return out, lse
 
     def append(self, layer: int, q, k, v, *, out=None, stream=None) -> None:
         """Appends several tokens of one layer (a new chat turn); ``out`` (optional, [n, Hq, d])
         receives exact causal attention over the whole context."""
-        self._handle().append(int(layer), q, k, v, out, _stream_ptr(stream), self._spec_or_none())
+        with self._lock:
+            self._handle().append(int(layer), q, k, v, out, _stream_ptr(stream), self._spec_or_none())
 
     def save(self, path: str, *, include_kv: bool = False) -> None:
         """Writes the session (parameters, method tables, optionally the KV cache) atomically."""
@@ -336,8 +343,12 @@ def decode_batch(sessions: Sequence[Session], layer: int, q, k_new, v_new, *, ou
         out = _alloc_like(q, (B, hq, d), "out")
     if lse is None:
         lse = _alloc_like(q, (B, hq), "lse")
-    _native.decode_batch([s._handle() for s in sessions], int(layer), q, k_new, v_new, out, lse,
-                         _stream_ptr(stream), s0._spec_or_none())
+    import contextlib
+    with contextlib.ExitStack() as locks:
+        for s in sorted(set(sessions), key=id):  # one global order: no deadlock between batches
+            locks.enter_context(s._lock)
+        _native.decode_batch([s._handle() for s in sessions], int(layer), q, k_new, v_new, out, lse,
+                             _stream_ptr(stream), s0._spec_or_none())
     return out, lse
 
 
