@@ -70,16 +70,16 @@ static const kvs_tensor* kvsj_t(kvsj_tensor* t) { return t ? &t->t : NULL; }
 }
 
 /* long[] -> (const int64_t*, int) */
-%typemap(jni) (const int64_t* SHAPE, int NDIM) "jlongArray"
-%typemap(jtype) (const int64_t* SHAPE, int NDIM) "long[]"
-%typemap(jstype) (const int64_t* SHAPE, int NDIM) "long[]"
-%typemap(javain) (const int64_t* SHAPE, int NDIM) "$javainput"
-%typemap(in) (const int64_t* SHAPE, int NDIM) {
+%typemap(jni) (const long long* SHAPE, int NDIM) "jlongArray"
+%typemap(jtype) (const long long* SHAPE, int NDIM) "long[]"
+%typemap(jstype) (const long long* SHAPE, int NDIM) "long[]"
+%typemap(javain) (const long long* SHAPE, int NDIM) "$javainput"
+%typemap(in) (const long long* SHAPE, int NDIM) {
   if (!$input) { SWIG_JavaThrowException(jenv, SWIG_JavaNullPointerException, "shape: expected an array"); return $null; }
   $2 = (int)(*jenv)->GetArrayLength(jenv, $input);
-  $1 = (int64_t*)(*jenv)->GetLongArrayElements(jenv, $input, 0);
+  $1 = (long long*)(*jenv)->GetLongArrayElements(jenv, $input, 0);
 }
-%typemap(freearg) (const int64_t* SHAPE, int NDIM) {
+%typemap(freearg) (const long long* SHAPE, int NDIM) {
   if ($1) (*jenv)->ReleaseLongArrayElements(jenv, $input, (jlong*)$1, JNI_ABORT);
 }
 
@@ -137,7 +137,7 @@ typedef struct kvs_session_stats {
 %}
 
 %extend kvsj_tensor {
-  kvsj_tensor(void* DIRECT_BUFFER, int code, int bits, int64_t byte_offset, const int64_t* SHAPE, int NDIM) {
+  kvsj_tensor(void* DIRECT_BUFFER, int code, int bits, int64_t byte_offset, const long long* SHAPE, int NDIM) {
     kvsj_tensor* t = (kvsj_tensor*)calloc(1, sizeof *t);
     if (!t) { kvsj_check(kvs_abi_check(~0u)); return NULL; }
     if (NDIM > 8) NDIM = 8;
