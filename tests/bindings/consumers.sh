@@ -41,7 +41,7 @@ env -u LD_LIBRARY_PATH "$WORK/cpp-cmake/kvsieve_cpp_example"
 printf 'cmake_minimum_required(VERSION 3.16)\nproject(v CXX)\nfind_package(kvsieve 1.0 QUIET)\nif(kvsieve_FOUND)\n  message(FATAL_ERROR "major 1 accepted")\nendif()\n' \
   > "$WORK/major.cmake.txt"
 mkdir -p "$WORK/major" && cp "$WORK/major.cmake.txt" "$WORK/major/CMakeLists.txt"
-cmake -S "$WORK/major" -B "$WORK/major/b" -DCMAKE_PREFIX_PATH="$PREFIX" >/dev/null || die "SameMajorVersion not enforced"
+cmake -S "$WORK/major" -B "$WORK/major/b" -G Ninja -DCMAKE_PREFIX_PATH="$PREFIX" >/dev/null || die "SameMajorVersion not enforced"
 
 step "C++ example through pkg-config"
 export PKG_CONFIG_PATH=$LIBDIR/pkgconfig
