@@ -54,7 +54,9 @@ c++ -std=c++17 -O1 "$SRC/examples/cpp/main.cpp" -o "$WORK/cpp-pkgconfig" $(pkg-c
 
 if command -v cargo >/dev/null; then
   step "Rust example (build.rs -> pkg-config, cargo --offline)"
-  cargo build --offline --quiet --manifest-path "$SRC/examples/rust/Cargo.toml" --target-dir "$WORK/rust"
+  # built from a copy: cargo writes Cargo.lock next to the manifest, in the format of its version
+  cp -r "$SRC/examples/rust" "$WORK/rust-src" && rm -rf "$WORK/rust-src/target" "$WORK/rust-src/Cargo.lock"
+  cargo build --offline --quiet --manifest-path "$WORK/rust-src/Cargo.toml" --target-dir "$WORK/rust"
   "$WORK/rust/debug/kvsieve-example"
 elif [ "${KVS_CONSUMERS_OPTIONAL:-0}" = 1 ]; then echo "consumers: cargo missing, Rust skipped"
 else die "cargo not found"; fi
