@@ -4,6 +4,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 import numpy.typing as npt
 
+from . import capi as capi  # the raw SWIG layer
+
 ArrayLike = Any  # anything with __dlpack__ (NumPy, PyTorch, CuPy, JAX) or the buffer protocol
 StreamLike = Union[None, int, Any]  # cudaStream_t as int, torch.cuda.Stream, cupy.cuda.Stream
 
