@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Installs what kvsieve needs (Debian packages) when missing, then configures and builds.
 #   scripts/setup.sh [BUILD_DIR] [extra cmake args...]
-# Environment: KVS_JOBS (parallel build jobs, default: nproc).
+# Environment: KVS_JOBS (parallel build jobs, default: nproc). KVS_BINDINGS=1 also installs what the
+# bindings and consumer examples need (JDK, JUnit 5, Go, Rust, Python headers), creates
+# BUILD_DIR/venv (numpy, pytest from PyPI) and configures with the Python and Java bindings on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PKGS=(cmake ninja-build g++ pkg-config libdnnl-dev libopenblas-dev libmimalloc-dev doctest-dev
       libcli11-dev nlohmann-json3-dev libxxhash-dev libdlpack-dev swig python3 python3-numpy)
+if [ "${KVS_BINDINGS:-0}" = 1 ]; then
+  PKGS+=(python3-dev python3-venv default-jdk-headless junit5 golang-go cargo rustc)
+fi
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -26,5 +31,16 @@ fi
 
 BUILD=${1:-build}
 shift || true
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
+BINDING_ARGS=()
+if [ "${KVS_BINDINGS:-0}" = 1 ]; then
+  # Debian's python3 (the one python3-dev matches), in a venv with numpy and pytest from PyPI.
+  PY=/usr/bin/python3
+  if ! "$BUILD/venv/bin/python" -c 'import numpy, pytest' 2>/dev/null; then
+    mkdir -p "$BUILD"
+    "$PY" -m venv "$BUILD/venv"
+    "$BUILD/venv/bin/pip" install -q --disable-pip-version-check numpy pytest
+  fi
+  BINDING_ARGS=(-DKVS_BUILD_PYTHON=ON -DKVS_BUILD_JAVA=ON "-DPython3_EXECUTABLE=$(cd "$BUILD" && pwd)/venv/bin/python")
+fi
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release "${BINDING_ARGS[@]}" "$@" >/dev/null
 cmake --build "$BUILD" -j "${KVS_JOBS:-$(nproc)}"

@@ -1,0 +1,326 @@
+/* SWIG interface of the Java binding (package org.kvsieve). Only the public C ABI is used.
+ *
+ *  - Session, Trace and Tensor are SWIG proxies of owned native objects: AutoCloseable, close() is
+ *    idempotent (SWIG's delete() zeroes the pointer), and %newobject marks every function that
+ *    returns an owned object so the proxy frees it.
+ *  - A kvs_error_t becomes org.kvsieve.KvsException(code, message, backendCode).
+ *  - Tensors are direct NIO buffers; Tensor.of(...) (bindings/java/src) checks direct, byte order,
+ *    dtype against the buffer class and capacity before the native side takes the address.
+ */
+%module(package="org.kvsieve") KvsNative
+
+%{
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+#include <kvsieve/kvsieve.h>
+
+typedef struct kvs_session_s kvs_session_s;
+typedef struct kvs_trace_s kvs_trace_s;
+
+/* The error of the call that just returned on this thread, thrown by the %exception block right
+ * after it (never visible outside one wrapper call). */
+static __thread kvs_error_t kvsj_pending = NULL;
+static int kvsj_check(kvs_error_t e) {
+  if (!e) return 0;
+  kvs_error_destroy(kvsj_pending);
+  kvsj_pending = e;
+  return 1;
+}
+static void kvsj_throw(JNIEnv* jenv) {
+  kvs_error_t e = kvsj_pending;
+  kvsj_pending = NULL;
+  jclass cls = (*jenv)->FindClass(jenv, "org/kvsieve/KvsException");
+  if (!cls) { kvs_error_destroy(e); return; }
+  jmethodID ctor = (*jenv)->GetMethodID(jenv, cls, "<init>", "(ILjava/lang/String;J)V");
+  jstring msg = (*jenv)->NewStringUTF(jenv, kvs_error_message(e));
+  jobject ex = ctor && msg ? (*jenv)->NewObject(jenv, cls, ctor, (jint)kvs_error_code(e), msg,
+                                                (jlong)kvs_error_backend_code(e)) : NULL;
+  kvs_error_destroy(e);
+  if (ex) (*jenv)->Throw(jenv, (jthrowable)ex);
+}
+
+/* A kvs_tensor over a direct buffer, with its own copy of the shape. */
+typedef struct kvsj_tensor {
+  kvs_tensor t;
+  int64_t shape[8];
+} kvsj_tensor;
+
+static const kvs_tensor* kvsj_t(kvsj_tensor* t) { return t ? &t->t : NULL; }
+%}
+
+%exception {
+  $action
+  if (kvsj_pending) { kvsj_throw(jenv); return $null; }
+}
+
+%include <stdint.i>
+
+/* java.nio.Buffer -> its address (direct buffers only; the Java side checked the rest). */
+%typemap(jni) void* DIRECT_BUFFER "jobject"
+%typemap(jtype) void* DIRECT_BUFFER "java.nio.Buffer"
+%typemap(jstype) void* DIRECT_BUFFER "java.nio.Buffer"
+%typemap(javain) void* DIRECT_BUFFER "$javainput"
+%typemap(in) void* DIRECT_BUFFER {
+  $1 = $input ? (*jenv)->GetDirectBufferAddress(jenv, $input) : NULL;
+  if (!$1) {
+    SWIG_JavaThrowException(jenv, SWIG_JavaIllegalArgumentException, "buffer: expected a direct NIO buffer");
+    return $null;
+  }
+}
+
+/* long[] -> (const int64_t*, int) */
+%typemap(jni) (const long long* SHAPE, int NDIM) "jlongArray"
+%typemap(jtype) (const long long* SHAPE, int NDIM) "long[]"
+%typemap(jstype) (const long long* SHAPE, int NDIM) "long[]"
+%typemap(javain) (const long long* SHAPE, int NDIM) "$javainput"
+%typemap(in) (const long long* SHAPE, int NDIM) {
+  if (!$input) { SWIG_JavaThrowException(jenv, SWIG_JavaNullPointerException, "shape: expected an array"); return $null; }
+  $2 = (int)(*jenv)->GetArrayLength(jenv, $input);
+  $1 = (long long*)(*jenv)->GetLongArrayElements(jenv, $input, 0);
+}
+%typemap(freearg) (const long long* SHAPE, int NDIM) {
+  if ($1) (*jenv)->ReleaseLongArrayElements(jenv, $input, (jlong*)$1, JNI_ABORT);
+}
+
+/* Every owned object is AutoCloseable; close() = SWIG's idempotent delete(). */
+%typemap(javainterfaces) struct kvs_session_s, struct kvs_trace_s, struct kvsj_tensor "AutoCloseable"
+%typemap(javacode) struct kvs_trace_s %{
+  /** Frees the native object; idempotent. */
+  @Override public void close() { delete(); }
+%}
+
+%rename(Session) kvs_session_s;
+%rename(Trace) kvs_trace_s;
+%rename(Tensor) kvsj_tensor;
+%rename(SessionStats) kvs_session_stats;
+%rename("%(lowercamelcase)s", %$isvariable) "";
+%ignore kvs_session_stats::struct_size;
+%nodefaultctor kvs_session_s;
+%nodefaultctor kvs_trace_s;
+%nodefaultctor kvsj_tensor;
+%javamethodmodifiers kvsj_tensor::kvsj_tensor "protected";
+
+%newobject kvs_session_s::fork;
+%newobject kvs_session_s::load;
+%newobject kvs_session_s::stats;
+%newobject kvs_trace_s::open;
+
+typedef struct kvs_session_stats {
+  int64_t tokens;
+  int64_t decode_steps;
+  uint64_t kv_bytes;
+  uint64_t kv_shared_bytes;
+  uint64_t index_bytes;
+  uint64_t workspace_bytes;
+  double last_selected_keys;
+  double mean_selected_keys;
+  double last_selected_fraction;
+} kvs_session_stats;
+
+
+%typemap(javacode) struct kvsj_tensor %{
+  private java.nio.Buffer buffer; // keeps the memory alive while the tensor exists
+
+  /** Frees the descriptor (not the buffer); idempotent. */
+  @Override public void close() { delete(); buffer = null; }
+
+  /** Describes a direct buffer as a tensor, from its position, without copying. Checks: direct,
+   *  native byte order, dtype against the buffer's element type (FloatBuffer: F32; ShortBuffer: F16 or
+   *  BF16; ByteBuffer: any), and that position..limit holds the shape. */
+  public static Tensor of(java.nio.Buffer buffer, DType dtype, long... shape) {
+    Tensors.check(buffer, dtype, shape);
+    Tensor t = new Tensor(buffer, dtype.code, dtype.bits, Tensors.bytePosition(buffer), shape);
+    t.buffer = buffer;
+    return t;
+  }
+%}
+
+%extend kvsj_tensor {
+  kvsj_tensor(void* DIRECT_BUFFER, int code, int bits, int64_t byte_offset, const long long* SHAPE, int NDIM) {
+    kvsj_tensor* t = (kvsj_tensor*)calloc(1, sizeof *t);
+    if (!t) { kvsj_check(kvs_abi_check(~0u)); return NULL; }
+    if (NDIM > 8) NDIM = 8;
+    t->t.data = DIRECT_BUFFER;
+    t->t.device.device_type = KVS_DEVICE_CPU;
+    t->t.ndim = NDIM;
+    t->t.dtype.code = (uint8_t)code;
+    t->t.dtype.bits = (uint8_t)bits;
+    t->t.dtype.lanes = 1;
+    for (int i = 0; i < NDIM; ++i) t->shape[i] = SHAPE[i];
+    t->t.shape = t->shape;
+    t->t.strides = NULL;
+    t->t.byte_offset = (uint64_t)byte_offset;
+    return t;
+  }
+  ~kvsj_tensor() { free($self); }
+}
+
+%typemap(javacode) struct kvs_session_s %{
+  /** Frees the session now; idempotent. Forks stay valid. */
+  @Override public void close() { delete(); }
+
+  /** Options of a new session; see kvs_session_params in include/kvsieve/kvsieve.h. */
+  public static Builder builder(int numLayers, int numQHeads, int numKvHeads, int headDim) {
+    return new Builder(numLayers, numQHeads, numKvHeads, headDim);
+  }
+
+  /** The exact keys the last decode step of a layer attended for a KV head, ascending. */
+  public int[] lastSelection(long layer, long kvHead) {
+    long n = selectionCount(layer, kvHead);
+    java.nio.IntBuffer buf = java.nio.ByteBuffer.allocateDirect((int) Math.max(4, n * 4))
+        .order(java.nio.ByteOrder.nativeOrder()).asIntBuffer();
+    selectionInto(layer, kvHead, buf, n);
+    int[] out = new int[(int) n];
+    buf.get(out);
+    return out;
+  }
+
+  public static final class Builder {
+    private final int numLayers, numQHeads, numKvHeads, headDim;
+    private String method = "full", methodParams = null;
+    private double budget = 0, softmaxScale = 0;
+    private long budgetTokens = 0;
+    private ScalarType kvDtype = ScalarType.BF16;
+    private Backend backend = Backend.CPU;
+    private int deviceId = 0, numThreads = 0;
+
+    Builder(int l, int hq, int hkv, int d) { numLayers = l; numQHeads = hq; numKvHeads = hkv; headDim = d; }
+    public Builder method(String m) { method = m; return this; }
+    public Builder methodParams(String p) { methodParams = p; return this; }
+    public Builder budget(double b) { budget = b; return this; }
+    public Builder budgetTokens(long t) { budgetTokens = t; return this; }
+    public Builder kvDtype(ScalarType t) { kvDtype = t; return this; }
+    public Builder backend(Backend b) { backend = b; return this; }
+    public Builder deviceId(int id) { deviceId = id; return this; }
+    public Builder numThreads(int n) { numThreads = n; return this; }
+    public Builder softmaxScale(double s) { softmaxScale = s; return this; }
+    /** Creates the session; throws KvsException naming the bad field. */
+    public Session create() {
+      return new Session(numLayers, numQHeads, numKvHeads, headDim, softmaxScale, kvDtype.value, backend.value,
+                         deviceId, numThreads, method, methodParams, budget, budgetTokens);
+    }
+  }
+%}
+
+%extend kvs_session_s {
+  kvs_session_s(uint32_t num_layers, uint32_t num_q_heads, uint32_t num_kv_heads, uint32_t head_dim,
+                double softmax_scale, int32_t kv_dtype, int32_t backend, int32_t device_id, uint32_t num_threads,
+                const char* method, const char* method_params, double budget, int64_t budget_tokens) {
+    kvs_session_params p;
+    kvs_session_params_init(&p);
+    p.num_layers = num_layers;
+    p.num_q_heads = num_q_heads;
+    p.num_kv_heads = num_kv_heads;
+    p.head_dim = head_dim;
+    p.softmax_scale = (float)softmax_scale;
+    p.kv_dtype = kv_dtype;
+    p.backend = backend;
+    p.device_id = device_id;
+    p.num_threads = num_threads;
+    p.method = method;
+    p.method_params = method_params;
+    p.budget = budget;
+    p.budget_tokens = budget_tokens;
+    kvs_session_t s = NULL;
+    kvsj_check(kvs_session_create(&p, &s));
+    return s;
+  }
+  ~kvs_session_s() { kvs_session_destroy($self); }
+
+  static kvs_session_s* load(const char* path) {
+    kvs_session_t s = NULL;
+    kvsj_check(kvs_session_load(path, NULL, &s));
+    return s;
+  }
+  void prefill(uint32_t layer, kvsj_tensor* q, kvsj_tensor* k, kvsj_tensor* v, kvsj_tensor* o, int64_t stream) {
+    kvsj_check(kvs_session_prefill($self, layer, kvsj_t(q), kvsj_t(k), kvsj_t(v), kvsj_t(o), (void*)(intptr_t)stream));
+  }
+  void buildIndex(int64_t stream) { kvsj_check(kvs_session_build_index($self, (void*)(intptr_t)stream)); }
+  void decode(uint32_t layer, kvsj_tensor* q, kvsj_tensor* k_new, kvsj_tensor* v_new, kvsj_tensor* o,
+              kvsj_tensor* lse, int64_t stream) {
+    kvsj_check(kvs_session_decode($self, layer, kvsj_t(q), kvsj_t(k_new), kvsj_t(v_new), kvsj_t(o), kvsj_t(lse),
+                                  (void*)(intptr_t)stream));
+  }
+  void append(uint32_t layer, kvsj_tensor* q, kvsj_tensor* k, kvsj_tensor* v, kvsj_tensor* o, int64_t stream) {
+    kvsj_check(kvs_session_append($self, layer, kvsj_t(q), kvsj_t(k), kvsj_t(v), kvsj_t(o), (void*)(intptr_t)stream));
+  }
+  void save(const char* path, bool include_kv) {
+    kvsj_check(kvs_session_save($self, path, include_kv ? KVS_SAVE_INCLUDE_KV : KVS_SAVE_TABLES));
+  }
+  kvs_session_s* fork() {
+    kvs_session_t s = NULL;
+    kvsj_check(kvs_session_fork($self, &s));
+    return s;
+  }
+  kvs_session_stats* stats() {
+    kvs_session_stats* st = (kvs_session_stats*)calloc(1, sizeof *st);
+    if (!st) return NULL;
+    st->struct_size = sizeof *st;
+    if (kvsj_check(kvs_session_get_stats($self, st))) { free(st); return NULL; }
+    return st;
+  }
+  int64_t layerTokens(uint32_t layer) {
+    int64_t n = 0;
+    kvsj_check(kvs_session_layer_tokens($self, layer, &n));
+    return n;
+  }
+  double methodStat(const char* name) {
+    double v = 0;
+    kvsj_check(kvs_session_method_stat($self, name, &v));
+    return v;
+  }
+  int64_t selectionCount(uint32_t layer, uint32_t kv_head) {
+    size_t n = 0;
+    kvsj_check(kvs_session_last_selection($self, layer, kv_head, NULL, 0, &n));
+    return (int64_t)n;
+  }
+  void selectionInto(uint32_t layer, uint32_t kv_head, void* DIRECT_BUFFER, int64_t capacity) {
+    size_t n = 0;
+    kvsj_check(kvs_session_last_selection($self, layer, kv_head, (int32_t*)DIRECT_BUFFER, (size_t)capacity, &n));
+  }
+}
+
+%extend kvs_trace_s {
+  ~kvs_trace_s() { kvs_trace_destroy($self); }
+  static kvs_trace_s* open(const char* path) {
+    kvs_trace_t t = NULL;
+    kvsj_check(kvs_trace_open(path, &t));
+    return t;
+  }
+  int64_t totalLen() {
+    kvs_trace_info in;
+    kvs_trace_info_init(&in);
+    kvsj_check(kvs_trace_get_info($self, &in));
+    return in.total_len;
+  }
+}
+
+/* The proxies are declared after their typemaps (javacode, javainterfaces) so that these apply. */
+struct kvsj_tensor {};
+struct kvs_session_s {};
+struct kvs_trace_s {};
+
+/* Registry and versions. */
+%rename(version) kvs_version;
+%rename(abiVersion) kvs_abi_version;
+%rename(methodCount) kvs_method_count;
+%rename(methodName) kvs_method_name;
+%rename(methodDoc) kvs_method_doc;
+%rename(methodBackends) kvs_method_backends;
+%inline %{
+const char* kvs_version(void);
+uint32_t kvs_abi_version(void);
+size_t kvs_method_count(void);
+const char* kvs_method_name(size_t i);
+const char* kvs_method_doc(const char* method);
+uint32_t kvs_method_backends(const char* method);
+%}
+
+/* The JNI library loads with the first use of any class of the binding. */
+%pragma(java) jniclasscode=%{
+  static {
+    String explicit = System.getProperty("org.kvsieve.jni");
+    if (explicit != null) System.load(explicit); else System.loadLibrary("kvsieve_jni");
+  }
+%}

@@ -1,0 +1,183 @@
+package org.kvsieve;
+
+import static org.junit.jupiter.api.Assertions.*;
+
+import java.nio.ByteBuffer;
+import java.nio.ByteOrder;
+import java.nio.FloatBuffer;
+import java.nio.ShortBuffer;
+import java.util.Random;
+import org.junit.jupiter.api.Test;
+
+/** The Java binding against a double-precision reference on random inputs, and its error paths. */
+class KvsieveTest {
+  static final int L = 2, HQ = 4, HKV = 2, D = 16, N = 96;
+
+  static FloatBuffer direct(int n) {
+    return ByteBuffer.allocateDirect(n * 4).order(ByteOrder.nativeOrder()).asFloatBuffer();
+  }
+
+  static FloatBuffer random(Random r, int n) {
+    FloatBuffer b = direct(n);
+    for (int i = 0; i < n; ++i) b.put(i, (float) r.nextGaussian());
+    return b;
+  }
+
+  /** Dense attention of q [HQ, D] over K, V [n, HKV, D] in double: o [HQ, D], lse [HQ]. */
+  static double[][] reference(FloatBuffer q, FloatBuffer k, FloatBuffer v, int n) {
+    double scale = 1.0 / Math.sqrt(D);
+    double[] o = new double[HQ * D], lse = new double[HQ];
+    int g = HQ / HKV;
+    for (int h = 0; h < HQ; ++h) {
+      int kh = h / g;
+      double[] s = new double[n];
+      double m = Double.NEGATIVE_INFINITY;
+      for (int j = 0; j < n; ++j) {
+        double dot = 0;
+        for (int c = 0; c < D; ++c) dot += q.get(h * D + c) * (double) k.get((j * HKV + kh) * D + c);
+        s[j] = scale * dot;
+        m = Math.max(m, s[j]);
+      }
+      double sum = 0;
+      for (int j = 0; j < n; ++j) sum += Math.exp(s[j] - m);
+      lse[h] = m + Math.log(sum);
+      for (int c = 0; c < D; ++c) {
+        double acc = 0;
+        for (int j = 0; j < n; ++j) acc += Math.exp(s[j] - m) * v.get((j * HKV + kh) * D + c);
+        o[h * D + c] = acc / sum;
+      }
+    }
+    return new double[][] {o, lse};
+  }
+
+  static FloatBuffer concat(FloatBuffer a, FloatBuffer b) {
+    FloatBuffer c = direct(a.capacity() + b.capacity());
+    for (int i = 0; i < a.capacity(); ++i) c.put(i, a.get(i));
+    for (int i = 0; i < b.capacity(); ++i) c.put(a.capacity() + i, b.get(i));
+    return c;
+  }
+
+  @Test
+  void registryAndVersion() {
+    assertTrue(KvsNative.version().matches("\\d+\\.\\d+\\.\\d+"));
+    assertEquals(0, KvsNative.abiVersion());
+    assertTrue(KvsNative.methodCount() >= 4);
+    for (long i = 0; i < KvsNative.methodCount(); ++i) {
+      String m = KvsNative.methodName(i);
+      assertNotNull(KvsNative.methodDoc(m));
+      assertTrue((KvsNative.methodBackends(m) & 2) != 0, m + " runs on the CPU");
+    }
+    assertNull(KvsNative.methodName(KvsNative.methodCount()));
+  }
+
+  @Test
+  void everyMethodDecodesAgainstTheReference() {
+    Random r = new Random(7);
+    for (long mi = 0; mi < KvsNative.methodCount(); ++mi) {
+      String method = KvsNative.methodName(mi);
+      FloatBuffer q = random(r, N * HQ * D), k = random(r, N * HKV * D), v = random(r, N * HKV * D);
+      try (Session s = Session.builder(L, HQ, HKV, D).method(method).budget(1.0).kvDtype(ScalarType.F32)
+               .numThreads(1).create();
+           Tensor tq = Tensor.of(q, DType.F32, N, HQ, D); Tensor tk = Tensor.of(k, DType.F32, N, HKV, D);
+           Tensor tv = Tensor.of(v, DType.F32, N, HKV, D)) {
+        for (int layer = 0; layer < L; ++layer) s.prefill(layer, tq, tk, tv, null, 0);
+        s.buildIndex(0);
+        FloatBuffer qn = random(r, HQ * D), kn = random(r, HKV * D), vn = random(r, HKV * D);
+        FloatBuffer o = direct(HQ * D), lse = direct(HQ);
+        try (Tensor a = Tensor.of(qn, DType.F32, HQ, D); Tensor b = Tensor.of(kn, DType.F32, HKV, D);
+             Tensor c = Tensor.of(vn, DType.F32, HKV, D); Tensor to = Tensor.of(o, DType.F32, HQ, D);
+             Tensor tl = Tensor.of(lse, DType.F32, HQ)) {
+          s.decode(1, a, b, c, to, tl, 0);
+        }
+        int[] sel = s.lastSelection(1, 0);
+        assertTrue(sel.length >= 1 && sel.length <= N + 1, method);
+        for (int i = 1; i < sel.length; ++i) assertTrue(sel[i] > sel[i - 1]);
+        assertEquals(N + 1, s.layerTokens(1));
+        if (sel.length == N + 1 && s.lastSelection(1, 1).length == N + 1) { // whole context: dense attention
+          double[][] ref = reference(qn, concat(k, kn), concat(v, vn), N + 1);
+          for (int i = 0; i < HQ * D; ++i) assertEquals(ref[0][i], o.get(i), 2e-4 + 2e-4 * Math.abs(ref[0][i]), method);
+          for (int h = 0; h < HQ; ++h) assertEquals(ref[1][h], lse.get(h), 1e-4, method);
+        }
+        if (method.equals("full")) assertEquals(N + 1, sel.length);
+        SessionStats st = s.stats();
+        assertEquals(1, st.getDecodeSteps());
+        assertEquals(N + 1, st.getTokens());
+      }
+    }
+  }
+
+  @Test
+  void bfloat16ThroughShortBuffers() {
+    Random r = new Random(3);
+    ShortBuffer q = ByteBuffer.allocateDirect(N * HQ * D * 2).order(ByteOrder.nativeOrder()).asShortBuffer();
+    ShortBuffer k = ByteBuffer.allocateDirect(N * HKV * D * 2).order(ByteOrder.nativeOrder()).asShortBuffer();
+    for (int i = 0; i < q.capacity(); ++i) q.put(i, (short) (Float.floatToIntBits((float) r.nextGaussian()) >>> 16));
+    for (int i = 0; i < k.capacity(); ++i) k.put(i, (short) (Float.floatToIntBits((float) r.nextGaussian()) >>> 16));
+    try (Session s = Session.builder(1, HQ, HKV, D).create();
+         Tensor tq = Tensor.of(q, DType.BF16, N, HQ, D); Tensor tk = Tensor.of(k, DType.BF16, N, HKV, D)) {
+      s.prefill(0, tq, tk, tk, null, 0);
+      assertEquals(N, s.layerTokens(0));
+    }
+  }
+
+  @Test
+  void buffersAreChecked() {
+    FloatBuffer heap = FloatBuffer.allocate(HQ * D);
+    IllegalArgumentException e = assertThrows(IllegalArgumentException.class, () -> Tensor.of(heap, DType.F32, HQ, D));
+    assertTrue(e.getMessage().contains("direct"));
+    FloatBuffer swapped = ByteBuffer.allocateDirect(HQ * D * 4)
+        .order(ByteOrder.nativeOrder() == ByteOrder.BIG_ENDIAN ? ByteOrder.LITTLE_ENDIAN : ByteOrder.BIG_ENDIAN)
+        .asFloatBuffer();
+    e = assertThrows(IllegalArgumentException.class, () -> Tensor.of(swapped, DType.F32, HQ, D));
+    assertTrue(e.getMessage().contains("byte order"));
+    e = assertThrows(IllegalArgumentException.class, () -> Tensor.of(direct(HQ * D), DType.F16, HQ, D));
+    assertTrue(e.getMessage().contains("F16"));
+    e = assertThrows(IllegalArgumentException.class, () -> Tensor.of(direct(HQ * D - 1), DType.F32, HQ, D));
+    assertTrue(e.getMessage().contains("at least"));
+    FloatBuffer pos = direct(HQ * D);
+    pos.position(1); // the tensor starts at the position: one element short now
+    assertThrows(IllegalArgumentException.class, () -> Tensor.of(pos, DType.F32, HQ, D));
+  }
+
+  @Test
+  void errorsCarryCodeAndMessage() {
+    KvsException e = assertThrows(KvsException.class, () -> Session.builder(L, HQ, HKV, D).method("nope").create());
+    assertEquals(KvsException.INVALID_ARGUMENT, e.code());
+    assertTrue(e.getMessage().contains("nope"));
+    e = assertThrows(KvsException.class, () -> Session.builder(L, HQ + 1, HKV, D).create());
+    assertEquals(KvsException.INVALID_ARGUMENT, e.code());
+    e = assertThrows(KvsException.class, () -> Session.load("/nonexistent/kvsieve.kvs"));
+    assertEquals(KvsException.IO, e.code());
+    assertEquals(2, e.backendCode()); // ENOENT
+    try (Session s = Session.builder(L, HQ, HKV, D).create();
+         Tensor q = Tensor.of(direct(HQ * D), DType.F32, HQ, D); Tensor k = Tensor.of(direct(HKV * D), DType.F32, HKV, D);
+         Tensor o = Tensor.of(direct(HQ * D), DType.F32, HQ, D)) {
+      e = assertThrows(KvsException.class, () -> s.decode(0, q, k, k, o, null, 0));
+      assertEquals(KvsException.INVALID_STATE, e.code());
+      e = assertThrows(KvsException.class, () -> s.prefill(0, q, k, k, null, 0)); // rank 2 where 3 is expected
+      assertEquals(KvsException.INVALID_ARGUMENT, e.code());
+      assertTrue(e.getMessage().contains("q"));
+    }
+  }
+
+  @Test
+  void closeIsIdempotentAndForksOutliveTheirParent() throws Exception {
+    Random r = new Random(11);
+    Session parent = Session.builder(1, HQ, HKV, D).method("streaming").create();
+    try (Tensor q = Tensor.of(random(r, N * HQ * D), DType.F32, N, HQ, D);
+         Tensor k = Tensor.of(random(r, N * HKV * D), DType.F32, N, HKV, D)) {
+      parent.prefill(0, q, k, k, null, 0);
+    }
+    parent.buildIndex(0);
+    Session child = parent.fork();
+    parent.close();
+    parent.close();
+    try (Tensor q = Tensor.of(random(r, HQ * D), DType.F32, HQ, D); Tensor k = Tensor.of(random(r, HKV * D), DType.F32, HKV, D);
+         Tensor o = Tensor.of(direct(HQ * D), DType.F32, HQ, D)) {
+      child.decode(0, q, k, k, o, null, 0);
+    }
+    assertEquals(N + 1, child.layerTokens(0));
+    child.close();
+    child.close();
+  }
+}

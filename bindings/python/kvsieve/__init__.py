@@ -1,0 +1,419 @@
+"""kvsieve: sparse-attention decoding over a KV cache (Python binding of the C ABI).
+
+Tensors go in without a copy through DLPack (NumPy, PyTorch, CuPy, JAX; CPU, CUDA-host or CUDA
+memory) or the buffer protocol. A wrong dtype raises TypeError, a wrong shape, rank, device or
+layout raises ValueError, both naming what was expected; nothing is ever converted or copied
+silently. Library errors raise :class:`kvsieve.Error` with the code and message. The GIL is
+released during every call that can take time. See docs/bindings.md.
+
+Example::
+
+    import numpy as np, kvsieve
+    with kvsieve.Session(num_layers=1, num_q_heads=8, num_kv_heads=2, head_dim=64,
+                         method="quest", budget=0.05) as s:
+        s.prefill(0, q, k, v)          # q [n, 8, 64], k, v [n, 2, 64], float32/float16/bfloat16
+        s.build_index()
+        o, lse = s.decode(0, q1, k1, v1)   # o [8, 64] float32, lse [8] float32 (natural log)
+"""
+
+from __future__ import annotations
+
+import json as _json
+import threading as _threading
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as _np
+
+from . import capi as _native
+from ._errors import STATUS_NAMES, Error
+
+__all__ = [
+    "Error", "Session", "Stats", "MethodInfo", "ParamInfo", "Trace", "methods", "method_names",
+    "decode_batch", "tables_describe", "version", "version_number", "abi_version", "set_log_callback",
+]
+
+# ---- constants (mirrors of the C enums) ---------------------------------------------------------
+STATUS_OK = 0
+STATUS_INVALID_ARGUMENT = 1
+STATUS_OUT_OF_MEMORY = 2
+STATUS_UNSUPPORTED = 3
+STATUS_INVALID_STATE = 4
+STATUS_IO = 5
+STATUS_FORMAT_MAGIC = 6
+STATUS_FORMAT_VERSION = 7
+STATUS_FORMAT_TRUNCATED = 8
+STATUS_FORMAT_CHECKSUM = 9
+STATUS_FORMAT_INVALID = 10
+STATUS_BACKEND = 11
+STATUS_ABI_MISMATCH = 12
+STATUS_INTERNAL = 13
+
+_BACKENDS = {"cpu": _native.KVS_BACKEND_CPU, "cuda": _native.KVS_BACKEND_CUDA,
+             "hybrid": _native.KVS_BACKEND_HYBRID}
+_BACKEND_NAMES = {v: k for k, v in _BACKENDS.items()}
+_KV_DTYPES = {"float32": _native.KVS_SCALAR_F32, "f32": _native.KVS_SCALAR_F32,
+              "float16": _native.KVS_SCALAR_F16, "f16": _native.KVS_SCALAR_F16,
+              "bfloat16": _native.KVS_SCALAR_BF16, "bf16": _native.KVS_SCALAR_BF16}
+_GEMMS = {"auto": _native.KVS_GEMM_AUTO, "onednn": _native.KVS_GEMM_ONEDNN,
+          "openblas": _native.KVS_GEMM_OPENBLAS}
+_LOG_LEVELS = {"debug": 0, "info": 1, "warn": 2, "error": 3, "off": 4}
+
+# The ABI this package was built against must be the one of the library it loads.
+_native.abi_check(_native.KVS_ABI_VERSION)
+
+
+def version() -> str:
+    """"MAJOR.MINOR.PATCH" of the loaded library."""
+    return _native.kvs_version()
+
+
+def version_number() -> int:
+    return int(_native.kvs_version_number())
+
+
+def abi_version() -> int:
+    return int(_native.kvs_abi_version())
+
+
+# ---- method registry ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str
+    type: str  # "int", "float", "bool", "string" or "enum:a|b|c"
+    default: str
+    doc: str
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    name: str
+    doc: str
+    backends: Tuple[str, ...]
+    params: Tuple[ParamInfo, ...]
+
+
+def method_names() -> list:
+    """Names of every registered method, in registry order (kvs_method_count / kvs_method_name)."""
+    return [_native.kvs_method_name(i) for i in range(_native.kvs_method_count())]
+
+
+def methods() -> list:
+    """Every registered method with its description, backends and parameters."""
+    out = []
+    for name in method_names():
+        mask = _native.kvs_method_backends(name)
+        backends = tuple(b for b, v in _BACKENDS.items() if mask & (1 << v))
+        params = tuple(ParamInfo(*p) for p in _native.method_params(name))
+        out.append(MethodInfo(name, _native.kvs_method_doc(name) or "", backends, params))
+    return out
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def _enum(value, table: Mapping[str, int], what: str) -> int:
+    if isinstance(value, str):
+        try:
+            return table[value.lower()]
+        except KeyError:
+            raise ValueError(f"{what}: expected one of {sorted(table)}, got {value!r}") from None
+    if isinstance(value, int):
+        return value
+    raise TypeError(f"{what}: expected a string or an int, got {type(value).__name__}")
+
+
+def _stream_ptr(stream) -> int:
+    """A cudaStream_t as an int: None (stream 0), an int, torch.cuda.Stream (.cuda_stream) or a
+    CuPy stream (.ptr)."""
+    if stream is None:
+        return 0
+    if isinstance(stream, int):
+        return stream
+    for attr in ("cuda_stream", "ptr", "handle"):
+        v = getattr(stream, attr, None)
+        if isinstance(v, int):
+            return v
+    raise TypeError(f"stream: expected None, an int (cudaStream_t) or a torch/CuPy stream, "
+                    f"got {type(stream).__name__}")
+
+
+def _method_params_str(params) -> Optional[str]:
+    if params is None or isinstance(params, str):
+        return params
+    if isinstance(params, Mapping):
+        items = []
+        for k, v in params.items():
+            if isinstance(v, bool):
+                v = "true" if v else "false"
+            items.append(f"{k}={v}")
+        return ",".join(items)
+    raise TypeError(f"method_params: expected a str or a mapping, got {type(params).__name__}")
+
+
+def _alloc_like(ref, shape, what: str):
+    """Allocates a float32 output on ref's device: NumPy for host memory, the same library
+    (torch, CuPy) for CUDA tensors."""
+    dev = ref.__dlpack_device__()[0] if hasattr(ref, "__dlpack_device__") else 1
+    if dev != 2:
+        return _np.empty(shape, dtype=_np.float32)
+    mod = type(ref).__module__.split(".")[0]
+    if mod == "torch":
+        import torch
+        return torch.empty(shape, dtype=torch.float32, device=ref.device)
+    if mod == "cupy":
+        import cupy
+        with cupy.cuda.Device(ref.device.id):
+            return cupy.empty(shape, dtype=cupy.float32)
+    raise ValueError(f"{what}: pass a CUDA output tensor (out=, lse=); kvsieve allocates CUDA outputs "
+                     f"only for torch and CuPy inputs, got {type(ref).__name__}")
+
+
+@dataclass(frozen=True)
+class Stats:
+    tokens: int
+    decode_steps: int
+    kv_bytes: int
+    kv_shared_bytes: int
+    index_bytes: int
+    workspace_bytes: int
+    last_selected_keys: float
+    mean_selected_keys: float
+    last_selected_fraction: float
+
+
+# ---- sessions -----------------------------------------------------------------------------------
+class Session:
+    """The attention state of one sequence across the layers of one model shape.
+
+    Use as a context manager, or call :meth:`close`; a session not closed is freed when collected.
+    Sessions forked from this one stay valid after it is closed (the library keeps what they share
+    alive). Mutating calls on one session are serialised by a lock of this object (the C ABI marks
+    them exclusive); different sessions run in parallel from different threads, with the GIL released.
+    """
+
+    def __init__(self, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
+                 method: str = "full", method_params=None, budget: Optional[float] = None,
+                 budget_tokens: Optional[int] = None, kv_dtype="bfloat16", backend="cpu",
+                 device_id: int = 0, num_threads: int = 0, gemm="auto", softmax_scale: float = 0.0,
+                 _handle=None):
+        # Calls on one session are serialised here (the C ABI marks them exclusive); different
+        # sessions run in parallel, the GIL being released inside each call.
+        self._lock = _threading.RLock()
+        if _handle is not None:
+            self._h = _handle
+            return
+        self._h = _native.session_create(
+            int(num_layers), int(num_q_heads), int(num_kv_heads), int(head_dim), float(softmax_scale),
+            _enum(kv_dtype, _KV_DTYPES, "kv_dtype"), _enum(backend, _BACKENDS, "backend"), int(device_id),
+            int(num_threads), _enum(gemm, _GEMMS, "gemm"), method, _method_params_str(method_params),
+            float(budget or 0.0), int(budget_tokens or 0))
+        self._set_shape(num_layers, num_q_heads, num_kv_heads, head_dim, method,
+                        _enum(backend, _BACKENDS, "backend"), device_id)
+
+    def _set_shape(self, L, hq, hkv, d, method, backend, device_id):
+        self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim = int(L), int(hq), int(hkv), int(d)
+        self.method = method
+        self.backend = _BACKEND_NAMES.get(backend, str(backend))
+        self.device_id = int(device_id)
+        cuda = backend == _native.KVS_BACKEND_CUDA
+        self._spec = (self.num_q_heads, self.num_kv_heads, self.head_dim, 2 if cuda else 0,
+                      self.device_id, 1 if cuda else 0)
+
+    @classmethod
+    def load(cls, path: str, *, backend=None, device_id: int = 0, num_threads: int = 0,
+             gemm="auto") -> "Session":
+        """Loads a session saved by :meth:`save` (memory-mapped). The shape is read from the file."""
+        be = 0 if backend is None else _enum(backend, _BACKENDS, "backend")
+        h = _native.session_load(str(path), be, int(device_id), int(num_threads), _enum(gemm, _GEMMS, "gemm"))
+        s = cls(0, 0, 0, 0, _handle=h)
+        # The C ABI has no shape getter: the shape comes from the file's header (already verified
+        # by the load, so describing it cannot fail differently).
+        hdr = _json.loads(_native.tables_describe(str(path)))["header"]
+        shape = hdr["shape"]
+        s._set_shape(shape["num_layers"], shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"],
+                     hdr["method"]["name"], be or int(hdr.get("backend", _native.KVS_BACKEND_CPU)), device_id)
+        return s
+
+    # -- lifetime
+    @property
+    def closed(self) -> bool:
+        return self._h is None
+
+    def close(self) -> None:
+        """Frees the session now; idempotent."""
+        h, self._h = self._h, None
+        del h
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _handle(self):
+        if self._h is None:
+            raise ValueError("session: expected an open session, got a closed one")
+        return self._h
+
+    def _spec_or_none(self):
+        return self._spec if self.num_q_heads else None
+
+    # -- work
+    def prefill(self, layer: int, q, k, v, *, out=None, stream=None) -> None:
+        """Appends a chunk of one layer's prompt: q [n, Hq, d], k, v [n, Hkv, d]. ``out`` (optional,
+        [n, Hq, d]) receives causal attention of the chunk over the prompt so far."""
+        with self._lock:
+            self._handle().prefill(int(layer), q, k, v, out, _stream_ptr(stream), self._spec_or_none())
+
+    def build_index(self, *, stream=None) -> None:
+        """Builds the method's index over every prefilled layer."""
+        with self._lock:
+            self._handle().build_index(_stream_ptr(stream))
+
+    def decode(self, layer: int, q, k_new, v_new, *, out=None, lse=None, stream=None):
+        """One decode step of one layer: q [Hq, d], k_new, v_new [Hkv, d].
+
+        Returns ``(out, lse)``: out [Hq, d] and lse [Hq] (float32, natural log). Both are allocated
+        (NumPy for host inputs, torch/CuPy for CUDA inputs) unless given; given outputs are filled in
+        place (out may be float32, float16 or bfloat16; lse float32). On the cuda backend the call
+        may return before the work completes: read the outputs after ``stream`` has completed.
+        """
+        h = self._handle()
+        hq, d = self.num_q_heads, self.head_dim
+        if out is None:
+            out = _alloc_like(q, (hq, d) if hq else tuple(_shape(q)), "out")
+        if lse is None:
+            lse = _alloc_like(q, (hq,) if hq else (tuple(_shape(q))[0],), "lse")
+        with self._lock:
+            h.decode(int(layer), q, k_new, v_new, out, lse, _stream_ptr(stream), self._spec_or_none())
+        return out, lse
+
+    def append(self, layer: int, q, k, v, *, out=None, stream=None) -> None:
+        """Appends several tokens of one layer (a new chat turn); ``out`` (optional, [n, Hq, d])
+        receives exact causal attention over the whole context."""
+        with self._lock:
+            self._handle().append(int(layer), q, k, v, out, _stream_ptr(stream), self._spec_or_none())
+
+    def save(self, path: str, *, include_kv: bool = False) -> None:
+        """Writes the session (parameters, method tables, optionally the KV cache) atomically."""
+        self._handle().save(str(path), _native.KVS_SAVE_INCLUDE_KV if include_kv else _native.KVS_SAVE_TABLES)
+
+    def fork(self) -> "Session":
+        """A new session sharing this one's KV prefix copy-on-write; either may be closed first."""
+        s = Session(0, 0, 0, 0, _handle=self._handle().fork())
+        s._set_shape(self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim, self.method,
+                     _BACKENDS.get(self.backend, 1), self.device_id)
+        return s
+
+    # -- inspection
+    @property
+    def stats(self) -> Stats:
+        return Stats(**self._handle().stats())
+
+    def layer_tokens(self, layer: int) -> int:
+        return int(self._handle().layer_tokens(int(layer)))
+
+    def last_selection(self, layer: int, kv_head: int) -> _np.ndarray:
+        """The exact keys the last decode step of ``layer`` attended for ``kv_head``, ascending (int32)."""
+        return _np.frombuffer(self._handle().last_selection(int(layer), int(kv_head)), dtype=_np.int32)
+
+    def method_stat(self, name: str) -> float:
+        return float(self._handle().method_stat(name))
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return (f"<kvsieve.Session {self.method} {self.backend} L={self.num_layers} Hq={self.num_q_heads} "
+                f"Hkv={self.num_kv_heads} d={self.head_dim} {state}>")
+
+
+def _shape(x):
+    s = getattr(x, "shape", None)
+    if s is None:
+        s = memoryview(x).shape
+    return tuple(int(v) for v in s)
+
+
+def decode_batch(sessions: Sequence[Session], layer: int, q, k_new, v_new, *, out=None, lse=None, stream=None):
+    """One layer's decode step for several sessions of the same shape: q [B, Hq, d], k_new, v_new
+    [B, Hkv, d]; returns (out [B, Hq, d], lse [B, Hq]). All or nothing."""
+    if not sessions:
+        raise ValueError("sessions: expected at least one session")
+    s0 = sessions[0]
+    B, hq, d = len(sessions), s0.num_q_heads, s0.head_dim
+    if out is None:
+        out = _alloc_like(q, (B, hq, d), "out")
+    if lse is None:
+        lse = _alloc_like(q, (B, hq), "lse")
+    import contextlib
+    with contextlib.ExitStack() as locks:
+        for s in sorted(set(sessions), key=id):  # one global order: no deadlock between batches
+            locks.enter_context(s._lock)
+        _native.decode_batch([s._handle() for s in sessions], int(layer), q, k_new, v_new, out, lse,
+                             _stream_ptr(stream), s0._spec_or_none())
+    return out, lse
+
+
+# ---- tables files and traces --------------------------------------------------------------------
+def tables_describe(path: str) -> dict:
+    """Verifies a tables file and describes it; raises Error (with .details, the partial JSON as a
+    dict) when it is corrupt."""
+    try:
+        return _json.loads(_native.tables_describe(str(path)))
+    except Error as e:
+        if isinstance(e.details, str):
+            e.details = _json.loads(e.details)
+        raise
+
+
+class _View:
+    """Keeps the trace handle alive for as long as a NumPy view of its mapping exists."""
+
+    __slots__ = ("_owner", "__array_interface__")
+
+    def __init__(self, owner, iface):
+        self._owner = owner
+        self.__array_interface__ = iface
+
+
+class Trace:
+    """A memory-mapped kvsieve trace (safetensors). Tensor views stay valid after :meth:`close`
+    for as long as they are referenced (they keep the mapping alive)."""
+
+    def __init__(self, path: str):
+        self._h = _native.trace_open(str(path))
+        self.info = self._h.info()
+        self.layers = [int(self._h.layer_index(i)) for i in range(self.info["num_present_layers"])]
+
+    def close(self) -> None:
+        h, self._h = self._h, None
+        del h
+
+    def __enter__(self) -> "Trace":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def tensor(self, layer: int, name: str) -> _np.ndarray:
+        """A read-only NumPy view (no copy) of "q", "k", "v" of a present layer or "tokens".
+        bf16 tensors come back as a uint16 view of the raw bits."""
+        if self._h is None:
+            raise ValueError("trace: expected an open trace, got a closed one")
+        addr, shape, strides, code, bits = self._h.tensor(int(layer), name)
+        typestr = {(2, 32): "<f4", (2, 16): "<f2", (0, 32): "<i4", (4, 16): "<u2"}.get((code, bits))
+        if typestr is None:
+            raise TypeError(f"{name}: unsupported dtype code {code} bits {bits}")
+        item = bits // 8
+        iface = {"version": 3, "shape": tuple(shape), "typestr": typestr, "data": (addr, True),
+                 "strides": tuple(s * item for s in strides)}
+        return _np.asarray(_View(self._h, iface))
+
+
+# ---- logging ------------------------------------------------------------------------------------
+_log_lock = _threading.Lock()
+
+
+def set_log_callback(fn: Optional[Callable[[int, str], None]], min_level: Union[int, str] = "warn") -> None:
+    """Routes the library's log lines to fn(level, line) (called with the GIL, possibly from a
+    library worker thread); None restores the default sink (stderr)."""
+    with _log_lock:
+        _native.set_log_callback(fn, _enum(min_level, _LOG_LEVELS, "min_level"))

@@ -1,0 +1,3 @@
+module kvsieve.example/go
+
+go 1.19

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Installs the build into a fresh prefix and builds consumers against the installed tree only:
+# the install layout (headers, SONAME'd library, CLI with RPATH, CMake package, kvsieve.pc), the
+# C++ example through find_package(kvsieve) and through pkg-config, the Rust example (build.rs +
+# pkg-config, cargo --offline) and the Go example (cgo + pkg-config). Each consumer runs a prefill
+# and a decode checked against a reference, and handles an error.
+#   tests/bindings/consumers.sh BUILD_DIR [WORK_DIR]
+# KVS_CONSUMERS_OPTIONAL=1 skips Rust/Go when cargo/go are missing (CI installs both and requires them).
+set -euo pipefail
+SRC=$(cd "$(dirname "$0")/../.." && pwd)
+BUILD=$(cd "$1" && pwd)
+WORK=${2:-$BUILD/consumers}
+rm -rf "$WORK"
+mkdir -p "$WORK"
+PREFIX=$WORK/prefix
+step() { echo "== consumers: $*"; }
+die() { echo "consumers: FAILED: $*" >&2; exit 1; }
+
+step "cmake --install"
+cmake --install "$BUILD" --prefix "$PREFIX" >/dev/null
+LIBDIR=$(dirname "$(find "$PREFIX" -name 'libkvsieve.so.*.*.*' | head -1)")
+[ -d "$LIBDIR" ] || die "no libkvsieve.so.X.Y.Z under $PREFIX"
+for f in include/kvsieve/kvsieve.h include/kvsieve/kvsieve.hpp; do [ -f "$PREFIX/$f" ] || die "missing $f"; done
+[ -f "$LIBDIR/cmake/kvsieve/kvsieveConfig.cmake" ] && [ -f "$LIBDIR/cmake/kvsieve/kvsieveConfigVersion.cmake" ] \
+  && [ -f "$LIBDIR/cmake/kvsieve/kvsieveTargets.cmake" ] || die "CMake package files missing"
+[ -f "$LIBDIR/pkgconfig/kvsieve.pc" ] || die "kvsieve.pc missing"
+soname=$(readelf -d "$LIBDIR/libkvsieve.so" | sed -n 's/.*SONAME.*\[\(.*\)\]/\1/p')
+[ "$soname" = "libkvsieve.so.0" ] || die "SONAME is '$soname', expected libkvsieve.so.0"
+[ -L "$LIBDIR/libkvsieve.so" ] && [ -L "$LIBDIR/libkvsieve.so.0" ] || die "libkvsieve.so and .so.0 must be links"
+if [ -x "$PREFIX/bin/kvsieve" ]; then
+  step "installed CLI runs through its RPATH (no LD_LIBRARY_PATH)"
+  readelf -d "$PREFIX/bin/kvsieve" | grep -Eq 'R(UN)?PATH.*\$ORIGIN/\.\./' || die "CLI has no \$ORIGIN RPATH"
+  env -u LD_LIBRARY_PATH "$PREFIX/bin/kvsieve" methods | grep -q exact_topk || die "installed CLI does not run"
+fi
+
+step "C++ example through find_package(kvsieve)"
+cmake -S "$SRC/examples/cpp" -B "$WORK/cpp-cmake" -G Ninja -DCMAKE_PREFIX_PATH="$PREFIX" >/dev/null
+cmake --build "$WORK/cpp-cmake" >/dev/null
+env -u LD_LIBRARY_PATH "$WORK/cpp-cmake/kvsieve_cpp_example"
+# the package refuses another major version
+printf 'cmake_minimum_required(VERSION 3.16)\nproject(v CXX)\nfind_package(kvsieve 1.0 QUIET)\nif(kvsieve_FOUND)\n  message(FATAL_ERROR "major 1 accepted")\nendif()\n' \
+  > "$WORK/major.cmake.txt"
+mkdir -p "$WORK/major" && cp "$WORK/major.cmake.txt" "$WORK/major/CMakeLists.txt"
+cmake -S "$WORK/major" -B "$WORK/major/b" -G Ninja -DCMAKE_PREFIX_PATH="$PREFIX" >/dev/null || die "SameMajorVersion not enforced"
+
+step "C++ example through pkg-config"
+export PKG_CONFIG_PATH=$LIBDIR/pkgconfig
+pkg-config --static --libs kvsieve | grep -q -- -ldnnl || die "Libs.private missing from kvsieve.pc"
+[ "$(pkg-config --variable=prefix kvsieve | xargs realpath)" = "$(realpath "$PREFIX")" ] || die "kvsieve.pc prefix is not relocatable"
+# shellcheck disable=SC2046
+c++ -std=c++17 -O1 "$SRC/examples/cpp/main.cpp" -o "$WORK/cpp-pkgconfig" $(pkg-config --cflags --libs kvsieve) \
+  -Wl,-rpath,"$LIBDIR"
+"$WORK/cpp-pkgconfig"
+
+if command -v cargo >/dev/null; then
+  step "Rust example (build.rs -> pkg-config, cargo --offline)"
+  # built from a copy: cargo writes Cargo.lock next to the manifest, in the format of its version
+  cp -r "$SRC/examples/rust" "$WORK/rust-src" && rm -rf "$WORK/rust-src/target" "$WORK/rust-src/Cargo.lock"
+  cargo build --offline --quiet --manifest-path "$WORK/rust-src/Cargo.toml" --target-dir "$WORK/rust"
+  "$WORK/rust/debug/kvsieve-example"
+elif [ "${KVS_CONSUMERS_OPTIONAL:-0}" = 1 ]; then echo "consumers: cargo missing, Rust skipped"
+else die "cargo not found"; fi
+
+if command -v go >/dev/null; then
+  step "Go example (cgo + pkg-config)"
+  (cd "$SRC/examples/go" && GOCACHE="$WORK/gocache" GOPATH="$WORK/gopath" GOFLAGS=-mod=mod GO111MODULE=on \
+     CGO_ENABLED=1 CGO_LDFLAGS="-Wl,-rpath,$LIBDIR" go build -o "$WORK/go-example" .)
+  "$WORK/go-example"
+elif [ "${KVS_CONSUMERS_OPTIONAL:-0}" = 1 ]; then echo "consumers: go missing, Go skipped"
+else die "go not found"; fi
+echo "consumers: all passed"

@@ -1,0 +1,566 @@
+"""The Python binding against float64 NumPy references on random inputs.
+
+Every registered method is covered: the method list is read from the library's registry
+(kvs_method_count / kvs_method_name through kvsieve.method_names()) when the tests are collected,
+so methods added later are tested without touching this file.
+
+Run: PYTHONPATH=<build>/bindings/python python -m pytest tests/python/test_bindings.py
+(ctest runs it as `python_bindings`; KVSIEVE_CLI names the kvsieve command for the trace tests.)
+"""
+
+import array
+import gc
+import os
+import pickle
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvsieve
+
+METHODS = kvsieve.method_names()
+L, HQ, HKV, D, N = 2, 4, 2, 32, 384
+
+
+def rand(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def ref_attend(q, K, V, scale):
+    """float64 attention of q [Hq, d] over K, V [n, Hkv, d] -> o [Hq, d], lse [Hq] (natural log)."""
+    q, K, V = (np.asarray(x, dtype=np.float64) for x in (q, K, V))
+    hq, hkv = q.shape[0], K.shape[1]
+    g = hq // hkv
+    o = np.empty(q.shape)
+    lse = np.empty(hq)
+    for h in range(hq):
+        s = scale * (K[:, h // g, :] @ q[h])
+        m = s.max()
+        p = np.exp(s - m)
+        lse[h] = m + np.log(p.sum())
+        o[h] = p @ V[:, h // g, :] / p.sum()
+    return o, lse
+
+
+def ref_causal(q, K, V, scale, past=0):
+    """Causal attention of a chunk q [n, Hq, d] whose token i sees keys 0..past+i of K, V."""
+    out = np.empty(q.shape)
+    for i in range(q.shape[0]):
+        out[i], _ = ref_attend(q[i], K[: past + i + 1], V[: past + i + 1], scale)
+    return out
+
+
+def ref_over(q, K, V, scale, sel_per_kv_head):
+    """Attention of each query head over the keys its KV head selected."""
+    hq, hkv = q.shape[0], K.shape[1]
+    g = hq // hkv
+    o = np.empty(q.shape)
+    lse = np.empty(hq)
+    for h in range(hq):
+        idx = sel_per_kv_head[h // g]
+        oh, lh = ref_attend(q[h : h + 1], K[idx][:, h // g : h // g + 1], V[idx][:, h // g : h // g + 1], scale)
+        o[h], lse[h] = oh[0], lh[0]
+    return o, lse
+
+
+def make(method, **kw):
+    kw.setdefault("kv_dtype", "float32")  # exact storage: the reference sees the same K/V
+    kw.setdefault("num_threads", 2)
+    return kvsieve.Session(L, HQ, HKV, D, method=method, **kw)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+SCALE = 1.0 / np.sqrt(D)
+
+
+# ---- versions and registry -----------------------------------------------------------------------
+def test_version_and_abi():
+    assert kvsieve.version().count(".") == 2
+    major, minor, patch = (int(x) for x in kvsieve.version().split("."))
+    assert kvsieve.version_number() == major * 10000 + minor * 100 + patch
+    assert kvsieve.abi_version() == kvsieve.capi.KVS_ABI_VERSION
+    with pytest.raises(kvsieve.Error) as e:
+        kvsieve.capi.abi_check(kvsieve.abi_version() + 1)
+    assert e.value.code == kvsieve.STATUS_ABI_MISMATCH
+
+
+def test_registry_lists_every_method():
+    names = [kvsieve.capi.kvs_method_name(i) for i in range(kvsieve.capi.kvs_method_count())]
+    assert names == METHODS and len(names) >= 4
+    assert kvsieve.capi.kvs_method_name(len(names)) is None
+    infos = {m.name: m for m in kvsieve.methods()}
+    for name in names:
+        assert infos[name].doc
+        assert "cpu" in infos[name].backends
+        for p in infos[name].params:
+            assert p.name and p.type and p.doc
+    assert {"full", "exact_topk", "streaming", "quest"} <= set(names)
+
+
+# ---- every method against the NumPy reference ----------------------------------------------------
+@pytest.mark.parametrize("budget", [1.0, 0.1])
+@pytest.mark.parametrize("method", METHODS)
+def test_method_against_reference(method, budget, rng):
+    """Prefill's optional output is causal attention of the chunk, whatever the method. Each decode
+    step's selection is valid (ascending, unique, in range) and its output is exact attention over
+    that selection, merged with whatever extra state the method adds through the LSE (so the extra
+    state can only add mass: lse >= lse over the selection, with equality when there is none).
+    When the selection is the whole context, that is dense attention."""
+    q, k, v = rand(rng, N, HQ, D), rand(rng, N, HKV, D), rand(rng, N, HKV, D)
+    with make(method, budget=budget) as s:
+        for layer in range(L):
+            o_pre = np.full((N, HQ, D), np.nan, dtype=np.float32)
+            s.prefill(layer, q * (layer + 1), k, v, out=o_pre)
+            np.testing.assert_allclose(o_pre[:: N // 16], ref_causal(q * (layer + 1), k, v, SCALE)[:: N // 16],
+                                       rtol=2e-4, atol=2e-5)
+        s.build_index()
+        K, V = k, v
+        for step in range(3):
+            qn, kn, vn = rand(rng, HQ, D) * 3, rand(rng, HKV, D), rand(rng, HKV, D)
+            K, V = np.concatenate([K, kn[None]]), np.concatenate([V, vn[None]])
+            for layer in range(L):
+                o, lse = s.decode(layer, qn, kn, vn)
+                assert o.dtype == np.float32 and o.shape == (HQ, D) and lse.shape == (HQ,)
+                assert np.isfinite(o).all() and np.isfinite(lse).all()
+                sels = [s.last_selection(layer, h) for h in range(HKV)]
+                for sel in sels:
+                    assert sel.dtype == np.int32 and 1 <= sel.size <= K.shape[0]
+                    assert (np.diff(sel) > 0).all() and sel[0] >= 0 and sel[-1] < K.shape[0]
+                assert s.stats.last_selected_keys == pytest.approx(np.mean([x.size for x in sels]))
+                ro, rl = ref_over(qn, K, V, SCALE, sels)
+                assert (lse >= rl - 1e-4).all(), f"{method}: lse below attention over its own selection"
+                exact = np.abs(lse - rl) < 1e-4
+                np.testing.assert_allclose(o[exact], ro[exact], rtol=2e-4, atol=2e-5,
+                                           err_msg=f"{method} step {step} layer {layer}")
+                if method in ("full", "exact_topk", "streaming", "quest"):
+                    assert exact.all(), f"{method} has no extra state: output must be attention over its selection"
+                if all(sel.size == K.shape[0] for sel in sels):
+                    do, dl = ref_attend(qn, K, V, SCALE)
+                    np.testing.assert_allclose(o, do, rtol=2e-4, atol=2e-5)
+                    np.testing.assert_allclose(lse, dl, rtol=1e-5, atol=1e-4)
+                if method == "full" or (method == "exact_topk" and budget == 1.0):
+                    assert all(sel.size == K.shape[0] for sel in sels)
+        assert s.layer_tokens(0) == N + 3
+        assert s.stats.decode_steps == 3 * L
+
+
+def test_exact_topk_selects_the_numpy_topk(rng):
+    q, k, v = rand(rng, N, HQ, D), rand(rng, N, HKV, D), rand(rng, N, HKV, D)
+    budget = 24
+    with make("exact_topk", budget_tokens=budget, num_threads=1) as s:
+        s.prefill(0, q, k, v)
+        s.prefill(1, q, k, v)
+        s.build_index()
+        qn, kn, vn = rand(rng, HQ, D) * 4, rand(rng, HKV, D), rand(rng, HKV, D)
+        s.decode(0, qn, kn, vn)
+        K = np.concatenate([k, kn[None]]).astype(np.float64)
+        g = HQ // HKV
+        for kh in range(HKV):
+            # group-summed softmax over the whole context (METHODS.md 2)
+            score = np.zeros(K.shape[0])
+            for h in range(kh * g, (kh + 1) * g):
+                z = SCALE * K[:, kh] @ qn[h].astype(np.float64)
+                p = np.exp(z - z.max())
+                score += p / p.sum()
+            want = np.sort(np.argsort(-score)[:budget])
+            np.testing.assert_array_equal(s.last_selection(0, kh), want)
+
+
+def test_append_and_chunked_prefill(rng):
+    q, k, v = rand(rng, N, HQ, D), rand(rng, N, HKV, D), rand(rng, N, HKV, D)
+    with make("full") as s:
+        s.prefill(0, q[:100], k[:100], v[:100])
+        o2 = np.empty((N - 100, HQ, D), np.float32)
+        s.prefill(0, q[100:], k[100:], v[100:], out=o2)
+        np.testing.assert_allclose(o2[::37], ref_causal(q[100:], k, v, SCALE, past=100)[::37], rtol=2e-4, atol=2e-5)
+        s.prefill(1, q, k, v)
+        s.build_index()
+        qa, ka, va = rand(rng, 5, HQ, D), rand(rng, 5, HKV, D), rand(rng, 5, HKV, D)
+        oa = np.empty((5, HQ, D), np.float32)
+        s.append(0, qa, ka, va, out=oa)
+        K, V = np.concatenate([k, ka]), np.concatenate([v, va])
+        np.testing.assert_allclose(oa, ref_causal(qa, K, V, SCALE, past=N), rtol=2e-4, atol=2e-5)
+        assert s.layer_tokens(0) == N + 5 and s.layer_tokens(1) == N
+
+
+def test_decode_batch_equals_single_decodes(rng):
+    q, k, v = rand(rng, N, HQ, D), rand(rng, N, HKV, D), rand(rng, N, HKV, D)
+    a, b = make("quest", budget=0.2), make("quest", budget=0.2)
+    for s, scale in ((a, 1.0), (b, -1.0)):
+        for layer in range(L):
+            s.prefill(layer, q * scale, k, v)
+        s.build_index()
+    fa, fb = a.fork(), b.fork()
+    qb, kb, vb = rand(rng, 2, HQ, D), rand(rng, 2, HKV, D), rand(rng, 2, HKV, D)
+    o, lse = kvsieve.decode_batch([a, b], 1, qb, kb, vb)
+    assert o.shape == (2, HQ, D) and lse.shape == (2, HQ)
+    for i, s in enumerate((fa, fb)):
+        oi, li = s.decode(1, qb[i], kb[i], vb[i])
+        np.testing.assert_allclose(o[i], oi, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(lse[i], li, rtol=1e-6, atol=1e-7)
+    with pytest.raises(kvsieve.Error) as e:
+        kvsieve.decode_batch([a, a], 1, qb, kb, vb)
+    assert e.value.code == kvsieve.STATUS_INVALID_ARGUMENT
+    for s in (a, b, fa, fb):
+        s.close()
+
+
+# ---- dtypes, layouts, devices: zero copy, strict checks -----------------------------------------
+def test_zero_copy_through_dlpack_and_buffer(rng):
+    x = rand(rng, 6, HQ, D)
+    dev_t, dev_id, code, bits, shape, strides, off, addr = kvsieve.capi.describe_tensor(x, 0)
+    assert (dev_t, code, bits, shape) == (1, 2, 32, x.shape)
+    assert addr + off == x.__array_interface__["data"][0]
+    view = x[:, ::2, 1:]  # strided, offset: still described in place
+    _, _, _, _, shape, strides, off, addr = kvsieve.capi.describe_tensor(view, 0)
+    assert shape == view.shape and strides == (HQ * D, 2 * D, 1)
+    assert addr + off == view.__array_interface__["data"][0]
+    ro = np.frombuffer(x.tobytes(), dtype=np.float32).reshape(x.shape)  # read-only: buffer protocol
+    assert kvsieve.capi.describe_tensor(ro, 0)[7] == ro.__array_interface__["data"][0]
+    h = np.arange(8, dtype=np.float16)
+    assert kvsieve.capi.describe_tensor(memoryview(h), 0)[2:4] == (2, 16)
+    a = array.array("f", [1.0, 2.0])
+    assert kvsieve.capi.describe_tensor(a, 0)[4] == (2,)
+
+
+def test_strided_and_half_inputs_match_contiguous(rng):
+    big_q = rand(rng, N, 2 * HQ, D)
+    q = big_q[:, ::2]  # non-contiguous
+    k, v = rand(rng, N, HKV, D), rand(rng, N, HKV, D)
+    qn, kn, vn = rand(rng, HQ, D), rand(rng, HKV, D), rand(rng, HKV, D)
+    with make("exact_topk", budget=0.2) as s1, make("exact_topk", budget=0.2) as s2:
+        s1.prefill(0, q, k, v)
+        s2.prefill(0, np.ascontiguousarray(q), k, v)
+        s1.build_index(), s2.build_index()
+        out_t = np.zeros((D, HQ), np.float32).T  # transposed (strided) output
+        o1, _ = s1.decode(0, qn, kn, vn, out=out_t)
+        assert o1 is out_t
+        o2, _ = s2.decode(0, qn, kn, vn)
+        np.testing.assert_array_equal(o1, o2)
+    with make("full") as s:
+        s.prefill(0, q.astype(np.float16), k.astype(np.float16), v.astype(np.float16))
+        s.build_index()
+        o16 = np.empty((HQ, D), np.float16)
+        o, lse = s.decode(0, qn.astype(np.float16), kn.astype(np.float16), vn.astype(np.float16), out=o16)
+        assert o is o16
+        K = np.concatenate([k, kn[None]]).astype(np.float16)
+        V = np.concatenate([v, vn[None]]).astype(np.float16)
+        ro, rl = ref_attend(qn.astype(np.float16), K, V, SCALE)
+        np.testing.assert_allclose(o.astype(np.float64), ro, rtol=2e-3, atol=2e-3)
+        np.testing.assert_allclose(lse, rl, rtol=1e-4, atol=1e-3)
+
+
+def test_wrong_dtype_layout_device_raise_typed_errors(rng):
+    q, k, v = rand(rng, 16, HQ, D), rand(rng, 16, HKV, D), rand(rng, 16, HKV, D)
+    with make("full") as s:
+        with pytest.raises(TypeError, match=r"q: expected dtype float32, float16 or bfloat16, got float64"):
+            s.prefill(0, q.astype(np.float64), k, v)
+        with pytest.raises(TypeError, match=r"k: expected dtype .* got int32"):
+            s.prefill(0, q, k.astype(np.int32), v)
+        with pytest.raises(TypeError, match=r"v: expected an array with __dlpack__ or the buffer protocol"):
+            s.prefill(0, q, k, v.tolist())
+        with pytest.raises(ValueError, match=r"q: expected 3 dimensions, got 2"):
+            s.prefill(0, q[0], k, v)
+        with pytest.raises(ValueError, match=r"k: expected shape \[16, 2, 32\], got \[16, 3, 32\]"):
+            s.prefill(0, q, rand(rng, 16, 3, D), v)
+        with pytest.raises(ValueError, match=r"non-negative strides"):
+            s.prefill(0, q[::-1], k, v)
+        with pytest.raises(ValueError, match=r"native \(little-endian\) byte order"):
+            s.prefill(0, q, k, memoryview(v.astype(">f4")))
+        with pytest.raises(ValueError, match=r"out: expected a writable"):
+            ro = np.zeros((16, HQ, D), np.float32)
+            ro.flags.writeable = False
+            s.prefill(0, q, k, v, out=ro)
+        assert s.layer_tokens(0) == 0  # nothing was appended by a rejected call
+        s.prefill(0, q, k, v)
+        s.build_index()
+        with pytest.raises(TypeError, match=r"lse: expected dtype float32, got float16"):
+            s.decode(0, q[0], k[0], v[0], lse=np.empty(HQ, np.float16))
+        with pytest.raises(ValueError, match=r"out: expected shape \[4, 32\]"):
+            s.decode(0, q[0], k[0], v[0], out=np.empty((HQ, D + 1), np.float32))
+
+        class OpenCL:  # a DLPack producer on a device kvsieve does not know
+            def __dlpack_device__(self):
+                return (4, 0)
+
+            def __dlpack__(self, stream=None):
+                raise AssertionError("must not be exported")
+
+        with pytest.raises(ValueError, match=r"expected a CPU, CUDA-host or CUDA tensor, got DLPack device type 4"):
+            s.decode(0, OpenCL(), k[0], v[0])
+        assert s.layer_tokens(0) == 16
+
+
+def test_library_errors_carry_code_and_message(rng, tmp_path):
+    with pytest.raises(kvsieve.Error) as e:
+        make("no_such_method")
+    assert e.value.code == kvsieve.STATUS_INVALID_ARGUMENT and "no_such_method" in e.value.message
+    assert e.value.status == "INVALID_ARGUMENT" and str(e.value).startswith("[INVALID_ARGUMENT]")
+    with pytest.raises(kvsieve.Error) as e:
+        make("quest", method_params={"page_size": 0})
+    assert "page_size" in e.value.message
+    with pytest.raises(kvsieve.Error) as e:
+        make("exact_topk", method_params="bogus=1")
+    assert "bogus" in e.value.message
+    with make("full") as s:
+        q = rand(rng, HQ, D)
+        with pytest.raises(kvsieve.Error) as e:
+            s.decode(0, q, q[:HKV], q[:HKV])
+        assert e.value.code == kvsieve.STATUS_INVALID_STATE
+        with pytest.raises(kvsieve.Error) as e:
+            s.decode(7, q, q[:HKV], q[:HKV])
+        assert e.value.code == kvsieve.STATUS_INVALID_ARGUMENT and "layer" in e.value.message
+        with pytest.raises(kvsieve.Error) as e:
+            s.method_stat("no_such_stat")
+        assert e.value.code == kvsieve.STATUS_INVALID_ARGUMENT
+    with pytest.raises(kvsieve.Error) as e:
+        kvsieve.Session.load(str(tmp_path / "missing.kvs"))
+    assert e.value.code == kvsieve.STATUS_IO and e.value.backend_code == 2  # ENOENT
+    err = pickle.loads(pickle.dumps(e.value))
+    assert (err.code, err.message, err.backend_code) == (e.value.code, e.value.message, 2)
+    with pytest.raises(ValueError, match="backend"):
+        make("full", backend="tpu")
+
+
+def test_save_load_roundtrip_and_corruption(rng, tmp_path):
+    q, k, v = rand(rng, N, HQ, D), rand(rng, N, HKV, D), rand(rng, N, HKV, D)
+    path = str(tmp_path / "s.kvs")
+    with make("quest", budget=0.1) as s:
+        for layer in range(L):
+            s.prefill(layer, q, k, v)
+        s.build_index()
+        s.save(path, include_kv=True)
+        qn, kn, vn = rand(rng, HQ, D), rand(rng, HKV, D), rand(rng, HKV, D)
+        o1, l1 = s.decode(1, qn, kn, vn)
+    desc = kvsieve.tables_describe(path)
+    assert desc["ok"] is True
+    with kvsieve.Session.load(path) as t:
+        assert (t.num_layers, t.num_q_heads, t.num_kv_heads, t.head_dim) == (L, HQ, HKV, D)
+        o2, l2 = t.decode(1, qn, kn, vn)
+        np.testing.assert_array_equal(o1, o2)
+        np.testing.assert_array_equal(l1, l2)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    bad = tmp_path / "bad.kvs"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(kvsieve.Error) as e:
+        kvsieve.tables_describe(str(bad))
+    assert e.value.code == kvsieve.STATUS_FORMAT_CHECKSUM
+    assert isinstance(e.value.details, dict) and e.value.details["ok"] is False
+
+
+# ---- lifetimes -----------------------------------------------------------------------------------
+def test_lifetimes_any_collection_order(rng):
+    q, k, v = rand(rng, 64, HQ, D), rand(rng, 64, HKV, D), rand(rng, 64, HKV, D)
+    qn, kn, vn = rand(rng, HQ, D), rand(rng, HKV, D), rand(rng, HKV, D)
+    random.seed(5)
+    for trial in range(5):
+        root = make("streaming", budget=0.5)
+        for layer in range(L):
+            root.prefill(layer, q, k, v)
+        root.build_index()
+        family = [root]
+        for _ in range(6):
+            family.append(random.choice(family).fork())
+        want, _ = family[-1].decode(0, qn, kn, vn)
+        random.shuffle(family)
+        while len(family) > 1:
+            victim = family.pop()
+            if random.random() < 0.5:
+                victim.close()
+                victim.close()  # idempotent
+            del victim
+            gc.collect()
+        survivor = family[0]
+        o, _ = survivor.decode(1, qn, kn, vn)  # still usable whoever went first
+        assert np.isfinite(o).all()
+        with pytest.raises(ValueError, match="closed"):
+            survivor.close()
+            survivor.decode(0, qn, kn, vn)
+
+
+def test_context_manager_closes():
+    with make("full") as s:
+        assert not s.closed
+    assert s.closed
+    with pytest.raises(ValueError, match="expected an open session"):
+        s.build_index()
+
+
+def _cli():
+    cli = os.environ.get("KVSIEVE_CLI")
+    if not cli or not os.path.exists(cli):
+        pytest.skip("KVSIEVE_CLI (the kvsieve command, to write a trace) not set")
+    return cli
+
+
+def test_trace_views_outlive_the_trace(tmp_path):
+    path = str(tmp_path / "t.safetensors")
+    subprocess.run([_cli(), "synth", "--out", path, "--layers", "2", "--q-heads", "4", "--kv-heads", "2",
+                    "--head-dim", "16", "--prefill", "64", "--decode", "8"], check=True, capture_output=True)
+    t = kvsieve.Trace(path)
+    info = t.info
+    assert info["num_q_heads"] == 4 and info["head_dim"] == 16 and info["total_len"] == 72
+    layer = t.layers[0]
+    k = t.tensor(layer, "k")
+    assert k.shape == (72, 2, 16) and not k.flags.writeable
+    first = np.array(k, copy=True)
+    t.close()
+    del t
+    gc.collect()
+    np.testing.assert_array_equal(k, first)  # the view keeps the mapping alive
+
+
+# ---- the GIL -------------------------------------------------------------------------------------
+def test_gil_released_during_long_calls(rng):
+    """A pure-Python thread must keep running at full speed while the main thread is inside the
+    library. The ticker's rate during the second half of a long prefill is compared with its rate
+    while the main thread sleeps (GIL free); with the GIL held it drops to a trickle (measured about
+    a tenth, from the interpreter's periodic checks, in a GIL-holding C call such as a pathological
+    regular expression)."""
+    n = 1024
+    q, k, v = rand(rng, n, 8, 128), rand(rng, n, 2, 128), rand(rng, n, 2, 128)
+    ticks = []
+    stop = threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            for _ in range(200):
+                pass
+
+    def rate(a, b):
+        return sum(1 for t in ticks if a < t < b) / (b - a)
+
+    th = threading.Thread(target=ticker)
+    th.start()
+    try:
+        s0 = time.perf_counter()
+        time.sleep(0.2)
+        baseline = rate(s0, time.perf_counter())
+        for attempt in range(4):
+            o = np.empty(q.shape, np.float32)
+            s = kvsieve.Session(1, 8, 2, 128, kv_dtype="float32", num_threads=1)
+            t0 = time.perf_counter()
+            s.prefill(0, q, k, v, out=o)  # causal attention over n tokens: long
+            t1 = time.perf_counter()
+            s.close()
+            if t1 - t0 > 0.2:
+                break
+            q, k, v = (np.concatenate([x, x]) for x in (q, k, v))
+        assert t1 - t0 > 0.2, "the call was too short to tell"
+    finally:
+        stop.set()
+        th.join()
+    inside = rate((t0 + t1) / 2, t1)
+    assert inside > 0.25 * baseline, (f"ticker ran at {inside:.0f}/s in the second half of a {t1 - t0:.2f}s call, "
+                                      f"{baseline:.0f}/s with the GIL free")
+
+
+def test_sessions_from_threads(rng):
+    """Different sessions decode in parallel threads with the same results as serially; concurrent
+    calls on one session are serialised by the facade (none lost, none interleaved)."""
+    q, k, v = rand(rng, N, HQ, D), rand(rng, N, HKV, D), rand(rng, N, HKV, D)
+    steps = [(rand(rng, HQ, D), rand(rng, HKV, D), rand(rng, HKV, D)) for _ in range(8)]
+
+    def fresh():
+        s = make("quest", budget=0.2, num_threads=1)
+        for layer in range(L):
+            s.prefill(layer, q, k, v)
+        s.build_index()
+        return s
+
+    serial = fresh()
+    want = [serial.decode(0, *st)[0] for st in steps]
+    sessions = [fresh() for _ in range(3)]
+    got = [[] for _ in sessions]
+    ths = [threading.Thread(target=lambda i=i: got[i].extend(sessions[i].decode(0, *st)[0] for st in steps))
+           for i in range(3)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    for g in got:
+        for a, b in zip(g, want):
+            np.testing.assert_array_equal(a, b)
+    shared = fresh()
+    ths = [threading.Thread(target=lambda: [shared.decode(1, *st) for st in steps]) for _ in range(4)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    assert shared.layer_tokens(1) == N + 4 * len(steps)
+    assert shared.stats.decode_steps == 4 * len(steps)
+
+
+def test_log_callback_runs_with_the_gil():
+    lines = []
+    kvsieve.set_log_callback(lambda level, line: lines.append((level, line)), "debug")
+    try:
+        with make("full"):
+            pass
+    finally:
+        kvsieve.set_log_callback(None)
+    assert all(isinstance(l, str) and "\n" not in l for _, l in lines)
+
+
+# ---- CUDA through DLPack (skips without a GPU and torch/CuPy) --------------------------------------
+def _torch_cuda():
+    try:
+        import torch
+    except ImportError:
+        pytest.skip("torch not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if "cuda" not in {m.name: m for m in kvsieve.methods()}["full"].backends:
+        pytest.skip("method full has no cuda backend in this build")
+    return torch
+
+
+@pytest.mark.parametrize("method", ["full", "exact_topk"])
+def test_cuda_tensors_zero_copy_on_a_stream(method):
+    torch = _torch_cuda()
+    hq, hkv, d, n = 8, 2, 64, 512
+    try:
+        s = kvsieve.Session(1, hq, hkv, d, method=method, budget=1.0, kv_dtype="bfloat16", backend="cuda")
+    except kvsieve.Error as e:
+        if e.code == kvsieve.STATUS_UNSUPPORTED:
+            pytest.skip(f"cuda backend unavailable: {e.message}")
+        raise
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(n, hq, d, device="cuda", generator=g).bfloat16()
+    k = torch.randn(n, hkv, d, device="cuda", generator=g).bfloat16()
+    v = torch.randn(n, hkv, d, device="cuda", generator=g).bfloat16()
+    qn = torch.randn(hq, d, device="cuda", generator=g)
+    kn = torch.randn(hkv, d, device="cuda", generator=g).bfloat16()
+    vn = torch.randn(hkv, d, device="cuda", generator=g).bfloat16()
+    stream = torch.cuda.Stream()
+    with s:
+        assert kvsieve.capi.describe_tensor(q, 0)[7] == q.data_ptr()  # no copy
+        with torch.cuda.stream(stream):
+            s.prefill(0, q, k, v, stream=stream)
+            s.build_index(stream=stream)
+            o, lse = s.decode(0, qn, kn, vn, stream=stream)
+        stream.synchronize()
+        assert o.is_cuda and o.dtype == torch.float32 and lse.shape == (hq,)
+        K = torch.cat([k, kn[None]]).float().cpu().numpy()
+        V = torch.cat([v, vn[None]]).float().cpu().numpy()
+        ro, rl = ref_attend(qn.cpu().numpy(), K, V, 1.0 / np.sqrt(d))
+        np.testing.assert_allclose(o.cpu().numpy(), ro, rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(lse.cpu().numpy(), rl, rtol=1e-3, atol=1e-2)
+        with pytest.raises(ValueError, match="expected a CUDA tensor on device 0"):
+            s.decode(0, qn.cpu(), kn, vn)
+        with pytest.raises(ValueError, match="C-contiguous"):
+            s.decode(0, torch.randn(d, hq, device="cuda").t(), kn, vn)
+    with make("full") as c:
+        with pytest.raises(ValueError, match="expected host memory"):
+            c.prefill(0, q.float(), k.float(), v.float())
