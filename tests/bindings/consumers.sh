@@ -30,7 +30,9 @@ soname=$(readelf -d "$LIBDIR/libkvsieve.so" | sed -n 's/.*SONAME.*\[\(.*\)\]/\1/
 if [ -x "$PREFIX/bin/kvsieve" ]; then
   step "installed CLI runs through its RPATH (no LD_LIBRARY_PATH)"
   readelf -d "$PREFIX/bin/kvsieve" | grep -Eq 'R(UN)?PATH.*\$ORIGIN/\.\./' || die "CLI has no \$ORIGIN RPATH"
-  env -u LD_LIBRARY_PATH "$PREFIX/bin/kvsieve" methods | grep -q exact_topk || die "installed CLI does not run"
+  # (captured first: `| grep -q` would close the pipe early and fail the CLI with SIGPIPE under pipefail)
+  methods_out=$(env -u LD_LIBRARY_PATH "$PREFIX/bin/kvsieve" methods) || die "installed CLI does not run"
+  grep -q exact_topk <<<"$methods_out" || die "installed CLI does not list exact_topk"
 fi
 
 step "C++ example through find_package(kvsieve)"

@@ -81,6 +81,9 @@ def rng():
 
 SCALE = 1.0 / np.sqrt(D)
 
+# Methods whose default selection is per query head, and the parameters of their per-KV-head mode.
+PER_KV_HEAD_PARAMS = {"lfps": "gqa=per_kv_head"}
+
 
 # ---- versions and registry -----------------------------------------------------------------------
 def test_version_and_abi():
@@ -116,7 +119,10 @@ def test_method_against_reference(method, budget, rng):
     state can only add mass: lse >= lse over the selection, with equality when there is none).
     When the selection is the whole context, that is dense attention."""
     q, k, v = rand(rng, N, HQ, D), rand(rng, N, HKV, D), rand(rng, N, HKV, D)
-    with make(method, budget=budget) as s:
+    # last_selection reports one key set per KV head; a method selecting per query head by default
+    # runs here in its per-KV-head mode so that the reported set is what each head attended.
+    extra = {"method_params": PER_KV_HEAD_PARAMS[method]} if method in PER_KV_HEAD_PARAMS else {}
+    with make(method, budget=budget, **extra) as s:
         for layer in range(L):
             o_pre = np.full((N, HQ, D), np.nan, dtype=np.float32)
             s.prefill(layer, q * (layer + 1), k, v, out=o_pre)
