@@ -369,8 +369,8 @@ TEST_CASE("csattention: search period reuses the selection with the current wind
   {
     // Default window: R = min(64, round(recent_frac * K)) of the budget K, always fully selected;
     // the rest of K comes from the search (so a small budget is not all window).
-    for (auto [extra, frac, budget] : {std::tuple{"", 0.25, 0.1}, std::tuple{"recent_frac=0.5", 0.5, 0.1},
-                                       std::tuple{"", 0.25, 0.9}}) {
+    for (auto [extra, frac, budget] : {std::tuple{"", 0.5, 0.1}, std::tuple{"recent_frac=0.25", 0.25, 0.1},
+                                       std::tuple{"", 0.5, 0.9}}) {
       INFO(extra << " budget " << budget);
       Sess S;
       const std::string mp = std::string("centroids=8,") + extra;

@@ -20,9 +20,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <chrono>
-#include <cstdio>
-#include <cstdlib>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -39,12 +36,6 @@
 
 namespace kvs {
 namespace {
-static const bool kProf = std::getenv("KVS_CSA_PROF") != nullptr;
-static double prof_search = 0, prof_asm = 0, prof_sc = 0, prof_tk = 0; static long prof_n = 0; static double prof_app = 0, prof_sel = 0;
-inline double nowus() { return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
-#define PROF_T0 double _p0 = nowus();
-#define PROF_T1 double _p1 = nowus();
-#define PROF_T2 if (kProf) { double _p2 = nowus(); prof_search += _p1 - _p0; prof_asm += _p2 - _p1; if (++prof_n % 10 == 0) std::fprintf(stderr, "csaprof app %.0f sel %.0f n=%ld search %.0f asm %.0f | per-head cpu scatter %.0f topk %.0f us (avg/step) union %lld lists %lld\n", prof_app/prof_n, prof_sel/prof_n, prof_n, prof_search/prof_n, prof_asm/prof_n, prof_sc/prof_n, prof_tk/prof_n, (long long)scratch_[0].last_union, (long long)scratch_[0].last_lists); }
 
 using namespace csa;
 
@@ -355,7 +346,6 @@ class CSAttention final : public Method {
   // ---- streaming update ----
   void on_append(uint32_t layer, const float*, int64_t, const KVLayer& kv, bool) override {
     auto& L = layers_[layer];
-    struct PT { double t = nowus(); ~PT() { prof_app += nowus() - t; } } _pt;
     L.undo.clear();  // the previous call succeeded: its inserts are final
     if (!L.built || L.dense_fallback) return;
     const int64_t n = kv.size();
@@ -439,7 +429,6 @@ class CSAttention final : public Method {
   // ---- decode ----
   void select(uint32_t layer, const float* q, const KVLayer& kv, Selection& out) override {
     auto& L = layers_[layer];
-    struct PT { double t = nowus(); ~PT() { prof_sel += nowus() - t; } } _pt;
     const int64_t n = kv.size();
     if (!L.built || L.dense_fallback) {
       out.kind = Selection::Kind::All;
@@ -464,7 +453,6 @@ class CSAttention final : public Method {
     }
     const int64_t rest = window_in_budget_ ? std::max<int64_t>(0, k - int64_t(forced.size())) : k;
     const bool search = L.cached.size() != size_t(TH_) || L.step % period_ == 0;
-    PROF_T0
     ++L.step;
     if (search) {
       L.cached.resize(size_t(TH_));
@@ -473,7 +461,6 @@ class CSAttention final : public Method {
       for (auto& S : scratch_) union_sum_ += double(S.last_union);
       union_samples_ += TH_;
     }
-    PROF_T1
     out.kind = per_query_ ? Selection::Kind::PerQueryHead : Selection::Kind::PerKvHead;
     out.lists.resize(size_t(TH_));
     // Sorted without a sort: sinks < the searched keys in [s_end, w_begin) (kept sorted) < window.
@@ -489,7 +476,6 @@ class CSAttention final : public Method {
         if (t >= s_end && t < w_begin) l.push_back(t);
       l.insert(l.end(), forced.begin() + nsink, forced.end());
     }
-    PROF_T2
   }
 
   // ---- tables ----
@@ -730,7 +716,6 @@ class CSAttention final : public Method {
   // No allocations once the scratch has grown to the context.
   void search_head(LayerState& L, int h, const float* q, int64_t n, int64_t s_end, int64_t w_begin, int64_t rest) {
     Scratch& S = scratch_[size_t(h)];
-    double _pa = nowus();
     if (int64_t(S.acc.size()) < n) S.acc.resize(size_t(n), -0.0f);
     // (subspace, centroid) picks with their summed weights over the group's query heads.
     auto& picks = S.picks;
@@ -787,7 +772,6 @@ class CSAttention final : public Method {
       i = j;
     }
     S.last_lists = nlists;
-    double _ps = nowus();
     // Top-rest of the union outside the forced keys, by (score desc, token asc). A threshold tau
     // from a 1/32 sample of the candidate range keeps ~1.2x rest candidates (collected in token
     // order); if fewer than rest pass, everything touched is collected. Exact either way.
@@ -842,7 +826,6 @@ class CSAttention final : public Method {
       }
     }
     std::fill(S.acc.begin(), S.acc.begin() + n, -0.0f);
-    if (kProf) { double _pe = nowus(); prof_sc += _ps - _pa; prof_tk += _pe - _ps; }
   }
 
   MethodContext ctx_;
@@ -893,7 +876,7 @@ MethodSpec csattention_spec() {
        {"weight_list", "string", "", "explicit w_b as w1:w2:...:wm (multiplies weights)"},
        {"recent", "int", "-1",
         "R: recent window always attended; -1 = min(64, round(recent_frac * K)) [ASSUMPTION, paper leaves it open]"},
-       {"recent_frac", "float", "0.25", "window share of the budget K when recent = -1 (R = min(64, round(recent_frac * K)))"},
+       {"recent_frac", "float", "0.5", "window share of the budget K when recent = -1 (R = min(64, round(recent_frac * K)))"},
        {"sinks", "int", "0", "first tokens always attended [RECON: peers use 4; the paper has none]"},
        {"window_in_budget", "bool", "true",
         "window and sinks count inside K (Top-(K-R) from the rest) [RECON]; false adds them on top"},
