@@ -10,6 +10,7 @@
 #include <numeric>
 #include <set>
 #include <string>
+#include <tuple>
 #include <unistd.h>
 
 #include "io/tables.hpp"
@@ -365,8 +366,38 @@ TEST_CASE("csattention: search period reuses the selection with the current wind
       }
     }
   }
+  {
+    // Default window: R = min(64, round(recent_frac * K)) of the budget K, always fully selected;
+    // the rest of K comes from the search (so a small budget is not all window).
+    for (auto [extra, frac, budget] : {std::tuple{"", 0.5, 0.1}, std::tuple{"recent_frac=0.25", 0.25, 0.1},
+                                       std::tuple{"", 0.5, 0.9}}) {
+      INFO(extra << " budget " << budget);
+      Sess S;
+      const std::string mp = std::string("centroids=8,") + extra;
+      auto p = params(D, mp.c_str(), 1, budget);
+      OK(kvs_session_create(&p, &S.s));
+      prefill(S.s, D, 0, 0, 300);
+      OK(kvs_session_build_index(S.s, nullptr));
+      std::vector<float> o, l;
+      for (int64_t t = 300; t < 304; ++t) {
+        decode(S.s, D, 0, t, o, l);
+        const int64_t n = t + 1, K = int64_t(std::ceil(budget * double(n)));
+        const int64_t R = std::min<int64_t>(64, std::llround(frac * double(K)));
+        for (uint32_t h = 0; h < 2; ++h) {
+          auto sel = selection(S.s, 0, h);
+          // (at 0.9 the union of the lists can hold fewer than K - R keys: only they are candidates)
+          if (budget < 0.5) CHECK(int64_t(sel.size()) == K);
+          else CHECK(int64_t(sel.size()) <= K);
+          int64_t in_win = 0;
+          for (int32_t x : sel) in_win += x >= n - R;
+          CHECK(in_win == R);
+          CHECK(R < K);
+        }
+      }
+    }
+  }
   for (const char* bad : {"subspaces=5", "splits=8:8", "splits=8:8:8:9,subspaces=4", "list_frac=0", "centroids=0",
-                          "period=0", "weight_list=1:2", "recent=-1", "init=queries,centroids=7"}) {
+                          "period=0", "weight_list=1:2", "recent=-2", "recent_frac=1.5", "init=queries,centroids=7"}) {
     INFO(bad);
     Sess S;
     auto p = params(D, bad);

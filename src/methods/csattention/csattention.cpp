@@ -47,40 +47,122 @@ std::vector<std::string> split_colon(const std::string& s) {
   return out;
 }
 
-// Accumulator slot of one token: the running sum and the search epoch that last touched it.
-struct Slot {
-  float acc;
-  uint32_t stamp;
-};
-// A gathered list entry: token and weighted score.
-struct Pair {
-  int32_t t;
-  float v;
-};
+// Reduce-by-key into a dense per-table-head accumulator of N floats (512 KiB at 128K tokens: it
+// stays in L2). Untouched slots hold -0.0f (bits 0x80000000); every added value is canonicalised by
+// + 0.0f (never -0.0f), and a sum of such values is never -0.0f in round-to-nearest, so "touched"
+// is exactly "bits != 0x80000000" without a separate stamp array. Entries of a token are added in
+// list order (lists in (subspace, centroid) order), so results are deterministic and the SIMD and
+// scalar paths agree bit for bit. Tokens within one list are distinct, so the AVX-512
+// gather/add/scatter of 16 entries has no conflicts.
+constexpr uint32_t kUntouched = 0x80000000u;
 
-// Reduce-by-key in three passes, the CPU form of the paper's radix sort + segmented sum: entries
-// are bucketed by token block (kBlockShift: a block's slots stay in L1/L2), then summed block by
-// block. Entries of a token are summed in list order, so the result does not depend on blocking.
-constexpr int kBlockShift = 12;
-
-template <class S>
-void distribute_portable(const int32_t* idx, const S* val, int64_t L, float w, Pair* out, int64_t* pos) {
-  for (int64_t i = 0; i < L; ++i) out[pos[idx[i] >> kBlockShift]++] = Pair{idx[i], w * score_f(val[i])};
+inline bool touched(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  return u != kUntouched;
 }
 
-__attribute__((target("avx2,f16c"))) void distribute_f16c(const int32_t* idx, const uint16_t* val, int64_t L, float w,
-                                                          Pair* out, int64_t* pos) {
+template <class S>
+void scatter_portable(const int32_t* idx, const S* val, int64_t L, float w, float* acc) {
+  for (int64_t i = 0; i < L; ++i) {
+    const float v = w * score_f(val[i]);
+    acc[idx[i]] += v + 0.0f;
+  }
+}
+
+__attribute__((target("avx512f,f16c"))) void scatter_f16_avx512(const int32_t* idx, const uint16_t* val, int64_t L,
+                                                           float w, float* acc) {
+  const __m512 wv = _mm512_set1_ps(w), zero = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= L; i += 16) {
+    const __m512i ix = _mm512_loadu_si512(idx + i);
+    const __m512 v = _mm512_add_ps(
+        _mm512_mul_ps(wv, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(val + i)))), zero);
+    const __m512 a = _mm512_mask_i32gather_ps(zero, __mmask16(0xFFFF), ix, acc, 4);
+    _mm512_i32scatter_ps(acc, ix, _mm512_add_ps(a, v), 4);
+  }
+  for (; i < L; ++i) {
+    const float v = w * _cvtsh_ss(val[i]);
+    acc[idx[i]] += v + 0.0f;
+  }
+}
+
+__attribute__((target("avx512f,f16c"))) void scatter_f32_avx512(const int32_t* idx, const float* val, int64_t L, float w,
+                                                           float* acc) {
+  const __m512 wv = _mm512_set1_ps(w), zero = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= L; i += 16) {
+    const __m512i ix = _mm512_loadu_si512(idx + i);
+    const __m512 v = _mm512_add_ps(_mm512_mul_ps(wv, _mm512_loadu_ps(val + i)), zero);
+    const __m512 a = _mm512_mask_i32gather_ps(zero, __mmask16(0xFFFF), ix, acc, 4);
+    _mm512_i32scatter_ps(acc, ix, _mm512_add_ps(a, v), 4);
+  }
+  for (; i < L; ++i) {
+    const float v = w * val[i];
+    acc[idx[i]] += v + 0.0f;
+  }
+}
+
+__attribute__((target("avx2,f16c"))) void scatter_f16_f16c(const int32_t* idx, const uint16_t* val, int64_t L, float w,
+                                                          float* acc) {
   alignas(32) float vf[8];
-  const __m256 wv = _mm256_set1_ps(w);
+  const __m256 wv = _mm256_set1_ps(w), zero = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= L; i += 8) {
-    _mm256_store_ps(vf, _mm256_mul_ps(wv, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(val + i)))));
-    for (int l = 0; l < 8; ++l) out[pos[idx[i + l] >> kBlockShift]++] = Pair{idx[i + l], vf[l]};
+    _mm256_store_ps(vf, _mm256_add_ps(
+                            _mm256_mul_ps(wv, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(val + i)))),
+                            zero));
+    for (int l = 0; l < 8; ++l) acc[idx[i + l]] += vf[l];
   }
-  for (; i < L; ++i) out[pos[idx[i] >> kBlockShift]++] = Pair{idx[i], w * _cvtsh_ss(val[i])};
+  for (; i < L; ++i) {
+    const float v = w * _cvtsh_ss(val[i]);
+    acc[idx[i]] += v + 0.0f;
+  }
+}
+
+// Candidates of [b, e): touched slots with score >= tau, appended in token order to tok/sc;
+// returns the number of touched slots seen.
+int64_t collect_portable(const float* acc, int64_t b, int64_t e, float tau, int32_t* tok, float* sc, int64_t* nout) {
+  int64_t nt = 0, k = *nout;
+  for (int64_t t = b; t < e; ++t) {
+    const float v = acc[t];
+    if (!touched(v)) continue;
+    ++nt;
+    if (v >= tau) {
+      tok[k] = int32_t(t);
+      sc[k++] = v;
+    }
+  }
+  *nout = k;
+  return nt;
+}
+
+__attribute__((target("avx512f,f16c"))) int64_t collect_avx512(const float* acc, int64_t b, int64_t e, float tau,
+                                                         int32_t* tok, float* sc, int64_t* nout) {
+  int64_t nt = 0, k = *nout, t = b;
+  const __m512i neg0 = _mm512_set1_epi32(int(kUntouched));
+  const __m512 tv = _mm512_set1_ps(tau);
+  const __m512i step = _mm512_set1_epi32(16);
+  __m512i ids = _mm512_add_epi32(_mm512_set1_epi32(int32_t(t)),
+                                 _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  for (; t + 16 <= e; t += 16) {
+    const __m512 v = _mm512_loadu_ps(acc + t);
+    const __mmask16 tm = _mm512_cmpneq_epi32_mask(_mm512_castps_si512(v), neg0);
+    const __mmask16 km = _mm512_mask_cmp_ps_mask(tm, v, tv, _CMP_GE_OQ);
+    nt += __builtin_popcount(unsigned(tm));
+    if (km) {
+      _mm512_mask_compressstoreu_epi32(tok + k, km, ids);
+      _mm512_mask_compressstoreu_ps(sc + k, km, v);
+      k += __builtin_popcount(unsigned(km));
+    }
+    ids = _mm512_add_epi32(ids, step);
+  }
+  *nout = k;
+  return nt + collect_portable(acc, t, e, tau, tok, sc, nout);
 }
 
 const bool kHaveF16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+const bool kHaveAvx512 = __builtin_cpu_supports("avx512f");
 
 struct Schedule {
   double rho;
@@ -106,6 +188,7 @@ class CSAttention final : public Method {
     f16_ = p.get_string("score_dtype") == "f16";
     qnorm_ = p.get_string("weights") == "qnorm";
     recent_ = p.get_int("recent");
+    recent_frac_ = p.get_float("recent_frac");
     sinks_ = p.get_int("sinks");
     window_in_budget_ = p.get_bool("window_in_budget");
     period_ = p.get_int("period");
@@ -151,7 +234,8 @@ class CSAttention final : public Method {
     if (km_.iters < 0 || km_.iters > 10000) invalid("method_params: csattention iters must be in [0, 10000]");
     if (km_.batch < 1) invalid("method_params: csattention batch must be >= 1");
     if (sample_ < 1) invalid("method_params: csattention sample must be >= 1");
-    if (recent_ < 0) invalid("method_params: csattention recent must be >= 0");
+    if (recent_ < -1) invalid("method_params: csattention recent must be >= 0 (or -1 = auto from recent_frac)");
+    if (!(recent_frac_ >= 0.0 && recent_frac_ <= 1.0)) invalid("method_params: csattention recent_frac must be in [0, 1]");
     if (sinks_ < 0) invalid("method_params: csattention sinks must be >= 0");
     if (period_ < 1) invalid("method_params: csattention period must be >= 1");
     const std::string wl = p.get_string("weight_list");
@@ -354,7 +438,10 @@ class CSAttention final : public Method {
     if (L.indexed < n) on_append(layer, q, n - L.indexed, kv, true);  // keys appended without on_append
     const int64_t k = sched_ ? Budget{schedule_.rho, 0}.keys(n, schedule_.rho) : ctx_.budget.keys(n, 0.05);
     // Forced keys: sinks [0, s) and the recent window [n - R, n).
-    const int64_t s_end = std::min(sinks_, n), w_begin = std::max(s_end, n - recent_);
+    // R: explicit, or by default a function of the budget, min(64, round(recent_frac * K)), so a
+    // small budget is not swallowed by the window.
+    const int64_t R = recent_ >= 0 ? recent_ : std::min<int64_t>(kRecentMax, std::llround(recent_frac_ * double(k)));
+    const int64_t s_end = std::min(sinks_, n), w_begin = std::max(s_end, n - R);
     std::vector<int32_t> forced;
     for (int64_t t = 0; t < s_end; ++t) forced.push_back(int32_t(t));
     for (int64_t t = w_begin; t < n; ++t) forced.push_back(int32_t(t));
@@ -368,20 +455,26 @@ class CSAttention final : public Method {
     const bool search = L.cached.size() != size_t(TH_) || L.step % period_ == 0;
     ++L.step;
     if (search) {
-      L.cached.assign(size_t(TH_), {});
+      L.cached.resize(size_t(TH_));
       ctx_.pool->parallel_for(TH_, [&](int64_t th) { search_head(L, int(th), q, n, s_end, w_begin, rest); });
       ++searches_;
       for (auto& S : scratch_) union_sum_ += double(S.last_union);
       union_samples_ += TH_;
     }
     out.kind = per_query_ ? Selection::Kind::PerQueryHead : Selection::Kind::PerKvHead;
-    out.lists.assign(size_t(TH_), {});
+    out.lists.resize(size_t(TH_));
+    // Sorted without a sort: sinks < the searched keys in [s_end, w_begin) (kept sorted) < window.
+    size_t nsink = 0;
+    while (nsink < forced.size() && forced[nsink] < s_end) ++nsink;
     for (int h = 0; h < TH_; ++h) {
       auto& l = out.lists[size_t(h)];
-      l = forced;
-      for (int32_t t : L.cached[size_t(h)])
+      const auto& c = L.cached[size_t(h)];
+      l.clear();
+      l.reserve(forced.size() + c.size());
+      l.insert(l.end(), forced.begin(), forced.begin() + nsink);
+      for (int32_t t : c)
         if (t >= s_end && t < w_begin) l.push_back(t);
-      std::sort(l.begin(), l.end());
+      l.insert(l.end(), forced.begin() + nsink, forced.end());
     }
   }
 
@@ -469,6 +562,7 @@ class CSAttention final : public Method {
         const int32_t* q = p + TH_;
         for (int h = 0; h < TH_; ++h) {
           L.cached[size_t(h)].assign(q, q + p[h]);
+          std::sort(L.cached[size_t(h)].begin(), L.cached[size_t(h)].end());
           for (int32_t t : L.cached[size_t(h)])
             if (t < 0 || t >= L.indexed) bad("csa.sel holds a token index outside [0, indexed_tokens)");
           q += p[h];
@@ -537,13 +631,11 @@ class CSAttention final : public Method {
     std::vector<std::vector<int32_t>> cached;
   };
   struct Scratch {
-    std::vector<Slot> acc;
-    std::vector<int32_t> U;
-    std::vector<std::pair<float, int32_t>> cand;
-    std::vector<int64_t> pos;
-    std::vector<Pair> pairs;
-    uint32_t epoch = 0;
-    int64_t last_union = 0;
+    std::vector<float> acc;  // dense accumulator, -0.0f = untouched (kept so between searches)
+    std::vector<std::pair<int64_t, float>> picks;
+    std::vector<float> qsum, smp, csc;
+    std::vector<int32_t> ctok;
+    int64_t last_union = 0, last_lists = 0;
   };
 
   void thin(LayerState& L, size_t row) {
@@ -621,28 +713,22 @@ class CSAttention final : public Method {
   }
 
   // One table head's search: nearest centroids, reduce-by-key of the chosen lists, Top-rest.
+  // No allocations once the scratch has grown to the context.
   void search_head(LayerState& L, int h, const float* q, int64_t n, int64_t s_end, int64_t w_begin, int64_t rest) {
     Scratch& S = scratch_[size_t(h)];
-    if (int64_t(S.acc.size()) < n) {
-      S.acc.resize(size_t(n), Slot{0.f, 0u});
-      S.U.resize(size_t(n));
-    }
-    if (++S.epoch == 0) {  // wrapped: clear the stamps
-      std::fill(S.acc.begin(), S.acc.end(), Slot{0.f, 0u});
-      S.epoch = 1;
-    }
-    // (subspace, centroid) pairs with their summed weights over the group's query heads.
-    std::vector<std::pair<int64_t, float>> pairs;
+    if (int64_t(S.acc.size()) < n) S.acc.resize(size_t(n), -0.0f);
+    // (subspace, centroid) picks with their summed weights over the group's query heads.
+    auto& picks = S.picks;
+    picks.clear();
     const bool sum = !per_query_ && group_sum_;
     const int gq = per_query_ || sum ? 1 : G_;
-    std::vector<float> qsum;
     if (sum) {  // the group's summed query picks one centroid per subspace, weighted G (uniform)
-      qsum.assign(size_t(d_), 0.f);
+      S.qsum.assign(size_t(d_), 0.f);
       for (int g = 0; g < G_; ++g)
-        for (int i = 0; i < d_; ++i) qsum[size_t(i)] += q[size_t(h * G_ + g) * d_ + i];
+        for (int i = 0; i < d_; ++i) S.qsum[size_t(i)] += q[size_t(h * G_ + g) * d_ + i];
     }
     for (int g = 0; g < gq; ++g) {
-      const float* qh = sum ? qsum.data() : q + size_t(per_query_ ? h : h * G_ + g) * d_;
+      const float* qh = sum ? S.qsum.data() : q + size_t(per_query_ ? h : h * G_ + g) * d_;
       for (int b = 0; b < m_; ++b) {
         const int db = db_[size_t(b)], off = off_[size_t(b)];
         const float* cent = centroids(L, h, b);
@@ -661,69 +747,92 @@ class CSAttention final : public Method {
           }
         }
         const float w = w_[size_t(b)] * (qnorm_ ? float(std::sqrt(nn)) : sum ? float(G_) : 1.f);
-        pairs.emplace_back(int64_t(b) * C_ + best, w);
+        picks.emplace_back(int64_t(b) * C_ + best, w);
       }
     }
-    std::sort(pairs.begin(), pairs.end(), [](auto& a, auto& b) { return a.first < b.first; });
-    // Distinct lists with their summed weights.
-    std::vector<std::pair<size_t, float>> lists;
-    for (size_t i = 0; i < pairs.size();) {
+    // Distinct lists, each gathered once with the summed weight of the heads that picked it.
+    std::sort(picks.begin(), picks.end(), [](auto& a, auto& b) { return a.first < b.first; });
+    float* acc = S.acc.data();
+    int64_t nlists = 0;
+    for (size_t i = 0; i < picks.size();) {
       float w = 0.f;
       size_t j = i;
-      for (; j < pairs.size() && pairs[j].first == pairs[i].first; ++j) w += pairs[j].second;
-      lists.emplace_back(list_base(L, h, int(pairs[i].first / C_), pairs[i].first % C_), w);
+      for (; j < picks.size() && picks[j].first == picks[i].first; ++j) w += picks[j].second;
+      const size_t base = list_base(L, h, int(picks[i].first / C_), picks[i].first % C_);
+      const int32_t* idx = &L.idx[base];
+      if (f16_) {
+        if (kHaveAvx512) scatter_f16_avx512(idx, &L.v16[base], L.L, w, acc);
+        else if (kHaveF16c) scatter_f16_f16c(idx, &L.v16[base], L.L, w, acc);
+        else scatter_portable(idx, &L.v16[base], L.L, w, acc);
+      } else {
+        if (kHaveAvx512) scatter_f32_avx512(idx, &L.v32[base], L.L, w, acc);
+        else scatter_portable(idx, &L.v32[base], L.L, w, acc);
+      }
+      ++nlists;
       i = j;
     }
-    const int64_t nb = ((n - 1) >> kBlockShift) + 1;
-    S.pos.assign(size_t(nb) + 1, 0);
-    for (auto& [base, w] : lists) {
-      const int32_t* idx = &L.idx[base];
-      for (int64_t e = 0; e < L.L; ++e) ++S.pos[size_t(idx[e] >> kBlockShift) + 1];
+    S.last_lists = nlists;
+    // Top-rest of the union outside the forced keys, by (score desc, token asc). A threshold tau
+    // from a 1/32 sample of the candidate range keeps ~1.2x rest candidates (collected in token
+    // order); if fewer than rest pass, everything touched is collected. Exact either way.
+    auto collect = [&](float tau, int64_t* nc) {
+      *nc = 0;
+      return kHaveAvx512 ? collect_avx512(acc, s_end, w_begin, tau, S.ctok.data(), S.csc.data(), nc)
+                         : collect_portable(acc, s_end, w_begin, tau, S.ctok.data(), S.csc.data(), nc);
+    };
+    if (int64_t(S.ctok.size()) < n) {
+      S.ctok.resize(size_t(n));
+      S.csc.resize(size_t(n));
     }
-    for (int64_t blk = 0; blk < nb; ++blk) S.pos[size_t(blk) + 1] += S.pos[size_t(blk)];
-    S.pairs.resize(size_t(S.pos[size_t(nb)]));
-    for (auto& [base, w] : lists) {
-      if (!f16_) distribute_portable(&L.idx[base], &L.v32[base], L.L, w, S.pairs.data(), S.pos.data());
-      else if (kHaveF16c) distribute_f16c(&L.idx[base], &L.v16[base], L.L, w, S.pairs.data(), S.pos.data());
-      else distribute_portable(&L.idx[base], &L.v16[base], L.L, w, S.pairs.data(), S.pos.data());
-    }
-    int64_t nu = 0;
-    Slot* acc = S.acc.data();
-    const uint32_t epoch = S.epoch;
-    for (const Pair& pr : S.pairs) {
-      Slot& a = acc[pr.t];
-      if (a.stamp != epoch) {
-        a.stamp = epoch;
-        a.acc = pr.v;
-        S.U[size_t(nu++)] = pr.t;
-      } else {
-        a.acc += pr.v;
+    const float ninf = -std::numeric_limits<float>::infinity();
+    float tau = ninf;
+    if (rest > 0) {
+      constexpr int64_t kStride = 32;
+      const int64_t want = rest + rest / 5 + 8 * kStride;  // candidates aimed at
+      S.smp.clear();
+      for (int64_t t = s_end + kStride / 2; t < w_begin; t += kStride)
+        if (touched(acc[t])) S.smp.push_back(acc[t]);
+      const int64_t j = want / kStride;
+      if (int64_t(S.smp.size()) > j) {
+        std::nth_element(S.smp.begin(), S.smp.begin() + j, S.smp.end(), std::greater<float>());
+        tau = S.smp[size_t(j)];
       }
     }
-    S.last_union = nu;
-    // Top-rest of the union outside the forced keys, by (score desc, token asc).
-    S.cand.clear();
-    for (int64_t i = 0; i < nu; ++i) {
-      const int32_t t = S.U[size_t(i)];
-      if (t >= s_end && t < w_begin) S.cand.emplace_back(S.acc[size_t(t)].acc, t);
-    }
+    int64_t nc = 0;
+    int64_t nt = collect(rest > 0 ? tau : std::numeric_limits<float>::infinity(), &nc);
+    if (rest > 0 && nc < rest && tau != ninf) nt = collect(ninf, &nc);
+    for (int64_t t = 0; t < s_end; ++t) nt += touched(acc[t]);
+    for (int64_t t = w_begin; t < n; ++t) nt += touched(acc[t]);
+    S.last_union = nt;
     auto& out = L.cached[size_t(h)];
     out.clear();
-    const int64_t k = std::min<int64_t>(rest, int64_t(S.cand.size()));
+    const int64_t k = std::min<int64_t>(rest, nc);
     if (k > 0) {
-      auto better = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
-        return a.first > b.first || (a.first == b.first && a.second < b.second);
-      };
-      if (k < int64_t(S.cand.size())) std::nth_element(S.cand.begin(), S.cand.begin() + (k - 1), S.cand.end(), better);
       out.reserve(size_t(k));
-      for (int64_t i = 0; i < k; ++i) out.push_back(S.cand[size_t(i)].second);
+      if (k == nc) {
+        out.assign(S.ctok.begin(), S.ctok.begin() + nc);
+      } else {
+        // The k-th best score; all better ones, then the ties by ascending token.
+        S.smp.assign(S.csc.begin(), S.csc.begin() + nc);
+        std::nth_element(S.smp.begin(), S.smp.begin() + (k - 1), S.smp.end(), std::greater<float>());
+        const float vk = S.smp[size_t(k - 1)];
+        int64_t above = 0;
+        for (int64_t i = 0; i < nc; ++i) above += S.csc[size_t(i)] > vk;
+        int64_t ties = k - above;
+        for (int64_t i = 0; i < nc; ++i) {
+          const float v = S.csc[size_t(i)];
+          if (v > vk || (v == vk && ties-- > 0)) out.push_back(S.ctok[size_t(i)]);
+        }
+      }
     }
-    std::sort(out.begin(), out.end());
+    std::fill(S.acc.begin(), S.acc.begin() + n, -0.0f);
   }
 
   MethodContext ctx_;
   int d_, G_, m_, TH_;
+  static constexpr int64_t kRecentMax = 64;
   int64_t C_, list_len_, sample_, recent_, sinks_, period_;
+  double recent_frac_;
   double alpha_;
   uint64_t seed_;
   bool f16_, qnorm_, window_in_budget_, per_query_, group_sum_, sched_ = false;
@@ -765,7 +874,9 @@ MethodSpec csattention_spec() {
        {"weights", "enum:uniform|qnorm", "uniform",
         "w_b: 1 (paper) or ||q^(b)|| (RECON: restores the query norm cosine matching drops)"},
        {"weight_list", "string", "", "explicit w_b as w1:w2:...:wm (multiplies weights)"},
-       {"recent", "int", "64", "R: recent window always attended [ASSUMPTION, paper leaves it open]"},
+       {"recent", "int", "-1",
+        "R: recent window always attended; -1 = min(64, round(recent_frac * K)) [ASSUMPTION, paper leaves it open]"},
+       {"recent_frac", "float", "0.5", "window share of the budget K when recent = -1 (R = min(64, round(recent_frac * K)))"},
        {"sinks", "int", "0", "first tokens always attended [RECON: peers use 4; the paper has none]"},
        {"window_in_budget", "bool", "true",
         "window and sinks count inside K (Top-(K-R) from the rest) [RECON]; false adds them on top"},
