@@ -567,6 +567,7 @@ def test_cuda_tensors_zero_copy_on_a_stream(method):
             s.decode(0, qn.cpu(), kn, vn)
         with pytest.raises(ValueError, match="C-contiguous"):
             s.decode(0, torch.randn(d, hq, device="cuda").t(), kn, vn)
-    with make("full") as c:
+    with make("full") as c:  # a cpu session: CUDA tensors of the right shape and dtype are refused
+        qc, kc = torch.randn(N, HQ, D, device="cuda"), torch.randn(N, HKV, D, device="cuda")
         with pytest.raises(ValueError, match="expected host memory"):
-            c.prefill(0, q.float(), k.float(), v.float())
+            c.prefill(0, qc, kc, kc.clone())

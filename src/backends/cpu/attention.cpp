@@ -346,7 +346,7 @@ void simd_block(Isa isa, State& st, const float* q, int cnt, const std::byte* co
 // Runs keys [begin, end) of one KV head (row accessors kat/vat) into the state.
 template <class KAt, class VAt>
 void run_chunk(Isa isa, State& st, const float* qs, DType t, int64_t begin, int64_t end, KAt kat, VAt vat,
-               TaskScratch& sc) {
+               TaskScratch& sc, bool gathered) {
   if (isa == Isa::Scalar) {
     for (int64_t b = begin; b < end; b += kBlock) {
       const int cnt = int(std::min<int64_t>(kBlock, end - b));
@@ -371,16 +371,26 @@ void run_chunk(Isa isa, State& st, const float* qs, DType t, int64_t begin, int6
   }
   const std::byte* kr[kBlock];
   const std::byte* vr[kBlock];
+  const size_t row_bytes = size_t(st.d) * dtype_size(t);
+  const auto prefetch_rows = [row_bytes](const std::byte* row, int hint) {
+    for (size_t off = 0; off < row_bytes; off += 64) {
+      if (hint == _MM_HINT_T0) _mm_prefetch(reinterpret_cast<const char*>(row) + off, _MM_HINT_T0);
+      else _mm_prefetch(reinterpret_cast<const char*>(row) + off, _MM_HINT_T1);
+    }
+  };
   for (int64_t b = begin; b < end; b += kBlock) {
     const int cnt = int(std::min<int64_t>(kBlock, end - b));
-    const size_t row_bytes = size_t(st.d) * dtype_size(t);
     for (int j = 0; j < cnt; ++j) {
       kr[j] = kat(b + j);
       vr[j] = vat(b + j);
       // The value pass walks the block's V rows column chunk by column chunk, a pattern the
       // hardware prefetchers miss; ask for the rows now, while the score pass works on K.
-      for (size_t off = 0; off < row_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(vr[j]) + off, _MM_HINT_T0);
+      prefetch_rows(vr[j], _MM_HINT_T0);
     }
+    // Gathered rows (index lists) are scattered: the hardware prefetchers cannot guess the next
+    // block's K rows, so ask for them (into L2) while this block is computed.
+    if (gathered)
+      for (int64_t i = b + kBlock, e2 = std::min<int64_t>(end, b + 2 * kBlock); i < e2; ++i) prefetch_rows(kat(i), _MM_HINT_T1);
     switch (t) {
       case DType::BF16: simd_block<DType::BF16>(isa, st, qs, cnt, kr, vr, sc.s.data()); break;
       case DType::F16: simd_block<DType::F16>(isa, st, qs, cnt, kr, vr, sc.s.data()); break;
@@ -423,7 +433,7 @@ void merge_chunks(const float* part_o, const float* part_lse, int chunks, int G,
 // the i-th key/value row of group h.
 template <class NKeys, class KAt, class VAt>
 void drive(const KVLayer& kv, const float* q, int heads, int gq, int d, float scale, NKeys nkeys,
-           KAt kat, VAt vat, float* o, float* lse, ThreadPool& pool) {
+           KAt kat, VAt vat, float* o, float* lse, ThreadPool& pool, bool gathered) {
   int64_t max_keys = 0;
   for (int h = 0; h < heads; ++h) max_keys = std::max(max_keys, nkeys(h));
   // Enough chunks for the pool to balance, each at least one page of keys.
@@ -445,7 +455,7 @@ void drive(const KVLayer& kv, const float* q, int heads, int gq, int d, float sc
     for (size_t i = 0; i < sc.q.size(); ++i) sc.q[i] = q[size_t(h) * gq * d + i] * scale;
     auto ka = [&](int64_t i) { return kat(h, i); };
     auto va = [&](int64_t i) { return vat(h, i); };
-    if (b < e) run_chunk(isa, st, sc.q.data(), t, b, e, ka, va, sc);
+    if (b < e) run_chunk(isa, st, sc.q.data(), t, b, e, ka, va, sc, gathered);
     const size_t slot = size_t(h) * chunks + c;
     finish(st, part_o.data() + slot * gq * d, part_lse.data() + slot * gq);
   });
@@ -461,7 +471,7 @@ void attend_dense(const KVLayer& kv, const float* q, int G, int64_t n_keys, floa
   const int d = kv.head_dim();
   drive(kv, q, kv.num_kv_heads(), G, d, scale, [&](int) { return n_keys; },
         [&](int h, int64_t i) { return kv.k_row(h, i); }, [&](int h, int64_t i) { return kv.v_row(h, i); },
-        o, lse, pool);
+        o, lse, pool, false);
 }
 
 void attend_gather_kv(const KVLayer& kv, const float* q, int G,
@@ -470,7 +480,7 @@ void attend_gather_kv(const KVLayer& kv, const float* q, int G,
   const int d = kv.head_dim();
   drive(kv, q, kv.num_kv_heads(), G, d, scale, [&](int h) { return int64_t(lists[size_t(h)].size()); },
         [&](int h, int64_t i) { return kv.k_row(h, lists[size_t(h)][size_t(i)]); },
-        [&](int h, int64_t i) { return kv.v_row(h, lists[size_t(h)][size_t(i)]); }, o, lse, pool);
+        [&](int h, int64_t i) { return kv.v_row(h, lists[size_t(h)][size_t(i)]); }, o, lse, pool, true);
 }
 
 void attend_gather_q(const KVLayer& kv, const float* q, int G,
@@ -480,7 +490,7 @@ void attend_gather_q(const KVLayer& kv, const float* q, int G,
   const int hq = kv.num_kv_heads() * G;
   drive(kv, q, hq, 1, d, scale, [&](int h) { return int64_t(lists[size_t(h)].size()); },
         [&](int h, int64_t i) { return kv.k_row(h / G, lists[size_t(h)][size_t(i)]); },
-        [&](int h, int64_t i) { return kv.v_row(h / G, lists[size_t(h)][size_t(i)]); }, o, lse, pool);
+        [&](int h, int64_t i) { return kv.v_row(h / G, lists[size_t(h)][size_t(i)]); }, o, lse, pool, true);
 }
 
 void merge_states(float* o_a, float* lse_a, const float* o_b, const float* lse_b, int H, int d) {
@@ -523,7 +533,7 @@ void attend_rows(DType t, int d, int G, const float* q, float scale, const std::
   for (size_t i = 0; i < sc.q.size(); ++i) sc.q[i] = q[i] * scale;
   if (n > 0)
     run_chunk(pick_isa(d), st, sc.q.data(), t, 0, n, [&](int64_t i) { return k_rows[i]; },
-              [&](int64_t i) { return v_rows[i]; }, sc);
+              [&](int64_t i) { return v_rows[i]; }, sc, true);
   finish(st, o, lse);
 }
 

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# On the GPU machine's host CPU (quiet, unlike the shared development VM): `kvsieve bench` of every
+# published method against `full` at 128K, with the thread counts the issues name. Carry .dev with
+# .dev/cpu/{kvsieve,libkvsieve.so.0} (a CPU build) and .dev/libs.tar.xz (see docs/perf.md); an
+# optional .dev/cpu-old/ holds a previous build to compare (BENCH_OLD="method ..."). Logs under $OUT.
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/kvs_out}
+mkdir -p "$OUT" /tmp/kvs_libs
+tar xJf .dev/libs.tar.xz -C /tmp/kvs_libs
+LIBS=/tmp/kvs_libs/libs
+CTX=${CTX:-131072}
+bench() {  # DIR THREADS METHOD [extra args]
+  local dir=$1 t=$2 m=$3; shift 3
+  echo "== $dir: $m, $t threads $*"
+  LD_LIBRARY_PATH=$PWD/$dir:$LIBS timeout 300 "$dir/kvsieve" bench --method "$m" --context "$CTX" --budget 0.05 \
+    --threads "$t" --steps 10 --json "$OUT/bench-$(basename "$dir")-$m-$t.json" "$@" 2>&1 | grep -v '^\s*$'
+}
+{
+  lscpu | grep -E 'Model name|^CPU\(s\)'
+  for m in ${METHODS:-csattention ctkvr retroinfer hgca}; do bench .dev/cpu 2 "$m"; done
+  for m in ${BENCH_OLD:-}; do bench .dev/cpu-old 2 "$m"; done
+  bench .dev/cpu 1 lfps --stats candidate_fraction,bypass_fraction
+  bench .dev/cpu 1 exact_topk
+} 2>&1 | tee "$OUT/method_bench.log"
