@@ -1,3 +1,5 @@
+# Reproduces the GPU machine's crash of a GEMM-using method's index build inside Python (see
+# docs/bindings.md, "Known problem there"): PYTHONPATH=build-gpu/bindings/python python3 csa_repro.py
 import numpy as np, kvsieve
 L, HQ, HKV, D, N = 2, 4, 2, 32, 384
 rng = np.random.default_rng(1234)
