@@ -7,7 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PKGS=(cmake ninja-build g++ pkg-config libdnnl-dev libopenblas-dev libmimalloc-dev doctest-dev
+# libdnnl-dev only Recommends ocl-icd-opencl-dev, but its CMake config find_package()s OpenCL.
+PKGS=(cmake ninja-build g++ pkg-config libdnnl-dev ocl-icd-opencl-dev libopenblas-dev libmimalloc-dev doctest-dev
       libcli11-dev nlohmann-json3-dev libxxhash-dev libdlpack-dev swig python3 python3-numpy)
 if [ "${KVS_BINDINGS:-0}" = 1 ]; then
   PKGS+=(python3-dev python3-venv default-jdk-headless junit5 golang-go cargo rustc)
