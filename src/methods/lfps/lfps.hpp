@@ -34,7 +34,7 @@ struct TableStats {
 struct Params {
   double gamma = 0.95;         // eq. (10) decay
   double alpha = 0.2;          // eq. (8) threshold coefficient
-  double alpha_scale = 60.0;   // calibration factor multiplying alpha (docs/methods/lfps.md)
+  double alpha_scale = 600.0;   // calibration factor multiplying alpha (docs/methods/lfps.md)
   double theta = 0.85;         // eq. (6) bypass threshold
   bool bypass = true;          // the sink-value bypass of highly sparse heads
   int64_t sinks = 4;           // n_s
