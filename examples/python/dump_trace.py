@@ -199,6 +199,7 @@ def main(argv=None) -> int:
             "layers": ",".join(map(str, layers)), "softmax_scale": repr(scales.pop()), "source": src}
     tmp = a.out + ".tmp"
     save_file(tensors, tmp, metadata=meta)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, a.out)
     sha = hashlib.sha256()
     with open(a.out, "rb") as f:

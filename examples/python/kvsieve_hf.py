@@ -24,10 +24,12 @@ Tensors cross by DLPack. The model's q/k/v arrive as [B, H, n, d] views of [B, n
 projections (transformers transposes them); kvsieve wants [n, H, d] (prefill) and [H, d] (decode).
 On the cpu backend these are strided views, accepted as they are: no copy at all, and kvsieve
 writes its output straight into the [B, n, Hq, d] tensor transformers expects. On the cuda backend
-kvsieve requires C-contiguous tensors, so q/k/v are made contiguous first (one copy of the new
-tokens' q/k/v per layer: a [Hq + 2 Hkv, d] gather per decode step; the cache itself is never
-copied), and the prompt's attention output is computed by torch's scaled_dot_product_attention
-(the cuda backend's prefill has no output).
+kvsieve requires C-contiguous tensors and K/V in the session's KV dtype (bf16 or fp16 there; an
+f32 model gets bf16 KV by default), so the new tokens' q/k/v are copied once per layer (a
+[Hq + 2 Hkv, d] gather per decode step, converting K/V to the KV dtype in the same copy; the cache
+itself is never copied), and the prompt's attention output is computed by torch's
+scaled_dot_product_attention (the cuda backend's prefill has no output). The cuda backend runs
+full and exact_topk only, head dims 64 and 128, and cannot fork.
 
 Limits: batch 1 (one session per sequence), no attention dropout, no sliding-window or
 logit-softcapping layers (Gemma 2/3 sliding layers are refused with a clear error), float32 /
@@ -104,10 +106,14 @@ class KvsieveCache:
                                  f"created with ({self._scale}), got {scale}")
             return
         self._scale = float(scale)
+        if self.kv_dtype is None:
+            # The cuda backend stores KV in bf16/fp16 only: an f32 model gets bf16 KV there.
+            self.kv_dtype = "bfloat16" if self.backend == "cuda" and dtype == torch.float32 else _DTYPES[dtype]
+        self._kv_torch = {v: k for k, v in _DTYPES.items()}[self.kv_dtype]
         self.session = kvsieve.Session(
             self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim,
             method=self.method, budget=self.budget, budget_tokens=self.budget_tokens,
-            method_params=self.method_params or None, kv_dtype=self.kv_dtype or _DTYPES[dtype],
+            method_params=self.method_params or None, kv_dtype=self.kv_dtype,
             backend=self.backend, device_id=self.device_id, num_threads=self.num_threads,
             softmax_scale=self._scale)
 
@@ -150,6 +156,11 @@ def _check(cache, module, query: torch.Tensor, dropout: float, kwargs) -> None:
         raise NotImplementedError("kvsieve attention: attention logit softcapping is not supported")
 
 
+def _kv(x: torch.Tensor, cache: KvsieveCache) -> torch.Tensor:
+    """K/V for the cuda backend: C-contiguous, in the KV dtype (one copy, none if already so)."""
+    return x.to(dtype=cache._kv_torch, memory_format=torch.contiguous_format)
+
+
 def kvsieve_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
                       dropout: float = 0.0, kvsieve_cache: Optional[KvsieveCache] = None, **kwargs):
@@ -172,8 +183,9 @@ def kvsieve_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     if layer not in cache._prefilled:
         q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
         if cuda:
-            # The cuda backend takes C-contiguous tensors only, and its prefill has no output.
-            s.prefill(layer, q.contiguous(), k.contiguous(), v.contiguous(), stream=stream)
+            # The cuda backend takes C-contiguous tensors only, K/V in the session's KV dtype, and
+            # its prefill has no output.
+            s.prefill(layer, q.contiguous(), _kv(k, cache), _kv(v, cache), stream=stream)
             o = torch.nn.functional.scaled_dot_product_attention(
                 query, key, value, is_causal=n > 1, scale=scale, enable_gqa=True)
             out.copy_(o.transpose(1, 2))
@@ -184,7 +196,7 @@ def kvsieve_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     elif n == 1:
         q, k, v = query[0, :, 0], key[0, :, 0], value[0, :, 0]
         if cuda:
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            q, k, v = q.contiguous(), _kv(k, cache), _kv(v, cache)
         if cache._lse is None or cache._lse.device != query.device:
             cache._lse = torch.empty(query.shape[1], dtype=torch.float32, device=query.device)
         s.decode(layer, q, k, v, out=out[0, 0], lse=cache._lse, stream=stream)

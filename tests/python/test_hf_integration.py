@@ -30,11 +30,17 @@ import kvsieve_hf  # noqa: E402
 BACKEND = os.environ.get("KVSIEVE_HF_BACKEND", "cpu")
 DEVICE = "cuda" if BACKEND == "cuda" else "cpu"
 PROMPT, STEPS = 23, 9
+# cpu: f32 KV, so kvsieve must match eager f32 attention to float rounding. cuda: the backend stores
+# KV in fp16 (bf16/fp16 only) and takes head dims 64/128, so K/V rounding to fp16 sets the tolerance.
+KV_DTYPE = "float16" if BACKEND == "cuda" else "float32"
+HEAD_DIM = 64 if BACKEND == "cuda" else 16
+TOL = 3e-3 if BACKEND == "cuda" else 2e-5
+cpu_only = pytest.mark.skipif(BACKEND == "cuda", reason="the cuda backend runs full/exact_topk only and cannot fork")
 
 kvsieve_hf.register()
 
 
-def tiny_llama(num_heads=4, num_kv_heads=2, head_dim=16, layers=3, seed=0, dtype=torch.float32):
+def tiny_llama(num_heads=4, num_kv_heads=2, head_dim=HEAD_DIM, layers=3, seed=0, dtype=torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=101, hidden_size=num_heads * head_dim, intermediate_size=96,
                       num_hidden_layers=layers, num_attention_heads=num_heads,
@@ -80,43 +86,46 @@ def test_matches_eager_attention(heads, method, budget):
     model = tiny_llama(*heads)
     ids = random_ids(model)
     ref = reference_logits(model, ids)
-    got, cache = kvsieve_logits(model, ids, method=method, budget=budget, kv_dtype="float32")
+    got, cache = kvsieve_logits(model, ids, method=method, budget=budget, kv_dtype=KV_DTYPE)
     assert got.shape == ref.shape
     err = (got - ref).abs().max().item()
     scale = ref.abs().max().item()
-    assert err <= 2e-5 * scale, f"max |logit diff| {err} (logit scale {scale})"
+    assert err <= TOL * scale, f"max |logit diff| {err} (logit scale {scale})"
     # Every decode step of every layer went through the session.
     st = cache.stats
     assert st.tokens == ids.shape[1]
     assert st.decode_steps == STEPS * model.config.num_hidden_layers
     assert abs(st.last_selected_fraction - 1.0) < 1e-9
-    # Greedy tokens agree with the eager model's.
-    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    # Greedy tokens agree with the eager model's (f32 KV; fp16 KV may flip near-ties).
+    if BACKEND == "cpu":
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
     cache.close()
 
 
+@cpu_only
 def test_sparse_method_really_decodes_through_kvsieve():
     """streaming with a 4-token budget over a 32-token context must change the decode logits (and
     not the prompt's, which is exact), proving decode does not fall back to dense attention."""
     model = tiny_llama(4, 2)
     ids = random_ids(model)
     ref = reference_logits(model, ids)
-    got, cache = kvsieve_logits(model, ids, method="streaming", budget_tokens=4, kv_dtype="float32")
+    got, cache = kvsieve_logits(model, ids, method="streaming", budget_tokens=4, kv_dtype=KV_DTYPE)
     prompt_err = (got[:PROMPT] - ref[:PROMPT]).abs().max().item()
     decode_err = (got[PROMPT:] - ref[PROMPT:]).abs().max().item()
-    assert prompt_err <= 2e-5 * ref.abs().max().item()
+    assert prompt_err <= TOL * ref.abs().max().item()
     assert decode_err > 1e-2, decode_err
     assert cache.stats.last_selected_keys <= 8.0  # of 32: the 4-token budget plus rounding
     cache.close()
 
 
+@cpu_only
 def test_fork_replays_the_same_continuation():
     """A fork taken after the prompt gives the same decode logits as the original session."""
     model = tiny_llama(4, 2)
     ids = random_ids(model)
     model.set_attn_implementation(kvsieve_hf.NAME)
     with torch.no_grad():
-        a = kvsieve_hf.KvsieveCache(model.config, method="exact_topk", budget=0.3, kv_dtype="float32",
+        a = kvsieve_hf.KvsieveCache(model.config, method="exact_topk", budget=0.3, kv_dtype=KV_DTYPE,
                                     backend=BACKEND)
         kvsieve_hf.forward(model, ids[:, :PROMPT], a)
         b = a.fork()
@@ -130,11 +139,13 @@ def test_fork_replays_the_same_continuation():
 def test_greedy_generate_matches_eager_generate():
     model = tiny_llama(4, 2)
     ids = random_ids(model)[:, :PROMPT]
+    if BACKEND == "cuda":   # fp16 KV may flip near-ties of the argmax
+        pytest.skip("greedy equality is checked with f32 KV (cpu backend)")
     model.set_attn_implementation("eager")
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)[:, PROMPT:]
     model.set_attn_implementation(kvsieve_hf.NAME)
-    cache = kvsieve_hf.KvsieveCache(model.config, method="full", kv_dtype="float32", backend=BACKEND)
+    cache = kvsieve_hf.KvsieveCache(model.config, method="full", kv_dtype=KV_DTYPE, backend=BACKEND)
     got = kvsieve_hf.greedy_generate(model, ids, cache, max_new_tokens=8)
     assert torch.equal(got, want), (got, want)
     cache.close()
