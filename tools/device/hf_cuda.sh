@@ -64,11 +64,24 @@ echo "== generate_hf.py, random Llama, cuda backend, exact_topk 0.1 vs full"
 "$PY" examples/python/generate_hf.py --random-llama --prompt-tokens 2048 --backend cuda \
   --dtype bfloat16 --method exact_topk --budget 0.1 --max-new-tokens 32 --compare-full \
   --json "$OUT/generate_random.json" 2>&1 | tee "$OUT/generate_random.log" | tail -8 || rc=1
-if [ -d .hfmodel ]; then
-  G=$(ls .hfmodel/*.gguf 2>/dev/null | head -1)
-  GARGS=(--model .hfmodel); [ -n "$G" ] && GARGS+=(--gguf-file "$(basename "$G")")
-  P=.hfmodel/prompt.txt; [ -f "$P" ] || P=README.md
-  echo "== generate_hf.py, .hfmodel, cuda backend, exact_topk 0.05 vs full"
+# A real model: KVS_HF_MODEL_DIR (default .hfmodel). A carried file is limited to the 64 MiB of the
+# working tree per call, so a larger GGUF comes in parts over two calls (docs/real-traces.md):
+# NAME.gguf.part-aa, -ab, ... are joined here and checked against NAME.gguf.sha256 when present.
+M=${KVS_HF_MODEL_DIR:-.hfmodel}
+for first in "$M"/*.gguf.part-aa; do
+  [ -e "$first" ] || break
+  g=${first%.part-aa}
+  cat "$g".part-* > "$g"
+  if [ -f "$g.sha256" ]; then
+    [ "$(sha256sum "$g" | cut -d' ' -f1)" = "$(cut -d' ' -f1 "$g.sha256")" ] \
+      || { echo "$g: sha256 mismatch (a part is missing?)"; rc=1; rm -f "$g"; }
+  fi
+done
+if [ -d "$M" ] && { ls "$M"/*.gguf >/dev/null 2>&1 || [ -f "$M/config.json" ]; }; then
+  G=$(ls "$M"/*.gguf 2>/dev/null | head -1)
+  GARGS=(--model "$M"); [ -n "$G" ] && GARGS+=(--gguf-file "$(basename "$G")")
+  P=$M/prompt.txt; [ -f "$P" ] || P=README.md
+  echo "== generate_hf.py, $M, cuda backend, exact_topk 0.05 vs full"
   "$PY" examples/python/generate_hf.py "${GARGS[@]}" --prompt-file "$P" --prompt-tokens 4000 --backend cuda \
     --dtype bfloat16 --method exact_topk --budget 0.05 --max-new-tokens 48 --compare-full \
     --json "$OUT/generate_model.json" 2>&1 | tee "$OUT/generate_model.log" | tail -12 || rc=1
