@@ -99,7 +99,7 @@ def main(argv=None) -> int:
             if a.temperature <= 0:
                 new = kvsieve_hf.greedy_generate(model, ids, cache, a.max_new_tokens, eos)
             else:
-                logits, out = kvsieve_hf.forward(model, ids, cache), []
+                logits, out = kvsieve_hf.forward(model, ids, cache, logits_to_keep=1), []
                 for _ in range(a.max_new_tokens):
                     pr = torch.softmax(logits[0, -1].float() / a.temperature, -1)
                     t = torch.multinomial(pr, 1).view(1, 1)

@@ -236,7 +236,7 @@ def greedy_generate(model, input_ids: torch.Tensor, cache: KvsieveCache, max_new
                     eos_token_id: Optional[int] = None) -> torch.Tensor:
     """Greedy decoding: the prompt through prefill, then one kvsieve decode per token and layer.
     Returns the new token ids [1, m]."""
-    logits = forward(model, input_ids, cache)
+    logits = forward(model, input_ids, cache, logits_to_keep=1)   # not [n, vocab] for a long prompt
     new = []
     for _ in range(max_new_tokens):
         tok = logits[:, -1].argmax(-1, keepdim=True)
