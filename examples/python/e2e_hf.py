@@ -71,16 +71,16 @@ def used_params(cache: kvsieve_hf.KvsieveCache, path: str) -> dict:
 
 
 @torch.no_grad()
-def run_config(model, cap, P, cont, greedy, method, budget, threads, scored_greedy=False):
+def run_config(model, cap, P, cont, greedy, method, budget, threads, scored_greedy=False, params=None):
     """Returns (nll, argmax list over the greedy pass, kept_fraction, params, seconds)."""
     t0 = time.time()
     base = kvsieve_hf.KvsieveCache(model.config, method=method, budget=budget, kv_dtype="float32",
-                                   num_threads=threads)
+                                   num_threads=threads, method_params=params)
     for layer in sorted(cap.qkv):
         q, k, v = cap.qkv[layer]
         base.prefill_layer(layer, q, k, v, cap.scale[layer])
     base.tokens = P
-    params = used_params(base, f"/tmp/kvsieve_e2e_{os.getpid()}.kvs")
+    used = used_params(base, f"/tmp/kvsieve_e2e_{os.getpid()}.kvs")
     N = len(cont) - 1
     # NLL fork: feed c_0..c_{N-1}, score c_1..c_N.
     a = base.fork()
@@ -103,7 +103,7 @@ def run_config(model, cap, P, cont, greedy, method, budget, threads, scored_gree
         if scored_greedy and len(greedy) == j + 1:
             greedy.append(t)
     b.close()
-    return nll / N, am, kept, params, time.time() - t0
+    return nll / N, am, kept, used, time.time() - t0
 
 
 def main(argv=None) -> int:
@@ -116,10 +116,25 @@ def main(argv=None) -> int:
     ap.add_argument("--continuation", type=int, default=64, help="N: scored decode steps")
     ap.add_argument("--methods", default=",".join(ALL))
     ap.add_argument("--budgets", default="0.01,0.02,0.05,0.1,0.2")
+    ap.add_argument("--params", action="append", default=[],
+                    help="method parameters, as the CLI's: method:key=value,key=value (repeatable), "
+                         "e.g. retroinfer:budget=session")
+    ap.add_argument("--no-full", action="store_true",
+                    help="still run full (its greedy continuation is the reference) but leave its row out")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
 
+    overrides = {}
+    for spec in a.params:
+        m, _, kvs = spec.partition(":")
+        if not kvs:
+            raise SystemExit(f"--params: expected method:key=value[,key=value], got {spec!r}")
+        for kv in kvs.split(","):
+            k, eq, v = kv.partition("=")
+            if not eq:
+                raise SystemExit(f"--params: expected key=value, got {kv!r} in {spec!r}")
+            overrides.setdefault(m, {})[k] = v
     tok, model = load_model(a.model, a.gguf_file, a.threads)
     P, N = a.prompt_tokens, a.continuation
     ids = text_tokens(tok, a.text, P + N + 1, False)[0].tolist()
@@ -152,16 +167,18 @@ def main(argv=None) -> int:
     nll_full, am, kept, params, sec = run_config(model, cap, P, cont, greedy, "full", None, a.threads, scored_greedy=True)
     assert am == greedy[1:N + 1]
     print(f"full: nll {nll_full:.4f} kept {kept:.3f} ({sec:.0f}s); greedy: {tok.decode(greedy)!r}", flush=True)
-    out["results"].append({"method": "full", "budget": 1.0, "params": params,
-                           "kept_fraction": kept, "nll": nll_full, "delta_nll_vs_full": 0.0,
-                           "greedy_agreement": 1.0, "first_divergence": N})
+    if not a.no_full:
+        out["results"].append({"method": "full", "budget": 1.0, "params": params,
+                               "kept_fraction": kept, "nll": nll_full, "delta_nll_vs_full": 0.0,
+                               "greedy_agreement": 1.0, "first_divergence": N})
     out["full_greedy_tokens"] = greedy
     save()
     budgets = [float(b) for b in a.budgets.split(",")]
     for budget in budgets:
         for method in a.methods.split(","):
             try:
-                nll, am, kept, params, sec = run_config(model, cap, P, cont, greedy, method, budget, a.threads)
+                nll, am, kept, params, sec = run_config(model, cap, P, cont, greedy, method, budget, a.threads,
+                                                       params=overrides.get(method))
             except Exception as e:  # a method that cannot run at this budget: say so, go on
                 print(f"{method} @ {budget}: ERROR {e}", flush=True)
                 out.setdefault("errors", []).append({"method": method, "budget": budget, "error": str(e)})
