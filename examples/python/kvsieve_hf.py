@@ -123,8 +123,13 @@ class KvsieveCache:
         trace or a shared prompt pass) and builds its index; ``out`` optionally receives the
         prompt's causal attention (cpu backend)."""
         self._ensure_session(q.dtype, scale)
-        self.session.prefill(layer, q, k, v, out=out)
-        self.session.build_index()
+        if self.backend == "cuda":   # contiguous, K/V in the KV dtype (a copy where they are not)
+            stream = torch.cuda.current_stream(q.device)
+            self.session.prefill(layer, q.contiguous(), _kv(k, self), _kv(v, self), out=out, stream=stream)
+            self.session.build_index(stream=stream)
+        else:
+            self.session.prefill(layer, q, k, v, out=out)
+            self.session.build_index()
         self._prefilled.add(layer)
 
     @property
