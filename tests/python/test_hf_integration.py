@@ -48,11 +48,13 @@ def tiny_llama(num_heads=4, num_kv_heads=2, head_dim=HEAD_DIM, layers=3, seed=0,
                       rope_theta=10000.0, attn_implementation="eager")
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).eval()
-    # Larger-than-default weights: sharper attention, so a wrong key set or order would show.
+    # Larger-than-default weights: sharper attention, so a wrong key set or order would show (the
+    # std shrinks with the width so that the logits' spread does not grow with it).
+    std = 0.15 * (64.0 / cfg.hidden_size) ** 0.5
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "proj" in name:
-                p.normal_(0.0, 0.15)
+                p.normal_(0.0, std)
     return model.to(device=DEVICE, dtype=dtype)
 
 
