@@ -20,6 +20,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -256,7 +257,6 @@ class CSAttention final : public Method {
     km_.C = int(C_);
     TH_ = per_query_ ? int(s.num_q_heads) : int(s.num_kv_heads);
     layers_.resize(s.num_layers);
-    scratch_.resize(size_t(TH_));
   }
 
   // ---- prefill: keep a systematic sample of the prompt's queries (every stride-th token) ----
@@ -354,9 +354,11 @@ class CSAttention final : public Method {
     std::vector<std::vector<Undo>> logs(static_cast<size_t>(TH_));
     auto work = [&](int64_t th) {
       const int h = int(th), kvh = per_query_ ? h / G_ : h;
-      std::vector<float> k(static_cast<size_t>(d_));
+      std::vector<float> k(static_cast<size_t>(d_)), sc(size_t(m_) * size_t(C_));
       for (int64_t t = t0; t < n; ++t) {
         convert_to_f32(kv.k_row(kvh, t), kv.dtype(), k.data(), size_t(d_));
+        // All m*C centroid scores first, asking for every list's root (its minimum) meanwhile: the
+        // m*C lists lie far apart, so the roots are independent cache misses that can overlap.
         for (int b = 0; b < m_; ++b) {
           const int db = db_[size_t(b)], off = off_[size_t(b)];
           const float* cent = centroids(L, h, b);
@@ -364,6 +366,15 @@ class CSAttention final : public Method {
             const float* c = cent + size_t(j) * db;
             float s = 0.f;
             for (int i = 0; i < db; ++i) s += c[i] * k[size_t(off + i)];
+            sc[size_t(b) * C_ + size_t(j)] = s;
+            const size_t base = list_base(L, h, b, j);
+            if (f16_) __builtin_prefetch(&L.v16[base]);
+            else __builtin_prefetch(&L.v32[base]);
+          }
+        }
+        for (int b = 0; b < m_; ++b) {
+          for (int64_t j = 0; j < C_; ++j) {
+            const float s = sc[size_t(b) * C_ + size_t(j)];
             const size_t base = list_base(L, h, b, j);
             Undo u{base, int32_t(t), 0, 0};
             bool ins;
@@ -456,9 +467,19 @@ class CSAttention final : public Method {
     ++L.step;
     if (search) {
       L.cached.resize(size_t(TH_));
-      ctx_.pool->parallel_for(TH_, [&](int64_t th) { search_head(L, int(th), q, n, s_end, w_begin, rest); });
+      // One task per pool thread, each taking table heads in turn with its own scratch: the dense
+      // accumulator (N floats) is reset after every head and so stays in the thread's cache for
+      // the next head instead of one cold accumulator per head.
+      const int64_t T = std::min<int64_t>(int64_t(ctx_.pool->size()), TH_);
+      if (int64_t(scratch_.size()) < T) scratch_.resize(size_t(T));
+      head_union_.resize(size_t(TH_));
+      std::atomic<int64_t> next{0};
+      ctx_.pool->parallel_for(T, [&](int64_t task) {
+        for (int64_t th; (th = next.fetch_add(1)) < TH_;)
+          search_head(L, int(th), scratch_[size_t(task)], q, n, s_end, w_begin, rest);
+      });
       ++searches_;
-      for (auto& S : scratch_) union_sum_ += double(S.last_union);
+      for (int64_t u : head_union_) union_sum_ += double(u);
       union_samples_ += TH_;
     }
     out.kind = per_query_ ? Selection::Kind::PerQueryHead : Selection::Kind::PerKvHead;
@@ -635,7 +656,7 @@ class CSAttention final : public Method {
     std::vector<std::pair<int64_t, float>> picks;
     std::vector<float> qsum, smp, csc;
     std::vector<int32_t> ctok;
-    int64_t last_union = 0, last_lists = 0;
+    int64_t last_lists = 0;
   };
 
   void thin(LayerState& L, size_t row) {
@@ -714,8 +735,8 @@ class CSAttention final : public Method {
 
   // One table head's search: nearest centroids, reduce-by-key of the chosen lists, Top-rest.
   // No allocations once the scratch has grown to the context.
-  void search_head(LayerState& L, int h, const float* q, int64_t n, int64_t s_end, int64_t w_begin, int64_t rest) {
-    Scratch& S = scratch_[size_t(h)];
+  void search_head(LayerState& L, int h, Scratch& S, const float* q, int64_t n, int64_t s_end, int64_t w_begin,
+                   int64_t rest) {
     if (int64_t(S.acc.size()) < n) S.acc.resize(size_t(n), -0.0f);
     // (subspace, centroid) picks with their summed weights over the group's query heads.
     auto& picks = S.picks;
@@ -803,7 +824,7 @@ class CSAttention final : public Method {
     if (rest > 0 && nc < rest && tau != ninf) nt = collect(ninf, &nc);
     for (int64_t t = 0; t < s_end; ++t) nt += touched(acc[t]);
     for (int64_t t = w_begin; t < n; ++t) nt += touched(acc[t]);
-    S.last_union = nt;
+    head_union_[size_t(h)] = nt;
     auto& out = L.cached[size_t(h)];
     out.clear();
     const int64_t k = std::min<int64_t>(rest, nc);
@@ -841,7 +862,8 @@ class CSAttention final : public Method {
   std::vector<int> db_, off_;
   std::vector<float> w_;
   std::vector<LayerState> layers_;
-  std::vector<Scratch> scratch_;
+  std::vector<Scratch> scratch_;       // per search task (pool thread)
+  std::vector<int64_t> head_union_;    // |U| of each table head's last search
   double union_sum_ = 0;
   int64_t union_samples_ = 0, searches_ = 0;
 };
