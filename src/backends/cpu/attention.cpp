@@ -378,6 +378,14 @@ void run_chunk(Isa isa, State& st, const float* qs, DType t, int64_t begin, int6
       else _mm_prefetch(reinterpret_cast<const char*>(row) + off, _MM_HINT_T1);
     }
   };
+  // Gathered rows (index lists) are scattered: the hardware prefetchers cannot guess them, so the
+  // K and V rows of the next block are asked for (into L2) while a block is computed, and the
+  // first block's before the loop.
+  if (gathered)
+    for (int64_t i = begin, e2 = std::min<int64_t>(end, begin + kBlock); i < e2; ++i) {
+      prefetch_rows(kat(i), _MM_HINT_T1);
+      prefetch_rows(vat(i), _MM_HINT_T1);
+    }
   for (int64_t b = begin; b < end; b += kBlock) {
     const int cnt = int(std::min<int64_t>(kBlock, end - b));
     for (int j = 0; j < cnt; ++j) {
@@ -387,10 +395,11 @@ void run_chunk(Isa isa, State& st, const float* qs, DType t, int64_t begin, int6
       // hardware prefetchers miss; ask for the rows now, while the score pass works on K.
       prefetch_rows(vr[j], _MM_HINT_T0);
     }
-    // Gathered rows (index lists) are scattered: the hardware prefetchers cannot guess the next
-    // block's K rows, so ask for them (into L2) while this block is computed.
     if (gathered)
-      for (int64_t i = b + kBlock, e2 = std::min<int64_t>(end, b + 2 * kBlock); i < e2; ++i) prefetch_rows(kat(i), _MM_HINT_T1);
+      for (int64_t i = b + kBlock, e2 = std::min<int64_t>(end, b + 2 * kBlock); i < e2; ++i) {
+        prefetch_rows(kat(i), _MM_HINT_T1);
+        prefetch_rows(vat(i), _MM_HINT_T1);
+      }
     switch (t) {
       case DType::BF16: simd_block<DType::BF16>(isa, st, qs, cnt, kr, vr, sc.s.data()); break;
       case DType::F16: simd_block<DType::F16>(isa, st, qs, cnt, kr, vr, sc.s.data()); break;

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 
 #include "core/error.hpp"
@@ -81,9 +82,30 @@ const bool kAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma
 struct HeadScratch {
   std::vector<float> E, dist, num, a;
   std::vector<double> dens;
-  std::vector<int32_t> cand;
-  std::vector<float> mx;
+  std::vector<int32_t> cand, zr, ze, zo;
+  std::vector<float> mx, vals;
+  std::vector<uint64_t> bits;
 };
+
+// max of x[0, n) (-inf for n = 0).
+__attribute__((target("avx2"))) float max_avx2(const float* x, int64_t n) {
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+  float t[8];
+  _mm256_storeu_ps(t, m);
+  float r = t[0];
+  for (int l = 1; l < 8; ++l) r = std::max(r, t[l]);
+  for (; i < n; ++i) r = std::max(r, x[i]);
+  return r;
+}
+
+float max_of(const float* x, int64_t n) {
+  if (kAvx2) return max_avx2(x, n);
+  float r = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) r = std::max(r, x[i]);
+  return r;
+}
 
 class RetroInfer final : public Method {
  public:
@@ -216,8 +238,7 @@ class RetroInfer final : public Method {
           if (any_empty)
             for (int64_t c = 0; c < C; ++c)
               if (csize[c] == 0) e[c] = -std::numeric_limits<float>::infinity();
-          float m = -std::numeric_limits<float>::infinity();
-          for (int64_t c = 0; c < C; ++c) m = std::max(m, e[c]);
+          const float m = max_of(e, C);
           double z = cpu::exp_shift(e, C, m);
           if (any_empty) {  // exact zeros for the empty clusters
             z = 0;
@@ -233,11 +254,53 @@ class RetroInfer final : public Method {
       // 2. Zones: cand[0, r) retrieval, cand[r, r + e) estimation.
       int64_t r, k2;
       StepStats& st = hs[size_t(h)];
+      bool est_sorted = false;
       if (!session_budget_) {
         r = std::min(L.r, nc);
         k2 = std::min(L.r + L.e, nc);
-        if (k2 < nc) std::nth_element(cand.begin(), cand.begin() + k2, cand.end(), better);
-        if (r < k2) std::nth_element(cand.begin(), cand.begin() + r, cand.begin() + k2, better);
+        // The top r and top k2 by (dist desc, id asc) through two value thresholds (nth_element on
+        // the plain distances, then one pass in id order that admits the ties lowest id first):
+        // the same sets as a comparator selection, each zone listed in ascending cluster id.
+        auto& v = S.vals;
+        v.resize(size_t(nc));
+        for (int64_t i = 0; i < nc; ++i) v[size_t(i)] = dist[cand[size_t(i)]];
+        const float inf = std::numeric_limits<float>::infinity();
+        float t2 = -inf, t1 = inf;  // k2 = nc: everything; r = 0: nothing
+        if (k2 > 0 && k2 < nc) {
+          std::nth_element(v.begin(), v.begin() + (k2 - 1), v.end(), std::greater<float>());
+          t2 = v[size_t(k2 - 1)];
+        }
+        if (r > 0) {
+          const int64_t span = k2 > 0 && k2 < nc ? k2 : nc;  // the r largest lie in v[0, k2)
+          std::nth_element(v.begin(), v.begin() + (r - 1), v.begin() + span, std::greater<float>());
+          t1 = v[size_t(r - 1)];
+        }
+        int64_t above1 = 0, above2 = 0;
+        for (int64_t i = 0; i < nc; ++i) {
+          const float x = dist[cand[size_t(i)]];
+          above1 += x > t1;
+          above2 += x > t2;
+        }
+        int64_t ties1 = r - above1, ties2 = k2 - above2;
+        auto& zr = S.zr;
+        auto& ze = S.ze;
+        auto& zo = S.zo;
+        zr.clear();
+        ze.clear();
+        zo.clear();
+        for (int64_t i = 0; i < nc; ++i) {
+          const int32_t c = cand[size_t(i)];
+          const float x = dist[c];
+          const bool in2 = x > t2 || (x == t2 && ties2 > 0);
+          if (x == t2 && in2 && !(x > t2)) --ties2;
+          const bool in1 = x > t1 || (x == t1 && ties1 > 0);
+          if (x == t1 && in1 && !(x > t1)) --ties1;
+          (in1 ? zr : in2 ? ze : zo).push_back(c);
+        }
+        std::copy(zr.begin(), zr.end(), cand.begin());
+        std::copy(ze.begin(), ze.end(), cand.begin() + int64_t(zr.size()));
+        std::copy(zo.begin(), zo.end(), cand.begin() + int64_t(zr.size() + ze.size()));
+        est_sorted = true;
       } else {
         // Whole clusters in rank order while they fit the exact budget left after the steady zone;
         // the first that does not fit ends the retrieval zone (budget_unused_tokens says how much
@@ -266,15 +329,24 @@ class RetroInfer final : public Method {
       list.clear();
       list.reserve(size_t(steady) + size_t(16 * r));
       for (int64_t t = 0; t < std::min(sinks_, n); ++t) list.push_back(int32_t(t));
+      // The retrieval clusters' positions (all in [sinks, indexed_end), distinct) in ascending order
+      // through a bitmap over that range instead of a sort.
       int64_t rt = 0;
+      const int64_t lo = std::min(sinks_, n);
+      auto& bits = S.bits;
+      bits.assign(size_t((L.indexed_end - lo + 63) / 64), 0);
       for (int64_t i = 0; i < r; ++i) {
         const int32_t c = cand[size_t(i)];
         const int32_t* p = W.pos.data() + W.start[size_t(c)];
-        list.insert(list.end(), p, p + W.size[size_t(c)]);
+        for (int32_t j = 0; j < W.size[size_t(c)]; ++j) {
+          const uint64_t o = uint64_t(p[j] - lo);
+          bits[o >> 6] |= uint64_t(1) << (o & 63);
+        }
         rt += W.size[size_t(c)];
       }
+      for (size_t w = 0; w < bits.size(); ++w)
+        for (uint64_t x = bits[w]; x; x &= x - 1) list.push_back(int32_t(lo + int64_t(w) * 64 + __builtin_ctzll(x)));
       for (int64_t t = L.indexed_end; t < n; ++t) list.push_back(int32_t(t));
-      std::sort(list.begin() + std::min(sinks_, n), list.end() - (n - L.indexed_end));
       // 4. Estimation zone (eqs. 2-4): lse = mx + log sum s_i E_i, o = sum E_i VS_i / sum s_i E_i.
       int64_t et = 0;
       for (int64_t i = r; i < k2; ++i) et += W.size[size_t(cand[size_t(i)])];
@@ -282,7 +354,7 @@ class RetroInfer final : public Method {
         // Meta rows in ascending cluster order (address order, prefetched ahead), each read once for
         // the whole group; fp32 numerators, fp64 denominators. 16-bit meta rows hold value means,
         // so their weight is E_i * size_i (VS_i = size_i * mean_i).
-        std::sort(cand.begin() + r, cand.begin() + k2);
+        if (!est_sorted) std::sort(cand.begin() + r, cand.begin() + k2);
         const DType mt = m16 ? W.mdt : DType::F32;
         const size_t mrb = size_t(d) * dtype_size(mt);
         const std::byte* meta = m16 ? W.dvmean.data() : reinterpret_cast<const std::byte*>(W.value_sum.data());
