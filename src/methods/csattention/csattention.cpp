@@ -162,6 +162,29 @@ __attribute__((target("avx512f,f16c"))) int64_t collect_avx512(const float* acc,
   return nt + collect_portable(acc, t, e, tau, tok, sc, nout);
 }
 
+// AVX2: 8 slots per compare; the few candidates are appended from the mask bits (no compress
+// store before AVX-512), in token order like the other paths.
+__attribute__((target("avx2,f16c"))) int64_t collect_avx2(const float* acc, int64_t b, int64_t e, float tau, int32_t* tok,
+                                                        float* sc, int64_t* nout) {
+  int64_t nt = 0, k = *nout, t = b;
+  const __m256i neg0 = _mm256_set1_epi32(int(kUntouched));
+  const __m256 tv = _mm256_set1_ps(tau);
+  for (; t + 8 <= e; t += 8) {
+    const __m256 v = _mm256_loadu_ps(acc + t);
+    const __m256 untouched = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_castps_si256(v), neg0));
+    const unsigned um = unsigned(_mm256_movemask_ps(untouched));
+    nt += 8 - __builtin_popcount(um);
+    unsigned km = unsigned(_mm256_movemask_ps(_mm256_cmp_ps(v, tv, _CMP_GE_OQ))) & ~um & 0xFFu;
+    for (; km; km &= km - 1) {
+      const int l = __builtin_ctz(km);
+      tok[k] = int32_t(t + l);
+      sc[k++] = acc[t + l];
+    }
+  }
+  *nout = k;
+  return nt + collect_portable(acc, t, e, tau, tok, sc, nout);
+}
+
 const bool kHaveF16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
 const bool kHaveAvx512 = __builtin_cpu_supports("avx512f");
 
@@ -799,6 +822,7 @@ class CSAttention final : public Method {
     auto collect = [&](float tau, int64_t* nc) {
       *nc = 0;
       return kHaveAvx512 ? collect_avx512(acc, s_end, w_begin, tau, S.ctok.data(), S.csc.data(), nc)
+             : kHaveF16c ? collect_avx2(acc, s_end, w_begin, tau, S.ctok.data(), S.csc.data(), nc)
                          : collect_portable(acc, s_end, w_begin, tau, S.ctok.data(), S.csc.data(), nc);
     };
     if (int64_t(S.ctok.size()) < n) {
