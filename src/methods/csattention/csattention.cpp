@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <sstream>
@@ -187,6 +188,12 @@ __attribute__((target("avx2,f16c"))) int64_t collect_avx2(const float* acc, int6
 
 const bool kHaveF16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
 const bool kHaveAvx512 = __builtin_cpu_supports("avx512f");
+// KVS_CSA_SCATTER=avx2 keeps the F16C/AVX2 reduce (8-wide convert, scalar adds) on an AVX-512 CPU
+// instead of the gather/scatter one, for comparisons (like KVS_CPU_ISA; results are bit-identical).
+const bool kScatter512 = kHaveAvx512 && [] {
+  const char* e = std::getenv("KVS_CSA_SCATTER");
+  return !(e && std::strcmp(e, "avx2") == 0);
+}();
 
 struct Schedule {
   double rho;
@@ -805,7 +812,7 @@ class CSAttention final : public Method {
       const size_t base = list_base(L, h, int(picks[i].first / C_), picks[i].first % C_);
       const int32_t* idx = &L.idx[base];
       if (f16_) {
-        if (kHaveAvx512) scatter_f16_avx512(idx, &L.v16[base], L.L, w, acc);
+        if (kScatter512) scatter_f16_avx512(idx, &L.v16[base], L.L, w, acc);
         else if (kHaveF16c) scatter_f16_f16c(idx, &L.v16[base], L.L, w, acc);
         else scatter_portable(idx, &L.v16[base], L.L, w, acc);
       } else {
