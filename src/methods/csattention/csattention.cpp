@@ -686,6 +686,7 @@ class CSAttention final : public Method {
     std::vector<std::pair<int64_t, float>> picks;
     std::vector<float> qsum, smp, csc;
     std::vector<int32_t> ctok;
+    std::vector<uint32_t> rtmp;  // radix-select scratch
     int64_t last_lists = 0;
   };
 
@@ -825,7 +826,9 @@ class CSAttention final : public Method {
     S.last_lists = nlists;
     // Top-rest of the union outside the forced keys, by (score desc, token asc). A threshold tau
     // from a 1/32 sample of the candidate range keeps ~1.2x rest candidates (collected in token
-    // order); if fewer than rest pass, everything touched is collected. Exact either way.
+    // order); if fewer than rest pass, everything touched is collected. Exact either way. The
+    // k-th largest values come from a radix select (touched scores are never -0.0 or NaN, so it
+    // gives the value nth_element would).
     auto collect = [&](float tau, int64_t* nc) {
       *nc = 0;
       return kHaveAvx512 ? collect_avx512(acc, s_end, w_begin, tau, S.ctok.data(), S.csc.data(), nc)
@@ -845,10 +848,7 @@ class CSAttention final : public Method {
       for (int64_t t = s_end + kStride / 2; t < w_begin; t += kStride)
         if (touched(acc[t])) S.smp.push_back(acc[t]);
       const int64_t j = want / kStride;
-      if (int64_t(S.smp.size()) > j) {
-        std::nth_element(S.smp.begin(), S.smp.begin() + j, S.smp.end(), std::greater<float>());
-        tau = S.smp[size_t(j)];
-      }
+      if (int64_t(S.smp.size()) > j) tau = cpu::kth_largest(S.smp.data(), int64_t(S.smp.size()), j + 1, S.rtmp);
     }
     int64_t nc = 0;
     int64_t nt = collect(rest > 0 ? tau : std::numeric_limits<float>::infinity(), &nc);
@@ -865,9 +865,7 @@ class CSAttention final : public Method {
         out.assign(S.ctok.begin(), S.ctok.begin() + nc);
       } else {
         // The k-th best score; all better ones, then the ties by ascending token.
-        S.smp.assign(S.csc.begin(), S.csc.begin() + nc);
-        std::nth_element(S.smp.begin(), S.smp.begin() + (k - 1), S.smp.end(), std::greater<float>());
-        const float vk = S.smp[size_t(k - 1)];
+        const float vk = cpu::kth_largest(S.csc.data(), nc, k, S.rtmp);
         int64_t above = 0;
         for (int64_t i = 0; i < nc; ++i) above += S.csc[size_t(i)] > vk;
         int64_t ties = k - above;

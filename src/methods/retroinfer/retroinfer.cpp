@@ -21,6 +21,7 @@
 #include "io/tables.hpp"
 #include "kvsieve/kvsieve.h"
 #include "backends/cpu/attention.hpp"
+#include "backends/cpu/topk.hpp"
 #include "methods/retroinfer/wave_index.hpp"
 
 namespace kvs {
@@ -85,6 +86,7 @@ struct HeadScratch {
   std::vector<int32_t> cand, zr, ze, zo;
   std::vector<float> mx, vals;
   std::vector<uint64_t> bits;
+  std::vector<uint32_t> rtmp;
 };
 
 // max of x[0, n) (-inf for n = 0).
@@ -258,23 +260,17 @@ class RetroInfer final : public Method {
       if (!session_budget_) {
         r = std::min(L.r, nc);
         k2 = std::min(L.r + L.e, nc);
-        // The top r and top k2 by (dist desc, id asc) through two value thresholds (nth_element on
-        // the plain distances, then one pass in id order that admits the ties lowest id first):
+        // The top r and top k2 by (dist desc, id asc) through two value thresholds (the k2-th and
+        // r-th largest distances, then one pass in id order that admits the ties lowest id first):
         // the same sets as a comparator selection, each zone listed in ascending cluster id.
         auto& v = S.vals;
         v.resize(size_t(nc));
         for (int64_t i = 0; i < nc; ++i) v[size_t(i)] = dist[cand[size_t(i)]];
         const float inf = std::numeric_limits<float>::infinity();
         float t2 = -inf, t1 = inf;  // k2 = nc: everything; r = 0: nothing
-        if (k2 > 0 && k2 < nc) {
-          std::nth_element(v.begin(), v.begin() + (k2 - 1), v.end(), std::greater<float>());
-          t2 = v[size_t(k2 - 1)];
-        }
-        if (r > 0) {
-          const int64_t span = k2 > 0 && k2 < nc ? k2 : nc;  // the r largest lie in v[0, k2)
-          std::nth_element(v.begin(), v.begin() + (r - 1), v.begin() + span, std::greater<float>());
-          t1 = v[size_t(r - 1)];
-        }
+        // (radix select: the distances are >= +0.0, never -0.0 or NaN)
+        if (k2 > 0 && k2 < nc) t2 = cpu::kth_largest(v.data(), nc, k2, S.rtmp);
+        if (r > 0) t1 = cpu::kth_largest(v.data(), nc, r, S.rtmp);
         int64_t above1 = 0, above2 = 0;
         for (int64_t i = 0; i < nc; ++i) {
           const float x = dist[cand[size_t(i)]];
