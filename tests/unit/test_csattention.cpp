@@ -7,12 +7,15 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <numeric>
+#include <random>
 #include <set>
 #include <string>
 #include <tuple>
 #include <unistd.h>
 
+#include "backends/cpu/topk.hpp"
 #include "io/tables.hpp"
 #include "kvsieve/kvsieve.h"
 #include "methods/csattention/csattention.hpp"
@@ -413,3 +416,35 @@ TEST_CASE("csattention: search period reuses the selection with the current wind
     }
   }
 }
+
+TEST_CASE("cpu::kth_largest (radix select) equals nth_element's k-th largest value") {
+  // Used by csattention's and retroinfer's Top-K thresholds: same value as
+  // nth_element(std::greater) on inputs without NaN or -0.0, including many ties and tiny spreads.
+  std::mt19937 rng(7);
+  std::vector<uint32_t> tmp;
+  int checked = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const int64_t n = 1 + int64_t(rng() % 5000);
+    std::vector<float> x(static_cast<size_t>(n));
+    std::normal_distribution<float> nd;
+    std::exponential_distribution<float> ex(3.f);
+    for (auto& v : x) {
+      switch (trial % 5) {
+        case 0: v = ex(rng); break;
+        case 1: v = nd(rng); break;
+        case 2: v = float(int(rng() % 7)) - 3.f; break;          // heavy ties, both signs
+        case 3: v = 5.f + 1e-3f * nd(rng); break;                  // one binade
+        default: v = nd(rng) * std::ldexp(1.f, int(rng() % 60) - 30); break;  // wide range
+      }
+      if (v == 0.f) v = 0.f;  // +0.0 only
+    }
+    for (int64_t k : {int64_t(1), n, 1 + int64_t(rng() % n)}) {
+      std::vector<float> y = x;
+      std::nth_element(y.begin(), y.begin() + (k - 1), y.end(), std::greater<float>());
+      CHECK(kvs::cpu::kth_largest(x.data(), n, k, tmp) == y[size_t(k - 1)]);
+      ++checked;
+    }
+  }
+  CHECK(checked == 1200);
+}
+

@@ -292,6 +292,63 @@ TEST_CASE("retroinfer: with every cluster a singleton the estimation equals exac
   CHECK(full_error(D, 300, o, lse) > 1e-2);
 }
 
+TEST_CASE("retroinfer: a 16-bit meta index at decode (meta_dtype) agrees with the fp32 one") {
+  // A 16-bit KV: decode reads centroids and value means in fp16 by default (meta_dtype=auto), or
+  // bf16. With singleton clusters both are exact copies of the stored keys / values (a bf16 KV
+  // fits fp16 here), so the outputs agree to fp32 rounding; with clusters of 16 they differ by the
+  // 16-bit rounding of the meta rows (bf16's 8-bit mantissa flips a few cluster ranks).
+  struct Case {
+    kvs_scalar_type kv;
+    const char* meta;
+    double mean_tol, lse_tol;
+  };
+  for (const Case& cs : {Case{KVS_SCALAR_BF16, "auto", 1e-3, 2e-3}, Case{KVS_SCALAR_F16, "auto", 1e-3, 2e-3},
+                         Case{KVS_SCALAR_BF16, "bf16", 2e-2, 0.1}}) {
+    const kvs_scalar_type kt = cs.kv;
+    Rng rng(17);
+    Data D(rng, 8, 2, 32, 4200, 1.0f, 211);
+    const std::string single = "cluster_size=1,cluster_align=1,segment_size=0,update_segment=64,sinks=4,local=8,retrieval=0,estimation=1";
+    for (int config = 0; config < 2; ++config) {
+      const std::string base = config == 0 ? single : std::string("sinks=4");
+      const int64_t n = config == 0 ? 300 : 4096;
+      std::vector<float> o[2], lse[2];
+      double retr[2] = {0, 0};
+      Sess S[2];
+      for (int i = 0; i < 2; ++i) {
+        const std::string mp = base + (i == 0 ? ",meta_dtype=" + std::string(cs.meta) : std::string(",meta_dtype=f32"));
+        auto p = params(D, mp.c_str(), 0.0, kt);
+        OK(kvs_session_create(&p, &S[i].s));
+        prefill(S[i].s, D, n);
+      }
+      double worst = 0, mean = 0, lworst = 0;
+      for (int64_t t = n; t < n + 8; ++t) {
+        for (int i = 0; i < 2; ++i) {
+          decode(S[i].s, D, t, o[i], lse[i]);
+          retr[i] += stat(S[i].s, "retrieval_tokens");
+        }
+        for (int h = 0; h < D.hq; ++h) {
+          std::vector<double> ref(o[1].begin() + h * D.d, o[1].begin() + (h + 1) * D.d);
+          const double e = rel_err(ref, o[0].data() + size_t(h) * D.d, D.d);
+          worst = std::max(worst, e);
+          mean += e / (8.0 * D.hq);
+          lworst = std::max(lworst, std::abs(double(lse[0][size_t(h)]) - lse[1][size_t(h)]));
+        }
+      }
+      MESSAGE("kv dtype " << int(kt) << ", meta " << std::string(cs.meta)
+                          << std::string(config == 0 ? " singletons" : " clusters of 16") << ": output rel. diff mean "
+                          << mean << ", max " << worst << "; max lse diff " << lworst);
+      if (config == 0) {
+        CHECK(worst < 1e-5);
+        CHECK(lworst < 1e-4);
+      } else {
+        CHECK(mean < cs.mean_tol);
+        CHECK(lworst < cs.lse_tol);
+        CHECK(std::abs(retr[0] - retr[1]) <= 0.05 * retr[1]);
+      }
+    }
+  }
+}
+
 TEST_CASE("retroinfer: estimation on vs off (Fig. 17a): the estimation zone lowers the output error") {
   Rng rng(5);
   Data D(rng, 8, 2, 32, 4200, 1.0f, 211);

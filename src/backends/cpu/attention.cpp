@@ -378,6 +378,14 @@ void run_chunk(Isa isa, State& st, const float* qs, DType t, int64_t begin, int6
       else _mm_prefetch(reinterpret_cast<const char*>(row) + off, _MM_HINT_T1);
     }
   };
+  // Gathered rows (index lists) are scattered: the hardware prefetchers cannot guess them, so the
+  // K and V rows of the next block are asked for (into L2) while a block is computed, and the
+  // first block's before the loop.
+  if (gathered)
+    for (int64_t i = begin, e2 = std::min<int64_t>(end, begin + kBlock); i < e2; ++i) {
+      prefetch_rows(kat(i), _MM_HINT_T1);
+      prefetch_rows(vat(i), _MM_HINT_T1);
+    }
   for (int64_t b = begin; b < end; b += kBlock) {
     const int cnt = int(std::min<int64_t>(kBlock, end - b));
     for (int j = 0; j < cnt; ++j) {
@@ -387,10 +395,11 @@ void run_chunk(Isa isa, State& st, const float* qs, DType t, int64_t begin, int6
       // hardware prefetchers miss; ask for the rows now, while the score pass works on K.
       prefetch_rows(vr[j], _MM_HINT_T0);
     }
-    // Gathered rows (index lists) are scattered: the hardware prefetchers cannot guess the next
-    // block's K rows, so ask for them (into L2) while this block is computed.
     if (gathered)
-      for (int64_t i = b + kBlock, e2 = std::min<int64_t>(end, b + 2 * kBlock); i < e2; ++i) prefetch_rows(kat(i), _MM_HINT_T1);
+      for (int64_t i = b + kBlock, e2 = std::min<int64_t>(end, b + 2 * kBlock); i < e2; ++i) {
+        prefetch_rows(kat(i), _MM_HINT_T1);
+        prefetch_rows(vat(i), _MM_HINT_T1);
+      }
     switch (t) {
       case DType::BF16: simd_block<DType::BF16>(isa, st, qs, cnt, kr, vr, sc.s.data()); break;
       case DType::F16: simd_block<DType::F16>(isa, st, qs, cnt, kr, vr, sc.s.data()); break;
@@ -549,6 +558,91 @@ void score_rows(DType t, int d, int G, const float* q, float scale, const std::b
       out[size_t(g) * n + j] = avx ? Avx2::dot(qs.data() + size_t(g) * d, buf.data(), d)
                                    : Scalar::dot(qs.data() + size_t(g) * d, buf.data(), d);
   }
+}
+
+void score_contig(DType t, int d, int G, const float* q, float scale, const std::byte* rows, int64_t n, float* out) {
+  const Isa isa = pick_isa(d);
+  std::vector<float> qs(size_t(G) * d);
+  for (size_t i = 0; i < qs.size(); ++i) qs[i] = q[i] * scale;
+  const size_t rb = size_t(d) * dtype_size(t);
+  if (isa == Isa::Scalar) {
+    std::vector<float> buf(static_cast<size_t>(d));
+    for (int64_t j = 0; j < n; ++j) {
+      Scalar::convert(rows + size_t(j) * rb, t, d, buf.data());
+      for (int g = 0; g < G; ++g) out[size_t(g) * n + j] = Scalar::dot(qs.data() + size_t(g) * d, buf.data(), d);
+    }
+    return;
+  }
+  // The score pass of the block kernel (natural column order: st.x2 stays false), kBlock rows at a time.
+  State st{G, d, nullptr, nullptr, nullptr, nullptr};
+  std::vector<float> s(size_t(G) * kBlock);
+  const std::byte* kr[kBlock];
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int cnt = int(std::min<int64_t>(kBlock, n - b));
+    for (int j = 0; j < cnt; ++j) kr[j] = rows + size_t(b + j) * rb;
+    const bool w16 = isa == Isa::Avx512;
+    switch (t) {
+      case DType::BF16:
+        w16 ? simd16::heads_dispatch<DType::BF16>(st, qs.data(), cnt, kr, kr, s.data(), false)
+            : simd8::heads_dispatch<DType::BF16>(st, qs.data(), cnt, kr, kr, s.data(), false);
+        break;
+      case DType::F16:
+        w16 ? simd16::heads_dispatch<DType::F16>(st, qs.data(), cnt, kr, kr, s.data(), false)
+            : simd8::heads_dispatch<DType::F16>(st, qs.data(), cnt, kr, kr, s.data(), false);
+        break;
+      case DType::F32:
+        w16 ? simd16::heads_dispatch<DType::F32>(st, qs.data(), cnt, kr, kr, s.data(), false)
+            : simd8::heads_dispatch<DType::F32>(st, qs.data(), cnt, kr, kr, s.data(), false);
+        break;
+    }
+    for (int g = 0; g < G; ++g) std::memcpy(out + size_t(g) * n + b, s.data() + size_t(g) * kBlock, size_t(cnt) * 4);
+  }
+}
+
+namespace {
+KVS_AVX512 double exp_shift512(float* x, int64_t n, float m) {
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 s = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv));
+    _mm512_storeu_ps(x + i, e);
+    s = _mm512_add_ps(s, e);
+  }
+  float t[16];
+  _mm512_storeu_ps(t, s);
+  double sum = 0;
+  for (int l = 0; l < 16; ++l) sum += t[l];
+  for (; i < n; ++i) sum += (x[i] = std::exp(x[i] - m));
+  return sum;
+}
+
+KVS_AVX2 double exp_shift256(float* x, int64_t n, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 s = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+    _mm256_storeu_ps(x + i, e);
+    s = _mm256_add_ps(s, e);
+  }
+  float t[8];
+  _mm256_storeu_ps(t, s);
+  double sum = 0;
+  for (int l = 0; l < 8; ++l) sum += t[l];
+  for (; i < n; ++i) sum += (x[i] = std::exp(x[i] - m));
+  return sum;
+}
+}  // namespace
+
+double exp_shift(float* x, int64_t n, float m) {
+  // The lane count does not depend on d here: any vector width serves.
+  const Isa isa = pick_isa(16);
+  if (isa == Isa::Avx512) return exp_shift512(x, n, m);
+  if (isa == Isa::Avx2) return exp_shift256(x, n, m);
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += (x[i] = std::exp(x[i] - m));
+  return sum;
 }
 
 }  // namespace kvs::cpu

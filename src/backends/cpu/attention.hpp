@@ -42,5 +42,14 @@ void attend_rows(DType t, int d, int G, const float* q, float scale, const std::
 // score_rows: out[g][i] = scale * q_g . k_rows[i] (out: [G][n]).
 void score_rows(DType t, int d, int G, const float* q, float scale, const std::byte* const* k_rows, int64_t n,
                 float* out);
+// score_contig: out[g][i] = scale * q_g . row_i for n rows stored contiguously at rows (row i at
+// rows + i * d elements of dtype t), with the block kernel's score pass (the SIMD kernels of the
+// dense decode; several keys and heads per pass). out: [G][n]. For methods that score a matrix of
+// centroids per step (a GEMV over n x d).
+void score_contig(DType t, int d, int G, const float* q, float scale, const std::byte* rows, int64_t n, float* out);
+// x[i] <- exp(x[i] - m) for n values with the vectorised exponential of the softmax update (|rel
+// err| < 2e-7; arguments are clamped to [-87.3, 88.3], so -inf gives ~1e-38, not 0); returns the
+// sum of the results (fp32 SIMD partial sums added in fp64).
+double exp_shift(float* x, int64_t n, float m);
 
 }  // namespace kvs::cpu

@@ -20,7 +20,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <sstream>
@@ -161,8 +163,37 @@ __attribute__((target("avx512f,f16c"))) int64_t collect_avx512(const float* acc,
   return nt + collect_portable(acc, t, e, tau, tok, sc, nout);
 }
 
+// AVX2: 8 slots per compare; the few candidates are appended from the mask bits (no compress
+// store before AVX-512), in token order like the other paths.
+__attribute__((target("avx2,f16c"))) int64_t collect_avx2(const float* acc, int64_t b, int64_t e, float tau, int32_t* tok,
+                                                        float* sc, int64_t* nout) {
+  int64_t nt = 0, k = *nout, t = b;
+  const __m256i neg0 = _mm256_set1_epi32(int(kUntouched));
+  const __m256 tv = _mm256_set1_ps(tau);
+  for (; t + 8 <= e; t += 8) {
+    const __m256 v = _mm256_loadu_ps(acc + t);
+    const __m256 untouched = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_castps_si256(v), neg0));
+    const unsigned um = unsigned(_mm256_movemask_ps(untouched));
+    nt += 8 - __builtin_popcount(um);
+    unsigned km = unsigned(_mm256_movemask_ps(_mm256_cmp_ps(v, tv, _CMP_GE_OQ))) & ~um & 0xFFu;
+    for (; km; km &= km - 1) {
+      const int l = __builtin_ctz(km);
+      tok[k] = int32_t(t + l);
+      sc[k++] = acc[t + l];
+    }
+  }
+  *nout = k;
+  return nt + collect_portable(acc, t, e, tau, tok, sc, nout);
+}
+
 const bool kHaveF16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
 const bool kHaveAvx512 = __builtin_cpu_supports("avx512f");
+// KVS_CSA_SCATTER=avx2 keeps the F16C/AVX2 reduce (8-wide convert, scalar adds) on an AVX-512 CPU
+// instead of the gather/scatter one, for comparisons (like KVS_CPU_ISA; results are bit-identical).
+const bool kScatter512 = kHaveAvx512 && [] {
+  const char* e = std::getenv("KVS_CSA_SCATTER");
+  return !(e && std::strcmp(e, "avx2") == 0);
+}();
 
 struct Schedule {
   double rho;
@@ -256,7 +287,6 @@ class CSAttention final : public Method {
     km_.C = int(C_);
     TH_ = per_query_ ? int(s.num_q_heads) : int(s.num_kv_heads);
     layers_.resize(s.num_layers);
-    scratch_.resize(size_t(TH_));
   }
 
   // ---- prefill: keep a systematic sample of the prompt's queries (every stride-th token) ----
@@ -354,9 +384,11 @@ class CSAttention final : public Method {
     std::vector<std::vector<Undo>> logs(static_cast<size_t>(TH_));
     auto work = [&](int64_t th) {
       const int h = int(th), kvh = per_query_ ? h / G_ : h;
-      std::vector<float> k(static_cast<size_t>(d_));
+      std::vector<float> k(static_cast<size_t>(d_)), sc(size_t(m_) * size_t(C_));
       for (int64_t t = t0; t < n; ++t) {
         convert_to_f32(kv.k_row(kvh, t), kv.dtype(), k.data(), size_t(d_));
+        // All m*C centroid scores first, asking for every list's root (its minimum) meanwhile: the
+        // m*C lists lie far apart, so the roots are independent cache misses that can overlap.
         for (int b = 0; b < m_; ++b) {
           const int db = db_[size_t(b)], off = off_[size_t(b)];
           const float* cent = centroids(L, h, b);
@@ -364,6 +396,15 @@ class CSAttention final : public Method {
             const float* c = cent + size_t(j) * db;
             float s = 0.f;
             for (int i = 0; i < db; ++i) s += c[i] * k[size_t(off + i)];
+            sc[size_t(b) * C_ + size_t(j)] = s;
+            const size_t base = list_base(L, h, b, j);
+            if (f16_) __builtin_prefetch(&L.v16[base]);
+            else __builtin_prefetch(&L.v32[base]);
+          }
+        }
+        for (int b = 0; b < m_; ++b) {
+          for (int64_t j = 0; j < C_; ++j) {
+            const float s = sc[size_t(b) * C_ + size_t(j)];
             const size_t base = list_base(L, h, b, j);
             Undo u{base, int32_t(t), 0, 0};
             bool ins;
@@ -456,9 +497,19 @@ class CSAttention final : public Method {
     ++L.step;
     if (search) {
       L.cached.resize(size_t(TH_));
-      ctx_.pool->parallel_for(TH_, [&](int64_t th) { search_head(L, int(th), q, n, s_end, w_begin, rest); });
+      // One task per pool thread, each taking table heads in turn with its own scratch: the dense
+      // accumulator (N floats) is reset after every head and so stays in the thread's cache for
+      // the next head instead of one cold accumulator per head.
+      const int64_t T = std::min<int64_t>(int64_t(ctx_.pool->size()), TH_);
+      if (int64_t(scratch_.size()) < T) scratch_.resize(size_t(T));
+      head_union_.resize(size_t(TH_));
+      std::atomic<int64_t> next{0};
+      ctx_.pool->parallel_for(T, [&](int64_t task) {
+        for (int64_t th; (th = next.fetch_add(1)) < TH_;)
+          search_head(L, int(th), scratch_[size_t(task)], q, n, s_end, w_begin, rest);
+      });
       ++searches_;
-      for (auto& S : scratch_) union_sum_ += double(S.last_union);
+      for (int64_t u : head_union_) union_sum_ += double(u);
       union_samples_ += TH_;
     }
     out.kind = per_query_ ? Selection::Kind::PerQueryHead : Selection::Kind::PerKvHead;
@@ -635,7 +686,8 @@ class CSAttention final : public Method {
     std::vector<std::pair<int64_t, float>> picks;
     std::vector<float> qsum, smp, csc;
     std::vector<int32_t> ctok;
-    int64_t last_union = 0, last_lists = 0;
+    std::vector<uint32_t> rtmp;  // radix-select scratch
+    int64_t last_lists = 0;
   };
 
   void thin(LayerState& L, size_t row) {
@@ -714,8 +766,8 @@ class CSAttention final : public Method {
 
   // One table head's search: nearest centroids, reduce-by-key of the chosen lists, Top-rest.
   // No allocations once the scratch has grown to the context.
-  void search_head(LayerState& L, int h, const float* q, int64_t n, int64_t s_end, int64_t w_begin, int64_t rest) {
-    Scratch& S = scratch_[size_t(h)];
+  void search_head(LayerState& L, int h, Scratch& S, const float* q, int64_t n, int64_t s_end, int64_t w_begin,
+                   int64_t rest) {
     if (int64_t(S.acc.size()) < n) S.acc.resize(size_t(n), -0.0f);
     // (subspace, centroid) picks with their summed weights over the group's query heads.
     auto& picks = S.picks;
@@ -761,7 +813,7 @@ class CSAttention final : public Method {
       const size_t base = list_base(L, h, int(picks[i].first / C_), picks[i].first % C_);
       const int32_t* idx = &L.idx[base];
       if (f16_) {
-        if (kHaveAvx512) scatter_f16_avx512(idx, &L.v16[base], L.L, w, acc);
+        if (kScatter512) scatter_f16_avx512(idx, &L.v16[base], L.L, w, acc);
         else if (kHaveF16c) scatter_f16_f16c(idx, &L.v16[base], L.L, w, acc);
         else scatter_portable(idx, &L.v16[base], L.L, w, acc);
       } else {
@@ -774,10 +826,13 @@ class CSAttention final : public Method {
     S.last_lists = nlists;
     // Top-rest of the union outside the forced keys, by (score desc, token asc). A threshold tau
     // from a 1/32 sample of the candidate range keeps ~1.2x rest candidates (collected in token
-    // order); if fewer than rest pass, everything touched is collected. Exact either way.
+    // order); if fewer than rest pass, everything touched is collected. Exact either way. The
+    // k-th largest values come from a radix select (touched scores are never -0.0 or NaN, so it
+    // gives the value nth_element would).
     auto collect = [&](float tau, int64_t* nc) {
       *nc = 0;
       return kHaveAvx512 ? collect_avx512(acc, s_end, w_begin, tau, S.ctok.data(), S.csc.data(), nc)
+             : kHaveF16c ? collect_avx2(acc, s_end, w_begin, tau, S.ctok.data(), S.csc.data(), nc)
                          : collect_portable(acc, s_end, w_begin, tau, S.ctok.data(), S.csc.data(), nc);
     };
     if (int64_t(S.ctok.size()) < n) {
@@ -793,17 +848,14 @@ class CSAttention final : public Method {
       for (int64_t t = s_end + kStride / 2; t < w_begin; t += kStride)
         if (touched(acc[t])) S.smp.push_back(acc[t]);
       const int64_t j = want / kStride;
-      if (int64_t(S.smp.size()) > j) {
-        std::nth_element(S.smp.begin(), S.smp.begin() + j, S.smp.end(), std::greater<float>());
-        tau = S.smp[size_t(j)];
-      }
+      if (int64_t(S.smp.size()) > j) tau = cpu::kth_largest(S.smp.data(), int64_t(S.smp.size()), j + 1, S.rtmp);
     }
     int64_t nc = 0;
     int64_t nt = collect(rest > 0 ? tau : std::numeric_limits<float>::infinity(), &nc);
     if (rest > 0 && nc < rest && tau != ninf) nt = collect(ninf, &nc);
     for (int64_t t = 0; t < s_end; ++t) nt += touched(acc[t]);
     for (int64_t t = w_begin; t < n; ++t) nt += touched(acc[t]);
-    S.last_union = nt;
+    head_union_[size_t(h)] = nt;
     auto& out = L.cached[size_t(h)];
     out.clear();
     const int64_t k = std::min<int64_t>(rest, nc);
@@ -813,9 +865,7 @@ class CSAttention final : public Method {
         out.assign(S.ctok.begin(), S.ctok.begin() + nc);
       } else {
         // The k-th best score; all better ones, then the ties by ascending token.
-        S.smp.assign(S.csc.begin(), S.csc.begin() + nc);
-        std::nth_element(S.smp.begin(), S.smp.begin() + (k - 1), S.smp.end(), std::greater<float>());
-        const float vk = S.smp[size_t(k - 1)];
+        const float vk = cpu::kth_largest(S.csc.data(), nc, k, S.rtmp);
         int64_t above = 0;
         for (int64_t i = 0; i < nc; ++i) above += S.csc[size_t(i)] > vk;
         int64_t ties = k - above;
@@ -841,7 +891,8 @@ class CSAttention final : public Method {
   std::vector<int> db_, off_;
   std::vector<float> w_;
   std::vector<LayerState> layers_;
-  std::vector<Scratch> scratch_;
+  std::vector<Scratch> scratch_;       // per search task (pool thread)
+  std::vector<int64_t> head_union_;    // |U| of each table head's last search
   double union_sum_ = 0;
   int64_t union_samples_ = 0, searches_ = 0;
 };

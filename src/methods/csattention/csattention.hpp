@@ -2,6 +2,7 @@
 // (k-means++ seeding, mini-batch or full-batch Lloyd updates), the fixed-length Top-L score lists
 // kept as binary min-heaps, and the streaming try-insert.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <vector>
@@ -50,6 +51,8 @@ inline bool worse(float va, int32_t ia, float vb, int32_t ib) {
 }
 
 // Restores the min-heap property (root = worst entry) below position i of a list of length L.
+// Each step asks for the node's descendants three levels down (8 consecutive entries) so that a
+// path through a large cold heap does not wait for one memory access per level.
 template <class S>
 void heap_sift_down(int32_t* idx, S* val, int64_t L, int64_t i) {
   const int32_t xi = idx[i];
@@ -58,6 +61,11 @@ void heap_sift_down(int32_t* idx, S* val, int64_t L, int64_t i) {
   for (;;) {
     int64_t c = 2 * i + 1;
     if (c >= L) break;
+    if (const int64_t g = 8 * i + 7; g < L) {
+      __builtin_prefetch(idx + g);
+      __builtin_prefetch(idx + std::min(g + 7, L - 1));
+      __builtin_prefetch(val + g);
+    }
     float cf = score_f(val[c]);
     if (c + 1 < L) {
       const float rf = score_f(val[c + 1]);

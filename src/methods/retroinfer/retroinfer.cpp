@@ -7,16 +7,21 @@
 // from centroids, exact sizes and value sums (eqs. 2-4, returned by extra and merged by LSE by the
 // session), and ignores the rest. Every update_segment tokens past the index are clustered on their
 // own and appended. docs/methods/retroinfer.md documents every parameter and deviation.
+#include <immintrin.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 
 #include "core/error.hpp"
 #include "core/method.hpp"
 #include "io/tables.hpp"
 #include "kvsieve/kvsieve.h"
+#include "backends/cpu/attention.hpp"
+#include "backends/cpu/topk.hpp"
 #include "methods/retroinfer/wave_index.hpp"
 
 namespace kvs {
@@ -45,30 +50,63 @@ struct StepStats {
          steady_tokens = 0, budget_unused = 0, budget_overrun = 0;
 };
 
-// E[g][c] = scale * q_g . C_c for the G query heads of a group; each centroid row is read from memory
-// once for the group, sixteen independent partial sums (registers) so the loop vectorises.
-// Cloned for AVX-512 / AVX2 / baseline; the loader picks one (GCC target_clones, ifunc).
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void centroid_logits(const float* q, int G, const float* cent, int64_t C, int d, float scale, float* E) {
-  for (int64_t c = 0; c < C; ++c) {
-    const float* x = cent + size_t(c) * d;  // stays in L1 across the group
+// Estimation numerators: num[g][:] += a[g] * row for the G query heads of a group, one meta row
+// (value sums in fp32, or value means in the 16-bit KV dtype) converted once for the group.
+__attribute__((target("avx2,fma,f16c"))) void accumulate_row_avx2(const std::byte* row, DType t, int d, int G,
+                                                                  const float* a, float* num) {
+  for (int i = 0; i < d; i += 8) {
+    __m256 x;
+    if (t == DType::BF16)
+      x = _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * size_t(i)))), 16));
+    else if (t == DType::F16)
+      x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * size_t(i))));
+    else
+      x = _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i);
     for (int g = 0; g < G; ++g) {
-      const float* qq = q + size_t(g) * d;
-      float part[16] = {};
-      int i = 0;
-      for (; i + 16 <= d; i += 16)
-        for (int l = 0; l < 16; ++l) part[l] += qq[i + l] * x[i + l];
-      float s = 0.f;
-      for (; i < d; ++i) s += qq[i] * x[i];
-      for (int l = 0; l < 16; ++l) s += part[l];
-      E[size_t(g) * C + size_t(c)] = s * scale;
+      float* nu = num + size_t(g) * d + i;
+      _mm256_storeu_ps(nu, _mm256_fmadd_ps(_mm256_set1_ps(a[g]), x, _mm256_loadu_ps(nu)));
     }
   }
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void axpy(float* y, float a, const float* x, int d) {
-  for (int j = 0; j < d; ++j) y[j] += a * x[j];
+void accumulate_row_portable(const std::byte* row, DType t, int d, int G, const float* a, float* num) {
+  for (int i = 0; i < d; ++i) {
+    const float x = load_as_f32(row, t, size_t(i));
+    for (int g = 0; g < G; ++g) num[size_t(g) * d + i] = std::fma(a[g], x, num[size_t(g) * d + i]);
+  }
+}
+
+const bool kAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+
+// Per-KV-head decode scratch, kept between steps (no per-step allocations once grown).
+struct HeadScratch {
+  std::vector<float> E, dist, num, a;
+  std::vector<double> dens;
+  std::vector<int32_t> cand, zr, ze, zo;
+  std::vector<float> mx, vals;
+  std::vector<uint64_t> bits;
+  std::vector<uint32_t> rtmp;
+};
+
+// max of x[0, n) (-inf for n = 0).
+__attribute__((target("avx2"))) float max_avx2(const float* x, int64_t n) {
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+  float t[8];
+  _mm256_storeu_ps(t, m);
+  float r = t[0];
+  for (int l = 1; l < 8; ++l) r = std::max(r, t[l]);
+  for (; i < n; ++i) r = std::max(r, x[i]);
+  return r;
+}
+
+float max_of(const float* x, int64_t n) {
+  if (kAvx2) return max_avx2(x, n);
+  float r = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) r = std::max(r, x[i]);
+  return r;
 }
 
 class RetroInfer final : public Method {
@@ -87,6 +125,7 @@ class RetroInfer final : public Method {
         session_budget_(p.get_string("budget") == "session"),
         centre_(p.get_bool("centre")),
         probe_(p.get_int("recall_probe")),
+        meta_dtype_(p.get_string("meta_dtype")),
         layers_(ctx.shape.num_layers) {
     auto bad = [](const std::string& name, const std::string& want, const std::string& got) {
       invalid("method_params: retroinfer " + name + ": expected " + want + ", got " + got);
@@ -165,48 +204,99 @@ class RetroInfer final : public Method {
     const int64_t steady = std::min(sinks_, n) + (n - L.indexed_end);
     const int64_t budget_keys = session_budget_ ? ctx_.budget.keys(n, 0.05) : 0;
     out.kind = Selection::Kind::PerKvHead;
-    out.lists.assign(size_t(hkv), {});
+    out.lists.resize(size_t(hkv));  // the lists keep their capacity between steps
     est_o_.assign(size_t(hkv) * G * d, 0.f);
     est_lse_.assign(size_t(hkv) * G, -std::numeric_limits<float>::infinity());
     std::vector<StepStats> hs(static_cast<size_t>(hkv));
     std::vector<double> probe(static_cast<size_t>(hkv), 0.0), probe_cl(static_cast<size_t>(hkv), 0.0);
+    if (scratch_.size() < size_t(hkv)) scratch_.resize(size_t(hkv));
 
     ctx_.pool->parallel_for(hkv, [&](int64_t hh) {
       const int h = int(hh);
       const WaveHead& W = L.heads[size_t(h)];
       const float* qg = q + size_t(h) * G * d;
+      HeadScratch& S = scratch_[size_t(h)];
       // 1. Cluster ranking: P[g][c] = softmax_c(q_g.C_c * scale) over non-empty clusters, summed over g.
-      std::vector<float> E(size_t(G) * C), dist(size_t(C), 0.f), mx(static_cast<size_t>(G));
-      centroid_logits(qg, G, W.centroids.data(), C, d, scale, E.data());
-      std::vector<int32_t> cand;
-      cand.reserve(size_t(C));
+      //    The centroid logits are one GEMV over the C x d meta rows (the block kernel's score pass),
+      //    read in the decode dtype (16-bit when the KV is), then a vectorised exp per head.
+      const bool m16 = W.mdt != DType::F32;
+      S.E.resize(size_t(G) * C);
+      S.dist.assign(size_t(C), 0.f);
+      S.mx.assign(size_t(G), -std::numeric_limits<float>::infinity());
+      float* E = S.E.data();
+      float* dist = S.dist.data();
+      cpu::score_contig(m16 ? W.mdt : DType::F32, d, G, qg, scale,
+                        m16 ? W.dcent.data() : reinterpret_cast<const std::byte*>(W.centroids.data()), C, E);
+      auto& cand = S.cand;
+      cand.clear();
+      const int32_t* csize = W.size.data();
       for (int64_t c = 0; c < C; ++c)
-        if (W.size[size_t(c)] > 0) cand.push_back(int32_t(c));
-      for (int g = 0; g < G; ++g) {
-        float* e = E.data() + size_t(g) * C;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int32_t c : cand) m = std::max(m, e[c]);
-        double z = 0;
-        for (int64_t c = 0; c < C; ++c) {
-          e[c] = W.size[size_t(c)] > 0 ? std::exp(e[c] - m) : 0.f;
-          z += e[c];
+        if (csize[c] > 0) cand.push_back(int32_t(c));
+      const int64_t nc = int64_t(cand.size());
+      const bool any_empty = nc < C;
+      if (nc > 0)
+        for (int g = 0; g < G; ++g) {
+          float* e = E + size_t(g) * C;
+          if (any_empty)
+            for (int64_t c = 0; c < C; ++c)
+              if (csize[c] == 0) e[c] = -std::numeric_limits<float>::infinity();
+          const float m = max_of(e, C);
+          double z = cpu::exp_shift(e, C, m);
+          if (any_empty) {  // exact zeros for the empty clusters
+            z = 0;
+            for (int64_t c = 0; c < C; ++c) z += (e[c] = csize[c] > 0 ? e[c] : 0.f);
+          }
+          const float inv = float(1.0 / z);
+          for (int64_t c = 0; c < C; ++c) dist[c] += e[c] * inv;
+          S.mx[size_t(g)] = m;
         }
-        const float inv = float(1.0 / z);
-        for (int32_t c : cand) dist[size_t(c)] += e[c] * inv;
-        mx[size_t(g)] = m;
-      }
       auto better = [&](int32_t a, int32_t b) {
         return dist[size_t(a)] > dist[size_t(b)] || (dist[size_t(a)] == dist[size_t(b)] && a < b);
       };
       // 2. Zones: cand[0, r) retrieval, cand[r, r + e) estimation.
-      const int64_t nc = int64_t(cand.size());
       int64_t r, k2;
       StepStats& st = hs[size_t(h)];
+      bool est_sorted = false;
       if (!session_budget_) {
         r = std::min(L.r, nc);
         k2 = std::min(L.r + L.e, nc);
-        if (k2 < nc) std::nth_element(cand.begin(), cand.begin() + k2, cand.end(), better);
-        if (r < k2) std::nth_element(cand.begin(), cand.begin() + r, cand.begin() + k2, better);
+        // The top r and top k2 by (dist desc, id asc) through two value thresholds (the k2-th and
+        // r-th largest distances, then one pass in id order that admits the ties lowest id first):
+        // the same sets as a comparator selection, each zone listed in ascending cluster id.
+        auto& v = S.vals;
+        v.resize(size_t(nc));
+        for (int64_t i = 0; i < nc; ++i) v[size_t(i)] = dist[cand[size_t(i)]];
+        const float inf = std::numeric_limits<float>::infinity();
+        float t2 = -inf, t1 = inf;  // k2 = nc: everything; r = 0: nothing
+        // (radix select: the distances are >= +0.0, never -0.0 or NaN)
+        if (k2 > 0 && k2 < nc) t2 = cpu::kth_largest(v.data(), nc, k2, S.rtmp);
+        if (r > 0) t1 = cpu::kth_largest(v.data(), nc, r, S.rtmp);
+        int64_t above1 = 0, above2 = 0;
+        for (int64_t i = 0; i < nc; ++i) {
+          const float x = dist[cand[size_t(i)]];
+          above1 += x > t1;
+          above2 += x > t2;
+        }
+        int64_t ties1 = r - above1, ties2 = k2 - above2;
+        auto& zr = S.zr;
+        auto& ze = S.ze;
+        auto& zo = S.zo;
+        zr.clear();
+        ze.clear();
+        zo.clear();
+        for (int64_t i = 0; i < nc; ++i) {
+          const int32_t c = cand[size_t(i)];
+          const float x = dist[c];
+          const bool in2 = x > t2 || (x == t2 && ties2 > 0);
+          if (x == t2 && in2 && !(x > t2)) --ties2;
+          const bool in1 = x > t1 || (x == t1 && ties1 > 0);
+          if (x == t1 && in1 && !(x > t1)) --ties1;
+          (in1 ? zr : in2 ? ze : zo).push_back(c);
+        }
+        std::copy(zr.begin(), zr.end(), cand.begin());
+        std::copy(ze.begin(), ze.end(), cand.begin() + int64_t(zr.size()));
+        std::copy(zo.begin(), zo.end(), cand.begin() + int64_t(zr.size() + ze.size()));
+        est_sorted = true;
       } else {
         // Whole clusters in rank order while they fit the exact budget left after the steady zone;
         // the first that does not fit ends the retrieval zone (budget_unused_tokens says how much
@@ -232,41 +322,66 @@ class RetroInfer final : public Method {
       }
       // 3. Exact part: steady zone + retrieval clusters (original positions, ascending).
       auto& list = out.lists[size_t(h)];
+      list.clear();
       list.reserve(size_t(steady) + size_t(16 * r));
       for (int64_t t = 0; t < std::min(sinks_, n); ++t) list.push_back(int32_t(t));
+      // The retrieval clusters' positions (all in [sinks, indexed_end), distinct) in ascending order
+      // through a bitmap over that range instead of a sort.
       int64_t rt = 0;
+      const int64_t lo = std::min(sinks_, n);
+      auto& bits = S.bits;
+      bits.assign(size_t((L.indexed_end - lo + 63) / 64), 0);
       for (int64_t i = 0; i < r; ++i) {
         const int32_t c = cand[size_t(i)];
         const int32_t* p = W.pos.data() + W.start[size_t(c)];
-        list.insert(list.end(), p, p + W.size[size_t(c)]);
+        for (int32_t j = 0; j < W.size[size_t(c)]; ++j) {
+          const uint64_t o = uint64_t(p[j] - lo);
+          bits[o >> 6] |= uint64_t(1) << (o & 63);
+        }
         rt += W.size[size_t(c)];
       }
+      for (size_t w = 0; w < bits.size(); ++w)
+        for (uint64_t x = bits[w]; x; x &= x - 1) list.push_back(int32_t(lo + int64_t(w) * 64 + __builtin_ctzll(x)));
       for (int64_t t = L.indexed_end; t < n; ++t) list.push_back(int32_t(t));
-      std::sort(list.begin() + std::min(sinks_, n), list.end() - (n - L.indexed_end));
       // 4. Estimation zone (eqs. 2-4): lse = mx + log sum s_i E_i, o = sum E_i VS_i / sum s_i E_i.
       int64_t et = 0;
       for (int64_t i = r; i < k2; ++i) et += W.size[size_t(cand[size_t(i)])];
       if (k2 > r) {
-        // Value sums read once for the whole group; fp32 accumulation (vectorised axpy), fp64 denominator.
-        std::vector<float> num(size_t(G) * d, 0.f);
-        std::vector<double> dens(static_cast<size_t>(G), 0.0);
+        // Meta rows in ascending cluster order (address order, prefetched ahead), each read once for
+        // the whole group; fp32 numerators, fp64 denominators. 16-bit meta rows hold value means,
+        // so their weight is E_i * size_i (VS_i = size_i * mean_i).
+        if (!est_sorted) std::sort(cand.begin() + r, cand.begin() + k2);
+        const DType mt = m16 ? W.mdt : DType::F32;
+        const size_t mrb = size_t(d) * dtype_size(mt);
+        const std::byte* meta = m16 ? W.dvmean.data() : reinterpret_cast<const std::byte*>(W.value_sum.data());
+        S.num.assign(size_t(G) * d, 0.f);
+        S.dens.assign(size_t(G), 0.0);
+        S.a.resize(size_t(G));
+        const bool vec = kAvx2 && d % 8 == 0;
+        constexpr int64_t kAhead = 8;
         for (int64_t i = r; i < k2; ++i) {
+          if (i + kAhead < k2) {
+            const std::byte* nx = meta + size_t(cand[size_t(i + kAhead)]) * mrb;
+            for (size_t o = 0; o < mrb; o += 64) __builtin_prefetch(nx + o);
+          }
           const int32_t c = cand[size_t(i)];
-          const float* vs = W.value_sum.data() + size_t(c) * d;
           const double sz = W.size[size_t(c)];
           for (int g = 0; g < G; ++g) {
             const float w = E[size_t(g) * C + size_t(c)];
-            dens[size_t(g)] += double(w) * sz;
-            axpy(num.data() + size_t(g) * d, w, vs, d);
+            S.dens[size_t(g)] += double(w) * sz;
+            S.a[size_t(g)] = m16 ? w * float(sz) : w;
           }
+          const std::byte* row = meta + size_t(c) * mrb;
+          if (vec) accumulate_row_avx2(row, mt, d, G, S.a.data(), S.num.data());
+          else accumulate_row_portable(row, mt, d, G, S.a.data(), S.num.data());
         }
         for (int g = 0; g < G; ++g) {
-          const double den = dens[size_t(g)];
-          const float* nu = num.data() + size_t(g) * d;
+          const double den = S.dens[size_t(g)];
+          const float* nu = S.num.data() + size_t(g) * d;
           if (den > 0) {
             float* o = est_o_.data() + (size_t(h) * G + g) * d;
             for (int j = 0; j < d; ++j) o[j] = float(double(nu[j]) / den);
-            est_lse_[size_t(h) * G + g] = float(double(mx[size_t(g)]) + std::log(den));
+            est_lse_[size_t(h) * G + g] = float(double(S.mx[size_t(g)]) + std::log(den));
           }
         }
       }
@@ -275,7 +390,7 @@ class RetroInfer final : public Method {
       st.estimation_clusters = double(k2 - r);
       st.estimation_tokens = double(et);
       st.steady_tokens = double(steady);
-      if (probe_ > 0) probe_recall(W, qg, dist, cand, probe[size_t(h)], probe_cl[size_t(h)]);
+      if (probe_ > 0) probe_recall(W, qg, S.dist, cand, probe[size_t(h)], probe_cl[size_t(h)]);
     });
     last_ = StepStats{};
     for (auto& s : hs) {
@@ -422,6 +537,7 @@ class RetroInfer final : public Method {
           if (at != rows) bad("cluster sizes do not add up to the indexed tokens");
           for (int32_t p : H.pos)
             if (p < sinks_ || p >= L.indexed_end) bad("a list position lies outside the indexed tokens");
+          H.sync_decode(decode_dtype(), d);
         }
       } catch (const nlohmann::json::exception& e) {
         bad(std::string("header: missing or mistyped field (") + e.what() + ")");
@@ -495,12 +611,22 @@ class RetroInfer final : public Method {
     const int64_t c0 = L.clusters();
     ctx_.pool->parallel_for(hkv, [&](int64_t h) {
       retro::append_clusters(L.heads[size_t(h)], kv, int(h), b, m, assign[size_t(h)].data(), cent[size_t(h)].data(), C);
+      L.heads[size_t(h)].sync_decode(decode_dtype(), d);
     });
     L.r += r_add;
     L.e += e_add;
     L.indexed_end = e;
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     L.chunks.push_back(Chunk{b, e, c0, c0 + C, s, r_add, e_add, ms});
+  }
+
+  // The dtype decode reads the meta index in (meta_dtype): auto = fp16 for a 16-bit KV (bf16 for a
+  // head beyond fp16's range), fp32 for an fp32 KV.
+  DType decode_dtype() const {
+    if (meta_dtype_ == "f32") return DType::F32;
+    if (meta_dtype_ == "bf16") return DType::BF16;
+    if (meta_dtype_ == "f16") return DType::F16;
+    return ctx_.shape.kv_dtype == DType::F32 ? DType::F32 : DType::F16;
   }
 
   // Incremental update: while update_segment tokens lie between the index and the local window,
@@ -566,9 +692,11 @@ class RetroInfer final : public Method {
   int64_t update_;
   bool session_budget_, centre_;
   int64_t probe_;
+  std::string meta_dtype_;
   std::vector<LayerIndex> layers_;
   // The last select's estimation state ([Hkv*G][d], [Hkv*G]) for extra().
   std::vector<float> est_o_, est_lse_;
+  std::vector<HeadScratch> scratch_;  // per KV head
   int64_t est_layer_ = -1;
   bool est_any_ = false;
   StepStats last_;
@@ -600,6 +728,10 @@ MethodSpec retroinfer_spec() {
         "paper: r = retrieval x clusters (session budget ignored); session: exact keys = the session budget, "
         "steady zone included, filled with whole clusters in rank order"},
        {"centre", "bool", "true", "subtract the keys' mean before clustering (added back to the centroids)"},
+       {"meta_dtype", "enum:auto|f16|bf16|f32", "auto",
+        "dtype decode reads the centroids and value means in (a derived copy; half the bytes per step when 16-bit): "
+        "auto = f16 for a 16-bit KV, f32 for an f32 KV; f16 falls back to bf16 for a head beyond fp16's range "
+        "(the authors keep the meta index in the model dtype)"},
        {"recall_probe", "int", "0", "k > 0: measure the clustering's recall@k each step (stat probe_recall; slow, exact scores)"}},
       [](const MethodContext& c, const ParamSet& p) { return std::make_unique<RetroInfer>(c, p); }};
 }

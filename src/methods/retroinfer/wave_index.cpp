@@ -155,7 +155,50 @@ void segmented_kmeans(const std::vector<float*>& X, int64_t n, int d, const KMea
 
 uint64_t WaveHead::bytes() const {
   return uint64_t(centroids.size() + value_sum.size()) * sizeof(float) + size.size() * sizeof(int32_t) +
-         start.size() * sizeof(int64_t) + pos.size() * sizeof(int32_t) + keys.size() + values.size();
+         start.size() * sizeof(int64_t) + pos.size() * sizeof(int32_t) + keys.size() + values.size() + dcent.size() +
+         dvmean.size();
+}
+
+void WaveHead::sync_decode(DType t, int d) {
+  if (t == DType::F32) {
+    mdt = t;
+    std::vector<std::byte>().swap(dcent);
+    std::vector<std::byte>().swap(dvmean);
+    return;
+  }
+  if (t == DType::F16 && mdt == DType::BF16) t = DType::BF16;  // this head already left fp16's range
+  const size_t rb = size_t(d) * 2;
+  if (mdt != t) {
+    dcent.clear();
+    dvmean.clear();
+    mdt = t;
+  }
+  const int64_t C = clusters();
+  int64_t have = std::min<int64_t>(int64_t(dcent.size() / rb), C);
+  auto mean_of = [&](int64_t c, float* mean) {
+    const int32_t sz = size[size_t(c)];
+    for (int i = 0; i < d; ++i) mean[i] = sz > 0 ? value_sum[size_t(c) * d + i] / float(sz) : 0.f;
+  };
+  std::vector<float> mean(static_cast<size_t>(d));
+  if (t == DType::F16) {  // a value beyond fp16's range moves the whole head to bf16 (same exponent range as fp32)
+    bool fits = true;
+    for (int64_t c = have; c < C && fits; ++c) {
+      mean_of(c, mean.data());
+      for (int i = 0; i < d; ++i)
+        if (!(std::abs(centroids[size_t(c) * d + i]) <= 65504.f) || !(std::abs(mean[size_t(i)]) <= 65504.f)) fits = false;
+    }
+    if (!fits) {
+      t = mdt = DType::BF16;
+      have = 0;
+    }
+  }
+  dcent.resize(size_t(C) * rb);
+  dvmean.resize(size_t(C) * rb);
+  for (int64_t c = have; c < C; ++c) {
+    convert_from_f32(centroids.data() + size_t(c) * d, dcent.data() + size_t(c) * rb, t, size_t(d));
+    mean_of(c, mean.data());
+    convert_from_f32(mean.data(), dvmean.data() + size_t(c) * rb, t, size_t(d));
+  }
 }
 
 void WaveHead::truncate_clusters(int64_t c, size_t row_bytes) {
@@ -169,6 +212,13 @@ void WaveHead::truncate_clusters(int64_t c, size_t row_bytes) {
   pos.resize(size_t(r));
   keys.resize(size_t(r) * row_bytes);
   values.resize(size_t(r) * row_bytes);
+  if (mdt != DType::F32) {
+    const size_t mb = size_t(d) * dtype_size(mdt);
+    if (dcent.size() > size_t(c) * mb) {
+      dcent.resize(size_t(c) * mb);
+      dvmean.resize(size_t(c) * mb);
+    }
+  }
 }
 
 void append_clusters(WaveHead& head, const KVLayer& kv, int h, int64_t tok_begin, int64_t m, const int32_t* assign,

@@ -62,11 +62,20 @@ struct WaveHead {
   std::vector<int64_t> start;    // [C]
   std::vector<int32_t> pos;      // [R]
   std::vector<std::byte> keys, values;  // [R][d] in the KV dtype
+  // Decode copy of the meta index (derived from the above, not saved): centroids and value means
+  // (value_sum / size, 0 for an empty cluster) [C][d] in the 16-bit dtype mdt (the authors keep
+  // the meta index in the model dtype). Empty when mdt is F32: decode then reads centroids and
+  // value_sum directly.
+  DType mdt = DType::F32;
+  std::vector<std::byte> dcent, dvmean;
   int64_t clusters() const { return int64_t(size.size()); }
   int64_t rows() const { return int64_t(pos.size()); }
   uint64_t bytes() const;
   // Drops clusters >= c and their rows (rows >= start[c]).
   void truncate_clusters(int64_t c, size_t row_bytes);
+  // Brings the decode copy up to date for dtype t (converts the clusters it lacks). t = F16 falls
+  // back to BF16 for the whole head once a centroid or value mean exceeds fp16's range.
+  void sync_decode(DType t, int d);
 };
 
 // Appends C clusters of tokens [tok_begin, tok_begin + m) of head h: assign[i] is the cluster of
