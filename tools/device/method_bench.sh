@@ -3,6 +3,7 @@
 # published method against `full` at 128K, with the thread counts the issues name. Carry .dev with
 # .dev/cpu/{kvsieve,libkvsieve.so.0} (a CPU build) and .dev/libs.tar.xz (see docs/perf.md); an
 # optional .dev/cpu-old/ holds a previous build to compare (BENCH_OLD="method ..."). Logs under $OUT.
+# METHODS picks the 2-thread methods; SKIP_1T=1 skips the one-thread lfps/exact_topk runs.
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/kvs_out}
@@ -20,6 +21,8 @@ bench() {  # DIR THREADS METHOD [extra args]
   lscpu | grep -E 'Model name|^CPU\(s\)'
   for m in ${METHODS:-csattention ctkvr retroinfer hgca}; do bench .dev/cpu 2 "$m"; done
   for m in ${BENCH_OLD:-}; do bench .dev/cpu-old 2 "$m"; done
-  bench .dev/cpu 1 lfps --stats candidate_fraction,bypass_fraction
-  bench .dev/cpu 1 exact_topk
+  if [ -z "${SKIP_1T:-}" ]; then   # SKIP_1T=1: only the 2-thread runs
+    bench .dev/cpu 1 lfps --stats candidate_fraction,bypass_fraction
+    bench .dev/cpu 1 exact_topk
+  fi
 } 2>&1 | tee "$OUT/method_bench.log"

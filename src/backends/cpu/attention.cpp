@@ -380,11 +380,16 @@ void run_chunk(Isa isa, State& st, const float* qs, DType t, int64_t begin, int6
   };
   // Gathered rows (index lists) are scattered: the hardware prefetchers cannot guess them, so the
   // K and V rows of the next block are asked for (into L2) while a block is computed, and the
-  // first block's before the loop.
+  // first block's before the loop. KVS_GATHER_PREFETCH=k asks for the K rows only (the V rows of
+  // the current block still go to L1 during its score pass), for comparisons on other CPUs.
+  static const bool pf_v = [] {
+    const char* e = std::getenv("KVS_GATHER_PREFETCH");
+    return e == nullptr || std::strcmp(e, "k") != 0;
+  }();
   if (gathered)
     for (int64_t i = begin, e2 = std::min<int64_t>(end, begin + kBlock); i < e2; ++i) {
       prefetch_rows(kat(i), _MM_HINT_T1);
-      prefetch_rows(vat(i), _MM_HINT_T1);
+      if (pf_v) prefetch_rows(vat(i), _MM_HINT_T1);
     }
   for (int64_t b = begin; b < end; b += kBlock) {
     const int cnt = int(std::min<int64_t>(kBlock, end - b));
@@ -398,7 +403,7 @@ void run_chunk(Isa isa, State& st, const float* qs, DType t, int64_t begin, int6
     if (gathered)
       for (int64_t i = b + kBlock, e2 = std::min<int64_t>(end, b + 2 * kBlock); i < e2; ++i) {
         prefetch_rows(kat(i), _MM_HINT_T1);
-        prefetch_rows(vat(i), _MM_HINT_T1);
+        if (pf_v) prefetch_rows(vat(i), _MM_HINT_T1);
       }
     switch (t) {
       case DType::BF16: simd_block<DType::BF16>(isa, st, qs, cnt, kr, vr, sc.s.data()); break;
