@@ -12,6 +12,7 @@ Per (method, budget) it reports, on one text (docs/accuracy.md defines each figu
                       is predicted by the logits of one decode step
   delta_nll_vs_full   nll - nll of `full` through kvsieve (same session code, dense)
   delta_nll_vs_ref    nll - nll of the pure-NumPy float64 model (no kvsieve)
+  delta_nll_stderr    standard error of delta_nll_vs_full (per-token paired differences)
   kl_vs_full          mean KL(full || method) of the next-token distributions, teacher-forced
   greedy_agreement    fraction of the N decode steps whose top-1 token equals full's greedy
                       continuation, the method teacher-forced on that continuation
@@ -30,6 +31,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -140,10 +142,15 @@ def greedy(att, prompt, n):
 # ------------------------------------------------------------------------------------------------
 # The measurement
 
+def token_nll(logits, targets):
+    """-log p(target) of each row of logits (natural log)."""
+    lp = log_softmax(logits)
+    return -lp[np.arange(len(targets)), np.asarray(targets)]
+
+
 def continuation_nll(logits, targets):
     """Mean -log p(target) over rows of logits (natural log)."""
-    lp = log_softmax(logits)
-    return float(-np.mean(lp[np.arange(len(targets)), np.asarray(targets)]))
+    return float(np.mean(token_nll(logits, targets)))
 
 
 class Reference:
@@ -163,7 +170,8 @@ class Reference:
         att = SessionAttention(model, "full", None, None, kv_dtype, threads)
         _, self.full_logits = teacher_forced(att, prompt, feed)
         att.close()
-        self.full_nll = continuation_nll(self.full_logits, targets)
+        self.full_token_nll = token_nll(self.full_logits, targets)
+        self.full_nll = float(np.mean(self.full_token_nll))
         att = SessionAttention(model, "full", None, None, kv_dtype, threads)
         self.full_greedy = greedy(att, prompt, self.N)  # y_P .. y_{P+N}
         att.close()
@@ -188,7 +196,12 @@ class Reference:
             kept_tf = att.kept
         finally:
             att.close()
-        nll = continuation_nll(logits, targets)
+        tok_nll = token_nll(logits, targets)
+        nll = float(np.mean(tok_nll))
+        # Standard error of the paired per-token difference: how much of the delta one text of
+        # N tokens can resolve.
+        diff = tok_nll - self.full_token_nll
+        stderr = float(np.std(diff, ddof=1) / math.sqrt(diff.size)) if diff.size > 1 else None
         lp, lq = log_softmax(self.full_logits), log_softmax(logits)
         kl = float(np.mean(np.sum(np.exp(lp) * (lp - lq), axis=-1)))
 
@@ -206,6 +219,7 @@ class Reference:
             "nll": nll,
             "delta_nll_vs_full": nll - self.full_nll,
             "delta_nll_vs_ref": nll - self.ref_nll,
+            "delta_nll_stderr": stderr,
             "kl_vs_full": kl,
             "greedy_agreement": float(np.mean(match)),
             "first_divergence": int(miss[0]) if miss.size else self.N,
@@ -336,15 +350,16 @@ def format_table(doc):
                      doc["full_nll"], "equals" if doc["full_greedy_equals_reference"]
                      else "differs from"))
     lines.append("")
-    hdr = ("%-12s %7s %7s %8s %9s %9s %8s %7s %6s  %s" % (
-        "method", "budget", "kept", "nll", "dnll/full", "dnll/ref", "KL/full", "greedy",
+    hdr = ("%-12s %7s %7s %8s %9s %7s %9s %8s %7s %6s  %s" % (
+        "method", "budget", "kept", "nll", "dnll/full", "+-se", "dnll/ref", "KL/full", "greedy",
         "1stdiv", "params"))
     lines.append(hdr)
     lines.append("-" * len(hdr))
     for r in doc["results"]:
         kept = "%6.1f%%" % (100 * r["kept_fraction"]) if r["kept_fraction"] is not None else "    n/a"
-        lines.append("%-12s %7.3g %7s %8.4f %+9.4f %+9.4f %8.4f %6.1f%% %6d  %s" % (
-            r["method"], r["budget"], kept, r["nll"], r["delta_nll_vs_full"],
+        se = "%7.4f" % r["delta_nll_stderr"] if r["delta_nll_stderr"] is not None else "    n/a"
+        lines.append("%-12s %7.3g %7s %8.4f %+9.4f %7s %+9.4f %8.4f %6.1f%% %6d  %s" % (
+            r["method"], r["budget"], kept, r["nll"], r["delta_nll_vs_full"], se,
             r["delta_nll_vs_ref"], r["kl_vs_full"], 100 * r["greedy_agreement"],
             r["first_divergence"], r["params"]))
     return "\n".join(lines)
@@ -391,6 +406,18 @@ def main(argv=None):
         print("kvsieve_e2e.py: error: cannot import kvsieve (%s); set PYTHONPATH to "
               "<build>/bindings/python" % e, file=sys.stderr)
         return 1
+    # The library's warnings (e.g. csattention's "tables exceed its KV cache" at 512 tokens) repeat
+    # for every layer and session: print each once (numbers folded).
+    seen_logs = set()
+
+    def on_log(level, msg):
+        key = re.sub(r"[0-9.]+", "#", msg)
+        if key not in seen_logs:
+            seen_logs.add(key)
+            print("\r\x1b[K" if sys.stderr.isatty() else "", end="", file=sys.stderr)
+            print("kvsieve: %s (reported once)" % msg.rstrip(), file=sys.stderr)
+
+    kvsieve.set_log_callback(on_log, "warn")
     try:
         registered = kvsieve.method_names()
         methods = parse_methods(args.methods, registered)
