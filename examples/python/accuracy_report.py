@@ -109,7 +109,8 @@ def long_table(ds, d):
                 fmt(e.get("recall_at_k"), "%.3f"), fmt(e.get("mass_recall"), "%.3f"),
                 fmt(e.get("output_rel_err"), "%.3f"), fmt(e.get("output_rel_err_p95"), "%.2f"),
                 fmt(pct(r.get("kept_fraction")), "%.1f%%"),
-                fmt(r.get("nll"), "%.4f"), fmt(r.get("delta_nll_vs_full"), "%+.4f"),
+                fmt(r.get("nll"), "%.4f"), fmt(r.get("delta_nll_vs_full"), "%+.4f") + (
+                    " ± %.4f" % r["delta_nll_stderr"] if r.get("delta_nll_stderr") else ""),
                 fmt(r.get("kl_vs_full"), "%.4f"),
                 fmt(pct(r.get("greedy_agreement")), "%.1f%%"),
                 fmt(r.get("first_divergence"), "%d")))
@@ -130,28 +131,32 @@ def long_table(ds, d):
 
 
 def pivot(data, metric, source, spec, title):
-    """Rows: data set x method; columns: budgets."""
-    out = ["| %s | method | %s |" % (title, " | ".join("%g%%" % (100 * b) for b in BUDGETS)),
-           "|---|---|" + "---:|" * len(BUDGETS)]
-    for ds in sorted(data):
-        d = data[ds]
-        methods = sorted({m for (m, _) in d["eval"]} | {r["method"] for r in
-                         (d["e2e"] or {}).get("results", [])}, key=method_key)
-        rows_e2e = e2e_rows(d["e2e"])
-        for m in methods:
-            if m == "full":
-                continue
-            cells = []
-            for b in BUDGETS:
+    """Rows: methods; columns: budgets; each cell one value per data set, joined by " / "."""
+    sets = sorted(data)
+    out = ["**%s** (%s), %s:" % (title, "kvsieve eval" if source == "eval" else "end-to-end",
+                                  " / ".join(sets)),
+           "",
+           "| method | %s |" % " | ".join("%g%%" % (100 * b) for b in BUDGETS),
+           "|---|" + "---:|" * len(BUDGETS)]
+    methods = set()
+    for d in data.values():
+        methods |= {m for (m, _) in d["eval"]}
+        methods |= {r["method"] for r in (d["e2e"] or {}).get("results", [])}
+    for m in sorted(methods, key=method_key):
+        if m == "full":
+            continue
+        cells = []
+        for b in BUDGETS:
+            vals = []
+            for ds in sets:
                 if source == "eval":
-                    row = d["eval"].get((m, b))
-                    v = row.get(metric) if row else None
+                    row = data[ds]["eval"].get((m, b))
                 else:
-                    row = rows_e2e.get((m, round(b, 6)))
-                    v = row.get(metric) if row else None
-                cells.append(fmt(v, spec))
-            if any(c != "–" for c in cells):
-                out.append("| %s | %s | %s |" % (ds, m, " | ".join(cells)))
+                    row = e2e_rows(data[ds]["e2e"]).get((m, round(b, 6)))
+                vals.append(fmt(row.get(metric) if row else None, spec))
+            cells.append(" / ".join(vals))
+        if any(c.replace("–", "").replace(" / ", "") for c in cells):
+            out.append("| %s | %s |" % (m, " | ".join(cells)))
     return "\n".join(out)
 
 
@@ -166,6 +171,7 @@ def plot(data, img_dir, cmd):
         ("accuracy-mass-recall.png", "eval", "mass_recall", "mass recall (exact softmax weight kept)",
          "linear"),
         ("accuracy-nll.png", "e2e", "delta_nll_vs_full", "NLL change vs full (nats/token)", "symlog"),
+        ("accuracy-kl.png", "e2e", "kl_vs_full", "KL(full || method) per token (nats)", "log"),
     ]
     for fname, source, metric, ylabel, yscale in specs:
         usable = [ds for ds in sets if (data[ds]["eval"] if source == "eval" else data[ds]["e2e"])]
@@ -201,6 +207,8 @@ def plot(data, img_dir, cmd):
                 lambda v, _: "%g%%" % v))
             ax.set_xlabel("keys attended exactly (measured kept fraction, % of context)")
             ax.set_ylabel(ylabel)
+            if yscale == "log":
+                ax.set_yscale("log")
             if yscale == "symlog":
                 ax.set_yscale("symlog", linthresh=1e-3)
                 ax.axhline(0, color="grey", linewidth=0.8)
@@ -246,7 +254,8 @@ def main(argv=None):
         return 2
     blocks = {"summary": "\n\n".join([
         pivot(data, "mass_recall", "eval", "%.3f", "mass recall"),
-        pivot(data, "delta_nll_vs_full", "e2e", "%+.3f", "ΔNLL vs full"),
+        pivot(data, "delta_nll_vs_full", "e2e", "%+.3f", "ΔNLL vs full, nats/token"),
+        pivot(data, "kl_vs_full", "e2e", "%.3f", "KL(full ‖ method), nats"),
         pivot(data, "greedy_agreement", "e2e", "%.3f", "greedy agreement"),
     ])}
     for ds in sorted(data):
