@@ -224,7 +224,44 @@ class Reference:
             "greedy_agreement": float(np.mean(match)),
             "first_divergence": int(miss[0]) if miss.size else self.N,
             "seconds": time.perf_counter() - t0,
+            "_tok_nll": tok_nll,
         }
+
+
+def measure_windows(refs, method, budget, params, progress=None):
+    """One (method, budget) over every window: per-token figures pooled over all scored tokens
+    (nll, its deltas, KL, greedy agreement: the windows have equal length), kept fraction and
+    first divergence per window (first_divergence: the median, rounded down)."""
+    rows = []
+    for w, ref in enumerate(refs):
+        sub = (lambda f, w=w: progress((w + f) / len(refs))) if progress else None
+        rows.append(ref.measure(method, budget, params, progress=sub))
+        if progress:
+            progress((w + 1) / len(refs))
+    if len(rows) == 1:
+        r = dict(rows[0])
+        del r["_tok_nll"]
+        return r
+    tok = np.concatenate([r["_tok_nll"] for r in rows])
+    full = np.concatenate([ref.full_token_nll for ref in refs])
+    diff = tok - full
+    nll = float(np.mean(tok))
+    firsts = [r["first_divergence"] for r in rows]
+    kept = [r["kept_fraction"] for r in rows]
+    return {
+        "method": method, "budget": budget, "params": params or "",
+        "kept_fraction": float(np.mean(kept)) if None not in kept else None,
+        "nll": nll,
+        "delta_nll_vs_full": nll - float(np.mean(full)),
+        "delta_nll_vs_ref": nll - float(np.mean([ref.ref_nll for ref in refs])),
+        "delta_nll_stderr": float(np.std(diff, ddof=1) / math.sqrt(diff.size)),
+        "kl_vs_full": float(np.mean([r["kl_vs_full"] for r in rows])),
+        "greedy_agreement": float(np.mean([r["greedy_agreement"] for r in rows])),
+        "first_divergence": int(np.floor(np.median(firsts))),
+        "first_divergence_per_window": firsts,
+        "delta_nll_per_window": [r["delta_nll_vs_full"] for r in rows],
+        "seconds": float(sum(r["seconds"] for r in rows)),
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -324,28 +361,41 @@ class Progress:
             sys.stderr.flush()
 
 
-def load_text_ids(args, model, tok, need):
+def load_windows(args, model, tok, per):
+    """The token windows to score, each BOS + per - 1 tokens. --text: consecutive windows of the
+    encoded text (window k = BOS + tokens [1 + k (per - 1), 1 + (k + 1)(per - 1))); --story: one
+    sampled story per seed, seed, seed + 1, ..."""
+    K = args.windows
     if args.text:
         if not os.path.isfile(args.text):
             raise Error("--text: no such file: %s" % args.text)
         ids = tok.encode(stories260k.read_text(args.text))
+        need = 1 + K * (per - 1)
         if len(ids) < need:
-            raise Error("--text: %s has %d tokens (BOS included); --prompt %d + --continuation "
-                        "%d needs %d" % (args.text, len(ids), args.prompt, args.continuation, need))
+            raise Error("--text: %s has %d tokens (BOS included); --windows %d of --prompt %d + "
+                        "--continuation %d + 1 need %d" % (args.text, len(ids), K, args.prompt,
+                                                           args.continuation, need))
+        wins = [[stories260k.BOS] + ids[1 + k * (per - 1):1 + (k + 1) * (per - 1)]
+                for k in range(K)]
         name = args.text_name or os.path.basename(args.text)
-        return ids[:need], name
-    ids = stories260k.generate(model, [stories260k.BOS], need - 1, temperature=args.temperature,
-                               seed=args.seed)
-    name = args.text_name or ("stories260K's own story (BOS + %d tokens sampled, NumPy PCG64 seed "
-                              "%d, temperature %g)" % (need - 1, args.seed, args.temperature))
-    return ids, name
+        if K > 1:
+            name += " (%d consecutive windows of %d tokens after BOS)" % (K, per - 1)
+        return wins, name
+    wins = [stories260k.generate(model, [stories260k.BOS], per - 1, temperature=args.temperature,
+                                 seed=args.seed + k) for k in range(K)]
+    seeds = ("seed %d" % args.seed) if K == 1 else ("seeds %d-%d" % (args.seed, args.seed + K - 1))
+    name = args.text_name or ("stories260K's own stor%s (BOS + %d tokens sampled, NumPy PCG64 %s, "
+                              "temperature %g)" % ("y" if K == 1 else "ies", per - 1, seeds,
+                                                   args.temperature))
+    return wins, name
 
 
 def format_table(doc):
     lines = []
     lines.append("%s; text: %s" % (doc["model"], doc["text"]))
-    lines.append("prompt %d tokens, %d teacher-forced decode steps; NLL nats/token: NumPy float64 "
-                 "reference %.5f, full through kvsieve %.5f (greedy %s the reference's)" % (
+    lines.append("%sprompt %d tokens, %d teacher-forced decode steps; NLL nats/token: NumPy "
+                 "float64 reference %.5f, full through kvsieve %.5f (greedy %s the reference's)" % (
+                     "%d windows, each: " % doc["windows"] if doc["windows"] > 1 else "",
                      doc["prompt_tokens"], doc["continuation_tokens"], doc["reference_nll"],
                      doc["full_nll"], "equals" if doc["full_greedy_equals_reference"]
                      else "differs from"))
@@ -384,6 +434,9 @@ def main(argv=None):
                     "prefilled (%(default)s)")
     ap.add_argument("--continuation", type=int, default=255, help="decode steps = scored tokens "
                     "(%(default)s; prompt + continuation + 1 <= the context, 512)")
+    ap.add_argument("--windows", type=int, default=1, help="score this many windows and pool "
+                    "them (--text: consecutive windows of the text; --story: seeds seed, seed+1, "
+                    "...; default %(default)s)")
     ap.add_argument("--methods", default="all", help="comma-separated methods, or all (default)")
     ap.add_argument("--budgets", default=",".join("%g" % b for b in DEFAULT_BUDGETS),
                     help="comma-separated budgets in (0, 1] (%(default)s); `full` runs once")
@@ -440,7 +493,9 @@ def main(argv=None):
         if need > model.seq_len:
             raise Error("--prompt %d + --continuation %d + 1 = %d exceeds the model's context %d"
                         % (args.prompt, args.continuation, need, model.seq_len))
-        ids, text_name = load_text_ids(args, model, tok, need)
+        if args.windows < 1:
+            raise Error("--windows: expected at least 1, got %d" % args.windows)
+        windows, text_name = load_windows(args, model, tok, need)
     except Error as e:
         print("kvsieve_e2e.py: error: %s" % e, file=sys.stderr)
         return 2
@@ -451,19 +506,22 @@ def main(argv=None):
         for b in ([1.0] if m == "full" else budgets):
             configs.append((m, b, params))
     prog = Progress(len(configs) + 1, not args.quiet)
-    prog.show("reference + full")
-    ref = Reference(model, ids, args.prompt, args.continuation, args.kv_dtype, args.threads)
+    refs = []
+    for w, ids in enumerate(windows):
+        prog.show("reference + full", w / len(windows))
+        refs.append(Reference(model, ids, args.prompt, args.continuation, args.kv_dtype,
+                              args.threads))
     prog.advance()
     results = []
     for m, b, params in configs:
         label = "%s %g" % (m, b)
         prog.show(label)
         if m == "full":
-            r = ref.measure(m, None, params)
+            r = measure_windows(refs, m, None, params)
             r["budget"] = 1.0
         else:
             try:
-                r = ref.measure(m, b, params, progress=lambda f: prog.show(label, f))
+                r = measure_windows(refs, m, b, params, progress=lambda f: prog.show(label, f))
             except kvsieve.Error as e:
                 prog.close()
                 print("kvsieve_e2e.py: error: %s at budget %g%s: %s" % (
@@ -478,11 +536,13 @@ def main(argv=None):
         "text": text_name,
         "prompt_tokens": args.prompt,
         "continuation_tokens": args.continuation,
+        "windows": len(refs),
+        "scored_tokens": len(refs) * args.continuation,
         "results": results,
-        "reference_nll": ref.ref_nll,
-        "full_nll": ref.full_nll,
-        "full_greedy_equals_reference": ref.full_greedy == ref.ref_greedy,
-        "full_vs_reference_max_logit_diff": ref.full_vs_ref_max_logit_diff,
+        "reference_nll": float(np.mean([ref.ref_nll for ref in refs])),
+        "full_nll": float(np.mean([ref.full_nll for ref in refs])),
+        "full_greedy_equals_reference": all(ref.full_greedy == ref.ref_greedy for ref in refs),
+        "full_vs_reference_max_logit_diff": max(ref.full_vs_ref_max_logit_diff for ref in refs),
         "kv_dtype": args.kv_dtype,
         "library_version": kvsieve.version(),
         "command": " ".join(["kvsieve_e2e.py"] + list(sys.argv[1:] if argv is None else argv)),

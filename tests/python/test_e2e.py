@@ -123,6 +123,22 @@ if __name__ != "__main__":
         assert r["first_divergence"] == (diff[0] - 1 if diff else N)
         assert r["first_divergence"] < N  # streaming at 5% does diverge within 64 tokens
 
+    def test_windows_pool_per_token(model):
+        """Several windows: figures pooled over every scored token, equal to the mean of the
+        windows' own figures (equal lengths), first divergence the median."""
+        m, _ = model
+        refs = [e2e.Reference(m, stories260k.generate(m, [stories260k.BOS], 32 + 12,
+                                                      temperature=1.0, seed=s), 32, 12)
+                for s in (7, 8, 9)]
+        rows = [r.measure("streaming", 0.1, "") for r in refs]
+        agg = e2e.measure_windows(refs, "streaming", 0.1, "")
+        assert abs(agg["nll"] - np.mean([r["nll"] for r in rows])) < 1e-12
+        assert abs(agg["delta_nll_vs_full"] - np.mean([r["delta_nll_vs_full"] for r in rows])) < 1e-12
+        assert abs(agg["greedy_agreement"] - np.mean([r["greedy_agreement"] for r in rows])) < 1e-12
+        assert agg["first_divergence_per_window"] == [r["first_divergence"] for r in rows]
+        assert agg["first_divergence"] == sorted(r["first_divergence"] for r in rows)[1]
+        assert "_tok_nll" not in agg
+
     def run_harness(*args):
         env = dict(os.environ)
         return subprocess.run([sys.executable, HARNESS] + list(args), capture_output=True,
@@ -153,7 +169,8 @@ if __name__ != "__main__":
                            (["--params", "quest:page_size"], "--params"),
                            (["--params", "nope:x=1"], "--params"),
                            (["--prompt", "400", "--continuation", "200"], "--prompt"),
-                           (["--text", "/nonexistent.txt"], "--text")):
+                           (["--text", "/nonexistent.txt"], "--text"),
+                           (["--windows", "0"], "--windows")):
             p = run_harness(*args)
             assert p.returncode == 2, (args, p.stderr)
             lines = p.stderr.strip().splitlines()

@@ -35,10 +35,11 @@ for t in gen text; do
   done
 done
 
-"$PY" examples/python/kvsieve_e2e.py --story --threads "$THREADS" -q \
+# Four windows per text (the first is the trace's sequence): 4 x 255 scored tokens each.
+"$PY" examples/python/kvsieve_e2e.py --story --windows 4 --threads "$THREADS" -q \
   --json "$OUT/e2e-stories260k-gen.json" > /dev/null
-"$PY" examples/python/kvsieve_e2e.py --text "$TR/kjv-genesis-1-2.txt" --threads "$THREADS" -q \
-  --text-name "King James Bible, Genesis 1:1-2:25 (Debian bible-kjv-text)" \
+"$PY" examples/python/kvsieve_e2e.py --text "$TR/kjv-genesis-1-2.txt" --windows 4 \
+  --threads "$THREADS" -q --text-name "King James Bible, Genesis 1:1-2:25 (Debian bible-kjv-text)" \
   --json "$OUT/e2e-stories260k-text.json" > /dev/null
 
 "${PLOT_PYTHON:-$PY}" examples/python/accuracy_report.py
