@@ -24,7 +24,8 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 BUDGETS = (0.01, 0.02, 0.05, 0.10, 0.20)
 ORDER = ("full", "exact_topk", "streaming", "quest", "csattention", "ctkvr", "lfps", "hgca",
          "retroinfer")
-TITLES = {"stories260k-gen": "stories260K, its own story (seed 42)",
+TITLES = {"stories260k-gen": "stories260K, its own stories",
+          "smollm2-kjv-8k": "SmolLM2-135M, KJV Genesis, 8K",
           "stories260k-text": "stories260K, KJV Genesis 1-2"}
 
 
@@ -65,7 +66,9 @@ def load(dirname):
     for path in sorted(glob.glob(os.path.join(dirname, "e2e-*.json"))):
         ds = os.path.basename(path)[4:-5]
         with open(path) as f:
-            data.setdefault(ds, {"eval": {}, "e2e": None})["e2e"] = json.load(f)
+            doc = json.load(f)
+        doc["_path"] = path
+        data.setdefault(ds, {"eval": {}, "e2e": None})["e2e"] = doc
     return data
 
 
@@ -117,13 +120,19 @@ def long_table(ds, d):
     head = []
     doc = d["e2e"]
     if doc:
-        head.append("End-to-end: text %s; prompt %d tokens, %d decode steps; NLL (nats/token) of "
-                    "the NumPy float64 model %.5f, of `full` through kvsieve %.5f (Δ %.1e); "
-                    "full's greedy continuation %s the float64 model's." % (
-                        doc["text"], doc["prompt_tokens"], doc["continuation_tokens"],
-                        doc.get("reference_nll", float("nan")), doc.get("full_nll", float("nan")),
-                        doc.get("full_nll", 0) - doc.get("reference_nll", 0),
-                        "equals" if doc.get("full_greedy_equals_reference") else "differs from"))
+        line = "End-to-end (`%s`): %s; text %s; prompt %d tokens, %d decode steps" % (
+            os.path.basename(doc.get("_path", "")), doc["model"], doc["text"],
+            doc["prompt_tokens"], doc["continuation_tokens"])
+        if doc.get("windows", 1) > 1:
+            line += ", %d windows (%d scored tokens)" % (doc["windows"], doc["scored_tokens"])
+        if "reference_nll" in doc and "full_nll" in doc:
+            line += ("; NLL (nats/token) of the NumPy float64 model %.5f, of `full` through "
+                     "kvsieve %.5f (Δ %.1e)" % (doc["reference_nll"], doc["full_nll"],
+                                               doc["full_nll"] - doc["reference_nll"]))
+        if "full_greedy_equals_reference" in doc:
+            line += "; full's greedy continuation %s the float64 model's" % (
+                "equals" if doc["full_greedy_equals_reference"] else "differs from")
+        head.append(line + ".")
     if ev:
         steps = next(iter(ev.values())).get("steps")
         head.append("`kvsieve eval`: %s decode steps x every layer, against float64 attention." % steps)
