@@ -166,7 +166,7 @@ def pivot(data, metric, source, spec, title):
             cells.append(" / ".join(vals))
         if any(c.replace("–", "").replace(" / ", "") for c in cells):
             out.append("| %s | %s |" % (m, " | ".join(cells)))
-    return "\n".join(out)
+    return "\n".join(out) if len(out) > 4 else ""
 
 
 def plot(data, img_dir, cmd):
@@ -261,12 +261,18 @@ def main(argv=None):
         print("accuracy_report.py: error: --dir: no eval-*.json or e2e-*.json in %s" % args.dir,
               file=sys.stderr)
         return 2
-    blocks = {"summary": "\n\n".join([
-        pivot(data, "mass_recall", "eval", "%.3f", "mass recall"),
-        pivot(data, "delta_nll_vs_full", "e2e", "%+.3f", "ΔNLL vs full, nats/token"),
-        pivot(data, "kl_vs_full", "e2e", "%.3f", "KL(full ‖ method), nats"),
-        pivot(data, "greedy_agreement", "e2e", "%.3f", "greedy agreement"),
-    ])}
+    blocks = {}
+    # One summary per model (the data set name's first part: stories260k-gen -> stories260k).
+    for model in sorted({ds.split("-")[0] for ds in data}):
+        sub = {ds: d for ds, d in data.items() if ds.split("-")[0] == model}
+        parts = []
+        if any(d["eval"] for d in sub.values()):
+            parts.append(pivot(sub, "mass_recall", "eval", "%.3f", "mass recall"))
+        if any(d["e2e"] for d in sub.values()):
+            parts += [pivot(sub, "delta_nll_vs_full", "e2e", "%+.3f", "ΔNLL vs full, nats/token"),
+                      pivot(sub, "kl_vs_full", "e2e", "%.3f", "KL(full ‖ method), nats"),
+                      pivot(sub, "greedy_agreement", "e2e", "%.3f", "greedy agreement")]
+        blocks["summary-" + model] = "\n\n".join(p for p in parts if p)
     for ds in sorted(data):
         blocks["tables-" + ds] = long_table(ds, data[ds])
     if args.print:
