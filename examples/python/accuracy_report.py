@@ -174,7 +174,7 @@ def plot(data, img_dir, cmd):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     os.makedirs(img_dir, exist_ok=True)
-    sets = [ds for ds in sorted(data)]
+    sets = sorted(data, key=lambda ds: (not ds.startswith("stories260k"), ds))
     made = []
     specs = [
         ("accuracy-mass-recall.png", "eval", "mass_recall", "mass recall (exact softmax weight kept)",
@@ -183,7 +183,12 @@ def plot(data, img_dir, cmd):
         ("accuracy-kl.png", "e2e", "kl_vs_full", "KL(full || method) per token (nats)", "log"),
     ]
     for fname, source, metric, ylabel, yscale in specs:
-        usable = [ds for ds in sets if (data[ds]["eval"] if source == "eval" else data[ds]["e2e"])]
+        def has(ds):
+            if source == "eval":
+                return any(r.get(metric) is not None for r in data[ds]["eval"].values())
+            return bool(data[ds]["e2e"]) and any(
+                r.get(metric) is not None for r in data[ds]["e2e"]["results"])
+        usable = [ds for ds in sets if has(ds)]
         if not usable:
             continue
         fig, axes = plt.subplots(1, len(usable), figsize=(6.2 * len(usable), 4.6), squeeze=False)
@@ -295,7 +300,7 @@ def main(argv=None):
                   "it)" % (os.path.relpath(args.doc), k), file=sys.stderr)
     if not args.no_plots:
         for p in plot(data, args.img, "made by: python examples/python/accuracy_report.py "
-                      "(data: tools/accuracy/run_stories260k.sh)"):
+                      "(data: docs/accuracy/*.json; stories260K: tools/accuracy/run_stories260k.sh)"):
             print("wrote %s" % os.path.relpath(p))
     return 0
 
