@@ -25,9 +25,11 @@ import stories260k  # noqa: E402
 
 def model_dir_or_none():
     try:
-        return stories260k.default_model_dir()
+        d = stories260k.default_model_dir()
     except FileNotFoundError:
         return None
+    ok = all(os.path.exists(os.path.join(d, f)) for f in ("stories260K.bin", "tok512.bin"))
+    return d if ok else None
 
 
 if __name__ != "__main__":
