@@ -51,6 +51,9 @@ PRESETS = {
     # ctkvr's default static set (4 sinks + 64 local) is the whole budget at 512 tokens: it would
     # be streaming. 1 + 1 is the best setting of docs/methods/ctkvr.md on these traces.
     "ctkvr": "sinks=1,local=1",
+    # lfps forces 4 sink keys; at 1% (about 4 keys) they are the whole selection, not even the
+    # current token is attended: 1 sink, as for ctkvr.
+    "lfps": "sinks=1",
     # retroinfer's default steady zone (4 + 64 + up to 1024 generated) would make the trace dense;
     # the session budget, a small window and small clusters, as docs/methods/retroinfer.md.
     "retroinfer": "budget=session,local=4,update_segment=16,cluster_size=4",
