@@ -141,7 +141,7 @@ def long_table(ds, d):
 
 def pivot(data, metric, source, spec, title):
     """Rows: methods; columns: budgets; each cell one value per data set, joined by " / "."""
-    sets = sorted(data)
+    sets = [ds for ds in sorted(data) if (data[ds]["eval"] if source == "eval" else data[ds]["e2e"])]
     out = ["**%s** (%s), %s:" % (title, "kvsieve eval" if source == "eval" else "end-to-end",
                                   " / ".join(sets)),
            "",
