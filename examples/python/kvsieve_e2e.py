@@ -21,7 +21,7 @@ Per (method, budget) it reports, on one text (docs/accuracy.md defines each figu
   kept_fraction       mean over decode steps and layers of the exact keys attended / context
                       (Session.stats.last_selected_fraction after every decode call)
 
-  kvsieve_e2e.py [--text FILE | --story] [--prompt 256] [--continuation 255]
+  kvsieve_e2e.py [--text FILE | --story] [--prompt 256] [--continuation 255] [--windows 1]
                  [--methods all] [--budgets 0.01,0.02,0.05,0.10,0.20] [--params m:k=v,...]
                  [--json FILE]
 
