@@ -120,11 +120,16 @@ class Model:
         """A KV cache for incremental decoding: forward(tokens, cache=c) appends to it."""
         return {"len": 0, "k": [None] * self.n_layers, "v": [None] * self.n_layers}
 
-    def forward(self, tokens, record=False, cache=None):
+    def forward(self, tokens, record=False, cache=None, attend=None):
         """Causal forward pass of tokens at positions cache["len"].. (0 without a cache).
         Returns logits [n, V] and, with record, per-layer dicts: q [n,Hq,hd], k,v [n,Hkv,hd]
         (q, k after RoPE) and attn [n,Hq,hd] (the attention output of each query head, before
-        wo)."""
+        wo).
+
+        attend: optional callback attend(layer, q, k, v) -> attn [n,Hq,hd] that replaces the
+        model's own attention (e.g. a kvsieve session, examples/python/kvsieve_e2e.py). It gets
+        the chunk's new q [n,Hq,hd], k, v [n,Hkv,hd] (float64, after RoPE) and keeps the KV
+        itself: the cache then only counts positions (its k/v stay untouched)."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         n = tokens.size
         start = cache["len"] if cache is not None else 0
@@ -132,7 +137,6 @@ class Model:
         if T > self.seq_len:
             raise ValueError("sequence of %d tokens exceeds the context %d" % (T, self.seq_len))
         hd, Hq, Hkv = self.head_dim, self.n_heads, self.n_kv_heads
-        group = Hq // Hkv
         pos = np.arange(start, T)
         mask = np.arange(T)[None, :] > pos[:, None]  # [n, T]: key after query
         scale = 1.0 / np.sqrt(hd)
@@ -143,20 +147,10 @@ class Model:
             q = self.rope((xb @ self.wq[l].T).reshape(n, Hq, hd), pos)
             k = self.rope((xb @ self.wk[l].T).reshape(n, Hkv, hd), pos)
             v = (xb @ self.wv[l].T).reshape(n, Hkv, hd)
-            kall, vall = k, v
-            if cache is not None:
-                if start:
-                    kall = np.concatenate([cache["k"][l], k])
-                    vall = np.concatenate([cache["v"][l], v])
-                cache["k"][l], cache["v"][l] = kall, vall
-            kq = np.repeat(kall, group, axis=1)  # [T, Hq, hd], q head h -> kv head h // group
-            vq = np.repeat(vall, group, axis=1)
-            s = np.einsum("thd,shd->hts", q, kq) * scale
-            s[:, mask] = -np.inf
-            s -= s.max(axis=-1, keepdims=True)
-            p = np.exp(s)
-            p /= p.sum(axis=-1, keepdims=True)
-            attn = np.einsum("hts,shd->thd", p, vq)
+            if attend is not None:
+                attn = np.asarray(attend(l, q, k, v), dtype=np.float64).reshape(n, Hq, hd)
+            else:
+                attn = self._attention(l, q, k, v, cache, start, mask, scale)
             x = x + attn.reshape(n, Hq * hd) @ self.wo[l].T
             xb = self.rmsnorm(x, self.rms_ffn[l])
             h1 = xb @ self.w1[l].T
@@ -169,6 +163,24 @@ class Model:
         x = self.rmsnorm(x, self.rms_final)
         logits = x @ self.wcls.T
         return (logits, layers) if record else logits
+
+    def _attention(self, l, q, k, v, cache, start, mask, scale):
+        """Exact causal GQA attention of the chunk over the cached and new keys (float64)."""
+        group = self.n_heads // self.n_kv_heads
+        kall, vall = k, v
+        if cache is not None:
+            if start:
+                kall = np.concatenate([cache["k"][l], k])
+                vall = np.concatenate([cache["v"][l], v])
+            cache["k"][l], cache["v"][l] = kall, vall
+        kq = np.repeat(kall, group, axis=1)  # [T, Hq, hd], q head h -> kv head h // group
+        vq = np.repeat(vall, group, axis=1)
+        s = np.einsum("thd,shd->hts", q, kq) * scale
+        s[:, mask] = -np.inf
+        s -= s.max(axis=-1, keepdims=True)
+        p = np.exp(s)
+        p /= p.sum(axis=-1, keepdims=True)
+        return np.einsum("hts,shd->thd", p, vq)
 
 
 def softmax(z):
