@@ -3,7 +3,8 @@
 #   scripts/setup.sh [BUILD_DIR] [extra cmake args...]
 # Environment: KVS_JOBS (parallel build jobs, default: nproc). KVS_BINDINGS=1 also installs what the
 # bindings and consumer examples need (JDK, JUnit 5, Go, Rust, Python headers), creates
-# BUILD_DIR/venv (numpy, pytest from PyPI) and configures with the Python and Java bindings on.
+# BUILD_DIR/venv (numpy, pytest, and torch + transformers for the transformers-integration test, from
+# PyPI) and configures with the Python and Java bindings on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,12 +35,15 @@ BUILD=${1:-build}
 shift || true
 BINDING_ARGS=()
 if [ "${KVS_BINDINGS:-0}" = 1 ]; then
-  # Debian's python3 (the one python3-dev matches), in a venv with numpy and pytest from PyPI.
+  # Debian's python3 (the one python3-dev matches), in a venv with numpy and pytest from PyPI, and
+  # the versions of torch and transformers tests/python/test_hf_integration.py was written against
+  # (PyPI's x86-64 torch wheel brings its CUDA libraries: about 5.6 GB, 5 minutes on a fresh machine).
   PY=/usr/bin/python3
-  if ! "$BUILD/venv/bin/python" -c 'import numpy, pytest' 2>/dev/null; then
+  if ! "$BUILD/venv/bin/python" -c 'import numpy, pytest, torch, transformers' 2>/dev/null; then
     mkdir -p "$BUILD"
-    "$PY" -m venv "$BUILD/venv"
-    "$BUILD/venv/bin/pip" install -q --disable-pip-version-check numpy pytest
+    [ -x "$BUILD/venv/bin/python" ] || "$PY" -m venv "$BUILD/venv"
+    echo "kvsieve setup: pip install numpy pytest torch transformers into $BUILD/venv" >&2
+    "$BUILD/venv/bin/pip" install -q --disable-pip-version-check numpy pytest torch==2.15.0 transformers==5.23.0
   fi
   BINDING_ARGS=(-DKVS_BUILD_PYTHON=ON -DKVS_BUILD_JAVA=ON "-DPython3_EXECUTABLE=$(cd "$BUILD" && pwd)/venv/bin/python")
 fi

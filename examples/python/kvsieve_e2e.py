@@ -52,8 +52,9 @@ PRESETS = {
     # be streaming. 1 + 1 is the best setting of docs/methods/ctkvr.md on these traces.
     "ctkvr": "sinks=1,local=1",
     # lfps forces 4 sink keys; at 1% (about 4 keys) they are the whole selection, not even the
-    # current token is attended: 1 sink, as for ctkvr.
-    "lfps": "sinks=1",
+    # current token is attended: 1 sink, as for ctkvr. alpha_scale 60 is lfps's calibration for
+    # these 512-token traces (the library default, 600, is calibrated at 4K; docs/methods/lfps.md).
+    "lfps": "sinks=1,alpha_scale=60",
     # retroinfer's default steady zone (4 + 64 + up to 1024 generated) would make the trace dense;
     # the session budget, a small window and small clusters, as docs/methods/retroinfer.md.
     "retroinfer": "budget=session,local=4,update_segment=16,cluster_size=4",
