@@ -25,24 +25,10 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env
 
 # The binding with the cuda backend (skipped when build-gpu already holds one, e.g. carried).
 if ! ls build-gpu/bindings/python/kvsieve/_capi*.so >/dev/null 2>&1; then
-  if ls .debs/*.deb >/dev/null 2>&1; then
-    SR=/tmp/kvsieve-sysroot
-    mkdir -p $SR
-    for d in .debs/*.deb; do dpkg -x "$d" $SR; done
-    L=$SR/usr/lib/x86_64-linux-gnu
-    for f in libopenblas.so libopenblas.so.0 libblas.so libblas.so.3; do
-      [ -e $L/$f ] || ln -sf openblas-pthread/$f $L/$f
-    done
-    export LD_LIBRARY_PATH=$L:${LD_LIBRARY_PATH:-}
-    export PKG_CONFIG_PATH=$L/pkgconfig PKG_CONFIG_SYSROOT_DIR=$SR SWIG_LIB=$SR/usr/share/swig4.0
-    ARGS=("-DCMAKE_PREFIX_PATH=$SR/usr;$L/cmake" "-DSWIG_EXECUTABLE=$SR/usr/bin/swig4.0"
-          "-DCMAKE_CXX_FLAGS=-I$SR/usr/include" "-DCMAKE_C_FLAGS=-I$SR/usr/include")
-  else
-    ARGS=()
-  fi
+  . tests/bindings/debs_sysroot.sh   # KVS_SYSROOT_ARGS; unpacks .debs/ when present
   [ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVS_WITH_CUDA=ON -DKVS_BUILD_PYTHON=ON \
-    -DKVS_BUILD_TESTS=OFF -DPython3_EXECUTABLE="$PY" "${ARGS[@]}" >"$OUT/configure.log" 2>&1 \
+    -DKVS_BUILD_TESTS=OFF -DPython3_EXECUTABLE="$PY" "${KVS_SYSROOT_ARGS[@]}" >"$OUT/configure.log" 2>&1 \
     || { tail -30 "$OUT/configure.log"; exit 1; }
   cmake --build build-gpu --target kvsieve_python >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 elif [ -d /tmp/kvsieve-sysroot ]; then
