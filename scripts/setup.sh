@@ -4,7 +4,7 @@
 # Environment: KVS_JOBS (parallel build jobs, default: nproc). KVS_BINDINGS=1 also installs what the
 # bindings and consumer examples need (JDK, JUnit 5, Go, Rust, Python headers), creates
 # BUILD_DIR/venv (numpy, pytest, and torch + transformers for the transformers-integration test, from
-# PyPI) and configures with the Python and Java bindings on.
+# PyPI; KVS_NO_TORCH=1 leaves those two out) and configures with the Python and Java bindings on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,12 +38,16 @@ if [ "${KVS_BINDINGS:-0}" = 1 ]; then
   # Debian's python3 (the one python3-dev matches), in a venv with numpy and pytest from PyPI, and
   # the versions of torch and transformers tests/python/test_hf_integration.py was written against
   # (PyPI's x86-64 torch wheel brings its CUDA libraries: about 5.6 GB, 5 minutes on a fresh machine).
+  # KVS_NO_TORCH=1 leaves torch and transformers out (that test then reports itself skipped).
   PY=/usr/bin/python3
-  if ! "$BUILD/venv/bin/python" -c 'import numpy, pytest, torch, transformers' 2>/dev/null; then
+  PIP_PKGS=(numpy pytest)
+  [ "${KVS_NO_TORCH:-0}" = 1 ] || PIP_PKGS+=(torch==2.15.0 transformers==5.23.0)
+  IMPORTS=$(IFS=,; echo "${PIP_PKGS[*]%%=*}")
+  if ! "$BUILD/venv/bin/python" -c "import $IMPORTS" 2>/dev/null; then
     mkdir -p "$BUILD"
     [ -x "$BUILD/venv/bin/python" ] || "$PY" -m venv "$BUILD/venv"
-    echo "kvsieve setup: pip install numpy pytest torch transformers into $BUILD/venv" >&2
-    "$BUILD/venv/bin/pip" install -q --disable-pip-version-check numpy pytest torch==2.15.0 transformers==5.23.0
+    echo "kvsieve setup: pip install ${PIP_PKGS[*]} into $BUILD/venv" >&2
+    "$BUILD/venv/bin/pip" install -q --disable-pip-version-check "${PIP_PKGS[@]}"
   fi
   BINDING_ARGS=(-DKVS_BUILD_PYTHON=ON -DKVS_BUILD_JAVA=ON "-DPython3_EXECUTABLE=$(cd "$BUILD" && pwd)/venv/bin/python")
 fi

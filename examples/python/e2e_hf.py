@@ -79,7 +79,7 @@ def run_config(model, cap, P, cont, greedy, method, budget, threads, scored_gree
     for layer in sorted(cap.qkv):
         q, k, v = cap.qkv[layer]
         base.prefill_layer(layer, q, k, v, cap.scale[layer])
-    base.tokens = P
+    assert base.tokens == P
     used = used_params(base, f"/tmp/kvsieve_e2e_{os.getpid()}.kvs")
     N = len(cont) - 1
     # NLL fork: feed c_0..c_{N-1}, score c_1..c_N.
@@ -128,6 +128,9 @@ def main(argv=None) -> int:
     overrides = {}
     for spec in a.params:
         m, _, kvs = spec.partition(":")
+        if m not in kvsieve.method_names():
+            raise SystemExit(f"--params: unknown method {m!r} in {spec!r}; expected one of "
+                             f"{', '.join(kvsieve.method_names())}")
         if not kvs:
             raise SystemExit(f"--params: expected method:key=value[,key=value], got {spec!r}")
         for kv in kvs.split(","):

@@ -121,7 +121,8 @@ class KvsieveCache:
                       scale: float, out: Optional[torch.Tensor] = None) -> None:
         """Prefills one layer from precomputed prompt q [n, Hq, d], k/v [n, Hkv, d] (e.g. from a
         trace or a shared prompt pass) and builds its index; ``out`` optionally receives the
-        prompt's causal attention (cpu backend)."""
+        prompt's causal attention (cpu backend). The sequence position advances to the prompt's
+        end, so the next ``forward`` gets the right RoPE positions."""
         self._ensure_session(q.dtype, scale)
         if self.backend == "cuda":   # contiguous, K/V in the KV dtype (a copy where they are not)
             stream = torch.cuda.current_stream(q.device)
@@ -131,6 +132,7 @@ class KvsieveCache:
             self.session.prefill(layer, q, k, v, out=out)
             self.session.build_index()
         self._prefilled.add(layer)
+        self.tokens = max(self.tokens, int(q.shape[0]))
 
     @property
     def stats(self) -> kvsieve.Stats:

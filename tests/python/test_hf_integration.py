@@ -144,8 +144,9 @@ def test_greedy_generate_matches_eager_generate():
     if BACKEND == "cuda":   # fp16 KV may flip near-ties of the argmax
         pytest.skip("greedy equality is checked with f32 KV (cpu backend)")
     model.set_attn_implementation("eager")
+    model.generation_config.eos_token_id = None   # greedy_generate has no end token either
     with torch.no_grad():
-        want = model.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)[:, PROMPT:]
+        want = model.generate(ids, max_new_tokens=8, do_sample=False)[:, PROMPT:]
     model.set_attn_implementation(kvsieve_hf.NAME)
     cache = kvsieve_hf.KvsieveCache(model.config, method="full", kv_dtype=KV_DTYPE, backend=BACKEND)
     got = kvsieve_hf.greedy_generate(model, ids, cache, max_new_tokens=8)

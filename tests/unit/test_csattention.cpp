@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <set>
@@ -446,5 +447,10 @@ TEST_CASE("cpu::kth_largest (radix select) equals nth_element's k-th largest val
     }
   }
   CHECK(checked == 1200);
+  // Outside 1 <= k <= n: a threshold that admits nothing (k <= 0 or n = 0) or everything (k > n).
+  const std::vector<float> x = {3.f, -1.f, 2.f};
+  CHECK(kvs::cpu::kth_largest(x.data(), 3, 0, tmp) == std::numeric_limits<float>::infinity());
+  CHECK(kvs::cpu::kth_largest(x.data(), 0, 1, tmp) == std::numeric_limits<float>::infinity());
+  CHECK(kvs::cpu::kth_largest(x.data(), 3, 4, tmp) == -std::numeric_limits<float>::infinity());
 }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <vector>
 
@@ -30,11 +31,14 @@ inline float key_float(uint32_t k) {
   std::memcpy(&f, &u, 4);
   return f;
 }
-// The k-th largest of x[0, n) (1 <= k <= n): the value std::nth_element with std::greater puts at
+// The k-th largest of x[0, n) (1 <= k <= n; k <= 0 gives +inf, k > n gives -inf): the value std::nth_element with std::greater puts at
 // position k - 1, for inputs without NaN or -0.0 (here -0.0 would rank below +0.0). A radix
 // select on the order-preserving bit pattern (11 + 11 + 10 bits): no data-dependent branches.
 // tmp: scratch (grown to n).
 inline float kth_largest(const float* x, int64_t n, int64_t k, std::vector<uint32_t>& tmp) {
+  // Outside 1 <= k <= n there is no k-th value: the bucket walk below would run off the histogram.
+  if (n <= 0 || k <= 0) return std::numeric_limits<float>::infinity();   // admits nothing
+  if (k > n) return -std::numeric_limits<float>::infinity();              // admits everything
   if (int64_t(tmp.size()) < n) tmp.resize(size_t(n));
   uint32_t* keys = tmp.data();
   uint32_t hist[4][2048];

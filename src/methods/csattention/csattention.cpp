@@ -687,7 +687,6 @@ class CSAttention final : public Method {
     std::vector<float> qsum, smp, csc;
     std::vector<int32_t> ctok;
     std::vector<uint32_t> rtmp;  // radix-select scratch
-    int64_t last_lists = 0;
   };
 
   void thin(LayerState& L, size_t row) {
@@ -805,7 +804,6 @@ class CSAttention final : public Method {
     // Distinct lists, each gathered once with the summed weight of the heads that picked it.
     std::sort(picks.begin(), picks.end(), [](auto& a, auto& b) { return a.first < b.first; });
     float* acc = S.acc.data();
-    int64_t nlists = 0;
     for (size_t i = 0; i < picks.size();) {
       float w = 0.f;
       size_t j = i;
@@ -820,10 +818,8 @@ class CSAttention final : public Method {
         if (kHaveAvx512) scatter_f32_avx512(idx, &L.v32[base], L.L, w, acc);
         else scatter_portable(idx, &L.v32[base], L.L, w, acc);
       }
-      ++nlists;
       i = j;
     }
-    S.last_lists = nlists;
     // Top-rest of the union outside the forced keys, by (score desc, token asc). A threshold tau
     // from a 1/32 sample of the candidate range keeps ~1.2x rest candidates (collected in token
     // order); if fewer than rest pass, everything touched is collected. Exact either way. The

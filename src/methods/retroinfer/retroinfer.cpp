@@ -267,7 +267,7 @@ class RetroInfer final : public Method {
         v.resize(size_t(nc));
         for (int64_t i = 0; i < nc; ++i) v[size_t(i)] = dist[cand[size_t(i)]];
         const float inf = std::numeric_limits<float>::infinity();
-        float t2 = -inf, t1 = inf;  // k2 = nc: everything; r = 0: nothing
+        float t2 = k2 > 0 ? -inf : inf, t1 = inf;  // k2 = nc: everything; k2 = 0, r = 0: nothing
         // (radix select: the distances are >= +0.0, never -0.0 or NaN)
         if (k2 > 0 && k2 < nc) t2 = cpu::kth_largest(v.data(), nc, k2, S.rtmp);
         if (r > 0) t1 = cpu::kth_largest(v.data(), nc, r, S.rtmp);
