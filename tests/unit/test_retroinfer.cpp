@@ -434,64 +434,69 @@ TEST_CASE("retroinfer: budget=session fills the exact budget with whole clusters
 }
 
 TEST_CASE("retroinfer: incremental updates cluster each update_segment alone, append, and roll back; save/load") {
-  Rng rng(19);
-  Data D(rng, 4, 2, 16, 1400);
-  const char* mp = "update_segment=128,local=16,cluster_size=8,segment_size=256";
-  Sess S;
-  auto p = params(D, mp);
-  OK(kvs_session_create(&p, &S.s));
-  prefill(S.s, D, 1000);
-  const double c0 = stat(S.s, "clusters");
-  CHECK(stat(S.s, "indexed_tokens") == 1000 - 16 - 4);
-  std::vector<float> o, lse;
-  for (int64_t t = 1000; t < 1300; ++t) decode(S.s, D, t, o, lse);
-  // 1300 tokens: [4, 1284) may be indexed: 980 + 2 x 128 = 1236 < 1284 - 4.
-  CHECK(stat(S.s, "index_updates") == 2);
-  CHECK(stat(S.s, "indexed_tokens") == 980 + 256);
-  CHECK(stat(S.s, "clusters") == c0 + 2 * 16);
-  CHECK(stat(S.s, "steady_tokens") == 4 + (1300 - 1240));
+  // An f32 KV, and a bf16 KV, whose decode reads the 16-bit copy of the meta index (meta_dtype=auto):
+  // the copy follows the appended clusters, the rollback and the reload.
+  for (const kvs_scalar_type kt : {KVS_SCALAR_F32, KVS_SCALAR_BF16}) {
+    CAPTURE(int(kt));
+    Rng rng(19);
+    Data D(rng, 4, 2, 16, 1400);
+    const char* mp = "update_segment=128,local=16,cluster_size=8,segment_size=256";
+    Sess S;
+    auto p = params(D, mp, 0.0, kt);
+    OK(kvs_session_create(&p, &S.s));
+    prefill(S.s, D, 1000);
+    const double c0 = stat(S.s, "clusters");
+    CHECK(stat(S.s, "indexed_tokens") == 1000 - 16 - 4);
+    std::vector<float> o, lse;
+    for (int64_t t = 1000; t < 1300; ++t) decode(S.s, D, t, o, lse);
+    // 1300 tokens: [4, 1284) may be indexed: 980 + 2 x 128 = 1236 < 1284 - 4.
+    CHECK(stat(S.s, "index_updates") == 2);
+    CHECK(stat(S.s, "indexed_tokens") == 980 + 256);
+    CHECK(stat(S.s, "clusters") == c0 + 2 * 16);
+    CHECK(stat(S.s, "steady_tokens") == 4 + (1300 - 1240));
 
-  // Save with KV, reload: the partition covers [4, 1240) exactly once; decode matches bit for bit.
-  const std::string path = tmp_path("upd.kvs");
-  OK(kvs_session_save(S.s, path.c_str(), KVS_SAVE_INCLUDE_KV));
-  {
-    auto f = kvs::io::TablesFile::open(path);
-    for (int h = 0; h < D.hkv; ++h) {
-      const auto& pos = f->require("retroinfer.pos", 0, h);
-      const auto& sz = f->require("retroinfer.size", 0, h);
-      std::vector<int> seen(1400, 0);
-      const int32_t* pp = reinterpret_cast<const int32_t*>(pos.data);
-      for (uint64_t i = 0; i < pos.length / 4; ++i) ++seen[size_t(pp[i])];
-      for (int t = 0; t < 1400; ++t) CHECK(seen[size_t(t)] == (t >= 4 && t < 1240 ? 1 : 0));
-      const int32_t* ss = reinterpret_cast<const int32_t*>(sz.data);
-      int64_t total = 0;
-      for (uint64_t i = 0; i < sz.length / 4; ++i) total += ss[i];
-      CHECK(total == 1236);
+    // Save with KV, reload: the partition covers [4, 1240) exactly once; decode matches bit for bit.
+    const std::string path = tmp_path("upd.kvs");
+    OK(kvs_session_save(S.s, path.c_str(), KVS_SAVE_INCLUDE_KV));
+    {
+      auto f = kvs::io::TablesFile::open(path);
+      for (int h = 0; h < D.hkv; ++h) {
+        const auto& pos = f->require("retroinfer.pos", 0, h);
+        const auto& sz = f->require("retroinfer.size", 0, h);
+        std::vector<int> seen(1400, 0);
+        const int32_t* pp = reinterpret_cast<const int32_t*>(pos.data);
+        for (uint64_t i = 0; i < pos.length / 4; ++i) ++seen[size_t(pp[i])];
+        for (int t = 0; t < 1400; ++t) CHECK(seen[size_t(t)] == (t >= 4 && t < 1240 ? 1 : 0));
+        const int32_t* ss = reinterpret_cast<const int32_t*>(sz.data);
+        int64_t total = 0;
+        for (uint64_t i = 0; i < sz.length / 4; ++i) total += ss[i];
+        CHECK(total == 1236);
+      }
     }
-  }
-  Sess L;
-  OK(kvs_session_load(path.c_str(), nullptr, &L.s));
-  std::vector<float> o2, lse2;
-  decode(S.s, D, 1300, o, lse);
-  decode(L.s, D, 1300, o2, lse2);
-  CHECK(std::memcmp(o.data(), o2.data(), o.size() * 4) == 0);
-  CHECK(std::memcmp(lse.data(), lse2.data(), lse.size() * 4) == 0);
-  std::remove(path.c_str());
+    Sess L;
+    OK(kvs_session_load(path.c_str(), nullptr, &L.s));
+    std::vector<float> o2, lse2;
+    decode(S.s, D, 1300, o, lse);
+    decode(L.s, D, 1300, o2, lse2);
+    CHECK(std::memcmp(o.data(), o2.data(), o.size() * 4) == 0);
+    CHECK(std::memcmp(lse.data(), lse2.data(), lse.size() * 4) == 0);
+    std::remove(path.c_str());
 
-  // A failing decode that would have triggered an update rolls it back (bad o tensor shape).
-  for (int64_t t = 1301; t < 1383; ++t) decode(S.s, D, t, o, lse);  // 1383 tokens: the next update at 1384 (1384 - 16 - 1240 = 128)
-  const double up = stat(S.s, "index_updates");
-  {
-    T q(D.qt(1383), f32(), {D.hq, D.d}), k(D.kt(1383), f32(), {D.hkv, D.d}), v(D.vt(1383), f32(), {D.hkv, D.d});
-    std::vector<float> ob(size_t(D.hq) * D.d);
-    T ot(ob.data(), f32(), {D.hq, D.d}), lt(lse.data(), f32(), {D.hq + 1});
-    Err e{kvs_session_decode(S.s, 0, &q.t, &k.t, &v.t, &ot.t, &lt.t, nullptr)};
-    CHECK(e.e != nullptr);
+    // A failing decode that would have triggered an update rolls it back (bad o tensor shape).
+    for (int64_t t = 1301; t < 1383; ++t) decode(S.s, D, t, o, lse);  // 1383 tokens: the next update at 1384 (1384 - 16 - 1240 = 128)
+    const double up = stat(S.s, "index_updates");
+    {
+      T q(D.qt(1383), f32(), {D.hq, D.d}), k(D.kt(1383), f32(), {D.hkv, D.d}), v(D.vt(1383), f32(), {D.hkv, D.d});
+      std::vector<float> ob(size_t(D.hq) * D.d);
+      T ot(ob.data(), f32(), {D.hq, D.d}), lt(lse.data(), f32(), {D.hq + 1});
+      Err e{kvs_session_decode(S.s, 0, &q.t, &k.t, &v.t, &ot.t, &lt.t, nullptr)};
+      CHECK(e.e != nullptr);
+    }
+    CHECK(stat(S.s, "index_updates") == up);
+    decode(S.s, D, 1383, o, lse);
+    CHECK(stat(S.s, "index_updates") == up + 1);
+    CHECK(full_error(D, 1383, o, lse) < 1.0);
   }
-  CHECK(stat(S.s, "index_updates") == up);
-  decode(S.s, D, 1383, o, lse);
-  CHECK(stat(S.s, "index_updates") == up + 1);
-  CHECK(full_error(D, 1383, o, lse) < 1.0);
 }
 
 TEST_CASE("retroinfer: short prompts stay dense until update_segment tokens accumulate") {
