@@ -621,32 +621,22 @@ KVS_AVX512 double exp_shift512(float* x, int64_t n, float m) {
   for (; i < n; ++i) sum += (x[i] = std::exp(x[i] - m));
   return sum;
 }
-
-KVS_AVX2 double exp_shift256(float* x, int64_t n, float m) {
-  const __m256 mv = _mm256_set1_ps(m);
-  __m256 s = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
-    _mm256_storeu_ps(x + i, e);
-    s = _mm256_add_ps(s, e);
-  }
-  float t[8];
-  _mm256_storeu_ps(t, s);
-  double sum = 0;
-  for (int l = 0; l < 8; ++l) sum += t[l];
-  for (; i < n; ++i) sum += (x[i] = std::exp(x[i] - m));
-  return sum;
-}
 }  // namespace
 
 double exp_shift(float* x, int64_t n, float m) {
   // The lane count does not depend on d here: any vector width serves.
   const Isa isa = pick_isa(16);
   if (isa == Isa::Avx512) return exp_shift512(x, n, m);
-  if (isa == Isa::Avx2) return exp_shift256(x, n, m);
+  // The block kernels' exp (int counts): float sums per chunk, added in double.
+  constexpr int64_t kChunk = int64_t(1) << 20;
   double sum = 0;
-  for (int64_t i = 0; i < n; ++i) sum += (x[i] = std::exp(x[i] - m));
+  for (int64_t b = 0; b < n; b += kChunk) {
+    const int c = int(std::min(kChunk, n - b));
+    float part = 0.f;
+    if (isa == Isa::Avx2) Avx2::exp_block(x + b, c, m, &part);
+    else Scalar::exp_block(x + b, c, m, &part);
+    sum += part;
+  }
   return sum;
 }
 
