@@ -40,24 +40,9 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kvsieve  # noqa: E402
 import kvsieve_hf  # noqa: E402
-from dump_trace import load_model, text_tokens  # noqa: E402
+from dump_trace import Capture, load_model, text_tokens  # noqa: E402
 
 ALL = ["exact_topk", "streaming", "quest", "csattention", "ctkvr", "lfps", "hgca", "retroinfer"]
-
-
-class PromptCapture:
-    """Records every layer's post-RoPE prompt q/k/v ([P, H, d], float32) during one SDPA pass."""
-
-    def __init__(self):
-        self.qkv, self.scale = {}, {}
-
-    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        layer = int(module.layer_idx)
-        self.scale[layer] = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-        self.qkv[layer] = tuple(x[0].transpose(0, 1).contiguous() for x in (query, key, value))
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      dropout=dropout, **kw)
 
 
 def used_params(cache: kvsieve_hf.KvsieveCache, path: str) -> dict:
@@ -76,9 +61,8 @@ def run_config(model, cap, P, cont, greedy, method, budget, threads, scored_gree
     t0 = time.time()
     base = kvsieve_hf.KvsieveCache(model.config, method=method, budget=budget, kv_dtype="float32",
                                    num_threads=threads, method_params=params)
-    for layer in sorted(cap.qkv):
-        q, k, v = cap.qkv[layer]
-        base.prefill_layer(layer, q, k, v, cap.scale[layer])
+    for layer in sorted(cap.q):
+        base.prefill_layer(layer, cap.q[layer], cap.k[layer], cap.v[layer], cap.scale[layer])
     assert base.tokens == P
     used = used_params(base, f"/tmp/kvsieve_e2e_{os.getpid()}.kvs")
     N = len(cont) - 1
@@ -143,7 +127,8 @@ def main(argv=None) -> int:
     ids = text_tokens(tok, a.text, P + N + 1, False)[0].tolist()
     prompt, cont = ids[:P], ids[P:]
 
-    cap = PromptCapture()
+    # Every layer's post-RoPE prompt q/k/v ([P, H, d], float32), recorded during one SDPA pass.
+    cap = Capture(range(model.config.num_hidden_layers), torch.float32, (), [])
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
     AttentionInterface.register("kvsieve_e2e_capture", cap)
