@@ -45,7 +45,7 @@ TEST_CASE("dense attention equals the float64 reference over dtypes, head dims, 
   Rng rng(7);
   for (kvs::DType dt : {kvs::DType::F32, kvs::DType::F16, kvs::DType::BF16})
     for (int d : {8, 12, 64, 128, 256})
-      for (int G : {1, 4})
+      for (int G : {1, 3, 4, 7})
         for (int64_t n : {int64_t(1), int64_t(3), int64_t(255), int64_t(256), int64_t(1000)}) {
           if (d == 256 && n > 300) continue;
           Case c{dt, d, G, 2, n};

@@ -263,6 +263,35 @@ KVS_AVX512 void x2_order(float* rows, size_t n, int d, bool to_x2) {
     }
 }
 
+// 16 bf16 values (32 bytes) to two fp32 vectors without a shuffle: lo = the even columns
+// {0, 2, ..., 14} (each 32-bit pair shifted left by 16), hi = the odd columns {1, 3, ..., 15} (the
+// pair with its low half masked off). One load and two single-cycle operations per 16 values,
+// where widen-and-shift takes a shuffle and a shift per 8.
+KVS_AVX2 inline void bf16x2_8(const std::byte* p, __m256& lo, __m256& hi) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+
+// Rows of d floats (d % 16 == 0) between natural column order and bf16x2_8's order, in place.
+void x2_order8(float* rows, size_t n, int d, bool to_x2) {
+  float t[16];
+  for (size_t r = 0; r < n; ++r)
+    for (int c = 0; c < d; c += 16) {
+      float* p = rows + r * size_t(d) + c;
+      for (int i = 0; i < 8; ++i) {
+        if (to_x2) {
+          t[i] = p[2 * i];
+          t[8 + i] = p[2 * i + 1];
+        } else {
+          t[2 * i] = p[i];
+          t[2 * i + 1] = p[8 + i];
+        }
+      }
+      std::memcpy(p, t, sizeof t);
+    }
+}
+
 // AVX2 instantiation (8 lanes).
 #define KVS_NS simd8
 #define KVS_TGT KVS_AVX2
@@ -279,6 +308,7 @@ KVS_AVX512 void x2_order(float* rows, size_t n, int d, bool to_x2) {
 #define V_SOFTMAX softmax_update
 #define V_LOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16))
 #define V_LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
+#define V_BF16X2(p, lo, hi) bf16x2_8(p, lo, hi)
 #include "backends/cpu/attention_simd.inc"
 
 // AVX-512 instantiation (16 lanes).
@@ -375,12 +405,19 @@ void run_chunk(Isa isa, State& st, const float* qs, DType t, int64_t begin, int6
     const char* e = std::getenv("KVS_CPU_BF16X2");
     return e != nullptr && std::strcmp(e, "off") == 0;
   }();
-  const bool x2 = !no_x2 && isa == Isa::Avx512 && t == DType::BF16 && st.d % 32 == 0 && end > begin;
+  // With 8 lanes (d % 16 == 0) only the value pass pairs, so only the accumulators are reordered.
+  const bool x2_16 = isa == Isa::Avx512 && st.d % 32 == 0;
+  const bool x2_8 = isa == Isa::Avx2 && st.d % 16 == 0;
+  const bool x2 = !no_x2 && (x2_16 || x2_8) && t == DType::BF16 && end > begin;
   if (x2) {
-    sc.qx.assign(qs, qs + size_t(st.G) * st.d);
-    x2_order(sc.qx.data(), size_t(st.G), st.d, true);
-    x2_order(st.acc, size_t(st.G), st.d, true);
-    qs = sc.qx.data();
+    if (x2_16) {
+      sc.qx.assign(qs, qs + size_t(st.G) * st.d);
+      x2_order(sc.qx.data(), size_t(st.G), st.d, true);
+      x2_order(st.acc, size_t(st.G), st.d, true);
+      qs = sc.qx.data();
+    } else {
+      x2_order8(st.acc, size_t(st.G), st.d, true);
+    }
     st.x2 = true;
   }
   // Row pointers of this block and the next (double-buffered: the next block's are needed for
@@ -428,7 +465,8 @@ void run_chunk(Isa isa, State& st, const float* qs, DType t, int64_t begin, int6
     if (b + kBlock < end) cnt = gathered ? next_cnt : fill(cur ^ 1, b + kBlock);
   }
   if (x2) {
-    x2_order(st.acc, size_t(st.G), st.d, false);
+    if (x2_16) x2_order(st.acc, size_t(st.G), st.d, false);
+    else x2_order8(st.acc, size_t(st.G), st.d, false);
     st.x2 = false;
   }
 }
