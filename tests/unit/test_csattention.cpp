@@ -156,6 +156,81 @@ TEST_CASE("csattention: m=1, C=#prompt queries with the normalised queries as ce
   }
 }
 
+TEST_CASE("csattention: rerank over lists holding every key keeps the exact top-K' by the group's summed softmax") {
+  // list_frac=1: every list holds every prompt key, and the decode steps stay inside the window, so
+  // with a large rerank factor the candidates are all keys outside the forced ones and the rerank
+  // alone decides: float64 scores, per-head softmax over those candidates, summed over the group.
+  Rng rng(21);
+  for (int G : {1, 2}) {
+    Data D(rng, 2 * G, 2, 32, 330);
+    const int64_t N = 300;
+    const std::string mp = "subspaces=4,centroids=8,iters=3,list_frac=1,recent=32,sinks=2,rerank=64";
+    Sess S;
+    auto p = params(D, mp.c_str(), 1, 0.2);
+    OK(kvs_session_create(&p, &S.s));
+    prefill(S.s, D, 0, 0, N);
+    OK(kvs_session_build_index(S.s, nullptr));
+    std::vector<float> o, l;
+    const double scale = 1.0 / std::sqrt(double(D.d));
+    for (int64_t t = N; t < D.T; ++t) {
+      decode(S.s, D, 0, t, o, l);
+      const int64_t n = t + 1, K = int64_t(std::ceil(0.2 * double(n)));
+      const int64_t w_begin = n - 32, rest = K - 2 - 32;
+      for (int h = 0; h < D.hkv; ++h) {
+        std::vector<double> agg(size_t(w_begin - 2), 0.0);
+        for (int g = 0; g < G; ++g) {
+          const float* qh = D.qt(t) + size_t(h * G + g) * D.d;
+          std::vector<double> s(agg.size());
+          for (int64_t j = 2; j < w_begin; ++j) {
+            double a = 0;
+            for (int i = 0; i < D.d; ++i) a += double(qh[i]) * D.kt(j)[h * D.d + i];
+            s[size_t(j - 2)] = a * scale;
+          }
+          const double mx = *std::max_element(s.begin(), s.end());
+          double z = 0;
+          for (double x : s) z += std::exp(x - mx);
+          for (size_t j = 0; j < s.size(); ++j) agg[j] += std::exp(s[j] - mx) / z;
+        }
+        std::vector<int32_t> idx(agg.size());
+        std::iota(idx.begin(), idx.end(), 0);
+        std::sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) { return agg[a] > agg[b] || (agg[a] == agg[b] && a < b); });
+        std::vector<int32_t> want = {0, 1};
+        for (int64_t i = 0; i < rest; ++i) want.push_back(idx[size_t(i)] + 2);
+        for (int64_t j = w_begin; j < n; ++j) want.push_back(int32_t(j));
+        std::sort(want.begin(), want.end());
+        INFO("G " << G << " step " << t << " kv head " << h);
+        CHECK(selection(S.s, 0, uint32_t(h)) == want);
+      }
+    }
+  }
+  // Without the rerank the same tables rank by the summed list scores: a different selection.
+  Data D(rng, 4, 2, 32, 310);
+  Sess S;
+  auto p = params(D, "subspaces=4,centroids=8,iters=3,list_frac=1,recent=32,sinks=2", 1, 0.2);
+  OK(kvs_session_create(&p, &S.s));
+  prefill(S.s, D, 0, 0, 300);
+  OK(kvs_session_build_index(S.s, nullptr));
+  Sess R;
+  auto pr = params(D, "subspaces=4,centroids=8,iters=3,list_frac=1,recent=32,sinks=2,rerank=64", 1, 0.2);
+  OK(kvs_session_create(&pr, &R.s));
+  prefill(R.s, D, 0, 0, 300);
+  OK(kvs_session_build_index(R.s, nullptr));
+  int differ = 0;
+  std::vector<float> o, l;
+  for (int64_t t = 300; t < 310; ++t) {
+    decode(S.s, D, 0, t, o, l);
+    decode(R.s, D, 0, t, o, l);
+    differ += selection(S.s, 0, 0) != selection(R.s, 0, 0);
+  }
+  CHECK(differ > 0);
+  // Bad values are refused with the parameter named.
+  Sess B;
+  auto pb = params(D, "rerank=0.5");
+  Err e{kvs_session_create(&pb, &B.s)};
+  CHECK(e.code() == KVS_STATUS_INVALID_ARGUMENT);
+  CHECK(e.msg().find("rerank") != std::string::npos);
+}
+
 TEST_CASE("csattention: streaming lists equal a float64 brute-force top-L over every key seen") {
   Rng rng(12);
   Data D(rng, 4, 2, 32, 420);

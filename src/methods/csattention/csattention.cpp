@@ -27,6 +27,7 @@
 #include <limits>
 #include <sstream>
 
+#include "backends/cpu/attention.hpp"
 #include "backends/cpu/gemm.hpp"
 #include "backends/cpu/topk.hpp"
 #include "core/error.hpp"
@@ -225,6 +226,7 @@ class CSAttention final : public Method {
     period_ = p.get_int("period");
     per_query_ = p.get_string("gqa") == "per_query_head";
     group_sum_ = p.get_string("group_pick") == "sum";
+    rerank_ = p.get_float("rerank");
     const std::string sched = p.get_string("schedule");
     if (sched != "none") {
       sched_ = true;
@@ -269,6 +271,8 @@ class CSAttention final : public Method {
     if (!(recent_frac_ >= 0.0 && recent_frac_ <= 1.0)) invalid("method_params: csattention recent_frac must be in [0, 1]");
     if (sinks_ < 0) invalid("method_params: csattention sinks must be >= 0");
     if (period_ < 1) invalid("method_params: csattention period must be >= 1");
+    if (!(rerank_ == 0.0 || (rerank_ >= 1.0 && rerank_ <= 64.0)))
+      invalid("method_params: csattention rerank must be 0 (off) or in [1, 64], got " + std::to_string(rerank_));
     const std::string wl = p.get_string("weight_list");
     w_.assign(size_t(m_), 1.f);
     if (!wl.empty()) {
@@ -506,7 +510,7 @@ class CSAttention final : public Method {
       std::atomic<int64_t> next{0};
       ctx_.pool->parallel_for(T, [&](int64_t task) {
         for (int64_t th; (th = next.fetch_add(1)) < TH_;)
-          search_head(L, int(th), scratch_[size_t(task)], q, n, s_end, w_begin, rest);
+          search_head(L, int(th), scratch_[size_t(task)], q, kv, n, s_end, w_begin, rest);
       });
       ++searches_;
       for (int64_t u : head_union_) union_sum_ += double(u);
@@ -687,6 +691,9 @@ class CSAttention final : public Method {
     std::vector<float> qsum, smp, csc;
     std::vector<int32_t> ctok;
     std::vector<uint32_t> rtmp;  // radix-select scratch
+    std::vector<int32_t> rtok;   // rerank: candidates
+    std::vector<const std::byte*> rrows;
+    std::vector<float> rsc, ragg;
   };
 
   void thin(LayerState& L, size_t row) {
@@ -742,6 +749,7 @@ class CSAttention final : public Method {
     j["score_dtype"] = f16_ ? "f16" : "f32";
     j["gqa"] = per_query_ ? "per_query_head" : "per_kv_head";
     j["group_pick"] = group_sum_ ? "sum" : "union";
+    j["rerank"] = rerank_;
     j["table_heads"] = TH_;
     j["period"] = period_;
     uint64_t tb = 0, kvb = 0;
@@ -765,8 +773,51 @@ class CSAttention final : public Method {
 
   // One table head's search: nearest centroids, reduce-by-key of the chosen lists, Top-rest.
   // No allocations once the scratch has grown to the context.
-  void search_head(LayerState& L, int h, Scratch& S, const float* q, int64_t n, int64_t s_end, int64_t w_begin,
-                   int64_t rest) {
+  // out = the k best of the nc (token, score) pairs (token-ascending input), by score descending and
+  // then token ascending, in token order.
+  static void top_by_score(const int32_t* tok, const float* sc, int64_t nc, int64_t k, std::vector<int32_t>& out,
+                           std::vector<uint32_t>& rtmp) {
+    out.clear();
+    if (k <= 0) return;
+    out.reserve(size_t(k));
+    if (k >= nc) {
+      out.assign(tok, tok + nc);
+      return;
+    }
+    // The k-th best score; all better ones, then the ties by ascending token.
+    const float vk = cpu::kth_largest(sc, nc, k, rtmp);
+    int64_t above = 0;
+    for (int64_t i = 0; i < nc; ++i) above += sc[i] > vk;
+    int64_t ties = k - above;
+    for (int64_t i = 0; i < nc; ++i) {
+      const float v = sc[i];
+      if (v > vk || (v == vk && ties-- > 0)) out.push_back(tok[i]);
+    }
+  }
+
+  // Exact rerank of the candidates S.rtok (token order) of table head h: keeps `rest` of them in out.
+  void rerank_exact(int h, const float* q, const KVLayer& kv, Scratch& S, int64_t rest, std::vector<int32_t>& out) {
+    const int64_t nc = int64_t(S.rtok.size());
+    const int gq = per_query_ ? 1 : G_;
+    const int kvh = per_query_ ? h / G_ : h;
+    const float* qg = q + size_t(per_query_ ? h : h * G_) * d_;
+    S.rrows.resize(size_t(nc));
+    for (int64_t i = 0; i < nc; ++i) S.rrows[size_t(i)] = kv.k_row(kvh, S.rtok[size_t(i)]);
+    S.rsc.resize(size_t(gq) * nc);
+    cpu::score_rows(kv.dtype(), d_, gq, qg, ctx_.shape.softmax_scale, S.rrows.data(), nc, S.rsc.data());
+    S.ragg.assign(size_t(nc), 0.f);
+    for (int g = 0; g < gq; ++g) {
+      float* row = S.rsc.data() + size_t(g) * nc;
+      const float mx = *std::max_element(row, row + nc);
+      const double z = cpu::exp_shift(row, nc, mx);  // row = exp(s - max)
+      const float inv = float(1.0 / z);
+      for (int64_t i = 0; i < nc; ++i) S.ragg[size_t(i)] += row[i] * inv;
+    }
+    top_by_score(S.rtok.data(), S.ragg.data(), nc, rest, out, S.rtmp);
+  }
+
+  void search_head(LayerState& L, int h, Scratch& S, const float* q, const KVLayer& kv, int64_t n, int64_t s_end,
+                   int64_t w_begin, int64_t rest) {
     if (int64_t(S.acc.size()) < n) S.acc.resize(size_t(n), -0.0f);
     // (subspace, centroid) picks with their summed weights over the group's query heads.
     auto& picks = S.picks;
@@ -839,7 +890,8 @@ class CSAttention final : public Method {
     float tau = ninf;
     if (rest > 0) {
       constexpr int64_t kStride = 32;
-      const int64_t want = rest + rest / 5 + 8 * kStride;  // candidates aimed at
+      const int64_t cand = rerank_ > 0 ? std::llround(rerank_ * double(rest)) : rest;  // candidates needed
+      const int64_t want = cand + cand / 5 + 8 * kStride;  // candidates aimed at
       S.smp.clear();
       for (int64_t t = s_end + kStride / 2; t < w_begin; t += kStride)
         if (touched(acc[t])) S.smp.push_back(acc[t]);
@@ -853,23 +905,15 @@ class CSAttention final : public Method {
     for (int64_t t = w_begin; t < n; ++t) nt += touched(acc[t]);
     head_union_[size_t(h)] = nt;
     auto& out = L.cached[size_t(h)];
-    out.clear();
-    const int64_t k = std::min<int64_t>(rest, nc);
-    if (k > 0) {
-      out.reserve(size_t(k));
-      if (k == nc) {
-        out.assign(S.ctok.begin(), S.ctok.begin() + nc);
-      } else {
-        // The k-th best score; all better ones, then the ties by ascending token.
-        const float vk = cpu::kth_largest(S.csc.data(), nc, k, S.rtmp);
-        int64_t above = 0;
-        for (int64_t i = 0; i < nc; ++i) above += S.csc[size_t(i)] > vk;
-        int64_t ties = k - above;
-        for (int64_t i = 0; i < nc; ++i) {
-          const float v = S.csc[size_t(i)];
-          if (v > vk || (v == vk && ties-- > 0)) out.push_back(S.ctok[size_t(i)]);
-        }
-      }
+    if (rerank_ > 0 && nc > rest && rest > 0) {
+      // Rerank (RECON, off by default): the best rerank*rest candidates by the summed list scores
+      // are scored exactly, and the rest best of them by the group's summed softmax (normalised per
+      // query head over those candidates) are kept.
+      const int64_t kc = std::min<int64_t>(nc, std::max<int64_t>(rest, std::llround(rerank_ * double(rest))));
+      top_by_score(S.ctok.data(), S.csc.data(), nc, kc, S.rtok, S.rtmp);
+      rerank_exact(h, q, kv, S, rest, out);
+    } else {
+      top_by_score(S.ctok.data(), S.csc.data(), nc, std::min<int64_t>(rest, nc), out, S.rtmp);
     }
     std::fill(S.acc.begin(), S.acc.begin() + n, -0.0f);
   }
@@ -882,6 +926,7 @@ class CSAttention final : public Method {
   double alpha_;
   uint64_t seed_;
   bool f16_, qnorm_, window_in_budget_, per_query_, group_sum_, sched_ = false;
+  double rerank_ = 0;
   Schedule schedule_{0.05, 1};
   KMeansConfig km_;
   std::vector<int> db_, off_;
@@ -934,7 +979,10 @@ MethodSpec csattention_spec() {
         "tables per KV head over pooled group queries [RECON], or per query head"},
        {"group_pick", "enum:union|sum", "union",
         "per_kv_head: every query head picks its centroids and the G*m lists are unioned [RECON], or the group's "
-        "summed query picks m lists (weight G): G times fewer gathers"}},
+        "summed query picks m lists (weight G): G times fewer gathers"},
+       {"rerank", "float", "0",
+        "0 = off (paper). r >= 1: the r*K' best keys by summed list scores are scored exactly and the K' best by "
+        "the group's summed softmax kept (K' = K minus forced keys) [RECON, not in the paper]"}},
       [](const MethodContext& c, const ParamSet& p) { return std::make_unique<CSAttention>(c, p); }};
 }
 
