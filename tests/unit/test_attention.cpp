@@ -175,3 +175,45 @@ TEST_CASE("thread pool runs every index once and propagates exceptions") {
   pool.parallel_for(4, [&](int64_t i) { hits[size_t(i)]++; });  // still usable
   CHECK(hits[3] == 2);
 }
+
+TEST_CASE("attention scoring: score_rows and score_contig equal float64 dot products over dtypes, head dims and group sizes") {
+  Rng rng(5);
+  for (kvs::DType dt : {kvs::DType::F32, kvs::DType::F16, kvs::DType::BF16})
+    for (int d : {12, 64, 128})
+      for (int G : {1, 3, 4})
+        for (int64_t n : {int64_t(1), int64_t(63), int64_t(200)}) {
+          Case c{dt, d, G, 1, n};
+          std::vector<float> K, V;
+          auto layer = make_layer(c, rng, K, V);
+          auto q = rng.normals(size_t(G) * d);
+          // Rows in a shuffled order (gathered), and one page's rows contiguously.
+          std::vector<int32_t> order(static_cast<size_t>(n));
+          std::iota(order.begin(), order.end(), 0);
+          std::shuffle(order.begin(), order.end(), rng.g);
+          std::vector<const std::byte*> rows(static_cast<size_t>(n));
+          for (int64_t i = 0; i < n; ++i) rows[size_t(i)] = layer->k_row(0, order[size_t(i)]);
+          std::vector<float> out(size_t(G) * n, NAN), outc(size_t(G) * n, NAN);
+          const float scale = 0.3f;
+          kvs::cpu::score_rows(dt, d, G, q.data(), scale, rows.data(), n, out.data());
+          const int64_t nc = std::min<int64_t>(n, kvs::kPageTokens);
+          kvs::cpu::score_contig(dt, d, G, q.data(), scale, layer->k_row(0, 0), nc, outc.data());
+          for (int g = 0; g < G; ++g)
+            for (int64_t i = 0; i < n; ++i) {
+              auto ref = [&](int32_t t) {
+                double a = 0, m = 0;
+                for (int x = 0; x < d; ++x) {
+                  a += double(q[size_t(g) * d + x]) * K[size_t(t) * d + x];
+                  m += std::abs(double(q[size_t(g) * d + x]) * K[size_t(t) * d + x]);
+                }
+                return std::make_pair(scale * a, scale * m);
+              };
+              INFO("dtype " << kvs::dtype_name(dt) << " d " << d << " G " << G << " n " << n << " g " << g << " i " << i);
+              const auto [r, mag] = ref(order[size_t(i)]);
+              CHECK(std::abs(out[size_t(g) * n + i] - r) <= 1e-5 * mag + 1e-6);
+              if (i < nc) {
+                const auto [rc, magc] = ref(int32_t(i));
+                CHECK(std::abs(outc[size_t(g) * nc + i] - rc) <= 1e-5 * magc + 1e-6);
+              }
+            }
+        }
+}

@@ -607,15 +607,46 @@ void attend_rows(DType t, int d, int G, const float* q, float scale, const std::
 
 void score_rows(DType t, int d, int G, const float* q, float scale, const std::byte* const* k_rows, int64_t n,
                 float* out) {
-  const bool avx = use_avx2(d);
-  std::vector<float> buf(static_cast<size_t>(d)), qs(size_t(G) * d);
+  const Isa isa = pick_isa(d);
+  std::vector<float> qs(size_t(G) * d);
   for (size_t i = 0; i < qs.size(); ++i) qs[i] = q[i] * scale;
-  for (int64_t j = 0; j < n; ++j) {
-    if (avx) Avx2::convert(k_rows[j], t, d, buf.data());
-    else Scalar::convert(k_rows[j], t, d, buf.data());
-    for (int g = 0; g < G; ++g)
-      out[size_t(g) * n + j] = avx ? Avx2::dot(qs.data() + size_t(g) * d, buf.data(), d)
-                                   : Scalar::dot(qs.data() + size_t(g) * d, buf.data(), d);
+  if (isa == Isa::Scalar) {
+    std::vector<float> buf(static_cast<size_t>(d));
+    for (int64_t j = 0; j < n; ++j) {
+      Scalar::convert(k_rows[j], t, d, buf.data());
+      for (int g = 0; g < G; ++g) out[size_t(g) * n + j] = Scalar::dot(qs.data() + size_t(g) * d, buf.data(), d);
+    }
+    return;
+  }
+  // The score pass of the block kernel (natural column order: st.x2 stays false), kBlock rows at a
+  // time; the next block's rows are prefetched (into L2) key by key during each block.
+  State st{G, d, nullptr, nullptr, nullptr, nullptr};
+  std::vector<float> s(size_t(G) * kBlock);
+  Prefetch pf;
+  pf.row_bytes = size_t(d) * dtype_size(t);
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int cnt = int(std::min<int64_t>(kBlock, n - b));
+    const std::byte* const* kr = k_rows + b;
+    pf.now = kr;  // already in L1/L2 from the previous block's prefetch: a cheap no-op
+    pf.next_k = k_rows + b + kBlock;
+    pf.next_v = nullptr;
+    pf.next_cnt = int(std::min<int64_t>(kBlock, std::max<int64_t>(0, n - b - kBlock)));
+    const bool w16 = isa == Isa::Avx512;
+    switch (t) {
+      case DType::BF16:
+        w16 ? simd16::heads_dispatch<DType::BF16>(st, qs.data(), cnt, kr, kr, s.data(), false, &pf)
+            : simd8::heads_dispatch<DType::BF16>(st, qs.data(), cnt, kr, kr, s.data(), false, &pf);
+        break;
+      case DType::F16:
+        w16 ? simd16::heads_dispatch<DType::F16>(st, qs.data(), cnt, kr, kr, s.data(), false, &pf)
+            : simd8::heads_dispatch<DType::F16>(st, qs.data(), cnt, kr, kr, s.data(), false, &pf);
+        break;
+      case DType::F32:
+        w16 ? simd16::heads_dispatch<DType::F32>(st, qs.data(), cnt, kr, kr, s.data(), false, &pf)
+            : simd8::heads_dispatch<DType::F32>(st, qs.data(), cnt, kr, kr, s.data(), false, &pf);
+        break;
+    }
+    for (int g = 0; g < G; ++g) std::memcpy(out + size_t(g) * n + b, s.data() + size_t(g) * kBlock, size_t(cnt) * 4);
   }
 }
 
