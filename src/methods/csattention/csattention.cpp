@@ -66,59 +66,61 @@ inline bool touched(float v) {
 }
 
 template <class S>
-void scatter_portable(const int32_t* idx, const S* val, int64_t L, float w, float* acc) {
+void scatter_portable(const int32_t* idx, const S* val, int64_t L, float w, float off, float* acc) {
   for (int64_t i = 0; i < L; ++i) {
-    const float v = w * score_f(val[i]);
+    const float v = w * score_f(val[i]) + off;
     acc[idx[i]] += v + 0.0f;
   }
 }
 
 __attribute__((target("avx512f,f16c"))) void scatter_f16_avx512(const int32_t* idx, const uint16_t* val, int64_t L,
-                                                           float w, float* acc) {
-  const __m512 wv = _mm512_set1_ps(w), zero = _mm512_setzero_ps();
+                                                           float w, float off, float* acc) {
+  const __m512 wv = _mm512_set1_ps(w), ov = _mm512_set1_ps(off), zero = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= L; i += 16) {
     const __m512i ix = _mm512_loadu_si512(idx + i);
     const __m512 v = _mm512_add_ps(
-        _mm512_mul_ps(wv, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(val + i)))), zero);
+        _mm512_add_ps(_mm512_mul_ps(wv, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(val + i)))), ov),
+        zero);
     const __m512 a = _mm512_mask_i32gather_ps(zero, __mmask16(0xFFFF), ix, acc, 4);
     _mm512_i32scatter_ps(acc, ix, _mm512_add_ps(a, v), 4);
   }
   for (; i < L; ++i) {
-    const float v = w * _cvtsh_ss(val[i]);
+    const float v = w * _cvtsh_ss(val[i]) + off;
     acc[idx[i]] += v + 0.0f;
   }
 }
 
 __attribute__((target("avx512f,f16c"))) void scatter_f32_avx512(const int32_t* idx, const float* val, int64_t L, float w,
-                                                           float* acc) {
-  const __m512 wv = _mm512_set1_ps(w), zero = _mm512_setzero_ps();
+                                                           float off, float* acc) {
+  const __m512 wv = _mm512_set1_ps(w), ov = _mm512_set1_ps(off), zero = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= L; i += 16) {
     const __m512i ix = _mm512_loadu_si512(idx + i);
-    const __m512 v = _mm512_add_ps(_mm512_mul_ps(wv, _mm512_loadu_ps(val + i)), zero);
+    const __m512 v = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(wv, _mm512_loadu_ps(val + i)), ov), zero);
     const __m512 a = _mm512_mask_i32gather_ps(zero, __mmask16(0xFFFF), ix, acc, 4);
     _mm512_i32scatter_ps(acc, ix, _mm512_add_ps(a, v), 4);
   }
   for (; i < L; ++i) {
-    const float v = w * val[i];
+    const float v = w * val[i] + off;
     acc[idx[i]] += v + 0.0f;
   }
 }
 
 __attribute__((target("avx2,f16c"))) void scatter_f16_f16c(const int32_t* idx, const uint16_t* val, int64_t L, float w,
-                                                          float* acc) {
+                                                          float off, float* acc) {
   alignas(32) float vf[8];
-  const __m256 wv = _mm256_set1_ps(w), zero = _mm256_setzero_ps();
+  const __m256 wv = _mm256_set1_ps(w), ov = _mm256_set1_ps(off), zero = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= L; i += 8) {
-    _mm256_store_ps(vf, _mm256_add_ps(
-                            _mm256_mul_ps(wv, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(val + i)))),
-                            zero));
+    _mm256_store_ps(
+        vf, _mm256_add_ps(
+                _mm256_add_ps(_mm256_mul_ps(wv, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(val + i)))), ov),
+                zero));
     for (int l = 0; l < 8; ++l) acc[idx[i + l]] += vf[l];
   }
   for (; i < L; ++i) {
-    const float v = w * _cvtsh_ss(val[i]);
+    const float v = w * _cvtsh_ss(val[i]) + off;
     acc[idx[i]] += v + 0.0f;
   }
 }
@@ -227,6 +229,7 @@ class CSAttention final : public Method {
     per_query_ = p.get_string("gqa") == "per_query_head";
     group_sum_ = p.get_string("group_pick") == "sum";
     rerank_ = p.get_float("rerank");
+    missing_min_ = p.get_string("missing") == "list_min";
     const std::string sched = p.get_string("schedule");
     if (sched != "none") {
       sched_ = true;
@@ -750,6 +753,7 @@ class CSAttention final : public Method {
     j["gqa"] = per_query_ ? "per_query_head" : "per_kv_head";
     j["group_pick"] = group_sum_ ? "sum" : "union";
     j["rerank"] = rerank_;
+    j["missing"] = missing_min_ ? "list_min" : "zero";
     j["table_heads"] = TH_;
     j["period"] = period_;
     uint64_t tb = 0, kvb = 0;
@@ -861,13 +865,16 @@ class CSAttention final : public Method {
       for (; j < picks.size() && picks[j].first == picks[i].first; ++j) w += picks[j].second;
       const size_t base = list_base(L, h, int(picks[i].first / C_), picks[i].first % C_);
       const int32_t* idx = &L.idx[base];
+      // missing=list_min: a key absent from a list is taken to score that list's minimum (the heap
+      // root), so each entry adds w (V - min) and every key's absent terms share one constant.
+      const float off = missing_min_ ? -(w * (f16_ ? score_f(L.v16[base]) : L.v32[base])) : 0.f;
       if (f16_) {
-        if (kScatter512) scatter_f16_avx512(idx, &L.v16[base], L.L, w, acc);
-        else if (kHaveF16c) scatter_f16_f16c(idx, &L.v16[base], L.L, w, acc);
-        else scatter_portable(idx, &L.v16[base], L.L, w, acc);
+        if (kScatter512) scatter_f16_avx512(idx, &L.v16[base], L.L, w, off, acc);
+        else if (kHaveF16c) scatter_f16_f16c(idx, &L.v16[base], L.L, w, off, acc);
+        else scatter_portable(idx, &L.v16[base], L.L, w, off, acc);
       } else {
-        if (kHaveAvx512) scatter_f32_avx512(idx, &L.v32[base], L.L, w, acc);
-        else scatter_portable(idx, &L.v32[base], L.L, w, acc);
+        if (kHaveAvx512) scatter_f32_avx512(idx, &L.v32[base], L.L, w, off, acc);
+        else scatter_portable(idx, &L.v32[base], L.L, w, off, acc);
       }
       i = j;
     }
@@ -927,6 +934,7 @@ class CSAttention final : public Method {
   uint64_t seed_;
   bool f16_, qnorm_, window_in_budget_, per_query_, group_sum_, sched_ = false;
   double rerank_ = 0;
+  bool missing_min_ = false;
   Schedule schedule_{0.05, 1};
   KMeansConfig km_;
   std::vector<int> db_, off_;
@@ -980,6 +988,8 @@ MethodSpec csattention_spec() {
        {"group_pick", "enum:union|sum", "union",
         "per_kv_head: every query head picks its centroids and the G*m lists are unioned [RECON], or the group's "
         "summed query picks m lists (weight G): G times fewer gathers"},
+       {"missing", "enum:zero|list_min", "zero",
+        "reduce-by-key term of a key absent from a picked list: 0 (paper) or that list's minimum score [RECON]"},
        {"rerank", "float", "0",
         "0 = off (paper). r >= 1: the r*K' best keys by summed list scores are scored exactly and the K' best by "
         "the group's summed softmax kept (K' = K minus forced keys) [RECON, not in the paper]"}},

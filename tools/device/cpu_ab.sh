@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# On the GPU machine's host CPU (quiet, AVX-512): a CPU build against a previous one in one call.
+# Carry .dev with .dev/cpu/{kvsieve,libkvsieve.so.0,kvsieve_cpu_attention_micro,kvsieve_tests}
+# (a CPU build, -DKVS_WITH_CUDA=OFF), .dev/cpu-old/ (the same files of the previous build) and
+# .dev/libs.tar.xz (see docs/perf.md). Logs under $OUT/cpu_ab.log.
+#   1. the unit tests of the attention kernels and the methods on this CPU's AVX-512 paths (and
+#      with KVS_CPU_ISA=avx2 / KVS_CPU_BF16X2=off);
+#   2. the dense decode: micro-benchmark and `bench --method streaming` at 128K, new and old
+#      alternated (REPS pairs, default 3);
+#   3. `bench` of each method in METHODS (new then old) and of csattention with each parameter set
+#      in CSA_PARAMS (';'-separated), 2 threads, 128K, budget 0.05.
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/kvs_out}
+mkdir -p "$OUT" /tmp/kvs_libs
+tar xJf .dev/libs.tar.xz -C /tmp/kvs_libs
+LIBS=/tmp/kvs_libs/libs
+run() {  # DIR PROGRAM [args]
+  local dir=$1 prog=$2; shift 2
+  LD_LIBRARY_PATH=$PWD/$dir:$LIBS timeout 300 "$dir/$prog" "$@" 2>&1 | grep -v '^\s*$'
+}
+{
+  lscpu | grep -E 'Model name|^CPU\(s\)'
+  echo "== unit tests (native ISA, avx2, bf16x2 off)"
+  run .dev/cpu kvsieve_tests -tc='*attention*,*merg*,*full*,*exact_topk*,*csattention*,*ctkvr*,*retroinfer*' | tail -3
+  KVS_CPU_ISA=avx2 run .dev/cpu kvsieve_tests -tc='*attention*,*csattention*' | tail -2
+  KVS_CPU_BF16X2=off run .dev/cpu kvsieve_tests -tc='*attention*' | tail -2
+  for i in $(seq "${REPS:-3}"); do
+    for dir in .dev/cpu .dev/cpu-old; do
+      echo "== dense $dir ($i)"
+      run $dir kvsieve_cpu_attention_micro 2 131072 15
+      run $dir kvsieve bench --method streaming --context 131072 --threads 2 --steps 10 | grep -E 'full  |speedup'
+    done
+  done
+  for m in ${METHODS:-csattention ctkvr retroinfer}; do
+    for dir in .dev/cpu .dev/cpu-old; do
+      echo "== $dir: $m"
+      run $dir kvsieve bench --method "$m" --context 131072 --budget 0.05 --threads 2 --steps 10 --no-membw \
+        | grep -E 'index build|p50 / p99|speedup'
+    done
+  done
+  IFS=';' read -r -a sets <<< "${CSA_PARAMS:-}"
+  for p in "${sets[@]}"; do
+    echo "== .dev/cpu: csattention $p"
+    run .dev/cpu kvsieve bench --method csattention --context 131072 --budget 0.05 --threads 2 --steps 10 --no-membw \
+      --params "$p" | grep -E 'index build|p50 / p99|speedup'
+  done
+} 2>&1 | tee "$OUT/cpu_ab.log"
