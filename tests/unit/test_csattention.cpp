@@ -305,6 +305,80 @@ TEST_CASE("csattention: streaming lists equal a float64 brute-force top-L over e
   }
 }
 
+TEST_CASE("csattention: the search ranks the union of the picked lists by their reduce-by-key (missing = 0 or the list minimum)") {
+  // A float64 re-implementation of the search from the saved tables: nearest centroid per subspace,
+  // the union of the picked lists, scores summed per key with an absent key's term 0 (paper) or the
+  // list's minimum (missing=list_min), the K best. G = 1, no window, no sinks.
+  Rng rng(23);
+  Data D(rng, 2, 2, 32, 301);
+  const int64_t N = 300, Lz = 40;
+  const int m = 4, C = 8, db = D.d / m;
+  for (const char* miss : {"zero", "list_min"}) {
+    const std::string mp = std::string("subspaces=4,centroids=8,list_len=40,iters=3,batch=64,score_dtype=f32,recent=0,"
+                                       "sinks=0,missing=") + miss;
+    Sess S;
+    auto p = params(D, mp.c_str(), 1, 0.1);
+    OK(kvs_session_create(&p, &S.s));
+    prefill(S.s, D, 0, 0, N);
+    OK(kvs_session_build_index(S.s, nullptr));
+    std::vector<float> o, lse;
+    decode(S.s, D, 0, N, o, lse);
+    const std::string path = tmp_path(std::string("reduce_") + miss + ".kvt");
+    OK(kvs_session_save(S.s, path.c_str(), KVS_SAVE_TABLES));
+    auto f = kvs::io::TablesFile::open(path);
+    const float* cent = reinterpret_cast<const float*>(f->require("csa.cent", 0, -1).data);
+    const int32_t* idx = reinterpret_cast<const int32_t*>(f->require("csa.idx", 0, -1).data);
+    const float* val = reinterpret_cast<const float*>(f->require("csa.val", 0, -1).data);
+    const bool lmin = std::string(miss) == "list_min";
+    const int64_t n = N + 1, K = int64_t(std::ceil(0.1 * double(n)));
+    for (int h = 0; h < D.hkv; ++h) {
+      const float* qh = D.qt(N) + size_t(h) * D.d;
+      std::vector<double> score(static_cast<size_t>(n), 0.0);
+      std::vector<int> hits(static_cast<size_t>(n), 0);
+      double base_sum = 0;  // the absent terms' constant (list_min): sum of the picked lists' minima
+      std::vector<std::pair<size_t, double>> picked;
+      for (int b = 0; b < m; ++b) {
+        int best = 0;
+        double bs = -1e300;
+        for (int j = 0; j < C; ++j) {
+          const float* c = cent + size_t(h) * C * D.d + size_t(C) * b * db + size_t(j) * db;
+          double s = 0;
+          for (int i = 0; i < db; ++i) s += double(c[i]) * qh[b * db + i];
+          if (s > bs) {
+            bs = s;
+            best = j;
+          }
+        }
+        const size_t base = ((size_t(h) * m + b) * C + best) * size_t(Lz);
+        double mn = 1e300;
+        for (int64_t e = 0; e < Lz; ++e) mn = std::min(mn, double(val[base + size_t(e)]));
+        picked.emplace_back(base, mn);
+        base_sum += mn;
+      }
+      for (auto [base, mn] : picked)
+        for (int64_t e = 0; e < Lz; ++e) {
+          const int32_t t = idx[base + size_t(e)];
+          score[size_t(t)] += double(val[base + size_t(e)]) - (lmin ? mn : 0.0);
+          ++hits[size_t(t)];
+        }
+      std::vector<double> cand;
+      for (int64_t t = 0; t < n; ++t)
+        if (hits[size_t(t)]) cand.push_back(score[size_t(t)]);
+      REQUIRE(int64_t(cand.size()) > K);
+      std::sort(cand.begin(), cand.end(), std::greater<double>());
+      const double kth = cand[size_t(K - 1)], eps = 1e-5 * (1.0 + std::abs(kth) + std::abs(base_sum));
+      const auto got = selection(S.s, 0, uint32_t(h));
+      INFO(miss << " kv head " << h);
+      CHECK(int64_t(got.size()) == K);
+      std::set<int32_t> gs(got.begin(), got.end());
+      for (int32_t t : got) CHECK((hits[size_t(t)] > 0 && score[size_t(t)] >= kth - eps));
+      for (int64_t t = 0; t < n; ++t)
+        if (hits[size_t(t)] && score[size_t(t)] > kth + eps) CHECK(gs.count(int32_t(t)) == 1);
+    }
+    std::remove(path.c_str());
+  }
+}
+
 TEST_CASE("csattention: save/load round trip reproduces decode outputs bit for bit, with and without KV") {
   Rng rng(13);
   Data D(rng, 8, 2, 32, 760);
