@@ -382,7 +382,7 @@ TEST_CASE("csattention: the search ranks the union of the picked lists by their 
 TEST_CASE("csattention: save/load round trip reproduces decode outputs bit for bit, with and without KV") {
   Rng rng(13);
   Data D(rng, 8, 2, 32, 760);
-  for (const char* mp : {"centroids=16,subspaces=4,iters=4", "centroids=16,splits=8:8:16,subspaces=3,period=4,weights=qnorm",
+  for (const char* mp : {"centroids=16,subspaces=4,iters=4", "centroids=16,splits=8:8:16,subspaces=3,period=4,weights=qnorm,missing=list_min,rerank=3",
                          "centroids=8,gqa=per_query_head,schedule=0.15-step-4,sinks=4"}) {
     INFO(mp);
     Sess A;
