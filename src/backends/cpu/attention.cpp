@@ -164,6 +164,31 @@ void softmax_update_isa(State& st, float* s, int cnt) {
 // The AVX2 instantiation, and the tail of partial blocks for AVX-512.
 void softmax_update(State& st, float* s, int cnt) { softmax_update_isa<Avx2>(st, s, cnt); }
 
+// softmax_update for full blocks on 8 lanes: the block max vectorised too (the exponentials already
+// are, in Avx2::exp_block). Partial blocks take the generic path.
+KVS_AVX2 void softmax_update8(State& st, float* s, int cnt) {
+  if (cnt != kBlock) return softmax_update(st, s, cnt);
+  for (int g = 0; g < st.G; ++g) {
+    float* sg = s + g * kBlock;
+    __m256 mv = _mm256_loadu_ps(sg);
+    for (int j = 8; j < kBlock; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + j));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float m_new = std::max(st.m[g], _mm_cvtss_f32(m4));
+    float c = 1.f;
+    if (st.m[g] != m_new) {
+      c = st.m[g] == kNegInf ? 0.f : std::exp(st.m[g] - m_new);
+      st.l[g] *= c;
+      st.m[g] = m_new;
+    }
+    st.corr[g] = c;
+    float sum;
+    Avx2::exp_block(sg, kBlock, m_new, &sum);
+    st.l[g] += sum;
+  }
+}
+
 // The portable block kernel (CPUs without AVX2, head dims not a multiple of 8). q is [G][d],
 // pre-multiplied by the softmax scale; buf: d floats; s: G*kBlock floats.
 template <class KRow, class VRow>
@@ -305,7 +330,7 @@ void x2_order8(float* rows, size_t n, int d, bool to_x2) {
 #define V_ZERO _mm256_setzero_ps
 #define V_BCAST _mm256_broadcast_ss
 #define V_HSUM hsum
-#define V_SOFTMAX softmax_update
+#define V_SOFTMAX softmax_update8
 #define V_LOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16))
 #define V_LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
 #define V_BF16X2(p, lo, hi) bf16x2_8(p, lo, hi)
