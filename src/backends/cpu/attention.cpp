@@ -53,6 +53,11 @@ struct Scalar {
     for (int i = 0; i < d; ++i) s += a[i] * b[i];
     return s;
   }
+  static float block_max(const float* x, int n) {
+    float m = x[0];
+    for (int i = 1; i < n; ++i) m = std::max(m, x[i]);
+    return m;
+  }
   static void exp_block(float* x, int n, float m, float* sum) {
     float s = 0.f;
     for (int i = 0; i < n; ++i) {
@@ -121,6 +126,19 @@ struct Avx2 {
     for (; i < d; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
     return hsum(_mm256_add_ps(s0, s1));
   }
+  // The max of x[0..n), n >= 1: 8 lanes at a time, then the tail.
+  KVS_AVX2 static float block_max(const float* x, int n) {
+    if (n < 8) return Scalar::block_max(x, n);
+    __m256 mv = _mm256_loadu_ps(x);
+    int i = 8;
+    for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + i));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    float m = _mm_cvtss_f32(m4);
+    for (; i < n; ++i) m = std::max(m, x[i]);
+    return m;
+  }
   KVS_AVX2 static void exp_block(float* x, int n, float m, float* sum) {
     const __m256 mv = _mm256_set1_ps(m);
     __m256 s = _mm256_setzero_ps();
@@ -139,22 +157,30 @@ struct Avx2 {
   }
 };
 
+// Head g's running max becomes max(m, block_max): the running sum is rescaled and the rescale
+// factor of the accumulators kept in st.corr[g]. Returns the new max.
+inline float advance_max(State& st, int g, float block_max) {
+  const float m_new = std::max(st.m[g], block_max);
+  float c = 1.f;
+  if (st.m[g] != m_new) {
+    c = st.m[g] == kNegInf ? 0.f : std::exp(st.m[g] - m_new);
+    st.l[g] *= c;
+    st.m[g] = m_new;
+  }
+  st.corr[g] = c;
+  return m_new;
+}
+
 // Online-softmax update of a block's scores s[g][0..cnt): new running max, rescale factor of the
-// accumulators (st.corr), running sums; s becomes exp(s - m). Isa::exp_block does the exponentials.
+// accumulators (st.corr), running sums; s becomes exp(s - m). Isa::block_max and Isa::exp_block do
+// the vector work.
+// Always inlined, so that in the AVX2 caller below the Avx2 calls inline too (a function without
+// the target attribute cannot inline them).
 template <class Isa>
-void softmax_update_isa(State& st, float* s, int cnt) {
+__attribute__((always_inline)) inline void softmax_update_isa(State& st, float* s, int cnt) {
   for (int g = 0; g < st.G; ++g) {
     float* sg = s + g * kBlock;
-    float mx = sg[0];
-    for (int j = 1; j < cnt; ++j) mx = std::max(mx, sg[j]);
-    const float m_new = std::max(st.m[g], mx);
-    float c = 1.f;
-    if (st.m[g] != m_new) {
-      c = st.m[g] == kNegInf ? 0.f : std::exp(st.m[g] - m_new);
-      st.l[g] *= c;
-      st.m[g] = m_new;
-    }
-    st.corr[g] = c;
+    const float m_new = advance_max(st, g, Isa::block_max(sg, cnt));
     float sum;
     Isa::exp_block(sg, cnt, m_new, &sum);
     st.l[g] += sum;
@@ -162,32 +188,7 @@ void softmax_update_isa(State& st, float* s, int cnt) {
 }
 
 // The AVX2 instantiation, and the tail of partial blocks for AVX-512.
-void softmax_update(State& st, float* s, int cnt) { softmax_update_isa<Avx2>(st, s, cnt); }
-
-// softmax_update for full blocks on 8 lanes: the block max vectorised too (the exponentials already
-// are, in Avx2::exp_block). Partial blocks take the generic path.
-KVS_AVX2 void softmax_update8(State& st, float* s, int cnt) {
-  if (cnt != kBlock) return softmax_update(st, s, cnt);
-  for (int g = 0; g < st.G; ++g) {
-    float* sg = s + g * kBlock;
-    __m256 mv = _mm256_loadu_ps(sg);
-    for (int j = 8; j < kBlock; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + j));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float m_new = std::max(st.m[g], _mm_cvtss_f32(m4));
-    float c = 1.f;
-    if (st.m[g] != m_new) {
-      c = st.m[g] == kNegInf ? 0.f : std::exp(st.m[g] - m_new);
-      st.l[g] *= c;
-      st.m[g] = m_new;
-    }
-    st.corr[g] = c;
-    float sum;
-    Avx2::exp_block(sg, kBlock, m_new, &sum);
-    st.l[g] += sum;
-  }
-}
+KVS_AVX2 void softmax_update(State& st, float* s, int cnt) { softmax_update_isa<Avx2>(st, s, cnt); }
 
 // The portable block kernel (CPUs without AVX2, head dims not a multiple of 8). q is [G][d],
 // pre-multiplied by the softmax scale; buf: d floats; s: G*kBlock floats.
@@ -233,14 +234,7 @@ KVS_AVX512 void softmax_update512(State& st, float* s, int cnt) {
     float* sg = s + g * kBlock;
     __m512 mv = _mm512_loadu_ps(sg);
     for (int j = 16; j < kBlock; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + j));
-    const float m_new = std::max(st.m[g], _mm512_reduce_max_ps(mv));
-    float c = 1.f;
-    if (st.m[g] != m_new) {
-      c = st.m[g] == kNegInf ? 0.f : std::exp(st.m[g] - m_new);
-      st.l[g] *= c;
-      st.m[g] = m_new;
-    }
-    st.corr[g] = c;
+    const float m_new = advance_max(st, g, _mm512_reduce_max_ps(mv));
     const __m512 m = _mm512_set1_ps(m_new);
     __m512 sum = _mm512_setzero_ps();
     for (int j = 0; j < kBlock; j += 16) {
@@ -330,7 +324,7 @@ void x2_order8(float* rows, size_t n, int d, bool to_x2) {
 #define V_ZERO _mm256_setzero_ps
 #define V_BCAST _mm256_broadcast_ss
 #define V_HSUM hsum
-#define V_SOFTMAX softmax_update8
+#define V_SOFTMAX softmax_update
 #define V_LOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16))
 #define V_LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
 #define V_BF16X2(p, lo, hi) bf16x2_8(p, lo, hi)
