@@ -83,6 +83,14 @@ void prefill(kvs_session_t s, Data& D, uint32_t layer, int64_t from, int64_t n) 
   OK(kvs_session_prefill(s, layer, &q.t, &k.t, &v.t, nullptr, nullptr));
 }
 
+// A one-layer session with parameters mp and budget, its first N tokens prefilled and indexed.
+void build(Sess& S, Data& D, const std::string& mp, double budget, int64_t N) {
+  auto p = params(D, mp.c_str(), 1, budget);
+  OK(kvs_session_create(&p, &S.s));
+  prefill(S.s, D, 0, 0, N);
+  OK(kvs_session_build_index(S.s, nullptr));
+}
+
 // Decode token t with query q (default: the trace's).
 void decode(kvs_session_t s, Data& D, uint32_t layer, int64_t t, std::vector<float>& o, std::vector<float>& lse,
             const float* q = nullptr) {
@@ -130,10 +138,7 @@ TEST_CASE("csattention: m=1, C=#prompt queries with the normalised queries as ce
     const std::string mp = std::string("subspaces=1,centroids=200,init=queries,list_frac=1,recent=0,sinks=0,"
                                        "score_dtype=f32,gqa=") + mode;
     Sess S;
-    auto p = params(D, mp.c_str(), 1, 0.1);
-    OK(kvs_session_create(&p, &S.s));
-    prefill(S.s, D, 0, 0, N);
-    OK(kvs_session_build_index(S.s, nullptr));
+    build(S, D, mp, 0.1, N);
     std::vector<float> o, l;
     const int G = D.hq / D.hkv;
     for (int64_t t = N; t < D.T; ++t) {
@@ -166,10 +171,7 @@ TEST_CASE("csattention: rerank over lists holding every key keeps the exact top-
     const int64_t N = 300;
     const std::string mp = "subspaces=4,centroids=8,iters=3,list_frac=1,recent=32,sinks=2,rerank=64";
     Sess S;
-    auto p = params(D, mp.c_str(), 1, 0.2);
-    OK(kvs_session_create(&p, &S.s));
-    prefill(S.s, D, 0, 0, N);
-    OK(kvs_session_build_index(S.s, nullptr));
+    build(S, D, mp, 0.2, N);
     std::vector<float> o, l;
     const double scale = 1.0 / std::sqrt(double(D.d));
     for (int64_t t = N; t < D.T; ++t) {
@@ -206,15 +208,9 @@ TEST_CASE("csattention: rerank over lists holding every key keeps the exact top-
   // Without the rerank the same tables rank by the summed list scores: a different selection.
   Data D(rng, 4, 2, 32, 310);
   Sess S;
-  auto p = params(D, "subspaces=4,centroids=8,iters=3,list_frac=1,recent=32,sinks=2", 1, 0.2);
-  OK(kvs_session_create(&p, &S.s));
-  prefill(S.s, D, 0, 0, 300);
-  OK(kvs_session_build_index(S.s, nullptr));
+  build(S, D, "subspaces=4,centroids=8,iters=3,list_frac=1,recent=32,sinks=2", 0.2, 300);
   Sess R;
-  auto pr = params(D, "subspaces=4,centroids=8,iters=3,list_frac=1,recent=32,sinks=2,rerank=64", 1, 0.2);
-  OK(kvs_session_create(&pr, &R.s));
-  prefill(R.s, D, 0, 0, 300);
-  OK(kvs_session_build_index(R.s, nullptr));
+  build(R, D, "subspaces=4,centroids=8,iters=3,list_frac=1,recent=32,sinks=2,rerank=64", 0.2, 300);
   int differ = 0;
   std::vector<float> o, l;
   for (int64_t t = 300; t < 310; ++t) {
@@ -239,10 +235,7 @@ TEST_CASE("csattention: streaming lists equal a float64 brute-force top-L over e
     const int m = 4, C = 8, db = D.d / m;
     const std::string mp = std::string("subspaces=4,centroids=8,list_len=40,iters=3,batch=64,score_dtype=") + dt;
     Sess S;
-    auto p = params(D, mp.c_str());
-    OK(kvs_session_create(&p, &S.s));
-    prefill(S.s, D, 0, 0, N);
-    OK(kvs_session_build_index(S.s, nullptr));
+    build(S, D, mp, 0.0, N);
     std::vector<float> o, lse;
     for (int64_t t = N; t < N + 60; ++t) decode(S.s, D, 0, t, o, lse);
     {  // an appended turn streams in too
@@ -317,10 +310,7 @@ TEST_CASE("csattention: the search ranks the union of the picked lists by their 
     const std::string mp = std::string("subspaces=4,centroids=8,list_len=40,iters=3,batch=64,score_dtype=f32,recent=0,"
                                        "sinks=0,missing=") + miss;
     Sess S;
-    auto p = params(D, mp.c_str(), 1, 0.1);
-    OK(kvs_session_create(&p, &S.s));
-    prefill(S.s, D, 0, 0, N);
-    OK(kvs_session_build_index(S.s, nullptr));
+    build(S, D, mp, 0.1, N);
     std::vector<float> o, lse;
     decode(S.s, D, 0, N, o, lse);
     const std::string path = tmp_path(std::string("reduce_") + miss + ".kvt");
@@ -492,10 +482,7 @@ TEST_CASE("csattention: search period reuses the selection with the current wind
   Data D(rng, 4, 2, 32, 400);
   {
     Sess S;
-    auto p = params(D, "centroids=8,period=4,recent=8", 1, 0.1);
-    OK(kvs_session_create(&p, &S.s));
-    prefill(S.s, D, 0, 0, 300);
-    OK(kvs_session_build_index(S.s, nullptr));
+    build(S, D, "centroids=8,period=4,recent=8", 0.1, 300);
     std::vector<float> o, l;
     std::vector<std::vector<int32_t>> searched(2);
     for (int64_t t = 300; t < 316; ++t) {
@@ -527,10 +514,7 @@ TEST_CASE("csattention: search period reuses the selection with the current wind
       INFO(extra << " budget " << budget);
       Sess S;
       const std::string mp = std::string("centroids=8,") + extra;
-      auto p = params(D, mp.c_str(), 1, budget);
-      OK(kvs_session_create(&p, &S.s));
-      prefill(S.s, D, 0, 0, 300);
-      OK(kvs_session_build_index(S.s, nullptr));
+      build(S, D, mp, budget, 300);
       std::vector<float> o, l;
       for (int64_t t = 300; t < 304; ++t) {
         decode(S.s, D, 0, t, o, l);

@@ -893,11 +893,12 @@ class CSAttention final : public Method {
       S.ctok.resize(size_t(n));
       S.csc.resize(size_t(n));
     }
+    // Candidates the search must deliver: rest, or rerank*rest for the exact rerank (rerank >= 1).
+    const int64_t cand = rerank_ > 0 ? std::llround(rerank_ * double(rest)) : rest;
     const float ninf = -std::numeric_limits<float>::infinity();
     float tau = ninf;
     if (rest > 0) {
       constexpr int64_t kStride = 32;
-      const int64_t cand = rerank_ > 0 ? std::llround(rerank_ * double(rest)) : rest;  // candidates needed
       const int64_t want = cand + cand / 5 + 8 * kStride;  // candidates aimed at
       S.smp.clear();
       for (int64_t t = s_end + kStride / 2; t < w_begin; t += kStride)
@@ -916,8 +917,7 @@ class CSAttention final : public Method {
       // Rerank (RECON, off by default): the best rerank*rest candidates by the summed list scores
       // are scored exactly, and the rest best of them by the group's summed softmax (normalised per
       // query head over those candidates) are kept.
-      const int64_t kc = std::min<int64_t>(nc, std::max<int64_t>(rest, std::llround(rerank_ * double(rest))));
-      top_by_score(S.ctok.data(), S.csc.data(), nc, kc, S.rtok, S.rtmp);
+      top_by_score(S.ctok.data(), S.csc.data(), nc, std::min(nc, cand), S.rtok, S.rtmp);
       rerank_exact(h, q, kv, S, rest, out);
     } else {
       top_by_score(S.ctok.data(), S.csc.data(), nc, std::min<int64_t>(rest, nc), out, S.rtmp);
