@@ -10,15 +10,7 @@
 #   3. `bench` of each method in METHODS (new then old) and of csattention with each parameter set
 #      in CSA_PARAMS (';'-separated), 2 threads, 128K, budget 0.05.
 set -u
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/kvs_out}
-mkdir -p "$OUT" /tmp/kvs_libs
-tar xJf .dev/libs.tar.xz -C /tmp/kvs_libs
-LIBS=/tmp/kvs_libs/libs
-run() {  # DIR PROGRAM [args]
-  local dir=$1 prog=$2; shift 2
-  LD_LIBRARY_PATH=$PWD/$dir:$LIBS timeout 300 "$dir/$prog" "$@" 2>&1 | grep -v '^\s*$'
-}
+source "$(dirname "$0")/cpu_libs.sh"
 {
   lscpu | grep -E 'Model name|^CPU\(s\)'
   echo "== unit tests (native ISA, avx2, bf16x2 off)"

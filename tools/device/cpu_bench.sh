@@ -4,11 +4,8 @@
 # Carry .dev with .dev/cpu/{kvsieve,libkvsieve.so.0,kvsieve_cpu_attention_micro} (a CPU build,
 # -DKVS_WITH_CUDA=OFF) and .dev/libs.tar.xz (see docs/perf.md). Logs under $OUT.
 set -u
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/kvs_out}
-mkdir -p "$OUT" /tmp/kvs_libs
-tar xJf .dev/libs.tar.xz -C /tmp/kvs_libs
-export LD_LIBRARY_PATH=$PWD/.dev/cpu:/tmp/kvs_libs/libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+source "$(dirname "$0")/cpu_libs.sh"
+export LD_LIBRARY_PATH=$PWD/.dev/cpu:$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 {
   lscpu | grep -E 'Model name|^CPU\(s\)|Thread|Core|Socket|NUMA node\(s\)|L2|L3|Flags' | sed 's/Flags:.*\(avx512_bf16\).*/Flags: ... avx512_bf16 .../'
   for t in ${THREADS:-1 2 4 8}; do

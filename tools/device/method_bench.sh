@@ -5,17 +5,13 @@
 # optional .dev/cpu-old/ holds a previous build to compare (BENCH_OLD="method ..."). Logs under $OUT.
 # METHODS picks the 2-thread methods; SKIP_1T=1 skips the one-thread lfps/exact_topk runs.
 set -u
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/kvs_out}
-mkdir -p "$OUT" /tmp/kvs_libs
-tar xJf .dev/libs.tar.xz -C /tmp/kvs_libs
-LIBS=/tmp/kvs_libs/libs
+source "$(dirname "$0")/cpu_libs.sh"
 CTX=${CTX:-131072}
 bench() {  # DIR THREADS METHOD [extra args]
   local dir=$1 t=$2 m=$3; shift 3
   echo "== $dir: $m, $t threads $*"
-  LD_LIBRARY_PATH=$PWD/$dir:$LIBS timeout 300 "$dir/kvsieve" bench --method "$m" --context "$CTX" --budget 0.05 \
-    --threads "$t" --steps 10 --json "$OUT/bench-$(basename "$dir")-$m-$t.json" "$@" 2>&1 | grep -v '^\s*$'
+  run "$dir" kvsieve bench --method "$m" --context "$CTX" --budget 0.05 --threads "$t" --steps 10 \
+    --json "$OUT/bench-$(basename "$dir")-$m-$t.json" "$@"
 }
 {
   lscpu | grep -E 'Model name|^CPU\(s\)'
