@@ -624,88 +624,71 @@ void attend_rows(DType t, int d, int G, const float* q, float scale, const std::
   finish(st, o, lse);
 }
 
-void score_rows(DType t, int d, int G, const float* q, float scale, const std::byte* const* k_rows, int64_t n,
-                float* out) {
+namespace {
+// out[g][i] = scale * q_g . row(i) for i < n, through the score pass of the block kernel (natural
+// column order: st.x2 stays false), kBlock rows at a time. gathered: the rows are scattered, so the
+// current block's rows go to L1 and the next block's to L2 key by key (Prefetch), as in run_chunk.
+template <class RowAt>
+void score_rows_at(DType t, int d, int G, const float* q, float scale, int64_t n, float* out, RowAt row,
+                   bool gathered) {
   const Isa isa = pick_isa(d);
   std::vector<float> qs(size_t(G) * d);
   for (size_t i = 0; i < qs.size(); ++i) qs[i] = q[i] * scale;
   if (isa == Isa::Scalar) {
     std::vector<float> buf(static_cast<size_t>(d));
     for (int64_t j = 0; j < n; ++j) {
-      Scalar::convert(k_rows[j], t, d, buf.data());
+      Scalar::convert(row(j), t, d, buf.data());
       for (int g = 0; g < G; ++g) out[size_t(g) * n + j] = Scalar::dot(qs.data() + size_t(g) * d, buf.data(), d);
     }
     return;
   }
-  // The score pass of the block kernel (natural column order: st.x2 stays false), kBlock rows at a
-  // time; the next block's rows are prefetched (into L2) key by key during each block.
   State st{G, d, nullptr, nullptr, nullptr, nullptr};
   std::vector<float> s(size_t(G) * kBlock);
+  const std::byte* kr[2][kBlock];  // this block's rows and the next one's
+  const auto fill = [&](int buf, int64_t b) {
+    const int cnt = int(std::min<int64_t>(kBlock, n - b));
+    for (int j = 0; j < cnt; ++j) kr[buf][j] = row(b + j);
+    return cnt;
+  };
   Prefetch pf;
   pf.row_bytes = size_t(d) * dtype_size(t);
-  for (int64_t b = 0; b < n; b += kBlock) {
-    const int cnt = int(std::min<int64_t>(kBlock, n - b));
-    const std::byte* const* kr = k_rows + b;
-    pf.now = kr;  // already in L1/L2 from the previous block's prefetch: a cheap no-op
-    pf.next_k = k_rows + b + kBlock;
-    pf.next_v = nullptr;
-    pf.next_cnt = int(std::min<int64_t>(kBlock, std::max<int64_t>(0, n - b - kBlock)));
-    const bool w16 = isa == Isa::Avx512;
+  const bool w16 = isa == Isa::Avx512;
+  int cur = 0, cnt = n > 0 ? fill(0, 0) : 0;
+  for (int64_t b = 0; b < n; b += kBlock, cur ^= 1) {
+    const int next_cnt = b + kBlock < n ? fill(cur ^ 1, b + kBlock) : 0;
+    pf.now = kr[cur];
+    pf.next_k = kr[cur ^ 1];
+    pf.next_cnt = next_cnt;
+    const Prefetch* p = gathered ? &pf : nullptr;
+    const std::byte* const* k = kr[cur];
     switch (t) {
       case DType::BF16:
-        w16 ? simd16::heads_dispatch<DType::BF16>(st, qs.data(), cnt, kr, kr, s.data(), false, &pf)
-            : simd8::heads_dispatch<DType::BF16>(st, qs.data(), cnt, kr, kr, s.data(), false, &pf);
+        w16 ? simd16::heads_dispatch<DType::BF16>(st, qs.data(), cnt, k, k, s.data(), false, p)
+            : simd8::heads_dispatch<DType::BF16>(st, qs.data(), cnt, k, k, s.data(), false, p);
         break;
       case DType::F16:
-        w16 ? simd16::heads_dispatch<DType::F16>(st, qs.data(), cnt, kr, kr, s.data(), false, &pf)
-            : simd8::heads_dispatch<DType::F16>(st, qs.data(), cnt, kr, kr, s.data(), false, &pf);
+        w16 ? simd16::heads_dispatch<DType::F16>(st, qs.data(), cnt, k, k, s.data(), false, p)
+            : simd8::heads_dispatch<DType::F16>(st, qs.data(), cnt, k, k, s.data(), false, p);
         break;
       case DType::F32:
-        w16 ? simd16::heads_dispatch<DType::F32>(st, qs.data(), cnt, kr, kr, s.data(), false, &pf)
-            : simd8::heads_dispatch<DType::F32>(st, qs.data(), cnt, kr, kr, s.data(), false, &pf);
+        w16 ? simd16::heads_dispatch<DType::F32>(st, qs.data(), cnt, k, k, s.data(), false, p)
+            : simd8::heads_dispatch<DType::F32>(st, qs.data(), cnt, k, k, s.data(), false, p);
         break;
     }
     for (int g = 0; g < G; ++g) std::memcpy(out + size_t(g) * n + b, s.data() + size_t(g) * kBlock, size_t(cnt) * 4);
+    cnt = next_cnt;
   }
+}
+}  // namespace
+
+void score_rows(DType t, int d, int G, const float* q, float scale, const std::byte* const* k_rows, int64_t n,
+                float* out) {
+  score_rows_at(t, d, G, q, scale, n, out, [&](int64_t i) { return k_rows[i]; }, true);
 }
 
 void score_contig(DType t, int d, int G, const float* q, float scale, const std::byte* rows, int64_t n, float* out) {
-  const Isa isa = pick_isa(d);
-  std::vector<float> qs(size_t(G) * d);
-  for (size_t i = 0; i < qs.size(); ++i) qs[i] = q[i] * scale;
   const size_t rb = size_t(d) * dtype_size(t);
-  if (isa == Isa::Scalar) {
-    std::vector<float> buf(static_cast<size_t>(d));
-    for (int64_t j = 0; j < n; ++j) {
-      Scalar::convert(rows + size_t(j) * rb, t, d, buf.data());
-      for (int g = 0; g < G; ++g) out[size_t(g) * n + j] = Scalar::dot(qs.data() + size_t(g) * d, buf.data(), d);
-    }
-    return;
-  }
-  // The score pass of the block kernel (natural column order: st.x2 stays false), kBlock rows at a time.
-  State st{G, d, nullptr, nullptr, nullptr, nullptr};
-  std::vector<float> s(size_t(G) * kBlock);
-  const std::byte* kr[kBlock];
-  for (int64_t b = 0; b < n; b += kBlock) {
-    const int cnt = int(std::min<int64_t>(kBlock, n - b));
-    for (int j = 0; j < cnt; ++j) kr[j] = rows + size_t(b + j) * rb;
-    const bool w16 = isa == Isa::Avx512;
-    switch (t) {
-      case DType::BF16:
-        w16 ? simd16::heads_dispatch<DType::BF16>(st, qs.data(), cnt, kr, kr, s.data(), false)
-            : simd8::heads_dispatch<DType::BF16>(st, qs.data(), cnt, kr, kr, s.data(), false);
-        break;
-      case DType::F16:
-        w16 ? simd16::heads_dispatch<DType::F16>(st, qs.data(), cnt, kr, kr, s.data(), false)
-            : simd8::heads_dispatch<DType::F16>(st, qs.data(), cnt, kr, kr, s.data(), false);
-        break;
-      case DType::F32:
-        w16 ? simd16::heads_dispatch<DType::F32>(st, qs.data(), cnt, kr, kr, s.data(), false)
-            : simd8::heads_dispatch<DType::F32>(st, qs.data(), cnt, kr, kr, s.data(), false);
-        break;
-    }
-    for (int g = 0; g < G; ++g) std::memcpy(out + size_t(g) * n + b, s.data() + size_t(g) * kBlock, size_t(cnt) * 4);
-  }
+  score_rows_at(t, d, G, q, scale, n, out, [&](int64_t i) { return rows + size_t(i) * rb; }, false);
 }
 
 namespace {
