@@ -101,6 +101,16 @@ int run_bench(const BenchOptions& o) {
   const Tensor o_t(out.data(), DType::F32, {int64_t(o.q_heads), int64_t(o.head_dim)});
   const Tensor lse_t(lse.data(), DType::F32, {int64_t(o.q_heads)});
   std::vector<double> method_us, full_us;
+  // Per-step wall time of the method's phases (session statistics; CPU decode only): streaming
+  // update, selection, exact attention.
+  static const char* const kPhases[3] = {"decode_update_seconds", "decode_select_seconds", "decode_attend_seconds"};
+  std::vector<double> phase_us[3];
+  auto phase_totals = [&](double* out) {
+    for (int p = 0; p < 3; ++p) {
+      out[p] = 0;
+      kvs_error_destroy(kvs_session_method_stat(method.get(), kPhases[p], &out[p]));
+    }
+  };
   {
     Progress bar("decoding", o.warmup + o.steps);
     for (int64_t i = 0; i < o.warmup + o.steps; ++i) {
@@ -110,10 +120,16 @@ int run_bench(const BenchOptions& o) {
       for (int turn = 0; turn < 2; ++turn) {
         const bool m = (turn == 0) == (i % 2 == 0);
         Session& s = m ? method : full;
+        double before[3], after[3];
+        if (m) phase_totals(before);
         const auto t0 = Clock::now();
         s.decode(0, qt, kt, vt, o_t, &lse_t);
         const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
         if (i >= o.warmup) (m ? method_us : full_us).push_back(us);
+        if (m && i >= o.warmup) {
+          phase_totals(after);
+          for (int p = 0; p < 3; ++p) phase_us[p].push_back((after[p] - before[p]) * 1e6);
+        }
       }
       bar.advance();
     }
@@ -151,6 +167,10 @@ int run_bench(const BenchOptions& o) {
   std::printf("  %-8s %10.1f us/step  reads <= %s (%.0f keys/KV head + index)  -> %.1f GB/s\n",
               o.method.c_str(), step_us, human_bytes(method_bytes).c_str(), st.mean_selected_keys, method_gbps);
   std::printf("  speedup vs full: %.2fx\n", speedup);
+  const double ph[3] = {median(phase_us[0]), median(phase_us[1]), median(phase_us[2])};
+  if (ph[0] + ph[1] + ph[2] > 0)
+    std::printf("  %s phases, median us/step: update %.1f, select %.1f, attention %.1f\n", o.method.c_str(),
+                ph[0], ph[1], ph[2]);
   std::printf("  step time p50 / p99: full %.1f / %.1f us, %s %.1f / %.1f us\n", full_step_us,
               percentile(full_us, 99.0), o.method.c_str(), step_us, percentile(method_us, 99.0));
   if (!o.stats.empty()) {
@@ -178,6 +198,9 @@ int run_bench(const BenchOptions& o) {
                               {"step_us", step_us},
                               {"full_step_us", full_step_us},
                               {"speedup_vs_full", speedup},
+                              {"update_us", ph[0]},
+                              {"select_us", ph[1]},
+                              {"attention_us", ph[2]},
                               {"index_build_ms", index_ms},
                               {"achieved_GBps", achieved},
                               {"measured_read_GBps", o.no_membw ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(measured)},

@@ -321,7 +321,9 @@ KVS_API kvs_error_t kvs_session_layer_tokens(kvs_session_t s, uint32_t layer, in
 KVS_API kvs_error_t kvs_session_last_selection(kvs_session_t s, uint32_t layer, uint32_t kv_head,
                                                int32_t* out, size_t capacity, size_t* out_count);
 
-/** A method-specific statistic by name (e.g. "dedup_coefficient"); fails if the method has none.
+/** A statistic by name: the method's own (e.g. "dedup_coefficient"), or one of the session's CPU
+ *  decode phase timings "decode_update_seconds", "decode_select_seconds", "decode_attend_seconds"
+ *  (wall seconds summed over all steps and layers). Fails for a name neither has.
  *  @threadsafety concurrent-const */
 KVS_API kvs_error_t kvs_session_method_stat(kvs_session_t s, const char* name, double* out);
 

@@ -1,16 +1,133 @@
 #include "core/kv_store.hpp"
 
 #include <mimalloc.h>
+#include <sys/mman.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <mutex>
 #include <new>
 
 #include "core/error.hpp"
 
 namespace kvs {
 
+namespace {
+
+// The page pool. Extents are anonymous mappings of a multiple of 2 MiB, 2 MiB-aligned, holding
+// `capacity` pages of one size; free slots are reused lowest address first. Thread-safe (pages
+// are created and freed from any session and from pool threads).
+constexpr size_t kHuge = size_t(2) << 20;
+constexpr size_t kExtentTarget = size_t(32) << 20;
+
+struct Extent {
+  std::byte* base;
+  size_t len, page_bytes;
+  std::vector<uint32_t> free;  // free slot numbers, highest first (pop_back gives the lowest)
+  uint32_t capacity, used = 0;
+};
+
+class PagePool {
+ public:
+  static PagePool& get() {
+    static PagePool* pool = new PagePool;  // never destroyed: pages may outlive static destructors
+    return *pool;
+  }
+
+  std::byte* allocate(size_t bytes, Extent** out) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Extent* e = nullptr;
+    for (Extent* x : extents_)
+      if (x->page_bytes == bytes && !x->free.empty() && (!e || x->used > e->used)) e = x;  // fullest first
+    if (!e) e = map_extent(bytes);
+    if (!e) return nullptr;
+    const uint32_t slot = e->free.back();
+    e->free.pop_back();
+    ++e->used;
+    ++live_;
+    *out = e;
+    return e->base + size_t(slot) * bytes;
+  }
+
+  void release(std::byte* p, Extent* e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const uint32_t slot = uint32_t(size_t(p - e->base) / e->page_bytes);
+    // Keep the free list sorted descending so the lowest slot is reused first.
+    e->free.insert(std::upper_bound(e->free.begin(), e->free.end(), slot, std::greater<uint32_t>()), slot);
+    --e->used;
+    --live_;
+    if (e->used == 0) {
+      // Keep one empty extent per page size, so a session that frees and takes one page at an
+      // extent boundary does not map and unmap 32 MiB each time.
+      for (Extent* x : extents_)
+        if (x != e && x->page_bytes == e->page_bytes && x->used == 0) {
+          unmap(e);
+          return;
+        }
+    }
+  }
+
+  PagePoolStats stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    PagePoolStats s;
+    for (Extent* x : extents_) s.mapped_bytes += x->len;
+    s.live_pages = live_;
+    s.extents = extents_.size();
+    s.huge_hint = huge_;
+    return s;
+  }
+
+ private:
+  PagePool() {
+    const char* e = std::getenv("KVS_HUGE_PAGES");
+    huge_ = !(e && std::strcmp(e, "0") == 0);
+  }
+
+  Extent* map_extent(size_t bytes) {
+    const size_t per = std::max<size_t>(1, kExtentTarget / bytes);
+    const size_t len = (per * bytes + kHuge - 1) / kHuge * kHuge;
+    // Over-map by 2 MiB and trim, so the extent starts on a huge-page boundary.
+    void* raw = mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) return nullptr;
+    const uintptr_t r = reinterpret_cast<uintptr_t>(raw), a = (r + kHuge - 1) / kHuge * kHuge;
+    if (a > r) munmap(raw, a - r);
+    if (r + kHuge > a) munmap(reinterpret_cast<void*>(a + len), r + kHuge - a);
+#ifdef MADV_HUGEPAGE
+    if (huge_) madvise(reinterpret_cast<void*>(a), len, MADV_HUGEPAGE);  // advice: failure is harmless
+#endif
+    auto* e = new Extent{reinterpret_cast<std::byte*>(a), len, bytes, {}, uint32_t(len / bytes)};
+    for (uint32_t i = e->capacity; i-- > 0;) e->free.push_back(i);
+    extents_.push_back(e);
+    return e;
+  }
+
+  void unmap(Extent* e) {
+    munmap(e->base, e->len);
+    extents_.erase(std::find(extents_.begin(), extents_.end(), e));
+    delete e;
+  }
+
+  std::mutex mu_;
+  std::vector<Extent*> extents_;
+  uint64_t live_ = 0;
+  bool huge_ = true;
+};
+
+}  // namespace
+
+PagePoolStats page_pool_stats() { return PagePool::get().stats(); }
+
 Page::Page(size_t bytes) : bytes_(bytes) {
-  data_ = static_cast<std::byte*>(mi_malloc_aligned(bytes, 64));
+  if (bytes >= kPoolMinBytes) {
+    Extent* e = nullptr;
+    data_ = PagePool::get().allocate(bytes, &e);
+    extent_ = e;
+  } else {
+    data_ = static_cast<std::byte*>(mi_malloc_aligned(bytes, 64));
+  }
   if (!data_) throw std::bad_alloc();
 }
 
@@ -18,7 +135,9 @@ Page::Page(const std::byte* external, size_t bytes, std::shared_ptr<const void> 
     : data_(const_cast<std::byte*>(external)), bytes_(bytes), owner_(std::move(owner)) {}
 
 Page::~Page() {
-  if (!owner_) mi_free(data_);
+  if (owner_) return;
+  if (extent_) PagePool::get().release(data_, static_cast<Extent*>(extent_));
+  else mi_free(data_);
 }
 
 KVLayer::KVLayer(DType dtype, int num_kv_heads, int head_dim)

@@ -14,10 +14,24 @@ namespace kvs {
 
 constexpr int64_t kPageTokens = 256;
 
+// Process-wide figures of the KV page pool (tests, diagnostics).
+struct PagePoolStats {
+  uint64_t mapped_bytes = 0;  // extents currently mapped
+  uint64_t live_pages = 0;    // pages handed out from extents
+  uint64_t extents = 0;
+  bool huge_hint = false;     // extents are advised for transparent huge pages
+};
+PagePoolStats page_pool_stats();
+
 class Page {
  public:
-  // Allocates an owned page (64-byte aligned, through mimalloc).
-  Page(size_t bytes);
+  // Allocates an owned page. Pages of at least kPoolMinBytes come from the page pool: 2 MiB-aligned
+  // extents of several pages, advised for transparent huge pages on Linux (a sparse method gathers
+  // scattered rows, and 4 KiB pages put a TLB miss on nearly every one); an extent is unmapped when
+  // its last page is freed (one empty extent per page size is kept). KVS_HUGE_PAGES=0 in the
+  // environment leaves out the advice. Smaller pages come from mimalloc (64-byte aligned).
+  explicit Page(size_t bytes);
+  static constexpr size_t kPoolMinBytes = size_t(256) << 10;
   // Wraps external read-only memory kept alive by `owner` (e.g. a mapped file).
   Page(const std::byte* external, size_t bytes, std::shared_ptr<const void> owner);
   ~Page();
@@ -33,6 +47,7 @@ class Page {
   std::byte* data_;
   size_t bytes_;
   std::shared_ptr<const void> owner_;
+  void* extent_ = nullptr;  // the pool extent holding an owned page, or null (mimalloc)
 };
 
 class KVLayer {

@@ -1,6 +1,7 @@
 #include "core/session.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -242,9 +243,13 @@ void Session::decode_f32(uint32_t layer, const float* q, const float* k, const f
   const int64_t n0 = lay.size();
   lay.append(k, v, 1);
   try {
+    using Clock = std::chrono::steady_clock;
+    const auto t0 = Clock::now();
     method_->on_append(layer, q, 1, lay, true);
+    const auto t1 = Clock::now();
     Selection& sel = last_sel_[layer];
     method_->select(layer, q, lay, sel);
+    const auto t2 = Clock::now();
     const int64_t n = lay.size();
     double selected = 0;
     if (!sel.attend) {  // reported only: the method's extra() is the whole state
@@ -272,6 +277,9 @@ void Session::decode_f32(uint32_t layer, const float* q, const float* k, const f
     std::vector<float> eo(size_t(s.num_q_heads) * s.head_dim), el(s.num_q_heads);
     if (method_->extra(layer, q, lay, eo.data(), el.data()))
       cpu::merge_states(o, lse, eo.data(), el.data(), int(s.num_q_heads), int(s.head_dim));
+    phase_seconds_[0] += std::chrono::duration<double>(t1 - t0).count();
+    phase_seconds_[1] += std::chrono::duration<double>(t2 - t1).count();
+    phase_seconds_[2] += std::chrono::duration<double>(Clock::now() - t2).count();
     last_n_[layer] = n;
     ++decode_steps_;
     last_selected_ = selected;
@@ -427,6 +435,10 @@ std::vector<int32_t> Session::last_selection(uint32_t layer, uint32_t kv_head) c
 }
 
 double Session::method_stat(const std::string& name) const {
+  // Session-level statistics, the same for every method (CPU decode only).
+  static const char* const kPhases[3] = {"decode_update_seconds", "decode_select_seconds", "decode_attend_seconds"};
+  for (int i = 0; i < 3; ++i)
+    if (name == kPhases[i]) return phase_seconds_[i];
   double v = 0;
   if (!method_->stat(name, &v))
     invalid("kvs_session_method_stat: name: method '" + cfg_.method + "' has no statistic '" + name + "'");

@@ -80,6 +80,9 @@ class Session {
   std::vector<int64_t> last_n_;
   int64_t decode_steps_ = 0;
   double last_selected_ = 0, sum_selected_ = 0, last_fraction_ = 0;
+  // Wall time of the CPU decode phases, summed over every step and layer: the method's streaming
+  // update (on_append), its selection (select) and the exact attention with the merge.
+  double phase_seconds_[3] = {0, 0, 0};
   std::unique_ptr<CudaBackend> cuda_;
   friend class CudaBackend;
 };

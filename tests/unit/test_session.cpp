@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <numeric>
@@ -135,6 +136,42 @@ TEST_CASE("full: prefill + decode equal float64 attention at every step (GQA 4, 
   CHECK(st.decode_steps == 20);
   CHECK(st.last_selected_keys == 320.0);
   CHECK(selection(S.s, 0, 1).size() == 320);
+}
+
+TEST_CASE("decode phase timings: three session statistics, zero before decoding, growing within the decode wall time") {
+  Rng rng(11);
+  Data D(rng, 8, 2, 64, 2400);
+  Sess S;
+  auto p = params(D, "csattention", KVS_SCALAR_F32, 0.05);
+  OK(kvs_session_create(&p, &S.s));
+  prefill(S.s, D, 0, 2048);
+  OK(kvs_session_build_index(S.s, nullptr));
+  const char* names[3] = {"decode_update_seconds", "decode_select_seconds", "decode_attend_seconds"};
+  auto read = [&](double* out) {
+    for (int i = 0; i < 3; ++i) OK(kvs_session_method_stat(S.s, names[i], &out[i]));
+  };
+  double before[3], after[3];
+  read(before);
+  for (double b : before) CHECK(b == 0.0);
+  std::vector<float> o, lse;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t t = 2048; t < 2048 + 64; ++t) decode(S.s, D, 0, t, o, lse);
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  read(after);
+  double sum = 0;
+  for (int i = 0; i < 3; ++i) {
+    INFO(names[i]);
+    CHECK(after[i] > 0.0);  // each phase does work on every step (the lists take every new key)
+    sum += after[i];
+  }
+  CHECK(sum <= wall);
+  // The method's own statistics are still answered, and unknown names are refused.
+  double v = 0;
+  OK(kvs_session_method_stat(S.s, "searches", &v));
+  CHECK(v == 64.0);
+  kvs_error_t e = kvs_session_method_stat(S.s, "decode_other_seconds", &v);
+  CHECK(kvs_error_code(e) == KVS_STATUS_INVALID_ARGUMENT);
+  kvs_error_destroy(e);
 }
 
 TEST_CASE("exact_topk at budget 1.0 equals full; at 5% it picks the group-summed-softmax top-k") {
