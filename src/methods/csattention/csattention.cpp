@@ -126,12 +126,14 @@ __attribute__((target("avx2,f16c"))) void scatter_f16_f16c(const int32_t* idx, c
 }
 
 // Candidates of [b, e): touched slots with score >= tau, appended in token order to tok/sc;
-// returns the number of touched slots seen.
-int64_t collect_portable(const float* acc, int64_t b, int64_t e, float tau, int32_t* tok, float* sc, int64_t* nout) {
+// returns the number of touched slots seen. Every slot read is reset to untouched (-0.0f), so the
+// accumulator needs no separate clearing pass.
+int64_t collect_portable(float* acc, int64_t b, int64_t e, float tau, int32_t* tok, float* sc, int64_t* nout) {
   int64_t nt = 0, k = *nout;
   for (int64_t t = b; t < e; ++t) {
     const float v = acc[t];
     if (!touched(v)) continue;
+    acc[t] = -0.0f;
     ++nt;
     if (v >= tau) {
       tok[k] = int32_t(t);
@@ -142,7 +144,7 @@ int64_t collect_portable(const float* acc, int64_t b, int64_t e, float tau, int3
   return nt;
 }
 
-__attribute__((target("avx512f,f16c"))) int64_t collect_avx512(const float* acc, int64_t b, int64_t e, float tau,
+__attribute__((target("avx512f,f16c"))) int64_t collect_avx512(float* acc, int64_t b, int64_t e, float tau,
                                                          int32_t* tok, float* sc, int64_t* nout) {
   int64_t nt = 0, k = *nout, t = b;
   const __m512i neg0 = _mm512_set1_epi32(int(kUntouched));
@@ -152,6 +154,7 @@ __attribute__((target("avx512f,f16c"))) int64_t collect_avx512(const float* acc,
                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   for (; t + 16 <= e; t += 16) {
     const __m512 v = _mm512_loadu_ps(acc + t);
+    _mm512_storeu_si512(acc + t, neg0);
     const __mmask16 tm = _mm512_cmpneq_epi32_mask(_mm512_castps_si512(v), neg0);
     const __mmask16 km = _mm512_mask_cmp_ps_mask(tm, v, tv, _CMP_GE_OQ);
     nt += __builtin_popcount(unsigned(tm));
@@ -168,21 +171,26 @@ __attribute__((target("avx512f,f16c"))) int64_t collect_avx512(const float* acc,
 
 // AVX2: 8 slots per compare; the few candidates are appended from the mask bits (no compress
 // store before AVX-512), in token order like the other paths.
-__attribute__((target("avx2,f16c"))) int64_t collect_avx2(const float* acc, int64_t b, int64_t e, float tau, int32_t* tok,
+__attribute__((target("avx2,f16c"))) int64_t collect_avx2(float* acc, int64_t b, int64_t e, float tau, int32_t* tok,
                                                         float* sc, int64_t* nout) {
   int64_t nt = 0, k = *nout, t = b;
   const __m256i neg0 = _mm256_set1_epi32(int(kUntouched));
   const __m256 tv = _mm256_set1_ps(tau);
   for (; t + 8 <= e; t += 8) {
     const __m256 v = _mm256_loadu_ps(acc + t);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + t), neg0);
     const __m256 untouched = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_castps_si256(v), neg0));
     const unsigned um = unsigned(_mm256_movemask_ps(untouched));
     nt += 8 - __builtin_popcount(um);
     unsigned km = unsigned(_mm256_movemask_ps(_mm256_cmp_ps(v, tv, _CMP_GE_OQ))) & ~um & 0xFFu;
-    for (; km; km &= km - 1) {
-      const int l = __builtin_ctz(km);
-      tok[k] = int32_t(t + l);
-      sc[k++] = acc[t + l];
+    if (km) {
+      alignas(32) float vf[8];
+      _mm256_store_ps(vf, v);
+      for (; km; km &= km - 1) {
+        const int l = __builtin_ctz(km);
+        tok[k] = int32_t(t + l);
+        sc[k++] = vf[l];
+      }
     }
   }
   *nout = k;
@@ -859,30 +867,13 @@ class CSAttention final : public Method {
     // Distinct lists, each gathered once with the summed weight of the heads that picked it.
     std::sort(picks.begin(), picks.end(), [](auto& a, auto& b) { return a.first < b.first; });
     float* acc = S.acc.data();
-    for (size_t i = 0; i < picks.size();) {
-      float w = 0.f;
-      size_t j = i;
-      for (; j < picks.size() && picks[j].first == picks[i].first; ++j) w += picks[j].second;
-      const size_t base = list_base(L, h, int(picks[i].first / C_), picks[i].first % C_);
-      const int32_t* idx = &L.idx[base];
-      // missing=list_min: a key absent from a list is taken to score that list's minimum (the heap
-      // root), so each entry adds w (V - min) and every key's absent terms share one constant.
-      const float off = missing_min_ ? -(w * (f16_ ? score_f(L.v16[base]) : L.v32[base])) : 0.f;
-      if (f16_) {
-        if (kScatter512) scatter_f16_avx512(idx, &L.v16[base], L.L, w, off, acc);
-        else if (kHaveF16c) scatter_f16_f16c(idx, &L.v16[base], L.L, w, off, acc);
-        else scatter_portable(idx, &L.v16[base], L.L, w, off, acc);
-      } else {
-        if (kHaveAvx512) scatter_f32_avx512(idx, &L.v32[base], L.L, w, off, acc);
-        else scatter_portable(idx, &L.v32[base], L.L, w, off, acc);
-      }
-      i = j;
-    }
+    scatter_picks(L, h, picks, acc);
     // Top-rest of the union outside the forced keys, by (score desc, token asc). A threshold tau
-    // from a 1/32 sample of the candidate range keeps ~1.2x rest candidates (collected in token
-    // order); if fewer than rest pass, everything touched is collected. Exact either way. The
-    // k-th largest values come from a radix select (touched scores are never -0.0 or NaN, so it
-    // gives the value nth_element would).
+    // from a 1/32 sample of the candidate range keeps ~1.2x the candidates needed (collected in
+    // token order); if fewer pass, the lists are added again (the same sums, bit for bit) and
+    // everything touched is collected. Exact either way. The k-th largest values come from a radix
+    // select (touched scores are never -0.0 or NaN, so it gives the value nth_element would). The
+    // collection resets every slot it reads, the forced ranges are reset here.
     auto collect = [&](float tau, int64_t* nc) {
       *nc = 0;
       return kHaveAvx512 ? collect_avx512(acc, s_end, w_begin, tau, S.ctok.data(), S.csc.data(), nc)
@@ -906,11 +897,23 @@ class CSAttention final : public Method {
       const int64_t j = want / kStride;
       if (int64_t(S.smp.size()) > j) tau = cpu::kth_largest(S.smp.data(), int64_t(S.smp.size()), j + 1, S.rtmp);
     }
+    int64_t nt = 0;
+    for (int64_t t = 0; t < s_end; ++t) {
+      nt += touched(acc[t]);
+      acc[t] = -0.0f;
+    }
+    for (int64_t t = w_begin; t < n; ++t) {
+      nt += touched(acc[t]);
+      acc[t] = -0.0f;
+    }
     int64_t nc = 0;
-    int64_t nt = collect(rest > 0 ? tau : std::numeric_limits<float>::infinity(), &nc);
-    if (rest > 0 && nc < rest && tau != ninf) nt = collect(ninf, &nc);
-    for (int64_t t = 0; t < s_end; ++t) nt += touched(acc[t]);
-    for (int64_t t = w_begin; t < n; ++t) nt += touched(acc[t]);
+    nt += collect(rest > 0 ? tau : std::numeric_limits<float>::infinity(), &nc);
+    if (rest > 0 && nc < cand && tau != ninf) {
+      scatter_picks(L, h, picks, acc);
+      collect(ninf, &nc);
+      for (int64_t t = 0; t < s_end; ++t) acc[t] = -0.0f;
+      for (int64_t t = w_begin; t < n; ++t) acc[t] = -0.0f;
+    }
     head_union_[size_t(h)] = nt;
     auto& out = L.cached[size_t(h)];
     if (rerank_ > 0 && nc > rest && rest > 0) {
@@ -922,7 +925,30 @@ class CSAttention final : public Method {
     } else {
       top_by_score(S.ctok.data(), S.csc.data(), nc, std::min<int64_t>(rest, nc), out, S.rtmp);
     }
-    std::fill(S.acc.begin(), S.acc.begin() + n, -0.0f);
+  }
+
+  // Adds the picked lists (distinct, sorted by list) into the accumulator: each list once, with the
+  // summed weight of the heads that picked it.
+  void scatter_picks(const LayerState& L, int h, const std::vector<std::pair<int64_t, float>>& picks, float* acc) const {
+    for (size_t i = 0; i < picks.size();) {
+      float w = 0.f;
+      size_t j = i;
+      for (; j < picks.size() && picks[j].first == picks[i].first; ++j) w += picks[j].second;
+      const size_t base = list_base(L, h, int(picks[i].first / C_), picks[i].first % C_);
+      const int32_t* idx = &L.idx[base];
+      // missing=list_min: a key absent from a list is taken to score that list's minimum (the heap
+      // root), so each entry adds w (V - min) and every key's absent terms share one constant.
+      const float off = missing_min_ ? -(w * (f16_ ? score_f(L.v16[base]) : L.v32[base])) : 0.f;
+      if (f16_) {
+        if (kScatter512) scatter_f16_avx512(idx, &L.v16[base], L.L, w, off, acc);
+        else if (kHaveF16c) scatter_f16_f16c(idx, &L.v16[base], L.L, w, off, acc);
+        else scatter_portable(idx, &L.v16[base], L.L, w, off, acc);
+      } else {
+        if (kHaveAvx512) scatter_f32_avx512(idx, &L.v32[base], L.L, w, off, acc);
+        else scatter_portable(idx, &L.v32[base], L.L, w, off, acc);
+      }
+      i = j;
+    }
   }
 
   MethodContext ctx_;
