@@ -196,15 +196,20 @@ one_error_line "eval a trace without decode steps"
 BENCH=(--context 1024 --q-heads 4 --kv-heads 2 --head-dim 64 --steps 3 --warmup 1 --threads 2)
 expect 0 "bench" "$KVS" bench --method "$BUILD_METHOD" "${BENCH[@]}" --membw-mib 16 --json "$TMP/bench.json"
 contains "$OUT" "speedup vs full" "bench summary"
+contains "$OUT" "phases, median us/step: update" "bench phase split"
 py "bench JSON schema" '
 import json, sys
 d = json.load(open(sys.argv[1]))
 keys = ["method", "backend", "context", "q_heads", "kv_heads", "head_dim", "dtype", "budget", "steps",
-        "step_us", "full_step_us", "speedup_vs_full", "index_build_ms", "achieved_GBps",
-        "measured_read_GBps", "index_bytes", "kv_bytes"]
+        "step_us", "full_step_us", "speedup_vs_full", "update_us", "select_us", "attention_us",
+        "index_build_ms", "achieved_GBps", "measured_read_GBps", "index_bytes", "kv_bytes"]
 assert list(d) == keys, list(d)
 assert d["context"] == 1024 and d["steps"] == 3 and d["dtype"] == "bf16", d
 assert d["step_us"] > 0 and d["full_step_us"] > 0 and d["speedup_vs_full"] > 0, d
+# The phases are parts of the step: each positive (the method updates, searches and attends), their
+# sum at most the step (medians of each part; the step adds the output conversion).
+ph = [d["update_us"], d["select_us"], d["attention_us"]]
+assert min(ph) > 0 and sum(ph) <= 1.5 * d["step_us"], d
 assert d["achieved_GBps"] > 0 and d["measured_read_GBps"] > 0 and d["kv_bytes"] > 0, d
 ' "$TMP/bench.json"
 expect 0 "bench full, no probe" "$KVS" bench --method full "${BENCH[@]}" --no-membw --dtype f16
