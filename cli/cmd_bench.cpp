@@ -168,7 +168,8 @@ int run_bench(const BenchOptions& o) {
               o.method.c_str(), step_us, human_bytes(method_bytes).c_str(), st.mean_selected_keys, method_gbps);
   std::printf("  speedup vs full: %.2fx\n", speedup);
   const double ph[3] = {median(phase_us[0]), median(phase_us[1]), median(phase_us[2])};
-  if (ph[0] + ph[1] + ph[2] > 0)
+  const bool have_phases = ph[0] + ph[1] + ph[2] > 0;  // CPU decode only
+  if (have_phases)
     std::printf("  %s phases, median us/step: update %.1f, select %.1f, attention %.1f\n", o.method.c_str(),
                 ph[0], ph[1], ph[2]);
   std::printf("  step time p50 / p99: full %.1f / %.1f us, %s %.1f / %.1f us\n", full_step_us,
@@ -198,9 +199,9 @@ int run_bench(const BenchOptions& o) {
                               {"step_us", step_us},
                               {"full_step_us", full_step_us},
                               {"speedup_vs_full", speedup},
-                              {"update_us", ph[0]},
-                              {"select_us", ph[1]},
-                              {"attention_us", ph[2]},
+                              {"update_us", have_phases ? nlohmann::ordered_json(ph[0]) : nlohmann::ordered_json(nullptr)},
+                              {"select_us", have_phases ? nlohmann::ordered_json(ph[1]) : nlohmann::ordered_json(nullptr)},
+                              {"attention_us", have_phases ? nlohmann::ordered_json(ph[2]) : nlohmann::ordered_json(nullptr)},
                               {"index_build_ms", index_ms},
                               {"achieved_GBps", achieved},
                               {"measured_read_GBps", o.no_membw ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(measured)},

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <new>
 
@@ -27,6 +28,7 @@ struct Extent {
   std::byte* base;
   size_t len, page_bytes;
   std::vector<uint32_t> free;  // free slot numbers, highest first (pop_back gives the lowest)
+  std::vector<bool> in_use;    // per slot
   uint32_t capacity, used = 0;
 };
 
@@ -46,6 +48,7 @@ class PagePool {
     if (!e) return nullptr;
     const uint32_t slot = e->free.back();
     e->free.pop_back();
+    e->in_use[slot] = true;
     ++e->used;
     ++live_;
     *out = e;
@@ -57,6 +60,7 @@ class PagePool {
     const uint32_t slot = uint32_t(size_t(p - e->base) / e->page_bytes);
     // Keep the free list sorted descending so the lowest slot is reused first.
     e->free.insert(std::upper_bound(e->free.begin(), e->free.end(), slot, std::greater<uint32_t>()), slot);
+    e->in_use[slot] = false;
     --e->used;
     --live_;
     if (e->used == 0) {
@@ -68,6 +72,7 @@ class PagePool {
           return;
         }
     }
+    give_back(e, slot);
   }
 
   PagePoolStats stats() {
@@ -86,9 +91,27 @@ class PagePool {
     huge_ = !(e && std::strcmp(e, "0") == 0);
   }
 
+  // Returns the memory of the huge pages that no page in use overlaps any more, around a freed
+  // slot, to the OS (MADV_DONTNEED: read back as zeros; whole 2 MiB ranges only, so the huge
+  // pages still in use are not split).
+  static void give_back(Extent* e, uint32_t slot) {
+    const size_t b = size_t(slot) * e->page_bytes, end = b + e->page_bytes;
+    for (size_t h = b / kHuge * kHuge; h < end; h += kHuge) {
+      const size_t first = h / e->page_bytes, last = std::min<size_t>((h + kHuge - 1) / e->page_bytes, e->capacity - 1);
+      bool free = true;
+      for (size_t i = first; i <= last && free; ++i) free = !e->in_use[i];
+      if (free) madvise(e->base + h, kHuge, MADV_DONTNEED);
+    }
+  }
+
   Extent* map_extent(size_t bytes) {
     const size_t per = std::max<size_t>(1, kExtentTarget / bytes);
     const size_t len = (per * bytes + kHuge - 1) / kHuge * kHuge;
+    // Everything that can throw first, so a failure leaks no mapping.
+    auto e = std::make_unique<Extent>(Extent{nullptr, len, bytes, {}, {}, uint32_t(len / bytes)});
+    e->in_use.assign(e->capacity, false);
+    for (uint32_t i = e->capacity; i-- > 0;) e->free.push_back(i);
+    extents_.reserve(extents_.size() + 1);
     // Over-map by 2 MiB and trim, so the extent starts on a huge-page boundary.
     void* raw = mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (raw == MAP_FAILED) return nullptr;
@@ -98,10 +121,9 @@ class PagePool {
 #ifdef MADV_HUGEPAGE
     if (huge_) madvise(reinterpret_cast<void*>(a), len, MADV_HUGEPAGE);  // advice: failure is harmless
 #endif
-    auto* e = new Extent{reinterpret_cast<std::byte*>(a), len, bytes, {}, uint32_t(len / bytes)};
-    for (uint32_t i = e->capacity; i-- > 0;) e->free.push_back(i);
-    extents_.push_back(e);
-    return e;
+    e->base = reinterpret_cast<std::byte*>(a);
+    extents_.push_back(e.get());
+    return e.release();
   }
 
   void unmap(Extent* e) {

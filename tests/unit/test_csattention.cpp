@@ -369,6 +369,35 @@ TEST_CASE("csattention: the search ranks the union of the picked lists by their 
   }
 }
 
+TEST_CASE("csattention: the candidate collection's fallback (lists added again, all collected) selects the same keys") {
+  // The sampled threshold normally lets enough candidates through, so the fallback is rare; the hook
+  // forces it on every search of session B. A slot it failed to reset (forced ranges, the second
+  // pass) would change later selections.
+  Rng rng(29);
+  Data D(rng, 8, 2, 32, 700);
+  for (const char* mp : {"centroids=16,subspaces=4,iters=4,recent=8",
+                         "centroids=16,subspaces=4,iters=4,sinks=2,missing=list_min,weights=qnorm,rerank=3"}) {
+    INFO(mp);
+    Sess A, B;
+    build(A, D, mp, 0.1, 600);
+    build(B, D, mp, 0.1, 600);
+    std::vector<float> o1, l1, o2, l2;
+    for (int64_t t = 600; t < 660; ++t) {
+      decode(A.s, D, 0, t, o1, l1);
+      kvs::csa::g_force_recollect = true;
+      decode(B.s, D, 0, t, o2, l2);
+      kvs::csa::g_force_recollect = false;
+      CHECK(std::memcmp(o1.data(), o2.data(), o1.size() * 4) == 0);
+      CHECK(std::memcmp(l1.data(), l2.data(), l1.size() * 4) == 0);
+      for (uint32_t h = 0; h < 2; ++h) CHECK(selection(A.s, 0, h) == selection(B.s, 0, h));
+    }
+    double ua = 0, ub = 0;
+    OK(kvs_session_method_stat(A.s, "mean_union", &ua));
+    OK(kvs_session_method_stat(B.s, "mean_union", &ub));
+    CHECK(ua == ub);
+  }
+}
+
 TEST_CASE("csattention: save/load round trip reproduces decode outputs bit for bit, with and without KV") {
   Rng rng(13);
   Data D(rng, 8, 2, 32, 760);

@@ -41,11 +41,12 @@ TEST_CASE("page pool: pooled pages are distinct, writable, reused lowest first, 
   // The first page of an extent starts on a 2 MiB boundary.
   CHECK(reinterpret_cast<uintptr_t>(pages[0]->data()) % (size_t(2) << 20) == 0);
 
-  // Free two pages of the first extent: the next allocations take the lower slot first.
+  // Free two pages of the first extent, the lower first: the next allocations still take the lower
+  // slot first (a last-in-first-out free list would hand back p7).
   const std::byte* p3 = pages[3]->data();
   const std::byte* p7 = pages[7]->data();
-  pages[7].reset();
   pages[3].reset();
+  pages[7].reset();
   CHECK(kvs::page_pool_stats().live_pages == base.live_pages + n - 2);
   pages[3] = std::make_unique<kvs::Page>(bytes);
   CHECK(pages[3]->data() == p3);
@@ -61,6 +62,30 @@ TEST_CASE("page pool: pooled pages are distinct, writable, reused lowest first, 
   // Small pages bypass the pool.
   kvs::Page small(4096);
   CHECK(kvs::page_pool_stats().live_pages == base.live_pages);
+}
+
+TEST_CASE("page pool: a 2 MiB range no page in use overlaps goes back to the OS (reads as zeros), one still in use is kept") {
+  // 1280 KiB pages: slot 0 = [0, 1.25 MiB), slot 1 = [1.25, 2.5 MiB), slot 2 = [2.5, 3.75 MiB). The
+  // first huge page [0, 2 MiB) overlaps slots 0 and 1; the second [2, 4 MiB) slots 1 and 2.
+  const size_t bytes = size_t(1280) << 10;
+  std::vector<std::unique_ptr<kvs::Page>> p;
+  for (int i = 0; i < 3; ++i) {
+    p.push_back(std::make_unique<kvs::Page>(bytes));
+    std::memset(p.back()->data(), 0xAB, bytes);
+  }
+  REQUIRE(p[1]->data() == p[0]->data() + bytes);
+  REQUIRE(p[2]->data() == p[0]->data() + 2 * bytes);
+  const std::byte* base = p[0]->data();
+  p[0].reset();
+  p[1].reset();  // now [0, 2 MiB) is free: returned; [2, 4 MiB) still holds slot 2
+  auto a = std::make_unique<kvs::Page>(bytes);
+  REQUIRE(a->data() == base);
+  CHECK(std::all_of(a->data(), a->data() + bytes, [](std::byte b) { return b == std::byte{0}; }));
+  auto b = std::make_unique<kvs::Page>(bytes);
+  REQUIRE(b->data() == base + bytes);
+  const size_t in_first = (size_t(2) << 20) - bytes;  // the part of slot 1 below 2 MiB
+  CHECK(std::all_of(b->data(), b->data() + in_first, [](std::byte x) { return x == std::byte{0}; }));
+  CHECK(std::all_of(b->data() + in_first, b->data() + bytes, [](std::byte x) { return x == std::byte{0xAB}; }));
 }
 
 TEST_CASE("KV layer on pooled pages: rows read back, truncate frees pages, copy-on-write keeps a shared page intact") {
@@ -86,6 +111,9 @@ TEST_CASE("KV layer on pooled pages: rows read back, truncate frees pages, copy-
   CHECK(std::memcmp(b.k_row(1, n), &k1[size_t(d)], d * 4) == 0);
   CHECK(a.size() == n);
   CHECK(std::memcmp(a.k_row(1, n - 1), &K[(size_t(n - 1) * hkv + 1) * d], d * 4) == 0);
+  // a's page has nothing in b's new slot (its pages are zero-filled beyond the last token).
+  const std::vector<float> zeros(size_t(d), 0.f);
+  CHECK(std::memcmp(a.k_row(1, n), zeros.data(), d * 4) == 0);
   // Truncating both layers below two pages returns the pages nobody holds any more.
   a.truncate(kvs::kPageTokens + 1);
   b.truncate(kvs::kPageTokens + 1);

@@ -38,6 +38,7 @@
 #include "methods/csattention/csattention.hpp"
 
 namespace kvs {
+std::atomic<bool> csa::g_force_recollect{false};
 namespace {
 
 using namespace csa;
@@ -866,6 +867,14 @@ class CSAttention final : public Method {
     }
     // Distinct lists, each gathered once with the summed weight of the heads that picked it.
     std::sort(picks.begin(), picks.end(), [](auto& a, auto& b) { return a.first < b.first; });
+    // Everything that allocates comes before the scatter: an exception after it would leave the
+    // thread's accumulator dirty for its next search.
+    if (int64_t(S.ctok.size()) < n) {
+      S.ctok.resize(size_t(n));
+      S.csc.resize(size_t(n));
+    }
+    if (S.rtmp.size() < size_t(n)) S.rtmp.resize(size_t(n));
+    S.smp.reserve(size_t(n) / 32 + 1);
     float* acc = S.acc.data();
     scatter_picks(L, h, picks, acc);
     // Top-rest of the union outside the forced keys, by (score desc, token asc). A threshold tau
@@ -880,10 +889,6 @@ class CSAttention final : public Method {
              : kHaveF16c ? collect_avx2(acc, s_end, w_begin, tau, S.ctok.data(), S.csc.data(), nc)
                          : collect_portable(acc, s_end, w_begin, tau, S.ctok.data(), S.csc.data(), nc);
     };
-    if (int64_t(S.ctok.size()) < n) {
-      S.ctok.resize(size_t(n));
-      S.csc.resize(size_t(n));
-    }
     // Candidates the search must deliver: rest, or rerank*rest for the exact rerank (rerank >= 1).
     const int64_t cand = rerank_ > 0 ? std::llround(rerank_ * double(rest)) : rest;
     const float ninf = -std::numeric_limits<float>::infinity();
@@ -908,7 +913,7 @@ class CSAttention final : public Method {
     }
     int64_t nc = 0;
     nt += collect(rest > 0 ? tau : std::numeric_limits<float>::infinity(), &nc);
-    if (rest > 0 && nc < cand && tau != ninf) {
+    if (rest > 0 && (nc < cand || csa::g_force_recollect.load(std::memory_order_relaxed)) && tau != ninf) {
       scatter_picks(L, h, picks, acc);
       collect(ninf, &nc);
       for (int64_t t = 0; t < s_end; ++t) acc[t] = -0.0f;

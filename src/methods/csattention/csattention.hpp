@@ -2,6 +2,7 @@
 // (k-means++ seeding, mini-batch or full-batch Lloyd updates), the fixed-length Top-L score lists
 // kept as binary min-heaps, and the streaming try-insert.
 #pragma once
+#include <atomic>
 #include <algorithm>
 #include <cstdint>
 #include <functional>
@@ -107,5 +108,10 @@ bool heap_try_insert(int32_t* idx, S* val, int64_t L, int32_t t, float s, int32_
 // written as a heap. tmp: scratch of n floats.
 template <class S>
 void build_list(const float* scores, int64_t n, int64_t L, int32_t* idx, S* val, std::vector<float>& tmp);
+
+// Test hook: when set, every search takes the fallback path of its candidate collection (the
+// lists are added again and every touched key collected), which the sampled threshold otherwise
+// rarely needs. The selections must not change.
+extern std::atomic<bool> g_force_recollect;
 
 }  // namespace kvs::csa
