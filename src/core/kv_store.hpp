@@ -27,8 +27,9 @@ class Page {
  public:
   // Allocates an owned page. Pages of at least kPoolMinBytes come from the page pool: 2 MiB-aligned
   // extents of several pages, advised for transparent huge pages on Linux (a sparse method gathers
-  // scattered rows, and 4 KiB pages put a TLB miss on nearly every one); an extent is unmapped when
-  // its last page is freed (one empty extent per page size is kept). KVS_HUGE_PAGES=0 in the
+  // scattered rows, and 4 KiB pages put a TLB miss on nearly every one). A freed 2 MiB range that no
+  // live page overlaps goes back to the OS; an extent is unmapped when its last page is freed (one
+  // empty extent per page size is kept). KVS_HUGE_PAGES=0 in the
   // environment leaves out the advice. Smaller pages come from mimalloc (64-byte aligned).
   explicit Page(size_t bytes);
   static constexpr size_t kPoolMinBytes = size_t(256) << 10;
