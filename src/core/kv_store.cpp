@@ -7,7 +7,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -19,16 +18,15 @@ namespace kvs {
 namespace {
 
 // The page pool. Extents are anonymous mappings of a multiple of 2 MiB, 2 MiB-aligned, holding
-// `capacity` pages of one size; free slots are reused lowest address first. Thread-safe (pages
-// are created and freed from any session and from pool threads).
+// `capacity` pages of one size; the lowest free slot is taken first. Thread-safe (pages are
+// created and freed from any session and from pool threads).
 constexpr size_t kHuge = size_t(2) << 20;
 constexpr size_t kExtentTarget = size_t(32) << 20;
 
 struct Extent {
   std::byte* base;
   size_t len, page_bytes;
-  std::vector<uint32_t> free;  // free slot numbers, highest first (pop_back gives the lowest)
-  std::vector<bool> in_use;    // per slot
+  std::vector<bool> in_use;  // per slot
   uint32_t capacity, used = 0;
 };
 
@@ -43,11 +41,10 @@ class PagePool {
     std::lock_guard<std::mutex> lock(mu_);
     Extent* e = nullptr;
     for (Extent* x : extents_)
-      if (x->page_bytes == bytes && !x->free.empty() && (!e || x->used > e->used)) e = x;  // fullest first
+      if (x->page_bytes == bytes && x->used < x->capacity && (!e || x->used > e->used)) e = x;  // fullest first
     if (!e) e = map_extent(bytes);
     if (!e) return nullptr;
-    const uint32_t slot = e->free.back();
-    e->free.pop_back();
+    const uint32_t slot = uint32_t(std::find(e->in_use.begin(), e->in_use.end(), false) - e->in_use.begin());
     e->in_use[slot] = true;
     ++e->used;
     ++live_;
@@ -58,8 +55,6 @@ class PagePool {
   void release(std::byte* p, Extent* e) {
     std::lock_guard<std::mutex> lock(mu_);
     const uint32_t slot = uint32_t(size_t(p - e->base) / e->page_bytes);
-    // Keep the free list sorted descending so the lowest slot is reused first.
-    e->free.insert(std::upper_bound(e->free.begin(), e->free.end(), slot, std::greater<uint32_t>()), slot);
     e->in_use[slot] = false;
     --e->used;
     --live_;
@@ -108,16 +103,15 @@ class PagePool {
     const size_t per = std::max<size_t>(1, kExtentTarget / bytes);
     const size_t len = (per * bytes + kHuge - 1) / kHuge * kHuge;
     // Everything that can throw first, so a failure leaks no mapping.
-    auto e = std::make_unique<Extent>(Extent{nullptr, len, bytes, {}, {}, uint32_t(len / bytes)});
+    auto e = std::make_unique<Extent>(Extent{nullptr, len, bytes, {}, uint32_t(len / bytes)});
     e->in_use.assign(e->capacity, false);
-    for (uint32_t i = e->capacity; i-- > 0;) e->free.push_back(i);
     extents_.reserve(extents_.size() + 1);
     // Over-map by 2 MiB and trim, so the extent starts on a huge-page boundary.
     void* raw = mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (raw == MAP_FAILED) return nullptr;
     const uintptr_t r = reinterpret_cast<uintptr_t>(raw), a = (r + kHuge - 1) / kHuge * kHuge;
     if (a > r) munmap(raw, a - r);
-    if (r + kHuge > a) munmap(reinterpret_cast<void*>(a + len), r + kHuge - a);
+    munmap(reinterpret_cast<void*>(a + len), r + kHuge - a);  // a - r < 2 MiB: the tail is never empty
 #ifdef MADV_HUGEPAGE
     if (huge_) madvise(reinterpret_cast<void*>(a), len, MADV_HUGEPAGE);  // advice: failure is harmless
 #endif

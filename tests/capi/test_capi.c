@@ -242,6 +242,13 @@ int main(void) {
   OK(kvs_session_last_selection(s, 0, 0, NULL, 0, &count));
   CHECK(count > 0 && count <= N);
   { double dv_ = 0; EXPECT(kvs_session_method_stat(s, "nothing", &dv_), KVS_STATUS_INVALID_ARGUMENT, "nothing"); }
+  { /* the session-level phase timings, answered for every method; one decode step was timed */
+    double up_ = -1, sel_ = -1, att_ = -1;
+    OK(kvs_session_method_stat(s, "decode_update_seconds", &up_));
+    OK(kvs_session_method_stat(s, "decode_select_seconds", &sel_));
+    OK(kvs_session_method_stat(s, "decode_attend_seconds", &att_));
+    CHECK(up_ >= 0 && sel_ >= 0 && att_ > 0);
+  }
   EXPECT(kvs_session_layer_tokens(s, 9, &ntok), KVS_STATUS_INVALID_ARGUMENT, "layer");
   EXPECT(kvs_session_save(s, NULL, 0), KVS_STATUS_INVALID_ARGUMENT, "path");
   EXPECT(kvs_session_save(s, "/nonexistent-dir/x.kvt", 0), KVS_STATUS_IO, NULL);

@@ -325,6 +325,7 @@ def test_library_errors_carry_code_and_message(rng, tmp_path):
         with pytest.raises(kvsieve.Error) as e:
             s.decode(7, q, q[:HKV], q[:HKV])
         assert e.value.code == kvsieve.STATUS_INVALID_ARGUMENT and "layer" in e.value.message
+        assert s.method_stat("decode_attend_seconds") == 0.0  # session-level, nothing decoded yet
         with pytest.raises(kvsieve.Error) as e:
             s.method_stat("no_such_stat")
         assert e.value.code == kvsieve.STATUS_INVALID_ARGUMENT

@@ -86,6 +86,13 @@ void decode(kvs_session_t s, Data& D, uint32_t layer, int64_t t, std::vector<flo
   OK(kvs_session_decode(s, layer, &q.t, &k.t, &v.t, &ot.t, &lt.t, nullptr));
 }
 
+// Creates the session of p, prefills layer 0 with the first n tokens and builds the index.
+void build(Sess& S, Data& D, const kvs_session_params& p, int64_t n) {
+  OK(kvs_session_create(&p, &S.s));
+  prefill(S.s, D, 0, n);
+  OK(kvs_session_build_index(S.s, nullptr));
+}
+
 std::vector<int32_t> selection(kvs_session_t s, uint32_t layer, uint32_t h) {
   size_t n = 0;
   OK(kvs_session_last_selection(s, layer, h, nullptr, 0, &n));
@@ -118,9 +125,7 @@ TEST_CASE("full: prefill + decode equal float64 attention at every step (GQA 4, 
   Data D(rng, 8, 2, 64, 400);
   Sess S;
   auto p = params(D, "full");
-  OK(kvs_session_create(&p, &S.s));
-  prefill(S.s, D, 0, 300);
-  OK(kvs_session_build_index(S.s, nullptr));
+  build(S, D, p, 300);
   std::vector<float> o, lse;
   for (int64_t t = 300; t < 320; ++t) {
     decode(S.s, D, 0, t, o, lse);
@@ -143,9 +148,7 @@ TEST_CASE("decode phase timings: three session statistics, zero before decoding,
   Data D(rng, 8, 2, 64, 2400);
   Sess S;
   auto p = params(D, "csattention", KVS_SCALAR_F32, 0.05);
-  OK(kvs_session_create(&p, &S.s));
-  prefill(S.s, D, 0, 2048);
-  OK(kvs_session_build_index(S.s, nullptr));
+  build(S, D, p, 2048);
   const char* names[3] = {"decode_update_seconds", "decode_select_seconds", "decode_attend_seconds"};
   auto read = [&](double* out) {
     for (int i = 0; i < 3; ++i) OK(kvs_session_method_stat(S.s, names[i], &out[i]));
@@ -239,9 +242,7 @@ TEST_CASE("streaming selects the sinks and the recent window") {
   Sess S;
   auto p = params(D, "streaming", KVS_SCALAR_F32);
   p.method_params = "sinks=4,window=100";
-  OK(kvs_session_create(&p, &S.s));
-  prefill(S.s, D, 0, 500);
-  OK(kvs_session_build_index(S.s, nullptr));
+  build(S, D, p, 500);
   std::vector<float> o, lse;
   decode(S.s, D, 0, 500, o, lse);
   std::vector<int32_t> want;
@@ -261,9 +262,7 @@ TEST_CASE("quest: saved page bounds are never below the true page maximum; selec
   for (auto kv : {KVS_SCALAR_F32, KVS_SCALAR_BF16}) {
     Sess S;
     auto p = params(D, "quest", kv, 0.1);
-    OK(kvs_session_create(&p, &S.s));
-    prefill(S.s, D, 0, 650);
-    OK(kvs_session_build_index(S.s, nullptr));
+    build(S, D, p, 650);
     std::vector<float> o, lse;
     for (int64_t t = 650; t < 660; ++t) decode(S.s, D, 0, t, o, lse);
     const std::string path = tmp_path("quest.kvt");
@@ -363,9 +362,7 @@ TEST_CASE("corrupt tables files are rejected with the right code") {
   Data D(rng, 2, 1, 16, 300);
   Sess A;
   auto p = params(D, "quest", KVS_SCALAR_F32, 0.1);
-  OK(kvs_session_create(&p, &A.s));
-  prefill(A.s, D, 0, 300);
-  OK(kvs_session_build_index(A.s, nullptr));
+  build(A, D, p, 300);
   const std::string path = tmp_path("corrupt.kvt");
   OK(kvs_session_save(A.s, path.c_str(), KVS_SAVE_INCLUDE_KV));
   std::vector<char> bytes;
@@ -418,9 +415,7 @@ TEST_CASE("fork shares the prefix and diverges copy-on-write") {
     for (int i = 0; i < 2 * 32; ++i) { D2.kt(t)[i] = rng.normal(); D2.vt(t)[i] = rng.normal(); }
   Sess P, C;
   auto p = params(D, "full", KVS_SCALAR_F32);
-  OK(kvs_session_create(&p, &P.s));
-  prefill(P.s, D, 0, 500);  // 500 = a partly filled second page
-  OK(kvs_session_build_index(P.s, nullptr));
+  build(P, D, p, 500);  // 500 = a partly filled second page
   OK(kvs_session_fork(P.s, &C.s));
   std::vector<float> o, lse;
   for (int64_t t = 500; t < 510; ++t) {

@@ -26,6 +26,7 @@
 #include <cstring>
 #include <limits>
 #include <sstream>
+#include <utility>
 
 #include "backends/cpu/attention.hpp"
 #include "backends/cpu/gemm.hpp"
@@ -902,22 +903,22 @@ class CSAttention final : public Method {
       const int64_t j = want / kStride;
       if (int64_t(S.smp.size()) > j) tau = cpu::kth_largest(S.smp.data(), int64_t(S.smp.size()), j + 1, S.rtmp);
     }
-    int64_t nt = 0;
-    for (int64_t t = 0; t < s_end; ++t) {
-      nt += touched(acc[t]);
-      acc[t] = -0.0f;
-    }
-    for (int64_t t = w_begin; t < n; ++t) {
-      nt += touched(acc[t]);
-      acc[t] = -0.0f;
-    }
+    // The forced ranges (sinks, window) are not collected: counted and reset here.
+    auto reset_forced = [&] {
+      int64_t c = 0;
+      for (const auto& [b, e] : {std::pair<int64_t, int64_t>{0, s_end}, {w_begin, n}})
+        for (int64_t t = b; t < e; ++t) {
+          c += touched(acc[t]);
+          acc[t] = -0.0f;
+        }
+      return c;
+    };
     int64_t nc = 0;
-    nt += collect(rest > 0 ? tau : std::numeric_limits<float>::infinity(), &nc);
+    int64_t nt = reset_forced() + collect(rest > 0 ? tau : std::numeric_limits<float>::infinity(), &nc);
     if (rest > 0 && (nc < cand || csa::g_force_recollect.load(std::memory_order_relaxed)) && tau != ninf) {
       scatter_picks(L, h, picks, acc);
       collect(ninf, &nc);
-      for (int64_t t = 0; t < s_end; ++t) acc[t] = -0.0f;
-      for (int64_t t = w_begin; t < n; ++t) acc[t] = -0.0f;
+      reset_forced();
     }
     head_union_[size_t(h)] = nt;
     auto& out = L.cached[size_t(h)];

@@ -102,6 +102,7 @@ class KvsieveTest {
         SessionStats st = s.stats();
         assertEquals(1, st.getDecodeSteps());
         assertEquals(N + 1, st.getTokens());
+        assertTrue(s.methodStat("decode_attend_seconds") > 0, method);  // session-level phase timing
       }
     }
   }
