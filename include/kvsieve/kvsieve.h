@@ -180,6 +180,10 @@ KVS_API const char* kvs_method_name(size_t i);
 KVS_API const char* kvs_method_doc(const char* method);
 /** Backends the method supports, as a bit mask of (1 << kvs_backend). 0 if unknown. @threadsafety any */
 KVS_API uint32_t kvs_method_backends(const char* method);
+/** Why `method` cannot run on `backend` (a kvs_backend) in this build: a sentence naming the
+ *  reason, or NULL when it can (or the method is unknown: see kvs_method_doc). The string is static.
+ *  @threadsafety any */
+KVS_API const char* kvs_method_unsupported_reason(const char* method, int32_t backend);
 /** Number of parameters of a method; fails on an unknown method. @threadsafety any */
 KVS_API kvs_error_t kvs_method_param_count(const char* method, size_t* out_count);
 /** Parameter i of a method; out->struct_size must be set by the caller. @threadsafety any */
@@ -264,6 +268,34 @@ KVS_API kvs_error_t kvs_decode_batch(kvs_session_t* sessions, size_t count, uint
                                      const kvs_tensor* q, const kvs_tensor* k_new,
                                      const kvs_tensor* v_new, const kvs_tensor* o,
                                      const kvs_tensor* lse, void* stream);
+
+/* ---- Batches: plan once per token, decode per layer ------------------------------------------ */
+
+/** A batch of sessions decoded together, in a fixed order (the B dimension of the step tensors).
+ *  The sessions stay the caller's and must outlive the batch; they may still be used on their own
+ *  between tokens. */
+typedef struct kvs_batch_s* kvs_batch_t;
+
+/** Creates a batch of `count` (1..65536) distinct sessions of the same shape, KV dtype, softmax
+ *  scale, method, backend and device. @threadsafety any */
+KVS_API kvs_error_t kvs_batch_create(kvs_session_t* sessions, size_t count, kvs_batch_t* out);
+/** NULL-safe. The sessions are not destroyed. @threadsafety exclusive */
+KVS_API void kvs_batch_destroy(kvs_batch_t b);
+/** Once per token, before that token's kvs_batch_decode calls: checks every session and layer
+ *  (prefilled and indexed), reserves room for one more token in every layer (no allocation happens
+ *  in the decode calls that follow, so the cuda backend can capture them in a graph) and sizes the
+ *  workspaces. Host work only; stream (a cudaStream_t, NULL = default) orders any upload of page
+ *  tables. A plan whose layers were not all decoded is replaced by the next plan.
+ *  @threadsafety exclusive (each session) */
+KVS_API kvs_error_t kvs_batch_plan(kvs_batch_t b, void* stream);
+/** One layer's decode step for the planned token, exactly as kvs_decode_batch (q [B, Hq, d], k_new,
+ *  v_new [B, Hkv, d], o [B, Hq, d], lse [B, Hq] or NULL), each layer at most once per plan.
+ *  @threadsafety exclusive (each session) */
+KVS_API kvs_error_t kvs_batch_decode(kvs_batch_t b, uint32_t layer, const kvs_tensor* q,
+                                     const kvs_tensor* k_new, const kvs_tensor* v_new,
+                                     const kvs_tensor* o, const kvs_tensor* lse, void* stream);
+/** The number of sessions. @threadsafety concurrent-const */
+KVS_API size_t kvs_batch_size(kvs_batch_t b);
 
 typedef enum kvs_save_flags {
   KVS_SAVE_TABLES = 0,     /* index tables only */

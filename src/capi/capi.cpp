@@ -3,6 +3,7 @@
 #include <string>
 
 #include "capi/guard.hpp"
+#include "core/batch.hpp"
 #include "core/method.hpp"
 #include "core/session.hpp"
 #include "kvsieve/kvsieve.h"
@@ -13,6 +14,10 @@
 
 struct kvs_session_s {
   std::unique_ptr<kvs::Session> impl;
+};
+
+struct kvs_batch_s {
+  std::unique_ptr<kvs::Batch> impl;
 };
 
 namespace kvs::capi {
@@ -67,6 +72,14 @@ const char* kvs_method_doc(const char* method) {
   const auto* m = method ? kvs::find_method(method) : nullptr;
   return m ? m->doc : nullptr;
 }
+const char* kvs_method_unsupported_reason(const char* method, int32_t backend) {
+  const kvs::MethodSpec* m = method ? kvs::find_method(method) : nullptr;
+  if (!m) return nullptr;
+  if (backend < 0 || backend > 3) return "unknown backend: expected KVS_BACKEND_CPU (1), KVS_BACKEND_CUDA (2) or KVS_BACKEND_HYBRID (3)";
+  if (backend == 0) return "unknown backend 0: expected KVS_BACKEND_CPU (1), KVS_BACKEND_CUDA (2) or KVS_BACKEND_HYBRID (3)";
+  return m->unsupported[backend].empty() ? nullptr : m->unsupported[backend].c_str();
+}
+
 uint32_t kvs_method_backends(const char* method) {
   const auto* m = method ? kvs::find_method(method) : nullptr;
   return m ? m->backends : 0u;
@@ -172,6 +185,42 @@ kvs_error_t kvs_decode_batch(kvs_session_t* sessions, size_t count, uint32_t lay
       v[i] = sessions[i]->impl.get();
     }
     kvs::Session::decode_batch(v.data(), count, layer, q, k_new, v_new, o, lse, stream);
+  });
+}
+
+kvs_error_t kvs_batch_create(kvs_session_t* sessions, size_t count, kvs_batch_t* out) {
+  return guarded([&] {
+    need(sessions, "kvs_batch_create", "sessions");
+    need(out, "kvs_batch_create", "out");
+    if (count == 0 || count > 65536) kvs::invalid("kvs_batch_create: count: expected 1..65536, got " + std::to_string(count));
+    std::vector<kvs::Session*> v(count);
+    for (size_t i = 0; i < count; ++i) {
+      if (!sessions[i] || !sessions[i]->impl)
+        kvs::invalid("kvs_batch_create: sessions[" + std::to_string(i) + "]: expected a session handle, got NULL");
+      v[i] = sessions[i]->impl.get();
+    }
+    auto h = std::make_unique<kvs_batch_s>();
+    h->impl = std::make_unique<kvs::Batch>(std::move(v));
+    *out = h.release();
+  });
+}
+
+void kvs_batch_destroy(kvs_batch_t b) { delete b; }
+
+size_t kvs_batch_size(kvs_batch_t b) { return b && b->impl ? b->impl->size() : 0; }
+
+kvs_error_t kvs_batch_plan(kvs_batch_t b, void* stream) {
+  return guarded([&] {
+    if (!b || !b->impl) kvs::invalid("kvs_batch_plan: batch: expected a batch handle, got NULL");
+    b->impl->plan(stream);
+  });
+}
+
+kvs_error_t kvs_batch_decode(kvs_batch_t b, uint32_t layer, const kvs_tensor* q, const kvs_tensor* k_new,
+                             const kvs_tensor* v_new, const kvs_tensor* o, const kvs_tensor* lse, void* stream) {
+  return guarded([&] {
+    if (!b || !b->impl) kvs::invalid("kvs_batch_decode: batch: expected a batch handle, got NULL");
+    b->impl->decode(layer, q, k_new, v_new, o, lse, stream);
   });
 }
 

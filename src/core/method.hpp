@@ -86,13 +86,23 @@ class Method {
   virtual bool stat(std::string_view name, double* out) const { return false; }
 };
 
+class DeviceMethod;  // a method's implementation on the cuda placement (src/backends/cuda/device_method.hpp)
+
 struct MethodSpec {
   const char* name;
   const char* doc;
-  uint32_t backends;  // bit mask of (1 << kvs_backend)
+  uint32_t backends;  // bit mask of (1 << kvs_backend) with an implementation in this build (set by the registry)
   double default_budget;  // fraction used when the session sets none
   std::vector<ParamSpec> params;
+  // The CPU implementation: the reference every other placement is tested against.
   std::function<std::unique_ptr<Method>(const MethodContext&, const ParamSet&)> create;
+  // The cuda placement's implementation (attached by the registry in builds with CUDA); null = none.
+  std::function<std::unique_ptr<DeviceMethod>(const MethodContext&, const ParamSet&)> create_cuda;
+  // Why the method has no cuda implementation (when create_cuda is null): a sentence for the user.
+  const char* cuda_missing = "not implemented on the cuda backend yet";
+  // Per kvs_backend (index 1..3): empty if the method runs there in this build, else why not
+  // (filled by the registry; kvs_method_unsupported_reason returns these).
+  std::string unsupported[4];
 };
 
 const std::vector<MethodSpec>& method_registry();

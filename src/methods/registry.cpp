@@ -17,8 +17,11 @@ MethodSpec lfps_spec();
 MethodSpec hgca_spec();
 MethodSpec retroinfer_spec();
 
+void attach_placements(std::vector<MethodSpec>& specs);  // src/backends/registry.cpp
+
 const std::vector<MethodSpec>& method_registry() {
-  static const std::vector<MethodSpec> reg = {
+  static const std::vector<MethodSpec> reg = [] {
+    std::vector<MethodSpec> v = {
       full_spec(),
       exact_topk_spec(),
       streaming_spec(),
@@ -28,7 +31,10 @@ const std::vector<MethodSpec>& method_registry() {
       lfps_spec(),
       hgca_spec(),
       retroinfer_spec(),
-  };
+    };
+    attach_placements(v);
+    return v;
+  }();
   return reg;
 }
 

@@ -89,7 +89,7 @@ MethodSpec exact_topk_spec() {
   return MethodSpec{
       "exact_topk",
       "oracle: exact scores of every key, top-k by the group's summed softmax (METHODS.md 2)",
-      (1u << KVS_BACKEND_CPU) | (1u << KVS_BACKEND_CUDA),
+      1u << KVS_BACKEND_CPU,
       0.05,
       {{"mode", "enum:per_kv_head|per_query_head", "per_kv_head",
         "one set per KV head (group-summed softmax) or one per query head"},

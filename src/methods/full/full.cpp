@@ -16,7 +16,7 @@ class Full final : public Method {
 
 MethodSpec full_spec() {
   return MethodSpec{"full", "dense exact attention over every key (baseline)",
-                    (1u << KVS_BACKEND_CPU) | (1u << KVS_BACKEND_CUDA), 1.0, {},
+                    1u << KVS_BACKEND_CPU, 1.0, {},
                     [](const MethodContext&, const ParamSet&) { return std::make_unique<Full>(); }};
 }
 }  // namespace kvs

@@ -1,0 +1,336 @@
+// The cpu placement: KV in host pages (core/kv_store), the method's CPU implementation (the
+// reference), attention on the thread pool. The decode data flow of docs/architecture.md:
+// append -> Method::on_append -> Method::select -> attend -> Method::extra -> merge.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+#include "backends/backend.hpp"
+#include "backends/cpu/attention.hpp"
+#include "backends/cpu/gemm.hpp"
+#include "core/error.hpp"
+#include "core/placement.hpp"
+#include "core/session.hpp"
+#include "core/tensor.hpp"
+#include "io/tables.hpp"
+
+namespace kvs {
+
+// ---- the cpu backend -------------------------------------------------------------------------
+namespace {
+
+class CpuBackend final : public Backend {
+ public:
+  int32_t id() const override { return KVS_BACKEND_CPU; }
+  const char* name() const override { return "cpu"; }
+  void* alloc(size_t bytes, Mem where) const override {
+    if (where != Mem::Host) fail(KVS_STATUS_UNSUPPORTED, std::string("cpu backend: cannot allocate ") + mem_name(where) + " memory");
+    void* p = std::malloc(bytes ? bytes : 1);
+    if (!p) fail(KVS_STATUS_OUT_OF_MEMORY, "cpu backend: out of memory (" + std::to_string(bytes) + " bytes)");
+    return p;
+  }
+  void free(void* p, Mem) const noexcept override { std::free(p); }
+  void copy(void* dst, Mem dm, const void* src, Mem sm, size_t bytes, void*) const override {
+    if (dm == Mem::Device || sm == Mem::Device) fail(KVS_STATUS_UNSUPPORTED, "cpu backend: cannot reach device memory");
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
+  void host_fn(void*, std::function<void()> fn) const override { fn(); }
+  void sync(void*) const override {}
+  void merge(const AttnState& dst, const AttnState& src, int64_t rows, int32_t d, void*) const override {
+    cpu::merge_states(dst.o.as<float>(), dst.lse.as<float>(), src.o.as<float>(), src.lse.as<float>(), int(rows), d);
+  }
+};
+
+// Token indices are int32 in selections.
+constexpr int64_t kMaxLayerTokens = (int64_t(1) << 31) - 1;
+std::string L(uint32_t layer) { return std::to_string(layer); }
+
+}  // namespace
+
+const Backend& cpu_backend() {
+  static const CpuBackend b;
+  return b;
+}
+
+// ---- the placement ---------------------------------------------------------------------------
+namespace {
+
+class CpuPlacement final : public Placement {
+ public:
+  CpuPlacement(const SessionConfig& cfg, const MethodSpec& spec, const ParamSet& ps, std::shared_ptr<ThreadPool> pool)
+      : cfg_(cfg), spec_(spec), params_(ps), pool_(std::move(pool)) {
+    MethodContext mc{cfg_.shape, cfg_.budget, pool_.get(), int32_t(cpu::resolve_gemm(cfg_.gemm))};
+    method_ = spec_.create(mc, ps);
+    const auto& s = cfg_.shape;
+    layers_.reserve(s.num_layers);
+    for (uint32_t l = 0; l < s.num_layers; ++l) layers_.emplace_back(s.kv_dtype, int(s.num_kv_heads), int(s.head_dim));
+    last_sel_.resize(s.num_layers);
+    last_n_.assign(s.num_layers, 0);
+  }
+
+  int32_t backend() const override { return KVS_BACKEND_CPU; }
+  const Backend& ops() const override { return cpu_backend(); }
+  int64_t tokens(uint32_t layer) const override { return layers_[layer].size(); }
+
+  void add_tokens(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, const kvs_tensor* v, const kvs_tensor* o,
+                  const char* fn, bool prompt, int64_t max_tokens, void*) override {
+    const auto& s = cfg_.shape;
+    const int64_t hq = s.num_q_heads, hkv = s.num_kv_heads, d = s.head_dim;
+    View qv = check_tensor(q, "q", {-1, hq, d}, Where::Host);
+    const int64_t n = qv.shape[0];
+    View kv = check_tensor(k, "k", {n, hkv, d}, Where::Host);
+    View vv = check_tensor(v, "v", {n, hkv, d}, Where::Host);
+    View ov;
+    if (o) ov = check_tensor(o, "o", {n, hq, d}, Where::Host);
+    auto& lay = layers_[layer];
+    const int64_t n0 = lay.size();
+    max_tokens = std::min(max_tokens, kMaxLayerTokens);
+    if (n > max_tokens - n0)
+      invalid(std::string(fn) + ": q: layer " + L(layer) + " may hold at most " + std::to_string(max_tokens) +
+              " tokens here (it has " + std::to_string(n0) + "), got " + std::to_string(n) + " more");
+    std::vector<float> qf(static_cast<size_t>(qv.numel())), kf(size_t(kv.numel())), vf(size_t(vv.numel()));
+    read_f32(qv, qf.data());
+    read_f32(kv, kf.data());
+    read_f32(vv, vf.data());
+    std::vector<float> of(o ? size_t(n) * hq * d : 0);
+    try {
+      lay.append(kf.data(), vf.data(), n);
+      if (prompt) method_->on_prefill(layer, qf.data(), n, lay);
+      else method_->on_append(layer, qf.data(), n, lay, false);
+      if (o) causal_outputs(layer, qf.data(), n, n0, of.data());
+    } catch (...) {
+      lay.truncate(n0);
+      method_->truncate(layer, n0);
+      throw;
+    }
+    if (o) write_f32(ov, of.data());
+  }
+
+  void build_index(uint32_t layer, void*) override { method_->build_index(layer, layers_[layer]); }
+
+  void decode(std::span<Placement* const> batch, uint32_t layer, const StepTensors& t,
+              std::span<StepReport> reports) override {
+    const auto& s = cfg_.shape;
+    const int64_t B = int64_t(batch.size()), hq = s.num_q_heads, hkv = s.num_kv_heads, d = s.head_dim;
+    View qv, kv, vv, ov, lv;
+    if (t.single) {
+      qv = check_tensor(t.q, "q", {hq, d}, Where::Host);
+      kv = check_tensor(t.k_new, "k_new", {hkv, d}, Where::Host);
+      vv = check_tensor(t.v_new, "v_new", {hkv, d}, Where::Host);
+      ov = check_tensor(t.o, "o", {hq, d}, Where::Host);
+      if (t.lse) lv = check_tensor(t.lse, "lse", {hq}, Where::Host);
+    } else {
+      qv = check_tensor(t.q, "q", {B, hq, d}, Where::Host);
+      kv = check_tensor(t.k_new, "k_new", {B, hkv, d}, Where::Host);
+      vv = check_tensor(t.v_new, "v_new", {B, hkv, d}, Where::Host);
+      ov = check_tensor(t.o, "o", {B, hq, d}, Where::Host);
+      if (t.lse) lv = check_tensor(t.lse, "lse", {B, hq}, Where::Host);
+    }
+    if (t.lse && lv.dtype != DType::F32) invalid(std::string(t.fn) + ": lse: expected dtype float32");
+    std::vector<CpuPlacement*> ps(static_cast<size_t>(B));
+    for (int64_t b = 0; b < B; ++b) {
+      ps[size_t(b)] = static_cast<CpuPlacement*>(batch[size_t(b)]);
+      if (ps[size_t(b)]->layers_[layer].size() >= kMaxLayerTokens)
+        invalid(std::string(t.fn) + ": layer " + L(layer) + " of sessions[" + std::to_string(b) + "] is full (" +
+                std::to_string(kMaxLayerTokens) + " tokens)");
+    }
+    std::vector<float> qf(static_cast<size_t>(B * hq * d)), kf(size_t(B * hkv * d)), vf(size_t(B * hkv * d));
+    std::vector<float> of(static_cast<size_t>(B * hq * d)), lf(size_t(B * hq));
+    read_f32(qv, qf.data());
+    read_f32(kv, kf.data());
+    read_f32(vv, vf.data());
+    for (int64_t b = 0; b < B; ++b) {
+      try {
+        reports[size_t(b)] = ps[size_t(b)]->decode_f32(layer, qf.data() + b * hq * d, kf.data() + b * hkv * d,
+                                                       vf.data() + b * hkv * d, of.data() + b * hq * d, lf.data() + b * hq);
+      } catch (...) {
+        // All or nothing: the sessions already advanced drop their new token again.
+        for (int64_t a = 0; a < b; ++a) ps[size_t(a)]->undo_step(layer);
+        throw;
+      }
+    }
+    write_f32(ov, of.data());
+    if (t.lse) write_f32(lv, lf.data());
+  }
+
+  std::vector<int32_t> last_selection(uint32_t layer, uint32_t kv_head) const override {
+    const Selection& sel = last_sel_[layer];
+    std::vector<int32_t> out;
+    switch (sel.kind) {
+      case Selection::Kind::All:
+        out.resize(size_t(last_n_[layer]));
+        for (size_t i = 0; i < out.size(); ++i) out[i] = int32_t(i);
+        break;
+      case Selection::Kind::PerKvHead:
+        if (kv_head < sel.lists.size()) out = sel.lists[kv_head];
+        std::sort(out.begin(), out.end());
+        break;
+      case Selection::Kind::PerQueryHead: {
+        const int G = cfg_.shape.group();
+        for (int g = 0; g < G; ++g) {
+          size_t h = size_t(kv_head) * G + g;
+          if (h < sel.lists.size()) out.insert(out.end(), sel.lists[h].begin(), sel.lists[h].end());
+        }
+        std::sort(out.begin(), out.end());
+        out.erase(std::unique(out.begin(), out.end()), out.end());
+        break;
+      }
+    }
+    return out;
+  }
+
+  void stats(kvs_session_stats& st) const override {
+    for (auto& l : layers_) {
+      st.kv_bytes += l.bytes();
+      st.kv_shared_bytes += l.shared_bytes();
+    }
+    st.index_bytes = method_->index_bytes();
+    st.workspace_bytes = 0;
+  }
+
+  bool stat(std::string_view name, double* out) const override {
+    // Wall time of the decode phases, the same for every method.
+    static const char* const kPhases[3] = {"decode_update_seconds", "decode_select_seconds", "decode_attend_seconds"};
+    for (int i = 0; i < 3; ++i)
+      if (name == kPhases[i]) {
+        *out = phase_seconds_[i];
+        return true;
+      }
+    return method_->stat(name, out);
+  }
+
+  nlohmann::json save_meta() const override { return method_->save_meta(); }
+
+  void save(io::TablesWriter& w, bool with_kv) const override {
+    if (with_kv)
+      for (uint32_t l = 0; l < cfg_.shape.num_layers; ++l) {
+        std::vector<io::Piece> pieces;
+        for (auto& p : layers_[l].pages()) pieces.push_back(io::Piece{p->data(), uint64_t(p->bytes())});
+        if (!pieces.empty()) w.add("kv", int32_t(l), -1, std::move(pieces));
+      }
+    method_->save(w);
+  }
+
+  void load(const std::shared_ptr<const io::TablesFile>& file, const nlohmann::json& meta,
+            const std::vector<int64_t>& tokens, bool with_kv, const std::string& path) override {
+    const io::TablesFile& f = *file;
+    std::shared_ptr<const void> keep = file;  // the file stays mapped while a page points into it
+    for (uint32_t l = 0; with_kv && l < cfg_.shape.num_layers; ++l) {
+      const int64_t n = tokens[l];
+      if (n == 0) continue;
+      const auto& sec = f.require("kv", int32_t(l), -1);
+      auto& lay = layers_[l];
+      const int64_t np = (n + kPageTokens - 1) / kPageTokens;
+      if (sec.length != uint64_t(np) * lay.page_bytes())
+        fail(KVS_STATUS_FORMAT_INVALID, "tables file '" + path + "': section kv layer " + L(l) + ": expected " +
+                                            std::to_string(uint64_t(np) * lay.page_bytes()) + " bytes for " +
+                                            std::to_string(n) + " tokens, got " + std::to_string(sec.length));
+      std::vector<std::shared_ptr<Page>> pages;
+      for (int64_t i = 0; i < np; ++i)
+        pages.push_back(std::make_shared<Page>(sec.data + size_t(i) * lay.page_bytes(), lay.page_bytes(), keep));
+      lay.adopt(std::move(pages), n);
+    }
+    method_->load(f, meta);
+  }
+
+  std::unique_ptr<Placement> fork() const override {
+    auto p = std::make_unique<CpuPlacement>(cfg_, spec_, params_, pool_);
+    p->layers_ = layers_;  // shares pages; copy-on-write on the next append
+    p->method_ = method_->clone();
+    return p;
+  }
+
+ private:
+  void causal_outputs(uint32_t layer, const float* q, int64_t n, int64_t first, float* o) {
+    const auto& s = cfg_.shape;
+    const size_t qs = size_t(s.num_q_heads) * s.head_dim;
+    std::vector<float> lse(s.num_q_heads);
+    for (int64_t i = 0; i < n; ++i)
+      cpu::attend_dense(layers_[layer], q + size_t(i) * qs, s.group(), first + i + 1, s.softmax_scale,
+                        o + size_t(i) * qs, lse.data(), *pool_);
+  }
+
+  void undo_step(uint32_t layer) {
+    const int64_t n = layers_[layer].size() - 1;
+    layers_[layer].truncate(n);
+    method_->truncate(layer, n);
+  }
+
+  // One session's step on fp32 host buffers: q [Hq][d], k, v [Hkv][d] -> o [Hq][d], lse [Hq].
+  StepReport decode_f32(uint32_t layer, const float* q, const float* k, const float* v, float* o, float* lse) {
+    const auto& s = cfg_.shape;
+    const int G = s.group();
+    auto& lay = layers_[layer];
+    const int64_t n0 = lay.size();
+    lay.append(k, v, 1);
+    try {
+      using Clock = std::chrono::steady_clock;
+      const auto t0 = Clock::now();
+      method_->on_append(layer, q, 1, lay, true);
+      const auto t1 = Clock::now();
+      Selection& sel = last_sel_[layer];
+      method_->select(layer, q, lay, sel);
+      const auto t2 = Clock::now();
+      const int64_t n = lay.size();
+      double selected = 0;
+      if (!sel.attend) {  // reported only: the method's extra() is the whole state
+        std::fill(o, o + size_t(s.num_q_heads) * s.head_dim, 0.f);
+        std::fill(lse, lse + s.num_q_heads, -std::numeric_limits<float>::infinity());
+      }
+      last_n_[layer] = n;
+      switch (sel.kind) {
+        case Selection::Kind::All:
+          if (sel.attend) cpu::attend_dense(lay, q, G, n, s.softmax_scale, o, lse, *pool_);
+          selected = double(n);
+          break;
+        case Selection::Kind::PerKvHead:
+          if (sel.lists.size() != s.num_kv_heads) fail(KVS_STATUS_INTERNAL, "method returned a selection of the wrong size");
+          if (sel.attend) cpu::attend_gather_kv(lay, q, G, sel.lists, s.softmax_scale, o, lse, *pool_);
+          for (auto& l : sel.lists) selected += double(l.size());
+          selected /= double(s.num_kv_heads);
+          break;
+        case Selection::Kind::PerQueryHead:
+          if (sel.lists.size() != s.num_q_heads) fail(KVS_STATUS_INTERNAL, "method returned a selection of the wrong size");
+          if (sel.attend) cpu::attend_gather_q(lay, q, G, sel.lists, s.softmax_scale, o, lse, *pool_);
+          for (uint32_t h = 0; h < s.num_kv_heads; ++h) selected += double(last_selection(layer, h).size());
+          selected /= double(s.num_kv_heads);
+          break;
+      }
+      std::vector<float> eo(size_t(s.num_q_heads) * s.head_dim), el(s.num_q_heads);
+      if (method_->extra(layer, q, lay, eo.data(), el.data()))
+        cpu::merge_states(o, lse, eo.data(), el.data(), int(s.num_q_heads), int(s.head_dim));
+      phase_seconds_[0] += std::chrono::duration<double>(t1 - t0).count();
+      phase_seconds_[1] += std::chrono::duration<double>(t2 - t1).count();
+      phase_seconds_[2] += std::chrono::duration<double>(Clock::now() - t2).count();
+      return StepReport{selected, n};
+    } catch (...) {
+      lay.truncate(n0);
+      method_->truncate(layer, n0);
+      throw;
+    }
+  }
+
+  SessionConfig cfg_;
+  const MethodSpec& spec_;
+  ParamSet params_;
+  std::shared_ptr<ThreadPool> pool_;
+  std::unique_ptr<Method> method_;
+  std::vector<KVLayer> layers_;
+  std::vector<Selection> last_sel_;
+  std::vector<int64_t> last_n_;
+  // Wall time of the decode phases, summed over every step and layer: the method's streaming
+  // update (on_append), its selection (select) and the exact attention with the merge.
+  double phase_seconds_[3] = {0, 0, 0};
+};
+
+}  // namespace
+
+std::unique_ptr<Placement> make_cpu_placement(const SessionConfig& cfg, const MethodSpec& spec, const ParamSet& ps,
+                                              std::shared_ptr<ThreadPool> pool) {
+  return std::make_unique<CpuPlacement>(cfg, spec, ps, std::move(pool));
+}
+
+}  // namespace kvs

@@ -1,0 +1,83 @@
+// The backend and placement registry: an explicit list (no static-initialisation tricks, so static
+// linking keeps every backend). The only place that knows whether this build has CUDA: the cuda
+// backend, its placement and the methods' cuda implementations are attached here.
+#include <string>
+
+#include "backends/backend.hpp"
+#include "core/error.hpp"
+#include "core/placement.hpp"
+#include "core/session.hpp"
+
+namespace kvs {
+
+const Backend& cpu_backend();
+std::unique_ptr<Placement> make_cpu_placement(const SessionConfig&, const MethodSpec&, const ParamSet&,
+                                              std::shared_ptr<ThreadPool>);
+#ifdef KVS_HAVE_CUDA
+const Backend& cuda_backend();
+std::unique_ptr<Placement> make_cuda_placement(const SessionConfig&, const MethodSpec&, const ParamSet&,
+                                               std::shared_ptr<ThreadPool>);
+void attach_cuda_methods(std::vector<MethodSpec>& specs);
+constexpr const char* kNoCuda = nullptr;
+#else
+constexpr const char* kNoCuda = "this build of kvsieve has no CUDA backend (configure with KVS_WITH_CUDA=ON where nvcc is installed)";
+#endif
+constexpr const char* kNoHybrid = "the hybrid CPU+GPU placement is not available in this version";
+
+// Called once by method_registry() (src/methods/registry.cpp) on the assembled list.
+void attach_placements(std::vector<MethodSpec>& specs) {
+#ifdef KVS_HAVE_CUDA
+  attach_cuda_methods(specs);
+#endif
+  for (auto& s : specs) {
+    s.backends = 0;
+    for (int32_t b = KVS_BACKEND_CPU; b <= KVS_BACKEND_HYBRID; ++b) {
+      std::string why;
+      if (method_supported(s, b, &why)) s.backends |= 1u << b;
+      else s.unsupported[b] = why;
+    }
+  }
+}
+
+const Backend* find_backend(int32_t id, const char** why_not) {
+  if (id == KVS_BACKEND_CPU) return &cpu_backend();
+  if (id == KVS_BACKEND_CUDA) {
+#ifdef KVS_HAVE_CUDA
+    return &cuda_backend();
+#else
+    if (why_not) *why_not = kNoCuda;
+    return nullptr;
+#endif
+  }
+  if (why_not) *why_not = id == KVS_BACKEND_HYBRID ? kNoHybrid : "unknown backend";
+  return nullptr;
+}
+
+bool method_supported(const MethodSpec& spec, int32_t backend, std::string* why_not) {
+  const char* why = nullptr;
+  if (backend == KVS_BACKEND_CPU) return true;
+  if (!find_backend(backend, &why)) {
+    if (why_not) *why_not = why;
+    return false;
+  }
+  if (backend == KVS_BACKEND_CUDA && !spec.create_cuda) {
+    if (why_not) *why_not = std::string(spec.name) + ": " + spec.cuda_missing;
+    return false;
+  }
+  return true;
+}
+
+std::unique_ptr<Placement> make_placement(const SessionConfig& cfg, const MethodSpec& spec, const ParamSet& ps,
+                                          std::shared_ptr<ThreadPool> pool) {
+  std::string why;
+  if (!method_supported(spec, cfg.backend, &why))
+    fail(KVS_STATUS_UNSUPPORTED, "params->backend: method '" + cfg.method + "' cannot run on the " +
+                                     (cfg.backend == KVS_BACKEND_CUDA ? "cuda" : cfg.backend == KVS_BACKEND_HYBRID ? "hybrid" : "cpu") +
+                                     " backend: " + why);
+#ifdef KVS_HAVE_CUDA
+  if (cfg.backend == KVS_BACKEND_CUDA) return make_cuda_placement(cfg, spec, ps, std::move(pool));
+#endif
+  return make_cpu_placement(cfg, spec, ps, std::move(pool));
+}
+
+}  // namespace kvs
