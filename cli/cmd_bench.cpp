@@ -1,16 +1,24 @@
 // kvsieve bench --method M --context N ...: decode timing of a method against `full` on synthetic
 // data of a given shape, alternating the two in one process, beside the machine's measured read
-// bandwidth (DESIGN.md "Performance").
+// bandwidth (DESIGN.md "Performance"). With --backend cuda (CUDA builds only: KVS_HAVE_CUDA, the CLI
+// then links the CUDA runtime) the same on the GPU: random prompt K/V uploaded with cudaMemcpy,
+// steps timed with CUDA events after an L2 flush, beside a device-to-device copy's bandwidth.
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
+#ifdef KVS_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
 
 #include "commands.hpp"
 #include "common.hpp"
 #include "membw.hpp"
 #include "progress.hpp"
+#include "rng.hpp"
 #include "synth_model.hpp"
 
 namespace kvcli {
@@ -27,16 +35,11 @@ struct BenchOptions {
   uint64_t seed = 1;
   double membw_mib = 0;
   bool no_membw = false;
+  int device = 0;  // CUDA device (--backend cuda)
 };
 
-int run_bench(const BenchOptions& o) {
-  const int32_t backend = parse_backend(o.backend);
-  if (backend == KVS_BACKEND_CUDA)
-    throw CliError(
-        "bench: the cuda backend needs device tensors, and this command only passes host memory "
-        "(it links the C API alone, no CUDA runtime); benchmark CUDA with the drivers in bench/ "
-        "(see docs/cli.md)",
-        kExitUsage);
+// The command-line checks shared by both paths.
+void validate_options(const BenchOptions& o) {
   if (!method_exists(o.method))
     throw UsageError("unknown method '" + o.method + "' (available: " + join(registered_methods(), ", ") + ")");
   if (o.context < 64) throw UsageError("--context must be >= 64");
@@ -44,8 +47,29 @@ int run_bench(const BenchOptions& o) {
   if (o.warmup < 0) throw UsageError("--warmup must be >= 0");
   if (!(o.budget > 0.0 && o.budget <= 1.0)) throw UsageError("--budget must be in (0, 1]");
   if (o.membw_mib < 0) throw UsageError("--membw-mib must be >= 0");
+  if (o.device < 0) throw UsageError("--device must be >= 0");
+}
+
+#ifdef KVS_HAVE_CUDA
+int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads);
+#endif
+
+int run_bench(const BenchOptions& o) {
+  const int32_t backend = parse_backend(o.backend);
+  validate_options(o);
   const DType dtype = parse_dtype(o.dtype);
   const unsigned threads = resolve_threads(o.threads);
+  if (backend == KVS_BACKEND_CUDA) {
+#ifdef KVS_HAVE_CUDA
+    return run_bench_cuda(o, dtype, threads);
+#else
+    throw CliError(
+        "bench: --backend cuda needs a kvsieve built with CUDA (this CLI was built without the CUDA "
+        "runtime, so it cannot allocate device tensors); benchmark CUDA against PyTorch with the drivers "
+        "in bench/ (bench/gpu_bench.py; see docs/cli.md)",
+        kExitUsage);
+#endif
+  }
 
   // Structured synthetic data (docs/synth.md), so data-dependent methods see realistic attention.
   SynthConfig cfg;
@@ -213,12 +237,358 @@ int run_bench(const BenchOptions& o) {
   return kExitOk;
 }
 
+#ifdef KVS_HAVE_CUDA
+// ------------------------------------------------------------------------------------------------
+// --backend cuda: the library alone on the GPU, for users without PyTorch (bench/gpu_bench.py
+// compares against torch's SDPA). Every CUDA runtime call is checked.
+// ------------------------------------------------------------------------------------------------
+
+void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw CliError(strfmt("bench: CUDA: %s: %s", what, cudaGetErrorString(e)));
+}
+
+// Device memory owned for the scope (cudaMalloc / cudaFree).
+class DeviceBuffer {
+ public:
+  DeviceBuffer(size_t bytes, const char* what) : bytes_(bytes) {
+    cuda_check(cudaMalloc(&p_, std::max<size_t>(bytes, 1)), what);
+  }
+  ~DeviceBuffer() { reset(); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  char* get() const { return static_cast<char*>(p_); }
+  size_t bytes() const { return bytes_; }
+  void reset() {
+    if (p_) cudaFree(p_);
+    p_ = nullptr;
+  }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_;
+};
+
+class CudaStream {
+ public:
+  CudaStream() { cuda_check(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking), "cudaStreamCreate"); }
+  ~CudaStream() { cudaStreamDestroy(s_); }
+  CudaStream(const CudaStream&) = delete;
+  CudaStream& operator=(const CudaStream&) = delete;
+  cudaStream_t get() const { return s_; }
+  void sync() const { cuda_check(cudaStreamSynchronize(s_), "cudaStreamSynchronize"); }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
+// n timing events.
+class CudaEvents {
+ public:
+  explicit CudaEvents(size_t n) : ev_(n, nullptr) {
+    for (auto& e : ev_) cuda_check(cudaEventCreate(&e), "cudaEventCreate");
+  }
+  ~CudaEvents() {
+    for (auto e : ev_)
+      if (e) cudaEventDestroy(e);
+  }
+  CudaEvents(const CudaEvents&) = delete;
+  CudaEvents& operator=(const CudaEvents&) = delete;
+  cudaEvent_t operator[](size_t i) const { return ev_[i]; }
+
+ private:
+  std::vector<cudaEvent_t> ev_;
+};
+
+double elapsed_us(cudaEvent_t a, cudaEvent_t b) {
+  float ms = 0;
+  cuda_check(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
+  return double(ms) * 1e3;
+}
+
+// A C-contiguous CUDA tensor over borrowed device memory (the kvs_tensor points at its own shape
+// array, so it is neither copied nor moved).
+class DeviceTensor {
+ public:
+  DeviceTensor(const void* data, DType dtype, int device, std::initializer_list<int64_t> shape) {
+    std::copy(shape.begin(), shape.end(), shape_.begin());
+    t_.data = const_cast<void*>(data);
+    t_.device = kvs_device{KVS_DEVICE_CUDA, device};
+    t_.ndim = int32_t(shape.size());
+    t_.dtype = to_dl(dtype);
+    t_.shape = shape_.data();
+    t_.strides = nullptr;
+    t_.byte_offset = 0;
+  }
+  DeviceTensor(const DeviceTensor&) = delete;
+  DeviceTensor& operator=(const DeviceTensor&) = delete;
+  const kvs_tensor* get() const { return &t_; }
+
+ private:
+  kvs_tensor t_{};
+  std::array<int64_t, 3> shape_{};
+};
+
+// Fills `n` elements of `dst` (device, dtype t) with independent uniform values of unit variance,
+// generated on the host in pieces of kPiece elements (bounded host memory) and copied up on `st`
+// (synchronised after each piece: the host buffer is reused, and the copy is complete before any
+// later work on `st` reads it). Element i depends only on (seed, what, i / 2^20), not on the
+// thread count.
+void upload_random(char* dst, size_t n, DType t, uint64_t seed, uint64_t what, unsigned threads, cudaStream_t st) {
+  constexpr size_t kBlock = size_t(1) << 20;
+  constexpr size_t kPiece = 32 * kBlock;
+  const size_t es = dtype_size(t);
+  std::vector<char> host(std::min(n, kPiece) * es);
+  const double a = std::sqrt(3.0);
+  for (size_t p0 = 0; p0 < n; p0 += kPiece) {
+    const size_t pn = std::min(kPiece, n - p0);
+    parallel_for((pn + kBlock - 1) / kBlock, threads, [&](size_t b) {
+      Rng rng(derive_seed(seed, {what, (p0 + b * kBlock) / kBlock}));
+      const size_t e = std::min(pn, (b + 1) * kBlock);
+      for (size_t i = b * kBlock; i < e; ++i) store_elem(host.data(), t, i, float(rng.uniform(-a, a)));
+    });
+    cuda_check(cudaMemcpyAsync(dst + p0 * es, host.data(), pn * es, cudaMemcpyHostToDevice, st),
+               "cudaMemcpyAsync(upload)");
+    cuda_check(cudaStreamSynchronize(st), "cudaStreamSynchronize(upload)");
+  }
+}
+
+// Best of `reps` device-to-device copies of `bytes`, in GB/s counting bytes read and written.
+double measure_copy_bandwidth(size_t bytes, cudaStream_t stream, int reps) {
+  DeviceBuffer a(bytes, "cudaMalloc(bandwidth probe)"), b(bytes, "cudaMalloc(bandwidth probe)");
+  cuda_check(cudaMemsetAsync(a.get(), 1, bytes, stream), "cudaMemsetAsync(bandwidth probe)");
+  CudaEvents ev(2);
+  double best = 0;
+  for (int r = 0; r < reps + 1; ++r) {  // the first pass warms up
+    cuda_check(cudaEventRecord(ev[0], stream), "cudaEventRecord");
+    cuda_check(cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice, stream), "cudaMemcpyAsync(probe)");
+    cuda_check(cudaEventRecord(ev[1], stream), "cudaEventRecord");
+    cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    const double us = elapsed_us(ev[0], ev[1]);
+    if (r > 0 && us > 0) best = std::max(best, 2.0 * double(bytes) / (us * 1e-6) / 1e9);
+  }
+  return best;
+}
+
+int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads) {
+  int count = 0;
+  const cudaError_t ce = cudaGetDeviceCount(&count);
+  if (ce != cudaSuccess || count == 0)
+    throw CliError(strfmt("bench: --backend cuda: no CUDA device is visible (%s)",
+                          ce != cudaSuccess ? cudaGetErrorString(ce) : "0 devices"));
+  if (o.device >= count) throw UsageError(strfmt("--device must be < %d (the visible CUDA devices)", count));
+  cuda_check(cudaSetDevice(o.device), "cudaSetDevice");
+  cudaDeviceProp prop{};
+  cuda_check(cudaGetDeviceProperties(&prop, o.device), "cudaGetDeviceProperties");
+  const std::string device_name = prop.name;
+
+  // Sessions first: a method, dtype or head dim the cuda backend refuses fails here, before any
+  // large allocation.
+  kvs_session_params p;
+  kvs_session_params_init(&p);
+  p.num_layers = 1;
+  p.num_q_heads = o.q_heads;
+  p.num_kv_heads = o.kv_heads;
+  p.head_dim = o.head_dim;
+  p.kv_dtype = int32_t(dtype);
+  p.backend = KVS_BACKEND_CUDA;
+  p.device_id = o.device;
+  p.num_threads = o.threads;
+  p.budget = o.budget;
+  kvs_session_params pf = p;
+  p.method = o.method.c_str();
+  p.method_params = o.params.empty() ? nullptr : o.params.c_str();
+  pf.method = "full";
+  Session method(p, o.method);
+  Session full(pf, "full");
+
+  CudaStream stream;
+  const cudaStream_t st = stream.get();
+  const int dev = o.device;
+  const int64_t P = o.context, S = o.warmup + o.steps;
+  const int64_t hq = o.q_heads, hkv = o.kv_heads, d = o.head_dim;
+  const size_t es = dtype_size(dtype);
+  // Prompt queries: one random chunk reused for every prefill chunk (the cuda backend reads only
+  // their shape; the prompt is given in chunks of kChunk tokens, as an engine would).
+  constexpr int64_t kChunk = 16384;
+  const int64_t chunk = std::min(P, kChunk);
+
+  double prefill_ms = 0, index_ms = 0;
+  {
+    Activity busy("uploading random K/V, prefill and index build");
+    DeviceBuffer kp(size_t(P) * hkv * d * es, "cudaMalloc(prompt K)");
+    DeviceBuffer vp(size_t(P) * hkv * d * es, "cudaMalloc(prompt V)");
+    DeviceBuffer qp(size_t(chunk) * hq * d * es, "cudaMalloc(prompt q)");
+    upload_random(kp.get(), size_t(P) * hkv * d, dtype, o.seed, 1, threads, st);
+    upload_random(vp.get(), size_t(P) * hkv * d, dtype, o.seed, 2, threads, st);
+    upload_random(qp.get(), size_t(chunk) * hq * d, dtype, o.seed, 3, threads, st);
+    for (int which = 0; which < 2; ++which) {
+      Session& s = which == 0 ? method : full;
+      auto t0 = Clock::now();
+      for (int64_t c0 = 0; c0 < P; c0 += chunk) {
+        const int64_t n = std::min(chunk, P - c0);
+        const size_t off = size_t(c0) * hkv * d * es;
+        const DeviceTensor q(qp.get(), dtype, dev, {n, hq, d});
+        const DeviceTensor k(kp.get() + off, dtype, dev, {n, hkv, d});
+        const DeviceTensor v(vp.get() + off, dtype, dev, {n, hkv, d});
+        check(kvs_session_prefill(s.get(), 0, q.get(), k.get(), v.get(), nullptr, st),
+              s.label() + ": prefill of layer 0");
+      }
+      stream.sync();
+      if (which == 0) prefill_ms = seconds_since(t0) * 1e3;
+      t0 = Clock::now();
+      check(kvs_session_build_index(s.get(), st), s.label() + ": building the index");
+      stream.sync();
+      if (which == 0) index_ms = seconds_since(t0) * 1e3;
+    }
+  }  // the sessions hold their own copies: the prompt buffers go (stream synchronised above)
+
+  // Each step's new token: q [S, Hq, d] and k, v [S, Hkv, d], random, uploaded before timing.
+  DeviceBuffer qs(size_t(S) * hq * d * es, "cudaMalloc(step q)");
+  DeviceBuffer ks(size_t(S) * hkv * d * es, "cudaMalloc(step k)");
+  DeviceBuffer vs(size_t(S) * hkv * d * es, "cudaMalloc(step v)");
+  upload_random(qs.get(), size_t(S) * hq * d, dtype, o.seed, 4, threads, st);
+  upload_random(ks.get(), size_t(S) * hkv * d, dtype, o.seed, 5, threads, st);
+  upload_random(vs.get(), size_t(S) * hkv * d, dtype, o.seed, 6, threads, st);
+  // fp32 outputs (one pair per session), as the CPU path.
+  DeviceBuffer out(2 * size_t(hq) * d * sizeof(float), "cudaMalloc(o)");
+  DeviceBuffer lse(2 * size_t(hq) * sizeof(float), "cudaMalloc(lse)");
+  // L2 flush before every timed step: a write of max(2x L2, 256 MiB), which also hides the host's
+  // enqueue time behind GPU work (the events time the GPU, the host time is reported apart).
+  const size_t flush_bytes = std::max<size_t>(2 * size_t(std::max(prop.l2CacheSize, 0)), size_t(256) << 20);
+  DeviceBuffer flush(flush_bytes, "cudaMalloc(L2 flush)");
+  CudaEvents ev(size_t(4 * S));  // [session][start/end][step]
+  auto event = [&](int m, int end, int64_t i) { return ev[size_t((m * 2 + end) * S + i)]; };
+
+  std::vector<double> host_us[2];
+  {
+    Activity busy("decoding");
+    for (int64_t i = 0; i < S; ++i) {
+      const DeviceTensor qt(qs.get() + size_t(i) * hq * d * es, dtype, dev, {hq, d});
+      const DeviceTensor kt(ks.get() + size_t(i) * hkv * d * es, dtype, dev, {hkv, d});
+      const DeviceTensor vt(vs.get() + size_t(i) * hkv * d * es, dtype, dev, {hkv, d});
+      // Alternate which goes first, so neither always runs right after the other.
+      for (int turn = 0; turn < 2; ++turn) {
+        const int m = (turn == 0) == (i % 2 == 0) ? 0 : 1;  // 0 = method, 1 = full
+        Session& s = m == 0 ? method : full;
+        const DeviceTensor ot(out.get() + size_t(m) * hq * d * sizeof(float), DType::F32, dev, {hq, d});
+        const DeviceTensor lt(lse.get() + size_t(m) * hq * sizeof(float), DType::F32, dev, {hq});
+        cuda_check(cudaMemsetAsync(flush.get(), int(i & 0xff), flush_bytes, st), "cudaMemsetAsync(L2 flush)");
+        cuda_check(cudaEventRecord(event(m, 0, i), st), "cudaEventRecord");
+        const auto t0 = Clock::now();
+        const kvs_error_t err = kvs_session_decode(s.get(), 0, qt.get(), kt.get(), vt.get(), ot.get(), lt.get(), st);
+        const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+        if (err != nullptr) check(err, s.label() + ": decode of layer 0");
+        cuda_check(cudaEventRecord(event(m, 1, i), st), "cudaEventRecord");
+        if (i >= o.warmup) host_us[m].push_back(us);
+      }
+    }
+    stream.sync();
+  }
+  cuda_check(cudaGetLastError(), "after the decode steps");
+  std::vector<double> method_us, full_us;
+  for (int64_t i = o.warmup; i < S; ++i) {
+    method_us.push_back(elapsed_us(event(0, 0, i), event(0, 1, i)));
+    full_us.push_back(elapsed_us(event(1, 0, i), event(1, 1, i)));
+  }
+  // The last step's outputs must be finite (a cheap guard against a broken kernel).
+  {
+    std::vector<float> h(2 * size_t(hq) * d);
+    cuda_check(cudaMemcpy(h.data(), out.get(), h.size() * sizeof(float), cudaMemcpyDeviceToHost), "cudaMemcpy(o)");
+    for (size_t i = 0; i < h.size(); ++i)
+      if (!std::isfinite(h[i]))
+        throw CliError(strfmt("bench: %s: the last decode step wrote a non-finite output (element %zu)",
+                              i < h.size() / 2 ? o.method.c_str() : "full", i % (h.size() / 2)));
+  }
+  const kvs_session_stats stt = method.stats();
+
+  double measured = 0;
+  if (!o.no_membw) {
+    Activity busy("measuring device copy bandwidth");
+    size_t bytes = o.membw_mib > 0 ? size_t(o.membw_mib * 1024 * 1024) : size_t(1) << 30;
+    size_t free_b = 0, total_b = 0;
+    if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) bytes = std::min(bytes, free_b / 4);
+    measured = measure_copy_bandwidth(std::max<size_t>(bytes, 1 << 20), st, 5);
+  }
+
+  const double step_us = median(method_us), full_step_us = median(full_us);
+  const double host_step = median(host_us[0]), host_full = median(host_us[1]);
+  const double row_bytes = double(hkv) * d * 2.0 * double(es);  // one token's K and V
+  const double mean_ctx = double(P + o.warmup) + double(o.steps + 1) / 2.0;
+  const double full_bytes = mean_ctx * row_bytes;
+  const double method_bytes = stt.mean_selected_keys * row_bytes + double(stt.index_bytes);
+  const double achieved = full_step_us > 0 ? full_bytes / (full_step_us * 1e-6) / 1e9 : 0.0;
+  const double method_gbps = step_us > 0 ? method_bytes / (step_us * 1e-6) / 1e9 : 0.0;
+  const double speedup = step_us > 0 ? full_step_us / step_us : 0.0;
+
+  std::printf("bench %s vs full: context %lld, %u q heads / %u kv heads, d %u, %s, budget %g, cuda backend "
+              "on %s (device %d), median of %lld steps after %lld warm-up, L2 flushed (%s) before each\n",
+              o.method.c_str(), static_cast<long long>(P), o.q_heads, o.kv_heads, o.head_dim, dtype_name(dtype),
+              o.budget, device_name.c_str(), dev, static_cast<long long>(o.steps), static_cast<long long>(o.warmup),
+              human_bytes(double(flush_bytes)).c_str());
+  std::printf("  prefill %.1f ms, index build %.1f ms; index %s, KV %s\n", prefill_ms, index_ms,
+              human_bytes(double(stt.index_bytes)).c_str(), human_bytes(double(stt.kv_bytes)).c_str());
+  std::printf("  full     %10.1f us/step  reads %s  -> %.1f GB/s", full_step_us, human_bytes(full_bytes).c_str(),
+              achieved);
+  if (measured > 0)
+    std::printf("  (%.0f%% of the measured device copy, %.1f GB/s read+write)", 100.0 * achieved / measured, measured);
+  std::printf("\n");
+  std::printf("  %-8s %10.1f us/step  reads <= %s (%.0f keys/KV head + index)  -> %.1f GB/s\n", o.method.c_str(),
+              step_us, human_bytes(method_bytes).c_str(), stt.mean_selected_keys, method_gbps);
+  std::printf("  speedup vs full: %.2fx\n", speedup);
+  std::printf("  step time p50 / p99 (CUDA events): full %.1f / %.1f us, %s %.1f / %.1f us\n", full_step_us,
+              percentile(full_us, 99.0), o.method.c_str(), step_us, percentile(method_us, 99.0));
+  std::printf("  host time of one decode call (median): full %.1f us, %s %.1f us\n", host_full, o.method.c_str(),
+              host_step);
+  if (!o.stats.empty()) {
+    std::printf("  %s stats:", o.method.c_str());
+    for (const auto& name : split(o.stats, ',')) {
+      double v = 0;
+      kvs_error_t e = kvs_session_method_stat(method.get(), name.c_str(), &v);
+      if (e == nullptr) std::printf(" %s=%.4g", name.c_str(), v);
+      else std::printf(" %s=(unknown)", name.c_str());
+      kvs_error_destroy(e);
+    }
+    std::printf("\n");
+  }
+
+  if (!o.json.empty()) {
+    using J = nlohmann::ordered_json;
+    const J j = {{"method", o.method},
+                 {"backend", o.backend},
+                 {"device", device_name},
+                 {"context", P},
+                 {"q_heads", o.q_heads},
+                 {"kv_heads", o.kv_heads},
+                 {"head_dim", o.head_dim},
+                 {"dtype", dtype_name(dtype)},
+                 {"budget", o.budget},
+                 {"steps", o.steps},
+                 {"step_us", step_us},
+                 {"full_step_us", full_step_us},
+                 {"speedup_vs_full", speedup},
+                 {"update_us", J(nullptr)},  // CPU phase timings only
+                 {"select_us", J(nullptr)},
+                 {"attention_us", J(nullptr)},
+                 {"host_step_us", host_step},
+                 {"full_host_step_us", host_full},
+                 {"index_build_ms", index_ms},
+                 {"achieved_GBps", achieved},
+                 {"measured_read_GBps", o.no_membw ? J(nullptr) : J(measured)},
+                 {"index_bytes", stt.index_bytes},
+                 {"kv_bytes", stt.kv_bytes}};
+    write_text_file(o.json, j.dump(2) + "\n");
+    std::printf("wrote %s\n", o.json.c_str());
+  }
+  return kExitOk;
+}
+#endif  // KVS_HAVE_CUDA
+
 }  // namespace
 
 Command add_bench_command(CLI::App& root) {
   auto o = std::make_shared<BenchOptions>();
   CLI::App* cmd = root.add_subcommand(
-      "bench", "time decode steps of a method against full on synthetic data (CPU; CUDA: see bench/)");
+      "bench", "time decode steps of a method against full on synthetic data (CPU, or CUDA in CUDA builds)");
   cmd->add_option("--method", o->method, "method name (see `kvsieve methods`)")->required();
   cmd->add_option("--params", o->params, "method parameters: key=value,key=value");
   cmd->add_option("--context", o->context, "prompt tokens before the timed steps");
@@ -227,12 +597,15 @@ Command add_bench_command(CLI::App& root) {
   cmd->add_option("--head-dim", o->head_dim, "head dimension");
   cmd->add_option("--dtype", o->dtype, "KV dtype: f32, f16 or bf16");
   cmd->add_option("--budget", o->budget, "exact keys per step, as a fraction of the context, (0, 1]");
-  cmd->add_option("--backend", o->backend, "cpu or hybrid (cuda: use the drivers in bench/)");
-  cmd->add_option("--threads", o->threads, "library threads and bandwidth-probe threads (0 = all)");
+  cmd->add_option("--backend", o->backend, "cpu, cuda (CUDA builds: device memory, CUDA events) or hybrid");
+  cmd->add_option("--device", o->device, "CUDA device of --backend cuda");
+  cmd->add_option("--threads", o->threads,
+                  "library threads and bandwidth-probe (cuda: data-generation) threads (0 = all)");
   cmd->add_option("--steps", o->steps, "timed decode steps of each session");
   cmd->add_option("--warmup", o->warmup, "untimed decode steps first");
   cmd->add_option("--seed", o->seed, "seed of the synthetic data");
-  cmd->add_option("--membw-mib", o->membw_mib, "bandwidth probe buffer in MiB (0 = 4x LLC, 256 MiB..2 GiB)");
+  cmd->add_option("--membw-mib", o->membw_mib,
+                  "bandwidth probe buffer in MiB (0 = 4x LLC, 256 MiB..2 GiB; cuda: device copy, 0 = 1 GiB)");
   cmd->add_flag("--no-membw", o->no_membw, "skip the bandwidth probe (measured_read_GBps: null)");
   cmd->add_option("--stats", o->stats,
                   "comma-separated method statistics to print after the run (kvs_session_method_stat; unknown names skipped)");

@@ -1,6 +1,6 @@
 // The backend and placement registry: an explicit list (no static-initialisation tricks, so static
 // linking keeps every backend). The only place that knows whether this build has CUDA: the cuda
-// backend, its placement and the methods' cuda implementations are attached here.
+// backend and its placement are listed here (each method's spec names its own cuda implementation).
 #include <string>
 
 #include "backends/backend.hpp"
@@ -17,7 +17,6 @@ std::unique_ptr<Placement> make_cpu_placement(const SessionConfig&, const Method
 const Backend& cuda_backend();
 std::unique_ptr<Placement> make_cuda_placement(const SessionConfig&, const MethodSpec&, const ParamSet&,
                                                std::shared_ptr<ThreadPool>);
-void attach_cuda_methods(std::vector<MethodSpec>& specs);
 constexpr const char* kNoCuda = nullptr;
 #else
 constexpr const char* kNoCuda = "this build of kvsieve has no CUDA backend (configure with KVS_WITH_CUDA=ON where nvcc is installed)";
@@ -26,9 +25,6 @@ constexpr const char* kNoHybrid = "the hybrid CPU+GPU placement is not available
 
 // Called once by method_registry() (src/methods/registry.cpp) on the assembled list.
 void attach_placements(std::vector<MethodSpec>& specs) {
-#ifdef KVS_HAVE_CUDA
-  attach_cuda_methods(specs);
-#endif
   for (auto& s : specs) {
     s.backends = 0;
     for (int32_t b = KVS_BACKEND_CPU; b <= KVS_BACKEND_HYBRID; ++b) {

@@ -96,14 +96,22 @@ struct MethodSpec {
   std::vector<ParamSpec> params;
   // The CPU implementation: the reference every other placement is tested against.
   std::function<std::unique_ptr<Method>(const MethodContext&, const ParamSet&)> create;
-  // The cuda placement's implementation (attached by the registry in builds with CUDA); null = none.
-  std::function<std::unique_ptr<DeviceMethod>(const MethodContext&, const ParamSet&)> create_cuda;
+  // The cuda placement's implementation (KVS_CUDA_IMPL(make_<m>_cuda)); null = none in this build.
+  std::unique_ptr<DeviceMethod> (*create_cuda)(const MethodContext&, const ParamSet&) = nullptr;
   // Why the method has no cuda implementation (when create_cuda is null): a sentence for the user.
   const char* cuda_missing = "not implemented on the cuda backend yet";
   // Per kvs_backend (index 1..3): empty if the method runs there in this build, else why not
   // (filled by the registry; kvs_method_unsupported_reason returns these).
   std::string unsupported[4];
 };
+
+// A method's cuda implementation factory in its spec: the function where this build has CUDA,
+// nullptr where it does not (the function is then declared but never defined or referenced).
+#ifdef KVS_HAVE_CUDA
+#define KVS_CUDA_IMPL(factory) (factory)
+#else
+#define KVS_CUDA_IMPL(factory) nullptr
+#endif
 
 const std::vector<MethodSpec>& method_registry();
 const MethodSpec* find_method(std::string_view name);

@@ -85,6 +85,8 @@ class ExactTopk final : public Method {
 
 }  // namespace
 
+std::unique_ptr<DeviceMethod> make_exact_topk_cuda(const MethodContext&, const ParamSet&);  // exact_topk_cuda.cpp
+
 MethodSpec exact_topk_spec() {
   return MethodSpec{
       "exact_topk",
@@ -95,7 +97,8 @@ MethodSpec exact_topk_spec() {
         "one set per KV head (group-summed softmax) or one per query head"},
        {"sinks", "int", "0", "first tokens always attended (count toward the budget)"},
        {"local", "int", "0", "most recent tokens always attended (count toward the budget)"}},
-      [](const MethodContext& c, const ParamSet& p) { return std::make_unique<ExactTopk>(c, p); }};
+      [](const MethodContext& c, const ParamSet& p) { return std::make_unique<ExactTopk>(c, p); },
+      KVS_CUDA_IMPL(make_exact_topk_cuda)};
 }
 
 }  // namespace kvs

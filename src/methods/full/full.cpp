@@ -14,9 +14,12 @@ class Full final : public Method {
 };
 }  // namespace
 
+std::unique_ptr<DeviceMethod> make_full_cuda(const MethodContext&, const ParamSet&);  // full_cuda.cpp
+
 MethodSpec full_spec() {
   return MethodSpec{"full", "dense exact attention over every key (baseline)",
                     1u << KVS_BACKEND_CPU, 1.0, {},
-                    [](const MethodContext&, const ParamSet&) { return std::make_unique<Full>(); }};
+                    [](const MethodContext&, const ParamSet&) { return std::make_unique<Full>(); },
+      KVS_CUDA_IMPL(make_full_cuda)};
 }
 }  // namespace kvs

@@ -173,6 +173,8 @@ class Quest final : public Method {
 
 }  // namespace
 
+std::unique_ptr<DeviceMethod> make_quest_cuda(const MethodContext&, const ParamSet&);  // quest_cuda.cpp
+
 MethodSpec quest_spec() {
   return MethodSpec{
       "quest", "Quest: pages of 16 keys scored by their min/max upper bound, top pages attended (METHODS.md 4)",
@@ -181,7 +183,8 @@ MethodSpec quest_spec() {
        {"dense_layers", "int", "0", "first layers attended densely (Quest's reference keeps 2; 0 keeps budgets comparable)"},
        {"gqa", "enum:sum|per_query_head", "sum",
         "pages per KV head with the group's bounds summed (keeps the budget), or per query head (eval path, repeat_kv)"}},
-      [](const MethodContext& c, const ParamSet& p) { return std::make_unique<Quest>(c, p); }};
+      [](const MethodContext& c, const ParamSet& p) { return std::make_unique<Quest>(c, p); },
+      KVS_CUDA_IMPL(make_quest_cuda)};
 }
 
 }  // namespace kvs

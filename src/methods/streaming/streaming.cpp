@@ -35,12 +35,15 @@ class Streaming final : public Method {
 
 }  // namespace
 
+std::unique_ptr<DeviceMethod> make_streaming_cuda(const MethodContext&, const ParamSet&);  // streaming_cuda.cpp
+
 MethodSpec streaming_spec() {
   return MethodSpec{"streaming", "StreamingLLM: attention sinks + recent window (METHODS.md 3)",
                     1u << KVS_BACKEND_CPU, 0.05,
                     {{"sinks", "int", "4", "initial tokens always kept (StartRecentKVCache start_size)"},
                      {"window", "int", "0", "recent tokens kept; 0 = budget minus sinks"}},
-                    [](const MethodContext& c, const ParamSet& p) { return std::make_unique<Streaming>(c, p); }};
+                    [](const MethodContext& c, const ParamSet& p) { return std::make_unique<Streaming>(c, p); },
+      KVS_CUDA_IMPL(make_streaming_cuda)};
 }
 
 }  // namespace kvs

@@ -1,0 +1,64 @@
+// Host-side helpers shared by the cuda backend's C++ files: error conversion, the device guard,
+// validation of caller tensors on the device. Compiled by the host compiler against the CUDA runtime.
+#pragma once
+#ifdef KVS_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include <initializer_list>
+#include <string>
+
+#include "backends/cuda/cuda_attention.cuh"
+#include "core/error.hpp"
+#include "core/tensor.hpp"
+
+namespace kvs::cudautil {
+
+inline void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    if (e == cudaErrorMemoryAllocation)
+      fail(KVS_STATUS_OUT_OF_MEMORY, std::string("CUDA: ") + what + ": " + cudaGetErrorString(e), int64_t(e));
+    fail(KVS_STATUS_BACKEND, std::string("CUDA: ") + what + ": " + cudaGetErrorString(e), int64_t(e));
+  }
+}
+inline void check(const cuda::Status& st, const char* what) {
+  if (!st.ok()) fail(kvs_status(st.code), std::string("CUDA ") + what + ": " + st.message, int64_t(st.cuda_error));
+}
+inline cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
+
+// Switches to a device for the scope and back.
+struct DeviceGuard {
+  int prev = -1;
+  explicit DeviceGuard(int dev) {
+    check(cudaGetDevice(&prev), "cudaGetDevice");
+    if (prev != dev) check(cudaSetDevice(dev), "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    int cur = -1;
+    if (cudaGetDevice(&cur) == cudaSuccess && cur != prev && prev >= 0) cudaSetDevice(prev);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+};
+
+// A contiguous CUDA tensor of the given shape, on `device`, of one of the allowed dtypes.
+inline View cuda_view(const kvs_tensor* t, const char* name, std::initializer_list<int64_t> shape, int device,
+                      std::initializer_list<DType> allowed) {
+  View v = check_tensor(t, name, shape, Where::Cuda);
+  if (v.device_id != device)
+    invalid(std::string(name) + ": expected a tensor on CUDA device " + std::to_string(device) + ", got device " +
+            std::to_string(v.device_id));
+  if (!v.contiguous()) invalid(std::string(name) + ": the cuda backend expects a contiguous tensor");
+  if (reinterpret_cast<uintptr_t>(v.base) % 16)
+    invalid(std::string(name) + ": the cuda backend expects 16-byte aligned data");
+  bool ok = false;
+  std::string names;
+  for (DType a : allowed) {
+    ok |= a == v.dtype;
+    names += (names.empty() ? "" : " or ") + std::string(dtype_name(a));
+  }
+  if (!ok) invalid(std::string(name) + ": expected dtype " + names + " on the cuda backend, got " + dtype_name(v.dtype));
+  return v;
+}
+
+}  // namespace kvs::cudautil
+#endif

@@ -1,0 +1,87 @@
+// A method's implementation on the cuda placement: its index lives on the GPU, and a decode step
+// is launches only (no host synchronisation, no allocation), reading the query and the paged KV
+// where they are and writing a selection into device buffers that the placement attends.
+//
+// The placement owns the KV pages and the step: it appends the new tokens, builds the batch's page
+// table, asks plan() (host only) how large the selection and the method's scratch must be, calls
+// select() and then runs dense or gathered attention. The index's serialised form is the tables
+// file's, the same as the CPU implementation's, so an index moves between placements through
+// save/load (a CPU-built tables file loads onto the GPU and decodes the same).
+#pragma once
+#ifdef KVS_HAVE_CUDA
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "backends/cuda/cuda_attention.cuh"
+#include "backends/cuda/kv_layout.cuh"
+#include "core/method.hpp"
+
+namespace kvs {
+
+// One sequence's layer as a method sees it outside a step (prefill, append, build).
+struct DeviceLayerView {
+  cuda::PagedKv kv;      // B = 1: this sequence's own page table
+  int64_t tokens = 0;    // tokens stored
+  void* stream = nullptr;
+};
+
+// One layer of one decode step for a batch, as built by the placement (after the append).
+struct DeviceStep {
+  cuda::AttnShape shape;            // batch = B
+  cuda::Scalar kv_dtype = cuda::Scalar::BF16;
+  cuda::PagedKv kv;                 // the batch's page table
+  cuda::Query q;
+  const int32_t* lengths = nullptr;      // device [B]: tokens after the append
+  const int32_t* budget_keys = nullptr;  // device [B]: the budget in keys for that length
+  std::span<const int64_t> host_lengths; // the same, on the host
+  std::span<const int64_t> host_budget;
+  int32_t max_length = 0;
+  void* stream = nullptr;
+};
+
+// What a step needs, decided on the host before any launch.
+struct DevicePlan {
+  bool dense = false;           // attend every key (no selection)
+  bool per_query_head = false;  // selection rows are query heads (else KV heads)
+  int32_t max_selected = 0;     // capacity of a selection row
+  size_t workspace = 0;         // the method's own scratch for select()
+  size_t arg_bytes = 0;         // bytes of per-step arguments the method uploads (see select)
+  std::vector<double> selected; // per session: the exact keys each KV head attends (statistics)
+};
+
+class DeviceMethod {
+ public:
+  virtual ~DeviceMethod() = default;
+  // Tokens [t0, t1) were stored in the layer (prefill chunk, appended turn, or t1 - t0 = 1 for the
+  // token a decode step appends: then called before select, in stream order).
+  virtual void on_tokens(uint32_t layer, const DeviceLayerView& v, int64_t t0, int64_t t1) {}
+  virtual void build_index(uint32_t layer, const DeviceLayerView& v) {}
+  virtual void truncate(uint32_t layer, int64_t n) {}
+  // Host only, on batch[0]'s implementation for the whole batch.
+  virtual DevicePlan plan(std::span<DeviceMethod* const> batch, uint32_t layer, const DeviceStep& step) const = 0;
+  // Launches that write the selection (idx [B, H, max_selected] -1 padded, cnt [B, H]) unless the
+  // plan is dense. `args` is plan.arg_bytes of device memory holding what fill_args wrote on the
+  // host (uploaded in stream order before this call).
+  virtual void fill_args(std::span<DeviceMethod* const> batch, uint32_t layer, const DeviceStep& step,
+                         void* host_args) const {}
+  virtual void select(std::span<DeviceMethod* const> batch, uint32_t layer, const DeviceStep& step,
+                      const DevicePlan& plan, const void* args, int32_t* idx, int32_t* cnt,
+                      const cuda::Workspace& ws) = 0;
+  // Before a save: bring the index up to date for the stored tokens (may synchronise).
+  virtual void finish(uint32_t layer, const DeviceLayerView& v) {}
+
+  virtual nlohmann::json save_meta() const { return nlohmann::json::object(); }
+  virtual void save(io::TablesWriter& w) const {}
+  virtual void load(const io::TablesFile& f, const nlohmann::json& meta) {}
+  virtual std::unique_ptr<DeviceMethod> clone(void* stream) const = 0;
+  virtual uint64_t index_bytes() const { return 0; }
+  virtual bool stat(std::string_view name, double* out) const { return false; }
+};
+
+}  // namespace kvs
+#endif

@@ -1,0 +1,624 @@
+// The cuda placement: KV of every layer in device pages (kv_layout.cuh, pages of kPageTokens tokens
+// in the host store's page layout), the method's DeviceMethod, and the decode step as launches on
+// the caller's stream:
+//
+//   host: validate tensors, reserve the new token's page (unless a batch plan did), lengths and
+//         budgets, DeviceMethod::plan (selection size, scratch), one argument block
+//   device: upload the argument block -> assemble the batch page table (B > 1) -> append the new
+//           K/V rows -> method update (on_tokens) -> method select -> dense or gathered attention
+//           writing o and lse where the caller wants them
+//
+// Nothing synchronises the caller's stream except last_selection and save (which read back).
+#ifdef KVS_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <string>
+
+#include "backends/backend.hpp"
+#include "backends/cuda/cuda_attention.cuh"
+#include "backends/cuda/cuda_util.hpp"
+#include "backends/cuda/device_method.hpp"
+#include "backends/cuda/kv_ops.cuh"
+#include "backends/cuda/page_pool.hpp"
+#include "core/error.hpp"
+#include "core/kv_store.hpp"
+#include "core/placement.hpp"
+#include "core/session.hpp"
+#include "io/tables.hpp"
+
+namespace kvs {
+
+using cudautil::check;
+using cudautil::cuda_view;
+using cudautil::DeviceGuard;
+using cudautil::S;
+
+// ---- the cuda backend ------------------------------------------------------------------------
+namespace {
+
+class CudaBackendOps final : public Backend {
+ public:
+  int32_t id() const override { return KVS_BACKEND_CUDA; }
+  const char* name() const override { return "cuda"; }
+  void* alloc(size_t bytes, Mem where) const override {
+    void* p = nullptr;
+    if (where == Mem::Device) check(cudaMalloc(&p, bytes ? bytes : 1), "cudaMalloc");
+    else if (where == Mem::Pinned) check(cudaMallocHost(&p, bytes ? bytes : 1), "cudaMallocHost");
+    else {
+      p = std::malloc(bytes ? bytes : 1);
+      if (!p) fail(KVS_STATUS_OUT_OF_MEMORY, "cuda backend: host allocation of " + std::to_string(bytes) + " bytes failed");
+    }
+    return p;
+  }
+  void free(void* p, Mem where) const noexcept override {
+    if (!p) return;
+    if (where == Mem::Device) cudaFree(p);
+    else if (where == Mem::Pinned) cudaFreeHost(p);
+    else std::free(p);
+  }
+  void copy(void* dst, Mem, const void* src, Mem, size_t bytes, void* stream) const override {
+    if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, S(stream)), "cudaMemcpyAsync");
+  }
+  void host_fn(void* stream, std::function<void()> fn) const override {
+    auto* f = new std::function<void()>(std::move(fn));
+    const cudaError_t e = cudaLaunchHostFunc(
+        S(stream),
+        [](void* p) {
+          auto* g = static_cast<std::function<void()>*>(p);
+          (*g)();
+          delete g;
+        },
+        f);
+    if (e != cudaSuccess) {
+      delete f;
+      check(e, "cudaLaunchHostFunc");
+    }
+  }
+  void sync(void* stream) const override { check(cudaStreamSynchronize(S(stream)), "cudaStreamSynchronize"); }
+  void merge(const AttnState& dst, const AttnState& src, int64_t rows, int32_t d, void* stream) const override {
+    check(cuda::merge_states(dst.o.as<float>(), dst.lse.as<float>(), src.o.as<float>(), src.lse.as<float>(),
+                             dst.o.as<float>(), dst.lse.as<float>(), rows, d, stream),
+          "merge_states");
+  }
+};
+
+constexpr int64_t kMaxLayerTokens = (int64_t(1) << 31) - 1;
+std::string L(uint32_t layer) { return std::to_string(layer); }
+size_t align256(size_t x) { return (x + 255) / 256 * 256; }
+int log2i(int64_t x) {
+  int s = 0;
+  while ((int64_t(1) << s) < x) ++s;
+  return s;
+}
+
+// A device buffer that frees itself (on its device).
+struct DevBuf {
+  void* p = nullptr;
+  size_t bytes = 0;
+  int device = 0;
+  DevBuf() = default;
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  ~DevBuf() { release(); }
+  void release() {
+    if (p) {
+      DeviceGuard g(device);
+      cudaFree(p);
+    }
+    p = nullptr;
+    bytes = 0;
+  }
+  // Grows to at least n bytes (contents not kept).
+  void reserve(size_t n, int dev) {
+    if (n <= bytes && p) return;
+    release();
+    device = dev;
+    check(cudaMalloc(&p, n ? n : 1), "cudaMalloc(workspace)");
+    bytes = n;
+  }
+};
+
+// One layer of one sequence: its pages (host list) and the device copy of the page table.
+struct DevLayer {
+  std::vector<std::shared_ptr<DevicePage>> pages;
+  int64_t n = 0;
+  std::shared_ptr<DevBuf> table;  // device [cap] page pointers
+  int64_t table_cap = 0;
+};
+
+}  // namespace
+
+const Backend& cuda_backend() {
+  static const CudaBackendOps b;
+  return b;
+}
+
+// ---- the placement ---------------------------------------------------------------------------
+namespace {
+
+// The last selection of a layer, kept on the device until asked for.
+struct SelRecord {
+  std::shared_ptr<DevBuf> buf;  // idx [B, H, max_sel] then cnt [B, H]
+  int32_t row = 0, batch = 0, heads = 0, max_sel = 0;
+  bool dense = true, per_query_head = false;
+  int64_t n = 0;
+  void* stream = nullptr;
+};
+
+class CudaPlacement final : public Placement {
+ public:
+  CudaPlacement(const SessionConfig& cfg, const MethodSpec& spec, const ParamSet& ps, std::shared_ptr<ThreadPool> pool)
+      : cfg_(cfg), spec_(spec), params_(ps), pool_(std::move(pool)), device_(cfg.device_id) {
+    const auto& sh = cfg_.shape;
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0)
+      fail(KVS_STATUS_UNSUPPORTED, "params->backend: the cuda backend needs a CUDA device, none was found");
+    if (device_ < 0 || device_ >= count)
+      invalid("params->device_id: expected 0.." + std::to_string(count - 1) + ", got " + std::to_string(device_));
+    if (sh.kv_dtype == DType::F32)
+      fail(KVS_STATUS_UNSUPPORTED, "params->kv_dtype: the cuda backend stores KV in bf16 or fp16, not f32");
+    if (sh.head_dim != 64 && sh.head_dim != 128 && sh.head_dim != 256)
+      fail(KVS_STATUS_UNSUPPORTED, "params->head_dim: the cuda backend supports head dims 64, 128 and 256, got " +
+                                       std::to_string(sh.head_dim));
+    DeviceGuard g(device_);
+    MethodContext mc{cfg_.shape, cfg_.budget, pool_.get(), 0};
+    method_ = spec_.create_cuda(mc, ps);
+    layers_.resize(sh.num_layers);
+    sel_.resize(sh.num_layers);
+    page_bytes_ = cuda::paged_kv_page_bytes(int32_t(sh.num_kv_heads), int32_t(kPageTokens), int32_t(sh.head_dim),
+                                            int32_t(dtype_size(sh.kv_dtype)));
+  }
+
+  ~CudaPlacement() override {
+    int prev = -1;
+    cudaGetDevice(&prev);
+    cudaSetDevice(device_);
+    for (auto& e : arg_events_)
+      if (e) cudaEventDestroy(e);
+    for (auto* h : arg_host_)
+      if (h) cudaFreeHost(h);
+    layers_.clear();
+    sel_.clear();
+    method_.reset();
+    ws_.reset();
+    if (prev >= 0) cudaSetDevice(prev);
+  }
+
+  int32_t backend() const override { return KVS_BACKEND_CUDA; }
+  const Backend& ops() const override { return cuda_backend(); }
+  int64_t tokens(uint32_t layer) const override { return layers_[layer].n; }
+
+  // ---- prefill, append, build ----
+
+  void add_tokens(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, const kvs_tensor* v, const kvs_tensor* o,
+                  const char* fn, bool prompt, int64_t max_tokens, void* stream) override {
+    const auto& sh = cfg_.shape;
+    DeviceGuard g(device_);
+    View qv = cuda_view(q, "q", {-1, sh.num_q_heads, sh.head_dim}, device_, {DType::F32, sh.kv_dtype});
+    const int64_t n = qv.shape[0];
+    View kv = cuda_view(k, "k", {n, sh.num_kv_heads, sh.head_dim}, device_, {sh.kv_dtype});
+    View vv = cuda_view(v, "v", {n, sh.num_kv_heads, sh.head_dim}, device_, {sh.kv_dtype});
+    if (o)
+      fail(KVS_STATUS_UNSUPPORTED, std::string(fn) +
+                                       ": o: causal outputs of prompt chunks are not computed by the cuda backend; pass NULL");
+    auto& lay = layers_[layer];
+    const int64_t n0 = lay.n;
+    max_tokens = std::min(max_tokens, kMaxLayerTokens);
+    if (n > max_tokens - n0)
+      invalid(std::string(fn) + ": q: layer " + L(layer) + " may hold at most " + std::to_string(max_tokens) +
+              " tokens here (it has " + std::to_string(n0) + "), got " + std::to_string(n) + " more");
+    const size_t pages0 = lay.pages.size();
+    try {
+      reserve(lay, n0 + n, stream);
+      check(cuda::write_kv_rows(own_kv(lay), 0, int32_t(sh.num_kv_heads), int32_t(sh.head_dim), kvdt(), int32_t(n0),
+                                int32_t(n), kv.base, vv.base, stream),
+            "write_kv_rows");
+      lay.n = n0 + n;
+      method_->on_tokens(layer, view(lay, stream), n0, n0 + n);
+    } catch (...) {
+      lay.n = n0;
+      lay.pages.resize(pages0);
+      method_->truncate(layer, n0);
+      throw;
+    }
+    (void)prompt;
+  }
+
+  void build_index(uint32_t layer, void* stream) override {
+    DeviceGuard g(device_);
+    method_->build_index(layer, view(layers_[layer], stream));
+  }
+
+  // ---- a batch step ----
+
+  void plan(std::span<Placement* const> batch, void* stream) override {
+    DeviceGuard g(device_);
+    for (Placement* p : batch) {
+      auto* c = static_cast<CudaPlacement*>(p);
+      for (auto& lay : c->layers_) c->reserve(lay, lay.n + 1, stream);
+    }
+  }
+
+  void decode(std::span<Placement* const> batch, uint32_t layer, const StepTensors& t,
+              std::span<StepReport> reports) override {
+    const auto& sh = cfg_.shape;
+    const int64_t B = int64_t(batch.size()), hq = sh.num_q_heads, hkv = sh.num_kv_heads, d = sh.head_dim;
+    DeviceGuard g(device_);
+    View qv, kv, vv, ov, lv;
+    const std::initializer_list<DType> qdt = {DType::F32, sh.kv_dtype};
+    if (t.single) {
+      qv = cuda_view(t.q, "q", {hq, d}, device_, qdt);
+      kv = cuda_view(t.k_new, "k_new", {hkv, d}, device_, {sh.kv_dtype});
+      vv = cuda_view(t.v_new, "v_new", {hkv, d}, device_, {sh.kv_dtype});
+      ov = cuda_view(t.o, "o", {hq, d}, device_, qdt);
+      if (t.lse) lv = cuda_view(t.lse, "lse", {hq}, device_, {DType::F32});
+    } else {
+      qv = cuda_view(t.q, "q", {B, hq, d}, device_, qdt);
+      kv = cuda_view(t.k_new, "k_new", {B, hkv, d}, device_, {sh.kv_dtype});
+      vv = cuda_view(t.v_new, "v_new", {B, hkv, d}, device_, {sh.kv_dtype});
+      ov = cuda_view(t.o, "o", {B, hq, d}, device_, qdt);
+      if (t.lse) lv = cuda_view(t.lse, "lse", {B, hq}, device_, {DType::F32});
+    }
+    std::vector<CudaPlacement*> ps(static_cast<size_t>(B));
+    std::vector<DeviceMethod*> ms(static_cast<size_t>(B));
+    std::vector<int64_t> lens(static_cast<size_t>(B)), budget(static_cast<size_t>(B));
+    int64_t max_len = 0, max_pages = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      auto* c = static_cast<CudaPlacement*>(batch[size_t(b)]);
+      ps[size_t(b)] = c;
+      ms[size_t(b)] = c->method_.get();
+      const auto& lay = c->layers_[layer];
+      if (lay.n >= kMaxLayerTokens)
+        invalid(std::string(t.fn) + ": layer " + L(layer) + " of sessions[" + std::to_string(b) + "] is full (" +
+                std::to_string(kMaxLayerTokens) + " tokens)");
+      lens[size_t(b)] = lay.n + 1;
+      budget[size_t(b)] = c->cfg_.budget.keys(lay.n + 1, spec_.default_budget);
+      max_len = std::max(max_len, lay.n + 1);
+    }
+    // The new token's page (a batch plan reserved it already: then nothing happens here).
+    for (int64_t b = 0; b < B; ++b) {
+      auto& lay = ps[size_t(b)]->layers_[layer];
+      ps[size_t(b)]->reserve(lay, lay.n + 1, t.stream);
+      max_pages = std::max(max_pages, lay.table_cap);
+    }
+
+    DeviceStep st;
+    st.shape = cuda::AttnShape{int32_t(B), int32_t(hq), int32_t(hkv), int32_t(d), sh.softmax_scale};
+    st.kv_dtype = kvdt();
+    st.q = cuda::Query{qv.base, cuda::Scalar(int32_t(qv.dtype))};
+    st.host_lengths = lens;
+    st.host_budget = budget;
+    st.max_length = int32_t(max_len);
+    st.stream = t.stream;
+    const DevicePlan pl = method_->plan(ms, layer, st);
+    if (!pl.dense && (pl.max_selected <= 0 || pl.selected.size() != size_t(B)))
+      fail(KVS_STATUS_INTERNAL, "cuda method plan: selection capacity out of range");
+
+    // Argument block: pos [B], lengths [B], budget [B], counts [B] (int32), then B source page
+    // tables (pointers), then the method's arguments.
+    const size_t ints = align256(size_t(B) * 4 * sizeof(int32_t));
+    const size_t ptrs = align256(size_t(B) * sizeof(void*));
+    const size_t arg_bytes = ints + ptrs + align256(pl.arg_bytes);
+    char* host = arg_slot(arg_bytes);
+    auto* hi = reinterpret_cast<int32_t*>(host);
+    auto* hp = reinterpret_cast<const void**>(host + ints);
+    for (int64_t b = 0; b < B; ++b) {
+      const auto& lay = ps[size_t(b)]->layers_[layer];
+      hi[b] = int32_t(lay.n);
+      hi[B + b] = int32_t(lens[size_t(b)]);
+      hi[2 * B + b] = int32_t(budget[size_t(b)]);
+      hi[3 * B + b] = int32_t(lay.pages.size());
+      hp[b] = lay.table->p;
+    }
+    if (pl.arg_bytes) method_->fill_args(ms, layer, st, host + ints + ptrs);
+
+    // Device workspace: arguments, the batch page table, the selection, a scratch lse, the kernels'.
+    const int32_t H = pl.per_query_head ? int32_t(hq) : int32_t(hkv);
+    const size_t table_bytes = B > 1 ? align256(size_t(B) * size_t(max_pages) * sizeof(void*)) : 0;
+    const size_t lse_bytes = t.lse ? 0 : align256(size_t(B) * hq * sizeof(float));
+    const size_t attn_ws = pl.dense ? cuda::dense_decode_workspace_bytes(st.shape, int32_t(max_len))
+                                    : cuda::gathered_decode_workspace_bytes(st.shape, pl.max_selected, pl.per_query_head);
+    const size_t kern_ws = align256(std::max(attn_ws, pl.workspace));
+    if (!ws_) ws_ = std::make_shared<DevBuf>();
+    ws_->reserve(arg_bytes + table_bytes + lse_bytes + kern_ws, device_);
+    char* ws = static_cast<char*>(ws_->p);
+    char* dargs = ws;
+    check(cudaMemcpyAsync(dargs, host, arg_bytes, cudaMemcpyHostToDevice, S(t.stream)), "cudaMemcpyAsync(step arguments)");
+    arg_done(t.stream);
+    const int32_t* dpos = reinterpret_cast<const int32_t*>(dargs);
+    st.lengths = dpos + B;
+    st.budget_keys = dpos + 2 * B;
+    if (B > 1) {
+      auto** table = reinterpret_cast<const void**>(ws + arg_bytes);
+      check(cuda::gather_page_tables(reinterpret_cast<const void* const* const*>(dargs + ints), dpos + 3 * B, int32_t(B),
+                                     int32_t(max_pages), table, t.stream),
+            "gather_page_tables");
+      st.kv = cuda::PagedKv{table, int32_t(max_pages), int32_t(kPageTokens), log2i(kPageTokens)};
+    } else {
+      st.kv = own_kv(ps[0]->layers_[layer]);
+    }
+    float* dlse = t.lse ? reinterpret_cast<float*>(lv.mutable_base()) : reinterpret_cast<float*>(ws + arg_bytes + table_bytes);
+    cuda::Workspace kw{ws + arg_bytes + table_bytes + lse_bytes, kern_ws};
+
+    // Selection buffer of this layer (kept for last_selection): reused when only this batch's
+    // sessions still refer to it.
+    std::shared_ptr<DevBuf> selbuf;
+    if (!pl.dense) {
+      const size_t sel_bytes = align256(size_t(B) * H * pl.max_selected * 4) + align256(size_t(B) * H * 4);
+      selbuf = step_selection(ps, layer, sel_bytes);
+    }
+    int32_t* idx = selbuf ? static_cast<int32_t*>(selbuf->p) : nullptr;
+    int32_t* cnt = selbuf ? reinterpret_cast<int32_t*>(static_cast<char*>(selbuf->p) +
+                                                      align256(size_t(B) * H * pl.max_selected * 4))
+                          : nullptr;
+
+    check(cuda::append_kv_batch(st.kv, int32_t(B), int32_t(hkv), int32_t(d), kvdt(), dpos, kv.base, vv.base, t.stream),
+          "append_kv_batch");
+    int64_t advanced = 0;
+    try {
+      for (; advanced < B; ++advanced) {
+        auto* c = ps[size_t(advanced)];
+        auto& lay = c->layers_[layer];
+        ++lay.n;
+        c->method_->on_tokens(layer, view(lay, t.stream), lay.n - 1, lay.n);
+      }
+      cuda::Output out{ov.mutable_base(), cuda::Scalar(int32_t(ov.dtype)), dlse};
+      if (pl.dense) {
+        check(cuda::dense_decode(st.shape, st.q, st.kv, kvdt(), st.lengths, st.max_length, out, kw, t.stream),
+              "dense_decode");
+      } else {
+        method_->select(ms, layer, st, pl, dargs + ints + ptrs, idx, cnt, kw);
+        check(cuda::gathered_decode(st.shape, st.q, st.kv, kvdt(), idx, cnt, pl.max_selected, out, kw, t.stream,
+                                    pl.per_query_head),
+              "gathered_decode");
+      }
+    } catch (...) {
+      for (int64_t a = 0; a < advanced; ++a) {
+        auto* c = ps[size_t(a)];
+        auto& lay = c->layers_[layer];
+        --lay.n;
+        c->method_->truncate(layer, lay.n);
+      }
+      throw;
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      auto* c = ps[size_t(b)];
+      auto& rec = c->sel_[layer];
+      rec = SelRecord{selbuf, int32_t(b), int32_t(B), H, pl.max_selected, pl.dense, pl.per_query_head,
+                      c->layers_[layer].n, t.stream};
+      reports[size_t(b)] = StepReport{pl.dense ? double(lens[size_t(b)]) : pl.selected[size_t(b)], lens[size_t(b)]};
+    }
+  }
+
+  // ---- inspection ----
+
+  std::vector<int32_t> last_selection(uint32_t layer, uint32_t kv_head) const override {
+    const SelRecord& r = sel_[layer];
+    std::vector<int32_t> out;
+    if (r.dense) {
+      out.resize(size_t(r.n));
+      for (int64_t i = 0; i < r.n; ++i) out[size_t(i)] = int32_t(i);
+      return out;
+    }
+    DeviceGuard g(device_);
+    check(cudaStreamSynchronize(S(r.stream)), "cudaStreamSynchronize(selection)");
+    const int G = cfg_.shape.group();
+    const int rows = r.per_query_head ? G : 1;
+    const int h0 = r.per_query_head ? int(kv_head) * G : int(kv_head);
+    std::vector<int32_t> cnt(static_cast<size_t>(rows)), idx(static_cast<size_t>(rows) * size_t(r.max_sel));
+    const char* base = static_cast<const char*>(r.buf->p);
+    const size_t idx_bytes = align256(size_t(r.batch) * r.heads * r.max_sel * 4);
+    check(cudaMemcpy(cnt.data(), base + idx_bytes + (size_t(r.row) * r.heads + h0) * 4, cnt.size() * 4,
+                     cudaMemcpyDeviceToHost),
+          "cudaMemcpy(selection counts)");
+    check(cudaMemcpy(idx.data(), base + (size_t(r.row) * r.heads + h0) * r.max_sel * 4, idx.size() * 4,
+                     cudaMemcpyDeviceToHost),
+          "cudaMemcpy(selection)");
+    for (int i = 0; i < rows; ++i)
+      for (int j = 0; j < std::clamp(cnt[size_t(i)], 0, r.max_sel); ++j) out.push_back(idx[size_t(i) * r.max_sel + j]);
+    std::sort(out.begin(), out.end());
+    out.erase(std::unique(out.begin(), out.end()), out.end());
+    out.erase(std::remove(out.begin(), out.end(), -1), out.end());
+    return out;
+  }
+
+  void stats(kvs_session_stats& st) const override {
+    for (auto& l : layers_)
+      for (auto& p : l.pages) {
+        st.kv_bytes += p->bytes();
+        if (p.use_count() > 1) st.kv_shared_bytes += p->bytes();
+      }
+    st.index_bytes = method_->index_bytes();
+    st.workspace_bytes = ws_ ? ws_->bytes : 0;
+  }
+  bool stat(std::string_view name, double* out) const override { return method_->stat(name, out); }
+
+  // ---- tables ----
+
+  nlohmann::json save_meta() const override {
+    DeviceGuard g(device_);
+    for (uint32_t l = 0; l < layers_.size(); ++l)
+      if (layers_[l].n) method_->finish(l, view(layers_[l], nullptr));
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(save)");
+    return method_->save_meta();
+  }
+
+  void save(io::TablesWriter& w, bool with_kv) const override {
+    DeviceGuard g(device_);
+    saved_pages_.clear();
+    if (with_kv)
+      for (uint32_t l = 0; l < layers_.size(); ++l) {
+        const auto& lay = layers_[l];
+        if (lay.pages.empty()) continue;
+        std::vector<io::Piece> pieces;
+        for (auto& p : lay.pages) {
+          saved_pages_.emplace_back(p->bytes());
+          check(cudaMemcpy(saved_pages_.back().data(), p->data(), p->bytes(), cudaMemcpyDeviceToHost),
+                "cudaMemcpy(KV page to host)");
+          pieces.push_back(io::Piece{saved_pages_.back().data(), uint64_t(p->bytes())});
+        }
+        w.add("kv", int32_t(l), -1, std::move(pieces));
+      }
+    method_->save(w);
+  }
+
+  void load(const std::shared_ptr<const io::TablesFile>& file, const nlohmann::json& meta,
+            const std::vector<int64_t>& tokens, bool with_kv, const std::string& path) override {
+    DeviceGuard g(device_);
+    for (uint32_t l = 0; with_kv && l < layers_.size(); ++l) {
+      const int64_t n = tokens[l];
+      if (n == 0) continue;
+      const auto& sec = file->require("kv", int32_t(l), -1);
+      const int64_t np = (n + kPageTokens - 1) / kPageTokens;
+      if (sec.length != uint64_t(np) * page_bytes_)
+        fail(KVS_STATUS_FORMAT_INVALID, "tables file '" + path + "': section kv layer " + L(l) + ": expected " +
+                                            std::to_string(uint64_t(np) * page_bytes_) + " bytes for " +
+                                            std::to_string(n) + " tokens, got " + std::to_string(sec.length));
+      auto& lay = layers_[l];
+      reserve(lay, n, nullptr);
+      for (int64_t i = 0; i < np; ++i)
+        check(cudaMemcpy(lay.pages[size_t(i)]->data(), sec.data + size_t(i) * page_bytes_, page_bytes_,
+                         cudaMemcpyHostToDevice),
+              "cudaMemcpy(KV page to device)");
+      lay.n = n;
+    }
+    method_->load(*file, meta);
+  }
+
+  std::unique_ptr<Placement> fork() const override {
+    DeviceGuard g(device_);
+    auto p = std::make_unique<CudaPlacement>(cfg_, spec_, params_, pool_);
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      auto& dst = p->layers_[l];
+      dst.pages = layers_[l].pages;  // shared; the last page is copied before it is written
+      dst.n = layers_[l].n;
+      p->upload_table(dst, 0, nullptr);
+    }
+    p->method_ = method_->clone(nullptr);
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(fork)");
+    return p;
+  }
+
+ private:
+  cuda::Scalar kvdt() const { return cuda::Scalar(int32_t(cfg_.shape.kv_dtype)); }
+
+  cuda::PagedKv own_kv(const DevLayer& lay) const {
+    return cuda::PagedKv{lay.table ? static_cast<const void* const*>(lay.table->p) : nullptr, int32_t(lay.table_cap),
+                         int32_t(kPageTokens), log2i(kPageTokens)};
+  }
+  DeviceLayerView view(const DevLayer& lay, void* stream) const { return DeviceLayerView{own_kv(lay), lay.n, stream}; }
+
+  // Pages for `tokens` tokens, the last one private (copy-on-write), the device table up to date.
+  void reserve(DevLayer& lay, int64_t tokens, void* stream) {
+    const int64_t need = (tokens + kPageTokens - 1) / kPageTokens;
+    const size_t first_new = lay.pages.size();
+    size_t first_dirty = first_new;
+    // The page the next token goes into must not be shared.
+    if (lay.n % kPageTokens != 0 && tokens > lay.n) {
+      auto& last = lay.pages[size_t(lay.n / kPageTokens)];
+      if (last.use_count() > 1) {
+        auto copy = device_page(device_, page_bytes_);
+        check(cudaMemcpyAsync(copy->data(), last->data(), page_bytes_, cudaMemcpyDeviceToDevice, S(stream)),
+              "cudaMemcpyAsync(copy-on-write page)");
+        last = std::move(copy);
+        first_dirty = size_t(lay.n / kPageTokens);
+      }
+    }
+    while (int64_t(lay.pages.size()) < need) lay.pages.push_back(device_page(device_, page_bytes_));
+    if (first_dirty < lay.pages.size()) upload_table(lay, first_dirty, stream);
+  }
+
+  // Uploads page-table entries [from, pages) (growing the table by doubling: a new table is filled
+  // whole).
+  void upload_table(DevLayer& lay, size_t from, void* stream) {
+    const int64_t np = int64_t(lay.pages.size());
+    if (!lay.table || np > lay.table_cap) {
+      int64_t cap = std::max<int64_t>(16, lay.table_cap);
+      while (cap < np) cap *= 2;
+      auto t = std::make_shared<DevBuf>();
+      t->reserve(size_t(cap) * sizeof(void*), device_);
+      lay.table = std::move(t);
+      lay.table_cap = cap;
+      from = 0;
+    }
+    std::vector<const void*> host(lay.pages.size() - from);
+    for (size_t i = from; i < lay.pages.size(); ++i) host[i - from] = lay.pages[i]->data();
+    if (host.empty()) return;
+    // From pageable memory: returns once the entries are staged (host vector free to go), ordered on
+    // the stream. Never inside a captured step: a plan or a prefill reserves pages.
+    check(cudaMemcpyAsync(static_cast<const void**>(lay.table->p) + from, host.data(), host.size() * sizeof(void*),
+                          cudaMemcpyHostToDevice, S(stream)),
+          "cudaMemcpyAsync(page table)");
+  }
+
+  // A pinned host slot for a step's arguments (a ring of slots, each reused once its last upload ended).
+  char* arg_slot(size_t bytes) {
+    const size_t k = arg_next_;
+    if (arg_events_[k]) check(cudaEventSynchronize(arg_events_[k]), "cudaEventSynchronize(argument slot)");
+    if (arg_bytes_[k] < bytes) {
+      if (arg_host_[k]) cudaFreeHost(arg_host_[k]);
+      arg_host_[k] = nullptr;
+      arg_bytes_[k] = 0;
+      void* p = nullptr;
+      check(cudaMallocHost(&p, std::max<size_t>(bytes, 4096)), "cudaMallocHost(step arguments)");
+      arg_host_[k] = static_cast<char*>(p);
+      arg_bytes_[k] = std::max<size_t>(bytes, 4096);
+    }
+    return arg_host_[k];
+  }
+  void arg_done(void* stream) {
+    const size_t k = arg_next_;
+    if (!arg_events_[k]) check(cudaEventCreateWithFlags(&arg_events_[k], cudaEventDisableTiming), "cudaEventCreate");
+    check(cudaEventRecord(arg_events_[k], S(stream)), "cudaEventRecord");
+    arg_next_ = (k + 1) % kArgSlots;
+  }
+
+  // The selection buffer for this step of `layer`: this placement's previous one when only
+  // sessions of this batch still refer to it, else a new one.
+  std::shared_ptr<DevBuf> step_selection(const std::vector<CudaPlacement*>& ps, uint32_t layer, size_t bytes) {
+    auto& cur = sel_owned_[layer];
+    if (cur) {
+      long holders = 1;  // sel_owned_ itself
+      for (auto* c : ps)
+        if (c->sel_[layer].buf == cur) ++holders;
+      if (cur.use_count() != holders || cur->bytes < bytes) cur.reset();
+    }
+    if (!cur) {
+      cur = std::make_shared<DevBuf>();
+      cur->reserve(bytes, device_);
+    }
+    return cur;
+  }
+
+  SessionConfig cfg_;
+  const MethodSpec& spec_;
+  ParamSet params_;
+  std::shared_ptr<ThreadPool> pool_;
+  int device_;
+  size_t page_bytes_ = 0;
+  std::unique_ptr<DeviceMethod> method_;
+  std::vector<DevLayer> layers_;
+  std::vector<SelRecord> sel_;
+  std::map<uint32_t, std::shared_ptr<DevBuf>> sel_owned_;
+  std::shared_ptr<DevBuf> ws_;
+  static constexpr size_t kArgSlots = 8;
+  char* arg_host_[kArgSlots] = {};
+  size_t arg_bytes_[kArgSlots] = {};
+  cudaEvent_t arg_events_[kArgSlots] = {};
+  size_t arg_next_ = 0;
+  mutable std::vector<std::vector<std::byte>> saved_pages_;
+};
+
+}  // namespace
+
+std::unique_ptr<Placement> make_cuda_placement(const SessionConfig& cfg, const MethodSpec& spec, const ParamSet& ps,
+                                               std::shared_ptr<ThreadPool> pool) {
+  return std::make_unique<CudaPlacement>(cfg, spec, ps, std::move(pool));
+}
+
+}  // namespace kvs
+#endif

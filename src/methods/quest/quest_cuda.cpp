@@ -1,0 +1,215 @@
+// quest on the cuda placement: the page bounds (max then min per page, KV head and dimension, in the
+// KV dtype: the stored key values, exact) live on the device per layer and are folded in as tokens
+// arrive; a step scores pages by the upper bound (summed over the group, or per query head), picks
+// the top pages plus the current one and attends their tokens (quest_select, then the gathered
+// kernel). The rules are the CPU method's (quest.cpp); the tables sections are the same (fp32
+// bounds), so a CPU-built index loads here and the other way round.
+//
+// The last page is always attended and never scored, so its bounds are folded in when it fills
+// (one launch per session every page_size decode steps), and before a save.
+#ifdef KVS_HAVE_CUDA
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "backends/cuda/cuda_util.hpp"
+#include "backends/cuda/device_method.hpp"
+#include "backends/cuda/quest.cuh"
+#include "core/dtype.hpp"
+#include "io/tables.hpp"
+
+namespace kvs {
+namespace {
+
+using cudautil::check;
+using cudautil::S;
+
+class QuestCuda final : public DeviceMethod {
+ public:
+  QuestCuda(const MethodContext& ctx, const ParamSet& p)
+      : shape_(ctx.shape),
+        page_(p.get_int("page_size")),
+        dense_layers_(p.get_int("dense_layers")),
+        per_query_(p.get_string("gqa") == "per_query_head"),
+        layers_(ctx.shape.num_layers) {
+    if (page_ < 1 || page_ > 4096) invalid("method_params: quest page_size must be in [1, 4096]");
+    if (dense_layers_ < 0) invalid("method_params: quest dense_layers must be >= 0");
+    check(cudaGetDevice(&device_), "cudaGetDevice");
+  }
+  ~QuestCuda() override {
+    for (auto& l : layers_) cudaFree(l.bounds);
+  }
+  QuestCuda(const QuestCuda&) = delete;
+
+  void on_tokens(uint32_t layer, const DeviceLayerView& v, int64_t t0, int64_t t1) override {
+    auto& l = layers_[layer];
+    if (t1 - t0 == 1 && t1 % page_ != 0 && l.folded <= t0) return;  // a decode token inside the last page
+    fold(layer, v, t1);
+  }
+  void build_index(uint32_t layer, const DeviceLayerView& v) override {
+    layers_[layer].folded = 0;
+    fold(layer, v, v.tokens);
+  }
+  void truncate(uint32_t layer, int64_t n) override {
+    auto& l = layers_[layer];
+    l.folded = std::min(l.folded, n / page_ * page_);
+  }
+  void finish(uint32_t layer, const DeviceLayerView& v) override {
+    if (layers_[layer].bounds || layers_[layer].folded > 0) fold(layer, v, v.tokens);
+  }
+
+  DevicePlan plan(std::span<DeviceMethod* const>, uint32_t layer, const DeviceStep& st) const override {
+    DevicePlan p;
+    if (int64_t(layer) < dense_layers_) {
+      p.dense = true;
+      return p;
+    }
+    p.per_query_head = per_query_;
+    int64_t max_want = 1;
+    for (size_t b = 0; b < st.host_lengths.size(); ++b) {
+      const int64_t n = st.host_lengths[b], pages = (n + page_ - 1) / page_;
+      const int64_t want = std::clamp<int64_t>(st.host_budget[b] / page_, 1, pages);
+      max_want = std::max(max_want, want);
+      p.selected.push_back(double((want - 1) * page_ + (n - (pages - 1) * page_)));
+    }
+    p.max_selected = int32_t(max_want * page_);
+    max_want_ = int32_t(max_want);
+    p.workspace = cuda::quest_select_workspace_bytes(st.shape, st.max_length, int32_t(page_), int32_t(max_want));
+    p.arg_bytes = st.host_lengths.size() * sizeof(void*);
+    return p;
+  }
+  void fill_args(std::span<DeviceMethod* const> batch, uint32_t layer, const DeviceStep&, void* host) const override {
+    auto* ptrs = static_cast<const void**>(host);
+    for (size_t b = 0; b < batch.size(); ++b) ptrs[b] = static_cast<const QuestCuda*>(batch[b])->layers_[layer].bounds;
+  }
+  void select(std::span<DeviceMethod* const>, uint32_t, const DeviceStep& st, const DevicePlan& p, const void* args,
+              int32_t* idx, int32_t* cnt, const cuda::Workspace& ws) override {
+    check(cuda::quest_select(st.shape, st.q, st.kv_dtype, static_cast<const void* const*>(args), st.lengths,
+                             st.budget_keys, st.max_length, int32_t(page_), max_want_, per_query_, idx, cnt,
+                             p.max_selected, ws, st.stream),
+          "quest_select");
+  }
+
+  // ---- tables: the CPU method's sections (fp32 bounds [page][Hkv][2][d], indexed_tokens) ----
+  nlohmann::json save_meta() const override {
+    nlohmann::json meta = nlohmann::json::object();
+    for (uint32_t l = 0; l < layers_.size(); ++l)
+      if (layers_[l].folded > 0) meta["indexed_tokens"][std::to_string(l)] = layers_[l].folded;
+    return meta;
+  }
+  void save(io::TablesWriter& w) const override {
+    staged_.clear();
+    for (uint32_t l = 0; l < layers_.size(); ++l) {
+      const auto& L = layers_[l];
+      if (L.folded <= 0) continue;
+      const int64_t pages = (L.folded + page_ - 1) / page_;
+      std::vector<uint16_t> raw(size_t(pages) * per_page());
+      check(cudaMemcpy(raw.data(), L.bounds, raw.size() * 2, cudaMemcpyDeviceToHost), "cudaMemcpy(quest bounds)");
+      staged_.emplace_back(raw.size());
+      convert_to_f32(raw.data(), shape_.kv_dtype, staged_.back().data(), raw.size());
+      w.add("quest.bounds", int32_t(l), -1,
+            {io::Piece{staged_.back().data(), uint64_t(staged_.back().size() * sizeof(float))}});
+    }
+  }
+  void load(const io::TablesFile& f, const nlohmann::json& meta) override {
+    for (uint32_t l = 0; l < layers_.size(); ++l) {
+      const auto* s = f.find("quest.bounds", int32_t(l), -1);
+      if (!s) continue;
+      const auto key = std::to_string(l);
+      if (!meta.contains("indexed_tokens") || !meta["indexed_tokens"].contains(key))
+        fail(KVS_STATUS_FORMAT_INVALID, "quest.bounds layer " + key + ": indexed_tokens missing from the header");
+      const int64_t n = meta["indexed_tokens"][key].get<int64_t>();
+      if (n < 0 || n > (int64_t(1) << 31))
+        fail(KVS_STATUS_FORMAT_INVALID, "quest.bounds layer " + key + ": invalid indexed_tokens " + std::to_string(n));
+      const int64_t pages = (n + page_ - 1) / page_;
+      if (s->length != uint64_t(pages) * per_page() * sizeof(float))
+        fail(KVS_STATUS_FORMAT_INVALID, "section quest.bounds layer " + key + ": size does not match " +
+                                            std::to_string(n) + " indexed tokens");
+      std::vector<float> f32(size_t(pages) * per_page());
+      std::memcpy(f32.data(), s->data, s->length);
+      std::vector<uint16_t> raw(f32.size());
+      convert_from_f32(f32.data(), raw.data(), shape_.kv_dtype, raw.size());
+      auto& L = layers_[l];
+      grow(L, pages, nullptr);
+      check(cudaMemcpy(L.bounds, raw.data(), raw.size() * 2, cudaMemcpyHostToDevice), "cudaMemcpy(quest bounds)");
+      L.folded = n;
+    }
+  }
+  std::unique_ptr<DeviceMethod> clone(void* stream) const override {
+    auto c = std::unique_ptr<QuestCuda>(new QuestCuda(shape_, page_, dense_layers_, per_query_, device_));
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const auto& L = layers_[l];
+      if (!L.bounds) continue;
+      c->grow(c->layers_[l], L.cap, stream);
+      check(cudaMemcpyAsync(c->layers_[l].bounds, L.bounds, size_t(L.cap) * per_page() * 2, cudaMemcpyDeviceToDevice,
+                            S(stream)),
+            "cudaMemcpyAsync(quest bounds)");
+      c->layers_[l].folded = L.folded;
+    }
+    return c;
+  }
+  uint64_t index_bytes() const override {
+    uint64_t b = 0;
+    for (auto& l : layers_) b += uint64_t(l.cap) * per_page() * 2;
+    return b;
+  }
+
+ private:
+  struct Layer {
+    void* bounds = nullptr;  // [cap][Hkv][2][d] in the KV dtype
+    int64_t cap = 0;         // pages
+    int64_t folded = 0;      // tokens folded into the bounds
+  };
+  QuestCuda(const ModelShape& s, int64_t page, int64_t dense, bool pq, int dev)
+      : shape_(s), page_(page), dense_layers_(dense), per_query_(pq), device_(dev), layers_(s.num_layers) {}
+
+  size_t per_page() const { return size_t(shape_.num_kv_heads) * 2 * shape_.head_dim; }
+
+  void grow(Layer& L, int64_t pages, void* stream) {
+    if (pages <= L.cap) return;
+    int64_t cap = std::max<int64_t>(64, L.cap);
+    while (cap < pages) cap *= 2;
+    void* nb = nullptr;
+    check(cudaMalloc(&nb, size_t(cap) * per_page() * 2), "cudaMalloc(quest bounds)");
+    if (L.bounds) {
+      const cudaError_t e = cudaMemcpyAsync(nb, L.bounds, size_t(L.cap) * per_page() * 2, cudaMemcpyDeviceToDevice, S(stream));
+      if (e != cudaSuccess) {
+        cudaFree(nb);
+        check(e, "cudaMemcpyAsync(quest bounds grow)");
+      }
+      // The old buffer may still be read by work queued on the stream: free after it.
+      check(cudaStreamSynchronize(S(stream)), "cudaStreamSynchronize(quest bounds grow)");
+      cudaFree(L.bounds);
+    }
+    L.bounds = nb;
+    L.cap = cap;
+  }
+
+  // Folds tokens [folded, n) into the bounds (the partial page at `folded` is recomputed whole).
+  void fold(uint32_t layer, const DeviceLayerView& v, int64_t n) {
+    auto& L = layers_[layer];
+    if (n <= L.folded) return;
+    grow(L, (n + page_ - 1) / page_, v.stream);
+    const cuda::AttnShape sh{1, int32_t(shape_.num_q_heads), int32_t(shape_.num_kv_heads), int32_t(shape_.head_dim),
+                             shape_.softmax_scale};
+    check(cuda::quest_update_bounds(sh, v.kv, cuda::Scalar(int32_t(shape_.kv_dtype)), 0, int32_t(L.folded / page_ * page_),
+                                    int32_t(n), int32_t(page_), L.bounds, v.stream),
+          "quest_update_bounds");
+    L.folded = n;
+  }
+
+  ModelShape shape_;
+  int64_t page_, dense_layers_;
+  bool per_query_;
+  int device_ = 0;
+  std::vector<Layer> layers_;
+  mutable int32_t max_want_ = 1;
+  mutable std::vector<std::vector<float>> staged_;
+};
+}  // namespace
+
+std::unique_ptr<DeviceMethod> make_quest_cuda(const MethodContext& c, const ParamSet& p) {
+  return std::make_unique<QuestCuda>(c, p);
+}
+}  // namespace kvs
+#endif
