@@ -1,6 +1,6 @@
 // C shim over src/backends/cuda/cuda_attention.cuh for bench/cuda_sdpa_compare.py, which loads it
 // with ctypes so our kernels and torch's scaled_dot_product_attention run in one process on the
-// same tensors. Build (see tools/device/cuda_check.sh):
+// same data (the script lays K/V out in pages, kv_layout.cuh). Build (see tools/device/cuda_check.sh):
 //   nvcc -std=c++17 -O3 -arch=sm_90 -shared -Xcompiler -fPIC -I src -I include \
 //        src/backends/cuda/cuda_attention.cu bench/cuda_decode_bench.cu -o libkvs_cuda_bench.so
 // Every function returns the Status code (0 ok); kvsb_last_message() names the failed check.
@@ -28,11 +28,23 @@ kvs::cuda::AttnShape shape(int B, int Hq, int Hkv, int D, float scale) {
 }
 }  // namespace
 
+kvs::cuda::PagedKv paged(const void* pages, int max_pages, int page_tokens) {
+  kvs::cuda::PagedKv kv;
+  kv.pages = static_cast<const void* const*>(pages);
+  kv.max_pages = max_pages;
+  kv.page_tokens = page_tokens;
+  kv.page_shift = 0;
+  while (kv.page_shift < 30 && (1 << kv.page_shift) < page_tokens) ++kv.page_shift;
+  return kv;
+}
+
 extern "C" {
 
 const char* kvsb_last_message() { return g_msg; }
 int kvsb_last_cuda_error() { return g_cuda_err; }
 int kvsb_set_variant(int v) { return kvs::cuda::detail::set_dense_variant(v) ? 0 : 1; }
+void kvsb_set_merge_pdl(int on) { kvs::cuda::detail::set_merge_pdl(on != 0); }
+void kvsb_set_min_chunk(int tokens) { kvs::cuda::detail::set_min_chunk(tokens); }
 
 int kvsb_num_splits(int B, int Hq, int Hkv, int D, int max_tokens, int kv_dtype) {
   return kvs::cuda::decode_num_splits(shape(B, Hq, Hkv, D, 1.f), max_tokens,
@@ -42,46 +54,32 @@ int kvsb_num_splits(int B, int Hq, int Hkv, int D, int max_tokens, int kv_dtype)
 size_t kvsb_dense_ws(int B, int Hq, int Hkv, int D, int max_len) {
   return kvs::cuda::dense_decode_workspace_bytes(shape(B, Hq, Hkv, D, 1.f), max_len);
 }
-size_t kvsb_gathered_ws(int B, int Hq, int Hkv, int D, int max_sel) {
-  return kvs::cuda::gathered_decode_workspace_bytes(shape(B, Hq, Hkv, D, 1.f), max_sel);
-}
-size_t kvsb_topk_ws(int B, int Hq, int Hkv, int D, int max_len, int k) {
-  return kvs::cuda::group_topk_workspace_bytes(shape(B, Hq, Hkv, D, 1.f), max_len, k);
+size_t kvsb_gathered_ws(int B, int Hq, int Hkv, int D, int max_sel, int per_q) {
+  return kvs::cuda::gathered_decode_workspace_bytes(shape(B, Hq, Hkv, D, 1.f), max_sel, per_q != 0);
 }
 
+// pages: device [B * max_pages] page pointers (kv_layout.cuh), page_tokens a power of two.
 int kvsb_dense(int B, int Hq, int Hkv, int D, float scale, int kv_dtype, int q_dtype, int o_dtype,
-               const void* q, const void* k_ptrs, const void* v_ptrs, int64_t capacity,
+               const void* q, const void* pages, int max_pages, int page_tokens,
                const int32_t* lengths, int max_len, void* o, float* lse, void* ws, size_t ws_bytes,
                void* stream) {
   kvs::cuda::Query qq{q, static_cast<kvs::cuda::Scalar>(q_dtype)};
-  kvs::cuda::KvCache kv{static_cast<const void* const*>(k_ptrs), static_cast<const void* const*>(v_ptrs),
-                        capacity, static_cast<kvs::cuda::Scalar>(kv_dtype)};
   kvs::cuda::Output out{o, static_cast<kvs::cuda::Scalar>(o_dtype), lse};
-  return ret(kvs::cuda::dense_decode(shape(B, Hq, Hkv, D, scale), qq, kv, lengths, max_len, out,
+  return ret(kvs::cuda::dense_decode(shape(B, Hq, Hkv, D, scale), qq, paged(pages, max_pages, page_tokens),
+                                     static_cast<kvs::cuda::Scalar>(kv_dtype), lengths, max_len, out,
                                      kvs::cuda::Workspace{ws, ws_bytes}, stream));
 }
 
 int kvsb_gathered(int B, int Hq, int Hkv, int D, float scale, int kv_dtype, int q_dtype,
-                  int o_dtype, const void* q, const void* k_ptrs, const void* v_ptrs,
-                  int64_t capacity, const int32_t* indices, const int32_t* counts, int max_sel,
-                  void* o, float* lse, void* ws, size_t ws_bytes, void* stream) {
+                  int o_dtype, const void* q, const void* pages, int max_pages, int page_tokens,
+                  const int32_t* indices, const int32_t* counts, int max_sel, int per_q, void* o,
+                  float* lse, void* ws, size_t ws_bytes, void* stream) {
   kvs::cuda::Query qq{q, static_cast<kvs::cuda::Scalar>(q_dtype)};
-  kvs::cuda::KvCache kv{static_cast<const void* const*>(k_ptrs), static_cast<const void* const*>(v_ptrs),
-                        capacity, static_cast<kvs::cuda::Scalar>(kv_dtype)};
   kvs::cuda::Output out{o, static_cast<kvs::cuda::Scalar>(o_dtype), lse};
-  return ret(kvs::cuda::gathered_decode(shape(B, Hq, Hkv, D, scale), qq, kv, indices, counts,
-                                        max_sel, out, kvs::cuda::Workspace{ws, ws_bytes}, stream));
-}
-
-int kvsb_topk(int B, int Hq, int Hkv, int D, float scale, int kv_dtype, int q_dtype,
-              const void* q, const void* k_ptrs, int64_t capacity, const int32_t* lengths,
-              int max_len, int k, int32_t* out_idx, int32_t* out_cnt, void* ws, size_t ws_bytes,
-              void* stream) {
-  kvs::cuda::Query qq{q, static_cast<kvs::cuda::Scalar>(q_dtype)};
-  kvs::cuda::KvCache kv{static_cast<const void* const*>(k_ptrs), nullptr, capacity,
-                        static_cast<kvs::cuda::Scalar>(kv_dtype)};
-  return ret(kvs::cuda::group_topk(shape(B, Hq, Hkv, D, scale), qq, kv, lengths, max_len, k,
-                                   out_idx, out_cnt, kvs::cuda::Workspace{ws, ws_bytes}, stream));
+  return ret(kvs::cuda::gathered_decode(shape(B, Hq, Hkv, D, scale), qq, paged(pages, max_pages, page_tokens),
+                                        static_cast<kvs::cuda::Scalar>(kv_dtype), indices, counts,
+                                        max_sel, out, kvs::cuda::Workspace{ws, ws_bytes}, stream,
+                                        per_q != 0));
 }
 
 int kvsb_merge(const float* oa, const float* la, const float* ob, const float* lb, float* o,

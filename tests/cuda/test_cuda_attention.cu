@@ -1,12 +1,16 @@
 // Standalone tests of src/backends/cuda/cuda_attention.cu against float64 CPU references computed
-// from the same bf16/fp16-rounded inputs. Prints "N passed, M failed"; exit 0 iff all pass.
-// Exits 0 with "SKIPPED: no CUDA device" where no device is usable.
+// from the same bf16/fp16-rounded inputs, K/V in the paged layout of kv_layout.cuh (pages in
+// shuffled pool order, NaN wherever no valid token lives). Prints "N passed, M failed"; exit 0 iff
+// all pass. Exits 77 with "SKIPPED: no CUDA device" where no device is usable. Also runs the
+// session tests (unless KVS_NO_SESSION_TESTS) and, where the build defines KVS_HAVE_TOPK_TESTS /
+// KVS_HAVE_QUEST_TESTS, the top-k and quest kernel tests, counting them in the final line.
 // Usage: test_cuda_attention [--small]   (--small: short contexts only, for compute-sanitizer)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -14,6 +18,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "backends/cuda/cuda_attention.cuh"
@@ -111,26 +116,38 @@ float urand(float lo, float hi) {
 }
 int irand(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(g_rng); }
 
-// One batch of sequences with device-resident caches (the library's layout).
+// One batch of sequences in the paged layout of kv_layout.cuh, in one device pool of pages placed
+// in shuffled order (page i+1 of a sequence is never page i's neighbour in the pool by design of
+// the test, and pages of different sequences interleave). Host copies keep the logical view.
 struct Problem {
   int B, Hq, Hkv, D, G;
-  int64_t cap;
+  int P = 256;        // page tokens
+  int64_t cap;        // host stride: tokens per (sequence, head) in k/v below
   Scalar kvt, qt, ot;
   float scale;
   std::vector<int> lens;          // per sequence
   std::vector<float> q;           // [B,Hq,D], values as the device sees them (rounded if 16-bit)
   std::vector<std::vector<float>> k, v;  // per sequence [Hkv, cap, D] as floats (rounded)
-  DevBuf dq, dk_ptrs, dv_ptrs, dlens;
-  std::vector<DevBuf*> dk, dv;
-  ~Problem() {
-    for (auto* p : dk) delete p;
-    for (auto* p : dv) delete p;
+  int max_pages = 0;
+  DevBuf dq, dpool, dtable, dlens;
+  kvs::cuda::PagedKv paged() const {
+    kvs::cuda::PagedKv kv;
+    kv.pages = dtable.as<const void* const>();
+    kv.max_pages = max_pages;
+    kv.page_tokens = P;
+    kv.page_shift = 0;
+    while ((1 << kv.page_shift) < P) ++kv.page_shift;
+    return kv;
   }
 };
 
-// Fills q, K, V with random (never zero-biased) values. Tokens at or past `valid_len(b,h)` are set
-// to NaN on the device (poison: reading them would show up as NaN output).
-void build(Problem& P, float qamp, const std::vector<std::vector<uint8_t>>* poison_mask = nullptr) {
+// Fills q, K, V with random (never zero-biased) values. Sequence b stores `stored[b]` tokens
+// (ceil(stored / P) pages; the page-table entries past them are null). Every pool element that is
+// not a valid token is NaN on the device (poison: reading one would show up as NaN output): the
+// tail of each last page, spare pages, and the tokens `poison_mask` marks 0 (else tokens past
+// lens[b]).
+void build(Problem& P, float qamp, const std::vector<int>& stored,
+           const std::vector<std::vector<uint8_t>>* poison_mask = nullptr) {
   P.G = P.Hq / P.Hkv;
   const size_t qn = size_t(P.B) * P.Hq * P.D;
   P.q.resize(qn);
@@ -145,42 +162,59 @@ void build(Problem& P, float qamp, const std::vector<std::vector<uint8_t>>* pois
   }
   if (P.qt == Scalar::F32) upload(P.dq, P.q);
   else upload(P.dq, q16);
-  std::vector<uint64_t> kp(P.B), vp(P.B);
+
+  const int Pt = P.P;
+  std::vector<int> npages(P.B);
+  int total = 0;
+  P.max_pages = 1;
+  for (int b = 0; b < P.B; ++b) {
+    npages[b] = (stored[b] + Pt - 1) / Pt;
+    total += npages[b];
+    P.max_pages = std::max(P.max_pages, npages[b] + 1);  // + one null entry past the last page
+  }
+  const int spare = 3;  // NaN pages nobody references
+  const int slots = total + spare;
+  std::vector<int> slot(slots);
+  std::iota(slot.begin(), slot.end(), 0);
+  std::shuffle(slot.begin(), slot.end(), g_rng);
+  const size_t half = size_t(P.Hkv) * Pt * P.D;  // elements of a page's K (or V) half
+  const size_t page_elems = 2 * half;
+  const uint16_t nan16 = P.kvt == Scalar::BF16 ? 0x7fc0 : 0x7e00;
+  std::vector<uint16_t> pool(size_t(slots) * page_elems, nan16);
+  P.dpool.alloc(pool.size() * 2);
+  std::vector<uint64_t> table(size_t(P.B) * P.max_pages, 0);
   P.k.assign(P.B, {});
   P.v.assign(P.B, {});
-  const uint16_t nan16 = P.kvt == Scalar::BF16 ? 0x7fc0 : 0x7e00;
+  int next = 0;
   for (int b = 0; b < P.B; ++b) {
     const size_t n = size_t(P.Hkv) * P.cap * P.D;
-    std::vector<uint16_t> k16(n), v16(n);
-    P.k[b].resize(n);
-    P.v[b].resize(n);
+    P.k[b].assign(n, NAN);
+    P.v[b].assign(n, NAN);
+    std::vector<int> my(npages[b]);
+    for (int i = 0; i < npages[b]; ++i) {
+      my[i] = slot[next++];
+      table[size_t(b) * P.max_pages + i] =
+          reinterpret_cast<uint64_t>(P.dpool.as<char>() + size_t(my[i]) * page_elems * 2);
+    }
     for (int h = 0; h < P.Hkv; ++h)
-      for (int64_t t = 0; t < P.cap; ++t) {
+      for (int64_t t = 0; t < stored[b]; ++t) {
         bool poison;
         if (poison_mask) poison = !(*poison_mask)[size_t(b) * P.Hkv + h][size_t(t)];
         else poison = t >= P.lens[b];
+        if (poison) continue;  // NaN in the pool and in the host copy
+        uint16_t* pk = &pool[size_t(my[t / Pt]) * page_elems + (size_t(h) * Pt + t % Pt) * P.D];
+        uint16_t* pv = pk + half;
         for (int j = 0; j < P.D; ++j) {
           const size_t i = (size_t(h) * P.cap + t) * P.D + j;
-          if (poison) {
-            k16[i] = v16[i] = nan16;
-            P.k[b][i] = P.v[b][i] = NAN;
-            continue;
-          }
-          k16[i] = enc(urand(-1.f, 1.f), P.kvt);
-          v16[i] = enc(urand(-1.f, 1.f) + 0.25f, P.kvt);
-          P.k[b][i] = dec(k16[i], P.kvt);
-          P.v[b][i] = dec(v16[i], P.kvt);
+          pk[j] = enc(urand(-1.f, 1.f), P.kvt);
+          pv[j] = enc(urand(-1.f, 1.f) + 0.25f, P.kvt);
+          P.k[b][i] = dec(pk[j], P.kvt);
+          P.v[b][i] = dec(pv[j], P.kvt);
         }
       }
-    P.dk.push_back(new DevBuf());
-    P.dv.push_back(new DevBuf());
-    upload(*P.dk.back(), k16);
-    upload(*P.dv.back(), v16);
-    kp[b] = reinterpret_cast<uint64_t>(P.dk.back()->p);
-    vp[b] = reinterpret_cast<uint64_t>(P.dv.back()->p);
   }
-  upload(P.dk_ptrs, kp);
-  upload(P.dv_ptrs, vp);
+  CK(cudaMemcpy(P.dpool.p, pool.data(), pool.size() * 2, cudaMemcpyHostToDevice));
+  upload(P.dtable, table);
   upload(P.dlens, P.lens);
 }
 
@@ -214,8 +248,8 @@ void ref_attend(const Problem& P, int b, int h, const std::vector<int>& toks, st
   lse = mx + std::log(sum);
 }
 
-// Downloads o/lse (poisoned beforehand) and compares with the per-row references.
-// rows_toks(b, h) returns the token list of that row.
+// Downloads o/lse (poisoned beforehand) and compares with the per-row references, computed on
+// all host cores. rows_toks(b, h) returns the token list of that row (called concurrently).
 template <typename F>
 void check_output(const std::string& name, const Problem& P, const DevBuf& dout, const DevBuf& dlse,
                   F rows_toks) {
@@ -228,29 +262,42 @@ void check_output(const std::string& name, const Problem& P, const DevBuf& dout,
     for (size_t i = 0; i < o.size(); ++i) o[i] = dec(o16[i], P.ot);
   }
   auto lse = download<float>(dlse, rows);
+  std::vector<double> ref_o(rows * P.D), ref_l(rows);
+  {
+    const unsigned nt = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
+    std::atomic<size_t> next{0};
+    std::vector<std::thread> pool;
+    for (unsigned t = 0; t < nt; ++t)
+      pool.emplace_back([&] {
+        std::vector<double> ro;
+        for (size_t row; (row = next.fetch_add(1)) < rows;) {
+          const int b = int(row / P.Hq), h = int(row % P.Hq);
+          ref_attend(P, b, h, rows_toks(b, h), ro, ref_l[row]);
+          std::copy(ro.begin(), ro.end(), ref_o.begin() + row * P.D);
+        }
+      });
+    for (auto& th : pool) th.join();
+  }
   double num = 0, den = 0, lse_err = 0;
   bool finite_ok = true, empty_ok = true;
-  std::vector<double> ro;
-  double rl;
-  for (int b = 0; b < P.B; ++b)
-    for (int h = 0; h < P.Hq; ++h) {
-      const size_t row = size_t(b) * P.Hq + h;
-      ref_attend(P, b, h, rows_toks(b, h), ro, rl);
-      for (int j = 0; j < P.D; ++j) {
-        const double x = o[row * P.D + j];
-        if (!std::isfinite(x)) finite_ok = false;
-        num += (x - ro[j]) * (x - ro[j]);
-        den += ro[j] * ro[j];
-      }
-      if (std::isinf(rl)) {
-        if (!(std::isinf(lse[row]) && lse[row] < 0)) empty_ok = false;
-        for (int j = 0; j < P.D; ++j)
-          if (o[row * P.D + j] != 0.f) empty_ok = false;
-      } else {
-        if (!std::isfinite(lse[row])) finite_ok = false;
-        lse_err = std::max(lse_err, std::fabs(double(lse[row]) - rl));
-      }
+  for (size_t row = 0; row < rows; ++row) {
+    const double rl = ref_l[row];
+    const double* ro = &ref_o[row * P.D];
+    for (int j = 0; j < P.D; ++j) {
+      const double x = o[row * P.D + j];
+      if (!std::isfinite(x)) finite_ok = false;
+      num += (x - ro[j]) * (x - ro[j]);
+      den += ro[j] * ro[j];
     }
+    if (std::isinf(rl)) {
+      if (!(std::isinf(lse[row]) && lse[row] < 0)) empty_ok = false;
+      for (int j = 0; j < P.D; ++j)
+        if (o[row * P.D + j] != 0.f) empty_ok = false;
+    } else {
+      if (!std::isfinite(lse[row])) finite_ok = false;
+      lse_err = std::max(lse_err, std::fabs(double(lse[row]) - rl));
+    }
+  }
   const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
   // fp32 outputs see only fp32 arithmetic (~1e-6); 16-bit outputs add their own rounding.
   const double tol = P.ot == Scalar::F32 ? 1e-4 : 1e-2;
@@ -271,44 +318,86 @@ kvs::cuda::AttnShape shape_of(const Problem& P) {
   return s;
 }
 
+struct Opt {
+  int page = 256;       // page tokens
+  float qamp = 2.f;     // |q| bound
+  float scale = -1.f;   // softmax scale (< 0: 1/sqrt(d))
+  bool graph = false;   // run the call through a captured CUDA graph (after one plain warm-up)
+  bool runs = false;    // gathered: select whole aligned 16-token runs (page-friendly lists)
+};
+
+std::string lens_str(const std::vector<int>& lens) {
+  std::string s;
+  for (int l : lens) s += (s.empty() ? "" : ",") + std::to_string(l);
+  return s;
+}
+
+// Runs `call(stream)` on a fresh stream, directly or as a captured graph; outputs poisoned first.
+template <typename C>
+kvs::cuda::Status run_call(const Opt& opt, DevBuf& dout, DevBuf& dlse, C call) {
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  kvs::cuda::Status r;
+  if (opt.graph) {
+    r = call(st);  // warm-up: one-time kernel set-up happens outside the capture
+    CK(cudaStreamSynchronize(st));
+    if (r.ok()) {
+      CK(cudaMemset(dout.p, 0xff, dout.n));
+      CK(cudaMemset(dlse.p, 0xff, dlse.n));
+      cudaGraph_t g;
+      cudaGraphExec_t ge;
+      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+      r = call(st);
+      CK(cudaStreamEndCapture(st, &g));
+      CK(cudaGraphInstantiate(&ge, g, 0));
+      CK(cudaGraphLaunch(ge, st));
+      CK(cudaStreamSynchronize(st));
+      CK(cudaGraphExecDestroy(ge));
+      CK(cudaGraphDestroy(g));
+    }
+  } else {
+    CK(cudaMemset(dout.p, 0xff, dout.n));  // NaN poison
+    CK(cudaMemset(dlse.p, 0xff, dlse.n));
+    r = call(st);
+  }
+  CK(cudaStreamSynchronize(st));
+  CK(cudaGetLastError());
+  CK(cudaStreamDestroy(st));
+  return r;
+}
+
 void run_dense(Scalar kvt, Scalar qt, Scalar ot, int D, int G, int Hkv, std::vector<int> lens,
-               float qamp = 2.f, float scale = -1.f) {
+               Opt opt = {}) {
   Problem P;
   P.B = int(lens.size());
   P.Hkv = Hkv;
   P.Hq = G * Hkv;
   P.D = D;
+  P.P = opt.page;
   P.kvt = kvt;
   P.qt = qt;
   P.ot = ot;
-  P.scale = scale > 0 ? scale : 1.f / std::sqrt(float(D));
+  P.scale = opt.scale > 0 ? opt.scale : 1.f / std::sqrt(float(D));
   P.lens = lens;
   const int maxlen = *std::max_element(lens.begin(), lens.end());
-  P.cap = maxlen + 37;  // stride != length; tokens past each length are NaN-poisoned
-  build(P, qamp);
+  P.cap = std::max(maxlen, 1);
+  build(P, opt.qamp, lens);  // tokens past each length (the last page's tail) are NaN-poisoned
   const auto s = shape_of(P);
   const size_t rows = size_t(P.B) * P.Hq;
   DevBuf dout(rows * D * (ot == Scalar::F32 ? 4 : 2)), dlse(rows * 4);
-  CK(cudaMemset(dout.p, 0xff, dout.n));  // NaN poison
-  CK(cudaMemset(dlse.p, 0xff, dlse.n));
   DevBuf ws(kvs::cuda::dense_decode_workspace_bytes(s, maxlen));
-  cudaStream_t st;
-  CK(cudaStreamCreate(&st));
   kvs::cuda::Query q{P.dq.p, qt};
-  kvs::cuda::KvCache kv{reinterpret_cast<const void* const*>(P.dk_ptrs.p),
-                        reinterpret_cast<const void* const*>(P.dv_ptrs.p), P.cap, kvt};
+  const auto kv = P.paged();
   kvs::cuda::Output out{dout.p, ot, dlse.as<float>()};
-  auto r = kvs::cuda::dense_decode(s, q, kv, P.dlens.as<int32_t>(), maxlen, out,
+  auto r = run_call(opt, dout, dlse, [&](cudaStream_t st) {
+    return kvs::cuda::dense_decode(s, q, kv, kvt, P.dlens.as<int32_t>(), maxlen, out,
                                    kvs::cuda::Workspace{ws.p, ws.n}, st);
-  CK(cudaStreamSynchronize(st));
-  CK(cudaGetLastError());
-  CK(cudaStreamDestroy(st));
-  std::string lens_s;
-  for (int l : lens) lens_s += (lens_s.empty() ? "" : ",") + std::to_string(l);
+  });
   char name[256];
-  std::snprintf(name, sizeof name, "dense v%d kv=%s q=%s o=%s d=%d G=%d Hkv=%d B=%d lens=[%s] splits=%d",
-                g_variant, sname(kvt), sname(qt), sname(ot), D, G, Hkv, P.B, lens_s.c_str(),
-                kvs::cuda::decode_num_splits(s, maxlen, kvt));
+  std::snprintf(name, sizeof name,
+                "dense v%d kv=%s q=%s o=%s d=%d G=%d Hkv=%d P=%d B=%d lens=[%s] splits=%d%s", g_variant,
+                sname(kvt), sname(qt), sname(ot), D, G, Hkv, P.P, P.B, lens_str(lens).c_str(),
+                kvs::cuda::decode_num_splits(s, maxlen, kvt), opt.graph ? " graph" : "");
   if (!r.ok()) {
     report(false, name, std::string("status ") + r.message);
     return;
@@ -320,63 +409,80 @@ void run_dense(Scalar kvt, Scalar qt, Scalar ot, int D, int G, int Hkv, std::vec
   });
 }
 
+// Gathered decode over random lists (per KV head, or per query head): random subsets in random
+// order (or whole 16-token runs), some lists empty, one full-size; sequence b stores cap >> b
+// tokens; every unselected token is NaN.
 void run_gathered(Scalar kvt, Scalar qt, Scalar ot, int D, int G, int Hkv, int B, int cap,
-                  int max_sel) {
+                  int max_sel, bool per_q, Opt opt = {}) {
   Problem P;
   P.B = B;
   P.Hkv = Hkv;
   P.Hq = G * Hkv;
   P.D = D;
+  P.P = opt.page;
   P.kvt = kvt;
   P.qt = qt;
   P.ot = ot;
-  P.scale = 1.f / std::sqrt(float(D));
-  P.lens.assign(B, cap);
+  P.scale = opt.scale > 0 ? opt.scale : 1.f / std::sqrt(float(D));
+  std::vector<int> stored(B);
+  for (int b = 0; b < B; ++b) stored[b] = std::max(1, cap >> b);
+  P.lens = stored;
   P.cap = cap;
-  // Random subsets in random order; some heads empty, one head full-size.
-  std::vector<int32_t> idx(size_t(B) * Hkv * max_sel, -7), cnt(size_t(B) * Hkv);
-  std::vector<std::vector<int>> lists(size_t(B) * Hkv);
+  const int lh = per_q ? P.Hq : Hkv;  // lists per sequence
+  std::vector<int32_t> idx(size_t(B) * lh * max_sel, -7), cnt(size_t(B) * lh);
+  std::vector<std::vector<int>> lists(size_t(B) * lh);
   std::vector<std::vector<uint8_t>> mask(size_t(B) * Hkv, std::vector<uint8_t>(cap, 0));
-  std::vector<int> perm(cap);
   for (size_t sg = 0; sg < lists.size(); ++sg) {
-    int n = irand(0, std::min(max_sel, cap));
+    const int b = int(sg / lh), kvh = per_q ? int(sg % lh) / G : int(sg % lh);
+    const int n_tok = stored[b];
+    int n = irand(0, std::min(max_sel, n_tok));
     if (sg % 3 == 1) n = 0;
-    if (sg == 2) n = std::min(max_sel, cap);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), g_rng);
+    if (sg == 2) n = std::min(max_sel, n_tok);
+    std::vector<int> perm;
+    if (opt.runs) {  // whole aligned 16-token runs in random order, the last one maybe cut
+      std::vector<int> runs((n_tok + 15) / 16);
+      std::iota(runs.begin(), runs.end(), 0);
+      std::shuffle(runs.begin(), runs.end(), g_rng);
+      for (int r : runs)
+        for (int t = r * 16; t < std::min(n_tok, r * 16 + 16); ++t) perm.push_back(t);
+    } else {
+      perm.resize(n_tok);
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), g_rng);
+    }
     lists[sg].assign(perm.begin(), perm.begin() + n);
     cnt[sg] = n;
     for (int i = 0; i < n; ++i) {
       idx[sg * max_sel + i] = lists[sg][i];
-      mask[sg][lists[sg][i]] = 1;
+      mask[size_t(b) * Hkv + kvh][lists[sg][i]] = 1;
     }
   }
-  build(P, 2.f, &mask);  // every unselected token is NaN: reading one would show
+  build(P, 2.f, stored, &mask);  // every unselected token is NaN: reading one would show
   DevBuf didx, dcnt;
   upload(didx, idx);
   upload(dcnt, cnt);
   const auto s = shape_of(P);
   const size_t rows = size_t(P.B) * P.Hq;
   DevBuf dout(rows * D * (ot == Scalar::F32 ? 4 : 2)), dlse(rows * 4);
-  CK(cudaMemset(dout.p, 0xff, dout.n));
-  CK(cudaMemset(dlse.p, 0xff, dlse.n));
-  DevBuf ws(kvs::cuda::gathered_decode_workspace_bytes(s, max_sel));
+  DevBuf ws(kvs::cuda::gathered_decode_workspace_bytes(s, max_sel, per_q));
   kvs::cuda::Query q{P.dq.p, qt};
-  kvs::cuda::KvCache kv{reinterpret_cast<const void* const*>(P.dk_ptrs.p),
-                        reinterpret_cast<const void* const*>(P.dv_ptrs.p), P.cap, kvt};
+  const auto kv = P.paged();
   kvs::cuda::Output out{dout.p, ot, dlse.as<float>()};
-  auto r = kvs::cuda::gathered_decode(s, q, kv, didx.as<int32_t>(), dcnt.as<int32_t>(), max_sel,
-                                      out, kvs::cuda::Workspace{ws.p, ws.n}, nullptr);
-  CK(cudaDeviceSynchronize());
-  CK(cudaGetLastError());
+  auto r = run_call(opt, dout, dlse, [&](cudaStream_t st) {
+    return kvs::cuda::gathered_decode(s, q, kv, kvt, didx.as<int32_t>(), dcnt.as<int32_t>(),
+                                      max_sel, out, kvs::cuda::Workspace{ws.p, ws.n}, st, per_q);
+  });
   char name[256];
-  std::snprintf(name, sizeof name, "gathered kv=%s q=%s o=%s d=%d G=%d Hkv=%d B=%d cap=%d max_sel=%d",
-                sname(kvt), sname(qt), sname(ot), D, G, Hkv, B, cap, max_sel);
+  std::snprintf(name, sizeof name,
+                "gathered %s kv=%s q=%s o=%s d=%d G=%d Hkv=%d P=%d B=%d cap=%d max_sel=%d%s%s",
+                per_q ? "per-q-head" : "per-kv-head", sname(kvt), sname(qt), sname(ot), D, G, Hkv,
+                P.P, B, cap, max_sel, opt.runs ? " runs16" : "", opt.graph ? " graph" : "");
   if (!r.ok()) {
     report(false, name, std::string("status ") + r.message);
     return;
   }
-  check_output(name, P, dout, dlse, [&](int b, int h) { return lists[size_t(b) * Hkv + h / G]; });
+  check_output(name, P, dout, dlse,
+               [&](int b, int h) { return lists[size_t(b) * lh + (per_q ? h : h / G)]; });
 }
 
 void run_merge(int rows, int D, bool in_place) {
@@ -446,99 +552,6 @@ void run_merge(int rows, int D, bool in_place) {
   report(ok, name, buf);
 }
 
-void run_topk(Scalar kvt, Scalar qt, int D, int G, int Hkv, std::vector<int> lens, int k) {
-  Problem P;
-  P.B = int(lens.size());
-  P.Hkv = Hkv;
-  P.Hq = G * Hkv;
-  P.D = D;
-  P.kvt = kvt;
-  P.qt = qt;
-  P.ot = Scalar::F32;
-  P.scale = 1.f / std::sqrt(float(D));
-  P.lens = lens;
-  const int maxlen = *std::max_element(lens.begin(), lens.end());
-  P.cap = maxlen + 5;
-  build(P, 3.f);
-  const auto s = shape_of(P);
-  const size_t segs = size_t(P.B) * Hkv;
-  DevBuf didx(segs * k * 4), dcnt(segs * 4);
-  CK(cudaMemset(didx.p, 0x7f, didx.n));
-  CK(cudaMemset(dcnt.p, 0x7f, dcnt.n));
-  DevBuf ws(kvs::cuda::group_topk_workspace_bytes(s, maxlen, k));
-  kvs::cuda::Query q{P.dq.p, qt};
-  kvs::cuda::KvCache kv{reinterpret_cast<const void* const*>(P.dk_ptrs.p),
-                        reinterpret_cast<const void* const*>(P.dv_ptrs.p), P.cap, kvt};
-  auto r = kvs::cuda::group_topk(s, q, kv, P.dlens.as<int32_t>(), maxlen, k, didx.as<int32_t>(),
-                                 dcnt.as<int32_t>(), kvs::cuda::Workspace{ws.p, ws.n}, nullptr);
-  CK(cudaDeviceSynchronize());
-  CK(cudaGetLastError());
-  std::string lens_s;
-  for (int l : lens) lens_s += (lens_s.empty() ? "" : ",") + std::to_string(l);
-  char name[256];
-  std::snprintf(name, sizeof name, "topk kv=%s q=%s d=%d G=%d Hkv=%d lens=[%s] k=%d", sname(kvt),
-                sname(qt), D, G, Hkv, lens_s.c_str(), k);
-  if (!r.ok()) {
-    report(false, name, std::string("status ") + r.message);
-    return;
-  }
-  auto idx = download<int32_t>(didx, segs * k);
-  auto cnt = download<int32_t>(dcnt, segs);
-  bool ok = true;
-  std::string why;
-  double worst_gap = 0;
-  for (int b = 0; b < P.B; ++b)
-    for (int h = 0; h < Hkv; ++h) {
-      const int len = lens[b];
-      // float64 group-summed softmax
-      std::vector<double> score(len, 0.0);
-      for (int g = 0; g < G; ++g) {
-        const int qh = h * G + g;
-        const float* qv = &P.q[(size_t(b) * P.Hq + qh) * D];
-        std::vector<double> z(len);
-        double mx = -INFINITY;
-        for (int t = 0; t < len; ++t) {
-          const float* kk = &P.k[b][(size_t(h) * P.cap + t) * D];
-          double d = 0;
-          for (int j = 0; j < D; ++j) d += double(qv[j]) * kk[j];
-          z[t] = d * P.scale;
-          mx = std::max(mx, z[t]);
-        }
-        double sum = 0;
-        for (int t = 0; t < len; ++t) sum += std::exp(z[t] - mx);
-        for (int t = 0; t < len; ++t) score[t] += std::exp(z[t] - mx) / sum;
-      }
-      const size_t seg = size_t(b) * Hkv + h;
-      const int want = std::min(k, len);
-      if (cnt[seg] != want) {
-        ok = false;
-        why = "count";
-      }
-      std::vector<double> sorted = score;
-      std::sort(sorted.begin(), sorted.end(), std::greater<double>());
-      const double kth = want > 0 ? sorted[want - 1] : 0;
-      const double tol = 1e-5 * (sorted.empty() ? 1 : sorted[0]) + 1e-12;
-      std::vector<uint8_t> seen(len, 0);
-      double prev = INFINITY;
-      for (int i = 0; i < k; ++i) {
-        const int t = idx[seg * k + i];
-        if (i >= want) {
-          if (t != -1) { ok = false; why = "pad"; }
-          continue;
-        }
-        if (t < 0 || t >= len || seen[t]) { ok = false; why = "range/dup"; continue; }
-        seen[t] = 1;
-        worst_gap = std::max(worst_gap, kth - score[t]);
-        if (score[t] < kth - tol) { ok = false; why = "not top-k"; }
-        if (score[t] > prev + tol) { ok = false; why = "order"; }
-        prev = score[t];
-      }
-    }
-  char buf[128];
-  std::snprintf(buf, sizeof buf, "worst_below_kth=%.2e %s", worst_gap, why.c_str());
-  report(ok, name, buf);
-}
-
 void run_errors() {
   kvs::cuda::AttnShape s;
   s.batch = 1;
@@ -546,23 +559,58 @@ void run_errors() {
   s.num_kv_heads = 2;
   s.head_dim = 96;
   s.scale = 0.1f;
-  auto r = kvs::cuda::dense_decode(s, {}, {}, nullptr, 0, {}, {}, nullptr);
+  const Scalar BF = Scalar::BF16;
+  auto r = kvs::cuda::dense_decode(s, {}, {}, BF, nullptr, 0, {}, {}, nullptr);
   report(r.code == 3, "error: head_dim 96 -> UNSUPPORTED", r.message);
   s.head_dim = 64;
   s.num_q_heads = 3;
-  r = kvs::cuda::dense_decode(s, {}, {}, nullptr, 0, {}, {}, nullptr);
+  r = kvs::cuda::dense_decode(s, {}, {}, BF, nullptr, 0, {}, {}, nullptr);
   report(r.code == 1, "error: Hq % Hkv != 0 -> INVALID_ARGUMENT", r.message);
   s.num_q_heads = 4;
-  r = kvs::cuda::dense_decode(s, {}, {}, nullptr, 0, {}, {}, nullptr);
+  r = kvs::cuda::dense_decode(s, {}, {}, BF, nullptr, 0, {}, {}, nullptr);
   report(r.code == 1, "error: null pointers -> INVALID_ARGUMENT", r.message);
   r = kvs::cuda::merge_states(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 4, 64, nullptr);
   report(r.code == 1, "error: merge null -> INVALID_ARGUMENT", r.message);
+  // Page-table checks (before any launch, so dummy non-null pointers are fine).
+  DevBuf q(4 * 64 * 4), o(4 * 64 * 4), lse(16), lens(16), table(64);
+  kvs::cuda::Query qq{q.p, Scalar::F32};
+  kvs::cuda::Output out{o.p, Scalar::F32, lse.as<float>()};
+  kvs::cuda::PagedKv kv;
+  kv.pages = table.as<const void* const>();
+  kv.max_pages = 4;
+  kv.page_tokens = 24;
+  kv.page_shift = 4;
+  r = kvs::cuda::dense_decode(s, qq, kv, BF, lens.as<int32_t>(), 10, out, {}, nullptr);
+  report(r.code == 1, "error: page_tokens 24 -> INVALID_ARGUMENT", r.message);
+  kv.page_tokens = 2048;
+  kv.page_shift = 11;
+  r = kvs::cuda::dense_decode(s, qq, kv, BF, lens.as<int32_t>(), 10, out, {}, nullptr);
+  report(r.code == 1, "error: page_tokens 2048 -> INVALID_ARGUMENT", r.message);
+  kv.page_tokens = 16;
+  kv.page_shift = 5;
+  r = kvs::cuda::dense_decode(s, qq, kv, BF, lens.as<int32_t>(), 10, out, {}, nullptr);
+  report(r.code == 1, "error: page_shift != log2(page_tokens) -> INVALID_ARGUMENT", r.message);
+  kv.page_shift = 4;
+  r = kvs::cuda::dense_decode(s, qq, kv, BF, lens.as<int32_t>(), 65, out, {}, nullptr);
+  report(r.code == 1, "error: max_length > max_pages * P -> INVALID_ARGUMENT", r.message);
+  r = kvs::cuda::gathered_decode(s, qq, kv, BF, nullptr, lens.as<int32_t>(), 8, out, {}, nullptr, true);
+  report(r.code == 1, "error: gathered null indices -> INVALID_ARGUMENT", r.message);
+  r = kvs::cuda::dense_decode(s, qq, kv, Scalar::F32, lens.as<int32_t>(), 10, out, {}, nullptr);
+  report(r.code == 3, "error: f32 KV -> UNSUPPORTED", r.message);
 }
 
 }  // namespace
 
 int run_session_tests();
 int run_session_passed();
+#ifdef KVS_HAVE_TOPK_TESTS
+int run_topk_tests(bool small);  // radix top-k (topk.cu's tests); returns failures
+int run_topk_passed();
+#endif
+#ifdef KVS_HAVE_QUEST_TESTS
+int run_quest_tests(bool small);  // quest kernels' tests; returns failures
+int run_quest_passed();
+#endif
 
 int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i)
@@ -573,32 +621,62 @@ int main(int argc, char** argv) {
     return 77;  // ctest's SKIP_RETURN_CODE (tests/CMakeLists.txt)
   }
   const Scalar BF = Scalar::BF16, F16 = Scalar::F16, F32 = Scalar::F32;
-  const int L = g_small ? 1000 : 70000;
+  const int L = g_small ? 1000 : 70000;  // long context
+  const int M = g_small ? 700 : 5000;    // medium context
+  auto pg = [](int page) {
+    Opt o;
+    o.page = page;
+    return o;
+  };
 
   run_errors();
-  // Dense: d x G x lengths, B = 1 and B = 3 with different lengths. q/o dtypes alternate.
+  // Dense: d x G x lengths (not multiples of the page), pages of 16 and 256, B = 1 and B = 3 with
+  // different lengths; q/o dtypes alternate.
   int variant = 0;
-  for (int D : {64, 128})
+  for (int D : {64, 128, 256})
     for (int G : {1, 4, 8}) {
-      for (int len : {1, 17, 1000, L}) {
+      for (int len : {1, 17, 1000, M}) {
         const Scalar qt = (variant & 1) ? BF : F32, ot = (variant & 2) ? BF : F32;
+        run_dense(BF, qt, ot, D, G, 2, {len}, pg((variant & 4) ? 16 : 256));
         ++variant;
-        run_dense(BF, qt, ot, D, G, 2, {len});
       }
-      run_dense(BF, F32, BF, D, G, 2, {17, L, 1000});
+      run_dense(BF, F32, BF, D, G, 2, {17, D == 128 ? L : M, 1000}, pg(G == 4 ? 16 : 256));
     }
-  run_dense(F16, F32, F32, 64, 4, 2, {1, 1000, L});
-  run_dense(F16, F16, F16, 128, 4, 2, {L, 17, 1000});
-  run_dense(BF, F32, F32, 128, 3, 2, {1000, 5000});   // G not a power of two
-  run_dense(BF, F32, F32, 128, 16, 1, {1000, 5000});  // G > 8: two query groups
-  run_dense(BF, F32, F32, 64, 6, 3, {2500});
-  run_dense(F16, F32, F32, 128, 8, 2, {L, 17, 1000});  // f16 through the tensor-core kernel
-  run_dense(F16, F16, F16, 64, 8, 1, {3000});
-  run_dense(BF, BF, F32, 128, 8, 8, {g_small ? 3000 : 131072});
-  run_dense(BF, F32, F32, 128, 8, 2, {4000}, 4.f, 1.f);  // peaked softmax, tensor-core kernel
-  run_dense(BF, F32, F32, 128, 4, 8, {g_small ? 3000 : 131072});  // the benchmark shape
-  run_dense(BF, F32, F32, 128, 4, 2, {2000, 0, 333});  // an empty sequence
-  run_dense(BF, F32, F32, 128, 4, 2, {4000}, 4.f, 1.f);  // peaked softmax
+  for (int D : {64, 128, 256}) {
+    run_dense(F16, F32, F32, D, 4, 2, {1, 1000, M}, pg(16));
+    run_dense(F16, F16, F16, D, 1, 2, {M, 17, 1000}, pg(256));
+    run_dense(F16, F32, F32, D, 8, 2, {M, 17, 1000}, pg(16));  // f16 through the tensor-core kernel
+  }
+  run_dense(F16, F16, F16, 128, 4, 2, {L, 17, 1000}, pg(256));
+  run_dense(BF, F32, F32, 128, 3, 2, {1000, 5000}, pg(16));   // G not a power of two
+  run_dense(BF, F32, F32, 256, 3, 2, {1000, 2500}, pg(256));
+  run_dense(BF, F32, F32, 128, 16, 1, {1000, 5000}, pg(256));  // G > 8: two query groups
+  run_dense(BF, F32, F32, 256, 16, 1, {3000}, pg(16));
+  run_dense(BF, F32, F32, 64, 6, 3, {2500}, pg(16));
+  run_dense(BF, F32, F32, 256, 6, 1, {2500}, pg(256));
+  run_dense(F16, F16, F16, 64, 8, 1, {3000}, pg(256));
+  for (int page : {32, 64, 128, 512, 1024})  // the other page sizes
+    run_dense(BF, F32, F32, 128, page == 64 ? 1 : 4, 2, {page * 3 + 5, 1000, 1}, pg(page));
+  run_dense(BF, BF, F32, 128, 8, 8, {g_small ? 3000 : 131072}, pg(256));
+  {
+    Opt o = pg(256);
+    o.qamp = 4.f;
+    o.scale = 1.f;
+    run_dense(BF, F32, F32, 128, 8, 2, {4000}, o);  // peaked softmax, tensor-core kernel
+    run_dense(BF, F32, F32, 128, 4, 2, {4000}, o);
+    run_dense(BF, F32, F32, 256, 2, 2, {4000}, o);  // peaked, CUDA-core kernel
+  }
+  run_dense(BF, F32, F32, 128, 4, 8, {g_small ? 3000 : 131072}, pg(256));  // the benchmark shape
+  if (!g_small) run_dense(BF, BF, BF, 128, 4, 8, {131072}, pg(16));
+  run_dense(BF, F32, F32, 128, 4, 2, {2000, 0, 333}, pg(16));  // an empty sequence
+  run_dense(BF, F32, F32, 256, 1, 2, {0, 333, 2000}, pg(256));
+  run_dense(BF, F32, F32, 64, 8, 2, {0}, pg(16));  // only empty sequences
+  {
+    Opt o = pg(16);  // through a captured CUDA graph (split + merge with programmatic launch)
+    o.graph = true;
+    run_dense(BF, F32, F32, 128, 4, 2, {M, 333, 17}, o);
+    run_dense(BF, F32, BF, 256, 2, 2, {M, 1000}, o);
+  }
   // The other dense kernel variants (bf16 only): 1 = CUDA-core 4x4 for every group size,
   // 2, 3 = tensor-core kernel for every group size (padding small groups).
   for (int v = 1; v < 4; ++v) {
@@ -607,40 +685,77 @@ int main(int argc, char** argv) {
       continue;
     }
     g_variant = v;
-    for (int D : {64, 128})
+    for (int D : {64, 128, 256})
       for (int G : {1, 4, 8}) {
-        run_dense(BF, F32, BF, D, G, 2, {17, L / 7, 1000, 1});
-        run_dense(BF, BF, F32, D, G, 2, {L / 3});
+        run_dense(BF, F32, BF, D, G, 2, {17, M, 1000, 1}, pg(G == 4 ? 256 : 16));
+        run_dense(BF, BF, F32, D, G, 2, {g_small ? 333 : L / 7}, pg(G == 4 ? 16 : 256));
       }
-    run_dense(BF, F32, F32, 128, 4, 8, {g_small ? 3000 : 131072});
+    if (!g_small) run_dense(BF, F32, F32, 128, 4, 8, {131072}, pg(v == 2 ? 16 : 256));
   }
   kvs::cuda::detail::set_dense_variant(0);
   g_variant = 0;
-  // Gathered: random subsets, empty lists, NaN on every unselected token.
-  for (int D : {64, 128})
-    for (int G : {1, 4, 8}) run_gathered(BF, (G & 4) ? BF : F32, (G & 1) ? BF : F32, D, G, 2, 2, g_small ? 1500 : 20000, g_small ? 700 : 3000);
-  run_gathered(F16, F32, F32, 128, 4, 2, 3, 5000, 1024);
-  run_gathered(F16, F16, F32, 128, 8, 2, 3, 5000, 1024);
-  run_gathered(BF, F32, F32, 64, 6, 2, 2, 3000, 777);
-  run_gathered(BF, F32, F32, 64, 2, 2, 1, 100, 17);
+  // No programmatic launch for the merge (the plain-launch fallback).
+  kvs::cuda::detail::set_merge_pdl(false);
+  run_dense(BF, F32, F32, 128, 4, 2, {M, 17}, pg(16));
+  run_gathered(BF, F32, F32, 128, 4, 2, 2, M, 1024, false, pg(16));
+  kvs::cuda::detail::set_merge_pdl(true);
+
+  // Gathered: random subsets in random order, empty lists, NaN on every unselected token; lists
+  // per KV head and per query head; sequences of different sizes.
+  const int cap = g_small ? 1500 : 20000, sel = g_small ? 700 : 3000;
+  int gv = 0;
+  for (int D : {64, 128, 256})
+    for (int G : {1, 4, 8}) {
+      const Scalar qt = (gv & 1) ? BF : F32, ot = (gv & 2) ? BF : F32;
+      run_gathered(BF, qt, ot, D, G, 2, 2, cap, sel, false, pg((gv & 4) ? 16 : 256));
+      run_gathered(BF, ot, qt, D, G, 2, 2, cap, sel, true, pg((gv & 4) ? 256 : 16));
+      ++gv;
+    }
+  for (int D : {64, 128, 256}) {
+    run_gathered(F16, F32, F32, D, 4, 2, 3, M, 1024, false, pg(16));
+    run_gathered(F16, F16, F32, D, 8, 2, 3, M, 1024, false, pg(256));
+    run_gathered(F16, F32, F16, D, 3, 2, 3, M, 1024, true, pg(16));
+  }
+  run_gathered(BF, F32, F32, 64, 6, 2, 2, 3000, 777, false, pg(16));
+  run_gathered(BF, F32, F32, 128, 6, 2, 2, 3000, 777, true, pg(256));
+  run_gathered(BF, F32, F32, 128, 16, 1, 3, 3000, 777, false, pg(16));
+  run_gathered(BF, F32, F32, 256, 16, 1, 1, 3000, 777, true, pg(16));
+  run_gathered(BF, F32, F32, 64, 2, 2, 1, 100, 17, false, pg(16));
+  run_gathered(BF, F32, F32, 64, 2, 2, 1, 100, 17, true, pg(16));
+  run_gathered(BF, F32, F32, 128, 4, 2, 3, 1000, 0, false, pg(256));  // max_selected = 0
+  run_gathered(BF, F32, F32, 128, 1, 2, 3, 1000, 0, true, pg(16));
+  for (int page : {16, 256}) {  // whole 16-token runs (block selections)
+    Opt o = pg(page);
+    o.runs = true;
+    run_gathered(BF, F32, F32, 128, 4, 2, 2, cap, sel, false, o);
+    run_gathered(BF, F32, F32, 128, 8, 2, 2, cap, sel, false, o);
+    run_gathered(BF, F32, F32, 128, 4, 2, 2, cap, sel, true, o);
+  }
+  {
+    Opt o = pg(16);
+    o.graph = true;
+    run_gathered(BF, F32, F32, 128, 4, 2, 2, M, 1024, false, o);
+    run_gathered(BF, F32, F32, 128, 4, 2, 2, M, 1024, true, o);
+  }
   // Merge
-  for (int D : {64, 128, 5}) run_merge(37, D, false);
+  for (int D : {64, 128, 256, 5}) run_merge(37, D, false);
   run_merge(1000, 128, true);
-  // Top-k
-  for (int D : {64, 128})
-    for (int G : {1, 4, 8}) run_topk(BF, F32, D, G, 2, {3000, 777}, 64);
-  run_topk(BF, BF, 128, 4, 2, {3000, 777}, 1000);  // k > one length: padding with -1
-  run_topk(F16, F32, 128, 2, 2, {500}, 1);
-  if (!g_small) run_topk(BF, F32, 128, 4, 8, {65536}, 2048);
   std::printf("kernel tests: %d passed, %d failed\n", g_pass, g_fail);
 
+  int other_failures = 0, other_passed = 0;
 #ifndef KVS_NO_SESSION_TESTS
   // Sessions through the C API, cuda backend against the CPU backend (test_cuda_session.cu).
-  const int session_failures = run_session_tests();
-  const int session_passed = run_session_passed();
-#else  // the kernels-only build of tools/device/cuda_check.sh
-  const int session_failures = 0, session_passed = 0;
+  other_failures += run_session_tests();
+  other_passed += run_session_passed();
+#endif  // KVS_NO_SESSION_TESTS: the kernels-only build of tools/device/cuda_check.sh
+#ifdef KVS_HAVE_TOPK_TESTS
+  other_failures += run_topk_tests(g_small);
+  other_passed += run_topk_passed();
 #endif
-  std::printf("%d passed, %d failed\n", g_pass + session_passed, g_fail + session_failures);
-  return g_fail == 0 && session_failures == 0 ? 0 : 1;
+#ifdef KVS_HAVE_QUEST_TESTS
+  other_failures += run_quest_tests(g_small);
+  other_passed += run_quest_passed();
+#endif
+  std::printf("%d passed, %d failed\n", g_pass + other_passed, g_fail + other_failures);
+  return g_fail == 0 && other_failures == 0 ? 0 : 1;
 }

@@ -4,6 +4,10 @@
 // streams one chunk of its KV head's keys through a per-warp cp.async pipeline (16-byte copies,
 // STAGES deep, each warp private so no CTA barrier inside the loop) and keeps an online softmax
 // for up to GT query heads of the group in registers, so K and V cross HBM once per KV head.
+// Keys come from the paged layout of kv_layout.cuh. A warp tile (at most 16 keys, aligned to its
+// size) never crosses a page (P >= 16), so dense decode looks one page pointer up per tile, one
+// tile ahead of its use; gathered decode looks one up per key (lane i of the warp owns key i of a
+// tile and shares the row pointer by shuffle), the index two tiles and the page one tile ahead.
 // Thread layout in a warp: TPR = d/8 lanes cover one key row (8 elements = 16 bytes each), the
 // warp covers RPP = 32/TPR rows per copy, ROWS copies per tile. Scores are kept in base 2
 // (q pre-multiplied by scale*log2(e)) and converted to a natural-log LSE on output.
@@ -20,7 +24,6 @@
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
-#include <cub/device/device_radix_sort.cuh>
 
 #include "kvsieve/kvsieve.h"
 
@@ -122,16 +125,26 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// Programmatic dependent launch (sm_90): the chunk kernel lets the merge kernel launch once every
+// CTA is past its main loop; the merge kernel waits for the chunk kernel's completion (and memory
+// flush) before reading anything. Both are no-ops when the launch is a plain one.
+__device__ __forceinline__ void pdl_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
 // ---- decode kernels --------------------------------------------------------------------------
 struct DecodeArgs {
   const void* q;
   int32_t q_f32;
-  const void* const* k;
-  const void* const* v;
-  int64_t capacity;
-  const int32_t* lengths;  // dense: [B]; gathered: counts [B * Hkv]
-  const int32_t* indices;  // gathered: [B, Hkv, max_tokens]
-  int32_t max_tokens;      // max_length or max_selected
+  const void* const* pages;  // page table [B * max_pages] (kv_layout.cuh)
+  int32_t max_pages;
+  int32_t page_shift;        // log2(P)
+  int32_t v_off;             // elements from a page's K half to its V half: Hkv * P * d
+  const int32_t* lengths;    // dense: [B]; gathered: counts [B * Hkv] or [B * Hq] (per_q)
+  const int32_t* indices;    // gathered: [B, Hkv or Hq, max_tokens]
+  int32_t max_tokens;        // max_length or max_selected
+  int32_t per_q;             // gathered: one list per query head (GT == 1 kernels only)
   int32_t B, Hq, Hkv, G, ngroups;
   float qmul;  // scale * log2(e)
   int32_t nsplit, chunk;
@@ -142,12 +155,26 @@ struct DecodeArgs {
   float* lse_part;  // [B * Hq, nsplit]
 };
 
+// First element of the page holding token t of sequence b.
+template <typename T>
+__device__ __forceinline__ const T* page_of(const DecodeArgs& a, int b, int t) {
+  const auto* tab = reinterpret_cast<const unsigned long long*>(a.pages);
+  return reinterpret_cast<const T*>(__ldg(tab + (int64_t(b) * a.max_pages + (t >> a.page_shift))));
+}
+
+// Row pointer shared by shuffle from the lane that owns the row.
+template <typename T>
+__device__ __forceinline__ const T* shfl_ptr(const T* p, int src_lane) {
+  return reinterpret_cast<const T*>(
+      __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(p), src_lane));
+}
+
 template <int D>
 struct Geo {
   static constexpr int TPR = D / 8;     // lanes per key row
   static constexpr int RPP = 32 / TPR;  // rows per warp copy
   static constexpr int ROWS = 4;        // copies per tile per lane
-  static constexpr int R = RPP * ROWS;  // keys per warp tile
+  static constexpr int R = RPP * ROWS;  // keys per warp tile (<= 16 <= P: a tile is in one page)
 };
 
 template <typename T, int D, int GT, int NW, int STAGES>
@@ -209,6 +236,42 @@ __device__ __forceinline__ void cta_write_empty(const DecodeArgs& a, int b, int 
   }
 }
 
+// Key source of one CTA: which tokens its chunk holds and where their rows are. Shared by both
+// decode kernels. A warp tile is R consecutive chunk slots starting at an R-aligned slot tb; lane
+// i < R owns slot tb + i for the gathered lookups.
+template <typename T, int D, bool GATHER, int R>
+struct KeySource {
+  const DecodeArgs& a;
+  int b, head_off, pmask;
+  const int32_t* idx;  // gathered: this CTA's list
+  int end;             // chunk end (exclusive), clamped to the length / count
+
+  // Gathered: the lane's token index of the tile at tb, -1 past `bound` or for lanes >= R.
+  __device__ __forceinline__ int load_index(int tb, int lane, int bound) const {
+    const int s = tb + lane;
+    return (lane < R && s < bound) ? __ldg(idx + s) : -1;
+  }
+  // Gathered: the lane's row pointer (K half) for token index ix, nullptr for ix < 0.
+  __device__ __forceinline__ const T* row_of(int ix) const {
+    return ix >= 0 ? page_of<T>(a, b, ix) + head_off + (ix & pmask) * D : nullptr;
+  }
+  // Dense: the page of the tile at tb (tb < end).
+  __device__ __forceinline__ const T* tile_page(int tb) const { return page_of<T>(a, b, tb); }
+  // Source of tile row `row`: dense from the tile's page, gathered from the owning lane.
+  // Returns false when the row is past the chunk (then *src is a readable dummy, not read).
+  __device__ __forceinline__ bool row_src(int tb, int row, const T* pg_or_rowp, const T** src) const {
+    if constexpr (GATHER) {
+      const T* p = shfl_ptr(pg_or_rowp, row);
+      *src = p ? p : static_cast<const T*>(a.q);
+      return p != nullptr;
+    } else {
+      const int t = tb + row;
+      *src = pg_or_rowp + head_off + (t & pmask) * D;  // inside the page even past `end`
+      return t < end;
+    }
+  }
+};
+
 template <typename T, int D, int GT, bool GATHER, int NW, int STAGES>
 __global__ void __launch_bounds__(NW * 32) decode_chunk_kernel(const DecodeArgs a) {
   using G_ = Geo<D>;
@@ -222,11 +285,27 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_kernel(const DecodeArgs 
   const int kvh = blockIdx.y / a.ngroups, qg = blockIdx.y % a.ngroups;
   const int b = blockIdx.z;
   const int g0 = qg * GT;
-
-  int len = GATHER ? a.lengths[b * a.Hkv + kvh] : a.lengths[b];
-  len = min(max(len, 0), a.max_tokens);
   const int start = split * a.chunk;
+  auto tile_base = [&](int j) { return start + (warp + j * NW) * R; };
+
+  KeySource<T, D, GATHER, R> src{a, b, (kvh << a.page_shift) * D, (1 << a.page_shift) - 1, nullptr, 0};
+  int len;
+  int ixp[STAGES];  // gathered: the lane's index of the first STAGES tiles
+  if constexpr (GATHER) {
+    const int64_t lrow = a.per_q ? int64_t(b) * a.Hq + kvh * a.G + g0 : int64_t(b) * a.Hkv + kvh;
+    src.idx = a.indices + lrow * a.max_tokens;
+    len = a.lengths[lrow];
+    // Loaded before the count arrives (every slot below max_selected is readable): the count,
+    // index and query loads share one round trip.
+    const int bound = min(a.max_tokens, start + a.chunk);
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) ixp[s] = src.load_index(tile_base(s), lane, bound);
+  } else {
+    len = a.lengths[b];
+  }
+  len = min(max(len, 0), a.max_tokens);
   const int end = min(len, start + a.chunk);
+  src.end = end;
 
   if (start >= end) {  // uniform over the CTA
     cta_write_empty<T, D, GT, NW>(a, b, kvh, g0);
@@ -248,38 +327,44 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_kernel(const DecodeArgs 
     }
   }
 
-  const T* kbase = static_cast<const T*>(a.k[b]) + int64_t(kvh) * a.capacity * D;
-  const T* vbase = static_cast<const T*>(a.v[b]) + int64_t(kvh) * a.capacity * D;
-  const int32_t* idx =
-      GATHER ? a.indices + (int64_t(b) * a.Hkv + kvh) * a.max_tokens : nullptr;
-
   const int ntiles = (end - start + R - 1) / R;
   const int my_tiles = ntiles > warp ? (ntiles - warp + NW - 1) / NW : 0;
   T* wsm = reinterpret_cast<T*>(smem_raw) + warp * STAGES * 2 * TILE;
 
-  auto issue = [&](int j, int stage) {
-    const int tb = start + (warp + j * NW) * R;
-    int src[ROWS];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {  // all index loads first: one latency, not ROWS
-      const int tok = tb + r * RPP + rsub;
-      src[r] = tok < end ? (GATHER ? __ldg(idx + tok) : tok) : -1;
-    }
+  // pg: dense, the tile's page; gathered, the lane's row pointer.
+  auto issue = [&](int j, int stage, const T* pg) {
+    const int tb = tile_base(j);
     T* ks = wsm + stage * 2 * TILE;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const int row = r * RPP + rsub;
-      const bool ok = src[r] >= 0;
-      const int64_t off = int64_t(ok ? src[r] : 0) * D + c * 8;
-      cp_async16(ks + row * D + c * 8, kbase + off, ok);
-      cp_async16(ks + TILE + row * D + c * 8, vbase + off, ok);
+      const T* p;
+      const bool ok = src.row_src(tb, row, pg, &p);
+      cp_async16(ks + row * D + c * 8, p + c * 8, ok);
+      cp_async16(ks + TILE + row * D + c * 8, ok ? p + a.v_off + c * 8 : p, ok);
     }
   };
 
+  const T* pg_next;  // dense: page of tile j + STAGES - 1; gathered: row pointer of that tile
+  int ix_next = -1;  // gathered: index of tile j + STAGES
+  {
+    const T* pg[STAGES];
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < my_tiles) issue(s, s);
-    cp_async_commit();
+    for (int s = 0; s < STAGES; ++s) {
+      if constexpr (GATHER) {
+        if (tile_base(s) + lane >= end) ixp[s] = -1;
+        pg[s] = src.row_of(ixp[s]);
+      } else {
+        pg[s] = s < my_tiles ? src.tile_page(tile_base(s)) : nullptr;
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < my_tiles) issue(s, s, pg[s]);
+      cp_async_commit();
+    }
+    pg_next = pg[STAGES - 1];
+    if constexpr (GATHER) ix_next = src.load_index(tile_base(STAGES), lane, end);
   }
 
   float m[GT], l[GT], acc[GT][8];
@@ -294,13 +379,20 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_kernel(const DecodeArgs 
   for (int j = 0; j < my_tiles; ++j) {
     __syncwarp();  // the stage refilled below was read in iteration j-1
     const int jn = j + STAGES - 1;
-    if (jn < my_tiles) issue(jn, jn % STAGES);
+    if (jn < my_tiles) issue(jn, jn % STAGES, pg_next);
     cp_async_commit();
+    // Look-ups for the next tiles: their latency hides behind this tile's arithmetic.
+    if constexpr (GATHER) {
+      pg_next = src.row_of(ix_next);
+      ix_next = src.load_index(tile_base(jn + 2), lane, end);
+    } else {
+      if (jn + 1 < my_tiles) pg_next = src.tile_page(tile_base(jn + 1));
+    }
     cp_async_wait<STAGES - 1>();  // tile j's group has landed (each lane reads only its own copies)
 
     const T* ks = wsm + (j % STAGES) * 2 * TILE;
     const T* vs = ks + TILE;
-    const int tb = start + (warp + j * NW) * R;
+    const int tb = tile_base(j);
 
     float s[ROWS][GT];
 #pragma unroll
@@ -359,6 +451,7 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_kernel(const DecodeArgs 
     }
   }
   cp_async_wait<0>();
+  pdl_launch_dependents();
 
   // Merge the RPP row groups of the warp (lanes c, c+TPR, ...): butterfly, every lane ends merged.
 #pragma unroll
@@ -398,15 +491,6 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_kernel(const DecodeArgs 
   cta_epilogue<T, D, GT, NW>(a, red_m, red_l, red_acc, b, kvh, g0, split);
 }
 
-// ---- tensor-core variant for large query groups ----------------------------------------------
-// For G > 4 the CUDA-core kernel above is bound by instruction issue (per key: GT dot products, a
-// shuffle reduction per head, GT exps). This kernel does QK^T and PV with mma.sync m16n8k16:
-// A = the 8 query heads of the group (rows 8..15 zero), B = K^T / V from shared memory via
-// ldmatrix (K tile rows XOR-swizzled in 16-byte chunks so 8 rows hit 8 different bank groups).
-// fp32 accuracy is kept by splitting q and the probabilities p into hi + lo 16-bit parts (two MMAs
-// each), so the result matches the fp32 CUDA-core path to ~1e-6 rather than 16-bit rounding.
-// Fragment layouts (PTX ISA, m16n8k16): lane = 4*r + c; A rows r / r+8, cols 2c.. / 2c+8..;
-// B rows (k) 2c.. / 2c+8.., col (n) r; C rows r / r+8, cols 2c, 2c+1.
 #pragma nv_diag_suppress 550  // d2/d3 below: padding rows of the product, set and dropped
 template <typename T>
 struct Mma;
@@ -480,7 +564,7 @@ __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_
 template <typename T, int D, bool GATHER, int NW, int STAGES>
 __global__ void __launch_bounds__(NW * 32) decode_chunk_mma_kernel(const DecodeArgs a) {
   constexpr int GT = 8;          // query heads per CTA (MMA rows 0..7)
-  constexpr int R = 16;          // keys per warp tile
+  constexpr int R = 16;          // keys per warp tile (<= P: a tile is in one page)
   constexpr int TILE = R * D;    // elements of one K (or V) tile
   constexpr int CPR = D / 8;     // 16-byte chunks per row
   constexpr int RPP = 32 / CPR;  // rows per copy pass
@@ -495,11 +579,26 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_mma_kernel(const DecodeA
   const int kvh = blockIdx.y / a.ngroups, qg = blockIdx.y % a.ngroups;
   const int b = blockIdx.z;
   const int g0 = qg * GT;
-
-  int len = GATHER ? a.lengths[b * a.Hkv + kvh] : a.lengths[b];
-  len = min(max(len, 0), a.max_tokens);
   const int start = split * a.chunk;
+  auto tile_base = [&](int j) { return start + (warp + j * NW) * R; };
+
+  KeySource<T, D, GATHER, R> src{a, b, (kvh << a.page_shift) * D, (1 << a.page_shift) - 1, nullptr, 0};
+  int len;
+  int ixp[STAGES];  // gathered: the lane's index of the first STAGES tiles
+  if constexpr (GATHER) {
+    // Per-KV-head lists only (per-query-head lists run the CUDA-core kernel with GT = 1).
+    const int64_t lrow = int64_t(b) * a.Hkv + kvh;
+    src.idx = a.indices + lrow * a.max_tokens;
+    len = a.lengths[lrow];
+    const int bound = min(a.max_tokens, start + a.chunk);
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) ixp[s] = src.load_index(tile_base(s), lane, bound);
+  } else {
+    len = a.lengths[b];
+  }
+  len = min(max(len, 0), a.max_tokens);
   const int end = min(len, start + a.chunk);
+  src.end = end;
   if (start >= end) {
     cta_write_empty<T, D, GT, NW>(a, b, kvh, g0);
     return;
@@ -531,38 +630,46 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_mma_kernel(const DecodeA
       }
   }
 
-  const T* kbase = static_cast<const T*>(a.k[b]) + int64_t(kvh) * a.capacity * D;
-  const T* vbase = static_cast<const T*>(a.v[b]) + int64_t(kvh) * a.capacity * D;
-  const int32_t* idx = GATHER ? a.indices + (int64_t(b) * a.Hkv + kvh) * a.max_tokens : nullptr;
   const int ntiles = (end - start + R - 1) / R;
   const int my_tiles = ntiles > warp ? (ntiles - warp + NW - 1) / NW : 0;
   T* wsm = reinterpret_cast<T*>(smem_raw) + warp * STAGES * 2 * TILE;
   const int cc = lane % CPR, r0 = lane / CPR;
 
-  auto issue = [&](int j, int stage) {
-    const int tb = start + (warp + j * NW) * R;
-    int src[PASSES];
-#pragma unroll
-    for (int p = 0; p < PASSES; ++p) {
-      const int tok = tb + p * RPP + r0;
-      src[p] = tok < end ? (GATHER ? __ldg(idx + tok) : tok) : -1;
-    }
+  // pg: dense, the tile's page; gathered, the lane's row pointer.
+  auto issue = [&](int j, int stage, const T* pg) {
+    const int tb = tile_base(j);
     T* ks = wsm + stage * 2 * TILE;
 #pragma unroll
     for (int p = 0; p < PASSES; ++p) {
       const int row = p * RPP + r0;
-      const bool ok = src[p] >= 0;
-      const int64_t off = int64_t(ok ? src[p] : 0) * D + cc * 8;
+      const T* sp;
+      const bool ok = src.row_src(tb, row, pg, &sp);
       const int dst = row * D + ((cc ^ (row & 7)) * 8);
-      cp_async16(ks + dst, kbase + off, ok);
-      cp_async16(ks + TILE + dst, vbase + off, ok);
+      cp_async16(ks + dst, sp + cc * 8, ok);
+      cp_async16(ks + TILE + dst, ok ? sp + a.v_off + cc * 8 : sp, ok);
     }
   };
 
+  const T* pg_next;  // dense: page of tile j + STAGES - 1; gathered: row pointer of that tile
+  int ix_next = -1;  // gathered: index of tile j + STAGES
+  {
+    const T* pg[STAGES];
 #pragma unroll
-  for (int st = 0; st < STAGES - 1; ++st) {
-    if (st < my_tiles) issue(st, st);
-    cp_async_commit();
+    for (int s = 0; s < STAGES; ++s) {
+      if constexpr (GATHER) {
+        if (tile_base(s) + lane >= end) ixp[s] = -1;
+        pg[s] = src.row_of(ixp[s]);
+      } else {
+        pg[s] = s < my_tiles ? src.tile_page(tile_base(s)) : nullptr;
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < my_tiles) issue(s, s, pg[s]);
+      cp_async_commit();
+    }
+    pg_next = pg[STAGES - 1];
+    if constexpr (GATHER) ix_next = src.load_index(tile_base(STAGES), lane, end);
   }
 
   float m = -INFINITY, l = 0.f;  // head g0 + qr_; l is this lane's partial sum (quad-reduced at end)
@@ -573,14 +680,20 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_mma_kernel(const DecodeA
   for (int j = 0; j < my_tiles; ++j) {
     __syncwarp();  // every lane is done reading the stage refilled below
     const int jn = j + STAGES - 1;
-    if (jn < my_tiles) issue(jn, jn % STAGES);
+    if (jn < my_tiles) issue(jn, jn % STAGES, pg_next);
     cp_async_commit();
+    if constexpr (GATHER) {
+      pg_next = src.row_of(ix_next);
+      ix_next = src.load_index(tile_base(jn + 2), lane, end);
+    } else {
+      if (jn + 1 < my_tiles) pg_next = src.tile_page(tile_base(jn + 1));
+    }
     cp_async_wait<STAGES - 1>();
     __syncwarp();  // other lanes' copies of tile j are visible to this lane's ldmatrix
 
     const T* ks = wsm + (j % STAGES) * 2 * TILE;
     const T* vs = ks + TILE;
-    const int tb = start + (warp + j * NW) * R;
+    const int tb = tile_base(j);
 
     // S = Q K^T for 2 blocks of 8 keys: sc[nb] = scores of keys nb*8 + 2qc, +1 for head qr_.
     float sc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
@@ -640,6 +753,7 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_mma_kernel(const DecodeA
     }
   }
   cp_async_wait<0>();
+  pdl_launch_dependents();
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);
 
@@ -683,15 +797,22 @@ __device__ __forceinline__ float block_reduce128(float x, float* sh) {
   return r;
 }
 
+// How the merge kernel finds a row's key count: dense lengths [B], per-KV-head counts [B, Hkv],
+// per-query-head counts [B, Hq].
+enum ListMode : int { kDense = 0, kPerKvHead = 1, kPerQHead = 2 };
+
 // Combines the chunk partials of one (sequence, query head) row. grid B*Hq, block 128.
 template <typename T, int D>
-__global__ void __launch_bounds__(128) decode_merge_kernel(const DecodeArgs a, int per_head) {
+__global__ void __launch_bounds__(128) decode_merge_kernel(const DecodeArgs a, int mode) {
   extern __shared__ float wgt[];  // [nsplit]
   __shared__ float red[4];
   __shared__ float4 part[128];
+  pdl_wait();  // the chunk kernel's partials are complete and visible past this point
   const int64_t row = blockIdx.x;
   const int b = int(row / a.Hq), h = int(row % a.Hq);
-  int len = per_head ? a.lengths[b * a.Hkv + h / a.G] : a.lengths[b];
+  int len = mode == kDense      ? a.lengths[b]
+            : mode == kPerKvHead ? a.lengths[b * a.Hkv + h / a.G]
+                                 : a.lengths[row];
   len = min(max(len, 0), a.max_tokens);
   const int ns = min((len + a.chunk - 1) / a.chunk, a.nsplit);
   const float* lp = a.lse_part + row * a.nsplit;
@@ -743,9 +864,12 @@ __global__ void __launch_bounds__(128) decode_merge_kernel(const DecodeArgs a, i
 // ---- kernel configurations and launch --------------------------------------------------------
 // Benchmark knob (bf16 dense only): 0 = the default selection below; 1 = CUDA-core kernel with
 // 4 warps x 4 stages for every group size (the first version); 2 / 3 = tensor-core kernel with
-// 4 warps x 3 / 4 stages for every group size.
+// 4 warps x 3 / 4 stages for every group size (d = 256: 2 warps x 4 stages for 3, as 4 x 4
+// exceeds the shared memory of an SM).
 constexpr int kNumVariants = 4;
 std::atomic<int> g_variant{0};
+std::atomic<bool> g_merge_pdl{true};
+std::atomic<int> g_min_chunk{kMinChunk};  // fewest keys a split is worth (benchmark knob)
 
 // CTAs per SM (> 0) for kernel fn, or -cudaError_t. Set up once per instantiation and process
 // (assumes every GPU in the process is the same model).
@@ -780,6 +904,7 @@ struct MmaDecodeKernel {
   static constexpr int kGroupTile = 8;
   static constexpr int kThreads = NW * 32;
   static constexpr int kSmem = mma_smem_bytes<T, D, NW, STAGES>();
+  static_assert(kSmem <= 227 * 1024, "shared memory of one CTA exceeds the SM's");
   static constexpr int kTileTokens = 16 * NW;
   static constexpr const char* kName = "decode_chunk_mma_kernel";
   static constexpr void (*kernel)(DecodeArgs) = decode_chunk_mma_kernel<T, D, GATHER, NW, STAGES>;
@@ -790,17 +915,20 @@ struct MmaDecodeKernel {
 };
 
 // The kernel used for (T, D, group tile, gather) under the current variant; calls f(K{}).
-// Defaults, from the side-by-side runs in docs/perf-cuda.md: dense decode runs the tensor-core
+// Defaults, from the side-by-side runs in docs/perf.md: dense decode runs the tensor-core
 // kernel for groups of 3+ heads (G=4: 141 vs 148 us, G=8: 143 vs 231 us at 128K on an H200) and
-// the CUDA-core one (8 warps x 3 stages) for G <= 2 (MHA: 483 vs 491 us); gathered decode keeps
-// the CUDA-core kernel (4 x 4) up to 4 heads and the tensor-core one above.
+// the CUDA-core one (8 warps x 3 stages) for G <= 2 (MHA: 483 vs 491 us); the tensor-core kernel
+// runs 4 warps x 4 stages for d <= 128 (paged, 128K, G=4 on an H100: 194.9 vs 197.3 us with
+// pages of 256, 201.4 vs 205.7 with pages of 16, against 4 x 3) and 4 x 3 for d = 256 (4 x 4
+// would exceed an SM's shared memory). Gathered decode keeps the CUDA-core kernel (4 x 4) up to
+// 4 heads (and for per-query-head lists, GT = 1) and the tensor-core one (4 x 3) above.
 template <typename T, int D, int GT, bool GATHER, typename F>
 Status with_kernel(F&& f) {
   if constexpr (std::is_same_v<T, __nv_bfloat16> && !GATHER) {
     switch (g_variant.load(std::memory_order_relaxed)) {
       case 1: return f(DecodeKernel<T, D, GT, GATHER, 4, 4>{});
       case 2: return f(MmaDecodeKernel<T, D, GATHER, 4, 3>{});
-      case 3: return f(MmaDecodeKernel<T, D, GATHER, 4, 4>{});
+      case 3: return f(MmaDecodeKernel<T, D, GATHER, (D == 256 ? 2 : 4), 4>{});
       default: break;
     }
   }
@@ -808,7 +936,7 @@ Status with_kernel(F&& f) {
     if constexpr (GT == 8) return f(MmaDecodeKernel<T, D, GATHER, 4, 3>{});
     else return f(DecodeKernel<T, D, GT, GATHER, 4, 4>{});
   } else {
-    if constexpr (GT >= 4) return f(MmaDecodeKernel<T, D, GATHER, 4, 3>{});
+    if constexpr (GT >= 4) return f(MmaDecodeKernel<T, D, GATHER, 4, (D == 256 ? 3 : 4)>{});
     else return f(DecodeKernel<T, D, GT, GATHER, 8, 3>{});
   }
 }
@@ -829,7 +957,8 @@ struct Plan {
 Plan make_plan(int heads_ctas, int max_tokens, int sms, int occ, int tile_tokens) {
   if (max_tokens <= 0) return {1, tile_tokens};
   int ns = std::max(1, sms * occ / std::max(1, heads_ctas));  // one full wave, never more
-  ns = std::min(ns, std::max(1, (max_tokens + kMinChunk - 1) / kMinChunk));
+  const int min_chunk = g_min_chunk.load(std::memory_order_relaxed);
+  ns = std::min(ns, std::max(1, (max_tokens + min_chunk - 1) / min_chunk));
   ns = std::min(ns, kMaxSplits);
   int chunk = (max_tokens + ns - 1) / ns;
   chunk = (chunk + tile_tokens - 1) / tile_tokens * tile_tokens;
@@ -848,15 +977,17 @@ Status check_shape(const AttnShape& s) {
   if (s.num_kv_heads < 1) return invalid("num_kv_heads must be >= 1");
   if (s.num_q_heads < 1 || s.num_q_heads % s.num_kv_heads != 0)
     return invalid("num_q_heads must be a positive multiple of num_kv_heads");
-  if (s.head_dim != 64 && s.head_dim != 128) return unsupported("head_dim must be 64 or 128");
+  if (s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256)
+    return unsupported("head_dim must be 64, 128 or 256");
   if (!(std::isfinite(s.scale))) return invalid("scale must be finite");
   if (s.batch > 65535) return unsupported("batch must be <= 65535");
+  if (s.num_q_heads > 65535) return unsupported("num_q_heads must be <= 65535");
   return {};
 }
 
 template <typename K, typename T, int D>
 Status launch_decode(DecodeArgs a, const AttnShape& s, const Workspace& ws, cudaStream_t st,
-                     int per_head) {
+                     int mode) {
   a.ngroups = (a.G + K::kGroupTile - 1) / K::kGroupTile;
   const int occ = K::occupancy();
   if (occ < 0) return cuda_fail(cudaError_t(-occ), "decode kernel setup");
@@ -880,59 +1011,90 @@ Status launch_decode(DecodeArgs a, const AttnShape& s, const Workspace& ws, cuda
   K::kernel<<<grid, K::kThreads, K::kSmem, st>>>(a);
   KVS_LAUNCH_CHECK(K::kName);
   if (p.nsplit > 1) {
-    decode_merge_kernel<T, D><<<s.batch * s.num_q_heads, 128, p.nsplit * sizeof(float), st>>>(a, per_head);
-    KVS_LAUNCH_CHECK("decode_merge_kernel launch");
+    const unsigned rows = unsigned(s.batch) * unsigned(s.num_q_heads);
+    const size_t smem = size_t(p.nsplit) * sizeof(float);
+    if (g_merge_pdl.load(std::memory_order_relaxed)) {
+      // Programmatic dependent launch: the merge grid is launched while the chunk grid drains.
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[0].val.programmaticStreamSerializationAllowed = 1;
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(rows);
+      cfg.blockDim = dim3(128);
+      cfg.dynamicSmemBytes = smem;
+      cfg.stream = st;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      KVS_CUDA_TRY(cudaLaunchKernelEx(&cfg, decode_merge_kernel<T, D>, a, mode),
+                   "decode_merge_kernel launch");
+    } else {
+      decode_merge_kernel<T, D><<<rows, 128, smem, st>>>(a, mode);
+      KVS_LAUNCH_CHECK("decode_merge_kernel launch");
+    }
   }
   return {};
 }
 
 template <typename T, int D, int GT, bool GATHER>
 Status pick_variant(const DecodeArgs& a, const AttnShape& s, const Workspace& ws, cudaStream_t st,
-                    int per_head) {
+                    int mode) {
   return with_kernel<T, D, GT, GATHER>([&](auto k) {
-    return launch_decode<decltype(k), T, D>(a, s, ws, st, per_head);
+    return launch_decode<decltype(k), T, D>(a, s, ws, st, mode);
   });
 }
 
 template <typename T, bool GATHER>
 Status dispatch_dim(const DecodeArgs& a, const AttnShape& s, const Workspace& ws, cudaStream_t st) {
-  const int gt = group_tile(a.G);
-  const int ph = GATHER ? 1 : 0;
+  const int mode = !GATHER ? kDense : a.per_q ? kPerQHead : kPerKvHead;
+  const int gt = mode == kPerQHead ? 1 : group_tile(a.G);
 #define KVS_CASE(D_, GT_) \
-  if (s.head_dim == D_ && gt == GT_) return pick_variant<T, D_, GT_, GATHER>(a, s, ws, st, ph);
+  if (s.head_dim == D_ && gt == GT_) return pick_variant<T, D_, GT_, GATHER>(a, s, ws, st, mode);
   KVS_CASE(64, 1) KVS_CASE(64, 2) KVS_CASE(64, 4) KVS_CASE(64, 8)
   KVS_CASE(128, 1) KVS_CASE(128, 2) KVS_CASE(128, 4) KVS_CASE(128, 8)
+  KVS_CASE(256, 1) KVS_CASE(256, 2) KVS_CASE(256, 4) KVS_CASE(256, 8)
 #undef KVS_CASE
-  return unsupported("head_dim must be 64 or 128");
+  return unsupported("head_dim must be 64, 128 or 256");
 }
 
-Status decode_common(const AttnShape& s, const Query& q, const KvCache& kv, const int32_t* lens,
-                     const int32_t* indices, int32_t max_tokens, const Output& out,
-                     const Workspace& ws, void* stream, bool gather) {
+Status decode_common(const AttnShape& s, const Query& q, const PagedKv& kv, Scalar kv_dtype,
+                     const int32_t* lens, const int32_t* indices, int32_t max_tokens,
+                     const Output& out, const Workspace& ws, void* stream, bool gather,
+                     bool per_q) {
   Status e = check_shape(s);
   if (!e.ok()) return e;
-  if (kv.dtype != Scalar::BF16 && kv.dtype != Scalar::F16) return unsupported("KV dtype must be BF16 or F16");
-  if (q.dtype != Scalar::F32 && q.dtype != kv.dtype) return invalid("query dtype must be F32 or the KV dtype");
-  if (out.dtype != Scalar::F32 && out.dtype != kv.dtype) return invalid("output dtype must be F32 or the KV dtype");
+  if (kv_dtype != Scalar::BF16 && kv_dtype != Scalar::F16) return unsupported("KV dtype must be BF16 or F16");
+  if (q.dtype != Scalar::F32 && q.dtype != kv_dtype) return invalid("query dtype must be F32 or the KV dtype");
+  if (out.dtype != Scalar::F32 && out.dtype != kv_dtype) return invalid("output dtype must be F32 or the KV dtype");
   if (!q.data || !out.o || !out.lse) return invalid("q, o and lse must be non-null");
   if (reinterpret_cast<uintptr_t>(q.data) % 16 != 0) return invalid("q must be 16-byte aligned");
   if (reinterpret_cast<uintptr_t>(out.o) % 16 != 0) return invalid("o must be 16-byte aligned");
   if (max_tokens < 0) return invalid("max length / max selected must be >= 0");
-  if (max_tokens > 0 && (!kv.k || !kv.v || !lens)) return invalid("k, v and lengths/counts must be non-null");
   if (!lens) return invalid("lengths/counts must be non-null");
-  if (gather && max_tokens > 0 && !indices) return invalid("indices must be non-null");
-  if (!gather && int64_t(max_tokens) > kv.capacity) return invalid("max_length must be <= capacity");
-  if (kv.capacity < 0) return invalid("capacity must be >= 0");
+  if (max_tokens > 0) {
+    if (!kv.pages) return invalid("kv.pages must be non-null");
+    if (gather && !indices) return invalid("indices must be non-null");
+    const int32_t P = kv.page_tokens;
+    if (P < 16 || P > 1024 || (P & (P - 1)) != 0) return invalid("page_tokens must be a power of two in [16, 1024]");
+    if (kv.page_shift < 0 || kv.page_shift > 30 || (int32_t(1) << kv.page_shift) != P)
+      return invalid("page_shift must be log2(page_tokens)");
+    if (kv.max_pages < 1) return invalid("max_pages must be >= 1");
+    if (2 * int64_t(s.num_kv_heads) * P * s.head_dim >= (int64_t(1) << 31))
+      return unsupported("a page must hold < 2^31 elements");
+    if (!gather && int64_t(max_tokens) > int64_t(kv.max_pages) * P)
+      return invalid("max_length must be <= max_pages * page_tokens");
+  }
 
   DecodeArgs a{};
   a.q = q.data;
   a.q_f32 = q.dtype == Scalar::F32;
-  a.k = kv.k;
-  a.v = kv.v;
-  a.capacity = kv.capacity;
+  a.pages = kv.pages;
+  a.max_pages = kv.max_pages;
+  a.page_shift = max_tokens > 0 ? kv.page_shift : 4;
+  a.v_off = max_tokens > 0 ? int32_t(int64_t(s.num_kv_heads) * kv.page_tokens * s.head_dim) : 0;
   a.lengths = lens;
   a.indices = indices;
   a.max_tokens = max_tokens;
+  a.per_q = gather && per_q;
   a.B = s.batch;
   a.Hq = s.num_q_heads;
   a.Hkv = s.num_kv_heads;
@@ -942,22 +1104,23 @@ Status decode_common(const AttnShape& s, const Query& q, const KvCache& kv, cons
   a.o_f32 = out.dtype == Scalar::F32;
   a.lse = out.lse;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (kv.dtype == Scalar::BF16)
+  if (kv_dtype == Scalar::BF16)
     return gather ? dispatch_dim<__nv_bfloat16, true>(a, s, ws, st)
                   : dispatch_dim<__nv_bfloat16, false>(a, s, ws, st);
   return gather ? dispatch_dim<__half, true>(a, s, ws, st) : dispatch_dim<__half, false>(a, s, ws, st);
 }
 
-size_t decode_ws_bound(const AttnShape& s, int32_t max_tokens) {
+// Upper bound of split_bytes over every kernel choice: the most splits come with the fewest CTAs
+// per head (ceil(G/8) query groups, or Hq lists) and the highest occupancy; rounding a chunk up
+// to a tile only lowers the count, so the unrounded plan (tile 1) bounds it.
+size_t decode_ws_bound(const AttnShape& s, int32_t max_tokens, bool per_q) {
   if (!check_shape(s).ok() || max_tokens <= 0) return 0;
   int sms = 0;
   if (!sm_count(&sms).ok()) return 0;
   const int G = s.num_q_heads / s.num_kv_heads;
-  const int ngroups = (G + group_tile(G) - 1) / group_tile(G);
-  // Tightest tile is 32 tokens (d=128, 4 warps); occupancy is at most kMaxCtasPerSm.
-  const Plan p = make_plan(s.batch * s.num_kv_heads * ngroups, max_tokens, sms, kMaxCtasPerSm, 32);
-  // make_plan rounds chunks up to tiles, which can only lower the split count; add one for safety.
-  return split_bytes(s, std::min(p.nsplit + 1, kMaxSplits));
+  const int heads_ctas = per_q ? s.batch * s.num_q_heads : s.batch * s.num_kv_heads * ((G + 7) / 8);
+  const Plan p = make_plan(heads_ctas, max_tokens, sms, kMaxCtasPerSm, 1);
+  return split_bytes(s, p.nsplit);
 }
 
 // ---- merge of two states ---------------------------------------------------------------------
@@ -991,179 +1154,6 @@ __global__ void __launch_bounds__(256) merge_states_kernel(const float* o_a, con
   if (lane == 0) lse[row] = l;
 }
 
-// ---- top-k ------------------------------------------------------------------------------------
-struct TopkArgs {
-  const void* q;
-  int32_t q_f32;
-  const void* const* k;
-  int64_t capacity;
-  const int32_t* lengths;
-  int32_t max_len, k_top;
-  int32_t B, Hq, Hkv, G, ngroups;
-  float scale;
-  float* z;           // [B*Hq, max_len] natural-log logits
-  float* lse;         // [B*Hq]
-  uint64_t* keys_in;  // [B*Hkv, max_len]: segment << 32 | ~bits(score) (ascending = best first)
-  uint64_t* keys_out;
-  int32_t* vals_in;  // token index
-  int32_t* vals_out;
-  int32_t* out_idx;
-  int32_t* out_cnt;
-};
-
-constexpr int kTopkTok = 128;  // keys per CTA of the logits kernel
-
-// grid (ceil(max_len / kTopkTok), Hkv * ngroups, B), block 128.
-template <typename T, int D, int GT>
-__global__ void __launch_bounds__(128) topk_logits_kernel(const TopkArgs a) {
-  constexpr int TPR = D / 8, RPP = 32 / TPR;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int c = lane % TPR, rsub = lane / TPR;
-  const int kvh = blockIdx.y / a.ngroups, qg = blockIdx.y % a.ngroups, b = blockIdx.z;
-  const int g0 = qg * GT;
-  int len = min(max(a.lengths[b], 0), a.max_len);
-  const int t_begin = blockIdx.x * kTopkTok, t_end = min(len, t_begin + kTopkTok);
-  if (t_begin >= t_end) return;
-  float qr[GT][8];
-#pragma unroll
-  for (int g = 0; g < GT; ++g) {
-    if (g0 + g < a.G) {
-      const int64_t row = int64_t(b) * a.Hq + kvh * a.G + g0 + g;
-      const char* qp = static_cast<const char*>(a.q) + (row * D + c * 8) * (a.q_f32 ? 4 : int64_t(sizeof(T)));
-      load_q8<T>(qp, a.q_f32 != 0, a.scale, qr[g]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) qr[g][j] = 0.f;
-    }
-  }
-  const T* kbase = static_cast<const T*>(a.k[b]) + int64_t(kvh) * a.capacity * D;
-  for (int t0 = t_begin + warp * RPP; t0 < t_end; t0 += 4 * RPP) {  // warp-uniform bound
-    const int t = t0 + rsub;
-    const bool ok = t < t_end;
-    uint4 u = make_uint4(0, 0, 0, 0);
-    if (ok) u = __ldg(reinterpret_cast<const uint4*>(kbase + int64_t(t) * D + c * 8));
-    float kf[8];
-    Cvt<T>::f32x8(u, kf);
-#pragma unroll
-    for (int g = 0; g < GT; ++g) {
-      float s = 0.f;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) s = fmaf(qr[g][e], kf[e], s);
-#pragma unroll
-      for (int off = TPR / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-      if (ok && c == 0 && g0 + g < a.G)
-        a.z[(int64_t(b) * a.Hq + kvh * a.G + g0 + g) * a.max_len + t] = s;
-    }
-  }
-}
-
-// grid B*Hq, block 128: lse of each query head's logits.
-__global__ void __launch_bounds__(128) topk_lse_kernel(const TopkArgs a) {
-  __shared__ float red[4];
-  const int64_t row = blockIdx.x;
-  const int b = int(row / a.Hq);
-  const int len = min(max(a.lengths[b], 0), a.max_len);
-  const float* z = a.z + row * a.max_len;
-  float mx = -INFINITY;
-  for (int t = threadIdx.x; t < len; t += 128) mx = fmaxf(mx, z[t]);
-  mx = block_reduce128<true>(mx, red);
-  float sum = 0.f;
-  if (mx != -INFINITY)
-    for (int t = threadIdx.x; t < len; t += 128) sum += expf(z[t] - mx);
-  sum = block_reduce128<false>(sum, red);
-  if (threadIdx.x == 0) a.lse[row] = sum > 0.f ? mx + logf(sum) : -INFINITY;
-}
-
-// grid (ceil(max_len/256), Hkv, B), block 256: group-summed softmax -> radix-sort keys. One
-// global (stable, LSD) radix sort over all segments keeps each segment's max_len items together,
-// best first; keys past a sequence's length sort last in their segment (0xffffffff low word, and
-// stability keeps them after any real score of exactly 0).
-__global__ void __launch_bounds__(256) topk_score_kernel(const TopkArgs a) {
-  const int kvh = blockIdx.y, b = blockIdx.z;
-  const int seg = b * a.Hkv + kvh;
-  const int len = min(max(a.lengths[b], 0), a.max_len);
-  const int t = blockIdx.x * 256 + threadIdx.x;
-  if (t >= a.max_len) return;
-  uint32_t low = 0xffffffffu;
-  if (t < len) {
-    float s = 0.f;
-    for (int g = 0; g < a.G; ++g) {
-      const int64_t row = int64_t(b) * a.Hq + kvh * a.G + g;
-      s += expf(a.z[row * a.max_len + t] - a.lse[row]);
-    }
-    low = ~__float_as_uint(fmaxf(s, 0.f));  // s >= 0: bit order = value order
-  }
-  a.keys_in[int64_t(seg) * a.max_len + t] = (uint64_t(seg) << 32) | low;
-  a.vals_in[int64_t(seg) * a.max_len + t] = t;
-}
-
-// grid B*Hkv, block 256.
-__global__ void __launch_bounds__(256) topk_gather_kernel(const TopkArgs a) {
-  const int seg = blockIdx.x, b = seg / a.Hkv;
-  const int len = min(max(a.lengths[b], 0), a.max_len);
-  const int cnt = min(len, a.k_top);
-  for (int i = threadIdx.x; i < a.k_top; i += 256)
-    a.out_idx[int64_t(seg) * a.k_top + i] = i < cnt ? a.vals_out[int64_t(seg) * a.max_len + i] : -1;
-  if (threadIdx.x == 0 && a.out_cnt) a.out_cnt[seg] = cnt;
-}
-
-struct TopkLayout {
-  size_t z, lse, keys_in, keys_out, vals_in, vals_out, cub, total;
-  size_t cub_bytes;
-  int end_bit;
-};
-
-Status topk_layout(const AttnShape& s, int32_t max_len, TopkLayout* L) {
-  const size_t rows = size_t(s.batch) * s.num_q_heads;
-  const size_t segs = size_t(s.batch) * s.num_kv_heads;
-  const size_t n = segs * size_t(max_len);
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    const size_t o = off;
-    off += align_up(bytes, 256);
-    return o;
-  };
-  L->z = take(rows * max_len * 4);
-  L->lse = take(rows * 4);
-  L->keys_in = take(n * 8);
-  L->keys_out = take(n * 8);
-  L->vals_in = take(n * 4);
-  L->vals_out = take(n * 4);
-  int seg_bits = 0;
-  while ((size_t(1) << seg_bits) < segs) ++seg_bits;
-  L->end_bit = 32 + seg_bits;
-  size_t cub_bytes = 0;
-  KVS_CUDA_TRY(cub::DeviceRadixSort::SortPairs(nullptr, cub_bytes, static_cast<const uint64_t*>(nullptr),
-                                               static_cast<uint64_t*>(nullptr),
-                                               static_cast<const int32_t*>(nullptr),
-                                               static_cast<int32_t*>(nullptr), int64_t(n), 0,
-                                               L->end_bit, cudaStream_t(0)),
-               "cub::DeviceRadixSort size query");
-  L->cub_bytes = cub_bytes;
-  L->cub = take(cub_bytes);
-  L->total = off;
-  return {};
-}
-
-template <typename T, int D, int GT>
-Status launch_topk_logits(const TopkArgs& a, cudaStream_t st) {
-  dim3 grid((a.max_len + kTopkTok - 1) / kTopkTok, a.Hkv * a.ngroups, a.B);
-  topk_logits_kernel<T, D, GT><<<grid, 128, 0, st>>>(a);
-  KVS_LAUNCH_CHECK("topk_logits_kernel launch");
-  return {};
-}
-
-template <typename T>
-Status dispatch_topk_logits(const TopkArgs& a, int D, cudaStream_t st) {
-  const int gt = group_tile(a.G);
-#define KVS_CASE(D_, GT_) \
-  if (D == D_ && gt == GT_) return launch_topk_logits<T, D_, GT_>(a, st);
-  KVS_CASE(64, 1) KVS_CASE(64, 2) KVS_CASE(64, 4) KVS_CASE(64, 8)
-  KVS_CASE(128, 1) KVS_CASE(128, 2) KVS_CASE(128, 4) KVS_CASE(128, 8)
-#undef KVS_CASE
-  return unsupported("head_dim must be 64 or 128");
-}
-
 // Occupancy, tile and group tile of the dense kernel pick_variant would launch.
 template <int D, int GT>
 void plan_info(bool bf16, int* occ, int* tile, int* gtile) {
@@ -1182,23 +1172,27 @@ void plan_info(bool bf16, int* occ, int* tile, int* gtile) {
 
 // ---- public entry points ---------------------------------------------------------------------
 size_t dense_decode_workspace_bytes(const AttnShape& shape, int32_t max_length) noexcept {
-  return decode_ws_bound(shape, max_length);
+  return decode_ws_bound(shape, max_length, false);
 }
 
-Status dense_decode(const AttnShape& shape, const Query& q, const KvCache& kv,
+Status dense_decode(const AttnShape& shape, const Query& q, const PagedKv& kv, Scalar kv_dtype,
                     const int32_t* lengths, int32_t max_length, const Output& out,
                     const Workspace& ws, void* stream) noexcept {
-  return decode_common(shape, q, kv, lengths, nullptr, max_length, out, ws, stream, false);
+  return decode_common(shape, q, kv, kv_dtype, lengths, nullptr, max_length, out, ws, stream,
+                       false, false);
 }
 
-size_t gathered_decode_workspace_bytes(const AttnShape& shape, int32_t max_selected) noexcept {
-  return decode_ws_bound(shape, max_selected);
+size_t gathered_decode_workspace_bytes(const AttnShape& shape, int32_t max_selected,
+                                       bool per_query_head) noexcept {
+  return decode_ws_bound(shape, max_selected, per_query_head);
 }
 
-Status gathered_decode(const AttnShape& shape, const Query& q, const KvCache& kv,
+Status gathered_decode(const AttnShape& shape, const Query& q, const PagedKv& kv, Scalar kv_dtype,
                        const int32_t* indices, const int32_t* counts, int32_t max_selected,
-                       const Output& out, const Workspace& ws, void* stream) noexcept {
-  return decode_common(shape, q, kv, counts, indices, max_selected, out, ws, stream, true);
+                       const Output& out, const Workspace& ws, void* stream,
+                       bool per_query_head) noexcept {
+  return decode_common(shape, q, kv, kv_dtype, counts, indices, max_selected, out, ws, stream,
+                       true, per_query_head);
 }
 
 Status merge_states(const float* o_a, const float* lse_a, const float* o_b, const float* lse_b,
@@ -1214,79 +1208,6 @@ Status merge_states(const float* o_a, const float* lse_a, const float* o_b, cons
   return {};
 }
 
-size_t group_topk_workspace_bytes(const AttnShape& shape, int32_t max_length, int32_t k) noexcept {
-  (void)k;
-  if (!check_shape(shape).ok() || max_length <= 0) return 0;
-  TopkLayout L{};
-  if (!topk_layout(shape, max_length, &L).ok()) return 0;
-  return L.total;
-}
-
-Status group_topk(const AttnShape& s, const Query& q, const KvCache& kv, const int32_t* lengths,
-                  int32_t max_length, int32_t k, int32_t* out_indices, int32_t* out_counts,
-                  const Workspace& ws, void* stream) noexcept {
-  Status e = check_shape(s);
-  if (!e.ok()) return e;
-  if (kv.dtype != Scalar::BF16 && kv.dtype != Scalar::F16) return unsupported("KV dtype must be BF16 or F16");
-  if (q.dtype != Scalar::F32 && q.dtype != kv.dtype) return invalid("query dtype must be F32 or the KV dtype");
-  if (k < 1) return invalid("k must be >= 1");
-  if (max_length < 0 || int64_t(max_length) > kv.capacity) return invalid("max_length must be in [0, capacity]");
-  if (!q.data || !kv.k || !lengths || !out_indices) return invalid("group_topk: null pointer");
-  if (reinterpret_cast<uintptr_t>(q.data) % 16 != 0) return invalid("q must be 16-byte aligned");
-  const int64_t segs = int64_t(s.batch) * s.num_kv_heads;
-  if (segs * int64_t(std::max(max_length, 1)) >= (int64_t(1) << 31))
-    return unsupported("B * Hkv * max_length must be < 2^31");
-  cudaStream_t st = static_cast<cudaStream_t>(stream);
-  TopkArgs a{};
-  a.q = q.data;
-  a.q_f32 = q.dtype == Scalar::F32;
-  a.k = kv.k;
-  a.capacity = kv.capacity;
-  a.lengths = lengths;
-  a.max_len = max_length;
-  a.k_top = k;
-  a.B = s.batch;
-  a.Hq = s.num_q_heads;
-  a.Hkv = s.num_kv_heads;
-  a.G = s.num_q_heads / s.num_kv_heads;
-  a.ngroups = (a.G + group_tile(a.G) - 1) / group_tile(a.G);
-  a.scale = s.scale;
-  a.out_idx = out_indices;
-  a.out_cnt = out_counts;
-  if (max_length == 0) {  // nothing to score: -1 everywhere, counts 0
-    KVS_CUDA_TRY(cudaMemsetAsync(out_indices, 0xff, size_t(segs) * k * 4, st), "cudaMemsetAsync(out_indices)");
-    if (out_counts) KVS_CUDA_TRY(cudaMemsetAsync(out_counts, 0, size_t(segs) * 4, st), "cudaMemsetAsync(out_counts)");
-    return {};
-  }
-  TopkLayout L{};
-  e = topk_layout(s, max_length, &L);
-  if (!e.ok()) return e;
-  if (!ws.ptr || ws.bytes < L.total) return invalid("workspace too small (ask group_topk_workspace_bytes)");
-  char* base = static_cast<char*>(ws.ptr);
-  a.z = reinterpret_cast<float*>(base + L.z);
-  a.lse = reinterpret_cast<float*>(base + L.lse);
-  a.keys_in = reinterpret_cast<uint64_t*>(base + L.keys_in);
-  a.keys_out = reinterpret_cast<uint64_t*>(base + L.keys_out);
-  a.vals_in = reinterpret_cast<int32_t*>(base + L.vals_in);
-  a.vals_out = reinterpret_cast<int32_t*>(base + L.vals_out);
-
-  e = kv.dtype == Scalar::BF16 ? dispatch_topk_logits<__nv_bfloat16>(a, s.head_dim, st)
-                               : dispatch_topk_logits<__half>(a, s.head_dim, st);
-  if (!e.ok()) return e;
-  topk_lse_kernel<<<s.batch * s.num_q_heads, 128, 0, st>>>(a);
-  KVS_LAUNCH_CHECK("topk_lse_kernel launch");
-  topk_score_kernel<<<dim3((max_length + 255) / 256, s.num_kv_heads, s.batch), 256, 0, st>>>(a);
-  KVS_LAUNCH_CHECK("topk_score_kernel launch");
-  size_t cub_bytes = L.cub_bytes;
-  KVS_CUDA_TRY(cub::DeviceRadixSort::SortPairs(base + L.cub, cub_bytes, a.keys_in, a.keys_out,
-                                               a.vals_in, a.vals_out, segs * int64_t(max_length),
-                                               0, L.end_bit, st),
-               "cub::DeviceRadixSort::SortPairs");
-  topk_gather_kernel<<<unsigned(segs), 256, 0, st>>>(a);
-  KVS_LAUNCH_CHECK("topk_gather_kernel launch");
-  return {};
-}
-
 int32_t decode_num_splits(const AttnShape& s, int32_t max_tokens, Scalar kv_dtype) noexcept {
   if (!check_shape(s).ok()) return 0;
   int sms = 0;
@@ -1298,6 +1219,7 @@ int32_t decode_num_splits(const AttnShape& s, int32_t max_tokens, Scalar kv_dtyp
   if (s.head_dim == D_ && gt == GT_) plan_info<D_, GT_>(bf, &occ, &tile, &gtile);
   KVS_CASE(64, 1) KVS_CASE(64, 2) KVS_CASE(64, 4) KVS_CASE(64, 8)
   KVS_CASE(128, 1) KVS_CASE(128, 2) KVS_CASE(128, 4) KVS_CASE(128, 8)
+  KVS_CASE(256, 1) KVS_CASE(256, 2) KVS_CASE(256, 4) KVS_CASE(256, 8)
 #undef KVS_CASE
   if (occ <= 0) return 0;
   const int ngroups = (G + gtile - 1) / gtile;
@@ -1309,6 +1231,10 @@ bool set_dense_variant(int variant) noexcept {
   if (variant < 0 || variant >= kNumVariants) return false;
   g_variant.store(variant, std::memory_order_relaxed);
   return true;
+}
+void set_merge_pdl(bool on) noexcept { g_merge_pdl.store(on, std::memory_order_relaxed); }
+void set_min_chunk(int32_t tokens) noexcept {
+  g_min_chunk.store(tokens > 0 ? tokens : kMinChunk, std::memory_order_relaxed);
 }
 }  // namespace detail
 

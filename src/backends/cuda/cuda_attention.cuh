@@ -1,5 +1,6 @@
-// CUDA kernels for decode attention: dense split-K ("flash-decoding"), gathered (index lists),
-// exact merge of two attention states, and the group-summed-softmax top-k used by exact_topk.
+// CUDA kernels for decode attention over the paged KV layout (kv_layout.cuh): dense split-K
+// ("flash-decoding"), gathered (index lists per KV head or per query head) and the exact merge of
+// two attention states.
 //
 // This header is private to the library (src/), plain C++: no CUDA types cross it; a CUDA stream
 // crosses as `void*` (a cudaStream_t; nullptr = the legacy default stream). It compiles without
@@ -9,13 +10,18 @@
 // ------------------------------------------
 // - All pointers are DEVICE pointers unless the comment says "host". Every kernel is enqueued on
 //   `stream` and returns without synchronizing; inputs, outputs and the workspace must stay alive
-//   and untouched by other streams until the stream reaches that point.
+//   and untouched by other streams until the stream reaches that point. No call allocates or
+//   synchronizes, so every call can be captured into a CUDA graph.
 // - Shapes: B = batch (sequences), Hq = query heads, Hkv = KV heads, G = Hq / Hkv (any integer >= 1;
-//   query head h reads KV head h / G), d = head dim (64 or 128; others return UNSUPPORTED).
+//   query head h reads KV head h / G), d = head dim (64, 128 or 256; others return UNSUPPORTED).
 // - Query: [B, Hq, d] contiguous, dtype F32 or the KV dtype (bf16/fp16).
-// - KV cache: per sequence b, `k[b]` / `v[b]` (a device array of B device pointers) points at a
-//   [Hkv, capacity, d] contiguous block of the KV dtype: element (h, t, j) of sequence b is
-//   k[b][(h * capacity + t) * d + j]. Every k[b], v[b] must be 16-byte aligned.
+// - KV cache: the paged layout of kv_layout.cuh (PagedKv) in the KV dtype `kv_dtype` (BF16 or
+//   F16, K and V alike): token t of sequence b lives in page kv.pages[b * kv.max_pages + t / P],
+//   P = kv.page_tokens (a power of two in [16, 1024], kv.page_shift = log2(P)); a page is
+//   K[Hkv][P][d] then V[Hkv][P][d]. Pages must be 16-byte aligned (the layout promises 256) and
+//   their order in memory is free. Only the page-table entries of pages holding tokens a call reads
+//   are dereferenced; the others may hold anything. One page must hold < 2^31 elements
+//   (2 * Hkv * P * d).
 // - Softmax: scores are `scale * dot(q_h, k_t)` (scale is a multiplier, typically 1/sqrt(d)).
 //   Arithmetic is fp32 throughout (products, running max, sums, accumulators).
 // - Output state: o [B, Hq, d] (dtype F32 or the KV dtype), lse [B, Hq] fp32, NATURAL log:
@@ -30,6 +36,8 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+
+#include "backends/cuda/kv_layout.cuh"
 
 namespace kvs::cuda {
 
@@ -51,16 +59,8 @@ struct AttnShape {
   int32_t batch = 0;         // B >= 1
   int32_t num_q_heads = 0;   // Hq, a multiple of Hkv
   int32_t num_kv_heads = 0;  // Hkv >= 1
-  int32_t head_dim = 0;      // d: 64 or 128
+  int32_t head_dim = 0;      // d: 64, 128 or 256
   float scale = 0.f;         // softmax scale multiplying q.k (e.g. 1/sqrt(d))
-};
-
-// Per-sequence K/V caches (see the layout above).
-struct KvCache {
-  const void* const* k = nullptr;  // device array [B] of device pointers to [Hkv, capacity, d]
-  const void* const* v = nullptr;  // same for V
-  int64_t capacity = 0;            // tokens reserved per head: head h starts at h * capacity * d
-  Scalar dtype = Scalar::BF16;     // BF16 or F16 (K and V alike)
 };
 
 struct Query {
@@ -80,29 +80,38 @@ struct Workspace {
 };
 
 // ---- 1. Dense decode -------------------------------------------------------------------------
-// One query token per sequence attends to tokens [0, lengths[b]) of its own cache.
+// One query token per sequence attends to tokens [0, lengths[b]) of its own pages.
 // lengths: device int32 [B]; max_length (host) must be >= every lengths[b] (larger lengths are
-// clamped to max_length) and <= capacity. Split-K over KV chunks, a CTA per (chunk, KV head,
-// sequence) serving the whole query group (up to 8 heads; larger groups take ceil(G/8) CTAs) so
-// K and V are read once per KV head; a second kernel merges the chunks (skipped when one chunk
-// suffices). Two launches at most, no host sync, no allocation. Groups of more than 4 heads run on
-// tensor cores (mma.sync, q and p split into hi+lo 16-bit parts, fp32 accumulation): with fp16 KV
-// there, |q * scale * log2(e)| must stay below 65504.
+// clamped to max_length) and <= kv.max_pages * kv.page_tokens. Split-K over KV chunks, a CTA per
+// (chunk, KV head, sequence) serving the whole query group (up to 8 heads; larger groups take
+// ceil(G/8) CTAs) so K and V are read once per KV head; a second kernel merges the chunks (skipped
+// when one chunk suffices; launched as a programmatic dependent launch so its start overlaps the
+// first kernel's tail). Two launches at most, no host sync, no allocation. Groups of 3 or more
+// heads (gathered decode: 5 or more) run on tensor cores (mma.sync, q and p split into hi+lo
+// 16-bit parts, fp32 accumulation): with fp16 KV there, |q * scale * log2(e)| must stay below 65504.
 size_t dense_decode_workspace_bytes(const AttnShape& shape, int32_t max_length) noexcept;
-Status dense_decode(const AttnShape& shape, const Query& q, const KvCache& kv,
+Status dense_decode(const AttnShape& shape, const Query& q, const PagedKv& kv, Scalar kv_dtype,
                     const int32_t* lengths, int32_t max_length, const Output& out,
                     const Workspace& ws, void* stream) noexcept;
 
 // ---- 2. Gathered decode ----------------------------------------------------------------------
-// Like dense_decode, but KV head h of sequence b attends only to the tokens
-// indices[(b * Hkv + h) * max_selected + i], i < counts[b * Hkv + h]. indices: device int32
-// [B, Hkv, max_selected], each in [0, capacity) (not checked on device: out-of-range is undefined);
-// any order, duplicates count twice. counts: device int32 [B, Hkv], clamped to [0, max_selected].
-// A count of 0 gives lse = -inf, o = 0 for that KV head's query heads.
-size_t gathered_decode_workspace_bytes(const AttnShape& shape, int32_t max_selected) noexcept;
-Status gathered_decode(const AttnShape& shape, const Query& q, const KvCache& kv,
+// Like dense_decode, but each query head attends only to the tokens of one index list:
+// - per_query_head = false (the default): one list per KV head, shared by its G query heads.
+//   indices: device int32 [B, Hkv, max_selected], counts: device int32 [B, Hkv]; KV head h of
+//   sequence b reads tokens indices[(b * Hkv + h) * max_selected + i], i < counts[b * Hkv + h].
+// - per_query_head = true: one list per query head. indices [B, Hq, max_selected], counts [B, Hq];
+//   query head h reads only its own list, over KV head h / G (K/V rows are then read once per
+//   query head, not once per KV head).
+// Each index must be a token of an existing page of that sequence, in [0, max_pages * P) (not
+// checked on device: anything else is undefined); any order, duplicates count twice. Counts are
+// clamped to [0, max_selected]; a count of 0 gives lse = -inf, o = 0 for the heads of that list.
+// Slots at or past a count may hold anything (they may be loaded, never used as tokens).
+size_t gathered_decode_workspace_bytes(const AttnShape& shape, int32_t max_selected,
+                                       bool per_query_head = false) noexcept;
+Status gathered_decode(const AttnShape& shape, const Query& q, const PagedKv& kv, Scalar kv_dtype,
                        const int32_t* indices, const int32_t* counts, int32_t max_selected,
-                       const Output& out, const Workspace& ws, void* stream) noexcept;
+                       const Output& out, const Workspace& ws, void* stream,
+                       bool per_query_head = false) noexcept;
 
 // ---- 3. Merge of two attention states --------------------------------------------------------
 // For each of `rows` rows (e.g. B * Hq): m = max(la, lb); lse = m + log(e^(la-m) + e^(lb-m));
@@ -112,31 +121,21 @@ Status gathered_decode(const AttnShape& shape, const Query& q, const KvCache& kv
 Status merge_states(const float* o_a, const float* lse_a, const float* o_b, const float* lse_b,
                     float* o, float* lse, int64_t rows, int32_t head_dim, void* stream) noexcept;
 
-// ---- 4. Group top-k (exact_topk oracle) ------------------------------------------------------
-// For each (b, KV head h), scores key t in [0, lengths[b]) by the group's summed softmax
-//   s_t = sum_{g < G} softmax_{h*G+g}(scale * q_{h*G+g} . k_t)_t
-// (each query head's softmax over all lengths[b] keys, exactly normalized), and writes the indices
-// of the min(k, lengths[b]) highest scores to out_indices[(b * Hkv + h) * k + i], SORTED by
-// descending score, ties by ascending token index; slots past the count are set to -1.
-// out_counts[b * Hkv + h] = min(k, lengths[b]) (device int32 [B, Hkv]; may be null).
-// Query dtype F32 or the KV dtype. Steps: logits (one pass over K), per-head LSE, group scores,
-// one CUB radix sort over all (segment, score) keys, gather. The workspace holds the logits, the
-// sort keys/values and CUB's scratch: about B * max_length * (4*Hq + 24*Hkv) bytes plus CUB's.
-// Requires B * Hkv * max_length < 2^31.
-size_t group_topk_workspace_bytes(const AttnShape& shape, int32_t max_length, int32_t k) noexcept;
-Status group_topk(const AttnShape& shape, const Query& q, const KvCache& kv,
-                  const int32_t* lengths, int32_t max_length, int32_t k, int32_t* out_indices,
-                  int32_t* out_counts, const Workspace& ws, void* stream) noexcept;
-
 // ---- introspection / tuning (benchmarks and tests) -------------------------------------------
-// Number of KV chunks dense/gathered decode uses for this shape on the current device (1 = no
-// merge kernel). Returns 0 on an unsupported shape.
+// Number of KV chunks dense decode uses for this shape on the current device (1 = no merge
+// kernel). Returns 0 on an unsupported shape.
 int32_t decode_num_splits(const AttnShape& shape, int32_t max_tokens, Scalar kv_dtype) noexcept;
 
 namespace detail {
-// Process-wide kernel variant for the bf16, d=128 dense path (0 = default). For benchmarking
+// Process-wide kernel variant for the bf16 dense path (0 = default). For benchmarking and tests
 // only; not meant to be called by the library. Returns false for an unknown variant.
 bool set_dense_variant(int variant) noexcept;
+// Process-wide: launch the chunk-merge kernel as a programmatic dependent launch (default true)
+// or as a plain launch. For benchmarking only.
+void set_merge_pdl(bool on) noexcept;
+// Process-wide: fewest keys per split of the split-K plan (<= 0: the default, 128). Query the
+// workspace size after setting it. For benchmarking only.
+void set_min_chunk(int32_t tokens) noexcept;
 }  // namespace detail
 
 }  // namespace kvs::cuda
