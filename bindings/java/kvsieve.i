@@ -1,8 +1,9 @@
 /* SWIG interface of the Java binding (package org.kvsieve). Only the public C ABI is used.
  *
- *  - Session, Trace and Tensor are SWIG proxies of owned native objects: AutoCloseable, close() is
- *    idempotent (SWIG's delete() zeroes the pointer), and %newobject marks every function that
- *    returns an owned object so the proxy frees it.
+ *  - Session, Batch, Trace and Tensor are SWIG proxies of owned native objects: AutoCloseable, close()
+ *    is idempotent (SWIG's delete() zeroes the pointer), and %newobject marks every function that
+ *    returns an owned object so the proxy frees it. A Batch keeps its Session objects reachable (the
+ *    C ABI wants the sessions to outlive the batch) and checks before each call that none was closed.
  *  - A kvs_error_t becomes org.kvsieve.KvsException(code, message, backendCode).
  *  - Tensors are direct NIO buffers; Tensor.of(...) (bindings/java/src) checks direct, byte order,
  *    dtype against the buffer class and capacity before the native side takes the address.
@@ -17,6 +18,7 @@
 
 typedef struct kvs_session_s kvs_session_s;
 typedef struct kvs_trace_s kvs_trace_s;
+typedef struct kvs_batch_s kvs_batch_s;
 
 /* The error of the call that just returned on this thread, thrown by the %exception block right
  * after it (never visible outside one wrapper call). */
@@ -83,8 +85,22 @@ static const kvs_tensor* kvsj_t(kvsj_tensor* t) { return t ? &t->t : NULL; }
   if ($1) (*jenv)->ReleaseLongArrayElements(jenv, $input, (jlong*)$1, JNI_ABORT);
 }
 
+/* long[] of session handles (Session.getCPtr) -> (kvs_session_t*, size_t) */
+%typemap(jni) (const long long* HANDLES, int COUNT) "jlongArray"
+%typemap(jtype) (const long long* HANDLES, int COUNT) "long[]"
+%typemap(jstype) (const long long* HANDLES, int COUNT) "long[]"
+%typemap(javain) (const long long* HANDLES, int COUNT) "$javainput"
+%typemap(in) (const long long* HANDLES, int COUNT) {
+  if (!$input) { SWIG_JavaThrowException(jenv, SWIG_JavaNullPointerException, "sessions: expected an array"); return $null; }
+  $2 = (int)(*jenv)->GetArrayLength(jenv, $input);
+  $1 = (long long*)(*jenv)->GetLongArrayElements(jenv, $input, 0);
+}
+%typemap(freearg) (const long long* HANDLES, int COUNT) {
+  if ($1) (*jenv)->ReleaseLongArrayElements(jenv, $input, (jlong*)$1, JNI_ABORT);
+}
+
 /* Every owned object is AutoCloseable; close() = SWIG's idempotent delete(). */
-%typemap(javainterfaces) struct kvs_session_s, struct kvs_trace_s, struct kvsj_tensor "AutoCloseable"
+%typemap(javainterfaces) struct kvs_session_s, struct kvs_trace_s, struct kvs_batch_s, struct kvsj_tensor "AutoCloseable"
 %typemap(javacode) struct kvs_trace_s %{
   /** Frees the native object; idempotent. */
   @Override public void close() { delete(); }
@@ -93,13 +109,19 @@ static const kvs_tensor* kvsj_t(kvsj_tensor* t) { return t ? &t->t : NULL; }
 %rename(Session) kvs_session_s;
 %rename(Trace) kvs_trace_s;
 %rename(Tensor) kvsj_tensor;
+%rename(Batch) kvs_batch_s;
 %rename(SessionStats) kvs_session_stats;
 %rename("%(lowercamelcase)s", %$isvariable) "";
 %ignore kvs_session_stats::struct_size;
 %nodefaultctor kvs_session_s;
 %nodefaultctor kvs_trace_s;
 %nodefaultctor kvsj_tensor;
+%nodefaultctor kvs_batch_s;
 %javamethodmodifiers kvsj_tensor::kvsj_tensor "protected";
+%javamethodmodifiers kvs_batch_s::kvs_batch_s "protected";
+%javamethodmodifiers kvs_batch_s::planNative "private";
+%javamethodmodifiers kvs_batch_s::decodeNative "private";
+%javamethodmodifiers kvs_batch_s::sizeNative "private";
 
 %newobject kvs_session_s::fork;
 %newobject kvs_session_s::load;
@@ -296,10 +318,86 @@ typedef struct kvs_session_stats {
   }
 }
 
+%typemap(javacode) struct kvs_batch_s %{
+  // The sessions, kept reachable while the batch exists: the native batch holds their handles, and
+  // the C ABI wants them to outlive it (a Session collected first would be freed by its finalizer).
+  private Session[] sessions;
+
+  /** A batch of distinct sessions of one shape, KV dtype, softmax scale, method, backend and device,
+   *  decoded together: plan() once per token, then decode() once per layer with [B, ...] tensors,
+   *  row b belonging to sessions[b]. The batch keeps the sessions reachable; closing one of them
+   *  makes plan() and decode() throw IllegalStateException. Throws KvsException (INVALID_ARGUMENT)
+   *  for a repeated or mismatched session. */
+  public static Batch of(Session... sessions) {
+    if (sessions == null) throw new NullPointerException("sessions: expected an array, got null");
+    if (sessions.length == 0) throw new IllegalArgumentException("sessions: expected at least one session");
+    long[] handles = new long[sessions.length];
+    for (int i = 0; i < sessions.length; ++i) {
+      if (sessions[i] == null) throw new NullPointerException("sessions[" + i + "]: expected a session, got null");
+      handles[i] = Session.getCPtr(sessions[i]);
+      if (handles[i] == 0)
+        throw new IllegalStateException("sessions[" + i + "]: expected an open session, got a closed one");
+    }
+    Batch b = new Batch(handles);
+    b.sessions = sessions.clone();
+    return b;
+  }
+
+  private void checkOpen() {
+    if (swigCPtr == 0 || sessions == null)
+      throw new IllegalStateException("batch: expected an open batch, got a closed one");
+    for (int i = 0; i < sessions.length; ++i)
+      if (Session.getCPtr(sessions[i]) == 0)
+        throw new IllegalStateException("batch: sessions[" + i + "]: expected an open session, got a closed one");
+  }
+
+  /** Once per token, before that token's decode calls: checks every session and layer (prefilled
+   *  and indexed) and reserves room for one more token. stream: a cudaStream_t (0 = default). */
+  public void plan(long stream) { checkOpen(); planNative(stream); }
+
+  /** One layer's decode step of the planned token: q [B, Hq, d], kNew, vNew [B, Hkv, d], o
+   *  [B, Hq, d], lse [B, Hq] F32 or null. Each layer at most once per plan (KvsException
+   *  INVALID_STATE otherwise, and without a plan). */
+  public void decode(long layer, Tensor q, Tensor kNew, Tensor vNew, Tensor o, Tensor lse, long stream) {
+    checkOpen();
+    decodeNative(layer, q, kNew, vNew, o, lse, stream);
+  }
+
+  /** The number of sessions (B). */
+  public long size() { checkOpen(); return sizeNative(); }
+
+  /** The sessions, in batch order (empty once closed). */
+  public Session[] sessions() { return sessions == null ? new Session[0] : sessions.clone(); }
+
+  /** Frees the batch (not its sessions) and lets go of them; idempotent. */
+  @Override public synchronized void close() { delete(); sessions = null; }
+%}
+
+%extend kvs_batch_s {
+  kvs_batch_s(const long long* HANDLES, int COUNT) {
+    kvs_batch_t b = NULL;
+    kvs_session_t* hs = (kvs_session_t*)calloc(COUNT > 0 ? (size_t)COUNT : 1, sizeof *hs);
+    if (!hs) { kvsj_check(kvs_abi_check(~0u)); return NULL; } /* as Tensor: an error object to throw */
+    for (int i = 0; i < COUNT; ++i) hs[i] = (kvs_session_t)(uintptr_t)HANDLES[i];
+    kvsj_check(kvs_batch_create(hs, (size_t)COUNT, &b));
+    free(hs);
+    return b;
+  }
+  ~kvs_batch_s() { kvs_batch_destroy($self); }
+  void planNative(int64_t stream) { kvsj_check(kvs_batch_plan($self, (void*)(intptr_t)stream)); }
+  void decodeNative(uint32_t layer, kvsj_tensor* q, kvsj_tensor* k_new, kvsj_tensor* v_new, kvsj_tensor* o,
+                    kvsj_tensor* lse, int64_t stream) {
+    kvsj_check(kvs_batch_decode($self, layer, kvsj_t(q), kvsj_t(k_new), kvsj_t(v_new), kvsj_t(o), kvsj_t(lse),
+                                (void*)(intptr_t)stream));
+  }
+  int64_t sizeNative() { return (int64_t)kvs_batch_size($self); }
+}
+
 /* The proxies are declared after their typemaps (javacode, javainterfaces) so that these apply. */
 struct kvsj_tensor {};
 struct kvs_session_s {};
 struct kvs_trace_s {};
+struct kvs_batch_s {};
 
 /* Registry and versions. */
 %rename(version) kvs_version;
@@ -308,6 +406,7 @@ struct kvs_trace_s {};
 %rename(methodName) kvs_method_name;
 %rename(methodDoc) kvs_method_doc;
 %rename(methodBackends) kvs_method_backends;
+%rename(methodUnsupportedReason) kvs_method_unsupported_reason;
 %inline %{
 const char* kvs_version(void);
 uint32_t kvs_abi_version(void);
@@ -315,6 +414,15 @@ size_t kvs_method_count(void);
 const char* kvs_method_name(size_t i);
 const char* kvs_method_doc(const char* method);
 uint32_t kvs_method_backends(const char* method);
+const char* kvs_method_unsupported_reason(const char* method, int32_t backend);
+%}
+%pragma(java) modulecode=%{
+  /** Why a method cannot run on a backend in this build (a sentence), or null when it can (or the
+   *  method is unknown: see methodDoc). */
+  public static String methodUnsupportedReason(String method, Backend backend) {
+    if (backend == null) throw new NullPointerException("backend: expected a Backend, got null");
+    return methodUnsupportedReason(method, backend.value);
+  }
 %}
 
 /* The JNI library loads with the first use of any class of the binding. */

@@ -9,7 +9,8 @@
  *    ValueError, naming what was expected. Nothing is ever copied.
  *  - error translation: a kvs_error_t becomes kvsieve.Error(code, message, backend_code).
  *  - the GIL is released around every call into the library that can take time (prefill,
- *    build_index, decode, append, decode_batch, save, load, fork, trace open, tables describe).
+ *    build_index, decode, append, decode_batch, batch plan and decode, save, load, fork, trace open,
+ *    tables describe).
  */
 %module(package="kvsieve", docstring="Low-level SWIG wrapper of the kvsieve C ABI; use the kvsieve package.") capi
 
@@ -23,6 +24,7 @@
 /* The wrapper is C: name the opaque handle structs without the struct keyword. */
 typedef struct kvs_session_s kvs_session_s;
 typedef struct kvs_trace_s kvs_trace_s;
+typedef struct kvs_batch_s kvs_batch_s;
 
 /* ---- errors ------------------------------------------------------------------------------- */
 
@@ -404,6 +406,11 @@ static void kvsb_log_trampoline(int32_t level, const char* line, void* user) {
 %ignore kvs_session_decode;
 %ignore kvs_session_append;
 %ignore kvs_decode_batch;
+%ignore kvs_batch_create;
+%ignore kvs_batch_destroy;
+%ignore kvs_batch_plan;
+%ignore kvs_batch_decode;
+%ignore kvs_batch_size;
 %ignore kvs_session_save;
 %ignore kvs_session_load;
 %ignore kvs_session_fork;
@@ -432,12 +439,15 @@ static void kvsb_log_trampoline(int32_t level, const char* line, void* user) {
 %newobject session_load;
 %newobject kvs_session_s::fork;
 %newobject trace_open;
+%newobject batch_create;
 
 %nodefaultctor kvs_session_s;
 %nodefaultctor kvs_trace_s;
+%nodefaultctor kvs_batch_s;
 
 struct kvs_session_s {};
 struct kvs_trace_s {};
+struct kvs_batch_s {};
 
 %extend kvs_session_s {
   ~kvs_session_s() { kvs_session_destroy($self); }
@@ -577,6 +587,48 @@ struct kvs_trace_s {};
   }
 }
 
+/* A batch holds raw session pointers: the facade (kvsieve.Batch) keeps the session proxies
+ * referenced for as long as the batch lives, so that collection cannot free a session first. */
+%extend kvs_batch_s {
+  ~kvs_batch_s() { kvs_batch_destroy($self); }
+  size_t size() { return kvs_batch_size($self); }
+  PyObject* plan(unsigned long long stream) {
+    kvs_error_t err;
+    Py_BEGIN_ALLOW_THREADS
+    err = kvs_batch_plan($self, (void*)(uintptr_t)stream);
+    Py_END_ALLOW_THREADS
+    if (kvsb_raise(err)) return NULL;
+    Py_RETURN_NONE;
+  }
+  /* q [B, Hq, d], k_new, v_new [B, Hkv, d], o [B, Hq, d], lse [B, Hq] or None; B = size(). */
+  PyObject* decode(uint32_t layer, PyObject* q, PyObject* k_new, PyObject* v_new, PyObject* o, PyObject* lse,
+                   unsigned long long stream, PyObject* spec) {
+    int64_t B = (int64_t)kvs_batch_size($self);
+    int has = 0, devt = 0, devid = 0, contig = 0;
+    long long d[3];
+    kvsb_arg aq, ak, av, ao, al;
+    kvsb_expect e;
+    memset(&aq, 0, sizeof aq); memset(&ak, 0, sizeof ak); memset(&av, 0, sizeof av);
+    memset(&ao, 0, sizeof ao); memset(&al, 0, sizeof al);
+    int ok = kvsb_dims(spec, &has, d, &devt, &devid, &contig) &&
+             kvsb_tensor(q, "q", 0, 3, stream, kvsb_mk(&e, has, devt, devid, contig, 3, B, d[0], d[2]), &aq) &&
+             kvsb_tensor(k_new, "k_new", 0, 3, stream, kvsb_mk(&e, has, devt, devid, contig, 3, B, d[1], d[2]), &ak) &&
+             kvsb_tensor(v_new, "v_new", 0, 3, stream, kvsb_mk(&e, has, devt, devid, contig, 3, B, d[1], d[2]), &av) &&
+             kvsb_tensor(o, "out", 1, 3, stream, kvsb_mk(&e, has, devt, devid, contig, 3, B, d[0], d[2]), &ao) &&
+             kvsb_tensor(lse, "lse", 2, 2, stream, kvsb_mk(&e, has, devt, devid, contig, 2, B, d[0], 0), &al);
+    kvs_error_t err = NULL;
+    if (ok) {
+      Py_BEGIN_ALLOW_THREADS
+      err = kvs_batch_decode($self, layer, kvsb_t(&aq), kvsb_t(&ak), kvsb_t(&av), kvsb_t(&ao), kvsb_t(&al),
+                             (void*)(uintptr_t)stream);
+      Py_END_ALLOW_THREADS
+    }
+    kvsb_release(&aq); kvsb_release(&ak); kvsb_release(&av); kvsb_release(&ao); kvsb_release(&al);
+    if (!ok || kvsb_raise(err)) return NULL;
+    Py_RETURN_NONE;
+  }
+}
+
 %inline %{
 kvs_session_s* session_create(uint32_t num_layers, uint32_t num_q_heads, uint32_t num_kv_heads,
                               uint32_t head_dim, double softmax_scale, int32_t kv_dtype, int32_t backend,
@@ -675,6 +727,30 @@ PyObject* decode_batch(PyObject* sessions, uint32_t layer, PyObject* q, PyObject
   Py_DECREF(seq);
   if (!ok || kvsb_raise(err)) return NULL;
   Py_RETURN_NONE;
+}
+
+/* sessions: a sequence of session proxies (borrowed: the caller keeps them referenced). */
+kvs_batch_s* batch_create(PyObject* sessions) {
+  PyObject* seq = PySequence_Fast(sessions, "sessions: expected a sequence of sessions");
+  if (!seq) return NULL;
+  Py_ssize_t B = PySequence_Fast_GET_SIZE(seq);
+  kvs_session_t* hs = (kvs_session_t*)PyMem_Calloc(B ? (size_t)B : 1, sizeof(kvs_session_t));
+  if (!hs) { Py_DECREF(seq); PyErr_NoMemory(); return NULL; }
+  for (Py_ssize_t i = 0; i < B; ++i) {
+    void* p = NULL;
+    if (!SWIG_IsOK(SWIG_ConvertPtr(PySequence_Fast_GET_ITEM(seq, i), &p, SWIGTYPE_p_kvs_session_s, 0)) || !p) {
+      PyErr_Format(PyExc_TypeError, "sessions[%zd]: expected an open session", i);
+      PyMem_Free(hs); Py_DECREF(seq);
+      return NULL;
+    }
+    hs[i] = (kvs_session_t)p;
+  }
+  kvs_batch_t b = NULL;
+  kvs_error_t err = kvs_batch_create(hs, (size_t)B, &b);
+  PyMem_Free(hs);
+  Py_DECREF(seq);
+  kvsb_raise(err);
+  return b;
 }
 
 /* Describes a tensor as the binding sees it (for tests and debugging): (device_type, device_id,

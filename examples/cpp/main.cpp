@@ -1,6 +1,8 @@
 // kvsieve from C++ through kvsieve.hpp (header-only RAII over the C ABI): prefill a random prompt,
 // decode one token with exact_topk at the whole-context budget, check against a double-precision
-// reference, then show an error. Exit code 0 when everything matched.
+// reference; decode two sessions together through a kvsieve::Batch (plan per token, decode per
+// layer) and check it against per-session decodes of forks; then show an error. Exit code 0 when
+// everything matched.
 #include <kvsieve/kvsieve.hpp>
 
 #include <cmath>
@@ -53,6 +55,55 @@ int main() {
   std::printf("kvsieve %s: %zu methods; decode of %d keys, max |error| vs double reference = %.2e\n", kvs_version(),
               kvsieve::method_names().size(), int(s.layer_tokens(0)), worst);
   if (!(worst < 1e-4)) return 1;
+
+  // A batch of two 2-layer quest sessions (different prompts); forks taken before the batch steps
+  // decode the same tokens one session at a time, as the reference.
+  {
+    constexpr int L = 2, B = 2, steps = 3;
+    std::vector<kvsieve::Session> sessions, forks;
+    for (int b = 0; b < B; ++b) {
+      sessions.emplace_back(kvsieve::SessionParams{}.layers(L).heads(Hq, Hkv).head_dim(d).method("quest").budget(0.25)
+                                .kv_dtype(KVS_SCALAR_F32));
+      std::vector<float> pq = rnd(n * Hq * d), pk = rnd(n * Hkv * d), pv = rnd(n * Hkv * d);
+      for (uint32_t l = 0; l < L; ++l)
+        sessions[b].prefill(l, kvsieve::tensor(pq.data(), {n, Hq, d}), kvsieve::tensor(pk.data(), {n, Hkv, d}),
+                            kvsieve::tensor(pv.data(), {n, Hkv, d}));
+      sessions[b].build_index();
+      forks.push_back(sessions[b].fork());
+    }
+    if (kvsieve::method_unsupported_reason("quest", KVS_BACKEND_CPU)) return 1;  // runs on the CPU
+    kvsieve::Batch batch(sessions);
+    double batch_worst = 0;
+    for (int t = 0; t < steps; ++t) {
+      batch.plan();
+      for (uint32_t l = 0; l < L; ++l) {
+        std::vector<float> bq = rnd(B * Hq * d), bk = rnd(B * Hkv * d), bv = rnd(B * Hkv * d);
+        std::vector<float> bo(B * Hq * d), bl(B * Hq), so(Hq * d), sl(Hq);
+        kvsieve::Tensor bl_t = kvsieve::tensor(bl.data(), {B, Hq});
+        batch.decode(l, kvsieve::tensor(bq.data(), {B, Hq, d}), kvsieve::tensor(bk.data(), {B, Hkv, d}),
+                     kvsieve::tensor(bv.data(), {B, Hkv, d}), kvsieve::tensor(bo.data(), {B, Hq, d}), &bl_t);
+        for (int b = 0; b < B; ++b) {
+          kvsieve::Tensor sl_t = kvsieve::tensor(sl.data(), {Hq});
+          forks[b].decode(l, kvsieve::tensor(&bq[b * Hq * d], {Hq, d}), kvsieve::tensor(&bk[b * Hkv * d], {Hkv, d}),
+                          kvsieve::tensor(&bv[b * Hkv * d], {Hkv, d}), kvsieve::tensor(so.data(), {Hq, d}), &sl_t);
+          for (int i = 0; i < Hq * d; ++i) batch_worst = std::fmax(batch_worst, std::fabs(so[i] - bo[b * Hq * d + i]));
+          for (int h = 0; h < Hq; ++h) batch_worst = std::fmax(batch_worst, std::fabs(sl[h] - bl[b * Hq + h]));
+        }
+      }
+    }
+    std::printf("batch of %zu sessions, %d tokens x %d layers: max |batch - per-session decode| = %.2e\n",
+                batch.size(), steps, L, batch_worst);
+    if (!(batch_worst < 1e-5) || sessions[1].layer_tokens(L - 1) != n + steps) return 1;
+    std::vector<float> zq(B * Hq * d), zkv(B * Hkv * d), zo(B * Hq * d);
+    try {
+      batch.decode(0, kvsieve::tensor(zq.data(), {B, Hq, d}), kvsieve::tensor(zkv.data(), {B, Hkv, d}),
+                   kvsieve::tensor(zkv.data(), {B, Hkv, d}), kvsieve::tensor(zo.data(), {B, Hq, d}));
+      std::printf("expected an error for a layer decoded twice under one plan\n");
+      return 1;
+    } catch (const kvsieve::Error& e) {
+      if (e.code() != KVS_STATUS_INVALID_STATE) return 1;
+    }
+  }
 
   try {
     s.decode(7, kvsieve::tensor(q1.data(), {Hq, d}), kvsieve::tensor(k.data(), {Hkv, d}),

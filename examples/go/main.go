@@ -1,5 +1,6 @@
 // kvsieve from Go through cgo and pkg-config (PKG_CONFIG_PATH=<prefix>/lib/pkgconfig): a prefill
-// and a decode checked against a float64 reference, then an error turned into a Go error.
+// and a decode checked against a float64 reference, a batch of two sessions (plan per token, decode
+// per layer) checked against per-session decodes, then an error turned into a Go error.
 package main
 
 /*
@@ -18,6 +19,14 @@ static kvs_tensor kvs_go_tensor(float* data, int ndim, int64_t* shape) {
   t.dtype.lanes = 1;
   t.shape = shape;
   return t;
+}
+
+// The batch's session array lives in C memory too.
+static kvs_error_t kvs_go_batch_create(kvs_session_t a, kvs_session_t b, kvs_batch_t* out) {
+  kvs_session_t s[2];
+  s[0] = a;
+  s[1] = b;
+  return kvs_batch_create(s, 2, out);
 }
 */
 import "C"
@@ -132,12 +141,105 @@ func main() {
 		fail(fmt.Errorf("decode does not match the reference"))
 	}
 
+	bw := batchExample(g)
+	fmt.Printf("go: batch of 2 sessions, 3 tokens x 2 layers: max |batch - per-session decode| = %.2e\n", bw)
+	if !(bw < 1e-5) {
+		fail(fmt.Errorf("batch decode does not match per-session decode"))
+	}
+
 	err := check(C.kvs_session_decode(s, 9, &t1, &tkn, &tvn, &to, &tl, nil))
 	if e, ok := err.(*KvsError); ok && e.Code == C.KVS_STATUS_INVALID_ARGUMENT {
 		fmt.Printf("go: error handled: %v\n", e)
 	} else {
 		fail(fmt.Errorf("expected INVALID_ARGUMENT, got %v", err))
 	}
+}
+
+// batchExample decodes three tokens for a batch of two 2-layer quest sessions with different
+// prompts (plan once per token, decode per layer) and the same tokens through forks taken before,
+// one session at a time; it returns the largest difference between the two.
+func batchExample(g func(int) float32) float64 {
+	const layers, B, hq, hkv, d, n = 2, 2, 4, 2, 16, 48
+	method := C.CString("quest")
+	defer C.free(unsafe.Pointer(method))
+	if why := C.kvs_method_unsupported_reason(method, C.KVS_BACKEND_CPU); why != nil {
+		fail(fmt.Errorf("quest on the CPU: %s", C.GoString(why)))
+	}
+	if why := C.kvs_method_unsupported_reason(method, C.KVS_BACKEND_HYBRID); why != nil {
+		fmt.Printf("go: quest on hybrid: %s\n", C.GoString(why))
+	}
+	var p C.kvs_session_params
+	C.kvs_session_params_init(&p)
+	p.num_layers, p.num_q_heads, p.num_kv_heads, p.head_dim = layers, hq, hkv, d
+	p.kv_dtype = C.KVS_SCALAR_F32
+	p.method = method
+	p.budget = 0.25
+	var sessions, forks [B]C.kvs_session_t
+	for b := 0; b < B; b++ {
+		if err := check(C.kvs_session_create(&p, &sessions[b])); err != nil {
+			fail(err)
+		}
+		defer C.kvs_session_destroy(sessions[b])
+		q, k, v := cFloats(n*hq*d, g), cFloats(n*hkv*d, g), cFloats(n*hkv*d, g)
+		tq, tk, tv := tensor(q, n, hq, d), tensor(k, n, hkv, d), tensor(v, n, hkv, d)
+		for l := 0; l < layers; l++ {
+			if err := check(C.kvs_session_prefill(sessions[b], C.uint32_t(l), &tq, &tk, &tv, nil, nil)); err != nil {
+				fail(err)
+			}
+		}
+		if err := check(C.kvs_session_build_index(sessions[b], nil)); err != nil {
+			fail(err)
+		}
+		if err := check(C.kvs_session_fork(sessions[b], &forks[b])); err != nil {
+			fail(err)
+		}
+		defer C.kvs_session_destroy(forks[b])
+	}
+	var batch C.kvs_batch_t
+	if err := check(C.kvs_go_batch_create(sessions[0], sessions[1], &batch)); err != nil {
+		fail(err)
+	}
+	defer C.kvs_batch_destroy(batch) // deferred last: runs before the sessions' destroys
+	if C.kvs_batch_size(batch) != B {
+		fail(fmt.Errorf("kvs_batch_size: expected %d", B))
+	}
+	worst := 0.0
+	for token := 0; token < 3; token++ {
+		if err := check(C.kvs_batch_plan(batch, nil)); err != nil {
+			fail(err)
+		}
+		for l := 0; l < layers; l++ {
+			q, k, v := cFloats(B*hq*d, g), cFloats(B*hkv*d, g), cFloats(B*hkv*d, g)
+			o, lse := cFloats(B*hq*d, nil2), cFloats(B*hq, nil2)
+			tq, tk, tv := tensor(q, B, hq, d), tensor(k, B, hkv, d), tensor(v, B, hkv, d)
+			to, tl := tensor(o, B, hq, d), tensor(lse, B, hq)
+			if err := check(C.kvs_batch_decode(batch, C.uint32_t(l), &tq, &tk, &tv, &to, &tl, nil)); err != nil {
+				fail(err)
+			}
+			if l == 0 { // each layer at most once per plan
+				err := check(C.kvs_batch_decode(batch, 0, &tq, &tk, &tv, &to, &tl, nil))
+				if e, ok := err.(*KvsError); !ok || e.Code != C.KVS_STATUS_INVALID_STATE {
+					fail(fmt.Errorf("expected INVALID_STATE for a layer decoded twice, got %v", err))
+				}
+			}
+			for b := 0; b < B; b++ {
+				so, sl := cFloats(hq*d, nil2), cFloats(hq, nil2)
+				t1 := tensor(q[b*hq*d:], hq, d)
+				tk1, tv1 := tensor(k[b*hkv*d:], hkv, d), tensor(v[b*hkv*d:], hkv, d)
+				to1, tl1 := tensor(so, hq, d), tensor(sl, hq)
+				if err := check(C.kvs_session_decode(forks[b], C.uint32_t(l), &t1, &tk1, &tv1, &to1, &tl1, nil)); err != nil {
+					fail(err)
+				}
+				for i := range so {
+					worst = math.Max(worst, math.Abs(float64(so[i]-o[b*hq*d+i])))
+				}
+				for h := range sl {
+					worst = math.Max(worst, math.Abs(float64(sl[h]-lse[b*hq+h])))
+				}
+			}
+		}
+	}
+	return worst
 }
 
 func nil2(int) float32 { return 0 }

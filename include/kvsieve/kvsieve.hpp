@@ -7,6 +7,10 @@
 //   s.build_index();
 //   s.decode(layer, kvsieve::tensor(q1, {32, 128}), ..., kvsieve::tensor(o, {32, 128}), kvsieve::tensor(lse, {32}));
 //
+//   kvsieve::Batch b{s0, s1};                 // sessions of one shape and method, decoded together
+//   b.plan();                                 // once per token
+//   b.decode(layer, kvsieve::tensor(qb, {2, 32, 128}), ..., kvsieve::tensor(ob, {2, 32, 128}));  // per layer
+//
 // Errors throw kvsieve::Error (code, message, backend code). Handles are move-only and freed once.
 #ifndef KVSIEVE_KVSIEVE_HPP
 #define KVSIEVE_KVSIEVE_HPP
@@ -15,7 +19,9 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -191,11 +197,68 @@ class Session {
   kvs_session_t s_ = nullptr;
 };
 
+/// A batch (kvs_batch_t): move-only owner of the batch, not of its sessions, which must outlive it.
+/// Sessions of one shape, KV dtype, softmax scale, method, backend and device, decoded together:
+/// plan() once per token, then decode() once per layer with [B, ...] tensors (row b = sessions[b]).
+class Batch {
+ public:
+  /// Batch b{s0, s1, s2};
+  Batch(std::initializer_list<std::reference_wrapper<Session>> sessions) {
+    std::vector<kvs_session_t> h;
+    h.reserve(sessions.size());
+    for (Session& s : sessions) h.push_back(s.get());
+    create(h);
+  }
+  /// Every session of a vector, in order.
+  explicit Batch(std::vector<Session>& sessions) {
+    std::vector<kvs_session_t> h;
+    h.reserve(sessions.size());
+    for (Session& s : sessions) h.push_back(s.get());
+    create(h);
+  }
+  /// Raw handles (borrowed).
+  explicit Batch(const std::vector<kvs_session_t>& sessions) { create(sessions); }
+  Batch(Batch&& o) noexcept : b_(std::exchange(o.b_, nullptr)) {}
+  Batch& operator=(Batch&& o) noexcept {
+    if (this != &o) kvs_batch_destroy(std::exchange(b_, std::exchange(o.b_, nullptr)));
+    return *this;
+  }
+  Batch(const Batch&) = delete;
+  Batch& operator=(const Batch&) = delete;
+  ~Batch() { kvs_batch_destroy(b_); }
+
+  /// Once per token, before that token's decode() calls (kvs_batch_plan).
+  void plan(void* stream = nullptr) { check(kvs_batch_plan(b_, stream)); }
+  /// One layer's step of the planned token: q [B, Hq, d], k_new, v_new [B, Hkv, d], o [B, Hq, d],
+  /// lse [B, Hq] or nullptr; each layer at most once per plan (kvs_batch_decode).
+  void decode(uint32_t layer, const Tensor& q, const Tensor& k_new, const Tensor& v_new, const Tensor& o,
+              const Tensor* lse = nullptr, void* stream = nullptr) {
+    check(kvs_batch_decode(b_, layer, q.get(), k_new.get(), v_new.get(), o.get(), opt(lse), stream));
+  }
+  /// The number of sessions (B).
+  size_t size() const noexcept { return kvs_batch_size(b_); }
+  kvs_batch_t get() const noexcept { return b_; }
+
+ private:
+  void create(const std::vector<kvs_session_t>& h) {
+    check(kvs_batch_create(const_cast<kvs_session_t*>(h.data()), h.size(), &b_));
+  }
+  kvs_batch_t b_ = nullptr;
+};
+
 /// Names of the registered methods (kvs_method_count / kvs_method_name).
 inline std::vector<std::string> method_names() {
   std::vector<std::string> out;
   for (size_t i = 0, n = kvs_method_count(); i < n; ++i) out.emplace_back(kvs_method_name(i));
   return out;
+}
+
+/// Why `method` cannot run on `backend` in this build (a sentence), or nothing when it can (or the
+/// method is unknown: see method_names()).
+inline std::optional<std::string> method_unsupported_reason(const std::string& method, int32_t backend) {
+  const char* why = kvs_method_unsupported_reason(method.c_str(), backend);
+  if (!why) return std::nullopt;
+  return std::string(why);
 }
 
 /// Throws Error(KVS_STATUS_ABI_MISMATCH) when the loaded library has another ABI than this header.

@@ -17,7 +17,7 @@ Batch::Batch(std::vector<Session*> sessions) : sessions_(std::move(sessions)) {
     if (a.num_q_heads != z.num_q_heads || a.num_kv_heads != z.num_kv_heads || a.head_dim != z.head_dim ||
         a.num_layers != z.num_layers || a.kv_dtype != z.kv_dtype || a.softmax_scale != z.softmax_scale ||
         sb.config().backend != s0.config().backend || sb.config().method != s0.config().method ||
-        sb.config().device_id != s0.config().device_id)
+        (sb.config().backend != KVS_BACKEND_CPU && sb.config().device_id != s0.config().device_id))
       invalid("kvs_batch_create: sessions[" + std::to_string(b) +
               "]: expected the shape, dtype, softmax scale, method, backend and device of sessions[0]");
     for (size_t c = 0; c < b; ++c)

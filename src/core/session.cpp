@@ -177,7 +177,7 @@ void Session::check_batch(Session* const* sessions, size_t count, uint32_t layer
     if (a.num_q_heads != z.num_q_heads || a.num_kv_heads != z.num_kv_heads || a.head_dim != z.head_dim ||
         a.num_layers != z.num_layers || a.kv_dtype != z.kv_dtype || a.softmax_scale != z.softmax_scale ||
         sb.cfg_.backend != s0.cfg_.backend || sb.cfg_.method != s0.cfg_.method ||
-        sb.cfg_.device_id != s0.cfg_.device_id)
+        (sb.cfg_.backend != KVS_BACKEND_CPU && sb.cfg_.device_id != s0.cfg_.device_id))
       invalid(std::string(fn) + ": sessions[" + std::to_string(b) +
               "]: expected the shape, dtype, softmax scale, method, backend and device of sessions[0]");
     for (size_t c = 0; c < b; ++c)

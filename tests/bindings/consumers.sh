@@ -3,7 +3,8 @@
 # the install layout (headers, SONAME'd library, CLI with RPATH, CMake package, kvsieve.pc), the
 # C++ example through find_package(kvsieve) and through pkg-config, the Rust example (build.rs +
 # pkg-config, cargo --offline) and the Go example (cgo + pkg-config). Each consumer runs a prefill
-# and a decode checked against a reference, and handles an error.
+# and a decode checked against a reference, a batch of two sessions (kvs_batch_plan per token,
+# kvs_batch_decode per layer) checked against per-session decodes, and handles errors.
 #   tests/bindings/consumers.sh BUILD_DIR [WORK_DIR]
 # KVS_CONSUMERS_OPTIONAL=1 skips Rust/Go when cargo/go are missing (CI installs both and requires them).
 set -euo pipefail

@@ -1,5 +1,6 @@
 /* The public header compiled as C99 (-std=c99 -pedantic -Werror), linked against the shared
- * library: every entry point's error paths, and that a rejected call leaves the session unchanged.
+ * library: every entry point's error paths, and that a rejected call leaves the session unchanged;
+ * batches (kvs_batch_*) against kvs_decode_batch on separate sessions; kvs_method_unsupported_reason.
  * Prints "N passed, M failed" and exits nonzero on any failure. */
 #include <kvsieve/kvsieve.h>
 
@@ -63,6 +64,228 @@ static kvs_tensor tensor(void* data, int ndim, int64_t* shape, kvs_dtype dt, int
 static float frand(unsigned* s) {
   *s = *s * 1103515245u + 12345u;
   return (float)((*s >> 8) & 0xffff) / 32768.0f - 1.0f;
+}
+
+/* A session of p's shape with every layer prefilled with the n tokens of (q, k, v) and indexed. */
+static kvs_session_t prefilled(const kvs_session_params* p, float* q, float* k, float* v, int64_t n) {
+  kvs_dtype f32 = {KVS_DTYPE_CODE_FLOAT, 32, 1};
+  int64_t qs[3], ks[3];
+  kvs_tensor tq, tk, tv;
+  kvs_session_t s = NULL;
+  uint32_t l;
+  qs[0] = n, qs[1] = HQ, qs[2] = D;
+  ks[0] = n, ks[1] = HKV, ks[2] = D;
+  tq = tensor(q, 3, qs, f32, KVS_DEVICE_CPU);
+  tk = tensor(k, 3, ks, f32, KVS_DEVICE_CPU);
+  tv = tensor(v, 3, ks, f32, KVS_DEVICE_CPU);
+  OK(kvs_session_create(p, &s));
+  for (l = 0; l < p->num_layers; ++l) OK(kvs_session_prefill(s, l, &tq, &tk, &tv, NULL, NULL));
+  OK(kvs_session_build_index(s, NULL));
+  return s;
+}
+
+static double max_abs_diff(const float* a, const float* b, int n) {
+  double m = 0;
+  int i;
+  for (i = 0; i < n; ++i) m = fmax(m, fabs((double)a[i] - (double)b[i]));
+  return m;
+}
+
+/* kvs_batch_*: the happy path against kvs_decode_batch on separate sessions built from the same
+ * prompts (random data, every layer, several tokens), then every error path. */
+enum { BB = 3, NP = 33, STEPS = 3 };
+static void test_batches(void) {
+  static float pq[BB][NP * HQ * D], pk[BB][NP * HKV * D], pv[BB][NP * HKV * D];
+  static float bq[BB * HQ * D], bk[BB * HKV * D], bv[BB * HKV * D];
+  static float bo[BB * HQ * D], bl[BB * HQ], ro[BB * HQ * D], rl[BB * HQ];
+  kvs_dtype f32 = {KVS_DTYPE_CODE_FLOAT, 32, 1};
+  int64_t q3[3] = {BB, HQ, D}, kv3[3] = {BB, HKV, D}, l2[2] = {BB, HQ}, short3[3] = {BB - 1, HQ, D};
+  kvs_tensor tq, tk, tv, to, tl, tro, trl, bad;
+  kvs_session_params p;
+  kvs_session_t bs[BB], rs[BB], pair[2], other = NULL, fresh = NULL;
+  kvs_batch_t batch = NULL, b2 = NULL;
+  kvs_session_stats st;
+  unsigned seed = 99;
+  int b, i, step;
+  uint32_t layer;
+  int64_t ntok = 0;
+  double worst = 0;
+
+  kvs_session_params_init(&p);
+  p.num_layers = 2;
+  p.num_q_heads = HQ;
+  p.num_kv_heads = HKV;
+  p.head_dim = D;
+  p.kv_dtype = KVS_SCALAR_F32;
+  p.num_threads = 2;
+  p.method = "quest";
+  p.method_params = "page_size=4";
+  p.budget = 0.25;
+  for (b = 0; b < BB; ++b) {
+    for (i = 0; i < NP * HQ * D; ++i) pq[b][i] = frand(&seed);
+    for (i = 0; i < NP * HKV * D; ++i) pk[b][i] = frand(&seed), pv[b][i] = frand(&seed);
+    bs[b] = prefilled(&p, pq[b], pk[b], pv[b], NP);
+    rs[b] = prefilled(&p, pq[b], pk[b], pv[b], NP);
+  }
+  tq = tensor(bq, 3, q3, f32, KVS_DEVICE_CPU);
+  tk = tensor(bk, 3, kv3, f32, KVS_DEVICE_CPU);
+  tv = tensor(bv, 3, kv3, f32, KVS_DEVICE_CPU);
+  to = tensor(bo, 3, q3, f32, KVS_DEVICE_CPU);
+  tl = tensor(bl, 2, l2, f32, KVS_DEVICE_CPU);
+  tro = tensor(ro, 3, q3, f32, KVS_DEVICE_CPU);
+  trl = tensor(rl, 2, l2, f32, KVS_DEVICE_CPU);
+
+  /* happy path: plan once per token, decode every layer; the reference steps the same inputs
+   * through kvs_decode_batch on the twin sessions */
+  OK(kvs_batch_create(bs, BB, &batch));
+  CHECK(batch != NULL && kvs_batch_size(batch) == BB);
+  for (step = 0; step < STEPS; ++step) {
+    OK(kvs_batch_plan(batch, NULL));
+    for (layer = 0; layer < p.num_layers; ++layer) {
+      for (i = 0; i < BB * HQ * D; ++i) bq[i] = 2.0f * frand(&seed);
+      for (i = 0; i < BB * HKV * D; ++i) bk[i] = frand(&seed), bv[i] = frand(&seed);
+      memset(bo, 0, sizeof bo);
+      OK(kvs_batch_decode(batch, layer, &tq, &tk, &tv, &to, &tl, NULL));
+      OK(kvs_decode_batch(rs, BB, layer, &tq, &tk, &tv, &tro, &trl, NULL));
+      worst = fmax(worst, max_abs_diff(bo, ro, BB * HQ * D));
+      worst = fmax(worst, max_abs_diff(bl, rl, BB * HQ));
+      for (i = 0; i < BB * HQ; ++i) CHECK(isfinite(bl[i]));
+    }
+  }
+  CHECK(worst < 1e-6);
+  if (!(worst < 1e-6)) fprintf(stderr, "batch vs kvs_decode_batch: max |difference| = %g\n", worst);
+  for (b = 0; b < BB; ++b) {
+    OK(kvs_session_layer_tokens(bs[b], 1, &ntok));
+    CHECK(ntok == NP + STEPS);
+    st.struct_size = sizeof st;
+    OK(kvs_session_get_stats(bs[b], &st));
+    CHECK(st.decode_steps == STEPS * 2);
+  }
+
+  /* create: NULL array or out, count 0 or too large, NULL, repeated or mismatched sessions */
+  EXPECT(kvs_batch_create(NULL, 1, &b2), KVS_STATUS_INVALID_ARGUMENT, "sessions");
+  EXPECT(kvs_batch_create(bs, 1, NULL), KVS_STATUS_INVALID_ARGUMENT, "out");
+  EXPECT(kvs_batch_create(bs, 0, &b2), KVS_STATUS_INVALID_ARGUMENT, "count");
+  EXPECT(kvs_batch_create(bs, 65537, &b2), KVS_STATUS_INVALID_ARGUMENT, "count");
+  pair[0] = bs[0];
+  pair[1] = NULL;
+  EXPECT(kvs_batch_create(pair, 2, &b2), KVS_STATUS_INVALID_ARGUMENT, "sessions[1]");
+  pair[1] = bs[0];
+  EXPECT(kvs_batch_create(pair, 2, &b2), KVS_STATUS_INVALID_ARGUMENT, "twice");
+  p.num_q_heads = 2 * HQ; /* another shape */
+  OK(kvs_session_create(&p, &other));
+  pair[1] = other;
+  EXPECT(kvs_batch_create(pair, 2, &b2), KVS_STATUS_INVALID_ARGUMENT, "sessions[1]");
+  kvs_session_destroy(other);
+  other = NULL;
+  p.num_q_heads = HQ;
+  p.method = "full"; /* another method */
+  p.method_params = NULL;
+  OK(kvs_session_create(&p, &other));
+  pair[1] = other;
+  EXPECT(kvs_batch_create(pair, 2, &b2), KVS_STATUS_INVALID_ARGUMENT, "method");
+  kvs_session_destroy(other);
+  other = NULL;
+  p.method = "quest";
+  p.method_params = "page_size=4";
+  p.kv_dtype = KVS_SCALAR_BF16; /* another KV dtype */
+  OK(kvs_session_create(&p, &other));
+  pair[1] = other;
+  EXPECT(kvs_batch_create(pair, 2, &b2), KVS_STATUS_INVALID_ARGUMENT, "sessions[1]");
+  kvs_session_destroy(other);
+  other = NULL;
+  p.kv_dtype = KVS_SCALAR_F32;
+  CHECK(b2 == NULL); /* outputs untouched on error */
+
+  /* NULL batch handles */
+  EXPECT(kvs_batch_plan(NULL, NULL), KVS_STATUS_INVALID_ARGUMENT, "batch");
+  EXPECT(kvs_batch_decode(NULL, 0, &tq, &tk, &tv, &to, &tl, NULL), KVS_STATUS_INVALID_ARGUMENT, "batch");
+  CHECK(kvs_batch_size(NULL) == 0);
+  kvs_batch_destroy(NULL);
+
+  /* every layer was decoded under the last plan: decoding one again needs a new plan */
+  EXPECT(kvs_batch_decode(batch, 0, &tq, &tk, &tv, &to, &tl, NULL), KVS_STATUS_INVALID_STATE, "already decoded");
+  /* a new batch over the same sessions has no plan yet */
+  OK(kvs_batch_create(bs, BB, &b2));
+  EXPECT(kvs_batch_decode(b2, 0, &tq, &tk, &tv, &to, &tl, NULL), KVS_STATUS_INVALID_STATE, "plan");
+  kvs_batch_destroy(b2);
+  b2 = NULL;
+  /* under a plan: an out-of-range layer, wrong or missing tensors are rejected and change nothing */
+  OK(kvs_batch_plan(batch, NULL));
+  EXPECT(kvs_batch_decode(batch, 2, &tq, &tk, &tv, &to, &tl, NULL), KVS_STATUS_INVALID_ARGUMENT, "layer");
+  EXPECT(kvs_batch_decode(batch, 0, NULL, &tk, &tv, &to, &tl, NULL), KVS_STATUS_INVALID_ARGUMENT, "q");
+  EXPECT(kvs_batch_decode(batch, 0, &tq, &tk, &tv, NULL, &tl, NULL), KVS_STATUS_INVALID_ARGUMENT, "o");
+  bad = tensor(bq, 3, short3, f32, KVS_DEVICE_CPU);
+  EXPECT(kvs_batch_decode(batch, 0, &bad, &tk, &tv, &to, &tl, NULL), KVS_STATUS_INVALID_ARGUMENT, "q");
+  bad = tensor(bk, 2, kv3, f32, KVS_DEVICE_CPU);
+  EXPECT(kvs_batch_decode(batch, 0, &tq, &bad, &tv, &to, &tl, NULL), KVS_STATUS_INVALID_ARGUMENT, "k_new");
+  bad = tensor(bl, 2, l2, f32, KVS_DEVICE_CPU);
+  bad.dtype.bits = 16;
+  EXPECT(kvs_batch_decode(batch, 0, &tq, &tk, &tv, &to, &bad, NULL), KVS_STATUS_INVALID_ARGUMENT, "lse");
+  OK(kvs_session_layer_tokens(bs[0], 0, &ntok));
+  CHECK(ntok == NP + STEPS);
+  OK(kvs_batch_decode(batch, 0, &tq, &tk, &tv, &to, NULL, NULL)); /* lse is optional */
+  EXPECT(kvs_batch_decode(batch, 0, &tq, &tk, &tv, &to, &tl, NULL), KVS_STATUS_INVALID_STATE, "layer 0");
+  /* a plan whose layer 1 was not decoded is replaced by the next one */
+  OK(kvs_batch_plan(batch, NULL));
+  OK(kvs_batch_decode(batch, 0, &tq, &tk, &tv, &to, &tl, NULL));
+  OK(kvs_session_layer_tokens(bs[2], 0, &ntok));
+  CHECK(ntok == NP + STEPS + 2);
+  OK(kvs_session_layer_tokens(bs[2], 1, &ntok));
+  CHECK(ntok == NP + STEPS);
+
+  /* plan checks every session and layer: a session never prefilled, one with a layer missing */
+  OK(kvs_session_create(&p, &fresh));
+  pair[0] = bs[0];
+  pair[1] = fresh;
+  OK(kvs_batch_create(pair, 2, &b2));
+  CHECK(kvs_batch_size(b2) == 2);
+  EXPECT(kvs_batch_plan(b2, NULL), KVS_STATUS_INVALID_STATE, NULL);
+  {
+    int64_t qs[3] = {NP, HQ, D}, ks[3] = {NP, HKV, D};
+    kvs_tensor pq0 = tensor(pq[0], 3, qs, f32, KVS_DEVICE_CPU), pk0 = tensor(pk[0], 3, ks, f32, KVS_DEVICE_CPU);
+    OK(kvs_session_prefill(fresh, 0, &pq0, &pk0, &pk0, NULL, NULL));
+    OK(kvs_session_build_index(fresh, NULL));
+  }
+  EXPECT(kvs_batch_plan(b2, NULL), KVS_STATUS_INVALID_STATE, "layer 1");
+  EXPECT(kvs_batch_decode(b2, 0, &tq, &tk, &tv, &to, &tl, NULL), KVS_STATUS_INVALID_STATE, "plan");
+  kvs_batch_destroy(b2);
+
+  /* the batch never owned its sessions: they outlive it and keep working */
+  kvs_batch_destroy(batch);
+  {
+    int64_t qs2[2] = {HQ, D}, ks2[2] = {HKV, D};
+    kvs_tensor q1 = tensor(bq, 2, qs2, f32, KVS_DEVICE_CPU), k1 = tensor(bk, 2, ks2, f32, KVS_DEVICE_CPU);
+    kvs_tensor o1 = tensor(bo, 2, qs2, f32, KVS_DEVICE_CPU);
+    OK(kvs_session_decode(bs[0], 1, &q1, &k1, &k1, &o1, NULL, NULL));
+  }
+  for (b = 0; b < BB; ++b) {
+    kvs_session_destroy(bs[b]);
+    kvs_session_destroy(rs[b]);
+  }
+  kvs_session_destroy(fresh);
+}
+
+/* kvs_method_unsupported_reason: NULL on the cpu for every method, a sentence for hybrid and for
+ * unknown backends, NULL for an unknown method, and consistent with kvs_method_backends. */
+static void test_unsupported_reasons(void) {
+  size_t i;
+  for (i = 0; i < kvs_method_count(); ++i) {
+    const char* m = kvs_method_name(i);
+    const char* hybrid = kvs_method_unsupported_reason(m, KVS_BACKEND_HYBRID);
+    const char* cuda = kvs_method_unsupported_reason(m, KVS_BACKEND_CUDA);
+    CHECK(kvs_method_unsupported_reason(m, KVS_BACKEND_CPU) == NULL);
+    CHECK(hybrid != NULL && strlen(hybrid) > 10);
+    CHECK((cuda == NULL) == ((kvs_method_backends(m) >> KVS_BACKEND_CUDA) & 1u));
+    CHECK(cuda == NULL || strlen(cuda) > 10);
+    CHECK(((kvs_method_backends(m) >> KVS_BACKEND_HYBRID) & 1u) == 0);
+  }
+  CHECK(kvs_method_unsupported_reason("nope", KVS_BACKEND_CPU) == NULL);
+  CHECK(kvs_method_unsupported_reason("nope", KVS_BACKEND_HYBRID) == NULL);
+  CHECK(kvs_method_unsupported_reason(NULL, KVS_BACKEND_HYBRID) == NULL);
+  CHECK(kvs_method_unsupported_reason("full", 0) != NULL && strstr(kvs_method_unsupported_reason("full", 0), "backend"));
+  CHECK(kvs_method_unsupported_reason("full", 7) != NULL && strstr(kvs_method_unsupported_reason("full", 7), "backend"));
+  CHECK(kvs_method_unsupported_reason("full", -1) != NULL);
 }
 
 static void log_fn(int32_t level, const char* line, void* user) {
@@ -274,6 +497,9 @@ int main(void) {
   kvs_session_destroy(s);
   kvs_session_destroy(s2);
   kvs_session_destroy(NULL);
+
+  test_batches();
+  test_unsupported_reasons();
   kvs_string_free(NULL);
   kvs_set_log_callback(NULL, NULL, KVS_LOG_WARN);
 

@@ -220,6 +220,195 @@ def test_decode_batch_equals_single_decodes(rng):
         s.close()
 
 
+# ---- batches: plan once per token, decode per layer ----------------------------------------------
+def _prefilled(method, prompts, **kw):
+    """One session per prompt (q, k, v), every layer prefilled (layer l with q * (l + 1)) and indexed."""
+    out = []
+    for q, k, v in prompts:
+        s = make(method, **kw)
+        for layer in range(L):
+            s.prefill(layer, q * (layer + 1), k, v)
+        s.build_index()
+        out.append(s)
+    return out
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_batch_equals_decode_batch_and_single_decodes(method, rng):
+    """kvsieve.Batch against two independent paths over separate sessions built from the same
+    prompts: kvsieve.decode_batch and per-session decode. Three tokens, every layer, random inputs;
+    the outputs must agree (and, for full, equal float64 dense attention)."""
+    B = 3
+    prompts = [(rand(rng, N, HQ, D), rand(rng, N, HKV, D), rand(rng, N, HKV, D)) for _ in range(B)]
+    batched = _prefilled(method, prompts, budget=0.2)
+    via_decode_batch = _prefilled(method, prompts, budget=0.2)
+    via_decode = _prefilled(method, prompts, budget=0.2)
+    K0 = [p[1] for p in prompts]  # layer 0's keys and values so far, per session (dense check)
+    V0 = [p[2] for p in prompts]
+    with kvsieve.Batch(batched) as b:
+        assert len(b) == B and b.sessions == tuple(batched)
+        for step in range(3):
+            qn, kn, vn = rand(rng, L, B, HQ, D) * 2, rand(rng, L, B, HKV, D), rand(rng, L, B, HKV, D)
+            K0 = [np.concatenate([K0[i], kn[0, i][None]]) for i in range(B)]
+            V0 = [np.concatenate([V0[i], vn[0, i][None]]) for i in range(B)]
+            b.plan()
+            for layer in range(L):
+                if step == 1:  # given outputs are filled in place (a float16 out is converted on write)
+                    out, lse = np.empty((B, HQ, D), np.float16), np.empty((B, HQ), np.float32)
+                    o, l = b.decode(layer, qn[layer], kn[layer], vn[layer], out=out, lse=lse)
+                    assert o is out and l is lse
+                    tol = dict(rtol=2e-3, atol=2e-3)
+                else:
+                    o, l = b.decode(layer, qn[layer], kn[layer], vn[layer])
+                    assert o.dtype == np.float32 and o.shape == (B, HQ, D) and l.shape == (B, HQ)
+                    tol = dict(rtol=1e-6, atol=1e-7)
+                ro, rl = kvsieve.decode_batch(via_decode_batch, layer, qn[layer], kn[layer], vn[layer])
+                np.testing.assert_allclose(o, ro, **tol, err_msg=f"{method} step {step} layer {layer}")
+                np.testing.assert_allclose(l, rl, rtol=1e-6, atol=1e-7)
+                for i, s in enumerate(via_decode):
+                    so, sl = s.decode(layer, qn[layer, i], kn[layer, i], vn[layer, i])
+                    np.testing.assert_allclose(o[i], so, **tol, err_msg=f"{method} session {i}")
+                    np.testing.assert_allclose(l[i], sl, rtol=1e-6, atol=1e-7)
+                if method == "full" and layer == 0:
+                    for i in range(B):
+                        do, dl = ref_attend(qn[0, i], K0[i], V0[i], SCALE)
+                        np.testing.assert_allclose(o[i], do, rtol=max(tol["rtol"], 2e-4), atol=max(tol["atol"], 2e-5))
+                        np.testing.assert_allclose(l[i], dl, rtol=1e-5, atol=1e-4)
+        for s in batched:
+            assert s.layer_tokens(0) == N + 3 and s.layer_tokens(L - 1) == N + 3
+            assert s.stats.decode_steps == 3 * L
+    assert b.closed
+    for s in batched + via_decode_batch + via_decode:
+        s.close()
+
+
+def test_batch_errors(rng):
+    prompts = [(rand(rng, 64, HQ, D), rand(rng, 64, HKV, D), rand(rng, 64, HKV, D)) for _ in range(2)]
+    a, c = _prefilled("quest", prompts, budget=0.5)
+    qn, kn, vn = rand(rng, 2, HQ, D), rand(rng, 2, HKV, D), rand(rng, 2, HKV, D)
+    # creation: nothing, not a session, a closed session, a repeated one, mismatches
+    with pytest.raises(ValueError, match="at least one session"):
+        kvsieve.Batch([])
+    with pytest.raises(TypeError, match=r"sessions\[1\]: expected a kvsieve.Session"):
+        kvsieve.Batch([a, "c"])
+    with pytest.raises(kvsieve.Error) as e:
+        kvsieve.Batch([a, a])
+    assert e.value.code == kvsieve.STATUS_INVALID_ARGUMENT and "twice" in e.value.message
+    with kvsieve.Session(L, 2 * HQ, HKV, D, kv_dtype="float32") as wide, make("quest", budget=0.25) as other_budget, \
+            make("streaming") as other_method, make("quest", softmax_scale=0.5) as other_scale:
+        for bad in (wide, other_method, other_scale):
+            with pytest.raises(kvsieve.Error) as e:
+                kvsieve.Batch([a, bad])
+            assert e.value.code == kvsieve.STATUS_INVALID_ARGUMENT and "sessions[1]" in e.value.message
+        # same method, another budget: allowed at creation; the plan then wants it prefilled
+        with kvsieve.Batch([a, other_budget]) as b:
+            with pytest.raises(kvsieve.Error) as e:
+                b.plan()
+            assert e.value.code == kvsieve.STATUS_INVALID_STATE
+    with pytest.raises(kvsieve.Error) as e:
+        kvsieve.capi.batch_create([])  # the library's own count check
+    assert e.value.code == kvsieve.STATUS_INVALID_ARGUMENT and "count" in e.value.message
+    with pytest.raises(TypeError, match=r"sessions\[0\]"):
+        kvsieve.capi.batch_create([None])
+
+    b = kvsieve.Batch([a, c])
+    assert len(b) == 2 and kvsieve.capi.batch_create([a._h]).size() == 1
+    with pytest.raises(kvsieve.Error) as e:
+        b.decode(0, qn, kn, vn)  # no plan yet
+    assert e.value.code == kvsieve.STATUS_INVALID_STATE and "plan" in e.value.message
+    b.plan()
+    with pytest.raises(kvsieve.Error) as e:
+        b.decode(L, qn, kn, vn)
+    assert e.value.code == kvsieve.STATUS_INVALID_ARGUMENT and "layer" in e.value.message
+    with pytest.raises(ValueError, match=r"q: expected shape \[2, 4, 32\], got \[1, 4, 32\]"):
+        b.decode(0, qn[:1], kn, vn)
+    with pytest.raises(TypeError, match="k_new: expected dtype"):
+        b.decode(0, qn, kn.astype(np.float64), vn)
+    assert a.layer_tokens(0) == 64  # rejected calls changed nothing
+    b.decode(0, qn, kn, vn)
+    with pytest.raises(kvsieve.Error) as e:
+        b.decode(0, qn, kn, vn)  # the same layer twice under one plan
+    assert e.value.code == kvsieve.STATUS_INVALID_STATE and "already decoded" in e.value.message
+    assert a.layer_tokens(0) == 65 and c.layer_tokens(0) == 65
+    b.plan()  # replaces the plan whose layer 1 was not decoded
+    b.decode(0, qn, kn, vn)
+    b.decode(1, qn, kn, vn)
+    assert a.layer_tokens(0) == 66 and a.layer_tokens(1) == 65
+    # the sessions stay usable on their own between tokens
+    a.decode(1, qn[0], kn[0], vn[0])
+    assert a.layer_tokens(1) == 66
+    # a session closed under the batch: the batch refuses (cleanly), the rest stays usable
+    c.close()
+    with pytest.raises(ValueError, match=r"sessions\[1\]: expected an open session"):
+        b.plan()
+    with pytest.raises(ValueError, match=r"sessions\[1\]: expected an open session"):
+        b.decode(0, qn, kn, vn)
+    with pytest.raises(ValueError, match=r"sessions\[1\]: expected an open session"):
+        kvsieve.Batch([a, c])
+    b.close()
+    b.close()  # idempotent
+    with pytest.raises(ValueError, match="closed"):
+        b.plan()
+    with pytest.raises(ValueError, match="closed"):
+        len(b)
+    a.close()
+
+
+def test_batch_keeps_its_sessions_alive(rng):
+    """The batch references the sessions' native handles: deleting every Session object (and
+    collecting) leaves the batch working; batch and sessions may then go in any order."""
+    prompts = [(rand(rng, 64, HQ, D), rand(rng, 64, HKV, D), rand(rng, 64, HKV, D)) for _ in range(2)]
+    ref = _prefilled("exact_topk", prompts, budget=0.25)
+    random.seed(9)
+    for trial in range(4):
+        sessions = _prefilled("exact_topk", prompts, budget=0.25)
+        b = kvsieve.Batch(sessions)
+        del sessions
+        gc.collect()
+        qn, kn, vn = rand(rng, 2, HQ, D), rand(rng, 2, HKV, D), rand(rng, 2, HKV, D)
+        b.plan()
+        o, lse = b.decode(0, qn, kn, vn)
+        forks = [s.fork() for s in ref]
+        for i, f in enumerate(forks):
+            fo, fl = f.decode(0, qn[i], kn[i], vn[i])
+            np.testing.assert_allclose(o[i], fo, rtol=1e-6, atol=1e-7)
+        b.decode(1, qn, kn, vn)
+        assert [s.layer_tokens(1) for s in b.sessions] == [65, 65]
+        # drop the batch and the sessions in a random order; none of it may crash
+        victims = [b] + list(b.sessions) + forks
+        del b, f, forks
+        random.shuffle(victims)
+        while victims:
+            v = victims.pop()
+            if random.random() < 0.5:
+                v.close()
+            del v
+            gc.collect()
+    for s in ref:
+        s.close()
+
+
+def test_method_unsupported_reason():
+    infos = {m.name: m for m in kvsieve.methods()}
+    for name in METHODS:
+        assert kvsieve.method_unsupported_reason(name, "cpu") is None
+        assert kvsieve.method_unsupported_reason(name, kvsieve.capi.KVS_BACKEND_CPU) is None
+        for backend in ("cuda", "hybrid"):
+            why = kvsieve.method_unsupported_reason(name, backend)
+            # a reason exactly when the registry does not list the backend
+            assert (why is None) == (backend in infos[name].backends), (name, backend, why)
+            assert why is None or (isinstance(why, str) and len(why) > 10)
+        assert kvsieve.method_unsupported_reason(name, "HYBRID")  # not available in this version
+    assert kvsieve.method_unsupported_reason("no_such_method", "cpu") is None
+    assert kvsieve.method_unsupported_reason("no_such_method", "hybrid") is None
+    for bad in (0, 7, -1):
+        assert "backend" in kvsieve.method_unsupported_reason("full", bad)
+    with pytest.raises(ValueError, match="backend"):
+        kvsieve.method_unsupported_reason("full", "tpu")
+    with pytest.raises(TypeError, match="backend"):
+        kvsieve.method_unsupported_reason("full", 1.5)
+
+
 # ---- dtypes, layouts, devices: zero copy, strict checks -----------------------------------------
 def test_zero_copy_through_dlpack_and_buffer(rng):
     x = rand(rng, 6, HQ, D)

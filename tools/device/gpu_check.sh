@@ -7,6 +7,9 @@
 #   sanitize  both under compute-sanitizer memcheck (--small)
 #   bench     bench/gpu_bench.py (its default table, JSON) and `kvsieve bench --backend cuda`
 # Logs and JSON under $OUT (default /tmp/kvs_out).
+# With a build made elsewhere in .dev/ (tools/device/pack_gpu.sh: the installed library and CLI in
+# .dev/prefix, the test programs in .dev/bin), the build step compiles only the Python binding,
+# against .dev/prefix.
 #   STEPS="build test sanitize bench" tools/device/gpu_check.sh      (the default: all four)
 #   BENCH_ARGS="--method quest --context 131072 --batch 1 --budget 0.05"   (one case instead of the table)
 set -u
@@ -20,7 +23,21 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 . tests/bindings/debs_sysroot.sh
 [ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
 PY=$(command -v python3)
-if has build; then
+B=build-gpu
+if [ -d .dev/prefix ]; then
+  B=.dev
+  export LD_LIBRARY_PATH=$PWD/.dev/prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
+if has build && [ -d .dev/prefix ]; then
+  echo "== build (the Python binding against .dev/prefix)"
+  t0=$(date +%s)
+  cmake -S . -B /tmp/kvs_pyb -G Ninja -DCMAKE_BUILD_TYPE=Release -DSKBUILD=ON -DKVS_PYTHON_USE_INSTALLED=ON \
+    -DKVS_BUILD_TESTS=OFF -DPython3_EXECUTABLE="$PY" "${KVS_SYSROOT_ARGS[@]/#-DCMAKE_PREFIX_PATH=/-DCMAKE_PREFIX_PATH=$PWD/.dev/prefix;}" \
+    >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+  cmake --build /tmp/kvs_pyb >"$OUT/build.log" 2>&1 || { grep -E "error|FAILED" "$OUT/build.log" | head -40; exit 1; }
+  PYB=/tmp/kvs_pyb/bindings/python
+  echo "built in $(( $(date +%s) - t0 )) s"
+elif has build; then
   echo "== build"
   t0=$(date +%s)
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVS_WITH_CUDA=ON -DKVS_BUILD_PYTHON=ON \
@@ -28,22 +45,24 @@ if has build; then
   cmake --build build-gpu --target kvsieve kvsieve_cuda_tests kvsieve_backend_tests kvsieve_python kvsieve_cli \
     >"$OUT/build.log" 2>&1 || { grep -E "error|FAILED" "$OUT/build.log" | head -40; exit 1; }
   echo "built in $(( $(date +%s) - t0 )) s"
+  PYB=$PWD/build-gpu/bindings/python
 fi
 export LD_LIBRARY_PATH=$PWD/build-gpu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+if [ "$B" = .dev ]; then T=.dev/bin CLI=.dev/prefix/bin/kvsieve; else T=build-gpu/tests CLI=build-gpu/kvsieve; fi
 TRACE=tests/data/stories260k-gen-t512.safetensors
 if has test; then
   echo "== kvsieve_cuda_tests"
   set -o pipefail
-  timeout 400 build-gpu/tests/kvsieve_cuda_tests 2>&1 | tee "$OUT/cuda_tests.log" | grep -vE '^PASS' | tail -40 || rc=1
+  timeout 400 $T/kvsieve_cuda_tests 2>&1 | tee "$OUT/cuda_tests.log" | grep -vE '^PASS' | tail -40 || rc=1
   echo "== backend consistency harness"
-  timeout 400 build-gpu/tests/kvsieve_backend_tests --trace $TRACE 2>&1 | tee "$OUT/backends.log" | grep -vE '^PASS' | tail -40 || rc=1
+  timeout 400 $T/kvsieve_backend_tests --trace $TRACE 2>&1 | tee "$OUT/backends.log" | grep -vE '^PASS' | tail -40 || rc=1
   set +o pipefail
 fi
 if has sanitize; then
   echo "== compute-sanitizer memcheck (--small)"
-  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/tests/kvsieve_cuda_tests --small \
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $T/kvsieve_cuda_tests --small \
     >"$OUT/memcheck_cuda.log" 2>&1; s1=$?
-  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/tests/kvsieve_backend_tests --small \
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $T/kvsieve_backend_tests --small \
     >"$OUT/memcheck_backends.log" 2>&1; s2=$?
   grep -h -E "ERROR SUMMARY|passed," "$OUT/memcheck_cuda.log" "$OUT/memcheck_backends.log" | tail -6
   echo "memcheck exit $s1 $s2"
@@ -51,10 +70,10 @@ if has sanitize; then
 fi
 if has bench; then
   echo "== gpu_bench"
-  export PYTHONPATH=$PWD/build-gpu/bindings/python KVS_GEMM=openblas PYTHONUNBUFFERED=1
+  export PYTHONPATH=${PYB:-$PWD/build-gpu/bindings/python} KVS_GEMM=openblas PYTHONUNBUFFERED=1
   timeout 420 "$PY" bench/gpu_bench.py ${BENCH_ARGS:-} --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/gpu_bench.log" | tail -40 || rc=1
   echo "== kvsieve bench --backend cuda"
-  timeout 120 build-gpu/kvsieve bench --backend cuda --method quest --context 131072 --budget 0.05 --steps 20 \
+  timeout 120 $CLI bench --backend cuda --method quest --context 131072 --budget 0.05 --steps 20 \
     --json "$OUT/cli_bench.json" 2>&1 | tail -8 || rc=1
 fi
 echo "gpu_check exit $rc"

@@ -29,8 +29,9 @@ from . import capi as _native
 from ._errors import STATUS_NAMES, Error
 
 __all__ = [
-    "Error", "Session", "Stats", "MethodInfo", "ParamInfo", "Trace", "methods", "method_names",
-    "decode_batch", "tables_describe", "version", "version_number", "abi_version", "set_log_callback",
+    "Error", "Session", "Batch", "Stats", "MethodInfo", "ParamInfo", "Trace", "methods", "method_names",
+    "method_unsupported_reason", "decode_batch", "tables_describe", "version", "version_number", "abi_version",
+    "set_log_callback",
 ]
 
 # ---- constants (mirrors of the C enums) ---------------------------------------------------------
@@ -107,6 +108,13 @@ def methods() -> list:
         params = tuple(ParamInfo(*p) for p in _native.method_params(name))
         out.append(MethodInfo(name, _native.kvs_method_doc(name) or "", backends, params))
     return out
+
+
+def method_unsupported_reason(method: str, backend) -> Optional[str]:
+    """Why ``method`` cannot run on ``backend`` ("cpu", "cuda", "hybrid" or a kvs_backend value, as
+    for :class:`Session`) in this build: a sentence, or None when it can (or the method is unknown:
+    see :func:`method_names`). An unknown backend value gives a sentence saying so."""
+    return _native.kvs_method_unsupported_reason(str(method), _enum(backend, _BACKENDS, "backend"))
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -343,13 +351,116 @@ def decode_batch(sessions: Sequence[Session], layer: int, q, k_new, v_new, *, ou
         out = _alloc_like(q, (B, hq, d), "out")
     if lse is None:
         lse = _alloc_like(q, (B, hq), "lse")
-    import contextlib
-    with contextlib.ExitStack() as locks:
-        for s in sorted(set(sessions), key=id):  # one global order: no deadlock between batches
-            locks.enter_context(s._lock)
+    with _locked(sessions):
         _native.decode_batch([s._handle() for s in sessions], int(layer), q, k_new, v_new, out, lse,
                              _stream_ptr(stream), s0._spec_or_none())
     return out, lse
+
+
+def _locked(sessions):
+    """Takes the locks of several sessions in one global order (no deadlock between batches)."""
+    import contextlib
+    stack = contextlib.ExitStack()
+    for s in sorted(set(sessions), key=id):
+        stack.enter_context(s._lock)
+    return stack
+
+
+class Batch:
+    """Sessions of one shape, KV dtype, softmax scale, method, backend and device decoded together
+    (kvs_batch_*): :meth:`plan` once per token, then :meth:`decode` once per layer with [B, ...]
+    tensors, row b belonging to ``sessions[b]``.
+
+    The batch keeps the sessions' native handles referenced, so deleting the Session objects does
+    not free them while the batch lives; a session closed with :meth:`Session.close` makes
+    :meth:`plan` and :meth:`decode` raise ValueError. The sessions may still be used on their own
+    between tokens. Use as a context manager or call :meth:`close`; calls take the locks of every
+    session of the batch.
+
+    Example::
+
+        with kvsieve.Batch([s0, s1]) as b:
+            for token in range(steps):
+                b.plan()
+                for layer in range(num_layers):
+                    o, lse = b.decode(layer, q[layer], k[layer], v[layer])   # [2, Hq, d], [2, Hq]
+    """
+
+    def __init__(self, sessions: Sequence[Session]):
+        sessions = tuple(sessions)
+        if not sessions:
+            raise ValueError("sessions: expected at least one session")
+        for i, s in enumerate(sessions):
+            if not isinstance(s, Session):
+                raise TypeError(f"sessions[{i}]: expected a kvsieve.Session, got {type(s).__name__}")
+            if s.closed:
+                raise ValueError(f"sessions[{i}]: expected an open session, got a closed one")
+        self._h = None
+        self._sessions = sessions
+        # The native handles, referenced for the batch's lifetime: the C ABI requires that the
+        # sessions outlive the batch.
+        self._handles = tuple(s._h for s in sessions)
+        with _locked(sessions):
+            self._h = _native.batch_create(list(self._handles))
+
+    @property
+    def sessions(self) -> Tuple[Session, ...]:
+        return self._sessions
+
+    @property
+    def closed(self) -> bool:
+        return self._h is None
+
+    def close(self) -> None:
+        """Frees the batch now (not the sessions); idempotent."""
+        h, self._h = self._h, None
+        del h
+        self._handles = ()
+
+    def __enter__(self) -> "Batch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        return int(self._handle().size())
+
+    def _handle(self):
+        if self._h is None:
+            raise ValueError("batch: expected an open batch, got a closed one")
+        for i, s in enumerate(self._sessions):
+            if s.closed:
+                raise ValueError(f"batch: sessions[{i}]: expected an open session, got a closed one")
+        return self._h
+
+    def plan(self, stream=None) -> None:
+        """Once per token, before that token's :meth:`decode` calls: checks every session and layer
+        (prefilled and indexed) and reserves room for one more token. A plan whose layers were not
+        all decoded is replaced by the next one."""
+        h = self._handle()
+        with _locked(self._sessions):
+            h.plan(_stream_ptr(stream))
+
+    def decode(self, layer: int, q, k_new, v_new, *, out=None, lse=None, stream=None):
+        """One layer's decode step of the planned token for every session: q [B, Hq, d], k_new,
+        v_new [B, Hkv, d]; returns ``(out [B, Hq, d], lse [B, Hq])``, allocated as
+        :meth:`Session.decode` does unless given. Each layer at most once per plan
+        (Error STATUS_INVALID_STATE otherwise, and without a plan)."""
+        h = self._handle()
+        s0 = self._sessions[0]
+        B, hq, d = len(self._sessions), s0.num_q_heads, s0.head_dim
+        if out is None:
+            out = _alloc_like(q, (B, hq, d) if hq else tuple(_shape(q)), "out")
+        if lse is None:
+            lse = _alloc_like(q, (B, hq) if hq else tuple(_shape(q))[:2], "lse")
+        with _locked(self._sessions):
+            h.decode(int(layer), q, k_new, v_new, out, lse, _stream_ptr(stream), s0._spec_or_none())
+        return out, lse
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<kvsieve.Batch of {len(self._sessions)} sessions {state}>"
 
 
 # ---- tables files and traces --------------------------------------------------------------------

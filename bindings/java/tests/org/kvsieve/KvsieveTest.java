@@ -181,4 +181,171 @@ class KvsieveTest {
     child.close();
     child.close();
   }
+
+  // ---- batches: plan once per token, decode per layer --------------------------------------------
+
+  /** A session of every layer prefilled with (q, k, v) and indexed. */
+  static Session prefilled(String method, FloatBuffer q, FloatBuffer k, FloatBuffer v) {
+    Session s = Session.builder(L, HQ, HKV, D).method(method).budget(0.25).kvDtype(ScalarType.F32).numThreads(1)
+        .create();
+    try (Tensor tq = Tensor.of(q, DType.F32, N, HQ, D); Tensor tk = Tensor.of(k, DType.F32, N, HKV, D);
+         Tensor tv = Tensor.of(v, DType.F32, N, HKV, D)) {
+      for (int layer = 0; layer < L; ++layer) s.prefill(layer, tq, tk, tv, null, 0);
+    }
+    s.buildIndex(0);
+    return s;
+  }
+
+  /** Row b of a [B, ...] buffer as its own direct buffer. */
+  static FloatBuffer row(FloatBuffer x, int b, int n) {
+    FloatBuffer r = direct(n);
+    for (int i = 0; i < n; ++i) r.put(i, x.get(b * n + i));
+    return r;
+  }
+
+  @Test
+  void batchEqualsPerSessionDecodes() {
+    final int B = 2;
+    Random r = new Random(21);
+    for (long mi = 0; mi < KvsNative.methodCount(); ++mi) {
+      String method = KvsNative.methodName(mi);
+      Session[] batched = new Session[B], single = new Session[B];
+      FloatBuffer[] ks = new FloatBuffer[B], vs = new FloatBuffer[B];
+      for (int b = 0; b < B; ++b) {
+        FloatBuffer q = random(r, N * HQ * D);
+        ks[b] = random(r, N * HKV * D);
+        vs[b] = random(r, N * HKV * D);
+        batched[b] = prefilled(method, q, ks[b], vs[b]);
+        single[b] = prefilled(method, q, ks[b], vs[b]);
+      }
+      try (Batch batch = Batch.of(batched)) {
+        assertEquals(B, batch.size());
+        for (int step = 0; step < 2; ++step) {
+          batch.plan(0);
+          for (int layer = 0; layer < L; ++layer) {
+            FloatBuffer q = random(r, B * HQ * D), k = random(r, B * HKV * D), v = random(r, B * HKV * D);
+            FloatBuffer o = direct(B * HQ * D), lse = direct(B * HQ);
+            try (Tensor tq = Tensor.of(q, DType.F32, B, HQ, D); Tensor tk = Tensor.of(k, DType.F32, B, HKV, D);
+                 Tensor tv = Tensor.of(v, DType.F32, B, HKV, D); Tensor to = Tensor.of(o, DType.F32, B, HQ, D);
+                 Tensor tl = Tensor.of(lse, DType.F32, B, HQ)) {
+              batch.decode(layer, tq, tk, tv, to, tl, 0);
+            }
+            for (int b = 0; b < B; ++b) {
+              FloatBuffer qb = row(q, b, HQ * D), kb = row(k, b, HKV * D), vb = row(v, b, HKV * D);
+              FloatBuffer so = direct(HQ * D), sl = direct(HQ);
+              try (Tensor tq = Tensor.of(qb, DType.F32, HQ, D); Tensor tk = Tensor.of(kb, DType.F32, HKV, D);
+                   Tensor tv = Tensor.of(vb, DType.F32, HKV, D); Tensor to = Tensor.of(so, DType.F32, HQ, D);
+                   Tensor tl = Tensor.of(sl, DType.F32, HQ)) {
+                single[b].decode(layer, tq, tk, tv, to, tl, 0);
+              }
+              for (int i = 0; i < HQ * D; ++i)
+                assertEquals(so.get(i), o.get(b * HQ * D + i), 1e-6 + 1e-6 * Math.abs(so.get(i)), method);
+              for (int h = 0; h < HQ; ++h) assertEquals(sl.get(h), lse.get(b * HQ + h), 1e-6, method);
+              if (method.equals("full") && step == 0) { // dense attention over prompt + the new token
+                double[][] ref = reference(qb, concat(ks[b], kb), concat(vs[b], vb), N + 1);
+                for (int i = 0; i < HQ * D; ++i)
+                  assertEquals(ref[0][i], o.get(b * HQ * D + i), 2e-4 + 2e-4 * Math.abs(ref[0][i]));
+                for (int h = 0; h < HQ; ++h) assertEquals(ref[1][h], lse.get(b * HQ + h), 1e-4);
+              }
+            }
+          }
+        }
+        for (Session s : batch.sessions()) assertEquals(N + 2, s.layerTokens(L - 1));
+      } finally {
+        for (int b = 0; b < B; ++b) { batched[b].close(); single[b].close(); }
+      }
+    }
+  }
+
+  @Test
+  void batchErrors() {
+    Random r = new Random(5);
+    FloatBuffer q = random(r, N * HQ * D), k = random(r, N * HKV * D);
+    Session a = prefilled("quest", q, k, k), c = prefilled("quest", q, k, k);
+    assertThrows(IllegalArgumentException.class, () -> Batch.of());
+    assertThrows(NullPointerException.class, () -> Batch.of(a, null));
+    KvsException e = assertThrows(KvsException.class, () -> Batch.of(a, a));
+    assertEquals(KvsException.INVALID_ARGUMENT, e.code());
+    assertTrue(e.getMessage().contains("twice"));
+    try (Session other = Session.builder(L, HQ, HKV, D).method("streaming").create()) {
+      e = assertThrows(KvsException.class, () -> Batch.of(a, other));
+      assertEquals(KvsException.INVALID_ARGUMENT, e.code());
+      assertTrue(e.getMessage().contains("sessions[1]"));
+    }
+    FloatBuffer o = direct(2 * HQ * D);
+    Batch batch = Batch.of(a, c);
+    try (Tensor tq = Tensor.of(random(r, 2 * HQ * D), DType.F32, 2, HQ, D);
+         Tensor tk = Tensor.of(random(r, 2 * HKV * D), DType.F32, 2, HKV, D);
+         Tensor to = Tensor.of(o, DType.F32, 2, HQ, D);
+         Tensor shortQ = Tensor.of(random(r, HQ * D), DType.F32, 1, HQ, D)) {
+      e = assertThrows(KvsException.class, () -> batch.decode(0, tq, tk, tk, to, null, 0));
+      assertEquals(KvsException.INVALID_STATE, e.code()); // no plan
+      batch.plan(0);
+      e = assertThrows(KvsException.class, () -> batch.decode(L, tq, tk, tk, to, null, 0));
+      assertEquals(KvsException.INVALID_ARGUMENT, e.code());
+      e = assertThrows(KvsException.class, () -> batch.decode(0, shortQ, tk, tk, to, null, 0));
+      assertEquals(KvsException.INVALID_ARGUMENT, e.code());
+      assertTrue(e.getMessage().contains("q"));
+      batch.decode(0, tq, tk, tk, to, null, 0);
+      e = assertThrows(KvsException.class, () -> batch.decode(0, tq, tk, tk, to, null, 0));
+      assertEquals(KvsException.INVALID_STATE, e.code()); // layer 0 twice under one plan
+      assertEquals(N + 1, a.layerTokens(0));
+      c.close(); // a session closed under the batch: refused before any native call
+      IllegalStateException ise = assertThrows(IllegalStateException.class, () -> batch.plan(0));
+      assertTrue(ise.getMessage().contains("sessions[1]"));
+      assertThrows(IllegalStateException.class, () -> batch.decode(1, tq, tk, tk, to, null, 0));
+      assertThrows(IllegalStateException.class, () -> Batch.of(a, c));
+    }
+    batch.close();
+    batch.close(); // idempotent
+    assertThrows(IllegalStateException.class, () -> batch.plan(0));
+    assertThrows(IllegalStateException.class, batch::size);
+    a.close();
+  }
+
+  /** The only reference to the sessions is the batch's own. */
+  static Batch unreferencedSessions(Random r) {
+    FloatBuffer q = random(r, N * HQ * D), k = random(r, N * HKV * D);
+    return Batch.of(prefilled("exact_topk", q, k, k), prefilled("exact_topk", q, k, k));
+  }
+
+  @Test
+  void batchKeepsItsSessionsReachable() throws Exception {
+    Random r = new Random(8);
+    Batch batch = unreferencedSessions(r);
+    for (int i = 0; i < 5; ++i) { // finalizers of unreachable sessions would free them now
+      System.gc();
+      System.runFinalization();
+      Thread.sleep(10);
+    }
+    FloatBuffer o = direct(2 * HQ * D);
+    FloatBuffer q1 = random(r, HQ * D), k1 = random(r, HKV * D);
+    try (Tensor tq = Tensor.of(concat(q1, q1), DType.F32, 2, HQ, D); // the same token for both sessions
+         Tensor tk = Tensor.of(concat(k1, k1), DType.F32, 2, HKV, D);
+         Tensor to = Tensor.of(o, DType.F32, 2, HQ, D)) {
+      batch.plan(0);
+      for (int layer = 0; layer < L; ++layer) batch.decode(layer, tq, tk, tk, to, null, 0);
+    }
+    for (int i = 0; i < 2 * HQ * D; ++i) assertTrue(Float.isFinite(o.get(i)));
+    // identical sessions and inputs: identical rows
+    for (int i = 0; i < HQ * D; ++i) assertEquals(o.get(i), o.get(HQ * D + i));
+    for (Session s : batch.sessions()) assertEquals(N + 1, s.layerTokens(0));
+    batch.close();
+  }
+
+  @Test
+  void methodUnsupportedReason() {
+    for (long i = 0; i < KvsNative.methodCount(); ++i) {
+      String m = KvsNative.methodName(i);
+      assertNull(KvsNative.methodUnsupportedReason(m, Backend.CPU), m);
+      String hybrid = KvsNative.methodUnsupportedReason(m, Backend.HYBRID);
+      assertNotNull(hybrid, m);
+      assertFalse(hybrid.isEmpty());
+      String cuda = KvsNative.methodUnsupportedReason(m, Backend.CUDA);
+      assertEquals(cuda == null, (KvsNative.methodBackends(m) & (1 << 2)) != 0, m);
+    }
+    assertNull(KvsNative.methodUnsupportedReason("nope", Backend.HYBRID));
+    assertTrue(KvsNative.methodUnsupportedReason("full", 7).contains("backend"));
+    assertTrue(KvsNative.methodUnsupportedReason("full", 0).contains("backend"));
+  }
 }
