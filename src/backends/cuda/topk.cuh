@@ -1,0 +1,75 @@
+// exact_topk on CUDA: the score pass over the paged KV cache and a row-wise radix top-k.
+//
+// exact_topk (the oracle) scores every key of a sequence and attends only the best k of them. The
+// two steps here are separate calls so that other methods can reuse the top-k on their own scores:
+//   topk_scores: one pass over K (each K row read once for its whole query group) writes a score
+//                per (sequence, head, token); forced tokens (sinks, local window) get +inf.
+//   topk_rows:   the indices of the k largest scores of each row, in ascending index order, by a
+//                radix select (histograms of 11, 11, 10 key bits), never a sort of the whole row.
+// Conventions (Status, Scalar, AttnShape, Query, Workspace, device pointers, stream ordering, no
+// host sync, no allocation, noexcept) are those of cuda_attention.cuh; the KV layout is
+// kv_layout.cuh. Plain C++: compiles without nvcc.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "backends/cuda/cuda_attention.cuh"
+#include "backends/cuda/kv_layout.cuh"
+
+namespace kvs::cuda {
+
+// ---- Row-wise top-k ------------------------------------------------------------------------------
+// Row r in [0, rows) holds len_r = clamp(lengths ? lengths[r] : max_len, 0, max_len) scores at
+// scores[r * row_stride + t], t < len_r (device fp32; lengths device int32 [rows] or null). Writes
+// the indices t of the min(k, len_r) largest scores to out_idx[r * k + i] in ASCENDING index order;
+// slots past the count are -1; out_cnt[r] = min(k, len_r) (device int32 [rows]; may be null).
+// Order: NaN is lower than every other value (-inf included), -0 equals +0, +inf is allowed (forced
+// keys); ties at the threshold value go to the lowest indices, so the result is deterministic.
+// Limits: k >= 1 (k = 0 is accepted: only out_cnt[r] = 0 is written), rows >= 1, 0 <= max_len,
+// row_stride >= max_len when rows > 1.
+// How: one thread-block cluster (1 to 16 CTAs of 1024 threads, chosen per (rows, max_len) from the
+// device's cluster occupancy) per row; each CTA owns a contiguous slice of the row, keeps its keys
+// in shared memory when they fit (up to 176 KB, else re-reads them from global/L2 each pass), and the
+// cluster adds its slice histograms in distributed shared memory. Three histogram passes at most
+// (fewer when the threshold bin is taken whole); each slice's counts come from its histograms; one
+// write pass (warp scans place each selected index at its rank). One launch (a programmatic
+// dependent launch: it may start while the previous kernel on the stream finishes, and waits for
+// it), no workspace (workspace bytes = 0), fixed launch configuration for given (rows, max_len, k)
+// on a given device; graph-capturable.
+size_t topk_rows_workspace_bytes(int32_t rows, int32_t max_len, int32_t k) noexcept;
+Status topk_rows(const float* scores, int64_t row_stride, const int32_t* lengths, int32_t rows,
+                 int32_t max_len, int32_t k, int32_t* out_idx, int32_t* out_cnt,
+                 const Workspace& ws, void* stream) noexcept;
+
+// ---- Score pass of exact_topk ----------------------------------------------------------------------
+// One query token per sequence b (q: [B, Hq, d]), keys of the paged cache `kv` (kv_layout.cuh) in
+// kv_dtype (BF16 or F16); lengths: device int32 [B] (clamped to [0, max_length]); max_length must
+// not exceed kv.max_pages * kv.page_tokens. Writes scores[(b * H + h) * max_length + t] for
+// t < lengths[b] (nothing past it):
+//   per_query_head = false: H = Hkv, s = sum_{g<G} softmax_{h*G+g}(scale * q_{h*G+g} . k_t)_t
+//                           (each query head's softmax over all lengths[b] keys, forced ones
+//                           included, exactly normalised)
+//   per_query_head = true:  H = Hq, s = scale * q_h . k_t (the logit; same order as the softmax)
+// Tokens t < sinks or t >= lengths[b] - local get +inf (forced: topk_rows then keeps them first).
+// Query dtype F32 or kv_dtype; head dims 64, 128, 256; any G = Hq / Hkv >= 1 (groups of more than
+// 8 heads read K once per 8 heads). Arithmetic fp32 (q pre-scaled, fp32 dot products and sums).
+// max_length <= 2^31 - 8193. per_query_head = false needs a workspace: the group's fp32 logits,
+// B * Hkv * ceil(G/8) * GT * max_length * 4 bytes (GT = G rounded up to 1, 2, 4 or 8, at most 8;
+// i.e. 4 * Hq bytes per token when G is 1, 2, 4 or 8), plus per-chunk softmax statistics
+// (B * Hq * ceil(max_length / 256) * 8 bytes); per_query_head = true needs none. Two launches at
+// most (the second a programmatic dependent launch).
+size_t topk_scores_workspace_bytes(const AttnShape& shape, int32_t max_length) noexcept;
+Status topk_scores(const AttnShape& shape, const Query& q, const PagedKv& kv, Scalar kv_dtype,
+                   const int32_t* lengths, int32_t max_length, bool per_query_head,
+                   int32_t sinks, int32_t local, float* scores, const Workspace& ws,
+                   void* stream) noexcept;
+
+namespace detail {
+// Benchmarks only, process-wide (0 = automatic): topk_rows' cluster size (1, 2, 4, 8 or 16) and
+// the score pass's tokens per CTA.
+void set_topk_tuning(int cluster, int score_chunk) noexcept;
+// The cluster size of the last topk_rows launch in this process.
+int32_t topk_rows_last_cluster() noexcept;
+}  // namespace detail
+
+}  // namespace kvs::cuda
