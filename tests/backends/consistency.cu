@@ -550,8 +550,12 @@ int main(int argc, char** argv) {
       run_case(m, sh, {big + 3}, 4, seed++);
       run_case(m, sh, {big, 300, 1 + 256}, 3, seed++);  // a batch of different lengths
     }
-  // A context of a single prompt token, and one spanning many pages.
+  // A context of a single prompt token, and one spanning many pages; prompts that end exactly where
+  // the device page tables and the Quest bounds buffers are full (their next step grows them).
   run_case({"quest", "", 0.05, 0, false}, shapes[0], {1}, 3, seed++);
+  run_case({"quest", "", 0.05, 0, false}, shapes[1], {1024, 4096}, 3, seed++);
+  run_case({"quest", "gqa=per_query_head", 0.05, 0, false}, shapes[0], {1024}, 3, seed++);
+  run_case({"exact_topk", "", 0.05, 0, false}, shapes[1], {4096}, 3, seed++);
   run_case({"exact_topk", "", 0.02, 0, false}, shapes[0], {g_small ? 3000 : 40000}, 2, seed++);
   if (trace) run_trace(trace);
   std::printf("%d passed, %d failed\n", g_pass, g_fail);

@@ -40,16 +40,17 @@ struct DeviceGuard {
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 };
 
-// A contiguous CUDA tensor of the given shape, on `device`, of one of the allowed dtypes.
+// A contiguous CUDA tensor of the given shape, on `device`, of one of the allowed dtypes, its data
+// `align`-byte aligned (16 for rows read as 16-byte vectors).
 inline View cuda_view(const kvs_tensor* t, const char* name, std::initializer_list<int64_t> shape, int device,
-                      std::initializer_list<DType> allowed) {
+                      std::initializer_list<DType> allowed, int align = 16) {
   View v = check_tensor(t, name, shape, Where::Cuda);
   if (v.device_id != device)
     invalid(std::string(name) + ": expected a tensor on CUDA device " + std::to_string(device) + ", got device " +
             std::to_string(v.device_id));
   if (!v.contiguous()) invalid(std::string(name) + ": the cuda backend expects a contiguous tensor");
-  if (reinterpret_cast<uintptr_t>(v.base) % 16)
-    invalid(std::string(name) + ": the cuda backend expects 16-byte aligned data");
+  if (reinterpret_cast<uintptr_t>(v.base) % uintptr_t(align))
+    invalid(std::string(name) + ": the cuda backend expects " + std::to_string(align) + "-byte aligned data");
   bool ok = false;
   std::string names;
   for (DType a : allowed) {

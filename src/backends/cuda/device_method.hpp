@@ -61,6 +61,10 @@ class DeviceMethod {
   // token a decode step appends: then called before select, in stream order).
   virtual void on_tokens(uint32_t layer, const DeviceLayerView& v, int64_t t0, int64_t t1) {}
   virtual void build_index(uint32_t layer, const DeviceLayerView& v) {}
+  // Room for the index of `tokens` tokens in the layer, so that the steps up to there allocate
+  // nothing (called before every step, by a batch plan and by each direct decode, before
+  // fill_args: device buffers may move here, never during a step).
+  virtual void reserve(uint32_t layer, int64_t tokens, void* stream) {}
   virtual void truncate(uint32_t layer, int64_t n) {}
   // Host only, on batch[0]'s implementation for the whole batch.
   virtual DevicePlan plan(std::span<DeviceMethod* const> batch, uint32_t layer, const DeviceStep& step) const = 0;

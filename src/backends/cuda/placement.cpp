@@ -115,11 +115,13 @@ struct DevBuf {
     p = nullptr;
     bytes = 0;
   }
-  // Grows to at least n bytes (contents not kept).
+  // Grows to at least n bytes (contents not kept), by at least a quarter each time: the step's
+  // sizes creep up with the context, and a reallocation synchronises the device.
   void reserve(size_t n, int dev) {
     if (n <= bytes && p) return;
     release();
     device = dev;
+    n = std::max(n, bytes + bytes / 4);
     check(cudaMalloc(&p, n ? n : 1), "cudaMalloc(workspace)");
     bytes = n;
   }
@@ -216,7 +218,7 @@ class CudaPlacement final : public Placement {
               " tokens here (it has " + std::to_string(n0) + "), got " + std::to_string(n) + " more");
     const size_t pages0 = lay.pages.size();
     try {
-      reserve(lay, n0 + n, stream);
+      reserve(layer, n0 + n, stream);
       check(cuda::write_kv_rows(own_kv(lay), 0, int32_t(sh.num_kv_heads), int32_t(sh.head_dim), kvdt(), int32_t(n0),
                                 int32_t(n), kv.base, vv.base, stream),
             "write_kv_rows");
@@ -242,7 +244,7 @@ class CudaPlacement final : public Placement {
     DeviceGuard g(device_);
     for (Placement* p : batch) {
       auto* c = static_cast<CudaPlacement*>(p);
-      for (auto& lay : c->layers_) c->reserve(lay, lay.n + 1, stream);
+      for (uint32_t l = 0; l < c->layers_.size(); ++l) c->reserve(l, c->layers_[l].n + 1, stream);
     }
   }
 
@@ -258,13 +260,13 @@ class CudaPlacement final : public Placement {
       kv = cuda_view(t.k_new, "k_new", {hkv, d}, device_, {sh.kv_dtype});
       vv = cuda_view(t.v_new, "v_new", {hkv, d}, device_, {sh.kv_dtype});
       ov = cuda_view(t.o, "o", {hq, d}, device_, qdt);
-      if (t.lse) lv = cuda_view(t.lse, "lse", {hq}, device_, {DType::F32});
+      if (t.lse) lv = cuda_view(t.lse, "lse", {hq}, device_, {DType::F32}, 4);
     } else {
       qv = cuda_view(t.q, "q", {B, hq, d}, device_, qdt);
       kv = cuda_view(t.k_new, "k_new", {B, hkv, d}, device_, {sh.kv_dtype});
       vv = cuda_view(t.v_new, "v_new", {B, hkv, d}, device_, {sh.kv_dtype});
       ov = cuda_view(t.o, "o", {B, hq, d}, device_, qdt);
-      if (t.lse) lv = cuda_view(t.lse, "lse", {B, hq}, device_, {DType::F32});
+      if (t.lse) lv = cuda_view(t.lse, "lse", {B, hq}, device_, {DType::F32}, 4);
     }
     std::vector<CudaPlacement*> ps(static_cast<size_t>(B));
     std::vector<DeviceMethod*> ms(static_cast<size_t>(B));
@@ -285,7 +287,7 @@ class CudaPlacement final : public Placement {
     // The new token's page (a batch plan reserved it already: then nothing happens here).
     for (int64_t b = 0; b < B; ++b) {
       auto& lay = ps[size_t(b)]->layers_[layer];
-      ps[size_t(b)]->reserve(lay, lay.n + 1, t.stream);
+      ps[size_t(b)]->reserve(layer, lay.n + 1, t.stream);
       max_pages = std::max(max_pages, lay.table_cap);
     }
 
@@ -489,7 +491,7 @@ class CudaPlacement final : public Placement {
                                             std::to_string(uint64_t(np) * page_bytes_) + " bytes for " +
                                             std::to_string(n) + " tokens, got " + std::to_string(sec.length));
       auto& lay = layers_[l];
-      reserve(lay, n, nullptr);
+      reserve_pages(lay, n, nullptr);
       for (int64_t i = 0; i < np; ++i)
         check(cudaMemcpy(lay.pages[size_t(i)]->data(), sec.data + size_t(i) * page_bytes_, page_bytes_,
                          cudaMemcpyHostToDevice),
@@ -522,8 +524,13 @@ class CudaPlacement final : public Placement {
   }
   DeviceLayerView view(const DevLayer& lay, void* stream) const { return DeviceLayerView{own_kv(lay), lay.n, stream}; }
 
-  // Pages for `tokens` tokens, the last one private (copy-on-write), the device table up to date.
-  void reserve(DevLayer& lay, int64_t tokens, void* stream) {
+  // Pages (and the method's index room) for `tokens` tokens, the last page private (copy-on-write),
+  // the device table up to date.
+  void reserve(uint32_t layer, int64_t tokens, void* stream) {
+    reserve_pages(layers_[layer], tokens, stream);
+    method_->reserve(layer, tokens, stream);
+  }
+  void reserve_pages(DevLayer& lay, int64_t tokens, void* stream) {
     const int64_t need = (tokens + kPageTokens - 1) / kPageTokens;
     const size_t first_new = lay.pages.size();
     size_t first_dirty = first_new;
@@ -599,7 +606,7 @@ class CudaPlacement final : public Placement {
     }
     if (!cur) {
       cur = std::make_shared<DevBuf>();
-      cur->reserve(bytes, device_);
+      cur->reserve(bytes + bytes / 4, device_);  // room for the budget to grow with the context
     }
     return cur;
   }

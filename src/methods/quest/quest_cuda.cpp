@@ -50,6 +50,9 @@ class QuestCuda final : public DeviceMethod {
     layers_[layer].folded = 0;
     fold(layer, v, v.tokens);
   }
+  void reserve(uint32_t layer, int64_t tokens, void* stream) override {
+    grow(layers_[layer], (tokens + page_ - 1) / page_, stream);
+  }
   void truncate(uint32_t layer, int64_t n) override {
     auto& l = layers_[layer];
     l.folded = std::min(l.folded, n / page_ * page_);
