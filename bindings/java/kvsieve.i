@@ -255,6 +255,16 @@ typedef struct kvs_session_stats {
     kvsj_check(kvs_session_load(path, NULL, &s));
     return s;
   }
+  /* mmap: map the KV pages from the file instead of copying them (the file must then stay as it is
+     while the session or a fork of it lives). */
+  static kvs_session_s* load(const char* path, bool mmap) {
+    kvs_load_params p;
+    kvs_load_params_init(&p);
+    p.flags = mmap ? KVS_LOAD_MMAP : 0u;
+    kvs_session_t s = NULL;
+    kvsj_check(kvs_session_load(path, &p, &s));
+    return s;
+  }
   void prefill(uint32_t layer, kvsj_tensor* q, kvsj_tensor* k, kvsj_tensor* v, kvsj_tensor* o, int64_t stream) {
     kvsj_check(kvs_session_prefill($self, layer, kvsj_t(q), kvsj_t(k), kvsj_t(v), kvsj_t(o), (void*)(intptr_t)stream));
   }

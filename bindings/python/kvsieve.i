@@ -7,6 +7,8 @@
  *    for the call and dropped afterwards (never renamed to "used_dltensor"), so the producer's
  *    capsule destructor frees it. Wrong dtype -> TypeError, wrong rank/shape/device/layout ->
  *    ValueError, naming what was expected. Nothing is ever copied.
+ *  - strings: every const char* argument refuses an embedded NUL (ValueError naming it); a
+ *    __dlpack_device__ that is not a tuple of two ints is a TypeError naming the tensor.
  *  - error translation: a kvs_error_t becomes kvsieve.Error(code, message, backend_code).
  *  - the GIL is released around every call into the library that can take time (prefill,
  *    build_index, decode, append, decode_batch, batch plan and decode, save, load, fork, trace open,
@@ -17,6 +19,7 @@
 %{
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <string.h>
 #include <kvsieve/kvsieve.h>
 #include <dlpack/dlpack.h>
@@ -128,6 +131,36 @@ static void kvsb_shape_str(const int64_t* shape, int ndim, char* buf, size_t n) 
   if (at < n) snprintf(buf + at, n - at, "]");
 }
 
+/* obj.__dlpack_device__() as DLPack defines it: a tuple (device_type, device_id) of two ints (an
+ * IntEnum counts). Anything else is a TypeError naming the argument (PyArg_ParseTuple would raise
+ * SystemError on a non-tuple). */
+static int kvsb_dlpack_device(PyObject* obj, const char* name, int* type, int* id) {
+  PyObject* dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
+  if (!dev) return 0;
+  int ok = PyTuple_Check(dev) && PyTuple_GET_SIZE(dev) == 2 && PyLong_Check(PyTuple_GET_ITEM(dev, 0)) &&
+           PyLong_Check(PyTuple_GET_ITEM(dev, 1));
+  if (ok) {
+    int of0 = 0, of1 = 0;
+    long t = PyLong_AsLongAndOverflow(PyTuple_GET_ITEM(dev, 0), &of0);
+    long i = PyLong_AsLongAndOverflow(PyTuple_GET_ITEM(dev, 1), &of1);
+    if (PyErr_Occurred()) { Py_DECREF(dev); return 0; }
+    if (of0 || of1 || t < INT_MIN || t > INT_MAX || i < INT_MIN || i > INT_MAX) {
+      PyErr_Format(PyExc_ValueError, "%s: __dlpack_device__() of %s returned an out-of-range device %R", name,
+                   Py_TYPE(obj)->tp_name, dev);
+      Py_DECREF(dev);
+      return 0;
+    }
+    *type = (int)t;
+    *id = (int)i;
+  } else {
+    PyErr_Format(PyExc_TypeError,
+                 "%s: __dlpack_device__() of %s must return a tuple (device_type, device_id) of two ints, got %R",
+                 name, Py_TYPE(obj)->tp_name, dev);
+  }
+  Py_DECREF(dev);
+  return ok;
+}
+
 /* Describes obj as a kvs_tensor without copying.
  * kind: 0 = input (q/k/v; float32/16/bf16), 1 = output (same dtypes, writable), 2 = lse output (float32).
  * ndim: required rank. stream: passed to __dlpack__ for CUDA producers. */
@@ -139,11 +172,8 @@ static int kvsb_tensor(PyObject* obj, const char* name, int kind, int ndim, unsi
   a->present = 1;
   int done = 0;
   if (PyObject_HasAttrString(obj, "__dlpack__") && PyObject_HasAttrString(obj, "__dlpack_device__")) {
-    PyObject* dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
-    if (!dev) return 0;
     int dtype_dev = 0, dev_id = 0;
-    if (!PyArg_ParseTuple(dev, "ii", &dtype_dev, &dev_id)) { Py_DECREF(dev); return 0; }
-    Py_DECREF(dev);
+    if (!kvsb_dlpack_device(obj, name, &dtype_dev, &dev_id)) return 0;
     if (dtype_dev != kDLCPU && dtype_dev != kDLCUDA && dtype_dev != kDLCUDAHost) {
       PyErr_Format(PyExc_ValueError, "%s: expected a CPU, CUDA-host or CUDA tensor, got DLPack device type %d",
                    name, dtype_dev);
@@ -371,6 +401,24 @@ static void kvsb_log_trampoline(int32_t level, const char* line, void* user) {
 /* ---- plain parts of the C ABI, wrapped as they are -------------------------------------------- */
 
 %include <stdint.i>
+
+/* Every string argument crosses the C ABI NUL-terminated: an embedded NUL would cut it short
+ * silently (a method "full\0junk" would become "full"), so it is a ValueError naming the argument.
+ * Otherwise SWIG's own conversion (str -> UTF-8 copy, None -> NULL). */
+%typemap(in, noblock=1, fragment="SWIG_AsCharPtrAndSize") const char* (int res, char* buf = 0, size_t size = 0, int alloc = 0) {
+  res = SWIG_AsCharPtrAndSize($input, &buf, &size, &alloc);
+  if (!SWIG_IsOK(res)) {
+    %argument_fail(res, "$type", $symname, $argnum);
+  }
+  if (buf && size > 1 && memchr(buf, 0, size - 1)) {
+    PyErr_SetString(PyExc_ValueError, "$symname(): $1_name: expected a string without NUL characters");
+    SWIG_fail;
+  }
+  $1 = ($1_ltype)buf;
+}
+%typemap(freearg, noblock=1, match="in") const char* {
+  if (alloc$argnum == SWIG_NEWOBJ) %delete_array(buf$argnum);
+}
 
 /* Helpers raise through kvsb_raise (or a TypeError/ValueError) and return NULL; every wrapper checks. */
 %exception {
@@ -660,9 +708,10 @@ kvs_session_s* session_create(uint32_t num_layers, uint32_t num_q_heads, uint32_
 }
 
 kvs_session_s* session_load(const char* path, int32_t backend, int32_t device_id, uint32_t num_threads,
-                            int32_t gemm) {
+                            int32_t gemm, uint32_t flags) {
   kvs_load_params p;
   kvs_load_params_init(&p);
+  p.flags = flags;
   p.backend = backend;
   p.device_id = device_id;
   p.num_threads = num_threads;

@@ -8,7 +8,8 @@
  *    then change fields. Fields are only ever appended.
  *  - Tensors are described by kvs_tensor, laid out exactly like DLPack's DLTensor. NULL strides mean
  *    C-contiguous. Inputs are borrowed for the duration of the call (for asynchronous CUDA work: until
- *    the stream passed with the call has completed).
+ *    the stream passed with the call has completed). Outputs (o, lse) whose strides put two
+ *    elements at one address are refused (KVS_STATUS_INVALID_ARGUMENT).
  *  - Every log-sum-exp crossing this API is a natural logarithm (base e).
  *  - Thread safety is tagged on each function:
  *      @threadsafety any              callable from any thread at any time
@@ -306,21 +307,32 @@ typedef enum kvs_save_flags {
  *  @threadsafety concurrent-const */
 KVS_API kvs_error_t kvs_session_save(kvs_session_t s, const char* path, uint32_t flags);
 
+typedef enum kvs_load_flags {
+  /* KV pages point into a read-only memory map of the file instead of being copied (as llama.cpp's
+   * use_mmap): no copy and no anonymous memory for the KV, but the file is live. While a session
+   * loaded with it, or a fork of one, exists, the caller must not truncate, shrink or write the
+   * file (truncation kills the process with SIGBUS at the next decode, a write changes outputs).
+   * Replacing it by rename (as kvs_session_save does) is safe. */
+  KVS_LOAD_MMAP = 1
+} kvs_load_flags;
+
 typedef struct kvs_load_params {
   uint32_t struct_size;
   int32_t backend;      /* 0 = as saved */
   int32_t device_id;
   uint32_t num_threads; /* 0 = all hardware threads */
   int32_t gemm;
+  uint32_t flags;       /* kvs_load_flags; 0 = copy everything out of the file */
 } kvs_load_params;
 
-/** Fills defaults (struct_size included). @threadsafety any */
+/** Fills defaults (struct_size included; flags 0). @threadsafety any */
 KVS_API void kvs_load_params_init(kvs_load_params* p);
 
-/** Loads a session saved by kvs_session_save (params may be NULL). The file is memory-mapped; its
- *  KV pages are shared read-only until written. A file without KV yields a session whose layers must
- *  be prefilled again with the same lengths before decode (the loaded index is kept).
- *  @threadsafety any */
+/** Loads a session saved by kvs_session_save (params may be NULL). Every checksum and header value
+ *  is verified; the KV pages and the index are copied, so the file may change or go once this
+ *  returns (with KVS_LOAD_MMAP the KV pages are mapped instead: see its hazard). A file without KV
+ *  yields a session whose layers must be prefilled again with the same lengths before decode (the
+ *  loaded index is kept). @threadsafety any */
 KVS_API kvs_error_t kvs_session_load(const char* path, const kvs_load_params* params,
                                      kvs_session_t* out);
 
@@ -408,7 +420,8 @@ KVS_API kvs_error_t kvs_trace_tensor(kvs_trace_t t, uint32_t layer, const char* 
                                      kvs_tensor* out);
 
 /** Writes a trace atomically. layers[i] is the layer index of q[i], k[i], v[i] (each [T, H, d], host
- *  memory (CPU or CUDA_HOST), any strides, all of info->dtype). tokens may be NULL or [T] int32.
+ *  memory (CPU or CUDA_HOST), any strides, all of info->dtype). tokens may be NULL or [T] int32
+ *  (a non-negative stride).
  *  @threadsafety any */
 KVS_API kvs_error_t kvs_trace_write(const char* path, const kvs_trace_info* info,
                                     const uint32_t* layers, size_t num_layers_present,

@@ -130,9 +130,14 @@ class SessionParams {
 class Session {
  public:
   explicit Session(SessionParams params) { check(kvs_session_create(params.get(), &s_)); }
-  static Session load(const std::string& path) {
+  /// Loads a saved session; its KV pages are copied, or mapped from the file with mmap = true
+  /// (then the file must not be truncated or modified while the session or a fork of it lives).
+  static Session load(const std::string& path, bool mmap = false) {
+    kvs_load_params p;
+    kvs_load_params_init(&p);
+    p.flags = mmap ? KVS_LOAD_MMAP : 0u;
     kvs_session_t s = nullptr;
-    check(kvs_session_load(path.c_str(), nullptr, &s));
+    check(kvs_session_load(path.c_str(), &p, &s));
     return Session(s);
   }
   Session(Session&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}

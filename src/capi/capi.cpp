@@ -136,6 +136,7 @@ void kvs_load_params_init(kvs_load_params* p) {
   if (!p) return;
   std::memset(p, 0, sizeof(*p));
   p->struct_size = sizeof(*p);
+  p->flags = 0;  // loads copy; KVS_LOAD_MMAP is the caller's explicit choice
 }
 
 kvs_error_t kvs_session_create(const kvs_session_params* params, kvs_session_t* out) {

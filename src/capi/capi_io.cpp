@@ -1,6 +1,8 @@
 // C API for files: tables inspection and traces. Thin: validate arguments, call src/io.
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -242,7 +244,16 @@ KVS_API kvs_error_t kvs_trace_write(const char* path, const kvs_trace_info* info
       if (dev != KVS_DEVICE_CPU && dev != KVS_DEVICE_CUDA_HOST)
         kvs::invalid("tokens: expected a host tensor (device CPU or CUDA_HOST)");
       if (T > 0 && !tokens->data) kvs::invalid("tokens: data is NULL");
+      // Checked as check_tensor checks q/k/v (a negative stride read before the buffer), and so
+      // that the last element's offset cannot overflow.
       const int64_t stride = tokens->strides ? tokens->strides[0] : 1;
+      if (stride < 0)
+        kvs::invalid("tokens: negative strides are not supported (dimension 0), got " + std::to_string(stride));
+      const unsigned __int128 last_byte =
+          (unsigned __int128)(uint64_t(stride)) * uint64_t(T > 0 ? T - 1 : 0) * sizeof(int32_t) + tokens->byte_offset;
+      if (last_byte > (unsigned __int128)(std::numeric_limits<int64_t>::max()))
+        kvs::invalid("tokens: stride " + std::to_string(stride) + " is too large for " + std::to_string(T) +
+                     " elements (the last one's byte offset overflows)");
       const auto* base = reinterpret_cast<const int32_t*>(static_cast<const char*>(tokens->data) +
                                                           tokens->byte_offset);
       tok.resize(size_t(T));

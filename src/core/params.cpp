@@ -50,12 +50,20 @@ ParamSet ParamSet::parse(const std::string& method, const std::vector<ParamSpec>
     ps.values_[s.name] = s.default_value;
     ps.types_[s.name] = s.type;
   }
-  if (!text) return ps;
-  std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    item = trim(item);
-    if (item.empty()) continue;
+  // NULL, "" and blanks mean "no parameters"; otherwise every comma-separated item is one
+  // key=value (an empty item is a typo, e.g. "a=1,,b=2" or a trailing comma, and is refused, as is
+  // a key given twice: which value was meant cannot be known).
+  if (!text || trim(text).empty()) return ps;
+  const std::string all = text;
+  std::map<std::string, size_t> seen;  // key -> item number (1-based)
+  size_t pos = 0, number = 0;
+  for (;;) {
+    const size_t comma = all.find(',', pos);
+    std::string item = trim(all.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos));
+    ++number;
+    if (item.empty())
+      invalid("method_params: item " + std::to_string(number) + " of '" + all +
+              "' is empty: expected key=value items separated by single commas");
     const size_t eq = item.find('=');
     if (eq == std::string::npos)
       invalid("method_params: expected key=value, got '" + item + "'");
@@ -70,7 +78,13 @@ ParamSet ParamSet::parse(const std::string& method, const std::vector<ParamSpec>
               (names.empty() ? "none" : names) + ")");
     }
     check_value(method, *sp, val);
+    auto [at, fresh] = seen.emplace(key, number);
+    if (!fresh)
+      invalid("method_params: parameter '" + key + "' is given twice (items " + std::to_string(at->second) +
+              " and " + std::to_string(number) + " of '" + all + "')");
     ps.values_[key] = val;
+    if (comma == std::string::npos) break;
+    pos = comma + 1;
   }
   return ps;
 }

@@ -20,7 +20,9 @@ struct ParamSpec {
 
 class ParamSet {
  public:
-  // Parses and validates text against specs; unknown keys and bad values throw naming the key.
+  // Parses and validates "key=value,key=value" text against specs (NULL or blank: every default);
+  // unknown keys, bad values and keys given twice throw naming the key, empty items naming their
+  // position.
   static ParamSet parse(const std::string& method, const std::vector<ParamSpec>& specs, const char* text);
   static ParamSet from_json(const std::string& method, const std::vector<ParamSpec>& specs,
                             const nlohmann::json& j);

@@ -76,9 +76,11 @@ class Placement {
   virtual nlohmann::json save_meta() const = 0;
   virtual void save(io::TablesWriter& w, bool with_kv) const = 0;
   // After construction: KV pages of layer l from the file (tokens[l] > 0 and with_kv), then the
-  // method's sections.
+  // method's sections. Copies everything out of the file, except that with map (KVS_LOAD_MMAP) a
+  // placement whose KV lives in host memory may keep its pages in the file's mapping (read-only,
+  // copied on the first write) instead.
   virtual void load(const std::shared_ptr<const io::TablesFile>& f, const nlohmann::json& method_meta,
-                    const std::vector<int64_t>& tokens, bool with_kv, const std::string& path) = 0;
+                    const std::vector<int64_t>& tokens, bool with_kv, const std::string& path, bool map) = 0;
   // A copy sharing what can be shared (KV pages copy-on-write on the host).
   virtual std::unique_ptr<Placement> fork() const = 0;
 };

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <limits>
 
@@ -10,6 +11,7 @@
 #include "backends/cpu/gemm.hpp"
 #include "core/error.hpp"
 #include "core/log.hpp"
+#include "io/header.hpp"
 #include "io/tables.hpp"
 
 namespace kvs {
@@ -18,6 +20,9 @@ namespace {
 std::string L(uint32_t layer) { return std::to_string(layer); }
 // Token indices are int32 in selections and on the GPU.
 constexpr int64_t kMaxLayerTokens = (int64_t(1) << 31) - 1;
+// Session limits (kvs_session_params; a tables file's shape is checked against the same).
+constexpr uint32_t kMaxLayers = 4096, kMaxKvHeads = 1024, kMaxQHeads = 8192, kMinHeadDim = 8, kMaxHeadDim = 256,
+                   kMaxThreads = 1024;
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -30,15 +35,17 @@ SessionConfig SessionConfig::from_params(const kvs_session_params* p) {
             " (fill with kvs_session_params_init), got " + std::to_string(p->struct_size));
   SessionConfig c;
   auto& s = c.shape;
-  if (p->num_layers < 1 || p->num_layers > 4096)
-    invalid("params->num_layers: expected 1..4096, got " + std::to_string(p->num_layers));
-  if (p->num_kv_heads < 1 || p->num_kv_heads > 1024)
-    invalid("params->num_kv_heads: expected 1..1024, got " + std::to_string(p->num_kv_heads));
-  if (p->num_q_heads < 1 || p->num_q_heads % p->num_kv_heads != 0 || p->num_q_heads > 8192)
+  if (p->num_layers < 1 || p->num_layers > kMaxLayers)
+    invalid("params->num_layers: expected 1.." + std::to_string(kMaxLayers) + ", got " + std::to_string(p->num_layers));
+  if (p->num_kv_heads < 1 || p->num_kv_heads > kMaxKvHeads)
+    invalid("params->num_kv_heads: expected 1.." + std::to_string(kMaxKvHeads) + ", got " + std::to_string(p->num_kv_heads));
+  if (p->num_q_heads < 1 || p->num_q_heads % p->num_kv_heads != 0 || p->num_q_heads > kMaxQHeads)
     invalid("params->num_q_heads: expected a positive multiple of num_kv_heads (" +
-            std::to_string(p->num_kv_heads) + "), got " + std::to_string(p->num_q_heads));
-  if (p->head_dim < 8 || p->head_dim > 256)
-    invalid("params->head_dim: expected 8..256, got " + std::to_string(p->head_dim));
+            std::to_string(p->num_kv_heads) + ") up to " + std::to_string(kMaxQHeads) + ", got " +
+            std::to_string(p->num_q_heads));
+  if (p->head_dim < kMinHeadDim || p->head_dim > kMaxHeadDim)
+    invalid("params->head_dim: expected " + std::to_string(kMinHeadDim) + ".." + std::to_string(kMaxHeadDim) +
+            ", got " + std::to_string(p->head_dim));
   if (!(p->softmax_scale >= 0.f) || std::isinf(p->softmax_scale))
     invalid("params->softmax_scale: expected 0 (= 1/sqrt(head_dim)) or a positive finite number");
   if (p->kv_dtype != KVS_SCALAR_F32 && p->kv_dtype != KVS_SCALAR_F16 && p->kv_dtype != KVS_SCALAR_BF16)
@@ -47,7 +54,8 @@ SessionConfig SessionConfig::from_params(const kvs_session_params* p) {
   if (p->backend != KVS_BACKEND_CPU && p->backend != KVS_BACKEND_CUDA && p->backend != KVS_BACKEND_HYBRID)
     invalid("params->backend: expected KVS_BACKEND_CPU (1), KVS_BACKEND_CUDA (2) or KVS_BACKEND_HYBRID (3), got " +
             std::to_string(p->backend));
-  if (p->num_threads > 1024) invalid("params->num_threads: expected 0..1024, got " + std::to_string(p->num_threads));
+  if (p->num_threads > kMaxThreads)
+    invalid("params->num_threads: expected 0.." + std::to_string(kMaxThreads) + ", got " + std::to_string(p->num_threads));
   if (!(p->budget >= 0.0 && p->budget <= 1.0))
     invalid("params->budget: expected a fraction in (0, 1] or 0 (unset), got " + std::to_string(p->budget));
   if (p->budget_tokens < 0) invalid("params->budget_tokens: expected >= 0, got " + std::to_string(p->budget_tokens));
@@ -288,62 +296,117 @@ void Session::save(const std::string& path, uint32_t flags) const {
 }
 
 std::unique_ptr<Session> Session::load(const std::string& path, const kvs_load_params* params) {
+  // The caller's parameters. Fields are appended to kvs_load_params over versions: a caller built
+  // against an older header passes its smaller struct_size, and the fields it does not know keep
+  // their defaults (flags = 0: copy).
   kvs_load_params lp;
   kvs_load_params_init(&lp);
   if (params) {
-    if (params->struct_size < sizeof(kvs_load_params))
-      invalid("kvs_session_load: params->struct_size: expected >= " + std::to_string(sizeof(kvs_load_params)));
-    lp = *params;
+    constexpr size_t kFirstSize = offsetof(kvs_load_params, flags);  // 0.1.0's struct
+    if (params->struct_size < kFirstSize)
+      invalid("kvs_session_load: params->struct_size: expected >= " + std::to_string(kFirstSize) +
+              " (fill with kvs_load_params_init), got " + std::to_string(params->struct_size));
+    std::memcpy(&lp, params, std::min<size_t>(params->struct_size, sizeof lp));
+    lp.struct_size = sizeof lp;
   }
+  if (lp.backend != 0 && lp.backend != KVS_BACKEND_CPU && lp.backend != KVS_BACKEND_CUDA &&
+      lp.backend != KVS_BACKEND_HYBRID)
+    invalid("kvs_session_load: params->backend: expected 0 (as saved), KVS_BACKEND_CPU (1), KVS_BACKEND_CUDA (2) or "
+            "KVS_BACKEND_HYBRID (3), got " + std::to_string(lp.backend));
+  if (lp.num_threads > kMaxThreads)
+    invalid("kvs_session_load: params->num_threads: expected 0.." + std::to_string(kMaxThreads) + ", got " +
+            std::to_string(lp.num_threads));
+  if (lp.flags & ~uint32_t(KVS_LOAD_MMAP))
+    invalid("kvs_session_load: params->flags: expected 0 or KVS_LOAD_MMAP (1), got " + std::to_string(lp.flags));
+  const int32_t gemm = int32_t(cpu::resolve_gemm(lp.gemm));  // validates lp.gemm and KVS_GEMM
+
+  // The file. Everything below that is wrong is the file's fault: KVS_STATUS_FORMAT_INVALID naming
+  // the file and the header field. Every number is range-checked at the type it lands in
+  // (io::HeaderReader) before it is converted.
   auto file = io::TablesFile::open(path);
   const auto& h = file->header();
-  auto bad = [&](const std::string& what) {
-    fail(KVS_STATUS_FORMAT_INVALID, "tables file '" + path + "': header: " + what);
-  };
+  const io::HeaderReader hr(path);
+  auto bad = [&](const std::string& what) { fail(KVS_STATUS_FORMAT_INVALID, hr.where() + "header: " + what); };
   try {
-    if (h.value("format", "") != "kvsieve-tables") bad("format is not kvsieve-tables");
-    const auto& sh = h.at("shape");
+    if (const std::string f = hr.string(h, "format"); f != "kvsieve-tables")
+      hr.fail("format", "expected \"kvsieve-tables\", got " + io::HeaderReader::show(f));
+    const auto& sh = hr.object(h, "shape");
+    const auto hs = hr.sub("shape");
     kvs_session_params p;
     kvs_session_params_init(&p);
-    p.num_layers = sh.at("num_layers").get<uint32_t>();
-    p.num_q_heads = sh.at("num_q_heads").get<uint32_t>();
-    p.num_kv_heads = sh.at("num_kv_heads").get<uint32_t>();
-    p.head_dim = sh.at("head_dim").get<uint32_t>();
-    p.softmax_scale = sh.at("softmax_scale").get<float>();
-    const std::string dt = sh.at("kv_dtype").get<std::string>();
+    p.num_layers = hs.integer<uint32_t>(sh, "num_layers", 1, kMaxLayers);
+    p.num_q_heads = hs.integer<uint32_t>(sh, "num_q_heads", 1, kMaxQHeads);
+    p.num_kv_heads = hs.integer<uint32_t>(sh, "num_kv_heads", 1, kMaxKvHeads);
+    p.head_dim = hs.integer<uint32_t>(sh, "head_dim", kMinHeadDim, kMaxHeadDim);
+    p.softmax_scale = float(hs.number(sh, "softmax_scale", 0.0, double(std::numeric_limits<float>::max())));
+    const std::string dt = hs.string(sh, "kv_dtype");
     p.kv_dtype = dt == "f32" ? KVS_SCALAR_F32 : dt == "f16" ? KVS_SCALAR_F16 : dt == "bf16" ? KVS_SCALAR_BF16 : 0;
-    if (sh.at("kv_page_tokens").get<int64_t>() != kPageTokens) bad("kv_page_tokens differs from this library's");
-    const std::string method = h.at("method").at("name").get<std::string>();
+    if (!p.kv_dtype) hs.fail("kv_dtype", "expected \"f32\", \"f16\" or \"bf16\", got " + io::HeaderReader::show(dt));
+    if (const int64_t pt = hs.integer<int64_t>(sh, "kv_page_tokens", 1, kMaxLayerTokens); pt != kPageTokens)
+      hs.fail("kv_page_tokens", "expected " + std::to_string(kPageTokens) + " (this library's KV page), got " +
+                                    std::to_string(pt));
+    const auto& mh = hr.object(h, "method");
+    const auto hm = hr.sub("method");
+    const std::string method = hm.string(mh, "name");
+    const MethodSpec* spec = find_method(method);
+    if (!spec) hm.fail("name", "unknown method '" + method + "'");
     p.method = method.c_str();
-    p.budget = h.at("budget").at("fraction").get<double>();
-    p.budget_tokens = h.at("budget").at("tokens").get<int64_t>();
-    p.backend = lp.backend ? lp.backend : h.at("backend").get<int32_t>();
+    const auto& bh = hr.object(h, "budget");
+    p.budget = hr.sub("budget").number(bh, "fraction", 0.0, 1.0);
+    p.budget_tokens = hr.sub("budget").integer<int64_t>(bh, "tokens", 0, std::numeric_limits<int64_t>::max());
+    const int32_t saved_backend = hr.integer<int32_t>(h, "backend", KVS_BACKEND_CPU, KVS_BACKEND_HYBRID);
+    p.backend = lp.backend ? lp.backend : saved_backend;
     p.device_id = lp.device_id;
     p.num_threads = lp.num_threads;
     p.gemm = lp.gemm;
-    SessionConfig cfg = SessionConfig::from_params(&p);
-    const MethodSpec* spec = find_method(method);
-    if (!spec) bad("unknown method '" + method + "'");
-    cfg.method_params = ParamSet::from_json(method, spec->params, h.at("method").at("params")).to_text();
-    auto s = std::make_unique<Session>(cfg);
-    const bool with_kv = h.at("flags").at("kv_included").get<bool>();
-    const auto& layers = h.at("layers");
-    if (!layers.is_array() || layers.size() != p.num_layers) bad("layers does not have num_layers entries");
-    std::vector<int64_t> tokens(p.num_layers, 0);
-    for (uint32_t l = 0; l < p.num_layers; ++l) {
-      const int64_t n = layers[l].at("tokens").get<int64_t>();
-      if (n < 0 || n > kMaxLayerTokens) bad("layer " + L(l) + " has an invalid token count " + std::to_string(n));
-      s->built_[l] = layers[l].at("index_built").get<bool>() ? 1 : 0;
-      tokens[l] = n;
-      if (n > 0 && !with_kv) s->expected_len_[l] = n;
+    // The caller's fields are valid (checked above): whatever from_params refuses now is the file's.
+    SessionConfig cfg;
+    try {
+      cfg = SessionConfig::from_params(&p);
+    } catch (const Error& e) {
+      if (e.code() != KVS_STATUS_INVALID_ARGUMENT) throw;
+      bad(std::string("shape, budget or backend outside the session limits (") + e.what() + ")");
     }
-    s->placement_->load(file, h.at("method").value("meta", nlohmann::json::object()), tokens, with_kv, path);
+    const auto& mp = hm.object(mh, "params");
+    auto pool = std::make_shared<ThreadPool>(cfg.num_threads);
+    try {
+      const ParamSet ps = ParamSet::from_json(method, spec->params, mp);
+      cfg.method_params = ps.to_text();
+      // The method checks its parameters' values (and their bounds) when it is created: build it
+      // once here, so a value it refuses is reported as the file's, before any backend is set up.
+      (void)spec->create(MethodContext{cfg.shape, cfg.budget, pool.get(), gemm}, ps);
+    } catch (const Error& e) {
+      if (e.code() != KVS_STATUS_INVALID_ARGUMENT && e.code() != KVS_STATUS_FORMAT_INVALID) throw;
+      bad(std::string("method.params: parameters of method '") + method + "' that a session refuses (" + e.what() + ")");
+    }
+    const bool with_kv = hr.sub("flags").boolean(hr.object(h, "flags"), "kv_included");
+    const auto& layers = hr.array(h, "layers");
+    if (layers.size() != p.num_layers)
+      hr.fail("layers", "expected num_layers (" + std::to_string(p.num_layers) + ") entries, got " +
+                            std::to_string(layers.size()));
+    const auto hl = hr.sub("layers");
+    std::vector<int64_t> tokens(p.num_layers, 0);
+    std::vector<uint8_t> built(p.num_layers, 0);
+    for (uint32_t l = 0; l < p.num_layers; ++l) {
+      const auto hli = hl.sub(L(l));
+      tokens[l] = hli.integer<int64_t>(layers[l], "tokens", 0, kMaxLayerTokens);
+      built[l] = hli.boolean(layers[l], "index_built") ? 1 : 0;
+    }
+    const nlohmann::json meta = mh.contains("meta") ? hm.object(mh, "meta") : nlohmann::json::object();
+
+    auto s = std::make_unique<Session>(cfg, pool);
+    for (uint32_t l = 0; l < p.num_layers; ++l) {
+      s->built_[l] = built[l];
+      if (tokens[l] > 0 && !with_kv) s->expected_len_[l] = tokens[l];
+    }
+    const bool map = lp.flags & KVS_LOAD_MMAP;
+    s->placement_->load(file, meta, tokens, with_kv, path, map);
     logf(LogLevel::Info, "loaded '%s': method %s, %u layers, KV %s", path.c_str(), method.c_str(), p.num_layers,
-         with_kv ? "mapped from the file" : "to be prefilled again");
+         !with_kv ? "to be prefilled again" : map ? "mapped from the file" : "copied");
     return s;
   } catch (const nlohmann::json::exception& e) {
-    fail(KVS_STATUS_FORMAT_INVALID,
-         "tables file '" + path + "': header: missing or mistyped field (" + e.what() + ")");
+    // A loader that reads the header directly (none should): still the file's fault.
+    fail(KVS_STATUS_FORMAT_INVALID, hr.where() + "header: missing or mistyped field (" + e.what() + ")");
   }
 }
 

@@ -1,6 +1,8 @@
 #include "core/tensor.hpp"
 
+#include <algorithm>
 #include <sstream>
+#include <vector>
 
 #include "core/error.hpp"
 
@@ -123,6 +125,66 @@ View check_tensor(const kvs_tensor* t, const char* name, std::initializer_list<i
   v.device_id = t->device.device_id;
   if (v.numel() > 0 && !t->data) invalid(std::string(name) + ": data is NULL");
   v.base = static_cast<const char*>(t->data) + t->byte_offset;
+  return v;
+}
+
+void check_no_overlap(const View& v, const char* name) {
+  if (v.numel() <= 1) return;
+  // Dimensions of extent > 1, ordered by stride (extent 1 never moves the address).
+  int dims[4], n = 0;
+  for (int i = 0; i < v.ndim; ++i)
+    if (v.shape[i] > 1) dims[n++] = i;
+  for (int j = 1; j < n; ++j)  // insertion sort of at most 4 (std::sort trips -Warray-bounds here)
+    for (int i = j; i > 0 && v.strides[dims[i]] < v.strides[dims[i - 1]]; --i) std::swap(dims[i], dims[i - 1]);
+  // Nested strides (the common case, O(ndim)): each stride exceeds the largest offset the smaller
+  // ones reach, so every multi-index has its own offset.
+  bool nested = true;
+  __int128 reach = 0;
+  for (int j = 0; j < n && nested; ++j) {
+    const int i = dims[j];
+    if (__int128(v.strides[i]) <= reach) nested = false;
+    reach += __int128(v.strides[i]) * (v.shape[i] - 1);
+  }
+  if (nested) return;
+  auto overlap = [&](const std::string& why) {
+    std::ostringstream os;
+    os << name << ": an output tensor's elements must not overlap, got shape " << shape_str(v) << " with strides [";
+    for (int i = 0; i < v.ndim; ++i) os << (i ? ", " : "") << v.strides[i];
+    os << "] (" << why << ")";
+    invalid(os.str());
+  };
+  for (int j = 0; j < n; ++j)
+    if (v.strides[dims[j]] == 0)
+      overlap("dimension " + std::to_string(dims[j]) + " has stride 0: all its elements are one address");
+  // Interleaved strides may still be injective (shape [3, 2], strides [2, 3]): decided exactly by
+  // listing the offsets while that is cheap, refused as unverifiable beyond.
+  constexpr int64_t kExactLimit = int64_t(1) << 22;
+  if (v.numel() > kExactLimit)
+    overlap("strides that do not nest cannot be checked for overlap above " + std::to_string(kExactLimit) +
+            " elements; use a layout whose dimensions, ordered by stride, each step past the smaller ones, as a "
+            "dense layout does");
+  __int128 last = 0;
+  for (int j = 0; j < n; ++j) last += __int128(v.strides[dims[j]]) * (v.shape[dims[j]] - 1);
+  if (last > __int128(INT64_MAX)) overlap("the last element's offset overflows 64 bits");
+  std::vector<int64_t> offs;
+  offs.reserve(size_t(v.numel()));
+  int64_t idx[4] = {0, 0, 0, 0};
+  for (int64_t lin = 0, total = v.numel(); lin < total; ++lin) {
+    offs.push_back(v.offset(idx));
+    for (int d = v.ndim - 1; d >= 0; --d) {
+      if (++idx[d] < v.shape[d]) break;
+      idx[d] = 0;
+    }
+  }
+  std::sort(offs.begin(), offs.end());
+  if (std::adjacent_find(offs.begin(), offs.end()) != offs.end())
+    overlap("two elements have the same offset");
+}
+
+View check_output_tensor(const kvs_tensor* t, const char* name, std::initializer_list<int64_t> expected,
+                         Where where) {
+  View v = check_tensor(t, name, expected, where);
+  check_no_overlap(v, name);
   return v;
 }
 

@@ -39,6 +39,16 @@ kvs_dtype dl_from_dtype(DType t);
 View check_tensor(const kvs_tensor* t, const char* name, std::initializer_list<int64_t> expected,
                   Where where);
 
+// check_tensor for a tensor the library writes (o, lse): also refuses strides that put two elements
+// at one address (a zero stride on an extent > 1, or any other overlap), naming `name`; whichever
+// element was written last would win, and the cuda kernels would race on it.
+View check_output_tensor(const kvs_tensor* t, const char* name, std::initializer_list<int64_t> expected,
+                         Where where);
+// Throws INVALID_ARGUMENT naming `name` unless no two elements of v share an address. Exact for
+// views of up to 2^22 elements; larger views must have nested strides (ordered by stride, each
+// dimension steps past everything the smaller-stride dimensions span), as every dense layout has.
+void check_no_overlap(const View& v, const char* name);
+
 // Copies a (possibly strided) tensor into a contiguous fp32 buffer of numel() elements (host only).
 void read_f32(const View& v, float* dst);
 // Writes a contiguous fp32 buffer into a (possibly strided) host tensor, converting dtype.

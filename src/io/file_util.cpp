@@ -1,6 +1,9 @@
 #include "io/file_util.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -8,6 +11,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <ctime>
 #include <random>
 
 #include "core/error.hpp"
@@ -31,7 +35,70 @@ std::string base_of(const std::string& path) {
   return slash == std::string::npos ? path : path.substr(slash + 1);
 }
 
+// Temporary names: "." + base + ".tmp." + PID + "." + counter + "." + random, in the target's
+// directory. Parses the part after "." + base + ".tmp."; false unless it is exactly three decimal
+// numbers separated by dots (so another target's temporary files never match).
+bool parse_tmp_suffix(const char* s, long long* pid) {
+  long long fields[3];
+  for (int f = 0; f < 3; ++f) {
+    if (*s < '0' || *s > '9') return false;
+    unsigned long long x = 0;
+    int digits = 0;
+    for (; *s >= '0' && *s <= '9'; ++s)
+      if (++digits > 19) return false;
+      else x = x * 10 + unsigned(*s - '0');
+    fields[f] = (long long)(x > 0x7fffffffffffffffULL ? 0x7fffffffffffffffULL : x);
+    if (f < 2 && *s++ != '.') return false;
+  }
+  if (*s) return false;
+  *pid = fields[0];
+  return true;
+}
+
+bool process_alive(long long pid) {
+  if (pid <= 0 || pid > 0x7fffffff) return false;
+  // EPERM: it exists but belongs to someone else.
+  return ::kill(pid_t(pid), 0) == 0 || errno != ESRCH;
+}
+
 }  // namespace
+
+void remove_stale_temporaries(const std::string& path, int64_t max_age_seconds) {
+  const std::string dir = dir_of(path), prefix = "." + base_of(path) + ".tmp.";
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return;  // the write itself reports a directory it cannot use
+  const long long self = ::getpid();
+  const time_t now = ::time(nullptr);
+  while (const dirent* e = ::readdir(d)) {
+    long long pid = 0;
+    if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) != 0 || !parse_tmp_suffix(e->d_name + prefix.size(), &pid))
+      continue;
+    const std::string tmp = dir + "/" + e->d_name;
+    // Regular files only (never open a device, FIFO or symlink someone named like this).
+    struct stat named;
+    if (::lstat(tmp.c_str(), &named) != 0 || !S_ISREG(named.st_mode)) continue;
+    // A live writer holds the lock from just after creating the file until after its rename.
+    const int fd = ::open(tmp.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) continue;
+    struct stat st;
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || ::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      ::close(fd);
+      continue;
+    }
+    // Unlocked: its writer is gone, unless it is between creating the file and taking the lock
+    // (or wrote the file with an older kvsieve that took no lock). Its PID tells, except after
+    // PID reuse: then only the age does.
+    const bool dead = pid != self && !process_alive(pid);
+    const bool old = now - st.st_mtime > max_age_seconds;
+    if (dead || old) {
+      // Still the same file under the lock (not replaced since it was opened)?
+      struct stat cur;
+      if (::lstat(tmp.c_str(), &cur) == 0 && cur.st_ino == st.st_ino && cur.st_dev == st.st_dev) ::unlink(tmp.c_str());
+    }
+    ::close(fd);
+  }
+  ::closedir(d);
+}
 
 std::shared_ptr<MappedFile> MappedFile::open(const std::string& path) {
   std::shared_ptr<MappedFile> m(new MappedFile());
@@ -93,6 +160,8 @@ void FileSink::write_zeros(uint64_t size) {
 void write_file_atomic(const std::string& path, const std::function<void(FileSink&)>& body) {
   if (path.empty()) fail(KVS_STATUS_INVALID_ARGUMENT, "path is empty");
   const std::string dir = dir_of(path);
+  // Space first: a save killed before its rename left its temporary file behind.
+  remove_stale_temporaries(path, kStaleTemporarySeconds);
   static std::atomic<uint64_t> counter{0};
   std::random_device rd;
   std::string tmp;
@@ -110,10 +179,28 @@ void write_file_atomic(const std::string& path, const std::function<void(FileSin
                std::strerror(e),
            e);
     }
+    if (fd < 0) continue;
+    // The lock tells remove_stale_temporaries (of this or another process) that the file is being
+    // written; it is held until after the rename. Advisory: a file system without flock support
+    // leaves the PID and age rules alone to protect the file.
+    (void)::flock(fd, LOCK_EX);
+    // A cleaner that found the file before the lock removes it only when it takes our PID for a
+    // dead one (another PID namespace sharing the directory): then start over under a new name.
+    struct stat mine, named;
+    if (::fstat(fd, &mine) != 0 || ::lstat(tmp.c_str(), &named) != 0 || mine.st_ino != named.st_ino ||
+        mine.st_dev != named.st_dev) {
+      ::close(fd);
+      fd = -1;
+    }
   }
   if (fd < 0) fail(KVS_STATUS_IO, "cannot write '" + path + "': no free temporary name", EEXIST);
 
+  // flock belongs to the open file description: the duplicate keeps the lock held after fd is
+  // closed (the close is checked before the rename) until after the rename.
+  int lock_fd = -1;
   try {
+    lock_fd = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (lock_fd < 0) fail_errno("cannot duplicate the descriptor of", tmp, errno);
     FileSink sink(fd, tmp);
     body(sink);
     if (::fsync(fd) != 0) fail_errno("cannot fsync", tmp, errno);
@@ -126,10 +213,12 @@ void write_file_atomic(const std::string& path, const std::function<void(FileSin
            "cannot write '" + path + "': rename from temporary file failed: " + std::strerror(e), e);
     }
   } catch (...) {
-    if (fd >= 0) ::close(fd);
     ::unlink(tmp.c_str());
+    if (fd >= 0) ::close(fd);
+    if (lock_fd >= 0) ::close(lock_fd);
     throw;
   }
+  ::close(lock_fd);
   // The rename is durable only once the directory entry is on disk.
   int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd < 0) fail_errno("wrote the file but cannot open its directory to fsync", dir, errno);

@@ -45,10 +45,22 @@ class FileSink {
   uint64_t pos_ = 0;
 };
 
-// Creates a temporary file next to `path`, lets `body` fill it, fsyncs it, renames it over `path`
-// and fsyncs the directory. On any failure (including an exception from body) the temporary file
-// is removed, an existing `path` is left untouched, and the error is rethrown (KVS_STATUS_IO with
-// errno as backend code for system failures).
+// Creates a temporary file next to `path` (".NAME.tmp.PID.N.R", locked with flock while it is
+// written), lets `body` fill it, fsyncs it, renames it over `path` and fsyncs the directory. On any
+// failure (including an exception from body) the temporary file is removed, an existing `path` is
+// left untouched, and the error is rethrown (KVS_STATUS_IO with errno as backend code for system
+// failures). A process killed mid-write leaves its temporary file: the next write to the same path
+// removes it first (remove_stale_temporaries).
 void write_file_atomic(const std::string& path, const std::function<void(FileSink&)>& body);
+
+// An unlocked temporary file of a writer whose PID is alive is kept for this long (the PID may have
+// been reused by another process after a kill; or the writer is between creating and locking it).
+constexpr int64_t kStaleTemporarySeconds = 3600;
+
+// Removes the temporary files that writes to `path` left behind: those named as write_file_atomic
+// names them for exactly this path, regular files, not locked by a writer, and either named with
+// the PID of no live process (not this one) or last modified more than max_age_seconds ago.
+// Never fails (a file that cannot be inspected or removed is left).
+void remove_stale_temporaries(const std::string& path, int64_t max_age_seconds);
 
 }  // namespace kvs::io

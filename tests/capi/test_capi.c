@@ -288,6 +288,211 @@ static void test_unsupported_reasons(void) {
   CHECK(kvs_method_unsupported_reason("full", -1) != NULL);
 }
 
+/* Issue 22 (hardening), findings 1 and 7: a negative tokens stride in kvs_trace_write, empty items
+ * and repeated keys in method_params, output tensors whose strides overlap (o, lse; prefill's o);
+ * every refused call leaves the session as it was. */
+static void test_hardening(void) {
+  kvs_dtype f32 = {KVS_DTYPE_CODE_FLOAT, 32, 1}, i32 = {KVS_DTYPE_CODE_INT, 32, 1};
+  enum { T = 8 };
+  static float tq_[T * HQ * D], tk_[T * HKV * D], hq_[N * HQ * D], hk_[N * HKV * D], hv_[N * HKV * D];
+  static float o[HQ * D], oref[HQ * D], ot[HQ * D], lse[HQ], lref[HQ], po[N * HQ * D];
+  int32_t toks[T];
+  int64_t tq3[3] = {T, HQ, D}, tk3[3] = {T, HKV, D}, t1[1] = {T};
+  int64_t neg[1] = {-1}, huge[1] = {(int64_t)1 << 62};
+  int64_t qs3[3] = {N - 1, HQ, D}, ks3[3] = {N - 1, HKV, D}, qs2[2] = {HQ, D}, ks2[2] = {HKV, D}, ls1[1] = {HQ};
+  int64_t zero2[2] = {0, 0}, zero_row[2] = {0, 1}, transposed[2] = {1, HQ}, zero1[1] = {0}, zero3[3] = {0, D, 1};
+  const kvs_tensor *aq[1], *ak[1], *av[1];
+  kvs_tensor q3, k3, v3, tok, pq, pk, pv, pout, dq, dk, dv, dout, dlse;
+  kvs_trace_info info;
+  kvs_session_params p;
+  kvs_session_t s = NULL, ref = NULL;
+  uint32_t layer0 = 0;
+  const char* path = "kvs_capi_hardening.kvtrace";
+  FILE* f;
+  int64_t ntok = 0;
+  unsigned seed = 22;
+  int i, j;
+
+  for (i = 0; i < T * HQ * D; ++i) tq_[i] = frand(&seed);
+  for (i = 0; i < T * HKV * D; ++i) tk_[i] = frand(&seed);
+  for (i = 0; i < T; ++i) toks[i] = 100 + i;
+  for (i = 0; i < N * HQ * D; ++i) hq_[i] = frand(&seed);
+  for (i = 0; i < N * HKV * D; ++i) hk_[i] = frand(&seed), hv_[i] = frand(&seed);
+
+  /* Finding 1: the tokens tensor's stride is validated like q/k/v's (a negative one read before
+   * the buffer: a segfault); one whose last element's offset overflows is refused too. */
+  kvs_trace_info_init(&info);
+  info.num_layers = 1;
+  info.num_q_heads = HQ;
+  info.num_kv_heads = HKV;
+  info.head_dim = D;
+  info.prefill_len = T - 1;
+  info.dtype = KVS_SCALAR_F32;
+  q3 = tensor(tq_, 3, tq3, f32, KVS_DEVICE_CPU);
+  k3 = tensor(tk_, 3, tk3, f32, KVS_DEVICE_CPU);
+  v3 = tensor(tk_, 3, tk3, f32, KVS_DEVICE_CPU);
+  aq[0] = &q3, ak[0] = &k3, av[0] = &v3;
+  tok = tensor(toks, 1, t1, i32, KVS_DEVICE_CPU);
+  remove(path);
+  tok.strides = neg;
+  EXPECT(kvs_trace_write(path, &info, &layer0, 1, aq, ak, av, &tok), KVS_STATUS_INVALID_ARGUMENT, "tokens: negative");
+  neg[0] = -((int64_t)1 << 40); /* far before the buffer: a certain segfault without the check */
+  EXPECT(kvs_trace_write(path, &info, &layer0, 1, aq, ak, av, &tok), KVS_STATUS_INVALID_ARGUMENT, "tokens: negative");
+  tok.strides = huge;
+  EXPECT(kvs_trace_write(path, &info, &layer0, 1, aq, ak, av, &tok), KVS_STATUS_INVALID_ARGUMENT, "tokens: stride");
+  f = fopen(path, "rb");
+  CHECK(f == NULL); /* nothing written */
+  if (f) fclose(f);
+  tok.strides = NULL;
+  OK(kvs_trace_write(path, &info, &layer0, 1, aq, ak, av, &tok));
+  remove(path);
+
+  /* Finding 7, C: method_params with an empty item or a key given twice is refused, naming the
+   * position or the key; NULL, "" and blanks still mean "the defaults". */
+  kvs_session_params_init(&p);
+  p.num_layers = 1;
+  p.num_q_heads = HQ;
+  p.num_kv_heads = HKV;
+  p.head_dim = D;
+  p.kv_dtype = KVS_SCALAR_F32;
+  p.num_threads = 2;
+  p.method = "quest";
+  p.method_params = "page_size=16,page_size=32";
+  EXPECT(kvs_session_create(&p, &s), KVS_STATUS_INVALID_ARGUMENT, "'page_size' is given twice");
+  p.method_params = " page_size = 16 , page_size=16";
+  EXPECT(kvs_session_create(&p, &s), KVS_STATUS_INVALID_ARGUMENT, "items 1 and 2");
+  p.method_params = "page_size=16,,";
+  EXPECT(kvs_session_create(&p, &s), KVS_STATUS_INVALID_ARGUMENT, "item 2");
+  p.method_params = ",page_size=16";
+  EXPECT(kvs_session_create(&p, &s), KVS_STATUS_INVALID_ARGUMENT, "item 1");
+  p.method_params = "page_size=16,";
+  EXPECT(kvs_session_create(&p, &s), KVS_STATUS_INVALID_ARGUMENT, "item 2");
+  p.method_params = "page_size=16, ,";
+  EXPECT(kvs_session_create(&p, &s), KVS_STATUS_INVALID_ARGUMENT, "empty");
+  CHECK(s == NULL);
+  p.method_params = "  ";
+  OK(kvs_session_create(&p, &s));
+  kvs_session_destroy(s);
+  s = NULL;
+  p.method_params = "";
+  OK(kvs_session_create(&p, &s));
+  kvs_session_destroy(s);
+  s = NULL;
+
+  /* Finding 7, C: an output whose strides put two elements at one address is refused, naming the
+   * tensor, and the session is unchanged; an injective non-contiguous output (transposed) is
+   * accepted and gets the same values as a contiguous one. */
+  p.method = "full";
+  p.method_params = NULL;
+  pq = tensor(hq_, 3, qs3, f32, KVS_DEVICE_CPU);
+  pk = tensor(hk_, 3, ks3, f32, KVS_DEVICE_CPU);
+  pv = tensor(hv_, 3, ks3, f32, KVS_DEVICE_CPU);
+  pout = tensor(po, 3, qs3, f32, KVS_DEVICE_CPU);
+  pout.strides = zero3;
+  OK(kvs_session_create(&p, &s));
+  OK(kvs_session_create(&p, &ref));
+  EXPECT(kvs_session_prefill(s, 0, &pq, &pk, &pv, &pout, NULL), KVS_STATUS_INVALID_ARGUMENT, "o:");
+  OK(kvs_session_layer_tokens(s, 0, &ntok));
+  CHECK(ntok == 0);
+  OK(kvs_session_prefill(s, 0, &pq, &pk, &pv, NULL, NULL));
+  OK(kvs_session_prefill(ref, 0, &pq, &pk, &pv, NULL, NULL));
+  OK(kvs_session_build_index(s, NULL));
+  OK(kvs_session_build_index(ref, NULL));
+  dq = tensor(hq_ + (N - 1) * HQ * D, 2, qs2, f32, KVS_DEVICE_CPU);
+  dk = tensor(hk_ + (N - 1) * HKV * D, 2, ks2, f32, KVS_DEVICE_CPU);
+  dv = tensor(hv_ + (N - 1) * HKV * D, 2, ks2, f32, KVS_DEVICE_CPU);
+  dout = tensor(o, 2, qs2, f32, KVS_DEVICE_CPU);
+  dlse = tensor(lse, 1, ls1, f32, KVS_DEVICE_CPU);
+  for (i = 0; i < HQ * D; ++i) o[i] = 12345.0f;
+  dout.strides = zero2; /* every element at one address */
+  EXPECT(kvs_session_decode(s, 0, &dq, &dk, &dv, &dout, &dlse, NULL), KVS_STATUS_INVALID_ARGUMENT, "o: an output");
+  dout.strides = zero_row; /* the heads overlap */
+  EXPECT(kvs_session_decode(s, 0, &dq, &dk, &dv, &dout, &dlse, NULL), KVS_STATUS_INVALID_ARGUMENT, "overlap");
+  dout.strides = NULL;
+  dlse.strides = zero1;
+  EXPECT(kvs_session_decode(s, 0, &dq, &dk, &dv, &dout, &dlse, NULL), KVS_STATUS_INVALID_ARGUMENT, "lse:");
+  CHECK(o[0] == 12345.0f && o[HQ * D - 1] == 12345.0f); /* outputs untouched */
+  OK(kvs_session_layer_tokens(s, 0, &ntok));
+  CHECK(ntok == N - 1); /* no refused call appended a token */
+  dlse.strides = NULL;
+  dout.data = ot;
+  dout.strides = transposed; /* column-major [HQ, D]: no overlap */
+  OK(kvs_session_decode(s, 0, &dq, &dk, &dv, &dout, &dlse, NULL));
+  dout.data = oref;
+  dout.strides = NULL;
+  dlse.data = lref;
+  OK(kvs_session_decode(ref, 0, &dq, &dk, &dv, &dout, &dlse, NULL));
+  for (i = 0; i < HQ; ++i)
+    for (j = 0; j < D; ++j) CHECK(ot[j * HQ + i] == oref[i * D + j]);
+  CHECK(memcmp(lse, lref, sizeof lse) == 0);
+  kvs_session_destroy(s);
+  kvs_session_destroy(ref);
+}
+
+/* Issue 22 (hardening), findings 4 and 6: loads copy unless kvs_load_params.flags has
+ * KVS_LOAD_MMAP (unknown bits refused); the cpu backend refuses non-finite q/k/v, naming the tensor
+ * and the first bad element, and leaves the session as it was. */
+static void test_load_flags_and_finite(void) {
+  static float q[N * HQ * D], k[N * HKV * D], v[N * HKV * D], o[HQ * D];
+  kvs_dtype f32 = {KVS_DTYPE_CODE_FLOAT, 32, 1};
+  int64_t q2[2] = {HQ, D}, k2[2] = {HKV, D};
+  kvs_tensor dq, dk, dv, dout;
+  kvs_session_params p;
+  kvs_load_params lp;
+  kvs_session_stats st;
+  kvs_session_t s, copied = NULL, mapped = NULL, none = NULL;
+  const char* path = "kvsieve_capi_load_flags.kvt";
+  unsigned seed = 5;
+  int64_t ntok = 0;
+  int i;
+  for (i = 0; i < N * HQ * D; ++i) q[i] = frand(&seed);
+  for (i = 0; i < N * HKV * D; ++i) k[i] = frand(&seed), v[i] = frand(&seed);
+  kvs_session_params_init(&p);
+  p.num_layers = 1;
+  p.num_q_heads = HQ;
+  p.num_kv_heads = HKV;
+  p.head_dim = D;
+  p.kv_dtype = KVS_SCALAR_F32;
+  p.method = "full";
+  s = prefilled(&p, q, k, v, N);
+  OK(kvs_session_save(s, path, KVS_SAVE_INCLUDE_KV));
+
+  kvs_load_params_init(&lp);
+  CHECK(lp.flags == 0 && KVS_LOAD_MMAP == 1);
+  lp.flags = 2;
+  EXPECT(kvs_session_load(path, &lp, &none), KVS_STATUS_INVALID_ARGUMENT, "flags");
+  CHECK(none == NULL);
+  lp.flags = 0;
+  OK(kvs_session_load(path, &lp, &copied));
+  lp.flags = KVS_LOAD_MMAP;
+  OK(kvs_session_load(path, &lp, &mapped));
+  st.struct_size = sizeof st;
+  OK(kvs_session_get_stats(copied, &st));
+  CHECK(st.kv_bytes > 0 && st.kv_shared_bytes == 0);
+  OK(kvs_session_get_stats(mapped, &st));
+  CHECK(st.kv_bytes > 0 && st.kv_shared_bytes == st.kv_bytes);
+  kvs_session_destroy(mapped);
+  remove(path);  /* the copied session no longer needs the file */
+
+  dq = tensor(q, 2, q2, f32, KVS_DEVICE_CPU);
+  dk = tensor(k, 2, k2, f32, KVS_DEVICE_CPU);
+  dv = tensor(v, 2, k2, f32, KVS_DEVICE_CPU);
+  dout = tensor(o, 2, q2, f32, KVS_DEVICE_CPU);
+  q[1 * D + 2] = (float)NAN;
+  EXPECT(kvs_session_decode(copied, 0, &dq, &dk, &dv, &dout, NULL, NULL), KVS_STATUS_INVALID_ARGUMENT,
+         "q: element [1, 2] is NaN");
+  q[1 * D + 2] = 0.5f;
+  v[D + 3] = (float)INFINITY;
+  EXPECT(kvs_session_decode(copied, 0, &dq, &dk, &dv, &dout, NULL, NULL), KVS_STATUS_INVALID_ARGUMENT,
+         "v_new: element [1, 3] is +inf");
+  v[D + 3] = 0.5f;
+  OK(kvs_session_layer_tokens(copied, 0, &ntok));
+  CHECK(ntok == N);
+  OK(kvs_session_decode(copied, 0, &dq, &dk, &dv, &dout, NULL, NULL));
+  kvs_session_destroy(copied);
+  kvs_session_destroy(s);
+}
+
 static void log_fn(int32_t level, const char* line, void* user) {
   (void)level;
   (void)line;
@@ -500,6 +705,8 @@ int main(void) {
 
   test_batches();
   test_unsupported_reasons();
+  test_hardening();
+  test_load_flags_and_finite();
   kvs_string_free(NULL);
   kvs_set_log_callback(NULL, NULL, KVS_LOG_WARN);
 

@@ -539,11 +539,14 @@ def test_save_load_roundtrip_and_corruption(rng, tmp_path):
         o1, l1 = s.decode(1, qn, kn, vn)
     desc = kvsieve.tables_describe(path)
     assert desc["ok"] is True
-    with kvsieve.Session.load(path) as t:
-        assert (t.num_layers, t.num_q_heads, t.num_kv_heads, t.head_dim) == (L, HQ, HKV, D)
-        o2, l2 = t.decode(1, qn, kn, vn)
-        np.testing.assert_array_equal(o1, o2)
-        np.testing.assert_array_equal(l1, l2)
+    for mmap in (False, True):  # pages copied (the default) or mapped from the file
+        with kvsieve.Session.load(path, mmap=mmap) as t:
+            assert (t.num_layers, t.num_q_heads, t.num_kv_heads, t.head_dim) == (L, HQ, HKV, D)
+            st = t.stats()
+            assert (st.kv_shared_bytes > 0) == mmap, (mmap, st)
+            o2, l2 = t.decode(1, qn, kn, vn)
+            np.testing.assert_array_equal(o1, o2)
+            np.testing.assert_array_equal(l1, l2)
     data = bytearray(open(path, "rb").read())
     data[len(data) // 2] ^= 0xFF
     bad = tmp_path / "bad.kvs"
@@ -761,3 +764,138 @@ def test_cuda_tensors_zero_copy_on_a_stream(method):
         qc, kc = torch.randn(N, HQ, D, device="cuda"), torch.randn(N, HKV, D, device="cuda")
         with pytest.raises(ValueError, match="expected host memory"):
             c.prefill(0, qc, kc, kc.clone())
+
+
+# ---- issue 22 (hardening), finding 7: typed errors instead of SystemError, AttributeError and
+# silent truncation; method_params and overlapping outputs refused by the library -------------------
+
+
+class _BadDevice:
+    """A DLPack producer whose __dlpack_device__ breaks the protocol (DLPack: a tuple of 2 ints)."""
+
+    def __init__(self, dev):
+        self._dev = dev
+
+    def __dlpack_device__(self):
+        return self._dev
+
+    def __dlpack__(self, stream=None):
+        raise AssertionError("must not be exported")
+
+
+@pytest.mark.parametrize("dev", [1, [1, 0], (1,), (1, 0, 0), ("cpu", 0), (1.0, 0), None],
+                         ids=["int", "list", "1-tuple", "3-tuple", "str", "float", "None"])
+def test_dlpack_device_not_a_tuple_of_two_ints_raises_type_error(dev, rng):
+    q, k, v = rand(rng, 16, HQ, D), rand(rng, 16, HKV, D), rand(rng, 16, HKV, D)
+    with make("full") as s:
+        # The native intake (kvsieve.capi) and the facade's output allocation both check it.
+        with pytest.raises(TypeError, match=r"k: __dlpack_device__\(\) of _BadDevice must return a tuple "
+                                            r"\(device_type, device_id\) of two ints"):
+            s.prefill(0, q, _BadDevice(dev), v)
+        with pytest.raises(TypeError, match=r"tensor: __dlpack_device__\(\) of _BadDevice"):
+            kvsieve.capi.describe_tensor(_BadDevice(dev), 0)
+        s.prefill(0, q, k, v)
+        s.build_index()
+        with pytest.raises(TypeError, match=r"q: __dlpack_device__\(\) of _BadDevice"):
+            s.decode(0, _BadDevice(dev), k[0], v[0])
+        with pytest.raises(TypeError, match=r"q: __dlpack_device__\(\) of _BadDevice"):
+            s.decode(0, _BadDevice(dev), k[0], v[0], out=np.empty((HQ, D), np.float32), lse=np.empty(HQ, np.float32))
+        with pytest.raises(TypeError, match=r"q: __dlpack_device__\(\) of _BadDevice"):
+            kvsieve.decode_batch([s], 0, _BadDevice(dev), k[:1], v[:1])
+        assert s.layer_tokens(0) == 16  # nothing was appended by a rejected call
+    with pytest.raises(ValueError, match=r"tensor: __dlpack_device__\(\) of _BadDevice returned an out-of-range"):
+        kvsieve.capi.describe_tensor(_BadDevice((1, 2**40)), 0)
+
+
+def test_decode_batch_rejects_what_is_not_an_open_session(rng):
+    prompts = [(rand(rng, 32, HQ, D), rand(rng, 32, HKV, D), rand(rng, 32, HKV, D)) for _ in range(2)]
+    a, c = _prefilled("full", prompts)
+    qn, kn, vn = rand(rng, 2, HQ, D), rand(rng, 2, HKV, D), rand(rng, 2, HKV, D)
+    with pytest.raises(TypeError, match=r"sessions\[1\]: expected a kvsieve.Session, got str"):
+        kvsieve.decode_batch([a, "x"], 0, qn, kn, vn)
+    with pytest.raises(TypeError, match=r"sessions\[0\]: expected a kvsieve.Session, got NoneType"):
+        kvsieve.decode_batch([None, a], 0, qn, kn, vn)
+    with pytest.raises(TypeError, match=r"sessions: expected a sequence of kvsieve.Session, got Session"):
+        kvsieve.decode_batch(a, 0, qn, kn, vn)
+    with pytest.raises(TypeError, match=r"sessions: expected a sequence of kvsieve.Session, got str"):
+        kvsieve.decode_batch("ab", 0, qn, kn, vn)
+    with pytest.raises(ValueError, match="at least one session"):
+        kvsieve.decode_batch([], 0, qn, kn, vn)
+    c.close()
+    with pytest.raises(ValueError, match=r"sessions\[1\]: expected an open session"):
+        kvsieve.decode_batch([a, c], 0, qn, kn, vn)
+    assert a.layer_tokens(0) == 32
+    o, lse = kvsieve.decode_batch(iter([a]), 0, qn[:1], kn[:1], vn[:1])  # any iterable of sessions
+    assert o.shape == (1, HQ, D) and a.layer_tokens(0) == 33
+    a.close()
+
+
+def test_strings_with_nul_raise_value_error(tmp_path):
+    """A NUL ends a C string: "full\\0junk" must not silently become "full"."""
+    with pytest.raises(ValueError, match=r"method: expected a string without NUL characters"):
+        make("full\0junk")
+    with pytest.raises(TypeError, match=r"method: expected a str, got bytes"):
+        make(b"full")
+    with pytest.raises(ValueError, match=r"method_params: expected a string without NUL"):
+        make("quest", method_params="page_size=16\0,bogus=1")
+    with pytest.raises(ValueError, match=r"method_params\['page_size'\]: expected a string without NUL"):
+        make("quest", method_params={"page_size": "16\0"})
+    # In the mapping form, "," and "=" cannot smuggle in other parameters.
+    with pytest.raises(ValueError, match=r"method_params: expected a parameter name without ',' or '='"):
+        make("quest", method_params={"page_size=16,page_size": 32})
+    with pytest.raises(ValueError, match=r"method_params\['page_size'\]: expected a value without ','"):
+        make("quest", method_params={"page_size": "16,page_size=32"})
+    with pytest.raises(ValueError, match="method"):
+        kvsieve.method_unsupported_reason("full\0x", "cuda")
+    with make("full") as s:
+        with pytest.raises(ValueError, match="path"):
+            s.save(str(tmp_path / "a\0b.kvs"))
+        with pytest.raises(ValueError, match="name"):
+            s.method_stat("decode_attend_seconds\0x")
+        s.save(tmp_path / "pathlike.kvs")  # os.PathLike still accepted
+    assert os.listdir(tmp_path) == ["pathlike.kvs"]
+    for fn in (kvsieve.Session.load, kvsieve.tables_describe, kvsieve.Trace):
+        with pytest.raises(ValueError, match="path: expected a string without NUL"):
+            fn(str(tmp_path / "pathlike.kvs") + "\0x")
+    # The native layer refuses on its own too, naming the argument.
+    with pytest.raises(ValueError, match=r"method: expected a string without NUL"):
+        kvsieve.capi.session_create(L, HQ, HKV, D, 0.0, kvsieve.capi.KVS_SCALAR_F32, kvsieve.capi.KVS_BACKEND_CPU,
+                                    0, 1, 0, "full\0x", None, 0.0, 0)
+    with pytest.raises(ValueError, match=r"method: expected a string without NUL"):
+        kvsieve.capi.kvs_method_doc("quest\0x")
+    assert kvsieve.capi.kvs_method_doc("quest")  # plain strings and None still pass
+    assert kvsieve.capi.kvs_method_doc(None) is None
+
+
+def test_method_params_empty_items_and_repeated_keys_are_refused():
+    for text, word in (("page_size=16,,", "item 2"), (",page_size=16", "item 1"), ("page_size=16,", "item 2"),
+                       ("page_size=16,page_size=32", "'page_size' is given twice")):
+        with pytest.raises(kvsieve.Error) as e:
+            make("quest", method_params=text)
+        assert e.value.code == kvsieve.STATUS_INVALID_ARGUMENT and word in e.value.message, e.value.message
+    for text in ("", "  ", None, "page_size=16"):
+        make("quest", method_params=text).close()
+
+
+def test_outputs_whose_elements_overlap_are_refused(rng):
+    q, k, v = rand(rng, 16, HQ, D), rand(rng, 16, HKV, D), rand(rng, 16, HKV, D)
+    from numpy.lib.stride_tricks import as_strided
+    with make("full") as s:
+        base = np.zeros(D, np.float32)
+        with pytest.raises(kvsieve.Error) as e:
+            s.prefill(0, q, k, v, out=as_strided(base, (16, HQ, D), (0, 0, 4)))
+        assert e.value.code == kvsieve.STATUS_INVALID_ARGUMENT and e.value.message.startswith("o: ")
+        assert s.layer_tokens(0) == 0
+        s.prefill(0, q, k, v)
+        s.build_index()
+        for out, lse, name in ((as_strided(base, (HQ, D), (0, 4)), None, "o: "),
+                               (as_strided(np.zeros(1, np.float32), (HQ, D), (0, 0)), None, "o: "),
+                               (None, as_strided(np.zeros(1, np.float32), (HQ,), (0,)), "lse: ")):
+            with pytest.raises(kvsieve.Error) as e:
+                s.decode(0, q[0], k[0], v[0], out=out, lse=lse)
+            assert e.value.code == kvsieve.STATUS_INVALID_ARGUMENT and e.value.message.startswith(name), e.value.message
+            assert "overlap" in e.value.message
+        assert s.layer_tokens(0) == 16
+        o_t = np.empty((D, HQ), np.float32).T  # transposed: strided but no overlap
+        o, lse = s.decode(0, q[0], k[0], v[0], out=o_t)
+        assert o is o_t and np.isfinite(o).all()

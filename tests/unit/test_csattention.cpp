@@ -542,7 +542,7 @@ TEST_CASE("csattention: search period reuses the selection with the current wind
                                        std::tuple{"", 0.5, 0.9}}) {
       INFO(extra << " budget " << budget);
       Sess S;
-      const std::string mp = std::string("centroids=8,") + extra;
+      const std::string mp = std::string("centroids=8") + (*extra ? "," : "") + extra;
       build(S, D, mp, budget, 300);
       std::vector<float> o, l;
       for (int64_t t = 300; t < 304; ++t) {

@@ -6,10 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${1:-build}
-cmake --build "$BUILD" --target kvsieve kvsieve_cli kvsieve_cuda_tests kvsieve_backend_tests
+cmake --build "$BUILD" --target kvsieve kvsieve_cli kvsieve_cuda_tests kvsieve_backend_tests kvsieve_backend_error_tests
 rm -rf .dev/prefix .dev/bin
 cmake --install "$BUILD" --prefix .dev/prefix >/dev/null
 mkdir -p .dev/bin
-cp "$BUILD/tests/kvsieve_cuda_tests" "$BUILD/tests/kvsieve_backend_tests" .dev/bin/
+cp "$BUILD/tests/kvsieve_cuda_tests" "$BUILD/tests/kvsieve_backend_tests" "$BUILD/tests/kvsieve_backend_error_tests" .dev/bin/
 strip --strip-unneeded .dev/bin/* .dev/prefix/bin/kvsieve .dev/prefix/lib/libkvsieve.so.*.*.*
 du -sh .dev

@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import json as _json
+import os as _os
 import threading as _threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
@@ -114,7 +115,7 @@ def method_unsupported_reason(method: str, backend) -> Optional[str]:
     """Why ``method`` cannot run on ``backend`` ("cpu", "cuda", "hybrid" or a kvs_backend value, as
     for :class:`Session`) in this build: a sentence, or None when it can (or the method is unknown:
     see :func:`method_names`). An unknown backend value gives a sentence saying so."""
-    return _native.kvs_method_unsupported_reason(str(method), _enum(backend, _BACKENDS, "backend"))
+    return _native.kvs_method_unsupported_reason(_text(method, "method"), _enum(backend, _BACKENDS, "backend"))
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -144,23 +145,76 @@ def _stream_ptr(stream) -> int:
                     f"got {type(stream).__name__}")
 
 
+def _text(value, what: str) -> str:
+    """A str that crosses the C ABI as a NUL-terminated string: an embedded NUL would silently cut
+    it short there, so it is refused here."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what}: expected a str, got {type(value).__name__}")
+    if "\0" in value:
+        raise ValueError(f"{what}: expected a string without NUL characters, got {value!r}")
+    return value
+
+
+def _path(value, what: str = "path") -> str:
+    """A file path (str or os.PathLike) as a str without NUL characters."""
+    try:
+        value = _os.fspath(value)
+    except TypeError:
+        raise TypeError(f"{what}: expected a str or os.PathLike, got {type(value).__name__}") from None
+    if isinstance(value, bytes):
+        value = _os.fsdecode(value)
+    return _text(value, what)
+
+
 def _method_params_str(params) -> Optional[str]:
-    if params is None or isinstance(params, str):
-        return params
+    if params is None:
+        return None
+    if isinstance(params, str):
+        return _text(params, "method_params")
     if isinstance(params, Mapping):
         items = []
         for k, v in params.items():
             if isinstance(v, bool):
                 v = "true" if v else "false"
+            k, v = _text(str(k), "method_params key"), _text(str(v), f"method_params[{k!r}]")
+            # "," and "=" separate items and keys from values in the text the C ABI takes.
+            if not k or "," in k or "=" in k:
+                raise ValueError(f"method_params: expected a parameter name without ',' or '=', got {k!r}")
+            if "," in v:
+                raise ValueError(f"method_params[{k!r}]: expected a value without ',', got {v!r}")
             items.append(f"{k}={v}")
         return ",".join(items)
     raise TypeError(f"method_params: expected a str or a mapping, got {type(params).__name__}")
 
 
+def _dlpack_device(obj, what: str) -> Tuple[int, int]:
+    """obj.__dlpack_device__() checked as DLPack defines it: a tuple (device_type, device_id)."""
+    dev = obj.__dlpack_device__()
+    if not (isinstance(dev, tuple) and len(dev) == 2 and all(isinstance(x, int) for x in dev)):
+        raise TypeError(f"{what}: __dlpack_device__() of {type(obj).__name__} must return a tuple "
+                        f"(device_type, device_id) of two ints, got {dev!r}")
+    return int(dev[0]), int(dev[1])
+
+
+def _check_sessions(sessions, what: str = "sessions") -> tuple:
+    """sessions as a tuple of open Session objects (TypeError/ValueError naming the bad entry)."""
+    if isinstance(sessions, (str, bytes)) or not hasattr(sessions, "__iter__"):
+        raise TypeError(f"{what}: expected a sequence of kvsieve.Session, got {type(sessions).__name__}")
+    sessions = tuple(sessions)
+    if not sessions:
+        raise ValueError(f"{what}: expected at least one session")
+    for i, s in enumerate(sessions):
+        if not isinstance(s, Session):
+            raise TypeError(f"{what}[{i}]: expected a kvsieve.Session, got {type(s).__name__}")
+        if s.closed:
+            raise ValueError(f"{what}[{i}]: expected an open session, got a closed one")
+    return sessions
+
+
 def _alloc_like(ref, shape, what: str):
     """Allocates a float32 output on ref's device: NumPy for host memory, the same library
     (torch, CuPy) for CUDA tensors."""
-    dev = ref.__dlpack_device__()[0] if hasattr(ref, "__dlpack_device__") else 1
+    dev = _dlpack_device(ref, "q")[0] if hasattr(ref, "__dlpack_device__") else 1  # ref is always q
     if dev != 2:
         return _np.empty(shape, dtype=_np.float32)
     mod = type(ref).__module__.split(".")[0]
@@ -209,6 +263,7 @@ class Session:
         if _handle is not None:
             self._h = _handle
             return
+        method = _text(method, "method")
         self._h = _native.session_create(
             int(num_layers), int(num_q_heads), int(num_kv_heads), int(head_dim), float(softmax_scale),
             _enum(kv_dtype, _KV_DTYPES, "kv_dtype"), _enum(backend, _BACKENDS, "backend"), int(device_id),
@@ -228,14 +283,21 @@ class Session:
 
     @classmethod
     def load(cls, path: str, *, backend=None, device_id: int = 0, num_threads: int = 0,
-             gemm="auto") -> "Session":
-        """Loads a session saved by :meth:`save` (memory-mapped). The shape is read from the file."""
+             gemm="auto", mmap: bool = False) -> "Session":
+        """Loads a session saved by :meth:`save`; the shape is read from the file.
+
+        The KV pages are copied into memory of the session's own; ``mmap=True`` maps them from the
+        file instead (no copy: the file must then not be truncated or modified while the session,
+        or a fork of it, lives). ``backend`` (None = as saved) may differ from the one that saved.
+        """
         be = 0 if backend is None else _enum(backend, _BACKENDS, "backend")
-        h = _native.session_load(str(path), be, int(device_id), int(num_threads), _enum(gemm, _GEMMS, "gemm"))
+        path = _path(path)
+        flags = _native.KVS_LOAD_MMAP if mmap else 0
+        h = _native.session_load(path, be, int(device_id), int(num_threads), _enum(gemm, _GEMMS, "gemm"), flags)
         s = cls(0, 0, 0, 0, _handle=h)
         # The C ABI has no shape getter: the shape comes from the file's header (already verified
         # by the load, so describing it cannot fail differently).
-        hdr = _json.loads(_native.tables_describe(str(path)))["header"]
+        hdr = _json.loads(_native.tables_describe(path))["header"]
         shape = hdr["shape"]
         s._set_shape(shape["num_layers"], shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"],
                      hdr["method"]["name"], be or int(hdr.get("backend", _native.KVS_BACKEND_CPU)), device_id)
@@ -303,7 +365,7 @@ class Session:
 
     def save(self, path: str, *, include_kv: bool = False) -> None:
         """Writes the session (parameters, method tables, optionally the KV cache) atomically."""
-        self._handle().save(str(path), _native.KVS_SAVE_INCLUDE_KV if include_kv else _native.KVS_SAVE_TABLES)
+        self._handle().save(_path(path), _native.KVS_SAVE_INCLUDE_KV if include_kv else _native.KVS_SAVE_TABLES)
 
     def fork(self) -> "Session":
         """A new session sharing this one's KV prefix copy-on-write; either may be closed first."""
@@ -325,7 +387,7 @@ class Session:
         return _np.frombuffer(self._handle().last_selection(int(layer), int(kv_head)), dtype=_np.int32)
 
     def method_stat(self, name: str) -> float:
-        return float(self._handle().method_stat(name))
+        return float(self._handle().method_stat(_text(name, "name")))
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -343,8 +405,7 @@ def _shape(x):
 def decode_batch(sessions: Sequence[Session], layer: int, q, k_new, v_new, *, out=None, lse=None, stream=None):
     """One layer's decode step for several sessions of the same shape: q [B, Hq, d], k_new, v_new
     [B, Hkv, d]; returns (out [B, Hq, d], lse [B, Hq]). All or nothing."""
-    if not sessions:
-        raise ValueError("sessions: expected at least one session")
+    sessions = _check_sessions(sessions)
     s0 = sessions[0]
     B, hq, d = len(sessions), s0.num_q_heads, s0.head_dim
     if out is None:
@@ -387,15 +448,8 @@ class Batch:
     """
 
     def __init__(self, sessions: Sequence[Session]):
-        sessions = tuple(sessions)
-        if not sessions:
-            raise ValueError("sessions: expected at least one session")
-        for i, s in enumerate(sessions):
-            if not isinstance(s, Session):
-                raise TypeError(f"sessions[{i}]: expected a kvsieve.Session, got {type(s).__name__}")
-            if s.closed:
-                raise ValueError(f"sessions[{i}]: expected an open session, got a closed one")
         self._h = None
+        sessions = _check_sessions(sessions)
         self._sessions = sessions
         # The native handles, referenced for the batch's lifetime: the C ABI requires that the
         # sessions outlive the batch.
@@ -468,7 +522,7 @@ def tables_describe(path: str) -> dict:
     """Verifies a tables file and describes it; raises Error (with .details, the partial JSON as a
     dict) when it is corrupt."""
     try:
-        return _json.loads(_native.tables_describe(str(path)))
+        return _json.loads(_native.tables_describe(_path(path)))
     except Error as e:
         if isinstance(e.details, str):
             e.details = _json.loads(e.details)
@@ -490,7 +544,7 @@ class Trace:
     for as long as they are referenced (they keep the mapping alive)."""
 
     def __init__(self, path: str):
-        self._h = _native.trace_open(str(path))
+        self._h = _native.trace_open(_path(path))
         self.info = self._h.info()
         self.layers = [int(self._h.layer_index(i)) for i in range(self.info["num_present_layers"])]
 
@@ -509,7 +563,7 @@ class Trace:
         bf16 tensors come back as a uint16 view of the raw bits."""
         if self._h is None:
             raise ValueError("trace: expected an open trace, got a closed one")
-        addr, shape, strides, code, bits = self._h.tensor(int(layer), name)
+        addr, shape, strides, code, bits = self._h.tensor(int(layer), _text(name, "name"))
         typestr = {(2, 32): "<f4", (2, 16): "<f2", (0, 32): "<i4", (4, 16): "<u2"}.get((code, bits))
         if typestr is None:
             raise TypeError(f"{name}: unsupported dtype code {code} bits {bits}")

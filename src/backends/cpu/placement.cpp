@@ -48,6 +48,34 @@ class CpuBackend final : public Backend {
 constexpr int64_t kMaxLayerTokens = (int64_t(1) << 31) - 1;
 std::string L(uint32_t layer) { return std::to_string(layer); }
 
+// Non-finite inputs are rejected on this placement (docs/api.md, "Guarantees"): a NaN or an
+// infinity in q would give that head zeros and lse = -inf, and one in k or v would sit in the KV
+// cache and poison every later step that attends it. x is the tensor v converted to packed fp32
+// (C order of v's shape). The scan is one branch-free pass over the bits (exponent all ones =
+// inf or NaN) that the compiler vectorises; the first bad element is looked for only on failure.
+void check_finite(const float* x, const View& v, const std::string& fn, const char* name) {
+  const size_t n = size_t(v.numel());
+  uint32_t bad = 0;
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, x + i, 4);
+    bad |= uint32_t((u & 0x7f800000u) == 0x7f800000u);
+  }
+  if (!bad) return;
+  size_t i = 0;
+  while (std::isfinite(x[i])) ++i;
+  std::string idx;
+  size_t rest = i;
+  for (int a = v.ndim - 1; a >= 0; --a) {
+    const size_t e = size_t(v.shape[a]);
+    idx = std::to_string(rest % e) + (idx.empty() ? "" : ", ") + idx;
+    rest /= e;
+  }
+  invalid(fn + ": " + name + ": element [" + idx + "] is " +
+          (std::isnan(x[i]) ? "NaN" : x[i] > 0 ? "+inf" : "-inf") +
+          "; the cpu backend accepts finite values only");
+}
+
 }  // namespace
 
 const Backend& cpu_backend() {
@@ -84,7 +112,7 @@ class CpuPlacement final : public Placement {
     View kv = check_tensor(k, "k", {n, hkv, d}, Where::Host);
     View vv = check_tensor(v, "v", {n, hkv, d}, Where::Host);
     View ov;
-    if (o) ov = check_tensor(o, "o", {n, hq, d}, Where::Host);
+    if (o) ov = check_output_tensor(o, "o", {n, hq, d}, Where::Host);
     auto& lay = layers_[layer];
     const int64_t n0 = lay.size();
     max_tokens = std::min(max_tokens, kMaxLayerTokens);
@@ -95,6 +123,9 @@ class CpuPlacement final : public Placement {
     read_f32(qv, qf.data());
     read_f32(kv, kf.data());
     read_f32(vv, vf.data());
+    check_finite(qf.data(), qv, fn, "q");
+    check_finite(kf.data(), kv, fn, "k");
+    check_finite(vf.data(), vv, fn, "v");
     std::vector<float> of(o ? size_t(n) * hq * d : 0);
     try {
       lay.append(kf.data(), vf.data(), n);
@@ -120,14 +151,14 @@ class CpuPlacement final : public Placement {
       qv = check_tensor(t.q, "q", {hq, d}, Where::Host);
       kv = check_tensor(t.k_new, "k_new", {hkv, d}, Where::Host);
       vv = check_tensor(t.v_new, "v_new", {hkv, d}, Where::Host);
-      ov = check_tensor(t.o, "o", {hq, d}, Where::Host);
-      if (t.lse) lv = check_tensor(t.lse, "lse", {hq}, Where::Host);
+      ov = check_output_tensor(t.o, "o", {hq, d}, Where::Host);
+      if (t.lse) lv = check_output_tensor(t.lse, "lse", {hq}, Where::Host);
     } else {
       qv = check_tensor(t.q, "q", {B, hq, d}, Where::Host);
       kv = check_tensor(t.k_new, "k_new", {B, hkv, d}, Where::Host);
       vv = check_tensor(t.v_new, "v_new", {B, hkv, d}, Where::Host);
-      ov = check_tensor(t.o, "o", {B, hq, d}, Where::Host);
-      if (t.lse) lv = check_tensor(t.lse, "lse", {B, hq}, Where::Host);
+      ov = check_output_tensor(t.o, "o", {B, hq, d}, Where::Host);
+      if (t.lse) lv = check_output_tensor(t.lse, "lse", {B, hq}, Where::Host);
     }
     if (t.lse && lv.dtype != DType::F32) invalid(std::string(t.fn) + ": lse: expected dtype float32");
     std::vector<CpuPlacement*> ps(static_cast<size_t>(B));
@@ -142,6 +173,9 @@ class CpuPlacement final : public Placement {
     read_f32(qv, qf.data());
     read_f32(kv, kf.data());
     read_f32(vv, vf.data());
+    check_finite(qf.data(), qv, t.fn, "q");
+    check_finite(kf.data(), kv, t.fn, "k_new");
+    check_finite(vf.data(), vv, t.fn, "v_new");
     for (int64_t b = 0; b < B; ++b) {
       try {
         reports[size_t(b)] = ps[size_t(b)]->decode_f32(layer, qf.data() + b * hq * d, kf.data() + b * hkv * d,
@@ -214,10 +248,16 @@ class CpuPlacement final : public Placement {
     method_->save(w);
   }
 
+  // By default every KV page is copied into memory of its own, so the session does not depend on
+  // the file once the load returns (a file truncated under a mapped page kills the process with
+  // SIGBUS on the next read; a write into it would change outputs). With map (KVS_LOAD_MMAP) the
+  // pages point into the read-only mapping instead, which the pages keep alive, and the caller
+  // guarantees the file stays as it is.
   void load(const std::shared_ptr<const io::TablesFile>& file, const nlohmann::json& meta,
-            const std::vector<int64_t>& tokens, bool with_kv, const std::string& path) override {
+            const std::vector<int64_t>& tokens, bool with_kv, const std::string& path, bool map) override {
     const io::TablesFile& f = *file;
-    std::shared_ptr<const void> keep = file;  // the file stays mapped while a page points into it
+    std::shared_ptr<const void> keep;
+    if (map) keep = file;  // the file stays mapped while a page points into it
     for (uint32_t l = 0; with_kv && l < cfg_.shape.num_layers; ++l) {
       const int64_t n = tokens[l];
       if (n == 0) continue;
@@ -229,8 +269,17 @@ class CpuPlacement final : public Placement {
                                             std::to_string(uint64_t(np) * lay.page_bytes()) + " bytes for " +
                                             std::to_string(n) + " tokens, got " + std::to_string(sec.length));
       std::vector<std::shared_ptr<Page>> pages;
-      for (int64_t i = 0; i < np; ++i)
-        pages.push_back(std::make_shared<Page>(sec.data + size_t(i) * lay.page_bytes(), lay.page_bytes(), keep));
+      pages.reserve(size_t(np));
+      for (int64_t i = 0; i < np; ++i) {
+        const std::byte* src = sec.data + size_t(i) * lay.page_bytes();
+        if (map) {
+          pages.push_back(std::make_shared<Page>(src, lay.page_bytes(), keep));
+        } else {
+          auto p = std::make_shared<Page>(lay.page_bytes());
+          std::memcpy(p->data(), src, lay.page_bytes());
+          pages.push_back(std::move(p));
+        }
+      }
       lay.adopt(std::move(pages), n);
     }
     method_->load(f, meta);
@@ -251,6 +300,17 @@ class CpuPlacement final : public Placement {
     for (int64_t i = 0; i < n; ++i)
       cpu::attend_dense(layers_[layer], q + size_t(i) * qs, s.group(), first + i + 1, s.softmax_scale,
                         o + size_t(i) * qs, lse.data(), *pool_);
+  }
+
+  // Every index a method hands to the attention kernels is a token of the layer: an index built
+  // from a forged tables file (valid checksums, inconsistent counts) must fail here, not read out
+  // of bounds. One pass over the selection, small next to the attention over it.
+  static void check_selection(const Selection& sel, int64_t n) {
+    for (const auto& l : sel.lists)
+      for (int32_t t : l)
+        if (t < 0 || t >= n)
+          fail(KVS_STATUS_FORMAT_INVALID, "the method's index selected token " + std::to_string(t) + " of a layer of " +
+                                              std::to_string(n) + " tokens: its tables do not match the layer");
   }
 
   void undo_step(uint32_t layer) {
@@ -275,6 +335,7 @@ class CpuPlacement final : public Placement {
       method_->select(layer, q, lay, sel);
       const auto t2 = Clock::now();
       const int64_t n = lay.size();
+      check_selection(sel, n);
       double selected = 0;
       if (!sel.attend) {  // reported only: the method's extra() is the whole state
         std::fill(o, o + size_t(s.num_q_heads) * s.head_dim, 0.f);

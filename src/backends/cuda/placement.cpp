@@ -478,8 +478,9 @@ class CudaPlacement final : public Placement {
     method_->save(w);
   }
 
+  // Always copies (to the device), so KVS_LOAD_MMAP (map) makes no difference here.
   void load(const std::shared_ptr<const io::TablesFile>& file, const nlohmann::json& meta,
-            const std::vector<int64_t>& tokens, bool with_kv, const std::string& path) override {
+            const std::vector<int64_t>& tokens, bool with_kv, const std::string& path, bool /*map*/) override {
     DeviceGuard g(device_);
     for (uint32_t l = 0; with_kv && l < layers_.size(); ++l) {
       const int64_t n = tokens[l];

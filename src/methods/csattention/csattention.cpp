@@ -34,9 +34,11 @@
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "core/method.hpp"
+#include "io/header.hpp"
 #include "io/tables.hpp"
 #include "kvsieve/kvsieve.h"
 #include "methods/csattention/csattention.hpp"
+#include "methods/param_bounds.hpp"
 
 namespace kvs {
 std::atomic<bool> csa::g_force_recollect{false};
@@ -208,6 +210,11 @@ const bool kScatter512 = kHaveAvx512 && [] {
   return !(e && std::strcmp(e, "avx2") == 0);
 }();
 
+// Bounds of the parameters that size memory or time (docs/methods/csattention.md).
+constexpr int64_t kMaxCentroids = int64_t(1) << 20;  // per subspace, before the clamp to the query rows
+constexpr int64_t kMaxIters = 1000;                  // k-means iterations (the paper uses 10)
+constexpr int64_t kMaxSample = int64_t(1) << 20;     // prompt queries kept for the clustering
+
 struct Schedule {
   double rho;
   int64_t period;
@@ -219,23 +226,27 @@ class CSAttention final : public Method {
     const auto& s = ctx.shape;
     d_ = int(s.head_dim);
     G_ = s.group();
-    m_ = int(p.get_int("subspaces"));
-    C_ = p.get_int("centroids");
+    // Integers are range-checked at int64 before they are narrowed (param_bounds.hpp); those that
+    // size memory or time have bounds (docs/methods/csattention.md).
+    constexpr int64_t kTok = (int64_t(1) << 31) - 1;  // token counts and indices are int32
+    m_ = int(int_param(p, "csattention", "subspaces", 1, d_, "at most head_dim"));
+    C_ = int_param(p, "csattention", "centroids", 1, kMaxCentroids,
+                   "per subspace; clamped at build time to the sampled prompt queries");
     alpha_ = p.get_float("list_frac");
-    list_len_ = p.get_int("list_len");
-    km_.iters = int(p.get_int("iters"));
-    km_.batch = int(p.get_int("batch"));
+    list_len_ = int_param(p, "csattention", "list_len", 0, kTok, "0 = list_frac * N; clamped at build time to N");
+    km_.iters = int(int_param(p, "csattention", "iters", 0, kMaxIters));
+    km_.batch = int(int_param(p, "csattention", "batch", 1, kTok));
     km_.full_batch = p.get_string("kmeans") == "lloyd";
     km_.init_queries = p.get_string("init") == "queries";
     seed_ = uint64_t(p.get_int("seed"));
-    sample_ = p.get_int("sample");
+    sample_ = int_param(p, "csattention", "sample", 1, kMaxSample, "prompt queries kept for the clustering");
     f16_ = p.get_string("score_dtype") == "f16";
     qnorm_ = p.get_string("weights") == "qnorm";
-    recent_ = p.get_int("recent");
+    recent_ = int_param(p, "csattention", "recent", -1, kTok);
     recent_frac_ = p.get_float("recent_frac");
-    sinks_ = p.get_int("sinks");
+    sinks_ = int_param(p, "csattention", "sinks", 0, kTok);
     window_in_budget_ = p.get_bool("window_in_budget");
-    period_ = p.get_int("period");
+    period_ = int_param(p, "csattention", "period", 1, kTok);
     per_query_ = p.get_string("gqa") == "per_query_head";
     group_sum_ = p.get_string("group_pick") == "sum";
     rerank_ = p.get_float("rerank");
@@ -247,9 +258,6 @@ class CSAttention final : public Method {
       schedule_.period = sched == "0.05-step-1" ? 1 : sched == "0.15-step-4" ? 4 : 8;
       period_ = schedule_.period;
     }
-    if (m_ < 1 || m_ > d_)
-      invalid("method_params: csattention subspaces must be in [1, head_dim=" + std::to_string(d_) + "], got " +
-              std::to_string(m_));
     const std::string splits = p.get_string("splits");
     if (splits.empty()) {
       if (d_ % m_)
@@ -274,16 +282,8 @@ class CSAttention final : public Method {
       off_.push_back(o);
       o += db_[size_t(b)];
     }
-    if (C_ < 1 || C_ > (int64_t(1) << 20)) invalid("method_params: csattention centroids must be in [1, 1048576]");
     if (!(alpha_ > 0.0 && alpha_ <= 1.0)) invalid("method_params: csattention list_frac must be in (0, 1]");
-    if (list_len_ < 0) invalid("method_params: csattention list_len must be >= 0 (0 = list_frac * N)");
-    if (km_.iters < 0 || km_.iters > 10000) invalid("method_params: csattention iters must be in [0, 10000]");
-    if (km_.batch < 1) invalid("method_params: csattention batch must be >= 1");
-    if (sample_ < 1) invalid("method_params: csattention sample must be >= 1");
-    if (recent_ < -1) invalid("method_params: csattention recent must be >= 0 (or -1 = auto from recent_frac)");
     if (!(recent_frac_ >= 0.0 && recent_frac_ <= 1.0)) invalid("method_params: csattention recent_frac must be in [0, 1]");
-    if (sinks_ < 0) invalid("method_params: csattention sinks must be >= 0");
-    if (period_ < 1) invalid("method_params: csattention period must be >= 1");
     if (!(rerank_ == 0.0 || (rerank_ >= 1.0 && rerank_ <= 64.0)))
       invalid("method_params: csattention rerank must be 0 (off) or in [1, 64], got " + std::to_string(rerank_));
     const std::string wl = p.get_string("weight_list");
@@ -296,8 +296,8 @@ class CSAttention final : public Method {
       for (int b = 0; b < m_; ++b) {
         char* end = nullptr;
         const double v = std::strtod(parts[size_t(b)].c_str(), &end);
-        if (parts[size_t(b)].empty() || *end || !std::isfinite(v) || v < 0)
-          invalid("method_params: csattention weight_list entries must be finite numbers >= 0, got '" + wl + "'");
+        if (parts[size_t(b)].empty() || *end || !std::isfinite(v) || v < 0 || v > double(std::numeric_limits<float>::max()))
+          invalid("method_params: csattention weight_list entries must be numbers in [0, 3.4e38] (float), got '" + wl + "'");
         w_[size_t(b)] = float(v);
       }
     }
@@ -328,8 +328,12 @@ class CSAttention final : public Method {
     if (L.qtok.empty())
       fail(KVS_STATUS_INVALID_STATE, "csattention: layer " + std::to_string(layer) + " has no prompt queries to cluster");
     L.L = std::clamp<int64_t>(list_len_ > 0 ? list_len_ : int64_t(std::llround(alpha_ * double(N))), 1, N);
-    const size_t per_head_lists = size_t(m_) * C_ * L.L;
-    L.cent.assign(size_t(TH_) * C_ * d_, 0.f);
+    // C is clamped to the rows the k-means clusters (the sampled prompt queries, pooled over the
+    // group per KV head): more centroids than points only repeat seeds, and every centroid costs a
+    // row of N scores and m lists (1e6 centroids over a 64-token prompt used to run for minutes).
+    L.C = std::min<int64_t>(C_, int64_t(L.qtok.size()) * (per_query_ ? 1 : G_));
+    const size_t per_head_lists = size_t(m_) * L.C * L.L;
+    L.cent.assign(size_t(TH_) * L.C * d_, 0.f);
     L.idx.assign(size_t(TH_) * per_head_lists, 0);
     if (f16_) L.v16.assign(L.idx.size(), 0);
     else L.v32.assign(L.idx.size(), 0.f);
@@ -343,7 +347,7 @@ class CSAttention final : public Method {
       for (int64_t t = 0; t < N; ++t) convert_to_f32(kv.k_row(kvh, t), kv.dtype(), &kf[size_t(t) * d_], size_t(d_));
       const int gq = per_query_ ? 1 : G_;
       const int64_t rows = ntok * gq;
-      std::vector<float> X, scores(size_t(C_) * N), tmp;
+      std::vector<float> X, scores(size_t(L.C) * N), tmp;
       for (int b = 0; b < m_; ++b) {
         const int db = db_[size_t(b)], off = off_[size_t(b)];
         // Normalised query sub-vectors of the sample (pooled over the group in per-KV-head mode).
@@ -362,11 +366,12 @@ class CSAttention final : public Method {
           }
         float* cent = centroids(L, h, b);
         KMeansConfig kc = km_;
+        kc.C = int(L.C);
         kc.seed = seed_ * 0x9E3779B97F4A7C15ull + uint64_t(layer) * 1000003ull + uint64_t(h) * 8191ull + uint64_t(b);
         spherical_kmeans(X.data(), rows, db, kc, gemm, cent);
         // Centroid-key partial scores [C][N] = cent [C][db] x K^(b)^T.
-        cpu::sgemm(gemm, false, true, C_, N, db, 1.f, cent, db, kf.data() + off, d_, 0.f, scores.data(), N);
-        for (int64_t j = 0; j < C_; ++j) {
+        cpu::sgemm(gemm, false, true, L.C, N, db, 1.f, cent, db, kf.data() + off, d_, 0.f, scores.data(), N);
+        for (int64_t j = 0; j < L.C; ++j) {
           float* srow = scores.data() + size_t(j) * N;
           if (f16_) round_f16(srow, N);
           const size_t base = list_base(L, h, b, j);
@@ -401,7 +406,7 @@ class CSAttention final : public Method {
     std::vector<std::vector<Undo>> logs(static_cast<size_t>(TH_));
     auto work = [&](int64_t th) {
       const int h = int(th), kvh = per_query_ ? h / G_ : h;
-      std::vector<float> k(static_cast<size_t>(d_)), sc(size_t(m_) * size_t(C_));
+      std::vector<float> k(static_cast<size_t>(d_)), sc(size_t(m_) * size_t(L.C));
       for (int64_t t = t0; t < n; ++t) {
         convert_to_f32(kv.k_row(kvh, t), kv.dtype(), k.data(), size_t(d_));
         // All m*C centroid scores first, asking for every list's root (its minimum) meanwhile: the
@@ -409,19 +414,19 @@ class CSAttention final : public Method {
         for (int b = 0; b < m_; ++b) {
           const int db = db_[size_t(b)], off = off_[size_t(b)];
           const float* cent = centroids(L, h, b);
-          for (int64_t j = 0; j < C_; ++j) {
+          for (int64_t j = 0; j < L.C; ++j) {
             const float* c = cent + size_t(j) * db;
             float s = 0.f;
             for (int i = 0; i < db; ++i) s += c[i] * k[size_t(off + i)];
-            sc[size_t(b) * C_ + size_t(j)] = s;
+            sc[size_t(b) * L.C + size_t(j)] = s;
             const size_t base = list_base(L, h, b, j);
             if (f16_) __builtin_prefetch(&L.v16[base]);
             else __builtin_prefetch(&L.v32[base]);
           }
         }
         for (int b = 0; b < m_; ++b) {
-          for (int64_t j = 0; j < C_; ++j) {
-            const float s = sc[size_t(b) * C_ + size_t(j)];
+          for (int64_t j = 0; j < L.C; ++j) {
+            const float s = sc[size_t(b) * L.C + size_t(j)];
             const size_t base = list_base(L, h, b, j);
             Undo u{base, int32_t(t), 0, 0};
             bool ins;
@@ -553,7 +558,7 @@ class CSAttention final : public Method {
     for (uint32_t l = 0; l < layers_.size(); ++l) {
       const auto& L = layers_[l];
       if (!L.built) continue;
-      layers[std::to_string(l)] = {{"indexed_tokens", L.indexed}, {"list_len", L.L}, {"step", L.step},
+      layers[std::to_string(l)] = {{"indexed_tokens", L.indexed}, {"list_len", L.L}, {"centroids", L.C}, {"step", L.step},
                                    {"table_bytes", table_bytes(L)}, {"dense_fallback", L.dense_fallback}};
     }
     meta["layers"] = layers;
@@ -579,30 +584,37 @@ class CSAttention final : public Method {
   }
 
   void load(const io::TablesFile& f, const nlohmann::json& meta) override {
-    const auto layers = meta.value("layers", nlohmann::json::object());
+    const io::HeaderReader hm(f.path(), "method.meta");
+    const nlohmann::json layers = hm.has(meta, "layers") ? hm.object(meta, "layers") : nlohmann::json::object();
+    constexpr int64_t kTok = (int64_t(1) << 31) - 1;
     for (uint32_t l = 0; l < layers_.size(); ++l) {
       const auto key = std::to_string(l);
       const auto* cs = f.find("csa.cent", int32_t(l), -1);
       if (!cs) continue;
       auto bad = [&](const std::string& what) {
-        fail(KVS_STATUS_FORMAT_INVALID, "csattention tables layer " + key + ": " + what);
+        fail(KVS_STATUS_FORMAT_INVALID, hm.where() + "csattention tables layer " + key + ": " + what);
       };
       if (!layers.contains(key)) bad("no entry in method.meta.layers");
       const auto& lm = layers[key];
+      const auto hl = hm.sub("layers").sub(key);
       auto& L = layers_[l];
-      L.indexed = lm.at("indexed_tokens").get<int64_t>();
-      L.L = lm.at("list_len").get<int64_t>();
-      L.step = lm.value("step", int64_t(0));
-      L.dense_fallback = lm.value("dense_fallback", false);
-      if (L.indexed < 1 || L.indexed > (int64_t(1) << 31) - 1 || L.L < 1 || L.L > L.indexed)
-        bad("invalid indexed_tokens / list_len");
-      const uint64_t lists = uint64_t(TH_) * m_ * C_ * L.L;
+      L.indexed = hl.integer<int64_t>(lm, "indexed_tokens", 1, kTok);
+      L.L = hl.integer<int64_t>(lm, "list_len", 1, L.indexed);
+      // Files written before the clamp hold the parameter's C.
+      L.C = hl.integer_or<int64_t>(lm, "centroids", 1, C_, C_);
+      L.step = hl.integer_or<int64_t>(lm, "step", 0, std::numeric_limits<int64_t>::max(), 0);
+      L.dense_fallback = hl.boolean_or(lm, "dense_fallback", false);
+      // TH * m * C <= 2^13 * 2^8 * 2^20 and TH * C * d fit in uint64; times L (< 2^31) need not, so
+      // the list count is derived from the section and compared.
+      const uint64_t per_len = uint64_t(TH_) * m_ * L.C;
       const auto& is = f.require("csa.idx", int32_t(l), -1);
       const auto& vs = f.require("csa.val", int32_t(l), -1);
-      if (cs->length != uint64_t(TH_) * C_ * d_ * 4) bad("csa.cent size does not match the shape and centroids");
-      if (is.length != lists * 4) bad("csa.idx size does not match list_len and the shape");
+      if (cs->length != uint64_t(TH_) * L.C * d_ * 4) bad("csa.cent size does not match the shape and centroids");
+      const uint64_t lists = is.length / 4;
+      if (is.length % 4 || lists % per_len || lists / per_len != uint64_t(L.L))
+        bad("csa.idx size does not match list_len and the shape");
       if (vs.length != lists * (f16_ ? 2 : 4)) bad("csa.val size does not match list_len and score_dtype");
-      L.cent.resize(size_t(TH_) * C_ * d_);
+      L.cent.resize(size_t(TH_) * L.C * d_);
       std::memcpy(L.cent.data(), cs->data, cs->length);
       L.idx.resize(size_t(lists));
       std::memcpy(L.idx.data(), is.data, is.length);
@@ -619,7 +631,7 @@ class CSAttention final : public Method {
       if (const auto* ss = f.find("csa.sel", int32_t(l), -1)) {
         const int32_t* p = reinterpret_cast<const int32_t*>(ss->data);
         const uint64_t words = ss->length / 4;
-        if (words < uint64_t(TH_)) bad("csa.sel too short");
+        if (ss->length % 4 || words < uint64_t(TH_)) bad("csa.sel too short");
         uint64_t total = TH_;
         for (int h = 0; h < TH_; ++h) {
           if (p[h] < 0) bad("csa.sel has a negative count");
@@ -689,6 +701,7 @@ class CSAttention final : public Method {
     // Tables.
     bool built = false, dense_fallback = false;
     int64_t L = 0, indexed = 0;
+    int64_t C = 0;  // centroids per subspace: the parameter, clamped to the clustered query rows
     std::vector<float> cent;     // [TH][subspace b: C x d_b] (C * d floats per head)
     std::vector<int32_t> idx;    // [TH][m][C][L]
     std::vector<uint16_t> v16;   // [TH][m][C][L] fp16 scores (score_dtype=f16)
@@ -725,13 +738,13 @@ class CSAttention final : public Method {
   }
 
   float* centroids(LayerState& L, int h, int b) const {
-    return L.cent.data() + size_t(h) * C_ * d_ + size_t(C_) * off_[size_t(b)];
+    return L.cent.data() + size_t(h) * L.C * d_ + size_t(L.C) * off_[size_t(b)];
   }
   const float* centroids(const LayerState& L, int h, int b) const {
-    return L.cent.data() + size_t(h) * C_ * d_ + size_t(C_) * off_[size_t(b)];
+    return L.cent.data() + size_t(h) * L.C * d_ + size_t(L.C) * off_[size_t(b)];
   }
   size_t list_base(const LayerState& L, int h, int b, int64_t j) const {
-    return ((size_t(h) * m_ + size_t(b)) * size_t(C_) + size_t(j)) * size_t(L.L);
+    return ((size_t(h) * m_ + size_t(b)) * size_t(L.C) + size_t(j)) * size_t(L.L);
   }
   uint64_t table_bytes(const LayerState& L) const {
     return L.cent.size() * 4 + L.idx.size() * 4 + L.v16.size() * 2 + L.v32.size() * 4;
@@ -853,7 +866,7 @@ class CSAttention final : public Method {
         // argmax_j c_j . q^(b) (= max cosine: the norm of q^(b) does not change the argmax).
         int64_t best = 0;
         float bs = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < C_; ++j) {
+        for (int64_t j = 0; j < L.C; ++j) {
           const float* c = cent + size_t(j) * db;
           float s = 0.f;
           for (int i = 0; i < db; ++i) s += c[i] * qh[off + i];
@@ -863,7 +876,7 @@ class CSAttention final : public Method {
           }
         }
         const float w = w_[size_t(b)] * (qnorm_ ? float(std::sqrt(nn)) : sum ? float(G_) : 1.f);
-        picks.emplace_back(int64_t(b) * C_ + best, w);
+        picks.emplace_back(int64_t(b) * L.C + best, w);
       }
     }
     // Distinct lists, each gathered once with the summed weight of the heads that picked it.
@@ -940,7 +953,7 @@ class CSAttention final : public Method {
       float w = 0.f;
       size_t j = i;
       for (; j < picks.size() && picks[j].first == picks[i].first; ++j) w += picks[j].second;
-      const size_t base = list_base(L, h, int(picks[i].first / C_), picks[i].first % C_);
+      const size_t base = list_base(L, h, int(picks[i].first / L.C), picks[i].first % L.C);
       const int32_t* idx = &L.idx[base];
       // missing=list_min: a key absent from a list is taken to score that list's minimum (the heap
       // root), so each entry adds w (V - min) and every key's absent terms share one constant.

@@ -29,7 +29,9 @@
 #include "backends/cpu/gemm.hpp"
 #include "core/error.hpp"
 #include "core/method.hpp"
+#include "io/header.hpp"
 #include "io/tables.hpp"
+#include "methods/param_bounds.hpp"
 #include "kvsieve/kvsieve.h"
 
 namespace kvs {
@@ -233,15 +235,24 @@ float aggregate(Agg a, const float* s, const float* lse, int G) {
   return r;
 }
 
-Fifo::Fifo(int cap, int rho, int G, int d) : cap_(cap), rho_(rho), G_(G), d_(d), gd_(G * d) {
-  cent_.resize(size_t(cap) * gd_);
-  lse_.resize(size_t(cap) * G);
-  hnorm_.resize(size_t(cap) * G);
-  cnorm_.resize(size_t(cap));
-  min_.resize(size_t(cap));
-  pos_.resize(size_t(cap));
-  len_.resize(size_t(cap));
-  lists_.resize(size_t(cap) * rho);
+Fifo::Fifo(int cap, int rho, int G, int d) : cap_(cap), rho_(rho), G_(G), d_(d), gd_(G * d) {}
+
+// Storage grows with the centroids held instead of being sized for the capacity up front (C x rho
+// list entries per layer and KV head, most of them never used on a short context). Until the FIFO
+// first fills, head_ is 0 and centroid i lives in slot i, so growing only appends slots; once it
+// is full every slot exists.
+void Fifo::grow(int slots) {
+  if (slots <= alloc_) return;
+  const int n = std::min(cap_, std::max({slots, 2 * alloc_, 16}));
+  cent_.resize(size_t(n) * gd_);
+  lse_.resize(size_t(n) * G_);
+  hnorm_.resize(size_t(n) * G_);
+  cnorm_.resize(size_t(n));
+  min_.resize(size_t(n));
+  pos_.resize(size_t(n));
+  len_.resize(size_t(n));
+  lists_.resize(size_t(n) * rho_);
+  alloc_ = n;
 }
 
 void Fifo::set(int p, int64_t pos, const float* cent, const float* lse, const Entry* list, int len) {
@@ -268,6 +279,7 @@ void Fifo::push_back(int64_t pos, const float* cent, const float* lse, const Ent
   int p;
   if (count_ < cap_) {
     p = phys(count_);
+    grow(p + 1);
     ++count_;
   } else {
     if (popped) *popped = item(0);
@@ -282,6 +294,7 @@ void Fifo::pop_back() {
 }
 
 void Fifo::push_front(const Item& it) {
+  grow(cap_);  // the slot before head_ wraps around to the end
   if (count_ == cap_) pop_back();
   head_ = (head_ - 1 + cap_) % cap_;
   ++count_;
@@ -362,6 +375,8 @@ struct PromptQueries {
   std::mt19937_64 rng;
 };
 
+constexpr int64_t kTok = (int64_t(1) << 31) - 1;  // token counts and indices are int32
+
 class Ctkvr final : public Method {
  public:
   Ctkvr(const MethodContext& ctx, const ParamSet& p)
@@ -369,11 +384,11 @@ class Ctkvr final : public Method {
         C_(p.get_int("centroids")),
         rho_(p.get_int("rho")),
         lambda_(p.get_int("lambda")),
-        topk_(p.get_int("topk")),
-        sinks_(p.get_int("sinks")),
-        local_(p.get_int("local")),
+        topk_(int_param(p, "ctkvr", "topk", 0, kTok, "0 = the session budget")),
+        sinks_(int_param(p, "ctkvr", "sinks", 0, kTok)),
+        local_(int_param(p, "ctkvr", "local", 0, kTok)),
         seed_(p.get_int("seed")),
-        append_q_(p.get_int("append_queries")),
+        append_q_(int_param(p, "ctkvr", "append_queries", -1, kTok, "-1 = C, 0 = none")),
         dcu_(p.get_bool("dcu")),
         union_(p.get_string("merge") == "union"),
         mean_head_(p.get_string("recall_sim") == "mean_head_cosine") {
@@ -386,9 +401,6 @@ class Ctkvr final : public Method {
     if (C_ * rho_ > (int64_t(1) << 27))
       invalid("method_params: ctkvr centroids * rho must be <= 2^27 (posting lists take 8 bytes per entry per layer and "
               "KV head), got " + std::to_string(C_) + " * " + std::to_string(rho_));
-    if (topk_ < 0) invalid("method_params: ctkvr topk must be >= 0 (0 = the session budget)");
-    if (sinks_ < 0 || local_ < 0) invalid("method_params: ctkvr sinks and local must be >= 0");
-    if (append_q_ < -1) invalid("method_params: ctkvr append_queries must be >= -1 (-1 = C, 0 = none)");
     const auto& init = p.get_string("init");
     init_ = init == "random" ? Init::Random : init == "initial" ? Init::Initial : init == "equispaced" ? Init::Equispaced : Init::Last;
     const auto& agg = p.get_string("aggregate");
@@ -656,22 +668,29 @@ class Ctkvr final : public Method {
 
   void load(const io::TablesFile& f, const nlohmann::json& meta) override {
     const int G = ctx_.shape.group(), d = int(ctx_.shape.head_dim), gd = G * d;
-    auto bad = [](const std::string& what) { fail(KVS_STATUS_FORMAT_INVALID, "ctkvr tables: " + what); };
-    if (!meta.contains("layers")) return;
-    if (meta.value("centroids", int64_t(-1)) != C_ || meta.value("rho", int64_t(-1)) != rho_ ||
-        meta.value("group_dim", -1) != gd)
+    const io::HeaderReader hm(f.path(), "method.meta");
+    auto bad = [&](const std::string& what) { fail(KVS_STATUS_FORMAT_INVALID, hm.where() + "ctkvr tables: " + what); };
+    if (!hm.has(meta, "layers")) return;
+    // Header numbers are range-checked at their type before they are compared (io/header.hpp).
+    constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+    if (hm.integer<int64_t>(meta, "centroids", 1, kMax) != C_ || hm.integer<int64_t>(meta, "rho", 1, kMax) != rho_ ||
+        hm.integer<int64_t>(meta, "group_dim", 1, kMax) != gd)
       bad("centroids/rho/group_dim in the header do not match the session's parameters and shape");
+    const auto& layers = hm.object(meta, "layers");
     for (uint32_t l = 0; l < fifo_.size(); ++l) {
       const auto key = std::to_string(l);
-      if (!meta["layers"].contains(key)) continue;
-      const auto& L = meta["layers"][key];
- const int64_t nidx = L.value("indexed_tokens", int64_t(-1)), ntok = L.value("tokens", int64_t(-1));
-      if (nidx < 0 || ntok < nidx || !L.contains("counts") || L["counts"].size() != ctx_.shape.num_kv_heads)
-        bad("layer " + key + ": indexed_tokens or counts missing or invalid");
+      if (!layers.contains(key)) continue;
+      const auto& L = hm.sub("layers").object(layers, key);
+      const auto hl = hm.sub("layers").sub(key);
+      const int64_t ntok = hl.integer<int64_t>(L, "tokens", 0, kTok);
+      const int64_t nidx = hl.integer<int64_t>(L, "indexed_tokens", 0, ntok);
+      const auto& counts = hl.array(L, "counts");
+      if (counts.size() != ctx_.shape.num_kv_heads)
+        hl.fail("counts", "expected num_kv_heads (" + std::to_string(ctx_.shape.num_kv_heads) + ") entries, got " +
+                              std::to_string(counts.size()));
       fifo_[l].assign(ctx_.shape.num_kv_heads, Fifo(int(C_), int(rho_), G, d));
       for (int h = 0; h < int(ctx_.shape.num_kv_heads); ++h) {
-        const int64_t c = L["counts"][size_t(h)].get<int64_t>();
-        if (c < 0 || c > C_) bad("layer " + key + " head " + std::to_string(h) + ": invalid centroid count");
+        const int64_t c = hl.integer_value<int64_t>(counts[size_t(h)], "counts." + std::to_string(h), 0, C_);
         auto sec = [&](const char* tag, uint64_t bytes) {
           const auto& s = f.require(tag, int32_t(l), h);
           if (s.length != bytes) bad(std::string("section ") + tag + " layer " + key + " head " + std::to_string(h) + ": size mismatch");

@@ -68,7 +68,10 @@ class Fifo {
   void refresh_min(int p);
   void set(int p, int64_t pos, const float* cent, const float* lse, const Entry* list, int len);
 
+  void grow(int slots);
+
   int cap_ = 0, rho_ = 0, G_ = 0, d_ = 0, gd_ = 0;
+  int alloc_ = 0;  // slots allocated (<= cap_), grown as centroids arrive
   int head_ = 0, count_ = 0;
   std::vector<float> cent_, lse_, hnorm_, cnorm_, min_;  // min_: a full list's weakest score, else -inf
   std::vector<int64_t> pos_;

@@ -13,7 +13,9 @@
 
 #include "backends/cpu/attention.hpp"
 #include "core/error.hpp"
+#include "io/header.hpp"
 #include "io/tables.hpp"
+#include "methods/param_bounds.hpp"
 #include "kvsieve/kvsieve.h"
 #include "methods/hgca/hgca.hpp"
 
@@ -334,7 +336,7 @@ class Hgca final : public Method {
   static std::vector<T> section(const io::TablesFile& f, const char* tag, int32_t l, int32_t h, size_t count) {
     const auto& s = f.require(tag, l, h);
     if (s.length != count * sizeof(T))
-      fail(KVS_STATUS_FORMAT_INVALID, std::string("section ") + tag + " layer " + std::to_string(l) + ": expected " +
+      fail(KVS_STATUS_FORMAT_INVALID, "tables file '" + f.path() + "': section " + tag + " layer " + std::to_string(l) + ": expected " +
                                           std::to_string(count * sizeof(T)) + " bytes, got " + std::to_string(s.length));
     std::vector<T> v(count);
     if (count) std::memcpy(v.data(), s.data, s.length);
@@ -344,36 +346,51 @@ class Hgca final : public Method {
   void load(const io::TablesFile& f, const nlohmann::json& meta) override {
     const auto& s = ctx_.shape;
     const size_t hq = s.num_q_heads, qs = hq * s.head_dim;
-    if (!meta.contains("layers")) return;
-    for (auto& [key, j] : meta["layers"].items()) {
-      const int64_t l = std::stoll(key);
-      if (l < 0 || l >= int64_t(layers_.size())) fail(KVS_STATUS_FORMAT_INVALID, "hgca: layer " + key + " out of range");
+    // Header numbers are range-checked at their type before they are used (io/header.hpp); token
+    // counts are int32 in the far store, so every count is below 2^31 and the products below fit.
+    const io::HeaderReader hm(f.path(), "method.meta");
+    if (!hm.has(meta, "layers")) return;
+    constexpr int64_t kTok = (int64_t(1) << 31) - 1;
+    for (auto& [key, j] : hm.object(meta, "layers").items()) {
+      // The key is a layer number: decimal digits only (no sign, no spaces), below num_layers.
+      int64_t l = key.empty() || key.size() > 9 ? -1 : 0;
+      for (char c : key) l = l >= 0 && c >= '0' && c <= '9' ? l * 10 + (c - '0') : -1;
+      if (l < 0 || l >= int64_t(layers_.size()))
+        hm.fail("layers", "key '" + key + "' is not a layer number in [0, " + std::to_string(layers_.size() - 1) + "]");
+      const auto hl = hm.sub("layers").sub(key);
+      if (!j.is_object()) hm.sub("layers").fail(key, "expected an object, got " + io::HeaderReader::show(j));
       const int32_t L = int32_t(l);
       LayerState st;
       st.far = FarStore(s, p_);
-      const size_t ns = j.at("stash_queries").get<size_t>();
+      const size_t ns = size_t(hl.integer<int64_t>(j, "stash_queries", 0, kTok));
       if (ns) {
         st.stash_q = section<float>(f, "hgca.stash.q", L, -1, ns * qs);
         st.stash_pos = section<int64_t>(f, "hgca.stash.pos", L, -1, ns);
       }
-      if (j.at("built").get<bool>()) {
+      if (hl.boolean(j, "built")) {
         st.built = true;
         st.materialised = false;
-        st.l_max = j.at("window_slots").get<int64_t>();
-        st.wb = j.at("window_begin").get<int64_t>();
-        st.we = j.at("window_end").get<int64_t>();
-        const int64_t nf = j.at("far_tokens").get<int64_t>();
+        st.l_max = hl.integer<int64_t>(j, "window_slots", 1, kTok);
+        st.wb = hl.integer<int64_t>(j, "window_begin", 0, kTok);
+        st.we = hl.integer<int64_t>(j, "window_end", 0, kTok);
+        const int64_t nf = hl.integer<int64_t>(j, "far_tokens", 0, kTok);
         if (st.l_max < p_.block_size || st.l_max % p_.block_size || st.wb != nf || st.we < st.wb ||
             st.we - st.wb > st.l_max)
-          fail(KVS_STATUS_FORMAT_INVALID, "hgca: layer " + key + ": inconsistent window/far sizes in the header");
+          fail(KVS_STATUS_FORMAT_INVALID, hm.where() + "hgca: layer " + key + ": inconsistent window/far sizes in the header");
         st.wmaw = section<float>(f, "hgca.wmaw", L, -1, size_t(st.we - st.wb) * hq);
         st.far.set_far(nf, section<float>(f, "hgca.farmaw", L, -1, size_t(nf) * hq));
-        const auto& sal = j.at("salient");
-        const auto& pad = j.at("padding");
-        for (uint32_t h = 0; h < s.num_kv_heads; ++h)
-          st.far.restore_head(int(h), section<int32_t>(f, "hgca.ctx.pos", L, int32_t(h), sal.at(h).get<size_t>()),
-                              section<float>(f, "hgca.ctx.score", L, int32_t(h), sal.at(h).get<size_t>()),
-                              section<int32_t>(f, "hgca.pad", L, int32_t(h), pad.at(h).get<size_t>()));
+        const auto& sal = hl.array(j, "salient");
+        const auto& pad = hl.array(j, "padding");
+        if (sal.size() != s.num_kv_heads || pad.size() != s.num_kv_heads)
+          hl.fail("salient", "salient and padding must have num_kv_heads (" + std::to_string(s.num_kv_heads) +
+                                 ") entries, have " + std::to_string(sal.size()) + " and " + std::to_string(pad.size()));
+        for (uint32_t h = 0; h < s.num_kv_heads; ++h) {
+          const size_t ns_h = size_t(hl.integer_value<int64_t>(sal[h], "salient." + std::to_string(h), 0, nf));
+          const size_t np_h = size_t(hl.integer_value<int64_t>(pad[h], "padding." + std::to_string(h), 0, nf));
+          st.far.restore_head(int(h), section<int32_t>(f, "hgca.ctx.pos", L, int32_t(h), ns_h),
+                              section<float>(f, "hgca.ctx.score", L, int32_t(h), ns_h),
+                              section<int32_t>(f, "hgca.pad", L, int32_t(h), np_h));
+        }
       }
       layers_[size_t(l)] = std::move(st);
     }
@@ -448,28 +465,27 @@ class Hgca final : public Method {
 Params parse(const MethodContext& ctx, const ParamSet& ps) {
   Params p;
   p.beta = ps.get_float("beta");
-  p.window = ps.get_int("window");
+  // Integers are range-checked at int64 (param_bounds.hpp). The window's memory grows with the
+  // tokens it holds (CpuNearWindow::grow), so a window larger than the context costs nothing extra.
+  p.window = int_param(ps, "hgca", "window", 0, int64_t(1) << 30, "tokens; 0 = window_ratio or the budget");
   p.window_ratio = ps.get_float("window_ratio");
-  p.block_size = ps.get_int("block_size");
+  p.block_size = int_param(ps, "hgca", "block_size", 1, 65536);
   p.alpha = ps.get_float("alpha");
-  p.maw_init = float(ps.get_float("maw_init"));
+  const double maw_init = ps.get_float("maw_init");  // checked before it is narrowed to float
+  if (!(maw_init >= 0 && maw_init <= 1)) invalid("method_params: hgca maw_init must be in [0, 1], got " + std::to_string(maw_init));
+  p.maw_init = float(maw_init);
   p.gqa = ps.get_string("gqa") == "mean" ? GqaAgg::Mean : GqaAgg::Max;
-  p.score_queries = ps.get_int("score_queries");
+  p.score_queries = int_param(ps, "hgca", "score_queries", 0, (int64_t(1) << 31) - 1, "0 = all");
   p.prompt_maw_queries = ps.get_string("prompt_maw") == "queries";
   p.reeval_on_append = ps.get_bool("reeval_on_append");
   p.free_slot = ps.get_bool("free_slot");
   p.pad = ps.get_bool("pad");
-  p.heads_per_task = ps.get_int("heads_per_task");
+  p.heads_per_task = int_param(ps, "hgca", "heads_per_task", 0, 1024, "0 = auto");
   if (!(p.beta >= 0) || std::isinf(p.beta)) invalid("method_params: hgca beta must be a finite number >= 0, got " + std::to_string(p.beta));
-  if (p.window < 0) invalid("method_params: hgca window must be >= 0 tokens (0 = window_ratio or the budget), got " + std::to_string(p.window));
   if (!(p.window_ratio >= 0 && p.window_ratio <= 1))
     invalid("method_params: hgca window_ratio must be in [0, 1] (0 = the session budget), got " + std::to_string(p.window_ratio));
-  if (p.block_size < 1 || p.block_size > 65536) invalid("method_params: hgca block_size must be in [1, 65536], got " + std::to_string(p.block_size));
   if (!(p.alpha > 0 && p.alpha <= 1)) invalid("method_params: hgca alpha must be in (0, 1], got " + std::to_string(p.alpha));
   if (!(p.maw_init >= 0 && p.maw_init <= 1)) invalid("method_params: hgca maw_init must be in [0, 1], got " + std::to_string(p.maw_init));
-  if (p.score_queries < 0) invalid("method_params: hgca score_queries must be >= 0 (0 = all), got " + std::to_string(p.score_queries));
-  if (p.heads_per_task < 0) invalid("method_params: hgca heads_per_task must be >= 0 (0 = auto), got " + std::to_string(p.heads_per_task));
-  if (p.window > (int64_t(1) << 30)) invalid("method_params: hgca window must be <= 2^30 tokens");
   (void)ctx;
   return p;
 }

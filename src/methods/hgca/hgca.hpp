@@ -90,17 +90,21 @@ class CpuNearWindow final : public NearWindow {
   uint64_t bytes() const override;
 
  private:
-  std::byte* krow(int h, int64_t slot) { return k_.data() + (size_t(h) * cap_ + size_t(slot)) * row_; }
-  std::byte* vrow(int h, int64_t slot) { return v_.data() + (size_t(h) * cap_ + size_t(slot)) * row_; }
-  float* mawp(int buf, int hq) { return maw_[buf].data() + size_t(hq) * cap_; }
+  std::byte* krow(int h, int64_t slot) { return k_.data() + (size_t(h) * alloc_ + size_t(slot)) * row_; }
+  std::byte* vrow(int h, int64_t slot) { return v_.data() + (size_t(h) * alloc_ + size_t(slot)) * row_; }
+  float* mawp(int buf, int hq) { return maw_[buf].data() + size_t(hq) * alloc_; }
+  // Storage for at least `need` resident tokens (at most cap_): the slots grow with the tokens the
+  // window holds, so a window larger than the context costs only what it holds.
+  void grow(int64_t need);
 
   ModelShape shape_;
   int64_t cap_, b_, e_;
+  int64_t alloc_ = 0;                // slots allocated (<= cap_); token t lives in slot t % alloc_
   double alpha_;
   ThreadPool* pool_;
   size_t row_;                       // bytes of one K or V row
-  std::vector<std::byte> k_, v_;     // [Hkv][cap][d] storage dtype
-  std::vector<float> maw_[2];        // [Hq][cap], double-buffered (the update writes the other one)
+  std::vector<std::byte> k_, v_;     // [Hkv][alloc][d] storage dtype
+  std::vector<float> maw_[2];        // [Hq][alloc], double-buffered (the update writes the other one)
   int cur_ = 0;
   // Undo of one step.
   struct Saved { int64_t slot; std::vector<std::byte> k, v; std::vector<float> maw; };

@@ -24,16 +24,39 @@ CpuNearWindow::CpuNearWindow(const ModelShape& shape, int64_t capacity, int64_t 
                              ThreadPool* pool)
     : shape_(shape), cap_(capacity), b_(first_token), e_(first_token), alpha_(alpha), pool_(pool) {
   row_ = size_t(shape.head_dim) * dtype_size(shape.kv_dtype);
-  k_.assign(size_t(shape.num_kv_heads) * cap_ * row_, std::byte{0});
-  v_.assign(k_.size(), std::byte{0});
-  for (auto& m : maw_) m.assign(size_t(shape.num_q_heads) * cap_, 0.f);
+}
+
+// Re-lays the resident tokens [b_, e_) out over more slots. Called only while no token resident at
+// the last checkpoint has been evicted or overwritten (evict grows to the full capacity before its
+// first eviction), so the undo of a step never needs a token the move dropped.
+void CpuNearWindow::grow(int64_t need) {
+  if (need <= alloc_) return;
+  const int64_t na = std::min(cap_, std::max({need, 2 * alloc_, int64_t(64)}));
+  const size_t hkv = shape_.num_kv_heads, hq = shape_.num_q_heads;
+  std::vector<std::byte> k(hkv * size_t(na) * row_), v(k.size());
+  std::vector<float> m[2] = {std::vector<float>(hq * size_t(na)), std::vector<float>(hq * size_t(na))};
+  for (int64_t t = b_; t < e_; ++t) {
+    const size_t from = size_t(t % alloc_), to = size_t(t % na);
+    for (size_t h = 0; h < hkv; ++h) {
+      std::memcpy(k.data() + (h * size_t(na) + to) * row_, k_.data() + (h * size_t(alloc_) + from) * row_, row_);
+      std::memcpy(v.data() + (h * size_t(na) + to) * row_, v_.data() + (h * size_t(alloc_) + from) * row_, row_);
+    }
+    for (int b = 0; b < 2; ++b)
+      for (size_t h = 0; h < hq; ++h) m[b][h * size_t(na) + to] = maw_[b][h * size_t(alloc_) + from];
+  }
+  k_ = std::move(k);
+  v_ = std::move(v);
+  maw_[0] = std::move(m[0]);
+  maw_[1] = std::move(m[1]);
+  alloc_ = na;
 }
 
 void CpuNearWindow::evict(int64_t count, float* maw_out) {
   if (count < 0 || count > size()) fail(KVS_STATUS_INTERNAL, "hgca: window eviction beyond its resident entries");
+  if (count > 0) grow(cap_);  // a window that evicts is full: its whole storage from here on
   const int hq = int(shape_.num_q_heads);
   for (int64_t i = 0; i < count; ++i) {
-    const int64_t slot = (b_ + i) % cap_;
+    const int64_t slot = (b_ + i) % alloc_;
     for (int h = 0; h < hq; ++h) maw_out[size_t(i) * hq + h] = mawp(cur_, h)[slot];
   }
   b_ += count;
@@ -49,10 +72,11 @@ void CpuNearWindow::skip(int64_t count) {
 void CpuNearWindow::insert(const KVLayer& kv, int64_t m, const float* maw) {
   if (size() + m > cap_) fail(KVS_STATUS_INTERNAL, "hgca: window insertion beyond its capacity");
   if (e_ + m > kv.size()) fail(KVS_STATUS_INTERNAL, "hgca: window insertion of tokens the layer does not hold");
+  grow(size() + m);
   const int hkv = int(shape_.num_kv_heads), hq = int(shape_.num_q_heads);
   for (int64_t i = 0; i < m; ++i) {
-    const int64_t t = e_ + i, slot = t % cap_;
-    if (armed_ && t - cap_ >= ck_b_) {  // overwrites an entry resident at the checkpoint
+    const int64_t t = e_ + i, slot = t % alloc_;
+    if (armed_ && t - alloc_ >= ck_b_) {  // overwrites an entry resident at the checkpoint
       Saved s{slot, std::vector<std::byte>(row_ * hkv), std::vector<std::byte>(row_ * hkv), std::vector<float>(size_t(hq))};
       for (int h = 0; h < hkv; ++h) {
         std::memcpy(s.k.data() + h * row_, krow(h, slot), row_);
@@ -78,7 +102,7 @@ void CpuNearWindow::attend(const float* q, float* o, float* lse, bool update, in
     const int h = int(hh);
     std::vector<const std::byte*> kr(static_cast<size_t>(n)), vr(static_cast<size_t>(n));
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t slot = (b_ + j) % cap_;
+      const int64_t slot = (b_ + j) % alloc_;
       kr[size_t(j)] = krow(h, slot);
       vr[size_t(j)] = vrow(h, slot);
     }
@@ -109,7 +133,7 @@ void CpuNearWindow::attend(const float* q, float* o, float* lse, bool update, in
         const float* src = mawp(cur_, h * G + g);
         float* dst = mawp(nb, h * G + g);
         for (int64_t j = 0; j < n; ++j) {
-          const int64_t t = b_ + j, slot = t % cap_;
+          const int64_t t = b_ + j, slot = t % alloc_;
           dst[slot] = t < no_update_from ? float((1.0 - alpha_) * src[slot] + alpha_ * s[size_t(g) * n + j]) : src[slot];
         }
       }
@@ -118,13 +142,13 @@ void CpuNearWindow::attend(const float* q, float* o, float* lse, bool update, in
 }
 
 void CpuNearWindow::maw(int64_t t, float* out) const {
-  const int64_t slot = t % cap_;
-  for (uint32_t h = 0; h < shape_.num_q_heads; ++h) out[h] = maw_[cur_][size_t(h) * cap_ + size_t(slot)];
+  const int64_t slot = t % alloc_;
+  for (uint32_t h = 0; h < shape_.num_q_heads; ++h) out[h] = maw_[cur_][size_t(h) * alloc_ + size_t(slot)];
 }
 
 void CpuNearWindow::set_maw(int64_t t, const float* in) {
-  const int64_t slot = t % cap_;
-  for (uint32_t h = 0; h < shape_.num_q_heads; ++h) maw_[cur_][size_t(h) * cap_ + size_t(slot)] = in[h];
+  const int64_t slot = t % alloc_;
+  for (uint32_t h = 0; h < shape_.num_q_heads; ++h) maw_[cur_][size_t(h) * alloc_ + size_t(slot)] = in[h];
 }
 
 void CpuNearWindow::checkpoint() {

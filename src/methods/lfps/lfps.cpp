@@ -31,6 +31,7 @@
 
 #include "backends/cpu/gemm.hpp"
 #include "core/error.hpp"
+#include "io/header.hpp"
 #include "io/tables.hpp"
 #include "kvsieve/kvsieve.h"
 
@@ -936,19 +937,26 @@ void Lfps::save(io::TablesWriter& w) const {
 
 void Lfps::load(const io::TablesFile& f, const nlohmann::json& meta) {
   const int d = int(ctx_.shape.head_dim), hkv = int(ctx_.shape.num_kv_heads), hq = int(ctx_.shape.num_q_heads);
-  if (meta.value("owners", owners_) != owners_)
-    fail(KVS_STATUS_FORMAT_INVALID, "lfps tables: owners " + meta.value("owners", nlohmann::json()).dump() +
+  // Header numbers are range-checked at their type before they are used (io/header.hpp).
+  const io::HeaderReader hm(f.path(), "method.meta");
+  if (const int64_t o = hm.integer_or<int64_t>(meta, "owners", 1, std::numeric_limits<int64_t>::max(), owners_);
+      o != owners_)
+    fail(KVS_STATUS_FORMAT_INVALID, hm.where() + "lfps tables: owners " + std::to_string(o) +
                                         " do not match the gqa mode of this session (" + std::to_string(owners_) + ")");
   for (uint32_t l = 0; l < layers_.size(); ++l) {
     const auto* sv = f.find("lfps.vertical", int32_t(l), -1);
     if (!sv) continue;
     const std::string key = std::to_string(l);
-    auto bad = [&](const std::string& what) { fail(KVS_STATUS_FORMAT_INVALID, "lfps tables layer " + key + ": " + what); };
-    if (!meta.contains("layers") || !meta["layers"].contains(key)) bad("layer entry missing from the header");
-    const auto& lm = meta["layers"][key];
-    const int64_t n = lm.at("tokens").get<int64_t>();
-    const int64_t cnt = lm.at("prior_count").get<int64_t>();
-    if (n < 0 || n > (int64_t(1) << 31) || cnt < 0 || cnt > n) bad("invalid tokens or prior_count");
+    auto bad = [&](const std::string& what) {
+      fail(KVS_STATUS_FORMAT_INVALID, hm.where() + "lfps tables layer " + key + ": " + what);
+    };
+    if (!hm.has(meta, "layers")) bad("layer entry missing from the header");
+    const auto& layers = hm.object(meta, "layers");
+    if (!layers.contains(key)) bad("layer entry missing from the header");
+    const auto hl = hm.sub("layers").sub(key);
+    const auto& lm = hm.sub("layers").object(layers, key);
+    const int64_t n = hl.integer<int64_t>(lm, "tokens", 0, (int64_t(1) << 31) - 1);
+    const int64_t cnt = hl.integer<int64_t>(lm, "prior_count", 0, n);
     const uint64_t m = uint64_t(std::max<int64_t>(0, n - p_.sinks));
     const auto& ss = f.require("lfps.slash", int32_t(l), -1);
     const auto& sg = f.require("lfps.scale", int32_t(l), -1);

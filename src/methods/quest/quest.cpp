@@ -13,6 +13,7 @@
 #include "backends/cpu/topk.hpp"
 #include "core/error.hpp"
 #include "core/method.hpp"
+#include "io/header.hpp"
 #include "io/tables.hpp"
 #include "kvsieve/kvsieve.h"
 #include "methods/quest/quest.hpp"
@@ -113,14 +114,13 @@ class Quest final : public Method {
       const auto* s = f.find("quest.bounds", int32_t(l), -1);
       if (!s) continue;
       const auto key = std::to_string(l);
-      if (!meta.contains("indexed_tokens") || !meta["indexed_tokens"].contains(key))
-        fail(KVS_STATUS_FORMAT_INVALID, "quest.bounds layer " + key + ": indexed_tokens missing from the header");
-      const int64_t n = meta["indexed_tokens"][key].get<int64_t>();
-      if (n < 0 || n > (int64_t(1) << 31))
-        fail(KVS_STATUS_FORMAT_INVALID, "quest.bounds layer " + key + ": invalid indexed_tokens " + std::to_string(n));
+      // Header numbers are range-checked before they are converted (io/header.hpp).
+      const io::HeaderReader hm(f.path(), "method.meta");
+      const int64_t n =
+          hm.sub("indexed_tokens").integer<int64_t>(hm.object(meta, "indexed_tokens"), key, 0, (int64_t(1) << 31) - 1);
       const int64_t pages = (n + page_ - 1) / page_;
       if (s->length != uint64_t(pages) * per_page * sizeof(float))
-        fail(KVS_STATUS_FORMAT_INVALID, "section quest.bounds layer " + key + ": size does not match " +
+        fail(KVS_STATUS_FORMAT_INVALID, hm.where() + "section quest.bounds layer " + key + ": size does not match " +
                                             std::to_string(n) + " indexed tokens");
       bounds_[l].resize(size_t(pages) * per_page);
       std::memcpy(bounds_[l].data(), s->data, s->length);

@@ -18,10 +18,12 @@
 
 #include "core/error.hpp"
 #include "core/method.hpp"
+#include "io/header.hpp"
 #include "io/tables.hpp"
 #include "kvsieve/kvsieve.h"
 #include "backends/cpu/attention.hpp"
 #include "backends/cpu/topk.hpp"
+#include "methods/param_bounds.hpp"
 #include "methods/retroinfer/wave_index.hpp"
 
 namespace kvs {
@@ -109,37 +111,33 @@ float max_of(const float* x, int64_t n) {
   return r;
 }
 
+constexpr int64_t kTok = (int64_t(1) << 31) - 1;  // token counts and indices are int32
+
 class RetroInfer final : public Method {
  public:
   RetroInfer(const MethodContext& ctx, const ParamSet& p)
       : ctx_(ctx),
-        sinks_(p.get_int("sinks")),
-        local_(p.get_int("local")),
-        cluster_size_(p.get_int("cluster_size")),
-        segment_size_(p.get_int("segment_size")),
-        iterations_(p.get_int("iterations")),
-        align_(p.get_int("cluster_align")),
+        // Integers are range-checked at int64 before use (param_bounds.hpp): token counts below
+        // 2^31, so sums like sinks + local cannot overflow.
+        sinks_(int_param(p, "retroinfer", "sinks", 0, kTok)),
+        local_(int_param(p, "retroinfer", "local", 0, kTok)),
+        cluster_size_(int_param(p, "retroinfer", "cluster_size", 1, kTok)),
+        segment_size_(int_param(p, "retroinfer", "segment_size", 0, kTok, "0 = whole context")),
+        iterations_(int_param(p, "retroinfer", "iterations", 1, 1000)),
+        align_(int_param(p, "retroinfer", "cluster_align", 1, 4096)),
         retrieval_(p.get_float("retrieval")),
         estimation_(p.get_float("estimation")),
-        update_(p.get_int("update_segment")),
+        update_(int_param(p, "retroinfer", "update_segment", 1, kTok)),
         session_budget_(p.get_string("budget") == "session"),
         centre_(p.get_bool("centre")),
-        probe_(p.get_int("recall_probe")),
+        probe_(int_param(p, "retroinfer", "recall_probe", 0, kTok, "0 = off")),
         meta_dtype_(p.get_string("meta_dtype")),
         layers_(ctx.shape.num_layers) {
     auto bad = [](const std::string& name, const std::string& want, const std::string& got) {
       invalid("method_params: retroinfer " + name + ": expected " + want + ", got " + got);
     };
-    if (sinks_ < 0) bad("sinks", ">= 0", std::to_string(sinks_));
-    if (local_ < 0) bad("local", ">= 0", std::to_string(local_));
-    if (cluster_size_ < 1) bad("cluster_size", ">= 1", std::to_string(cluster_size_));
-    if (segment_size_ < 0) bad("segment_size", ">= 0 (0 = whole context)", std::to_string(segment_size_));
-    if (iterations_ < 1 || iterations_ > 1000) bad("iterations", "1..1000", std::to_string(iterations_));
-    if (align_ < 1 || align_ > 4096) bad("cluster_align", "1..4096", std::to_string(align_));
     if (!(retrieval_ >= 0 && retrieval_ <= 1)) bad("retrieval", "a fraction of the clusters in [0, 1]", std::to_string(retrieval_));
     if (!(estimation_ >= 0 && estimation_ <= 1)) bad("estimation", "a fraction of the clusters in [0, 1]", std::to_string(estimation_));
-    if (update_ < 1) bad("update_segment", ">= 1", std::to_string(update_));
-    if (probe_ < 0) bad("recall_probe", ">= 0 (0 = off)", std::to_string(probe_));
     for (auto& l : layers_) l.indexed_end = sinks_;
   }
 
@@ -155,7 +153,10 @@ class RetroInfer final : public Method {
     // tokens accumulate (retroinfer_cache.py).
     if (n_idx >= update_) {
       const int64_t s = retro::segment_count(n_idx, segment_size_);
-      const int64_t C = retro::cluster_count(n_idx, cluster_size_, align_, s);
+      // At most one cluster per token (the rounding to lcm(cluster_align, segments) can ask for
+      // more on short prompts): still a multiple of the segments, each segment's k-means gets at
+      // most as many clusters as it has tokens.
+      const int64_t C = std::min(retro::cluster_count(n_idx, cluster_size_, align_, s), s * (n_idx / s));
       const int64_t r = std::clamp<int64_t>(std::llround(double(C) * retrieval_), retrieval_ > 0 ? 1 : 0, C);
       const int64_t e = std::min<int64_t>(std::llround(double(C) * estimation_), C - r);
       add_chunk(layer, kv, sinks_, sinks_ + n_idx, s, C, r, e);
@@ -475,7 +476,10 @@ class RetroInfer final : public Method {
   void load(const io::TablesFile& f, const nlohmann::json& meta) override {
     const int d = int(ctx_.shape.head_dim), hkv = int(ctx_.shape.num_kv_heads);
     const size_t rb = size_t(d) * dtype_size(ctx_.shape.kv_dtype);
-    const nlohmann::json layers = meta.value("layers", nlohmann::json::object());
+    // Header numbers are range-checked at their type before they are used (io/header.hpp); token
+    // and cluster counts are below 2^31, so every size below fits in size_t.
+    const io::HeaderReader hm(f.path(), "method.meta");
+    const nlohmann::json layers = hm.has(meta, "layers") ? hm.object(meta, "layers") : nlohmann::json::object();
     for (uint32_t l = 0; l < layers_.size(); ++l) {
       auto& L = layers_[l];
       L = LayerIndex{};
@@ -483,64 +487,70 @@ class RetroInfer final : public Method {
       const auto key = std::to_string(l);
       if (!layers.contains(key)) continue;
       auto bad = [&](const std::string& what) {
-        fail(KVS_STATUS_FORMAT_INVALID, "retroinfer tables, layer " + key + ": " + what);
+        fail(KVS_STATUS_FORMAT_INVALID, hm.where() + "retroinfer tables, layer " + key + ": " + what);
       };
-      try {
-        const auto& j = layers.at(key);
-        L.indexed_end = j.at("indexed_end").get<int64_t>();
-        L.r = j.at("retrieval_clusters").get<int64_t>();
-        L.e = j.at("estimation_clusters").get<int64_t>();
-        const int64_t C = j.at("clusters").get<int64_t>();
-        for (const auto& c : j.at("chunks")) {
-          Chunk ch{};
-          ch.tok_begin = c.at("tokens").at(0).get<int64_t>();
-          ch.tok_end = c.at("tokens").at(1).get<int64_t>();
-          ch.clu_begin = c.at("clusters").at(0).get<int64_t>();
-          ch.clu_end = c.at("clusters").at(1).get<int64_t>();
-          ch.segments = c.at("segments").get<int64_t>();
-          ch.r_add = c.at("r_add").get<int64_t>();
-          ch.e_add = c.at("e_add").get<int64_t>();
-          ch.build_ms = c.at("build_ms").get<double>();
-          L.chunks.push_back(ch);
+      const auto hl = hm.sub("layers").sub(key);
+      const auto& j = hm.sub("layers").object(layers, key);
+      L.indexed_end = hl.integer<int64_t>(j, "indexed_end", 0, kTok);
+      const int64_t C = hl.integer<int64_t>(j, "clusters", 1, kTok);
+      L.r = hl.integer<int64_t>(j, "retrieval_clusters", 0, C);
+      L.e = hl.integer<int64_t>(j, "estimation_clusters", 0, C);
+      const auto& chunks = hl.array(j, "chunks");
+      for (size_t ci = 0; ci < chunks.size(); ++ci) {
+        const auto hc = hl.sub("chunks").sub(std::to_string(ci));
+        const auto& c = chunks[ci];
+        const auto& tk = hc.array(c, "tokens");
+        const auto& cl = hc.array(c, "clusters");
+        if (tk.size() != 2) hc.fail("tokens", "expected [begin, end]");
+        if (cl.size() != 2) hc.fail("clusters", "expected [begin, end]");
+        Chunk ch{};
+        ch.tok_begin = hc.integer_value<int64_t>(tk[0], "tokens.0", 0, kTok);
+        ch.tok_end = hc.integer_value<int64_t>(tk[1], "tokens.1", ch.tok_begin, kTok);
+        ch.clu_begin = hc.integer_value<int64_t>(cl[0], "clusters.0", 0, C);
+        ch.clu_end = hc.integer_value<int64_t>(cl[1], "clusters.1", ch.clu_begin, C);
+        ch.segments = hc.integer<int64_t>(c, "segments", 1, kTok);
+        ch.r_add = hc.integer<int64_t>(c, "r_add", 0, C);
+        ch.e_add = hc.integer<int64_t>(c, "e_add", 0, C);
+        ch.build_ms = hc.number(c, "build_ms", 0.0, std::numeric_limits<double>::max());
+        L.chunks.push_back(ch);
+      }
+      const int64_t rows = L.indexed_end - sinks_;
+      if (L.chunks.empty() || rows < 1 || L.chunks.front().tok_begin != sinks_ ||
+          L.chunks.back().tok_end != L.indexed_end || L.chunks.back().clu_end != C)
+        bad("chunks do not cover the indexed tokens and clusters (different sinks parameter?)");
+      L.heads.resize(size_t(hkv));
+      for (int h = 0; h < hkv; ++h) {
+        auto& H = L.heads[size_t(h)];
+        auto sec = [&](const char* tag, uint64_t bytes) {
+          const auto& s = f.require(tag, int32_t(l), h);
+          if (s.length != bytes)
+            bad(std::string(tag) + " head " + std::to_string(h) + ": expected " + std::to_string(bytes) +
+                " bytes, got " + std::to_string(s.length));
+          return s.data;
+        };
+        // The section's size is checked before anything is allocated for it.
+        auto copy = [&](auto& v, const char* tag, size_t count) {
+          const std::byte* src = sec(tag, count * sizeof(v[0]));
+          v.resize(count);
+          std::memcpy(v.data(), src, count * sizeof(v[0]));
+        };
+        copy(H.centroids, "retroinfer.centroids", size_t(C) * d);
+        copy(H.value_sum, "retroinfer.value_sum", size_t(C) * d);
+        copy(H.size, "retroinfer.size", size_t(C));
+        copy(H.pos, "retroinfer.pos", size_t(rows));
+        copy(H.keys, "retroinfer.keys", size_t(rows) * rb);
+        copy(H.values, "retroinfer.values", size_t(rows) * rb);
+        H.start.resize(size_t(C));
+        int64_t at = 0;
+        for (int64_t c = 0; c < C; ++c) {
+          if (H.size[size_t(c)] < 0) bad("negative cluster size");
+          H.start[size_t(c)] = at;
+          at += H.size[size_t(c)];
         }
-        const int64_t rows = L.indexed_end - sinks_;
-        if (L.chunks.empty() || C < 1 || rows < 1 || L.chunks.front().tok_begin != sinks_ ||
-            L.chunks.back().tok_end != L.indexed_end || L.chunks.back().clu_end != C)
-          bad("chunks do not cover the indexed tokens and clusters (different sinks parameter?)");
-        L.heads.resize(size_t(hkv));
-        for (int h = 0; h < hkv; ++h) {
-          auto& H = L.heads[size_t(h)];
-          auto sec = [&](const char* tag, uint64_t bytes) {
-            const auto& s = f.require(tag, int32_t(l), h);
-            if (s.length != bytes)
-              bad(std::string(tag) + " head " + std::to_string(h) + ": expected " + std::to_string(bytes) +
-                  " bytes, got " + std::to_string(s.length));
-            return s.data;
-          };
-          auto copy = [&](auto& v, const char* tag, size_t count) {
-            v.resize(count);
-            std::memcpy(v.data(), sec(tag, count * sizeof(v[0])), count * sizeof(v[0]));
-          };
-          copy(H.centroids, "retroinfer.centroids", size_t(C) * d);
-          copy(H.value_sum, "retroinfer.value_sum", size_t(C) * d);
-          copy(H.size, "retroinfer.size", size_t(C));
-          copy(H.pos, "retroinfer.pos", size_t(rows));
-          copy(H.keys, "retroinfer.keys", size_t(rows) * rb);
-          copy(H.values, "retroinfer.values", size_t(rows) * rb);
-          H.start.resize(size_t(C));
-          int64_t at = 0;
-          for (int64_t c = 0; c < C; ++c) {
-            if (H.size[size_t(c)] < 0) bad("negative cluster size");
-            H.start[size_t(c)] = at;
-            at += H.size[size_t(c)];
-          }
-          if (at != rows) bad("cluster sizes do not add up to the indexed tokens");
-          for (int32_t p : H.pos)
-            if (p < sinks_ || p >= L.indexed_end) bad("a list position lies outside the indexed tokens");
-          H.sync_decode(decode_dtype(), d);
-        }
-      } catch (const nlohmann::json::exception& e) {
-        bad(std::string("header: missing or mistyped field (") + e.what() + ")");
+        if (at != rows) bad("cluster sizes do not add up to the indexed tokens");
+        for (int32_t p : H.pos)
+          if (p < sinks_ || p >= L.indexed_end) bad("a list position lies outside the indexed tokens");
+        H.sync_decode(decode_dtype(), d);
       }
     }
   }
@@ -634,7 +644,7 @@ class RetroInfer final : public Method {
   void update(uint32_t layer, const KVLayer& kv) {
     auto& L = layers_[layer];
     while (kv.size() - local_ - L.indexed_end >= update_) {
-      const int64_t C = retro::update_cluster_count(update_, cluster_size_, align_);
+      const int64_t C = std::min(retro::update_cluster_count(update_, cluster_size_, align_), update_);
       const int64_t r_add = retrieval_ > 0 ? std::max<int64_t>(std::llround(double(C) * retrieval_), 1) : 0;
       const int64_t e_add = std::llround(double(C) * estimation_);
       add_chunk(layer, kv, L.indexed_end, L.indexed_end + update_, 1, C, r_add, e_add);
