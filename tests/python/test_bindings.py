@@ -542,7 +542,7 @@ def test_save_load_roundtrip_and_corruption(rng, tmp_path):
     for mmap in (False, True):  # pages copied (the default) or mapped from the file
         with kvsieve.Session.load(path, mmap=mmap) as t:
             assert (t.num_layers, t.num_q_heads, t.num_kv_heads, t.head_dim) == (L, HQ, HKV, D)
-            st = t.stats()
+            st = t.stats
             assert (st.kv_shared_bytes > 0) == mmap, (mmap, st)
             o2, l2 = t.decode(1, qn, kn, vn)
             np.testing.assert_array_equal(o1, o2)
