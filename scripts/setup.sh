@@ -5,6 +5,10 @@
 # bindings and consumer examples need (JDK, JUnit 5, Go, Rust, Python headers), creates
 # BUILD_DIR/venv (numpy, pytest, and torch + transformers for the transformers-integration test, from
 # PyPI; KVS_NO_TORCH=1 leaves those two out) and configures with the Python and Java bindings on.
+# KVS_HARDENING=1 also installs clang 19 and its compiler-rt (libFuzzer, the sanitizer runtimes) for
+# scripts/test_hardening.sh. Debian 12's default clang (14) cannot compile the library (_Float16 on
+# x86-64 needs clang 15); bookworm also carries clang-19 (19.1.7). The compiler-rt package is named
+# explicitly: clang only recommends it, and recommends are not installed here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,6 +17,9 @@ PKGS=(cmake ninja-build g++ pkg-config libdnnl-dev ocl-icd-opencl-dev libopenbla
       libcli11-dev nlohmann-json3-dev libxxhash-dev libdlpack-dev swig python3 python3-numpy)
 if [ "${KVS_BINDINGS:-0}" = 1 ]; then
   PKGS+=(python3-dev python3-venv default-jdk-headless junit5 golang-go cargo rustc)
+fi
+if [ "${KVS_HARDENING:-0}" = 1 ]; then
+  PKGS+=(clang-19 libclang-rt-19-dev)
 fi
 missing=()
 for p in "${PKGS[@]}"; do

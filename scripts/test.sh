@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: release build (CUDA compiled when nvcc exists; CUDA tests skip without a
-# GPU), then the C++ tests again under AddressSanitizer + UndefinedBehaviorSanitizer.
+# GPU), then the C++ tests again under AddressSanitizer + UndefinedBehaviorSanitizer, then the
+# fuzzers and the ThreadSanitizer stress test (scripts/test_hardening.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KVS_BINDINGS=1 scripts/setup.sh build
@@ -15,3 +16,5 @@ echo "== sanitizers (ASan + UBSan) =="
 scripts/setup.sh build-asan -DKVS_SANITIZE=ON -DKVS_WITH_CUDA=OFF -DKVS_BUILD_CLI=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
    ctest --output-on-failure --timeout 1800 -R '^(unit|unit_attention_.*|capi)$')
+echo "== hardening: fuzzers (ASan + UBSan, KVS_FUZZ_SECONDS each) and the ThreadSanitizer stress test =="
+KVS_CLI=build/kvsieve scripts/test_hardening.sh
