@@ -80,6 +80,10 @@ class Method {
   virtual nlohmann::json save_meta() const { return nlohmann::json::object(); }
   virtual void save(io::TablesWriter& w) const {}
   virtual void load(const io::TablesFile& f, const nlohmann::json& meta) {}
+  // After a load: whether the loaded index of `layer` fits a layer of `tokens` tokens (the count
+  // the file's header gives); if not, why. A forged or inconsistent file must fail here, not make
+  // a later step read tokens the layer does not hold. The default: no per-layer index.
+  virtual bool index_fits(uint32_t layer, int64_t tokens, std::string* why) const { return true; }
   virtual std::unique_ptr<Method> clone() const = 0;
   virtual uint64_t index_bytes() const { return 0; }
   // A named method-specific statistic; false if unknown.

@@ -81,6 +81,9 @@ class Placement {
   // copied on the first write) instead.
   virtual void load(const std::shared_ptr<const io::TablesFile>& f, const nlohmann::json& method_meta,
                     const std::vector<int64_t>& tokens, bool with_kv, const std::string& path, bool map) = 0;
+  // After load: the method's check that its index of `layer` fits `tokens` tokens (see
+  // Method::index_fits).
+  virtual bool index_fits(uint32_t layer, int64_t tokens, std::string* why) const = 0;
   // A copy sharing what can be shared (KV pages copy-on-write on the host).
   virtual std::unique_ptr<Placement> fork() const = 0;
 };

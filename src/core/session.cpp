@@ -401,6 +401,13 @@ std::unique_ptr<Session> Session::load(const std::string& path, const kvs_load_p
     }
     const bool map = lp.flags & KVS_LOAD_MMAP;
     s->placement_->load(file, meta, tokens, with_kv, path, map);
+    // The method's tables must fit the layers the header describes (a file whose sections and
+    // header disagree, checksums valid, is refused here rather than read out of bounds later).
+    for (uint32_t l = 0; l < p.num_layers; ++l) {
+      std::string why;
+      if (!s->placement_->index_fits(l, tokens[l], &why))
+        hl.sub(L(l)).fail("tokens", std::to_string(tokens[l]) + " does not match the method's tables: " + why);
+    }
     logf(LogLevel::Info, "loaded '%s': method %s, %u layers, KV %s", path.c_str(), method.c_str(), p.num_layers,
          !with_kv ? "to be prefilled again" : map ? "mapped from the file" : "copied");
     return s;

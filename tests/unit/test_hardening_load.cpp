@@ -239,6 +239,32 @@ TEST_CASE("hardening: every method's loader range-checks its header numbers") {
   }
 }
 
+// Found by the tables fuzzer: a tables-only file whose header gives a layer a token count other
+// than the one the method's tables cover (checksums valid). Loaded, prefilled with that many tokens
+// and decoded, csattention read out of bounds and lfps, hgca and retroinfer failed with INTERNAL.
+TEST_CASE("hardening: a layer's token count in the header must fit the method's tables") {
+  Data D(2, 4, 2, 16, 300);
+  struct Case {
+    const char* method;
+    const char* params;
+  };
+  const std::vector<Case> cases = {{"csattention", "centroids=8"}, {"lfps", nullptr},  {"hgca", nullptr},
+                                   {"retroinfer", "update_segment=64,local=16"}, {"ctkvr", nullptr},
+                                   {"quest", nullptr}};
+  for (const auto& c : cases) {
+    Sess A;
+    build(A, D, params(D, c.method, c.params), 256);
+    const std::string path = tmp(std::string(c.method) + "-tokens.kvt");
+    OK(kvs_session_save(A.s, path.c_str(), KVS_SAVE_TABLES));
+    CHECK(try_load(path).code == KVS_STATUS_OK);
+    for (int64_t n : {int64_t(1), int64_t(36)}) {
+      INFO(c.method << ": layers.0.tokens = " << n);
+      expect_format_invalid(path, [&](json& h) { h["layers"][0]["tokens"] = n; }, "layers.0.tokens");
+    }
+    std::remove(path.c_str());
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Finding 4: copy by default, KVS_LOAD_MMAP on request
 

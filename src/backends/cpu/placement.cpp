@@ -285,6 +285,10 @@ class CpuPlacement final : public Placement {
     method_->load(f, meta);
   }
 
+  bool index_fits(uint32_t layer, int64_t tokens, std::string* why) const override {
+    return method_->index_fits(layer, tokens, why);
+  }
+
   std::unique_ptr<Placement> fork() const override {
     auto p = std::make_unique<CpuPlacement>(cfg_, spec_, params_, pool_);
     p->layers_ = layers_;  // shares pages; copy-on-write on the next append

@@ -79,6 +79,8 @@ class DeviceMethod {
   // Before a save: bring the index up to date for the stored tokens (may synchronise).
   virtual void finish(uint32_t layer, const DeviceLayerView& v) {}
 
+  // After a load: as Method::index_fits.
+  virtual bool index_fits(uint32_t layer, int64_t tokens, std::string* why) const { return true; }
   virtual nlohmann::json save_meta() const { return nlohmann::json::object(); }
   virtual void save(io::TablesWriter& w) const {}
   virtual void load(const io::TablesFile& f, const nlohmann::json& meta) {}

@@ -502,6 +502,10 @@ class CudaPlacement final : public Placement {
     method_->load(*file, meta);
   }
 
+  bool index_fits(uint32_t layer, int64_t tokens, std::string* why) const override {
+    return method_->index_fits(layer, tokens, why);
+  }
+
   std::unique_ptr<Placement> fork() const override {
     DeviceGuard g(device_);
     auto p = std::make_unique<CudaPlacement>(cfg_, spec_, params_, pool_);

@@ -655,6 +655,12 @@ class CSAttention final : public Method {
 
   std::unique_ptr<Method> clone() const override { return std::make_unique<CSAttention>(*this); }
 
+  bool index_fits(uint32_t layer, int64_t tokens, std::string* why) const override {
+    const auto& L = layers_[layer];
+    if (!L.built || L.indexed <= tokens) return true;
+    *why = "its csattention tables index " + std::to_string(L.indexed) + " tokens";
+    return false;
+  }
   uint64_t index_bytes() const override {
     uint64_t b = 0;
     for (auto& L : layers_) b += table_bytes(L);

@@ -721,6 +721,11 @@ class Ctkvr final : public Method {
 
   std::unique_ptr<Method> clone() const override { return std::make_unique<Ctkvr>(*this); }
 
+  bool index_fits(uint32_t layer, int64_t tokens, std::string* why) const override {
+    if (tokens_[layer] <= tokens) return true;
+    *why = "its ctkvr index has seen " + std::to_string(tokens_[layer]) + " tokens";
+    return false;
+  }
   uint64_t index_bytes() const override {
     uint64_t b = 0;
     for (auto& L : fifo_)

@@ -401,6 +401,14 @@ class Hgca final : public Method {
     return l < layers_.size() && layers_[l].built && layers_[l].materialised ? &layers_[l] : nullptr;
   }
 
+  bool index_fits(uint32_t layer, int64_t tokens, std::string* why) const override {
+    const auto& st = layers_[layer];
+    if (!st.built) return true;
+    const int64_t end = st.materialised ? (st.win ? st.win->end() : tokens) : st.we;
+    if (end == tokens) return true;
+    *why = "its hgca window ends at token " + std::to_string(end);
+    return false;
+  }
   uint64_t index_bytes() const override {
     uint64_t b = 0;
     for (auto& st : layers_) {

@@ -67,6 +67,12 @@ class Lfps final : public Method {
   void save(io::TablesWriter& w) const override;
   void load(const io::TablesFile& f, const nlohmann::json& meta) override;
   std::unique_ptr<Method> clone() const override { return std::make_unique<Lfps>(*this); }
+  bool index_fits(uint32_t layer, int64_t tokens, std::string* why) const override {
+    const auto& L = layers_[layer];
+    if (!L.built || L.tokens == tokens) return true;
+    *why = "its lfps tables cover " + std::to_string(L.tokens) + " tokens";
+    return false;
+  }
   uint64_t index_bytes() const override;
   bool stat(std::string_view name, double* out) const override;
 

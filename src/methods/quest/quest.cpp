@@ -128,6 +128,11 @@ class Quest final : public Method {
     }
   }
   std::unique_ptr<Method> clone() const override { return std::make_unique<Quest>(*this); }
+  bool index_fits(uint32_t layer, int64_t tokens, std::string* why) const override {
+    if (indexed_[layer] <= tokens) return true;
+    *why = "its quest bounds cover " + std::to_string(indexed_[layer]) + " tokens";
+    return false;
+  }
   uint64_t index_bytes() const override {
     uint64_t b = 0;
     for (auto& v : bounds_) b += v.size() * sizeof(float);

@@ -151,6 +151,11 @@ class QuestCuda final : public DeviceMethod {
     }
     return c;
   }
+  bool index_fits(uint32_t layer, int64_t tokens, std::string* why) const override {
+    if (layers_[layer].folded <= tokens) return true;
+    *why = "its quest bounds cover " + std::to_string(layers_[layer].folded) + " tokens";
+    return false;
+  }
   uint64_t index_bytes() const override {
     uint64_t b = 0;
     for (auto& l : layers_) b += uint64_t(l.cap) * per_page() * 2;

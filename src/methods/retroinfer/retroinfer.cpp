@@ -557,6 +557,11 @@ class RetroInfer final : public Method {
 
   std::unique_ptr<Method> clone() const override { return std::make_unique<RetroInfer>(*this); }
 
+  bool index_fits(uint32_t layer, int64_t tokens, std::string* why) const override {
+    if (layers_[layer].indexed_end <= tokens) return true;
+    *why = "its retroinfer clusters index tokens up to " + std::to_string(layers_[layer].indexed_end);
+    return false;
+  }
   uint64_t index_bytes() const override {
     uint64_t b = 0;
     for (const auto& L : layers_)
