@@ -10,20 +10,8 @@ Batch::Batch(std::vector<Session*> sessions) : sessions_(std::move(sessions)) {
   if (sessions_.empty() || sessions_.size() > 65536)
     invalid("kvs_batch_create: count: expected 1..65536, got " + std::to_string(sessions_.size()));
   // Shapes, methods, backends and distinctness; layers are checked at plan time.
-  const Session& s0 = *sessions_[0];
-  for (size_t b = 0; b < sessions_.size(); ++b) {
-    const Session& sb = *sessions_[b];
-    const auto &a = sb.config().shape, &z = s0.config().shape;
-    if (a.num_q_heads != z.num_q_heads || a.num_kv_heads != z.num_kv_heads || a.head_dim != z.head_dim ||
-        a.num_layers != z.num_layers || a.kv_dtype != z.kv_dtype || a.softmax_scale != z.softmax_scale ||
-        sb.config().backend != s0.config().backend || sb.config().method != s0.config().method ||
-        (sb.config().backend != KVS_BACKEND_CPU && sb.config().device_id != s0.config().device_id))
-      invalid("kvs_batch_create: sessions[" + std::to_string(b) +
-              "]: expected the shape, dtype, softmax scale, method, backend and device of sessions[0]");
-    for (size_t c = 0; c < b; ++c)
-      if (sessions_[c] == sessions_[b]) invalid("kvs_batch_create: sessions[" + std::to_string(b) + "] appears twice");
-  }
-  done_.assign(s0.shape().num_layers, 0);
+  Session::check_compatible(sessions_.data(), sessions_.size(), "kvs_batch_create");
+  done_.assign(sessions_[0]->shape().num_layers, 0);
 }
 
 void Batch::plan(void* stream) {

@@ -177,6 +177,11 @@ void Session::check_batch(Session* const* sessions, size_t count, uint32_t layer
   if (count == 0 || count > 65536 || (single && count != 1))
     invalid(std::string(fn) + ": count: expected 1..65536, got " + std::to_string(count));
   if (!sessions[0]) invalid(std::string(fn) + ": sessions[0] is NULL");
+  check_compatible(sessions, count, fn);
+  for (size_t b = 0; b < count; ++b) sessions[b]->check_decodable(layer, fn);
+}
+
+void Session::check_compatible(Session* const* sessions, size_t count, const char* fn) {
   const Session& s0 = *sessions[0];
   for (size_t b = 0; b < count; ++b) {
     if (!sessions[b]) invalid(std::string(fn) + ": sessions[" + std::to_string(b) + "] is NULL");
@@ -190,7 +195,6 @@ void Session::check_batch(Session* const* sessions, size_t count, uint32_t layer
               "]: expected the shape, dtype, softmax scale, method, backend and device of sessions[0]");
     for (size_t c = 0; c < b; ++c)
       if (sessions[c] == sessions[b]) invalid(std::string(fn) + ": sessions[" + std::to_string(b) + "] appears twice");
-    sb.check_decodable(layer, fn);
   }
 }
 

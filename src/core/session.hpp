@@ -62,6 +62,8 @@ class Session {
   // Validates a batch of sessions for a decode step of `layer` (same shape, method and backend,
   // distinct, decodable); fn names the API call in messages.
   static void check_batch(Session* const* sessions, size_t count, uint32_t layer, const char* fn, bool single);
+  // The part of check_batch that does not depend on a layer (kvs_batch_create).
+  static void check_compatible(Session* const* sessions, size_t count, const char* fn);
   // Runs a validated batch's step and records the statistics.
   static void run_step(Session* const* sessions, size_t count, uint32_t layer, const StepTensors& t);
 

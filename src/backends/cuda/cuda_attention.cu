@@ -14,6 +14,7 @@
 // Each chunk writes a normalized partial (o, lse); a merge kernel combines the chunks exactly.
 // When one chunk covers the whole context the first kernel writes the final output directly.
 #include "backends/cuda/cuda_attention.cuh"
+#include "backends/cuda/status.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -40,22 +41,6 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr int kMinChunk = 128;     // fewest keys a split is worth
 constexpr int kMaxSplits = 1024;   // cap on chunks per (sequence, head)
 constexpr int kMaxCtasPerSm = 16;  // 2048 threads / 128: bound used for workspace sizing
-
-Status invalid(const char* m) { return Status{KVS_STATUS_INVALID_ARGUMENT, 0, m}; }
-Status unsupported(const char* m) { return Status{KVS_STATUS_UNSUPPORTED, 0, m}; }
-Status cuda_fail(cudaError_t e, const char* m) { return Status{KVS_STATUS_BACKEND, int32_t(e), m}; }
-
-#define KVS_CUDA_TRY(call, what)                          \
-  do {                                                    \
-    cudaError_t kvs_e_ = (call);                          \
-    if (kvs_e_ != cudaSuccess) return cuda_fail(kvs_e_, what); \
-  } while (0)
-#define KVS_LAUNCH_CHECK(what)                            \
-  do {                                                    \
-    cudaError_t kvs_e_ = cudaGetLastError();              \
-    if (kvs_e_ != cudaSuccess) return cuda_fail(kvs_e_, what); \
-  } while (0)
-
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 // ---- element conversions -------------------------------------------------------------------

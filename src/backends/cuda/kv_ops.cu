@@ -1,6 +1,7 @@
 // Kernels of kv_ops.cuh. Rows move as 16-byte vectors (d * element size is a multiple of 16 for
 // every supported head dim, and pages and caller tensors are 16-byte aligned).
 #include "backends/cuda/kv_ops.cuh"
+#include "backends/cuda/status.cuh"
 
 #include <cuda_runtime.h>
 
@@ -8,12 +9,6 @@
 
 namespace kvs::cuda {
 namespace {
-
-Status launch_status(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return Status{KVS_STATUS_BACKEND, int32_t(e), what};
-  return Status{};
-}
 
 // One block per (row, head) pair of a token range: vectors of 16 bytes.
 __global__ void write_rows_kernel(PagedKv kv, int32_t b, int32_t hkv, int32_t vecs_per_row, int32_t t0, int32_t n,

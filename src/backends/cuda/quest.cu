@@ -22,6 +22,7 @@
 //     sits at higher indices: ascending order puts them first; ties among real +inf scores resolve
 //     to the lowest pages, as on the CPU) and the last page, expanded to tokens.
 #include "backends/cuda/quest.cuh"
+#include "backends/cuda/status.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -50,20 +51,7 @@ Status topk_rows(const float* scores, int64_t row_stride, const int32_t* lengths
 namespace kvs::cuda {
 namespace {
 
-Status invalid(const char* m) { return Status{KVS_STATUS_INVALID_ARGUMENT, 0, m}; }
-Status unsupported(const char* m) { return Status{KVS_STATUS_UNSUPPORTED, 0, m}; }
-Status cuda_fail(cudaError_t e, const char* m) { return Status{KVS_STATUS_BACKEND, int32_t(e), m}; }
 
-#define KVSQ_TRY(call, what)                                   \
-  do {                                                         \
-    cudaError_t kvs_e_ = (call);                               \
-    if (kvs_e_ != cudaSuccess) return cuda_fail(kvs_e_, what); \
-  } while (0)
-#define KVSQ_LAUNCH_CHECK(what)                                \
-  do {                                                         \
-    cudaError_t kvs_e_ = cudaGetLastError();                   \
-    if (kvs_e_ != cudaSuccess) return cuda_fail(kvs_e_, what); \
-  } while (0)
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -454,11 +442,11 @@ Status launch_score(ScoreArgs a, int B, int max_cand, cudaStream_t st) {
   const size_t smem = score_smem_bytes(D, a.V);
   if (smem > 48 * 1024) {
     int dev = 0, optin = 0;
-    KVSQ_TRY(cudaGetDevice(&dev), "cudaGetDevice");
-    KVSQ_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
+    KVS_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
+    KVS_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
              "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
     if (smem > size_t(optin)) return unsupported("quest_select: query group too large for shared memory");
-    KVSQ_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+    KVS_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
              "cudaFuncSetAttribute(quest score)");
   }
   const int tiles_per_head = (max_cand + 7) / 8;
@@ -466,8 +454,8 @@ Status launch_score(ScoreArgs a, int B, int max_cand, cudaStream_t st) {
   if (tiles <= 0) {
     // About one resident wave of warps over all (sequence, KV head, tile) work.
     int dev = 0, sms = 0, occ = 0;
-    KVSQ_TRY(cudaGetDevice(&dev), "cudaGetDevice");
-    KVSQ_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
+    KVS_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
+    KVS_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
              "cudaDeviceGetAttribute(MultiProcessorCount)");
     // Occupancy per (kernel, shared memory size), cached: (smem << 32) | occ of the last query.
     static std::atomic<uint64_t> cached{0};
@@ -475,7 +463,7 @@ Status launch_score(ScoreArgs a, int B, int max_cand, cudaStream_t st) {
     if (c != 0 && (c >> 32) == smem) {
       occ = int(c & 0xffffffffu);
     } else {
-      KVSQ_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, kThreads, smem),
+      KVS_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, kThreads, smem),
                "cudaOccupancyMaxActiveBlocksPerMultiprocessor(quest score)");
       cached.store((uint64_t(smem) << 32) | uint32_t(std::max(occ, 1)), std::memory_order_relaxed);
     }
@@ -487,7 +475,7 @@ Status launch_score(ScoreArgs a, int B, int max_cand, cudaStream_t st) {
   const int per_cta = tiles * (kThreads / 32);
   dim3 grid(unsigned((tiles_per_head + per_cta - 1) / per_cta), unsigned(a.hkv), unsigned(B));
   kern<<<grid, kThreads, smem, st>>>(a);
-  KVSQ_LAUNCH_CHECK("quest score kernel launch");
+  KVS_LAUNCH_CHECK("quest score kernel launch");
   return {};
 }
 
@@ -532,7 +520,7 @@ Status quest_update_bounds(const AttnShape& shape, const PagedKv& kv, Scalar kv_
     constexpr int D = decltype(dim)::value;
     const unsigned blocks = unsigned((a.items + kThreads / 32 - 1) / (kThreads / 32));
     bounds_kernel<T, D><<<blocks, kThreads, 0, st>>>(a);
-    KVSQ_LAUNCH_CHECK("quest bounds kernel launch");
+    KVS_LAUNCH_CHECK("quest bounds kernel launch");
     return Status{};
   });
 }
@@ -614,7 +602,7 @@ Status quest_select(const AttnShape& shape, const Query& q, Scalar kv_dtype, con
   e.max_selected = max_selected;
   dim3 grid(unsigned(rows), unsigned((max_selected + 255) / 256));
   expand_kernel<<<grid, 256, 0, st>>>(e);
-  KVSQ_LAUNCH_CHECK("quest expand kernel launch");
+  KVS_LAUNCH_CHECK("quest expand kernel launch");
   return {};
 }
 

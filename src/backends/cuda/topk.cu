@@ -28,6 +28,7 @@
 // into summed probabilities. topk_rows is launched as a programmatic dependent too, so it can
 // follow the score pass without a launch gap.
 #include "backends/cuda/topk.cuh"
+#include "backends/cuda/status.cuh"
 
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -48,20 +49,7 @@ namespace kvs::cuda {
 
 namespace {
 
-Status invalid(const char* m) { return Status{KVS_STATUS_INVALID_ARGUMENT, 0, m}; }
-Status unsupported(const char* m) { return Status{KVS_STATUS_UNSUPPORTED, 0, m}; }
-Status cuda_fail(cudaError_t e, const char* m) { return Status{KVS_STATUS_BACKEND, int32_t(e), m}; }
 
-#define KVS_TOPK_TRY(call, what)                                  \
-  do {                                                            \
-    cudaError_t kvs_e_ = (call);                                  \
-    if (kvs_e_ != cudaSuccess) return cuda_fail(kvs_e_, what);    \
-  } while (0)
-#define KVS_TOPK_LAUNCH_CHECK(what)                               \
-  do {                                                            \
-    cudaError_t kvs_e_ = cudaGetLastError();                      \
-    if (kvs_e_ != cudaSuccess) return cuda_fail(kvs_e_, what);    \
-  } while (0)
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 __host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -822,11 +810,11 @@ template <typename T, int D, int GT>
 Status launch_scores(ScoreArgs a, bool per_head, const Workspace& ws, const ScoreLayout& L,
                      cudaStream_t st) {
   int dev = 0, sms = 0, occ = 0;
-  KVS_TOPK_TRY(cudaGetDevice(&dev), "cudaGetDevice");
-  KVS_TOPK_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
+  KVS_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
+  KVS_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
                "cudaDeviceGetAttribute(MultiProcessorCount)");
   auto kern = per_head ? topk_logits_kernel<T, D, GT, false> : topk_logits_kernel<T, D, GT, true>;
-  KVS_TOPK_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, kScoreThreads, 0),
+  KVS_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, kScoreThreads, 0),
                "cudaOccupancyMaxActiveBlocksPerMultiprocessor(topk_logits_kernel)");
   const int64_t rows = int64_t(a.B) * a.Hkv * a.ngroups;
   ScorePlan pl = score_plan(rows, a.max_len, D, GT, sms, occ);
@@ -844,7 +832,7 @@ Status launch_scores(ScoreArgs a, bool per_head, const Workspace& ws, const Scor
     a.part_l = reinterpret_cast<float*>(base + L.part_l);
   }
   kern<<<dim3(unsigned(pl.nchunks), unsigned(a.Hkv * a.ngroups), unsigned(a.B)), kScoreThreads, 0, st>>>(a);
-  KVS_TOPK_LAUNCH_CHECK("topk_logits_kernel launch");
+  KVS_LAUNCH_CHECK("topk_logits_kernel launch");
   if (!per_head) {
     const size_t smem = size_t(a.G) * 4;
     if (smem > 48 * 1024) return unsupported("topk_scores: too many query heads per KV head");
@@ -858,8 +846,8 @@ Status launch_scores(ScoreArgs a, bool per_head, const Workspace& ws, const Scor
     attr.val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
-    KVS_TOPK_TRY(cudaLaunchKernelEx(&cfg, topk_group_scores_kernel<GT>, a), "topk_group_scores_kernel launch");
-    KVS_TOPK_LAUNCH_CHECK("topk_group_scores_kernel launch");
+    KVS_CUDA_TRY(cudaLaunchKernelEx(&cfg, topk_group_scores_kernel<GT>, a), "topk_group_scores_kernel launch");
+    KVS_LAUNCH_CHECK("topk_group_scores_kernel launch");
   }
   return {};
 }
@@ -893,9 +881,9 @@ RowsKernel rows_kernel(int variant) {
 }
 
 Status prepare_rows_kernel(RowsKernel k) {
-  KVS_TOPK_TRY(cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
+  KVS_CUDA_TRY(cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
                "cudaFuncSetAttribute(NonPortableClusterSizeAllowed)");
-  KVS_TOPK_TRY(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kCacheBytesMax),
+  KVS_CUDA_TRY(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kCacheBytesMax),
                "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
   return {};
 }
@@ -969,7 +957,7 @@ Status topk_rows(const float* scores, int64_t row_stride, const int32_t* lengths
   if (!out_idx || (max_len > 0 && !scores)) return invalid("topk_rows: null pointer");
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   int dev = 0;
-  KVS_TOPK_TRY(cudaGetDevice(&dev), "cudaGetDevice");
+  KVS_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
   const bool vec = reinterpret_cast<uintptr_t>(scores) % 16 == 0 && row_stride % 4 == 0;
 
   // Cluster size: the fewest waves of clusters times the slice each CTA reads (a key cache in
@@ -1027,8 +1015,8 @@ Status topk_rows(const float* scores, int64_t row_stride, const int32_t* lengths
   attr[1].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 2;
-  KVS_TOPK_TRY(cudaLaunchKernelEx(&cfg, kern, a), "topk_rows_kernel launch");
-  KVS_TOPK_LAUNCH_CHECK("topk_rows_kernel launch");
+  KVS_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, a), "topk_rows_kernel launch");
+  KVS_LAUNCH_CHECK("topk_rows_kernel launch");
   return {};
 }
 
