@@ -6,6 +6,7 @@
 #             backend consistency harness (tests/backends) with the stories260K trace
 #   sanitize  both under compute-sanitizer memcheck (--small)
 #   bench     bench/gpu_bench.py (its default table, JSON) and `kvsieve bench --backend cuda`
+#   profile   tools/device/profile_step.py $PROFILE_CASES (kernels of one step and their GPU time)
 # Logs and JSON under $OUT (default /tmp/kvs_out).
 # With a build made elsewhere in .dev/ (tools/device/pack_gpu.sh: the installed library and CLI in
 # .dev/prefix, the test programs in .dev/bin), the build step compiles only the Python binding,
@@ -23,6 +24,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 . tests/bindings/debs_sysroot.sh
 [ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
 PY=$(command -v python3)
+[ -d /tmp/kvs_pyb/bindings/python ] && PYB=/tmp/kvs_pyb/bindings/python  # a binding built by an earlier step
 B=build-gpu
 if [ -d .dev/prefix ]; then
   B=.dev
@@ -71,7 +73,10 @@ fi
 if has sanitize; then
   wait $SAN
   echo "== compute-sanitizer memcheck (--small)"
-  grep -h -E "ERROR SUMMARY" "$OUT"/memcheck_*.log | tail -4
+  for f in "$OUT"/memcheck_*.log; do
+    echo "$(basename "$f"): $(grep -h -E "ERROR SUMMARY" "$f" | tail -1)"
+    grep -m 12 -E "Invalid|Program hit|^=========     (at|by|Address)|^========= +Host Frame" "$f" | cut -c1-200
+  done
   cat "$OUT/memcheck.txt"
   grep -q "exit [^0]" "$OUT/memcheck.txt" && rc=1
 fi
@@ -82,6 +87,12 @@ if has bench; then
   echo "== kvsieve bench --backend cuda"
   timeout 120 $CLI bench --backend cuda --method quest --context 131072 --budget 0.05 --steps 20 \
     --json "$OUT/cli_bench.json" 2>&1 | tail -8 || rc=1
+fi
+if has profile; then
+  echo "== profile_step"
+  export PYTHONPATH=${PYB:-$PWD/build-gpu/bindings/python} KVS_GEMM=openblas PYTHONUNBUFFERED=1
+  timeout ${PROFILE_TIMEOUT:-180} "$PY" tools/device/profile_step.py ${PROFILE_ARGS:-} \
+    ${PROFILE_CASES:-full:8192:1:0 exact_topk:131072:1:0.05 quest:131072:1:0.05:page_size=16} 2>&1 | tee "$OUT/profile.log" || rc=1
 fi
 echo "gpu_check exit $rc"
 exit $rc

@@ -76,6 +76,13 @@ class DeviceMethod {
   virtual void select(std::span<DeviceMethod* const> batch, uint32_t layer, const DeviceStep& step,
                       const DevicePlan& plan, const void* args, int32_t* idx, int32_t* cnt,
                       const cuda::Workspace& ws) = 0;
+  // True when a step can be captured in a CUDA graph and replayed for later tokens: for a decode
+  // token on_tokens launches nothing, and select() launches the same kernels with the same
+  // arguments for every step with the same plan capacities (DeviceStep::max_length, the plan's
+  // max_selected, workspace), reading every per-token value from device memory (lengths,
+  // budget_keys, the uploaded args). The placement may then raise max_length and max_selected to
+  // a bucket's capacity (select() must treat them as capacities) and replays one graph per layer.
+  virtual bool capturable() const { return false; }
   // Before a save: bring the index up to date for the stored tokens (may synchronise).
   virtual void finish(uint32_t layer, const DeviceLayerView& v) {}
 

@@ -26,8 +26,12 @@ __global__ void write_rows_kernel(PagedKv kv, int32_t b, int32_t hkv, int32_t ve
 }
 
 __global__ void append_batch_kernel(PagedKv kv, int32_t hkv, int32_t vecs_per_row, const int32_t* __restrict__ pos,
-                                    const uint4* __restrict__ k_new, const uint4* __restrict__ v_new) {
+                                    const uint4* k_new, const uint4* v_new, const void* const* kv_at) {
   const int32_t b = blockIdx.x, h = blockIdx.y;
+  if (kv_at) {
+    k_new = static_cast<const uint4*>(kv_at[0]);
+    v_new = static_cast<const uint4*>(kv_at[1]);
+  }
   const int32_t t = pos[b];
   const uint4* page = static_cast<const uint4*>(kv.pages[int64_t(b) * kv.max_pages + (t >> kv.page_shift)]);
   uint4* kp = const_cast<uint4*>(page) + (int64_t(h) * kv.page_tokens + (t & (kv.page_tokens - 1))) * vecs_per_row;
@@ -64,12 +68,12 @@ Status write_kv_rows(const PagedKv& kv, int32_t b, int32_t hkv, int32_t d, Scala
 }
 
 Status append_kv_batch(const PagedKv& kv, int32_t batch, int32_t hkv, int32_t d, Scalar dt, const int32_t* pos,
-                       const void* k_new, const void* v_new, void* stream) noexcept {
+                       const void* k_new, const void* v_new, void* stream, const void* const* kv_at) noexcept {
   if ((d * (dt == Scalar::F32 ? 4 : 2)) % 16) return Status{KVS_STATUS_UNSUPPORTED, 0, "append_kv_batch: row not a multiple of 16 bytes"};
   const int32_t v = vecs(d, dt);
   append_batch_kernel<<<dim3(unsigned(batch), unsigned(hkv)), unsigned(v < 32 ? 32 : v > 128 ? 128 : v), 0,
                         static_cast<cudaStream_t>(stream)>>>(kv, hkv, v, pos, static_cast<const uint4*>(k_new),
-                                                             static_cast<const uint4*>(v_new));
+                                                             static_cast<const uint4*>(v_new), kv_at);
   return launch_status("append_kv_batch launch");
 }
 

@@ -15,9 +15,12 @@ Status write_kv_rows(const PagedKv& kv, int32_t b, int32_t num_kv_heads, int32_t
                      int32_t t0, int32_t n, const void* src_k, const void* src_v, void* stream) noexcept;
 
 // The decode step's append for a batch: token pos[b] of sequence b (device int32 [B]) gets row b of
-// k_new / v_new ([B, Hkv, d] contiguous, KV dtype). One launch.
+// k_new / v_new ([B, Hkv, d] contiguous, KV dtype). With kv_at (device [2]), their addresses are
+// read from there when the kernel runs (a captured graph whose inputs move; k_new/v_new ignored).
+// One launch.
 Status append_kv_batch(const PagedKv& kv, int32_t batch, int32_t num_kv_heads, int32_t head_dim, Scalar dtype,
-                       const int32_t* pos, const void* k_new, const void* v_new, void* stream) noexcept;
+                       const int32_t* pos, const void* k_new, const void* v_new, void* stream,
+                       const void* const* kv_at = nullptr) noexcept;
 
 // Assembles a batch page table: dst[b * max_pages + i] = src[b][i] for i < counts[b] (device arrays:
 // src [B] of device page tables, counts [B]); entries past counts[b] are set to nullptr.

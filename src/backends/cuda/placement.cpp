@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -186,10 +187,14 @@ class CudaPlacement final : public Placement {
       if (e) cudaEventDestroy(e);
     for (auto* h : arg_host_)
       if (h) cudaFreeHost(h);
+    for (auto& g : graphs_of_)
+      if (g.exec) cudaGraphExecDestroy(g.exec);
+    if (cap_stream_) cudaStreamDestroy(cap_stream_);
     layers_.clear();
     sel_.clear();
     method_.reset();
     ws_.reset();
+    ctr_.reset();
     if (prev >= 0) cudaSetDevice(prev);
   }
 
@@ -291,22 +296,27 @@ class CudaPlacement final : public Placement {
       max_pages = std::max(max_pages, lay.table_cap);
     }
 
+    // A captured step (CUDA graph) sizes its launches for capacities rounded up to a bucket, so
+    // that one graph per layer serves every token until the context leaves the bucket.
+    const bool graph = graphs_ && method_->capturable();
     DeviceStep st;
     st.shape = cuda::AttnShape{int32_t(B), int32_t(hq), int32_t(hkv), int32_t(d), sh.softmax_scale};
     st.kv_dtype = kvdt();
     st.q = cuda::Query{qv.base, cuda::Scalar(int32_t(qv.dtype))};
     st.host_lengths = lens;
     st.host_budget = budget;
-    st.max_length = int32_t(max_len);
+    st.max_length = int32_t(graph ? round_up(max_len, kGraphBucket) : max_len);
     st.stream = t.stream;
-    const DevicePlan pl = method_->plan(ms, layer, st);
+    DevicePlan pl = method_->plan(ms, layer, st);
     if (!pl.dense && (pl.max_selected <= 0 || pl.selected.size() != size_t(B)))
       fail(KVS_STATUS_INTERNAL, "cuda method plan: selection capacity out of range");
+    if (graph && !pl.dense) pl.max_selected = int32_t(round_up(pl.max_selected, kGraphBucket));
 
     // Argument block: pos [B], lengths [B], budget [B], counts [B] (int32), then B source page
-    // tables (pointers), then the method's arguments.
+    // tables (pointers), the caller's tensors (q, o, lse, k_new, v_new: a graph reads them from
+    // here), then the method's arguments.
     const size_t ints = align256(size_t(B) * 4 * sizeof(int32_t));
-    const size_t ptrs = align256(size_t(B) * sizeof(void*));
+    const size_t ptrs = align256(size_t(B) * sizeof(void*)) + 256;
     const size_t arg_bytes = ints + ptrs + align256(pl.arg_bytes);
     char* host = arg_slot(arg_bytes);
     auto* hi = reinterpret_cast<int32_t*>(host);
@@ -325,29 +335,46 @@ class CudaPlacement final : public Placement {
     const int32_t H = pl.per_query_head ? int32_t(hq) : int32_t(hkv);
     const size_t table_bytes = B > 1 ? align256(size_t(B) * size_t(max_pages) * sizeof(void*)) : 0;
     const size_t lse_bytes = t.lse ? 0 : align256(size_t(B) * hq * sizeof(float));
-    const size_t attn_ws = pl.dense ? cuda::dense_decode_workspace_bytes(st.shape, int32_t(max_len))
+    const size_t attn_ws = pl.dense ? cuda::dense_decode_workspace_bytes(st.shape, st.max_length)
                                     : cuda::gathered_decode_workspace_bytes(st.shape, pl.max_selected, pl.per_query_head);
     const size_t kern_ws = align256(std::max(attn_ws, pl.workspace));
     if (!ws_) ws_ = std::make_shared<DevBuf>();
     ws_->reserve(arg_bytes + table_bytes + lse_bytes + kern_ws, device_);
     char* ws = static_cast<char*>(ws_->p);
     char* dargs = ws;
+    float* dlse = t.lse ? reinterpret_cast<float*>(lv.mutable_base()) : reinterpret_cast<float*>(ws + arg_bytes + table_bytes);
+    const size_t tens_at = ints + ptrs - 256;  // the caller's tensors in the argument block
+    const void** htens = reinterpret_cast<const void**>(host + tens_at);
+    htens[0] = qv.base;
+    htens[1] = ov.base;
+    htens[2] = dlse;
+    htens[3] = kv.base;
+    htens[4] = vv.base;
     check(cudaMemcpyAsync(dargs, host, arg_bytes, cudaMemcpyHostToDevice, S(t.stream)), "cudaMemcpyAsync(step arguments)");
     arg_done(t.stream);
+    const auto* dtens = reinterpret_cast<const void* const*>(dargs + tens_at);
     const int32_t* dpos = reinterpret_cast<const int32_t*>(dargs);
     st.lengths = dpos + B;
     st.budget_keys = dpos + 2 * B;
-    if (B > 1) {
+    if (B > 1) {  // assembled by the first launch of the step (enqueue, below)
       auto** table = reinterpret_cast<const void**>(ws + arg_bytes);
-      check(cuda::gather_page_tables(reinterpret_cast<const void* const* const*>(dargs + ints), dpos + 3 * B, int32_t(B),
-                                     int32_t(max_pages), table, t.stream),
-            "gather_page_tables");
       st.kv = cuda::PagedKv{table, int32_t(max_pages), int32_t(kPageTokens), log2i(kPageTokens)};
     } else {
       st.kv = own_kv(ps[0]->layers_[layer]);
     }
-    float* dlse = t.lse ? reinterpret_cast<float*>(lv.mutable_base()) : reinterpret_cast<float*>(ws + arg_bytes + table_bytes);
-    cuda::Workspace kw{ws + arg_bytes + table_bytes + lse_bytes, kern_ws};
+    // Split counters (zero; the decode kernels leave them zero): the chunks' merge in one launch.
+    uint32_t* counters = nullptr;
+    if (one_launch_merge_) {
+      const size_t need = size_t(B) * size_t(hq) * 4;
+      if (!ctr_ || ctr_->bytes < need) {
+        if (!ctr_) ctr_ = std::make_shared<DevBuf>();
+        ctr_->reserve(need, device_);
+        check(cudaMemsetAsync(ctr_->p, 0, ctr_->bytes, S(t.stream)), "cudaMemsetAsync(split counters)");
+      }
+      counters = static_cast<uint32_t*>(ctr_->p);
+    }
+    cuda::Workspace kw{ws + arg_bytes + table_bytes + lse_bytes, kern_ws, counters, counters ? size_t(B) * hq : 0};
+    if (graph) st.q.at = dtens;  // the caller's tensors by reference: one graph serves tensors that move
 
     // Selection buffer of this layer (kept for last_selection): reused when only this batch's
     // sessions still refer to it.
@@ -361,25 +388,50 @@ class CudaPlacement final : public Placement {
                                                       align256(size_t(B) * H * pl.max_selected * 4))
                           : nullptr;
 
-    check(cuda::append_kv_batch(st.kv, int32_t(B), int32_t(hkv), int32_t(d), kvdt(), dpos, kv.base, vv.base, t.stream),
-          "append_kv_batch");
-    int64_t advanced = 0;
-    try {
-      for (; advanced < B; ++advanced) {
-        auto* c = ps[size_t(advanced)];
-        auto& lay = c->layers_[layer];
-        ++lay.n;
-        c->method_->on_tokens(layer, view(lay, t.stream), lay.n - 1, lay.n);
-      }
-      cuda::Output out{ov.mutable_base(), cuda::Scalar(int32_t(ov.dtype)), dlse};
+    // The launches of the step after the argument upload: the batch page table, the new K/V rows,
+    // the selection and the attention. Run on the caller's stream, or captured into this layer's
+    // graph (then replayed while the key below holds).
+    int64_t advanced = 0;  // sessions whose layer counts the new token (undone on failure)
+    auto enqueue = [&](void* s) {
+      if (B > 1)
+        check(cuda::gather_page_tables(reinterpret_cast<const void* const* const*>(dargs + ints), dpos + 3 * B,
+                                       int32_t(B), int32_t(max_pages), const_cast<const void**>(st.kv.pages), s),
+              "gather_page_tables");
+      DeviceStep sst = st;
+      sst.stream = s;
+      check(cuda::append_kv_batch(st.kv, int32_t(B), int32_t(hkv), int32_t(d), kvdt(), dpos, kv.base, vv.base, s,
+                                  graph ? dtens + 3 : nullptr),
+            "append_kv_batch");
+      if (!graph) advance(ps, layer, s, advanced);  // eager: the method's update in stream order
+      cuda::Output out{ov.mutable_base(), cuda::Scalar(int32_t(ov.dtype)), dlse,
+                       graph ? const_cast<void* const*>(dtens + 1) : nullptr};
       if (pl.dense) {
-        check(cuda::dense_decode(st.shape, st.q, st.kv, kvdt(), st.lengths, st.max_length, out, kw, t.stream),
-              "dense_decode");
+        check(cuda::dense_decode(st.shape, st.q, st.kv, kvdt(), st.lengths, st.max_length, out, kw, s), "dense_decode");
       } else {
-        method_->select(ms, layer, st, pl, dargs + ints + ptrs, idx, cnt, kw);
-        check(cuda::gathered_decode(st.shape, st.q, st.kv, kvdt(), idx, cnt, pl.max_selected, out, kw, t.stream,
+        method_->select(ms, layer, sst, pl, dargs + ints + ptrs, idx, cnt, kw);
+        check(cuda::gathered_decode(st.shape, st.q, st.kv, kvdt(), idx, cnt, pl.max_selected, out, kw, s,
                                     pl.per_query_head),
               "gathered_decode");
+      }
+    };
+    try {
+      if (graph) {
+        advance(ps, layer, t.stream, advanced);  // host bookkeeping only: capturable methods launch nothing here
+        auto& key = graph_key_scratch_;
+        key.clear();
+        for (auto* c : ps) key.push_back(uintptr_t(c));
+        // Not the caller's tensors: the kernels read their addresses from the argument block.
+        for (const void* ptr : std::initializer_list<const void*>{ws, idx, st.kv.pages, counters})
+          key.push_back(uintptr_t(ptr));
+        for (int64_t x : {int64_t(qv.dtype), int64_t(ov.dtype), int64_t(t.lse != nullptr), int64_t(st.max_length),
+                          int64_t(pl.max_selected),
+                          int64_t(max_pages), int64_t(st.kv.max_pages), int64_t(arg_bytes), int64_t(table_bytes),
+                          int64_t(lse_bytes), int64_t(kern_ws), int64_t(pl.dense), int64_t(pl.per_query_head),
+                          int64_t(layer)})
+          key.push_back(uintptr_t(x));
+        launch_graph(layer, key, enqueue, t.stream);
+      } else {
+        enqueue(t.stream);
       }
     } catch (...) {
       for (int64_t a = 0; a < advanced; ++a) {
@@ -444,6 +496,10 @@ class CudaPlacement final : public Placement {
     // The CPU phase timings are not measured here (the step is asynchronous): they read 0.
     if (name == "decode_update_seconds" || name == "decode_select_seconds" || name == "decode_attend_seconds") {
       *out = 0;
+      return true;
+    }
+    if (name == "cuda_graph_captures" || name == "cuda_graph_launches") {
+      *out = double(name == "cuda_graph_captures" ? graph_captures_ : graph_launches_);
       return true;
     }
     return method_->stat(name, out);
@@ -577,6 +633,55 @@ class CudaPlacement final : public Placement {
           "cudaMemcpyAsync(page table)");
   }
 
+  // The new token counts in each session's layer; the method sees it (on_tokens).
+  void advance(const std::vector<CudaPlacement*>& ps, uint32_t layer, void* stream, int64_t& advanced) {
+    for (; advanced < int64_t(ps.size()); ++advanced) {
+      auto* c = ps[size_t(advanced)];
+      auto& lay = c->layers_[layer];
+      ++lay.n;
+      c->method_->on_tokens(layer, c->view(lay, stream), lay.n - 1, lay.n);
+    }
+  }
+
+  // Launches this layer's graph on `stream`, capturing it first (into a private stream: the
+  // caller's may be the legacy default stream, which cannot capture) unless the last capture had
+  // the same key: the same sessions, tensors, buffers and capacities, so the same launches.
+  template <class Enqueue>
+  void launch_graph(uint32_t layer, const std::vector<uintptr_t>& key, Enqueue& enqueue, void* stream) {
+    if (graphs_of_.size() < layers_.size()) graphs_of_.resize(layers_.size());
+    LayerGraph& g = graphs_of_[layer];
+    if (!g.exec || g.key != key) {
+      g.key.clear();
+      if (!cap_stream_) check(cudaStreamCreateWithFlags(&cap_stream_, cudaStreamNonBlocking), "cudaStreamCreate(capture)");
+      check(cudaStreamBeginCapture(cap_stream_, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+      cudaGraph_t graph = nullptr;
+      try {
+        enqueue(static_cast<void*>(cap_stream_));
+      } catch (...) {
+        cudaStreamEndCapture(cap_stream_, &graph);
+        if (graph) cudaGraphDestroy(graph);
+        cudaGetLastError();
+        throw;
+      }
+      check(cudaStreamEndCapture(cap_stream_, &graph), "cudaStreamEndCapture");
+      struct Own {
+        cudaGraph_t g;
+        ~Own() { cudaGraphDestroy(g); }
+      } own{graph};
+      // A new executable graph each time (an in-place update fails whenever the launches changed
+      // shape, and captures happen once per bucket of tokens, not per step).
+      if (g.exec) {
+        cudaGraphExecDestroy(g.exec);
+        g.exec = nullptr;
+      }
+      check(cudaGraphInstantiate(&g.exec, graph, 0), "cudaGraphInstantiate");
+      g.key = key;
+      ++graph_captures_;
+    }
+    check(cudaGraphLaunch(g.exec, S(stream)), "cudaGraphLaunch");
+    ++graph_launches_;
+  }
+
   // A pinned host slot for a step's arguments (a ring of slots, each reused once its last upload ended).
   char* arg_slot(size_t bytes) {
     const size_t k = arg_next_;
@@ -633,6 +738,27 @@ class CudaPlacement final : public Placement {
   cudaEvent_t arg_events_[kArgSlots] = {};
   size_t arg_next_ = 0;
   mutable std::vector<std::vector<std::byte>> saved_pages_;
+  // CUDA graphs of the decode step, one per layer (see decode); KVS_CUDA_GRAPHS=0 turns them off.
+  struct LayerGraph {
+    cudaGraphExec_t exec = nullptr;
+    std::vector<uintptr_t> key;
+  };
+  static constexpr int64_t kGraphBucket = 256;  // tokens and selection slots a capture covers ahead
+  bool graphs_ = !env_is("KVS_CUDA_GRAPHS", "0");
+  // The chunks of a split decode merged by the chunk kernel's last CTA (one launch) unless
+  // KVS_CUDA_MERGE_KERNEL=1 (the separate merge kernel; for comparisons).
+  bool one_launch_merge_ = !env_is("KVS_CUDA_MERGE_KERNEL", "1");
+  std::shared_ptr<DevBuf> ctr_;  // the split counters [B * Hq], zero between steps
+  std::vector<LayerGraph> graphs_of_;
+  std::vector<uintptr_t> graph_key_scratch_;
+  cudaStream_t cap_stream_ = nullptr;
+  uint64_t graph_captures_ = 0, graph_launches_ = 0;
+
+  static bool env_is(const char* name, const char* value) {
+    const char* e = std::getenv(name);
+    return e && std::strcmp(e, value) == 0;
+  }
+  static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 };
 
 }  // namespace

@@ -13,6 +13,7 @@ class FullCuda final : public DeviceMethod {
   }
   void select(std::span<DeviceMethod* const>, uint32_t, const DeviceStep&, const DevicePlan&, const void*, int32_t*,
               int32_t*, const cuda::Workspace&) override {}
+  bool capturable() const override { return true; }
   std::unique_ptr<DeviceMethod> clone(void*) const override { return std::make_unique<FullCuda>(); }
 };
 }  // namespace

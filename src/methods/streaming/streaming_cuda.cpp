@@ -31,6 +31,7 @@ class StreamingCuda final : public DeviceMethod {
                                         int32_t(sinks_), int32_t(window_), idx, cnt, p.max_selected, st.stream),
                     "window_select");
   }
+  bool capturable() const override { return true; }
   std::unique_ptr<DeviceMethod> clone(void*) const override { return std::make_unique<StreamingCuda>(*this); }
 
  private:
