@@ -35,6 +35,10 @@ class QuestCuda final : public DeviceMethod {
         layers_(ctx.shape.num_layers) {
     if (page_ < 1 || page_ > 4096) invalid("method_params: quest page_size must be in [1, 4096]");
     if (dense_layers_ < 0) invalid("method_params: quest dense_layers must be >= 0");
+    // The selection kernel compares fp32 page scores; the authors' fp16 rounding is cpu only.
+    if (p.get_string("score_dtype") != "f32")
+      fail(KVS_STATUS_UNSUPPORTED, "method_params: quest score_dtype=" + p.get_string("score_dtype") +
+                                       " is not supported on the cuda backend (cpu only); use score_dtype=f32");
     check(cudaGetDevice(&device_), "cudaGetDevice");
   }
   ~QuestCuda() override {
