@@ -270,8 +270,11 @@ TEST_CASE("retroinfer: Jensen bound of eq. 3 holds per cluster on random data") 
 TEST_CASE("retroinfer: with every cluster a singleton the estimation equals exact attention") {
   Rng rng(11);
   Data D(rng, 8, 2, 32, 340);
-  // Singletons: one cluster per token, no alignment, one segment; everything estimated.
-  const char* singleton = "cluster_size=1,cluster_align=1,segment_size=0,update_segment=64,sinks=4,local=8,retrieval=0,estimation=1";
+  // Singletons: one cluster per token, no alignment, one segment; everything estimated. The
+  // normalised k-means start keeps every token in its own cluster (a key's best normalised
+  // centroid is itself); the authors' raw start can move a key to a longer one.
+  const char* singleton = "cluster_size=1,cluster_align=1,segment_size=0,update_segment=64,sinks=4,local=8,retrieval=0,estimation=1,"
+      "kmeans_init=normalised";
   Sess S;
   auto p = params(D, singleton);
   OK(kvs_session_create(&p, &S.s));
@@ -317,7 +320,8 @@ TEST_CASE("retroinfer: a 16-bit meta index at decode (meta_dtype) agrees with th
     const kvs_scalar_type kt = cs.kv;
     Rng rng(17);
     Data D(rng, 8, 2, 32, 4200, 1.0f, 211);
-    const std::string single = "cluster_size=1,cluster_align=1,segment_size=0,update_segment=64,sinks=4,local=8,retrieval=0,estimation=1";
+    const std::string single = "cluster_size=1,cluster_align=1,segment_size=0,update_segment=64,sinks=4,local=8,retrieval=0,estimation=1,"
+      "kmeans_init=normalised";
     for (int config = 0; config < 2; ++config) {
       const std::string base = config == 0 ? single : std::string("sinks=4");
       const int64_t n = config == 0 ? 300 : 4096;
