@@ -1,8 +1,9 @@
 // quest on the cuda placement: the page bounds (max then min per page, KV head and dimension, in the
 // KV dtype: the stored key values, exact) live on the device per layer and are folded in as tokens
-// arrive; a step scores pages by the upper bound (summed over the group, or per query head), picks
+// arrive; a step scores pages by the upper bound (per query head, or summed over the group), picks
 // the top pages plus the current one and attends their tokens (quest_select, then the gathered
-// kernel). The rules are the CPU method's (quest.cpp); the tables sections are the same (fp32
+// kernel). The rules are the CPU method's (quest.cpp) except score_dtype=f16 (the fp16 page scores
+// of the authors' kernel), which is refused here; the tables sections are the same (fp32
 // bounds), so a CPU-built index loads here and the other way round.
 //
 // The last page is always attended and never scored, so its bounds are folded in when it fills
