@@ -53,9 +53,22 @@ ParamSet ParamSet::parse(const std::string& method, const std::vector<ParamSpec>
   // NULL, "" and blanks mean "no parameters"; otherwise every comma-separated item is one
   // key=value (an empty item is a typo, e.g. "a=1,,b=2" or a trailing comma, and is refused, as is
   // a key given twice: which value was meant cannot be known).
-  if (!text || trim(text).empty()) return ps;
-  const std::string all = text;
   std::map<std::string, size_t> seen;  // key -> item number (1-based)
+  if (text && !trim(text).empty()) ps.parse_items(method, specs, text, seen);
+  // preset=paper: the paper values of the parameters the text left unset.
+  if (auto it = ps.values_.find("preset"); it != ps.values_.end() && it->second == "paper")
+    for (auto& s : specs)
+      if (s.paper_value && !seen.count(s.name)) {
+        check_value(method, s, s.paper_value);
+        ps.values_[s.name] = s.paper_value;
+      }
+  return ps;
+}
+
+void ParamSet::parse_items(const std::string& method, const std::vector<ParamSpec>& specs, const char* text,
+                           std::map<std::string, size_t>& seen) {
+  ParamSet& ps = *this;
+  const std::string all = text;
   size_t pos = 0, number = 0;
   for (;;) {
     const size_t comma = all.find(',', pos);
@@ -86,7 +99,6 @@ ParamSet ParamSet::parse(const std::string& method, const std::vector<ParamSpec>
     if (comma == std::string::npos) break;
     pos = comma + 1;
   }
-  return ps;
 }
 
 ParamSet ParamSet::from_json(const std::string& method, const std::vector<ParamSpec>& specs,

@@ -1,6 +1,11 @@
 // Method parameters: each method declares ParamSpecs (name, type, default, one-line doc); a session
 // passes "key=value,key=value" text, which is validated against the specs. Every value actually used
 // (defaults included) is recorded in saved tables.
+//
+// Presets: a method that declares an enum parameter named "preset" with a value "paper" gives some
+// parameters a paper_value; preset=paper then sets each of them to its paper_value unless the text
+// sets it explicitly (explicit values win). The recorded values are the resolved ones, so a saved
+// session reloads with the same settings.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -16,6 +21,7 @@ struct ParamSpec {
   const char* type;  // "int", "float", "bool", "string", "enum:a|b|c"
   const char* default_value;
   const char* doc;
+  const char* paper_value = nullptr;  // the value under preset=paper (nullptr: the default)
 };
 
 class ParamSet {
@@ -36,6 +42,8 @@ class ParamSet {
   std::string to_text() const;
 
  private:
+  void parse_items(const std::string& method, const std::vector<ParamSpec>& specs, const char* text,
+                   std::map<std::string, size_t>& seen);
   std::string method_;
   std::map<std::string, std::string> values_;
   std::map<std::string, std::string> types_;

@@ -475,7 +475,7 @@ void run_trace(const char* path) {
                         {"exact_topk", "", 0.1, 0, false},
                         {"exact_topk", "mode=per_query_head,sinks=4,local=16", 0.2, 0, false},
                         {"streaming", "", 0.1, 0, true},
-                        {"quest", "", 0.2, 0, false},
+                        {"quest", "gqa=sum", 0.2, 0, false},
                         {"quest", "gqa=per_query_head", 0.2, 0, false}};
   for (const auto& m : cases) {
     std::vector<kvs_session_t> cpu(1), gpu(1);
@@ -533,7 +533,7 @@ int main(int argc, char** argv) {
       {"exact_topk", "", 0, 100, false},
       {"streaming", "", 0.05, 0, true},
       {"streaming", "sinks=2,window=50", 0, 0, true},
-      {"quest", "", 0.05, 0, false},
+      {"quest", "gqa=sum", 0.05, 0, false},
       {"quest", "gqa=per_query_head", 0.05, 0, false},
       {"quest", "page_size=64,dense_layers=1", 0.1, 0, false},
   };
@@ -552,8 +552,8 @@ int main(int argc, char** argv) {
     }
   // A context of a single prompt token, and one spanning many pages; prompts that end exactly where
   // the device page tables and the Quest bounds buffers are full (their next step grows them).
-  run_case({"quest", "", 0.05, 0, false}, shapes[0], {1}, 3, seed++);
-  run_case({"quest", "", 0.05, 0, false}, shapes[1], {1024, 4096}, 3, seed++);
+  run_case({"quest", "gqa=sum", 0.05, 0, false}, shapes[0], {1}, 3, seed++);
+  run_case({"quest", "gqa=sum", 0.05, 0, false}, shapes[1], {1024, 4096}, 3, seed++);
   run_case({"quest", "gqa=per_query_head", 0.05, 0, false}, shapes[0], {1024}, 3, seed++);
   run_case({"exact_topk", "", 0.05, 0, false}, shapes[1], {4096}, 3, seed++);
   run_case({"exact_topk", "", 0.02, 0, false}, shapes[0], {g_small ? 3000 : 40000}, 2, seed++);

@@ -82,7 +82,7 @@ def rng():
 SCALE = 1.0 / np.sqrt(D)
 
 # Methods whose default selection is per query head, and the parameters of their per-KV-head mode.
-PER_KV_HEAD_PARAMS = {"lfps": "gqa=per_kv_head"}
+PER_KV_HEAD_PARAMS = {"lfps": "gqa=per_kv_head", "quest": "gqa=sum"}
 
 
 # ---- versions and registry -----------------------------------------------------------------------

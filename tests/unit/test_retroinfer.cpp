@@ -196,6 +196,16 @@ TEST_CASE("retroinfer: cluster counts follow config.py") {
   CHECK(cluster_count(100, 16, 8, 1) == 8);  // at least lcm(8, s)
   CHECK(cluster_count(300, 1, 1, 1) == 300);
   CHECK(update_cluster_count(1024, 16, 8) == 64);
+  // Python's round (halves to even) and the lower multiple on a tie, as config.py.
+  CHECK(round_half_even(2.5) == 2);
+  CHECK(round_half_even(3.5) == 4);
+  CHECK(round_half_even(-0.5) == 0);
+  CHECK(segment_count(3 * 8192 / 2, 8192) == 2);     // round(1.5) = 2
+  CHECK(segment_count(5 * 8192 / 2, 8192) == 2);     // round(2.5) = 2, not 3
+  CHECK(cluster_count(1093, 16, 8, 1) == 64);        // round(68.3) = 68: 64 and 72 tie, the lower
+  CHECK(cluster_count(252 * 16, 16, 8, 1) == 248);   // 252: 248 and 256 tie
+  CHECK(cluster_count(4096, 16, 8, 1) == 256);
+  CHECK(cluster_count(4096 - 68, 16, 8, 1) == 248);  // counted from the indexed tokens instead
 }
 
 TEST_CASE("retroinfer: k-means membership partitions the indexed tokens exactly once; lists equal the KV rows") {
@@ -260,8 +270,11 @@ TEST_CASE("retroinfer: Jensen bound of eq. 3 holds per cluster on random data") 
 TEST_CASE("retroinfer: with every cluster a singleton the estimation equals exact attention") {
   Rng rng(11);
   Data D(rng, 8, 2, 32, 340);
-  // Singletons: one cluster per token, no alignment, one segment; everything estimated.
-  const char* singleton = "cluster_size=1,cluster_align=1,segment_size=0,update_segment=64,sinks=4,local=8,retrieval=0,estimation=1";
+  // Singletons: one cluster per token, no alignment, one segment; everything estimated. The
+  // normalised k-means start keeps every token in its own cluster (a key's best normalised
+  // centroid is itself); the authors' raw start can move a key to a longer one.
+  const char* singleton = "cluster_size=1,cluster_align=1,segment_size=0,update_segment=64,sinks=4,local=8,retrieval=0,estimation=1,"
+      "kmeans_init=normalised";
   Sess S;
   auto p = params(D, singleton);
   OK(kvs_session_create(&p, &S.s));
@@ -307,7 +320,8 @@ TEST_CASE("retroinfer: a 16-bit meta index at decode (meta_dtype) agrees with th
     const kvs_scalar_type kt = cs.kv;
     Rng rng(17);
     Data D(rng, 8, 2, 32, 4200, 1.0f, 211);
-    const std::string single = "cluster_size=1,cluster_align=1,segment_size=0,update_segment=64,sinks=4,local=8,retrieval=0,estimation=1";
+    const std::string single = "cluster_size=1,cluster_align=1,segment_size=0,update_segment=64,sinks=4,local=8,retrieval=0,estimation=1,"
+      "kmeans_init=normalised";
     for (int config = 0; config < 2; ++config) {
       const std::string base = config == 0 ? single : std::string("sinks=4");
       const int64_t n = config == 0 ? 300 : 4096;
@@ -380,7 +394,8 @@ TEST_CASE("retroinfer: decode selection = steady zone + whole retrieval clusters
   auto p = params(D, "");  // defaults: 4 sinks + 64 local, 1 segment, 16-token clusters
   OK(kvs_session_create(&p, &S.s));
   prefill(S.s, D, 2100);
-  // n_idx = 2032 -> round(127) = 128 clusters (multiple of 8); r = round(2.3) = 2, e = round(29.7) = 30.
+  // From the whole prompt (config.py): round(2100 / 16) = 131 -> 128 clusters (nearer multiple of 8);
+  // r = round(2.3) = 2, e = round(29.7) = 30.
   CHECK(stat(S.s, "clusters") == 128);
   std::vector<float> o, lse;
   decode(S.s, D, 2100, o, lse);
@@ -483,19 +498,21 @@ TEST_CASE("retroinfer: incremental updates cluster each update_segment alone, ap
     std::remove(path.c_str());
 
     // A failing decode that would have triggered an update rolls it back (bad o tensor shape).
-    for (int64_t t = 1301; t < 1383; ++t) decode(S.s, D, t, o, lse);  // 1383 tokens: the next update at 1384 (1384 - 16 - 1240 = 128)
+    // 1384 tokens; the next update at 1385 (1385 - 16 - 1240 = 129 > 128: the authors cluster when
+    // update_segment tokens are waiting before a decode token is appended).
+    for (int64_t t = 1301; t < 1384; ++t) decode(S.s, D, t, o, lse);
     const double up = stat(S.s, "index_updates");
     {
-      T q(D.qt(1383), f32(), {D.hq, D.d}), k(D.kt(1383), f32(), {D.hkv, D.d}), v(D.vt(1383), f32(), {D.hkv, D.d});
+      T q(D.qt(1384), f32(), {D.hq, D.d}), k(D.kt(1384), f32(), {D.hkv, D.d}), v(D.vt(1384), f32(), {D.hkv, D.d});
       std::vector<float> ob(size_t(D.hq) * D.d);
       T ot(ob.data(), f32(), {D.hq, D.d}), lt(lse.data(), f32(), {D.hq + 1});
       Err e{kvs_session_decode(S.s, 0, &q.t, &k.t, &v.t, &ot.t, &lt.t, nullptr)};
       CHECK(e.e != nullptr);
     }
     CHECK(stat(S.s, "index_updates") == up);
-    decode(S.s, D, 1383, o, lse);
+    decode(S.s, D, 1384, o, lse);
     CHECK(stat(S.s, "index_updates") == up + 1);
-    CHECK(full_error(D, 1383, o, lse) < 1.0);
+    CHECK(full_error(D, 1384, o, lse) < 1.0);
   }
 }
 
@@ -510,7 +527,9 @@ TEST_CASE("retroinfer: short prompts stay dense until update_segment tokens accu
   std::vector<float> o, lse;
   decode(S.s, D, 1000, o, lse);
   CHECK(full_error(D, 1000, o, lse) < 2e-5);
-  for (int64_t t = 1001; t < 1093; ++t) decode(S.s, D, t, o, lse);  // 1093 tokens: 1093-68 >= 1024 at t = 1091
+  for (int64_t t = 1001; t < 1092; ++t) decode(S.s, D, t, o, lse);  // 1092 tokens: 1024 waiting, not yet clustered
+  CHECK(stat(S.s, "clusters") == 0);
+  decode(S.s, D, 1092, o, lse);  // 1093 tokens: 1093 - 68 > 1024, the first 1024 are clustered
   CHECK(stat(S.s, "clusters") == 64);
   CHECK(stat(S.s, "indexed_tokens") == 1024);
 }

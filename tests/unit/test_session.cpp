@@ -10,6 +10,8 @@
 #include <set>
 #include <string>
 
+#include "core/error.hpp"
+#include "core/params.hpp"
 #include "io/tables.hpp"
 #include "kvsieve/kvsieve.h"
 #include "methods/quest/quest.hpp"
@@ -524,4 +526,25 @@ TEST_CASE("chunked prefill equals one prefill; prefill after build_index is refu
   T q(D.qt(0), f32(), {1, 4, 32}), k(D.kt(0), f32(), {1, 2, 32}), v(D.vt(0), f32(), {1, 2, 32});
   Err e{kvs_session_prefill(A.s, 0, &q.t, &k.t, &v.t, nullptr, nullptr)};
   CHECK(e.code() == KVS_STATUS_INVALID_STATE);
+}
+
+TEST_CASE("preset=paper: parameters without an explicit value take their paper value; explicit values win") {
+  const std::vector<kvs::ParamSpec> specs = {{"preset", "enum:kvsieve|paper", "kvsieve", "preset"},
+                                             {"a", "int", "0", "a", "2"},
+                                             {"b", "enum:x|y", "x", "b", "y"},
+                                             {"c", "int", "7", "c (no paper value)"}};
+  auto v = [](const kvs::ParamSet& p) { return p.get_string("a") + p.get_string("b") + p.get_string("c"); };
+  CHECK(v(kvs::ParamSet::parse("m", specs, "")) == "0x7");
+  CHECK(v(kvs::ParamSet::parse("m", specs, "preset=paper")) == "2y7");
+  CHECK(v(kvs::ParamSet::parse("m", specs, "a=5,preset=paper")) == "5y7");
+  CHECK(v(kvs::ParamSet::parse("m", specs, "preset=paper,b=x,c=1")) == "2x1");
+  // The recorded values are the resolved ones: a reload (from_json) gives the same settings.
+  const auto p = kvs::ParamSet::parse("m", specs, "preset=paper,a=3");
+  CHECK(v(kvs::ParamSet::from_json("m", specs, p.to_json())) == "3y7");
+  try {
+    kvs::ParamSet::parse("m", specs, "preset=authors");
+    FAIL("accepted");
+  } catch (const kvs::Error& e) {
+    CHECK(std::string(e.what()).find("preset") != std::string::npos);
+  }
 }

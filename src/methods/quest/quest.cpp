@@ -1,16 +1,20 @@
-// quest: query-aware page selection (Tang et al., ICML 2024; METHODS.md §4, after
-// mit-han-lab/Quest@01c1623). Keys are grouped in pages of P tokens; per page and KV head the
+// quest: query-aware page selection (Tang et al., ICML 2024, after mit-han-lab/Quest@01c1623;
+// docs/methods.md "quest"). Keys are grouped in pages of P tokens; per page and KV head the
 // element-wise max M and min m of the keys are kept (built at build_index, updated on append).
 // A query scores a page by the upper bound U_p = sum_i max(q_i M_i, q_i m_i) >= max_{j in p} q.k_j
-// (estimate.cu), the top pages are attended exactly, and the current (last) page always is (the
-// kernel path's page budget counts it). GQA: per query head (the eval path's repeat_kv, default) or
-// per KV head with the group's bounds summed. Bounds hold the stored-dtype key values exactly, so
-// the bound is never below the true page maximum.
+// (estimate.cu, unscaled), the top pages are attended exactly, and the current (last) page always is
+// (the kernel path's page budget counts it). GQA: per query head (the authors' evaluation path,
+// repeat_kv; the default), or per KV head with the group's bounds summed (gqa=sum). score_dtype=f16
+// rounds the page scores to fp16 before the top-k, as the authors' estimate kernel writes them;
+// dense_layers keeps the first layers dense (the authors keep 2). preset=paper sets all three to
+// the authors' values. Bounds hold the stored-dtype key values exactly, so the bound is never below
+// the true page maximum. Ties between page scores go to the lower page index.
 #include <algorithm>
 #include <cstring>
 #include <limits>
 
 #include "backends/cpu/topk.hpp"
+#include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "core/method.hpp"
 #include "io/header.hpp"
@@ -28,6 +32,7 @@ class Quest final : public Method {
         page_(p.get_int("page_size")),
         dense_layers_(p.get_int("dense_layers")),
         per_query_(p.get_string("gqa") == "per_query_head"),
+        f16_scores_(p.get_string("score_dtype") == "f16"),
         bounds_(ctx.shape.num_layers),
         indexed_(ctx.shape.num_layers, 0) {
     if (page_ < 1 || page_ > 4096) invalid("method_params: quest page_size must be in [1, 4096]");
@@ -58,8 +63,11 @@ class Quest final : public Method {
     extend(layer, kv);  // index built lazily if build_index was not called
     const int G = ctx_.shape.group(), d = int(ctx_.shape.head_dim), hkv = int(ctx_.shape.num_kv_heads);
     const int64_t pages = (n + page_ - 1) / page_;
-    const int64_t k = ctx_.budget.keys(n, 0.05);
-    const int64_t want = std::clamp<int64_t>(k / page_, 1, pages);  // page budget, current page included
+    // Page budget, current page included: budget tokens / page_size (the authors' page_budget). A
+    // budget in tokens is not clamped to the context first, so a budget of at least as many pages
+    // as the context has attends every page (as the authors' controller does).
+    const int64_t k = ctx_.budget.tokens > 0 ? ctx_.budget.tokens : ctx_.budget.keys(n, 0.05);
+    const int64_t want = std::clamp<int64_t>(k / page_, 1, pages);
     const float* b = bounds_[layer].data();
     out.kind = per_query_ ? Selection::Kind::PerQueryHead : Selection::Kind::PerKvHead;
     out.lists.assign(size_t(per_query_ ? hkv * G : hkv), {});
@@ -74,7 +82,7 @@ class Quest final : public Method {
           const float* mm = page_bounds(b, p, h);
           float u = 0.f;
           for (int g = ga; g < gb; ++g) u += upper_bound(q + size_t(h * G + g) * d, mm, d);
-          score[size_t(p)] = u;
+          score[size_t(p)] = f16_scores_ ? f16_to_f32(f32_to_f16(u)) : u;
         }
         cand.clear();
         for (int64_t p = 0; p < pages - 1; ++p) cand.push_back(int32_t(p));
@@ -171,7 +179,7 @@ class Quest final : public Method {
 
   MethodContext ctx_;
   int64_t page_, dense_layers_;
-  bool per_query_;
+  bool per_query_, f16_scores_;
   std::vector<std::vector<float>> bounds_;
   std::vector<int64_t> indexed_;
 };
@@ -182,12 +190,20 @@ std::unique_ptr<DeviceMethod> make_quest_cuda(const MethodContext&, const ParamS
 
 MethodSpec quest_spec() {
   return MethodSpec{
-      "quest", "Quest: pages of 16 keys scored by their min/max upper bound, top pages attended (METHODS.md 4)",
+      "quest", "Quest: pages of 16 keys scored by their min/max upper bound, top pages attended (docs/methods.md)",
       1u << KVS_BACKEND_CPU, 0.05,
-      {{"page_size", "int", "16", "tokens per page (Quest --chunk_size 16)"},
-       {"dense_layers", "int", "0", "first layers attended densely (Quest's reference keeps 2; 0 keeps budgets comparable)"},
-       {"gqa", "enum:sum|per_query_head", "sum",
-        "pages per KV head with the group's bounds summed (keeps the budget), or per query head (eval path, repeat_kv)"}},
+      {{"preset", "enum:kvsieve|paper", "kvsieve",
+        "paper: the authors' code (mit-han-lab/Quest): dense_layers=2, gqa=per_query_head, score_dtype=f16; "
+        "parameters given explicitly win"},
+       {"page_size", "int", "16", "tokens per page (Quest --chunk_size 16)", "16"},
+       {"dense_layers", "int", "0",
+        "first layers attended densely (paper: 2); 0 keeps every layer within the budget", "2"},
+       {"gqa", "enum:sum|per_query_head", "per_query_head",
+        "per_query_head: each query head scores and attends its own pages (the authors' evaluation path, "
+        "repeat_kv); sum: one page set per KV head from the group's summed bounds", "per_query_head"},
+       {"score_dtype", "enum:f32|f16", "f32",
+        "page scores as computed (f32) or rounded to fp16 before the top-k as the authors' kernel writes them "
+        "(paper: f16; cpu only)", "f16"}},
       [](const MethodContext& c, const ParamSet& p) { return std::make_unique<Quest>(c, p); },
       KVS_CUDA_IMPL(make_quest_cuda)};
 }

@@ -1,8 +1,9 @@
 // quest on the cuda placement: the page bounds (max then min per page, KV head and dimension, in the
 // KV dtype: the stored key values, exact) live on the device per layer and are folded in as tokens
-// arrive; a step scores pages by the upper bound (summed over the group, or per query head), picks
+// arrive; a step scores pages by the upper bound (per query head, or summed over the group), picks
 // the top pages plus the current one and attends their tokens (quest_select, then the gathered
-// kernel). The rules are the CPU method's (quest.cpp); the tables sections are the same (fp32
+// kernel). The rules are the CPU method's (quest.cpp) except score_dtype=f16 (the fp16 page scores
+// of the authors' kernel), which is refused here; the tables sections are the same (fp32
 // bounds), so a CPU-built index loads here and the other way round.
 //
 // The last page is always attended and never scored, so its bounds are folded in when it fills
@@ -35,6 +36,10 @@ class QuestCuda final : public DeviceMethod {
         layers_(ctx.shape.num_layers) {
     if (page_ < 1 || page_ > 4096) invalid("method_params: quest page_size must be in [1, 4096]");
     if (dense_layers_ < 0) invalid("method_params: quest dense_layers must be >= 0");
+    // The selection kernel compares fp32 page scores; the authors' fp16 rounding is cpu only.
+    if (p.get_string("score_dtype") != "f32")
+      fail(KVS_STATUS_UNSUPPORTED, "method_params: quest score_dtype=" + p.get_string("score_dtype") +
+                                       " is not supported on the cuda backend (cpu only); use score_dtype=f32");
     check(cudaGetDevice(&device_), "cudaGetDevice");
   }
   ~QuestCuda() override {

@@ -132,6 +132,9 @@ class RetroInfer final : public Method {
         centre_(p.get_bool("centre")),
         probe_(int_param(p, "retroinfer", "recall_probe", 0, kTok, "0 = off")),
         meta_dtype_(p.get_string("meta_dtype")),
+        from_prompt_(p.get_string("cluster_basis") == "prompt"),
+        raw_init_(p.get_string("kmeans_init") == "raw"),
+        mask_after_(p.get_string("mask_empty") == "after_softmax"),
         layers_(ctx.shape.num_layers) {
     auto bad = [](const std::string& name, const std::string& want, const std::string& got) {
       invalid("method_params: retroinfer " + name + ": expected " + want + ", got " + got);
@@ -152,13 +155,17 @@ class RetroInfer final : public Method {
     // Short prompts (n < sinks + local + update_segment) stay in the steady zone until enough
     // tokens accumulate (retroinfer_cache.py).
     if (n_idx >= update_) {
-      const int64_t s = retro::segment_count(n_idx, segment_size_);
+      // Segment and cluster counts from the whole prompt (config.py is given the context length),
+      // or from the clustered tokens only (cluster_basis=indexed).
+      const int64_t basis = from_prompt_ ? kv.size() : n_idx;
+      const int64_t s = std::min(retro::segment_count(basis, segment_size_), n_idx);
       // At most one cluster per token (the rounding to lcm(cluster_align, segments) can ask for
       // more on short prompts): still a multiple of the segments, each segment's k-means gets at
       // most as many clusters as it has tokens.
-      const int64_t C = std::min(retro::cluster_count(n_idx, cluster_size_, align_, s), s * (n_idx / s));
-      const int64_t r = std::clamp<int64_t>(std::llround(double(C) * retrieval_), retrieval_ > 0 ? 1 : 0, C);
-      const int64_t e = std::min<int64_t>(std::llround(double(C) * estimation_), C - r);
+      const int64_t C = std::min(retro::cluster_count(basis, cluster_size_, align_, s), s * (n_idx / s));
+      // Python round (halves to even), as retroinfer_cache.py sizes the zones.
+      const int64_t r = std::clamp<int64_t>(retro::round_half_even(double(C) * retrieval_), retrieval_ > 0 ? 1 : 0, C);
+      const int64_t e = std::min<int64_t>(retro::round_half_even(double(C) * estimation_), C - r);
       add_chunk(layer, kv, sinks_, sinks_ + n_idx, s, C, r, e);
     }
     update(layer, kv);
@@ -217,7 +224,9 @@ class RetroInfer final : public Method {
       const WaveHead& W = L.heads[size_t(h)];
       const float* qg = q + size_t(h) * G * d;
       HeadScratch& S = scratch_[size_t(h)];
-      // 1. Cluster ranking: P[g][c] = softmax_c(q_g.C_c * scale) over non-empty clusters, summed over g.
+      // 1. Cluster ranking: P[g][c] = softmax_c(q_g.C_c * scale), summed over g; the softmax runs over
+      //    every centroid and empty clusters are dropped after the sum (batch_gemm_softmax, then
+      //    masked_fill), or over the non-empty clusters only (mask_empty=before_softmax).
       //    The centroid logits are one GEMV over the C x d meta rows (the block kernel's score pass),
       //    read in the decode dtype (16-bit when the KV is), then a vectorised exp per head.
       const bool m16 = W.mdt != DType::F32;
@@ -234,7 +243,7 @@ class RetroInfer final : public Method {
       for (int64_t c = 0; c < C; ++c)
         if (csize[c] > 0) cand.push_back(int32_t(c));
       const int64_t nc = int64_t(cand.size());
-      const bool any_empty = nc < C;
+      const bool any_empty = nc < C && !mask_after_;
       if (nc > 0)
         for (int g = 0; g < G; ++g) {
           float* e = E + size_t(g) * C;
@@ -243,7 +252,7 @@ class RetroInfer final : public Method {
               if (csize[c] == 0) e[c] = -std::numeric_limits<float>::infinity();
           const float m = max_of(e, C);
           double z = cpu::exp_shift(e, C, m);
-          if (any_empty) {  // exact zeros for the empty clusters
+          if (any_empty) {  // exact zeros for the empty clusters (before_softmax)
             z = 0;
             for (int64_t c = 0; c < C; ++c) z += (e[c] = csize[c] > 0 ? e[c] : 0.f);
           }
@@ -617,7 +626,7 @@ class RetroInfer final : public Method {
     });
     std::vector<float*> xp;
     for (auto& x : X) xp.push_back(x.data());
-    retro::KMeansConfig cfg{C, s, int(iterations_), centre_};
+    retro::KMeansConfig cfg{C, s, int(iterations_), centre_, raw_init_};
     std::vector<std::vector<int32_t>> assign;
     std::vector<std::vector<float>> cent;
     retro::segmented_kmeans(xp, m, d, cfg, *ctx_.pool, cpu::GemmProvider(ctx_.gemm), assign, cent);
@@ -644,14 +653,19 @@ class RetroInfer final : public Method {
     return ctx_.shape.kv_dtype == DType::F32 ? DType::F32 : DType::F16;
   }
 
-  // Incremental update: while update_segment tokens lie between the index and the local window,
-  // cluster them alone (one segment) and append (decode_update_kv_cache / _update_kv_cache).
+  // Incremental update: once more than update_segment tokens lie between the index and the local
+  // window, the oldest update_segment of them are clustered alone (one segment) and appended. The
+  // authors check before appending a decode token (decode_update_kv_cache: a steady zone of
+  // sinks + local + UPDATE_SEGMENT is clustered, then the token appended); this runs after the
+  // append, hence "more than": the same tokens are clustered at the same step.
   void update(uint32_t layer, const KVLayer& kv) {
     auto& L = layers_[layer];
-    while (kv.size() - local_ - L.indexed_end >= update_) {
+    while (kv.size() - local_ - L.indexed_end > update_) {
       const int64_t C = std::min(retro::update_cluster_count(update_, cluster_size_, align_), update_);
-      const int64_t r_add = retrieval_ > 0 ? std::max<int64_t>(std::llround(double(C) * retrieval_), 1) : 0;
-      const int64_t e_add = std::llround(double(C) * estimation_);
+      // UPDATE_NPROBE and UPDATE_ES: Python round, at least 1 cluster each (estimation 0 stays off:
+      // the authors' max(..., 1) would estimate one cluster per update even then).
+      const int64_t r_add = retrieval_ > 0 ? std::max<int64_t>(retro::round_half_even(double(C) * retrieval_), 1) : 0;
+      const int64_t e_add = estimation_ > 0 ? std::max<int64_t>(retro::round_half_even(double(C) * estimation_), 1) : 0;
       add_chunk(layer, kv, L.indexed_end, L.indexed_end + update_, 1, C, r_add, e_add);
     }
   }
@@ -708,6 +722,7 @@ class RetroInfer final : public Method {
   bool session_budget_, centre_;
   int64_t probe_;
   std::string meta_dtype_;
+  bool from_prompt_, raw_init_, mask_after_;
   std::vector<LayerIndex> layers_;
   // The last select's estimation state ([Hkv*G][d], [Hkv*G]) for extra().
   std::vector<float> est_o_, est_lse_;
@@ -730,19 +745,31 @@ MethodSpec retroinfer_spec() {
       "next 23.2% estimated from centroids/sizes/value sums, LSE-merged (METHODS.md 9)",
       1u << KVS_BACKEND_CPU,
       0.05,
-      {{"sinks", "int", "4", "steady zone: first tokens always attended, never clustered (static_pattern_start)"},
-       {"local", "int", "64", "steady zone: last tokens always attended, never clustered (static_pattern_end)"},
-       {"cluster_size", "int", "16", "average tokens per cluster: clusters = round(n / cluster_size) (avg_cluster_size)"},
-       {"segment_size", "int", "8192", "k-means segment length in tokens; segments = max(round(n / segment_size), 1); 0 = whole context"},
-       {"iterations", "int", "10", "k-means iterations: iterations-1 per-segment spherical passes + 1 global un-normalised pass"},
-       {"cluster_align", "int", "8", "cluster counts are multiples of lcm(cluster_align, segments) (authors' kernel tile)"},
-       {"retrieval", "float", "0.018", "retrieval zone: fraction of clusters attended exactly (at least 1 when > 0)"},
-       {"estimation", "float", "0.232", "estimation zone: fraction of clusters estimated from centroids (0 = off)"},
-       {"update_segment", "int", "1024", "generated tokens clustered on their own and appended (UPDATE_SEGMENT); also the minimum prompt to index"},
+      {{"preset", "enum:kvsieve|paper", "kvsieve",
+        "paper: every parameter below that has a paper value takes it (the authors' code, "
+        "microsoft/RetrievalAttention); parameters given explicitly win"},
+       {"sinks", "int", "4", "steady zone: first tokens always attended, never clustered (static_pattern_start)", "4"},
+       {"local", "int", "64", "steady zone: last tokens always attended, never clustered (static_pattern_end)", "64"},
+       {"cluster_size", "int", "16", "average tokens per cluster: clusters = round(n / cluster_size) (avg_cluster_size)", "16"},
+       {"segment_size", "int", "8192", "k-means segment length in tokens; segments = max(round(n / segment_size), 1); 0 = whole context", "8192"},
+       {"cluster_basis", "enum:prompt|indexed", "prompt",
+        "n in the cluster and segment counts: the whole prompt length (config.py) or the clustered tokens only "
+        "(prompt minus the steady zone)", "prompt"},
+       {"iterations", "int", "10", "k-means iterations: iterations-1 per-segment spherical passes + 1 global un-normalised pass", "10"},
+       {"kmeans_init", "enum:raw|normalised", "raw",
+        "initial centroids: the raw (centred) keys at evenly spaced positions of the whole run (kmeans.py), or "
+        "per-segment positions L2-normalised", "raw"},
+       {"cluster_align", "int", "8", "cluster counts are multiples of lcm(cluster_align, segments) (authors' kernel tile)", "8"},
+       {"retrieval", "float", "0.018", "retrieval zone: fraction of clusters attended exactly (at least 1 when > 0)", "0.018"},
+       {"estimation", "float", "0.232", "estimation zone: fraction of clusters estimated from centroids (0 = off)", "0.232"},
+       {"mask_empty", "enum:after_softmax|before_softmax", "after_softmax",
+        "empty clusters in the ranking: dropped after the group's softmaxes over every centroid are summed (the "
+        "authors' code), or left out of the softmax", "after_softmax"},
+       {"update_segment", "int", "1024", "generated tokens clustered on their own and appended (UPDATE_SEGMENT); also the minimum prompt to index", "1024"},
        {"budget", "enum:paper|session", "paper",
         "paper: r = retrieval x clusters (session budget ignored); session: exact keys = the session budget, "
-        "steady zone included, filled with whole clusters in rank order"},
-       {"centre", "bool", "true", "subtract the keys' mean before clustering (added back to the centroids)"},
+        "steady zone included, filled with whole clusters in rank order", "paper"},
+       {"centre", "bool", "true", "subtract the keys' mean before clustering (added back to the centroids)", "true"},
        {"meta_dtype", "enum:auto|f16|bf16|f32", "auto",
         "dtype decode reads the centroids and value means in (a derived copy; half the bytes per step when 16-bit): "
         "auto = f16 for a 16-bit KV, f32 for an f32 KV; f16 falls back to bf16 for a head beyond fp16's range "

@@ -10,20 +10,27 @@
 
 namespace kvs::retro {
 
+int64_t round_half_even(double x) {
+  const double f = std::floor(x), r = x - f;
+  if (r > 0.5) return int64_t(f) + 1;
+  if (r < 0.5) return int64_t(f);
+  return int64_t(f) + (int64_t(f) % 2 != 0);
+}
+
 int64_t segment_count(int64_t n, int64_t segment_size) {
   if (segment_size <= 0) return 1;
-  return std::max<int64_t>(int64_t(std::llround(double(n) / double(segment_size))), 1);
+  return std::max<int64_t>(round_half_even(double(n) / double(segment_size)), 1);
 }
 
 int64_t cluster_count(int64_t n, int64_t avg_cluster_size, int64_t align, int64_t segments) {
   const int64_t L = std::lcm(std::max<int64_t>(align, 1), std::max<int64_t>(segments, 1));
-  const double want = double(n) / double(avg_cluster_size);
-  const int64_t c = int64_t(std::llround(want / double(L))) * L;
-  return std::max(c, L);
+  const int64_t c = std::max(round_half_even(double(n) / double(avg_cluster_size)), L);
+  const int64_t lower = c / L * L, upper = lower + L;
+  return c - lower <= upper - c ? lower : upper;
 }
 
 int64_t update_cluster_count(int64_t u, int64_t avg_cluster_size, int64_t align) {
-  const int64_t c = std::llround(double(u) / double(avg_cluster_size));
+  const int64_t c = round_half_even(double(u) / double(avg_cluster_size));
   return std::max<int64_t>(c / align * align, align);
 }
 
@@ -91,6 +98,13 @@ void segmented_kmeans(const std::vector<float*>& X, int64_t n, int d, const KMea
     const float* x = X[size_t(h)] + size_t(seg * m) * d;
     float* cent = centroids[size_t(h)].data() + size_t(seg * Cs) * d;
     for (int64_t c = 0; c < Cs; ++c) {
+      if (cfg.raw_init) {  // kmeans.py: positions over the whole run, raw keys
+        const int64_t cg = seg * Cs + c;
+        int64_t idx = int64_t(std::floor(double(cg) * double(n) / double(C) + double(n) / (2.0 * double(C))));
+        idx = std::clamp<int64_t>(idx, 0, n - 1);
+        std::memcpy(cent + size_t(c) * d, X[size_t(h)] + size_t(idx) * d, sizeof(float) * size_t(d));
+        continue;
+      }
       int64_t idx = int64_t(std::floor(double(c) * double(m) / double(Cs) + double(m) / (2.0 * double(Cs))));
       idx = std::clamp<int64_t>(idx, 0, m - 1);
       std::memcpy(cent + size_t(c) * d, x + size_t(idx) * d, sizeof(float) * size_t(d));

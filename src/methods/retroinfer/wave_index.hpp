@@ -22,11 +22,14 @@
 
 namespace kvs::retro {
 
-// Segments for n clustered tokens: max(round(n / segment_size), 1); segment_size 0 = one segment
+// Python's round(): to the nearest integer, halves to even (every rounding of the authors' config).
+int64_t round_half_even(double x);
+// Segments for a context of n tokens: max(round(n / segment_size), 1); segment_size 0 = one segment
 // (whole context). config.py generate_config.
 int64_t segment_count(int64_t n, int64_t segment_size);
-// Clusters: round(n / avg_cluster_size) rounded to the nearest multiple of lcm(align, segments),
-// at least that multiple (config.py; the multiple is the authors' CUTLASS tile constraint).
+// Clusters for a context of n tokens: c = max(round(n / avg_cluster_size), L) for L = lcm(align,
+// segments), then the nearer of the multiples of L below and above c, the lower one on a tie
+// (config.py; the multiple is the authors' CUTLASS tile constraint).
 int64_t cluster_count(int64_t n, int64_t avg_cluster_size, int64_t align, int64_t segments);
 // Clusters for an incremental update of u tokens: max(floor(round(u / avg) / align) * align, align)
 // (UPDATE_CENTROIDS = max(round(1024/16)//8*8, 8) = 64).
@@ -37,12 +40,16 @@ struct KMeansConfig {
   int64_t segments = 1;  // s
   int iterations = 10;   // iterations - 1 per-segment spherical passes, then one global pass
   bool centre = true;    // subtract the keys' mean before clustering (added back to the centroids)
+  bool raw_init = true;  // initial centroids: the raw keys at the authors' positions (kmeans.py), or,
+                         // false, per-segment positions L2-normalised
 };
 
 // Segmented spherical k-means over H independent heads (kmeans.segment_k_means):
 //  * X[h] is [n][d] fp32; it is centred in place when cfg.centre (mean mu[h] subtracted).
-//  * Segment j holds rows [j*m, (j+1)*m), m = n / s, and centroids [j*C/s, (j+1)*C/s); centroid c
-//    of a segment starts as its row floor(c*m/Cs + m/(2*Cs)), L2-normalised.
+//  * Segment j holds rows [j*m, (j+1)*m), m = n / s, and centroids [j*C/s, (j+1)*C/s). raw_init
+//    (kmeans.py): centroid c starts as row floor(c*n/C + n/(2*C)) of the whole run, as it is (the
+//    first assignment compares raw dot products); otherwise centroid c of a segment starts as the
+//    segment's row floor(c*m/Cs + m/(2*Cs)), L2-normalised.
 //  * iterations - 1 passes inside each segment: assign every row to argmax_c <x, c> over the
 //    segment's centroids, set each centroid to its members' mean, L2-normalise (an empty cluster
 //    keeps its centroid). The n mod s remainder rows take no part.
