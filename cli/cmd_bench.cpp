@@ -484,6 +484,39 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads) {
     }
     stream.sync();
   }
+  // The host time of one kvs_batch_decode of a batch (here of the full session alone): a plan per
+  // token, then the layer's decode, whose launches replay a captured CUDA graph.
+  std::vector<double> batch_host_us;
+  double graph_launches = 0, graph_captures = 0;
+  {
+    kvs_batch_t bh = nullptr;
+    kvs_session_t one = full.get();
+    check(kvs_batch_create(&one, 1, &bh), "kvs_batch_create");
+    const int64_t n = std::min<int64_t>(S, 64);
+    for (int64_t i = 0; i < n; ++i) {
+      const DeviceTensor qt(qs.get() + size_t(i) * hq * d * es, dtype, dev, {1, hq, d});
+      const DeviceTensor kt(ks.get() + size_t(i) * hkv * d * es, dtype, dev, {1, hkv, d});
+      const DeviceTensor vt(vs.get() + size_t(i) * hkv * d * es, dtype, dev, {1, hkv, d});
+      const DeviceTensor ot(out.get() + size_t(hq) * d * sizeof(float), DType::F32, dev, {1, hq, d});
+      const DeviceTensor lt(lse.get() + size_t(hq) * sizeof(float), DType::F32, dev, {1, hq});
+      kvs_error_t err = kvs_batch_plan(bh, st);
+      if (err == nullptr) {
+        stream.sync();  // the stream idle: the call's own host time
+        const auto t0 = Clock::now();
+        err = kvs_batch_decode(bh, 0, qt.get(), kt.get(), vt.get(), ot.get(), lt.get(), st);
+        const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+        if (i >= 4) batch_host_us.push_back(us);
+      }
+      if (err != nullptr) {
+        kvs_batch_destroy(bh);
+        check(err, "full: kvs_batch_decode");
+      }
+    }
+    stream.sync();
+    kvs_batch_destroy(bh);
+    kvs_session_method_stat(full.get(), "cuda_graph_launches", &graph_launches);
+    kvs_session_method_stat(full.get(), "cuda_graph_captures", &graph_captures);
+  }
   cuda_check(cudaGetLastError(), "after the decode steps");
   std::vector<double> method_us, full_us;
   for (int64_t i = o.warmup; i < S; ++i) {
@@ -539,6 +572,9 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads) {
               percentile(full_us, 99.0), o.method.c_str(), step_us, percentile(method_us, 99.0));
   std::printf("  host time of one decode call (median): full %.1f us, %s %.1f us\n", host_full, o.method.c_str(),
               host_step);
+  const double batch_host = batch_host_us.empty() ? 0.0 : median(batch_host_us);
+  std::printf("  host time of one kvs_batch_decode of full (median; CUDA graph replays %.0f, captures %.0f): %.1f us\n",
+              graph_launches, graph_captures, batch_host);
   if (!o.stats.empty()) {
     std::printf("  %s stats:", o.method.c_str());
     for (const auto& name : split(o.stats, ',')) {
@@ -571,6 +607,7 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads) {
                  {"attention_us", J(nullptr)},
                  {"host_step_us", host_step},
                  {"full_host_step_us", host_full},
+                 {"full_batch_host_step_us", batch_host},
                  {"index_build_ms", index_ms},
                  {"achieved_GBps", achieved},
                  {"measured_read_GBps", o.no_membw ? J(nullptr) : J(measured)},

@@ -555,6 +555,9 @@ int main(int argc, char** argv) {
   run_case({"quest", "gqa=sum", 0.05, 0, false}, shapes[0], {1}, 3, seed++);
   run_case({"quest", "gqa=sum", 0.05, 0, false}, shapes[1], {1024, 4096}, 3, seed++);
   run_case({"quest", "gqa=per_query_head", 0.05, 0, false}, shapes[0], {1024}, 3, seed++);
+  // A budget in tokens past the context (a partial last page): every page, as on the cpu.
+  run_case({"quest", "", 0, 100, false}, shapes[0], {40, 90, 77}, 3, seed++);
+  run_case({"quest", "gqa=per_query_head", 0, 64, false}, shapes[1], {50}, 3, seed++);
   run_case({"exact_topk", "", 0.05, 0, false}, shapes[1], {4096}, 3, seed++);
   run_case({"exact_topk", "", 0.02, 0, false}, shapes[0], {g_small ? 3000 : 40000}, 2, seed++);
   if (trace) run_trace(trace);

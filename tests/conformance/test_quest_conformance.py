@@ -122,7 +122,7 @@ def test_quest_preset_values_and_explicit_override(tmp_path):
             path = str(tmp_path / "q.kvs")
             s.save(path)
             got[params] = Tables(path).params
-    assert got[""] == {"preset": "kvsieve", "page_size": "16", "dense_layers": "0", "gqa": "per_query_head",
+    assert got[""] == {"preset": "kvsieve", "page_size": "16", "dense_layers": "0", "gqa": "sum",
                        "score_dtype": "f32"}
     assert got["preset=paper"] == {"preset": "paper", "page_size": "16", "dense_layers": "2",
                                    "gqa": "per_query_head", "score_dtype": "f16"}

@@ -324,26 +324,6 @@ struct Opt {
   float scale = -1.f;   // softmax scale (< 0: 1/sqrt(d))
   bool graph = false;   // run the call through a captured CUDA graph (after one plain warm-up)
   bool runs = false;    // gathered: select whole aligned 16-token runs (page-friendly lists)
-  bool counters = false;  // one-launch merge (Workspace counters), checked zero again afterwards
-};
-
-// Zeroed split counters for a call with Opt::counters; check() reports whether they came back zero.
-struct Counters {
-  DevBuf buf;
-  size_t n = 0;
-  Counters(bool on, size_t rows) : buf(on ? rows * 4 : 0), n(on ? rows : 0) {
-    if (on) CK(cudaMemset(buf.p, 0, rows * 4));
-  }
-  kvs::cuda::Workspace ws(void* p, size_t bytes) {
-    return kvs::cuda::Workspace{p, bytes, n ? buf.as<uint32_t>() : nullptr, n};
-  }
-  void check(const char* name) {
-    if (!n) return;
-    std::vector<uint32_t> h(n);
-    CK(cudaMemcpy(h.data(), buf.p, n * 4, cudaMemcpyDeviceToHost));
-    report(std::all_of(h.begin(), h.end(), [](uint32_t x) { return x == 0; }),
-           (std::string(name) + " counters re-armed").c_str(), "a split counter was left non-zero");
-  }
 };
 
 std::string lens_str(const std::vector<int>& lens) {
@@ -409,20 +389,19 @@ void run_dense(Scalar kvt, Scalar qt, Scalar ot, int D, int G, int Hkv, std::vec
   kvs::cuda::Query q{P.dq.p, qt};
   const auto kv = P.paged();
   kvs::cuda::Output out{dout.p, ot, dlse.as<float>()};
-  Counters ctr(opt.counters, rows);
   auto r = run_call(opt, dout, dlse, [&](cudaStream_t st) {
-    return kvs::cuda::dense_decode(s, q, kv, kvt, P.dlens.as<int32_t>(), maxlen, out, ctr.ws(ws.p, ws.n), st);
+    return kvs::cuda::dense_decode(s, q, kv, kvt, P.dlens.as<int32_t>(), maxlen, out,
+                                   kvs::cuda::Workspace{ws.p, ws.n}, st);
   });
   char name[256];
   std::snprintf(name, sizeof name,
                 "dense v%d kv=%s q=%s o=%s d=%d G=%d Hkv=%d P=%d B=%d lens=[%s] splits=%d%s", g_variant,
                 sname(kvt), sname(qt), sname(ot), D, G, Hkv, P.P, P.B, lens_str(lens).c_str(),
-                kvs::cuda::decode_num_splits(s, maxlen, kvt), opt.graph ? " graph" : opt.counters ? " one-launch" : "");
+                kvs::cuda::decode_num_splits(s, maxlen, kvt), opt.graph ? " graph" : "");
   if (!r.ok()) {
     report(false, name, std::string("status ") + r.message);
     return;
   }
-  ctr.check(name);
   check_output(name, P, dout, dlse, [&](int b, int) {
     std::vector<int> t(P.lens[b]);
     std::iota(t.begin(), t.end(), 0);
@@ -489,21 +468,19 @@ void run_gathered(Scalar kvt, Scalar qt, Scalar ot, int D, int G, int Hkv, int B
   kvs::cuda::Query q{P.dq.p, qt};
   const auto kv = P.paged();
   kvs::cuda::Output out{dout.p, ot, dlse.as<float>()};
-  Counters ctr(opt.counters, rows);
   auto r = run_call(opt, dout, dlse, [&](cudaStream_t st) {
     return kvs::cuda::gathered_decode(s, q, kv, kvt, didx.as<int32_t>(), dcnt.as<int32_t>(),
-                                      max_sel, out, ctr.ws(ws.p, ws.n), st, per_q);
+                                      max_sel, out, kvs::cuda::Workspace{ws.p, ws.n}, st, per_q);
   });
   char name[256];
   std::snprintf(name, sizeof name,
                 "gathered %s kv=%s q=%s o=%s d=%d G=%d Hkv=%d P=%d B=%d cap=%d max_sel=%d%s%s",
                 per_q ? "per-q-head" : "per-kv-head", sname(kvt), sname(qt), sname(ot), D, G, Hkv,
-                P.P, B, cap, max_sel, opt.runs ? " runs16" : "", opt.graph ? " graph" : opt.counters ? " one-launch" : "");
+                P.P, B, cap, max_sel, opt.runs ? " runs16" : "", opt.graph ? " graph" : "");
   if (!r.ok()) {
     report(false, name, std::string("status ") + r.message);
     return;
   }
-  ctr.check(name);
   check_output(name, P, dout, dlse,
                [&](int b, int h) { return lists[size_t(b) * lh + (per_q ? h : h / G)]; });
 }
@@ -761,27 +738,6 @@ int main(int argc, char** argv) {
     o.graph = true;
     run_gathered(BF, F32, F32, 128, 4, 2, 2, M, 1024, false, o);
     run_gathered(BF, F32, F32, 128, 4, 2, 2, M, 1024, true, o);
-  }
-  // The one-launch merge (split counters in the workspace): dense and gathered, both kernels
-  // (CUDA-core for G <= 2, tensor cores above), empty sequences and lists, bf16 and fp16 outputs,
-  // and inside a graph (counters re-armed between replays).
-  for (bool graph : {false, true}) {
-    Opt o = pg(16);
-    o.counters = true;
-    o.graph = graph;
-    run_dense(BF, F32, F32, 128, 4, 2, {M, 17, 0}, o);
-    run_dense(BF, BF, BF, 128, 2, 2, {1000, M}, o);
-    run_dense(F16, F32, F16, 64, 8, 2, {M}, o);
-    run_dense(BF, F32, F32, 256, 16, 1, {3000, 1}, o);
-    run_gathered(BF, F32, F32, 128, 4, 2, 2, M, 1024, false, o);
-    run_gathered(BF, F32, BF, 128, 8, 2, 3, M, 1024, false, o);
-    run_gathered(F16, F32, F32, 64, 3, 2, 2, M, 777, true, o);
-    run_gathered(BF, F32, F32, 128, 4, 2, 3, 1000, 0, false, o);
-  }
-  {
-    Opt o = pg(256);
-    o.counters = true;
-    run_dense(BF, BF, F32, 128, 4, 8, {g_small ? 3000 : 131072}, o);
   }
   // Merge
   for (int D : {64, 128, 256, 5}) run_merge(37, D, false);

@@ -239,10 +239,10 @@ void run(const char* method, int B, int layers, int hq, int hkv, int d, int64_t 
   GCHECK(caps_e == 0, "%s: eager sessions captured %.0f graphs", method, caps_e);
   GCHECK(sel_same, "%s: selections differ between captured and eager steps", method);
   // The two runs differ only in the split of the keys (capacities): fp32 rounding. Against float64:
-  // the kernels' fp32 arithmetic (the harness's bar: LSE within 1e-3).
-  GCHECK(worst_ge <= 1e-4, "%s: captured vs eager output differs by %.3e", method, worst_ge);
-  GCHECK(worst_ref <= 1e-3, "%s: output vs float64 differs by %.3e", method, worst_ref);
-  GCHECK(worst_lse <= 1e-3, "%s: lse vs float64 differs by %.3e", method, worst_lse);
+  // the kernels' fp32 arithmetic (seen on an H100: 3.9e-7 and 2.2e-6; the bars leave 25-50x).
+  GCHECK(worst_ge <= 1e-5, "%s: captured vs eager output differs by %.3e", method, worst_ge);
+  GCHECK(worst_ref <= 1e-4, "%s: output vs float64 differs by %.3e", method, worst_ref);
+  GCHECK(worst_lse <= 1e-4, "%s: lse vs float64 differs by %.3e", method, worst_lse);
 
   kvs_batch_destroy(bg);
   kvs_batch_destroy(be);

@@ -140,7 +140,6 @@ struct DecodeArgs {
   float* lse_part;  // [B * Hq, nsplit]
   const void* const* q_at;  // null, or device: the query's address, read at run time (graphs)
   void* const* o_at;        // null, or device [2]: o then lse addresses, read at run time
-  uint32_t* counters;       // null (merge kernel), or [B * Hkv * ngroups] zeros: last CTA merges
 };
 
 // The caller's tensors: a captured graph passes their addresses in device memory (q_at, o_at), so
@@ -181,84 +180,6 @@ constexpr int decode_smem_bytes() {
   return pipe > red ? pipe : red;
 }
 
-// One-launch split merge (a.counters set): every CTA of a (sequence, KV head, query group) arrives
-// once its partial is written, or at once when its chunk is empty; the last to arrive re-arms the
-// counter and merges the group's partials (chunks [0, ceil(len / chunk)) of the rows g0..g0+GT-1)
-// into o and lse, as decode_merge_kernel does. Called by every thread of the CTA.
-template <typename T, int D, int GT, int NW>
-__device__ __noinline__ void split_arrive(const DecodeArgs& a, int b, int kvh, int g0, int len) {
-  __shared__ int s_last;
-  __shared__ float s_lse[GT];
-  __threadfence();  // this CTA's partials are visible device-wide before it counts
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    uint32_t* c = a.counters + (int64_t(b) * gridDim.y + blockIdx.y);
-    const uint32_t prev = atomicAdd(c, 1u);
-    s_last = prev == gridDim.x - 1;
-    if (s_last) *c = 0u;  // every CTA of the group has arrived: ready for the next launch
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int ns = min((len + a.chunk - 1) / a.chunk, a.nsplit);
-  const int64_t row0 = int64_t(b) * a.Hq + kvh * a.G + g0;
-  void* const out_o = o_of(a);
-  float* const out_lse = lse_of(a);
-  // Each row's LSE over its chunks (a warp per row). Partials are read from L2 (__ldcg): other
-  // CTAs wrote them.
-  for (int g = warp; g < GT; g += NW) {
-    const float* lp = a.lse_part + (row0 + g) * a.nsplit;
-    float mx = -INFINITY;
-    if (g0 + g < a.G)
-      for (int s = lane; s < ns; s += 32) mx = fmaxf(mx, __ldcg(lp + s));
-#pragma unroll
-    for (int off = 16; off; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    float sum = 0.f;
-    if (mx != -INFINITY)
-      for (int s = lane; s < ns; s += 32) sum += expf(__ldcg(lp + s) - mx);
-#pragma unroll
-    for (int off = 16; off; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    const float lse = sum > 0.f ? mx + logf(sum) : -INFINITY;
-    if (lane == 0) {
-      s_lse[g] = lse;
-      if (g0 + g < a.G) out_lse[row0 + g] = lse;
-    }
-  }
-  __syncthreads();
-  // Outputs: a thread per (row, 4 dims), the chunks' loads independent (unrolled).
-  constexpr int C4 = D / 4;
-  for (int e = threadIdx.x; e < GT * C4; e += NW * 32) {
-    const int g = e / C4, c4 = e % C4;
-    if (g0 + g >= a.G) continue;
-    const int64_t row = row0 + g;
-    const float lse = s_lse[g];
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (lse != -INFINITY) {
-      const float* lp = a.lse_part + row * a.nsplit;
-      const float4* op = reinterpret_cast<const float4*>(a.o_part + row * a.nsplit * D) + c4;
-#pragma unroll 4
-      for (int s = 0; s < ns; ++s) {
-        const float w = expf(__ldcg(lp + s) - lse);
-        const float4 x = __ldcg(op + int64_t(s) * C4);
-        acc.x = fmaf(w, x.x, acc.x);
-        acc.y = fmaf(w, x.y, acc.y);
-        acc.z = fmaf(w, x.z, acc.z);
-        acc.w = fmaf(w, x.w, acc.w);
-      }
-    }
-    if (a.o_f32) {
-      reinterpret_cast<float4*>(static_cast<float*>(out_o) + row * D)[c4] = acc;
-    } else {
-      T* o = static_cast<T*>(out_o) + row * D + c4 * 4;
-      o[0] = Cvt<T>::from(acc.x);
-      o[1] = Cvt<T>::from(acc.y);
-      o[2] = Cvt<T>::from(acc.z);
-      o[3] = Cvt<T>::from(acc.w);
-    }
-  }
-}
-
 // Final step of a chunk CTA: red_m/red_l [NW*GT] and red_acc [NW*GT, D] (at the start of shared
 // memory, filled by every warp, barrier done) are merged over the warps and written out, either
 // as the final output (nsplit == 1) or as this chunk's normalized partial. Heads past the group
@@ -266,7 +187,7 @@ __device__ __noinline__ void split_arrive(const DecodeArgs& a, int b, int kvh, i
 template <typename T, int D, int GT, int NW>
 __device__ __forceinline__ void cta_epilogue(const DecodeArgs& a, const float* red_m,
                                              const float* red_l, const float* red_acc, int b,
-                                             int kvh, int g0, int split, int len) {
+                                             int kvh, int g0, int split) {
   for (int e = threadIdx.x; e < GT * D; e += NW * 32) {
     const int g = e / D, dim = e % D;
     if (g0 + g >= a.G) continue;
@@ -295,16 +216,12 @@ __device__ __forceinline__ void cta_epilogue(const DecodeArgs& a, const float* r
       if (dim == 0) a.lse_part[row * a.nsplit + split] = lv;
     }
   }
-  if (a.nsplit != 1 && a.counters) split_arrive<T, D, GT, NW>(a, b, kvh, g0, len);
 }
 
 // A CTA whose chunk is empty (start >= end): in direct mode it still owns the final output.
 template <typename T, int D, int GT, int NW>
-__device__ __forceinline__ void cta_write_empty(const DecodeArgs& a, int b, int kvh, int g0, int len) {
-  if (a.nsplit != 1) {  // split mode: the merge ignores chunks past the length
-    if (a.counters) split_arrive<T, D, GT, NW>(a, b, kvh, g0, len);
-    return;
-  }
+__device__ __forceinline__ void cta_write_empty(const DecodeArgs& a, int b, int kvh, int g0) {
+  if (a.nsplit != 1) return;  // split mode: the merge kernel ignores chunks past the length
   for (int e = threadIdx.x; e < GT * D; e += NW * 32) {
     const int g = e / D, dim = e % D;
     if (g0 + g >= a.G) continue;
@@ -387,7 +304,7 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_kernel(const DecodeArgs 
   src.end = end;
 
   if (start >= end) {  // uniform over the CTA
-    cta_write_empty<T, D, GT, NW>(a, b, kvh, g0, len);
+    cta_write_empty<T, D, GT, NW>(a, b, kvh, g0);
     return;
   }
 
@@ -568,7 +485,7 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_kernel(const DecodeArgs 
     }
   }
   __syncthreads();
-  cta_epilogue<T, D, GT, NW>(a, red_m, red_l, red_acc, b, kvh, g0, split, len);
+  cta_epilogue<T, D, GT, NW>(a, red_m, red_l, red_acc, b, kvh, g0, split);
 }
 
 #pragma nv_diag_suppress 550  // d2/d3 below: padding rows of the product, set and dropped
@@ -680,7 +597,7 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_mma_kernel(const DecodeA
   const int end = min(len, start + a.chunk);
   src.end = end;
   if (start >= end) {
-    cta_write_empty<T, D, GT, NW>(a, b, kvh, g0, len);
+    cta_write_empty<T, D, GT, NW>(a, b, kvh, g0);
     return;
   }
 
@@ -852,7 +769,7 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_mma_kernel(const DecodeA
     red_l[warp * GT + qr_] = l;
   }
   __syncthreads();
-  cta_epilogue<T, D, GT, NW>(a, red_m, red_l, red_acc, b, kvh, g0, split, len);
+  cta_epilogue<T, D, GT, NW>(a, red_m, red_l, red_acc, b, kvh, g0, split);
 }
 
 template <typename T, int D, int NW, int STAGES>
@@ -1089,11 +1006,9 @@ Status launch_decode(DecodeArgs a, const AttnShape& s, const Workspace& ws, cuda
   }
   if (s.num_kv_heads * a.ngroups > 65535) return unsupported("num_kv_heads too large");
   dim3 grid(p.nsplit, s.num_kv_heads * a.ngroups, s.batch);
-  if (a.counters && size_t(s.batch) * s.num_kv_heads * a.ngroups > ws.counters)
-    return invalid("workspace counters too few (B * Hq needed)");
   K::kernel<<<grid, K::kThreads, K::kSmem, st>>>(a);
   KVS_LAUNCH_CHECK(K::kName);
-  if (p.nsplit > 1 && !a.counters) {
+  if (p.nsplit > 1) {
     const unsigned rows = unsigned(s.batch) * unsigned(s.num_q_heads);
     const size_t smem = size_t(p.nsplit) * sizeof(float);
     if (g_merge_pdl.load(std::memory_order_relaxed)) {
@@ -1188,7 +1103,6 @@ Status decode_common(const AttnShape& s, const Query& q, const PagedKv& kv, Scal
   a.lse = out.lse;
   a.q_at = q.at;
   a.o_at = out.at;
-  a.counters = ws.counter_ptr;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (kv_dtype == Scalar::BF16)
     return gather ? dispatch_dim<__nv_bfloat16, true>(a, s, ws, st)

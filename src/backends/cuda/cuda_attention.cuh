@@ -82,11 +82,6 @@ struct Output {
 struct Workspace {
   void* ptr = nullptr;  // device, 256-byte aligned (cudaMalloc's alignment)
   size_t bytes = 0;
-  // Optional: `counters` device uint32 that are zero and that the decode kernels leave zero (at
-  // least B * Hq). With them a split decode merges its chunks in the chunk kernel's last CTA per
-  // (sequence, KV head, group) instead of a second launch. One step at a time may use them.
-  uint32_t* counter_ptr = nullptr;
-  size_t counters = 0;
 };
 
 // ---- 1. Dense decode -------------------------------------------------------------------------
@@ -94,10 +89,9 @@ struct Workspace {
 // lengths: device int32 [B]; max_length (host) must be >= every lengths[b] (larger lengths are
 // clamped to max_length) and <= kv.max_pages * kv.page_tokens. Split-K over KV chunks, a CTA per
 // (chunk, KV head, sequence) serving the whole query group (up to 8 heads; larger groups take
-// ceil(G/8) CTAs) so K and V are read once per KV head; the chunks are merged by the last CTA of
-// each head group when the workspace has counters, else by a second kernel (skipped when one chunk
-// suffices; launched as a programmatic dependent launch so its start overlaps the first kernel's
-// tail). Two launches at most, no host sync, no allocation. Groups of 3 or more
+// ceil(G/8) CTAs) so K and V are read once per KV head; a second kernel merges the chunks (skipped
+// when one chunk suffices; launched as a programmatic dependent launch so its start overlaps the
+// first kernel's tail). Two launches at most, no host sync, no allocation. Groups of 3 or more
 // heads (gathered decode: 5 or more) run on tensor cores (mma.sync, q and p split into hi+lo
 // 16-bit parts, fp32 accumulation): with fp16 KV there, |q * scale * log2(e)| must stay below 65504.
 size_t dense_decode_workspace_bytes(const AttnShape& shape, int32_t max_length) noexcept;

@@ -194,7 +194,6 @@ class CudaPlacement final : public Placement {
     sel_.clear();
     method_.reset();
     ws_.reset();
-    ctr_.reset();
     if (prev >= 0) cudaSetDevice(prev);
   }
 
@@ -362,18 +361,7 @@ class CudaPlacement final : public Placement {
     } else {
       st.kv = own_kv(ps[0]->layers_[layer]);
     }
-    // Split counters (zero; the decode kernels leave them zero): the chunks' merge in one launch.
-    uint32_t* counters = nullptr;
-    if (one_launch_merge_) {
-      const size_t need = size_t(B) * size_t(hq) * 4;
-      if (!ctr_ || ctr_->bytes < need) {
-        if (!ctr_) ctr_ = std::make_shared<DevBuf>();
-        ctr_->reserve(need, device_);
-        check(cudaMemsetAsync(ctr_->p, 0, ctr_->bytes, S(t.stream)), "cudaMemsetAsync(split counters)");
-      }
-      counters = static_cast<uint32_t*>(ctr_->p);
-    }
-    cuda::Workspace kw{ws + arg_bytes + table_bytes + lse_bytes, kern_ws, counters, counters ? size_t(B) * hq : 0};
+    cuda::Workspace kw{ws + arg_bytes + table_bytes + lse_bytes, kern_ws};
     if (graph) st.q.at = dtens;  // the caller's tensors by reference: one graph serves tensors that move
 
     // Selection buffer of this layer (kept for last_selection): reused when only this batch's
@@ -421,7 +409,7 @@ class CudaPlacement final : public Placement {
         key.clear();
         for (auto* c : ps) key.push_back(uintptr_t(c));
         // Not the caller's tensors: the kernels read their addresses from the argument block.
-        for (const void* ptr : std::initializer_list<const void*>{ws, idx, st.kv.pages, counters})
+        for (const void* ptr : std::initializer_list<const void*>{ws, idx, st.kv.pages})
           key.push_back(uintptr_t(ptr));
         for (int64_t x : {int64_t(qv.dtype), int64_t(ov.dtype), int64_t(t.lse != nullptr), int64_t(st.max_length),
                           int64_t(pl.max_selected),
@@ -745,10 +733,6 @@ class CudaPlacement final : public Placement {
   };
   static constexpr int64_t kGraphBucket = 256;  // tokens and selection slots a capture covers ahead
   bool graphs_ = !env_is("KVS_CUDA_GRAPHS", "0");
-  // The chunks of a split decode merged by the chunk kernel's last CTA (one launch) unless
-  // KVS_CUDA_MERGE_KERNEL=1 (the separate merge kernel; for comparisons).
-  bool one_launch_merge_ = !env_is("KVS_CUDA_MERGE_KERNEL", "1");
-  std::shared_ptr<DevBuf> ctr_;  // the split counters [B * Hq], zero between steps
   std::vector<LayerGraph> graphs_of_;
   std::vector<uintptr_t> graph_key_scratch_;
   cudaStream_t cap_stream_ = nullptr;

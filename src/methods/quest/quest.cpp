@@ -3,8 +3,9 @@
 // element-wise max M and min m of the keys are kept (built at build_index, updated on append).
 // A query scores a page by the upper bound U_p = sum_i max(q_i M_i, q_i m_i) >= max_{j in p} q.k_j
 // (estimate.cu, unscaled), the top pages are attended exactly, and the current (last) page always is
-// (the kernel path's page budget counts it). GQA: per query head (the authors' evaluation path,
-// repeat_kv; the default), or per KV head with the group's bounds summed (gqa=sum). score_dtype=f16
+// (the kernel path's page budget counts it). GQA: per KV head with the group's bounds summed
+// (gqa=sum, the default: a KV head reads only its budget), or per query head (the authors'
+// evaluation path, repeat_kv: a KV head reads the union of its query heads' pages). score_dtype=f16
 // rounds the page scores to fp16 before the top-k, as the authors' estimate kernel writes them;
 // dense_layers keeps the first layers dense (the authors keep 2). preset=paper sets all three to
 // the authors' values. Bounds hold the stored-dtype key values exactly, so the bound is never below
@@ -198,9 +199,10 @@ MethodSpec quest_spec() {
        {"page_size", "int", "16", "tokens per page (Quest --chunk_size 16)", "16"},
        {"dense_layers", "int", "0",
         "first layers attended densely (paper: 2); 0 keeps every layer within the budget", "2"},
-       {"gqa", "enum:sum|per_query_head", "per_query_head",
-        "per_query_head: each query head scores and attends its own pages (the authors' evaluation path, "
-        "repeat_kv); sum: one page set per KV head from the group's summed bounds", "per_query_head"},
+       {"gqa", "enum:sum|per_query_head", "sum",
+        "sum: one page set per KV head from the group's summed bounds (keeps the budget); per_query_head: each "
+        "query head scores and attends its own pages (the authors' evaluation path, repeat_kv; a KV head then "
+        "reads the union of its query heads' pages, more than the budget)", "per_query_head"},
        {"score_dtype", "enum:f32|f16", "f32",
         "page scores as computed (f32) or rounded to fp16 before the top-k as the authors' kernel writes them "
         "(paper: f16; cpu only)", "f16"}},

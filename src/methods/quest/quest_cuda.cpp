@@ -1,6 +1,6 @@
 // quest on the cuda placement: the page bounds (max then min per page, KV head and dimension, in the
 // KV dtype: the stored key values, exact) live on the device per layer and are folded in as tokens
-// arrive; a step scores pages by the upper bound (per query head, or summed over the group), picks
+// arrive; a step scores pages by the upper bound (summed over the group, or per query head), picks
 // the top pages plus the current one and attends their tokens (quest_select, then the gathered
 // kernel). The rules are the CPU method's (quest.cpp) except score_dtype=f16 (the fp16 page scores
 // of the authors' kernel), which is refused here; the tables sections are the same (fp32
@@ -30,6 +30,7 @@ class QuestCuda final : public DeviceMethod {
  public:
   QuestCuda(const MethodContext& ctx, const ParamSet& p)
       : shape_(ctx.shape),
+        budget_(ctx.budget),
         page_(p.get_int("page_size")),
         dense_layers_(p.get_int("dense_layers")),
         per_query_(p.get_string("gqa") == "per_query_head"),
@@ -67,7 +68,7 @@ class QuestCuda final : public DeviceMethod {
     if (layers_[layer].bounds || layers_[layer].folded > 0) fold(layer, v, v.tokens);
   }
 
-  DevicePlan plan(std::span<DeviceMethod* const>, uint32_t layer, const DeviceStep& st) const override {
+  DevicePlan plan(std::span<DeviceMethod* const> batch, uint32_t layer, const DeviceStep& st) const override {
     DevicePlan p;
     if (int64_t(layer) < dense_layers_) {
       p.dense = true;
@@ -77,24 +78,30 @@ class QuestCuda final : public DeviceMethod {
     int64_t max_want = 1;
     for (size_t b = 0; b < st.host_lengths.size(); ++b) {
       const int64_t n = st.host_lengths[b], pages = (n + page_ - 1) / page_;
-      const int64_t want = std::clamp<int64_t>(st.host_budget[b] / page_, 1, pages);
+      const int64_t want = std::clamp<int64_t>(budget_keys(batch[b], n, st.host_budget[b]) / page_, 1, pages);
       max_want = std::max(max_want, want);
       p.selected.push_back(double((want - 1) * page_ + (n - (pages - 1) * page_)));
     }
     p.max_selected = int32_t(max_want * page_);
     max_want_ = int32_t(max_want);
     p.workspace = cuda::quest_select_workspace_bytes(st.shape, st.max_length, int32_t(page_), int32_t(max_want));
-    p.arg_bytes = st.host_lengths.size() * sizeof(void*);
+    p.arg_bytes = st.host_lengths.size() * (sizeof(void*) + sizeof(int32_t));
     return p;
   }
-  void fill_args(std::span<DeviceMethod* const> batch, uint32_t layer, const DeviceStep&, void* host) const override {
+  // Arguments: the sessions' bounds buffers [B], then their page budgets in keys [B] (int32).
+  void fill_args(std::span<DeviceMethod* const> batch, uint32_t layer, const DeviceStep& st, void* host) const override {
     auto* ptrs = static_cast<const void**>(host);
-    for (size_t b = 0; b < batch.size(); ++b) ptrs[b] = static_cast<const QuestCuda*>(batch[b])->layers_[layer].bounds;
+    auto* keys = reinterpret_cast<int32_t*>(ptrs + batch.size());
+    for (size_t b = 0; b < batch.size(); ++b) {
+      ptrs[b] = static_cast<const QuestCuda*>(batch[b])->layers_[layer].bounds;
+      keys[b] = int32_t(budget_keys(batch[b], st.host_lengths[b], st.host_budget[b]));
+    }
   }
   void select(std::span<DeviceMethod* const>, uint32_t, const DeviceStep& st, const DevicePlan& p, const void* args,
               int32_t* idx, int32_t* cnt, const cuda::Workspace& ws) override {
-    check(cuda::quest_select(st.shape, st.q, st.kv_dtype, static_cast<const void* const*>(args), st.lengths,
-                             st.budget_keys, st.max_length, int32_t(page_), max_want_, per_query_, idx, cnt,
+    const auto* bounds = static_cast<const void* const*>(args);
+    const auto* keys = reinterpret_cast<const int32_t*>(bounds + st.shape.batch);
+    check(cuda::quest_select(st.shape, st.q, st.kv_dtype, bounds, st.lengths, keys, st.max_length, int32_t(page_), max_want_, per_query_, idx, cnt,
                              p.max_selected, ws, st.stream),
           "quest_select");
   }
@@ -144,7 +151,7 @@ class QuestCuda final : public DeviceMethod {
     }
   }
   std::unique_ptr<DeviceMethod> clone(void* stream) const override {
-    auto c = std::unique_ptr<QuestCuda>(new QuestCuda(shape_, page_, dense_layers_, per_query_, device_));
+    auto c = std::unique_ptr<QuestCuda>(new QuestCuda(shape_, budget_, page_, dense_layers_, per_query_, device_));
     for (size_t l = 0; l < layers_.size(); ++l) {
       const auto& L = layers_[l];
       if (!L.bounds) continue;
@@ -173,8 +180,18 @@ class QuestCuda final : public DeviceMethod {
     int64_t cap = 0;         // pages
     int64_t folded = 0;      // tokens folded into the bounds
   };
-  QuestCuda(const ModelShape& s, int64_t page, int64_t dense, bool pq, int dev)
-      : shape_(s), page_(page), dense_layers_(dense), per_query_(pq), device_(dev), layers_(s.num_layers) {}
+  QuestCuda(const ModelShape& s, const Budget& budget, int64_t page, int64_t dense, bool pq, int dev)
+      : shape_(s), budget_(budget), page_(page), dense_layers_(dense), per_query_(pq), device_(dev),
+        layers_(s.num_layers) {}
+
+  // The keys the page budget comes from (quest.cpp's rule): a budget in tokens as given, not
+  // clamped to the context first (a budget covering the context attends every page, a partial last
+  // page included); a fraction as the session computed it. Capped where it cannot matter (int32).
+  int64_t budget_keys(const DeviceMethod* m, int64_t n, int64_t session_keys) const {
+    const Budget& bg = static_cast<const QuestCuda*>(m)->budget_;
+    if (bg.tokens <= 0) return session_keys;
+    return std::min<int64_t>(bg.tokens, (n / page_ + 2) * page_);
+  }
 
   size_t per_page() const { return size_t(shape_.num_kv_heads) * 2 * shape_.head_dim; }
 
@@ -212,6 +229,7 @@ class QuestCuda final : public DeviceMethod {
   }
 
   ModelShape shape_;
+  Budget budget_;
   int64_t page_, dense_layers_;
   bool per_query_;
   int device_ = 0;
