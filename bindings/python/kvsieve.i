@@ -462,6 +462,7 @@ static void kvsb_log_trampoline(int32_t level, const char* line, void* user) {
 %ignore kvs_session_save;
 %ignore kvs_session_load;
 %ignore kvs_session_fork;
+%ignore kvs_session_to;
 %ignore kvs_session_get_stats;
 %ignore kvs_session_layer_tokens;
 %ignore kvs_session_last_selection;
@@ -486,6 +487,7 @@ static void kvsb_log_trampoline(int32_t level, const char* line, void* user) {
 %newobject session_create;
 %newobject session_load;
 %newobject kvs_session_s::fork;
+%newobject kvs_session_s::to;
 %newobject trace_open;
 %newobject batch_create;
 
@@ -554,6 +556,15 @@ struct kvs_batch_s {};
     kvs_error_t err;
     Py_BEGIN_ALLOW_THREADS
     err = kvs_session_fork($self, &out);
+    Py_END_ALLOW_THREADS
+    kvsb_raise(err);
+    return out;
+  }
+  kvs_session_s* to(int backend, int device_id) {
+    kvs_session_t out = NULL;
+    kvs_error_t err;
+    Py_BEGIN_ALLOW_THREADS
+    err = kvs_session_to($self, backend, device_id, &out);
     Py_END_ALLOW_THREADS
     kvsb_raise(err);
     return out;

@@ -340,6 +340,18 @@ KVS_API kvs_error_t kvs_session_load(const char* path, const kvs_load_params* pa
  *  copied. Either may be destroyed first. @threadsafety concurrent-const (on s) */
 KVS_API kvs_error_t kvs_session_fork(kvs_session_t s, kvs_session_t* out);
 
+/** A new session with s's state (every layer's KV, the method index, the layer states and the
+ *  statistics) on another backend or device: KVS_BACKEND_CPU or KVS_BACKEND_CUDA (device_id: the
+ *  CUDA device; 0 for the cpu). s is unchanged; the two are independent afterwards. The state goes
+ *  through the tables format in memory (no file): it costs one host copy of the KV and the index
+ *  (to the cpu, the new session's KV pages are that copy; to a GPU, a further copy up), and the
+ *  result decodes as a session saved with KVS_SAVE_INCLUDE_KV and loaded with that backend would.
+ *  Errors: KVS_STATUS_INVALID_ARGUMENT (backend, device_id, out), KVS_STATUS_UNSUPPORTED (no such
+ *  backend in this build, or the method has no implementation there),
+ *  KVS_STATUS_INVALID_STATE (a layer loaded without KV and not prefilled again),
+ *  KVS_STATUS_OUT_OF_MEMORY. Synchronises s's work on a GPU. @threadsafety concurrent-const (on s) */
+KVS_API kvs_error_t kvs_session_to(kvs_session_t s, int32_t backend, int32_t device_id, kvs_session_t* out);
+
 typedef struct kvs_session_stats {
   uint32_t struct_size;
   int64_t tokens;             /* tokens of the longest layer */

@@ -170,6 +170,12 @@ class Session {
     check(kvs_session_fork(s_, &f));
     return Session(f);
   }
+  // A copy of this session's state on another backend/device (kvs_session_to).
+  Session to(int32_t backend, int32_t device_id = 0) const {
+    kvs_session_t f = nullptr;
+    check(kvs_session_to(s_, backend, device_id, &f));
+    return Session(f);
+  }
   kvs_session_stats stats() const {
     kvs_session_stats st{};
     st.struct_size = sizeof st;

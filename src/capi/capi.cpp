@@ -253,6 +253,16 @@ kvs_error_t kvs_session_fork(kvs_session_t s, kvs_session_t* out) {
   });
 }
 
+kvs_error_t kvs_session_to(kvs_session_t s, int32_t backend, int32_t device_id, kvs_session_t* out) {
+  return guarded([&] {
+    auto& sess = S(s, "kvs_session_to");
+    need(out, "kvs_session_to", "out");
+    auto h = std::make_unique<kvs_session_s>();
+    h->impl = sess.to(backend, device_id);
+    *out = h.release();
+  });
+}
+
 kvs_error_t kvs_session_get_stats(kvs_session_t s, kvs_session_stats* out) {
   return guarded([&] { S(s, "kvs_session_get_stats").stats(out); });
 }

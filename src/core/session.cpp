@@ -274,10 +274,13 @@ static nlohmann::json shape_json(const ModelShape& s) {
 void Session::save(const std::string& path, uint32_t flags) const {
   if (flags & ~uint32_t(KVS_SAVE_INCLUDE_KV))
     invalid("kvs_session_save: flags: expected KVS_SAVE_TABLES (0) or KVS_SAVE_INCLUDE_KV (1), got " + std::to_string(flags));
-  const bool with_kv = flags & KVS_SAVE_INCLUDE_KV;
+  tables_writer(flags & KVS_SAVE_INCLUDE_KV, "kvs_session_save")->write_atomic(path);
+}
+
+std::unique_ptr<io::TablesWriter> Session::tables_writer(bool with_kv, const char* fn) const {
   for (uint32_t l = 0; l < cfg_.shape.num_layers; ++l)
     if (expected_len_[l] >= 0 && with_kv)
-      fail(KVS_STATUS_INVALID_STATE, "kvs_session_save: layer " + L(l) +
+      fail(KVS_STATUS_INVALID_STATE, std::string(fn) + ": layer " + L(l) +
                                          " was loaded without KV and not prefilled again; save with KVS_SAVE_TABLES or prefill it first");
   nlohmann::json h;
   h["format"] = "kvsieve-tables";
@@ -294,9 +297,32 @@ void Session::save(const std::string& path, uint32_t flags) const {
                       {"index_built", bool(built_[l])}});
   h["layers"] = layers;
   h["method"]["meta"] = placement_->save_meta();
-  io::TablesWriter w(h);
-  placement_->save(w, with_kv);
-  w.write_atomic(path);
+  auto w = std::make_unique<io::TablesWriter>(h);
+  placement_->save(*w, with_kv);
+  return w;
+}
+
+std::unique_ptr<Session> Session::to(int32_t backend, int32_t device_id) const {
+  if (backend != KVS_BACKEND_CPU && backend != KVS_BACKEND_CUDA)
+    invalid("kvs_session_to: backend: expected KVS_BACKEND_CPU (1) or KVS_BACKEND_CUDA (2), got " +
+            std::to_string(backend));
+  if (device_id < 0) invalid("kvs_session_to: device_id: expected >= 0, got " + std::to_string(device_id));
+  // The KV of every layer goes along (a layer loaded without KV and not prefilled again cannot move).
+  const auto image = tables_writer(true, "kvs_session_to")->write_memory();
+  auto file = io::TablesFile::open_memory(image, "(session state in memory)");
+  kvs_load_params lp;
+  kvs_load_params_init(&lp);
+  lp.backend = backend;
+  lp.device_id = device_id;
+  lp.num_threads = cfg_.num_threads;
+  lp.gemm = cfg_.gemm;
+  lp.flags = KVS_LOAD_MMAP;  // cpu: the pages stay in the image (one copy in all); cuda copies them up
+  auto s = load_from(file, lp, "kvs_session_to");
+  s->decode_steps_ = decode_steps_;
+  s->sum_selected_ = sum_selected_;
+  s->last_selected_ = last_selected_;
+  s->last_fraction_ = last_fraction_;
+  return s;
 }
 
 std::unique_ptr<Session> Session::load(const std::string& path, const kvs_load_params* params) {
@@ -322,12 +348,16 @@ std::unique_ptr<Session> Session::load(const std::string& path, const kvs_load_p
             std::to_string(lp.num_threads));
   if (lp.flags & ~uint32_t(KVS_LOAD_MMAP))
     invalid("kvs_session_load: params->flags: expected 0 or KVS_LOAD_MMAP (1), got " + std::to_string(lp.flags));
-  const int32_t gemm = int32_t(cpu::resolve_gemm(lp.gemm));  // validates lp.gemm and KVS_GEMM
+  (void)cpu::resolve_gemm(lp.gemm);  // validates lp.gemm and KVS_GEMM
+  return load_from(io::TablesFile::open(path), lp, path);
+}
 
+std::unique_ptr<Session> Session::load_from(const std::shared_ptr<const io::TablesFile>& file,
+                                            const kvs_load_params& lp, const std::string& path) {
+  const int32_t gemm = int32_t(cpu::resolve_gemm(lp.gemm));
   // The file. Everything below that is wrong is the file's fault: KVS_STATUS_FORMAT_INVALID naming
   // the file and the header field. Every number is range-checked at the type it lands in
   // (io::HeaderReader) before it is converted.
-  auto file = io::TablesFile::open(path);
   const auto& h = file->header();
   const io::HeaderReader hr(path);
   auto bad = [&](const std::string& what) { fail(KVS_STATUS_FORMAT_INVALID, hr.where() + "header: " + what); };

@@ -52,6 +52,9 @@ class Session {
   void save(const std::string& path, uint32_t flags) const;
   static std::unique_ptr<Session> load(const std::string& path, const kvs_load_params* params);
   std::unique_ptr<Session> fork() const;
+  // A new session with this one's state (KV, method index, layer states) on another backend or
+  // device (kvs_session_to): the state goes through the tables format in memory, no file.
+  std::unique_ptr<Session> to(int32_t backend, int32_t device_id) const;
 
   void stats(kvs_session_stats* out) const;
   int64_t layer_tokens(uint32_t layer) const;
@@ -68,6 +71,11 @@ class Session {
   static void run_step(Session* const* sessions, size_t count, uint32_t layer, const StepTensors& t);
 
  private:
+  // The tables writer of a save: header and every section (borrowing this session's buffers).
+  std::unique_ptr<io::TablesWriter> tables_writer(bool with_kv, const char* fn) const;
+  // The part of load after the file is open; `lp` validated, `path` names the source in messages.
+  static std::unique_ptr<Session> load_from(const std::shared_ptr<const io::TablesFile>& file,
+                                            const kvs_load_params& lp, const std::string& path);
   // A session around an existing placement (fork).
   Session(const SessionConfig& cfg, std::shared_ptr<ThreadPool> pool, std::unique_ptr<Placement> placement);
   void check_layer(uint32_t layer, const char* fn) const;

@@ -129,8 +129,18 @@ std::shared_ptr<MappedFile> MappedFile::open(const std::string& path) {
   return m;
 }
 
+std::shared_ptr<MappedFile> MappedFile::wrap(std::shared_ptr<const void> owner, const std::byte* data, uint64_t size,
+                                             std::string name) {
+  std::shared_ptr<MappedFile> m(new MappedFile());
+  m->path_ = std::move(name);
+  m->data_ = data;
+  m->size_ = size;
+  m->owner_ = std::move(owner);
+  return m;
+}
+
 MappedFile::~MappedFile() {
-  if (data_) ::munmap(const_cast<std::byte*>(data_), size_t(size_));
+  if (data_ && !owner_) ::munmap(const_cast<std::byte*>(data_), size_t(size_));
 }
 
 void FileSink::write(const void* data, uint64_t size) {

@@ -15,6 +15,9 @@ class MappedFile {
  public:
   // Throws KVS_STATUS_IO (errno as backend code) naming the path.
   static std::shared_ptr<MappedFile> open(const std::string& path);
+  // Bytes already in memory, kept alive by `owner`; `name` stands for the path in messages.
+  static std::shared_ptr<MappedFile> wrap(std::shared_ptr<const void> owner, const std::byte* data, uint64_t size,
+                                          std::string name);
   ~MappedFile();
   MappedFile(const MappedFile&) = delete;
   MappedFile& operator=(const MappedFile&) = delete;
@@ -28,6 +31,7 @@ class MappedFile {
   std::string path_;
   const std::byte* data_ = nullptr;
   uint64_t size_ = 0;
+  std::shared_ptr<const void> owner_;  // set: wrapped memory (not a mapping)
 };
 
 // Sequential writer handed to the body of write_file_atomic. Every failure throws KVS_STATUS_IO.

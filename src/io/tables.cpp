@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <set>
@@ -292,20 +293,29 @@ void TablesWriter::add_copy(std::string tag, int32_t layer, int32_t head, const 
   owned_.push_back(std::move(buf));  // moving a vector keeps its heap buffer: the piece stays valid
 }
 
-void TablesWriter::write_atomic(const std::string& path) {
+struct TablesWriter::Layout {
+  std::byte pre[kTablesPreambleSize] = {};
   std::string js;
+  std::vector<std::byte> dir;
+  std::vector<uint64_t> offsets;
+  uint64_t size = 0;
+};
+
+TablesWriter::Layout TablesWriter::layout() const {
+  Layout L;
   try {
-    js = header_.dump();
+    L.js = header_.dump();
   } catch (const json::exception& e) {
     invalid(std::string("tables header cannot be serialised: ") + e.what());
   }
+  const std::string& js = L.js;
   const uint64_t count = sections_.size();
   const uint64_t json_end = kTablesPreambleSize + js.size();
   const uint64_t dir_end = json_end + count * kTablesDirEntrySize;
 
-  std::vector<std::byte> dir(size_t(count * kTablesDirEntrySize), std::byte{0});
+  L.dir.assign(size_t(count * kTablesDirEntrySize), std::byte{0});
   uint64_t cur = dir_end;
-  std::vector<uint64_t> offsets(sections_.size());
+  L.offsets.resize(sections_.size());
   for (size_t i = 0; i < sections_.size(); ++i) {
     const auto& s = sections_[i];
     uint64_t len = 0;
@@ -319,8 +329,8 @@ void TablesWriter::write_atomic(const std::string& path) {
     const uint64_t sum = XXH3_64bits_digest(st);
     XXH3_freeState(st);
     const uint64_t off = align_up(cur);
-    offsets[i] = off;
-    std::byte* e = dir.data() + i * kTablesDirEntrySize;
+    L.offsets[i] = off;
+    std::byte* e = L.dir.data() + i * kTablesDirEntrySize;
     std::memcpy(e, s.tag.data(), s.tag.size());
     wr32(e + 32, uint32_t(s.layer));
     wr32(e + 36, uint32_t(s.head));
@@ -329,8 +339,9 @@ void TablesWriter::write_atomic(const std::string& path) {
     wr64(e + 56, sum);
     cur = off + len;
   }
+  L.size = cur;
 
-  std::byte pre[kTablesPreambleSize] = {};
+  std::byte* pre = L.pre;
   std::memcpy(pre + kOffMagic, kTablesMagic, 4);
   wr16(pre + kOffMajor, kTablesMajor);
   wr16(pre + kOffMinor, kTablesMinor);
@@ -339,19 +350,47 @@ void TablesWriter::write_atomic(const std::string& path) {
   wr64(pre + kOffJsonLen, js.size());
   wr64(pre + kOffCount, count);
   wr64(pre + kOffJsonSum, checksum64(js.data(), js.size()));
-  wr64(pre + kOffDirSum, checksum64(dir.data(), dir.size()));
+  wr64(pre + kOffDirSum, checksum64(L.dir.data(), L.dir.size()));
   wr64(pre + kOffPreambleSum, checksum64(pre, size_t(kOffPreambleSum)));
+  return L;
+}
 
+void TablesWriter::write_atomic(const std::string& path) {
+  const Layout L = layout();
   write_file_atomic(path, [&](FileSink& f) {
-    f.write(pre, sizeof pre);
-    f.write(js.data(), js.size());
-    f.write(dir.data(), dir.size());
+    f.write(L.pre, sizeof L.pre);
+    f.write(L.js.data(), L.js.size());
+    f.write(L.dir.data(), L.dir.size());
     for (size_t i = 0; i < sections_.size(); ++i) {
-      f.write_zeros(offsets[i] - f.position());
+      f.write_zeros(L.offsets[i] - f.position());
       for (auto& p : sections_[i].pieces)
         if (p.size) f.write(p.data, p.size);
     }
   });
+}
+
+TablesWriter::Image TablesWriter::write_memory() {
+  const Layout L = layout();
+  constexpr size_t kAlign = 4096;
+  const size_t bytes = (size_t(L.size) + kAlign - 1) / kAlign * kAlign;
+  auto* raw = static_cast<std::byte*>(std::aligned_alloc(kAlign, bytes ? bytes : kAlign));
+  if (!raw) fail(KVS_STATUS_OUT_OF_MEMORY, "tables image: cannot allocate " + std::to_string(bytes) + " bytes");
+  std::shared_ptr<std::byte> buf(raw, [](std::byte* p) { std::free(p); });
+  std::byte* w = raw;
+  auto put = [&](const void* d, size_t n) {
+    if (n) std::memcpy(w, d, n);
+    w += n;
+  };
+  put(L.pre, sizeof L.pre);
+  put(L.js.data(), L.js.size());
+  put(L.dir.data(), L.dir.size());
+  for (size_t i = 0; i < sections_.size(); ++i) {
+    const size_t pad = size_t(L.offsets[i]) - size_t(w - raw);
+    std::memset(w, 0, pad);
+    w += pad;
+    for (auto& p : sections_[i].pieces) put(p.data, size_t(p.size));
+  }
+  return Image{std::move(buf), L.size};
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -363,6 +402,24 @@ std::shared_ptr<TablesFile> TablesFile::open(const std::string& path, bool verif
   if (verify_checksums) {
     for (auto& s : L.sections) verify_section(s, path);
     verify_padding(map->data(), L, path);
+  }
+  std::shared_ptr<TablesFile> f(new TablesFile());
+  f->map_ = std::move(map);
+  f->header_ = std::move(L.header);
+  f->sections_ = std::move(L.sections);
+  f->major_ = L.major;
+  f->minor_ = L.minor;
+  return f;
+}
+
+std::shared_ptr<TablesFile> TablesFile::open_memory(const TablesWriter::Image& image, const std::string& name,
+                                                    bool verify_checksums) {
+  auto map = MappedFile::wrap(image.data, image.data.get(), image.size, name);
+  Layout L;
+  parse_layout(map->data(), map->size(), name, L);
+  if (verify_checksums) {
+    for (auto& s : L.sections) verify_section(s, name);
+    verify_padding(map->data(), L, name);
   }
   std::shared_ptr<TablesFile> f(new TablesFile());
   f->map_ = std::move(map);

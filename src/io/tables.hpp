@@ -46,10 +46,20 @@ class TablesWriter {
   // removes the temporary file, leaves an existing file intact, throws KVS_STATUS_IO with errno
   // as backend code.
   void write_atomic(const std::string& path);
+  // The same bytes in memory (4096-byte aligned, so sections keep their alignment): the form in
+  // which a session's state moves between placements (Session::to).
+  struct Image {
+    std::shared_ptr<const std::byte> data;
+    uint64_t size = 0;
+  };
+  Image write_memory();
 
   size_t section_count() const { return sections_.size(); }
 
  private:
+  // Lays the file out: the preamble, header and directory bytes, each section's offset, the size.
+  struct Layout;
+  Layout layout() const;
   struct Pending {
     std::string tag;
     int32_t layer, head;
@@ -78,6 +88,10 @@ class TablesFile {
   // all padding is zero. Throws FORMAT_MAGIC / FORMAT_VERSION / FORMAT_TRUNCATED /
   // FORMAT_CHECKSUM / FORMAT_INVALID naming the path and the part, or KVS_STATUS_IO.
   static std::shared_ptr<TablesFile> open(const std::string& path, bool verify_checksums = true);
+  // An image from TablesWriter::write_memory (structure validated; checksums only when asked: the
+  // bytes were just written by this process). `name` stands for the path in messages.
+  static std::shared_ptr<TablesFile> open_memory(const TablesWriter::Image& image, const std::string& name,
+                                                 bool verify_checksums = false);
 
   const nlohmann::json& header() const { return header_; }
   const std::vector<Section>& sections() const { return sections_; }

@@ -7,7 +7,7 @@
 //   keys:    the last selection of every KV head equal up to near-ties (>= 95% in common, the same
 //            count; exactly equal for index-free methods)
 // Cases: random data (several shapes, dtypes, GQA ratios, batches with different lengths and
-// budgets; single decode, kvs_decode_batch and kvs_batch_plan/decode; append; save on one
+// budgets; single decode, kvs_decode_batch and kvs_batch_plan/decode; append; kvs_session_to and save on one
 // placement and load on the other; fork) and a real trace (stories260K's q/k/v, padded with zero
 // dimensions to head dim 64 so the GPU kernels take it: the attention pattern is the model's).
 //
@@ -414,6 +414,24 @@ void run_case(const Case& m, const Shape& sh, std::vector<int64_t> n0, int steps
     }
     std::remove(fc.c_str());
     std::remove(fg.c_str());
+
+    // kvs_session_to, in memory: the cpu session onto the GPU and the GPU session onto the cpu;
+    // one more step on all four, as after save/load.
+    {
+      std::vector<kvs_session_t> cpu3(1), gpu3(1);
+      Cmp x, y;
+      if (ok(kvs_session_to(cpu[0], KVS_BACKEND_CUDA, 0, &gpu3[0]), name + " to cuda") &&
+          ok(kvs_session_to(gpu[0], KVS_BACKEND_CPU, 0, &cpu3[0]), name + " to cpu")) {
+        step(cpu3, gpu3, nullptr, 0, sh, seqs, pos, stream, x, name + " moved");
+        compare_sel(cpu3[0], gpu3[0], sh, m.exact_sel, x);
+        step(cpu, gpu, batch, 0, sh, seqs, pos, stream, y, name + " originals after move");
+        report(x.err <= 1e-2 && x.lse <= 1e-3 && x.sel && y.err <= 1e-2, name + " kvs_session_to across placements",
+               "rel err " + std::to_string(x.err) + ", lse err " + std::to_string(x.lse) + " " + x.sel_detail);
+        for (auto& p : pos) ++p;
+      }
+      kvs_session_destroy(cpu3[0]);
+      kvs_session_destroy(gpu3[0]);
+    }
 
     // Fork on the device: the fork and its parent take different tokens; the parent matches a cpu
     // fork that took the parent's token, the fork matches the cpu parent fed the fork's token.

@@ -699,6 +699,32 @@ int main(void) {
   OK(kvs_session_decode(s2, 0, &dq, &dk, &dv, &dout, NULL, NULL));
   CHECK(memcmp(o, o2, sizeof o) == 0);
 
+  /* a copy on another placement (the cpu here; cuda where a GPU is, else UNSUPPORTED) decodes the
+     next token to the same output */
+  {
+    kvs_session_t s3 = NULL;
+    kvs_error_t e;
+    EXPECT(kvs_session_to(NULL, KVS_BACKEND_CPU, 0, &s3), KVS_STATUS_INVALID_ARGUMENT, "session");
+    EXPECT(kvs_session_to(s, KVS_BACKEND_CPU, 0, NULL), KVS_STATUS_INVALID_ARGUMENT, "out");
+    EXPECT(kvs_session_to(s, 9, 0, &s3), KVS_STATUS_INVALID_ARGUMENT, "backend");
+    CHECK(s3 == NULL);
+    e = kvs_session_to(s, KVS_BACKEND_CUDA, 0, &s3);
+    CHECK(e == NULL || kvs_error_code(e) == KVS_STATUS_UNSUPPORTED);
+    kvs_error_destroy(e);
+    kvs_session_destroy(s3);
+    s3 = NULL;
+    OK(kvs_session_to(s2, KVS_BACKEND_CPU, 0, &s3));
+    dq.data = q;
+    dk.data = k;
+    dv.data = v;
+    dout.data = o;
+    OK(kvs_session_decode(s2, 0, &dq, &dk, &dv, &dout, NULL, NULL));
+    dout.data = o2;
+    OK(kvs_session_decode(s3, 0, &dq, &dk, &dv, &dout, NULL, NULL));
+    CHECK(memcmp(o, o2, sizeof o) == 0);
+    kvs_session_destroy(s3);
+  }
+
   kvs_session_destroy(s);
   kvs_session_destroy(s2);
   kvs_session_destroy(NULL);

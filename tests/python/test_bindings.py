@@ -220,6 +220,26 @@ def test_decode_batch_equals_single_decodes(rng):
         s.close()
 
 
+def test_session_to_copies_the_state(rng):
+    q, k, v = rand(rng, N, HQ, D), rand(rng, N, HKV, D), rand(rng, N, HKV, D)
+    with make("quest", budget=0.2) as a:
+        for layer in range(L):
+            a.prefill(layer, q, k, v)
+        a.build_index()
+        b = a.to("cpu")
+        assert (b.backend, b.device_id, b.method, b.num_layers) == ("cpu", 0, "quest", L)
+        assert b.layer_tokens(0) == N and b.stats.tokens == a.stats.tokens
+        for _ in range(3):
+            qn, kn, vn = rand(rng, 1, HQ, D)[0], rand(rng, 1, HKV, D)[0], rand(rng, 1, HKV, D)[0]
+            oa, la = a.decode(1, qn, kn, vn)
+            ob, lb = b.decode(1, qn, kn, vn)
+            np.testing.assert_array_equal(oa, ob)
+            np.testing.assert_array_equal(la, lb)
+        with pytest.raises(ValueError):
+            a.to("tpu")
+        b.close()
+
+
 # ---- batches: plan once per token, decode per layer ----------------------------------------------
 def _prefilled(method, prompts, **kw):
     """One session per prompt (q, k, v), every layer prefilled (layer l with q * (l + 1)) and indexed."""

@@ -359,6 +359,81 @@ TEST_CASE("save/load round trip reproduces decode outputs bit for bit, with and 
   }
 }
 
+TEST_CASE("kvs_session_to: a copy on the cpu decodes every method the same, bit for bit; the source is unchanged") {
+  Rng rng(11);
+  Data D(rng, 8, 2, 32, 900);
+  for (const char* method : {"full", "exact_topk", "streaming", "quest", "csattention", "ctkvr", "lfps", "hgca",
+                             "retroinfer"}) {
+    INFO(std::string(method));
+    Sess A;
+    auto p = params(D, method, KVS_SCALAR_BF16, 0.1);
+    OK(kvs_session_create(&p, &A.s));
+    prefill(A.s, D, 0, 800);
+    prefill(A.s, D, 1, 800);
+    OK(kvs_session_build_index(A.s, nullptr));
+    std::vector<float> o1, l1, o2, l2;
+    for (int64_t t = 800; t < 805; ++t)  // some decode history (history-based methods keep state)
+      for (uint32_t l = 0; l < 2; ++l) decode(A.s, D, l, t, o1, l1);
+    Sess B;
+    OK(kvs_session_to(A.s, KVS_BACKEND_CPU, 0, &B.s));
+    kvs_session_stats sa, sb;
+    sa.struct_size = sb.struct_size = sizeof sa;
+    OK(kvs_session_get_stats(A.s, &sa));
+    OK(kvs_session_get_stats(B.s, &sb));
+    CHECK(sb.tokens == sa.tokens);
+    CHECK(sb.decode_steps == sa.decode_steps);  // (index_bytes counts capacity: a loaded index may hold less)
+    for (int64_t t = 805; t < 830; ++t)
+      for (uint32_t l = 0; l < 2; ++l) {
+        decode(A.s, D, l, t, o1, l1);
+        decode(B.s, D, l, t, o2, l2);
+        REQUIRE(std::memcmp(o1.data(), o2.data(), o1.size() * 4) == 0);
+        REQUIRE(std::memcmp(l1.data(), l2.data(), l1.size() * 4) == 0);
+        for (uint32_t h = 0; h < 2; ++h) CHECK(selection(A.s, l, h) == selection(B.s, l, h));
+      }
+  }
+}
+
+TEST_CASE("kvs_session_to: bad arguments and a layer without KV") {
+  Rng rng(12);
+  Data D(rng, 4, 2, 32, 300);
+  Sess A;
+  auto p = params(D, "quest", KVS_SCALAR_F32, 0.1);
+  build(A, D, p, 200);
+  prefill(A.s, D, 1, 200);
+  kvs_session_t out = nullptr;
+  {
+    Err e{kvs_session_to(A.s, 7, 0, &out)};
+    CHECK(e.code() == KVS_STATUS_INVALID_ARGUMENT);
+    CHECK(e.msg().find("backend") != std::string::npos);
+  }
+  {
+    Err e{kvs_session_to(A.s, KVS_BACKEND_CPU, -1, &out)};
+    CHECK(e.code() == KVS_STATUS_INVALID_ARGUMENT);
+    CHECK(e.msg().find("device_id") != std::string::npos);
+  }
+  {
+    Err e{kvs_session_to(A.s, KVS_BACKEND_CPU, 0, nullptr)};
+    CHECK(e.code() == KVS_STATUS_INVALID_ARGUMENT);
+  }
+  {
+    Err e{kvs_session_to(nullptr, KVS_BACKEND_CPU, 0, &out)};
+    CHECK(e.code() == KVS_STATUS_INVALID_ARGUMENT);
+  }
+  CHECK(out == nullptr);
+  // A tables-only load has no KV to move until its layers are prefilled again.
+  const std::string tp = tmp_path("to_tables.kvt");
+  OK(kvs_session_save(A.s, tp.c_str(), KVS_SAVE_TABLES));
+  Sess C;
+  OK(kvs_session_load(tp.c_str(), nullptr, &C.s));
+  {
+    Err e{kvs_session_to(C.s, KVS_BACKEND_CPU, 0, &out)};
+    CHECK(e.code() == KVS_STATUS_INVALID_STATE);
+    CHECK(e.msg().find("kvs_session_to") != std::string::npos);
+  }
+  CHECK(out == nullptr);
+  std::remove(tp.c_str());
+}
+
 TEST_CASE("corrupt tables files are rejected with the right code") {
   Rng rng(6);
   Data D(rng, 2, 1, 16, 300);

@@ -374,6 +374,15 @@ class Session:
                      _BACKENDS.get(self.backend, 1), self.device_id)
         return s
 
+    def to(self, backend: str, device_id: int = 0) -> "Session":
+        """A new session with this one's state (KV, index, layer states, statistics) on another
+        backend ("cpu" or "cuda") and device; this session is unchanged (kvs_session_to)."""
+        code = _enum(backend, _BACKENDS, "backend")
+        s = Session(0, 0, 0, 0, _handle=self._handle().to(code, int(device_id)))
+        s._set_shape(self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim, self.method,
+                     code, int(device_id))
+        return s
+
     # -- inspection
     @property
     def stats(self) -> Stats:
