@@ -396,25 +396,16 @@ TablesWriter::Image TablesWriter::write_memory() {
 // ------------------------------------------------------------------------------------------------
 
 std::shared_ptr<TablesFile> TablesFile::open(const std::string& path, bool verify_checksums) {
-  auto map = MappedFile::open(path);
-  Layout L;
-  parse_layout(map->data(), map->size(), path, L);
-  if (verify_checksums) {
-    for (auto& s : L.sections) verify_section(s, path);
-    verify_padding(map->data(), L, path);
-  }
-  std::shared_ptr<TablesFile> f(new TablesFile());
-  f->map_ = std::move(map);
-  f->header_ = std::move(L.header);
-  f->sections_ = std::move(L.sections);
-  f->major_ = L.major;
-  f->minor_ = L.minor;
-  return f;
+  return from_map(MappedFile::open(path), verify_checksums);
 }
 
 std::shared_ptr<TablesFile> TablesFile::open_memory(const TablesWriter::Image& image, const std::string& name,
                                                     bool verify_checksums) {
-  auto map = MappedFile::wrap(image.data, image.data.get(), image.size, name);
+  return from_map(MappedFile::wrap(image.data, image.data.get(), image.size, name), verify_checksums);
+}
+
+std::shared_ptr<TablesFile> TablesFile::from_map(std::shared_ptr<MappedFile> map, bool verify_checksums) {
+  const std::string& name = map->path();
   Layout L;
   parse_layout(map->data(), map->size(), name, L);
   if (verify_checksums) {

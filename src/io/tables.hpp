@@ -105,6 +105,7 @@ class TablesFile {
 
  private:
   TablesFile() = default;
+  static std::shared_ptr<TablesFile> from_map(std::shared_ptr<MappedFile> map, bool verify_checksums);
   std::shared_ptr<MappedFile> map_;
   nlohmann::json header_;
   std::vector<Section> sections_;

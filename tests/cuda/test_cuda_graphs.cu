@@ -16,41 +16,13 @@
 
 #include "core/dtype.hpp"
 #include "kvsieve/kvsieve.h"
+#include "capi_check.hpp"
 
 namespace {
 
-int g_pass = 0, g_fail = 0;
-#define GCHECK(cond, ...)                                        \
-  do {                                                           \
-    if (cond) ++g_pass;                                          \
-    else {                                                       \
-      ++g_fail;                                                  \
-      std::printf("FAIL %s:%d: %s ", __FILE__, __LINE__, #cond); \
-      std::printf(__VA_ARGS__);                                  \
-      std::printf("\n");                                         \
-    }                                                            \
-  } while (0)
-
-bool ok(kvs_error_t e, const char* what) {
-  if (!e) return true;
-  std::printf("FAIL %s: %s\n", what, kvs_error_message(e));
-  ++g_fail;
-  kvs_error_destroy(e);
-  return false;
-}
-
-struct T3 {
-  kvs_tensor t{};
-  int64_t shape[3]{};
-  T3(void* data, kvs_dtype dt, std::initializer_list<int64_t> dims) {
-    t.data = data;
-    t.device = kvs_device{KVS_DEVICE_CUDA, 0};
-    t.ndim = int32_t(dims.size());
-    t.dtype = dt;
-    int i = 0;
-    for (auto x : dims) shape[i++] = x;
-    t.shape = shape;
-  }
+// A tensor on CUDA device 0.
+struct T3 : Tensor {
+  T3(void* p, kvs_dtype dt, std::initializer_list<int64_t> dims) : Tensor(p, KVS_DEVICE_CUDA, dt, dims) {}
 };
 const kvs_dtype BF16{KVS_DTYPE_CODE_BFLOAT, 16, 1};
 const kvs_dtype F32{KVS_DTYPE_CODE_FLOAT, 32, 1};
@@ -234,15 +206,15 @@ void run(const char* method, int B, int layers, int hq, int hkv, int d, int64_t 
   std::printf("graphs %s B=%d layers=%d d=%d n0=%lld steps=%d: captures %.0f, launches %.0f; |graph - eager| %.2e, "
               "|graph - float64| %.2e, |lse - float64| %.2e\n",
               method, B, layers, d, (long long)n0, steps, caps, launches, worst_ge, worst_ref, worst_lse);
-  GCHECK(launches == double(steps) * layers, "%s: launches %.0f, expected %d", method, launches, steps * layers);
-  GCHECK(caps >= layers && caps <= max_caps, "%s: captures %.0f, expected %d..%.0f", method, caps, layers, max_caps);
-  GCHECK(caps_e == 0, "%s: eager sessions captured %.0f graphs", method, caps_e);
-  GCHECK(sel_same, "%s: selections differ between captured and eager steps", method);
+  CAPI_CHECK(launches == double(steps) * layers, "%s: launches %.0f, expected %d", method, launches, steps * layers);
+  CAPI_CHECK(caps >= layers && caps <= max_caps, "%s: captures %.0f, expected %d..%.0f", method, caps, layers, max_caps);
+  CAPI_CHECK(caps_e == 0, "%s: eager sessions captured %.0f graphs", method, caps_e);
+  CAPI_CHECK(sel_same, "%s: selections differ between captured and eager steps", method);
   // The two runs differ only in the split of the keys (capacities): fp32 rounding. Against float64:
   // the kernels' fp32 arithmetic (seen on an H100: 3.9e-7 and 2.2e-6; the bars leave 25-50x).
-  GCHECK(worst_ge <= 1e-5, "%s: captured vs eager output differs by %.3e", method, worst_ge);
-  GCHECK(worst_ref <= 1e-4, "%s: output vs float64 differs by %.3e", method, worst_ref);
-  GCHECK(worst_lse <= 1e-4, "%s: lse vs float64 differs by %.3e", method, worst_lse);
+  CAPI_CHECK(worst_ge <= 1e-5, "%s: captured vs eager output differs by %.3e", method, worst_ge);
+  CAPI_CHECK(worst_ref <= 1e-4, "%s: output vs float64 differs by %.3e", method, worst_ref);
+  CAPI_CHECK(worst_lse <= 1e-4, "%s: lse vs float64 differs by %.3e", method, worst_lse);
 
   kvs_batch_destroy(bg);
   kvs_batch_destroy(be);

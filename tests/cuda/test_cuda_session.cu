@@ -14,42 +14,9 @@
 
 #include "core/dtype.hpp"
 #include "kvsieve/kvsieve.h"
+#include "capi_check.hpp"
 
 namespace {
-
-int g_pass = 0, g_fail = 0;
-#define SCHECK(cond, ...)                                   \
-  do {                                                      \
-    if (cond) ++g_pass;                                     \
-    else {                                                  \
-      ++g_fail;                                             \
-      std::printf("FAIL %s:%d: %s ", __FILE__, __LINE__, #cond); \
-      std::printf(__VA_ARGS__);                             \
-      std::printf("\n");                                    \
-    }                                                       \
-  } while (0)
-
-bool ok(kvs_error_t e, const char* what) {
-  if (!e) return true;
-  std::printf("FAIL %s: %s\n", what, kvs_error_message(e));
-  ++g_fail;
-  kvs_error_destroy(e);
-  return false;
-}
-
-struct Tensor {
-  kvs_tensor t{};
-  int64_t shape[3]{};
-  Tensor(void* data, int dev, kvs_dtype dt, std::initializer_list<int64_t> dims) {
-    t.data = data;
-    t.device = kvs_device{dev, 0};
-    t.ndim = int32_t(dims.size());
-    t.dtype = dt;
-    int i = 0;
-    for (auto x : dims) shape[i++] = x;
-    t.shape = shape;
-  }
-};
 
 const kvs_dtype F32{KVS_DTYPE_CODE_FLOAT, 32, 1};
 
@@ -188,10 +155,10 @@ void run_case(const char* method, kvs_scalar_type kvdt, int hq, int hkv, int d, 
     cudaFree(dout);
     cudaFree(dlse);
   }
-  SCHECK(worst < 1e-2, "%s kv=%d hq=%d hkv=%d d=%d n0=%lld B=%d: worst rel err %.3g", method, int(kvdt), hq, hkv, d,
+  CAPI_CHECK(worst < 1e-2, "%s kv=%d hq=%d hkv=%d d=%d n0=%lld B=%d: worst rel err %.3g", method, int(kvdt), hq, hkv, d,
          (long long)n0, B, worst);
-  SCHECK(worst_lse < 2e-2, "%s: worst lse err %.3g", method, worst_lse);
-  SCHECK(sel_equal, "%s: GPU and CPU selections differ beyond near-ties", method);
+  CAPI_CHECK(worst_lse < 2e-2, "%s: worst lse err %.3g", method, worst_lse);
+  CAPI_CHECK(sel_equal, "%s: GPU and CPU selections differ beyond near-ties", method);
   std::printf("session %-10s kv=%s hq=%d hkv=%d d=%d n0=%lld B=%d steps=%d: rel err %.2e, lse err %.2e\n", method,
               kvdt == KVS_SCALAR_BF16 ? "bf16" : "f16", hq, hkv, d, (long long)n0, B, steps, worst, worst_lse);
   cudaStreamDestroy(stream);
@@ -210,12 +177,12 @@ void run_errors() {
   p.backend = KVS_BACKEND_CUDA;
   kvs_session_t s = nullptr;
   kvs_error_t e = kvs_session_create(&p, &s);
-  SCHECK(e && kvs_error_code(e) == KVS_STATUS_UNSUPPORTED, "head_dim 96 on cuda: %s", kvs_error_message(e));
+  CAPI_CHECK(e && kvs_error_code(e) == KVS_STATUS_UNSUPPORTED, "head_dim 96 on cuda: %s", kvs_error_message(e));
   kvs_error_destroy(e);
   p.head_dim = 64;
   p.method = "csattention";  // no cuda implementation yet: refused with the registry's reason
   e = kvs_session_create(&p, &s);
-  SCHECK(e && kvs_error_code(e) == KVS_STATUS_UNSUPPORTED &&
+  CAPI_CHECK(e && kvs_error_code(e) == KVS_STATUS_UNSUPPORTED &&
              std::string(kvs_error_message(e)).find(kvs_method_unsupported_reason("csattention", KVS_BACKEND_CUDA)) !=
                  std::string::npos,
          "csattention on cuda: %s", kvs_error_message(e));
@@ -225,7 +192,7 @@ void run_errors() {
   std::vector<float> hq(16 * 8 * 64, 0.5f);
   Tensor host(hq.data(), KVS_DEVICE_CPU, F32, {16, 8, 64});
   e = kvs_session_prefill(s, 0, &host.t, &host.t, &host.t, nullptr, nullptr);
-  SCHECK(e && kvs_error_code(e) == KVS_STATUS_INVALID_ARGUMENT && std::string(kvs_error_message(e)).find("CUDA") != std::string::npos,
+  CAPI_CHECK(e && kvs_error_code(e) == KVS_STATUS_INVALID_ARGUMENT && std::string(kvs_error_message(e)).find("CUDA") != std::string::npos,
          "host tensor on cuda: %s", kvs_error_message(e));
   kvs_error_destroy(e);
   kvs_session_destroy(s);
