@@ -80,8 +80,10 @@ class DeviceMethod {
   // token on_tokens launches nothing, and select() launches the same kernels with the same
   // arguments for every step with the same plan capacities (DeviceStep::max_length, the plan's
   // max_selected, workspace), reading every per-token value from device memory (lengths,
-  // budget_keys, the uploaded args). The placement may then raise max_length and max_selected to
-  // a bucket's capacity (select() must treat them as capacities) and replays one graph per layer.
+  // budget_keys, the uploaded args, and the query through DeviceStep::q.at, which is set in a
+  // captured step: the caller's query may move between replays). The placement may then raise
+  // max_length and max_selected to a bucket's capacity (select() must treat them as capacities)
+  // and replays one graph per layer.
   virtual bool capturable() const { return false; }
   // Before a save: bring the index up to date for the stored tokens (may synchronise).
   virtual void finish(uint32_t layer, const DeviceLayerView& v) {}
