@@ -363,6 +363,25 @@ TEST_CASE("retroinfer: a 16-bit meta index at decode (meta_dtype) agrees with th
   }
 }
 
+TEST_CASE("retroinfer: rank_dtype=model ranks an fp32 KV as f32 does (bitwise equal outputs)") {
+  // The model dtype of an fp32 KV is fp32: no rounding, the same zones and outputs. (On a 16-bit
+  // KV the rounding is checked against the authors' points by tests/conformance.)
+  Rng rng(23);
+  Data D(rng, 8, 2, 32, 4200, 1.0f, 211);
+  std::vector<float> o[2], lse[2];
+  Sess S[2];
+  for (int i = 0; i < 2; ++i) {
+    auto p = params(D, i == 0 ? "preset=paper" : "preset=paper,rank_dtype=f32");
+    OK(kvs_session_create(&p, &S[i].s));
+    prefill(S[i].s, D, 4096);
+  }
+  for (int64_t t = 4096; t < 4104; ++t) {
+    for (int i = 0; i < 2; ++i) decode(S[i].s, D, t, o[i], lse[i]);
+    CHECK(std::memcmp(o[0].data(), o[1].data(), o[0].size() * sizeof(float)) == 0);
+    CHECK(std::memcmp(lse[0].data(), lse[1].data(), lse[0].size() * sizeof(float)) == 0);
+  }
+}
+
 TEST_CASE("retroinfer: estimation on vs off (Fig. 17a): the estimation zone lowers the output error") {
   Rng rng(5);
   Data D(rng, 8, 2, 32, 4200, 1.0f, 211);
@@ -538,7 +557,8 @@ TEST_CASE("retroinfer: parameter errors name the parameter") {
   Rng rng(1);
   Data D(rng, 4, 2, 16, 10);
   for (const char* mp : {"retrieval=1.5", "estimation=-0.1", "cluster_size=0", "iterations=0", "segment_size=-1",
-                         "update_segment=0", "budget=tokens", "sinks=-1", "cluster_align=0"}) {
+                         "update_segment=0", "budget=tokens", "sinks=-1", "cluster_align=0", "rank_dtype=bf16",
+                         "meta_dtype=model"}) {
     Sess S;
     auto p = params(D, mp);
     Err e{kvs_session_create(&p, &S.s)};

@@ -86,7 +86,7 @@ struct HeadScratch {
   std::vector<float> E, dist, num, a;
   std::vector<double> dens;
   std::vector<int32_t> cand, zr, ze, zo;
-  std::vector<float> mx, vals;
+  std::vector<float> mx, vals, rank;
   std::vector<uint64_t> bits;
   std::vector<uint32_t> rtmp;
 };
@@ -109,6 +109,40 @@ float max_of(const float* x, int64_t n) {
   float r = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < n; ++i) r = std::max(r, x[i]);
   return r;
+}
+
+// x rounded to t (round to nearest even, as a store to a tensor of dtype t and a load back); for
+// fp16, a finite x beyond its range saturates to +-65504 (inf would make the ranking softmax NaN).
+inline float round_to(DType t, float x) {
+  if (t == DType::BF16) return bf16_to_f32(f32_to_bf16(x));
+  if (t == DType::F16) {
+    const float r = f16_to_f32(f32_to_f16(x));
+    return std::isinf(r) && std::isfinite(x) ? std::copysign(65504.f, x) : r;
+  }
+  return x;
+}
+
+// One query head's share of the cluster ranking in the 16-bit dtype t (rank_dtype=model), at the
+// points where the authors' code rounds (batch_gemm_softmax: the scaled logits are stored in the
+// model dtype and the softmax is computed in fp32 from the stored values, its outputs stored in the
+// model dtype again; torch.sum then adds the group's outputs in fp32 and stores the sum in the
+// model dtype, which the caller rounds once every head is in): dist[c] += round_t(softmax_c(round_t(e))).
+// e: the fp32 logits of the C centroids (left unchanged); empty clusters (csize 0) are left out of
+// the softmax when drop_empty (mask_empty=before_softmax). R: scratch.
+void rank_row_model(DType t, const float* e, int64_t C, const int32_t* csize, bool drop_empty, std::vector<float>& R,
+                    float* dist) {
+  R.resize(size_t(C));
+  float* x = R.data();
+  for (int64_t c = 0; c < C; ++c)
+    x[c] = drop_empty && csize[c] == 0 ? -std::numeric_limits<float>::infinity() : round_to(t, e[c]);
+  const float m = max_of(x, C);
+  double z = cpu::exp_shift(x, C, m);
+  if (drop_empty) {
+    z = 0;
+    for (int64_t c = 0; c < C; ++c) z += (x[c] = csize[c] > 0 ? x[c] : 0.f);
+  }
+  const float inv = float(1.0 / z);
+  for (int64_t c = 0; c < C; ++c) dist[c] += round_to(t, x[c] * inv);
 }
 
 constexpr int64_t kTok = (int64_t(1) << 31) - 1;  // token counts and indices are int32
@@ -135,6 +169,7 @@ class RetroInfer final : public Method {
         from_prompt_(p.get_string("cluster_basis") == "prompt"),
         raw_init_(p.get_string("kmeans_init") == "raw"),
         mask_after_(p.get_string("mask_empty") == "after_softmax"),
+        rank_model_(p.get_string("rank_dtype") == "model"),
         layers_(ctx.shape.num_layers) {
     auto bad = [](const std::string& name, const std::string& want, const std::string& got) {
       invalid("method_params: retroinfer " + name + ": expected " + want + ", got " + got);
@@ -229,6 +264,7 @@ class RetroInfer final : public Method {
       //    masked_fill), or over the non-empty clusters only (mask_empty=before_softmax).
       //    The centroid logits are one GEMV over the C x d meta rows (the block kernel's score pass),
       //    read in the decode dtype (16-bit when the KV is), then a vectorised exp per head.
+      //    rank_dtype=model rounds the logits, the softmax outputs and the sum to the KV dtype.
       const bool m16 = W.mdt != DType::F32;
       S.E.resize(size_t(G) * C);
       S.dist.assign(size_t(C), 0.f);
@@ -244,9 +280,14 @@ class RetroInfer final : public Method {
         if (csize[c] > 0) cand.push_back(int32_t(c));
       const int64_t nc = int64_t(cand.size());
       const bool any_empty = nc < C && !mask_after_;
+      // rank_dtype=model on a 16-bit KV: the distances come from rounded copies of the logits
+      // (rank_row_model); E keeps the fp32 weights the estimation zone reads (the authors'
+      // estimation recomputes its logits in fp32 from the same centroids).
+      const DType rdt = rank_model_ ? ctx_.shape.kv_dtype : DType::F32;
       if (nc > 0)
         for (int g = 0; g < G; ++g) {
           float* e = E + size_t(g) * C;
+          if (rdt != DType::F32) rank_row_model(rdt, e, C, csize, any_empty, S.rank, dist);
           if (any_empty)
             for (int64_t c = 0; c < C; ++c)
               if (csize[c] == 0) e[c] = -std::numeric_limits<float>::infinity();
@@ -256,10 +297,14 @@ class RetroInfer final : public Method {
             z = 0;
             for (int64_t c = 0; c < C; ++c) z += (e[c] = csize[c] > 0 ? e[c] : 0.f);
           }
-          const float inv = float(1.0 / z);
-          for (int64_t c = 0; c < C; ++c) dist[c] += e[c] * inv;
+          if (rdt == DType::F32) {
+            const float inv = float(1.0 / z);
+            for (int64_t c = 0; c < C; ++c) dist[c] += e[c] * inv;
+          }
           S.mx[size_t(g)] = m;
         }
+      if (rdt != DType::F32)
+        for (int64_t c = 0; c < C; ++c) dist[c] = round_to(rdt, dist[c]);
       auto better = [&](int32_t a, int32_t b) {
         return dist[size_t(a)] > dist[size_t(b)] || (dist[size_t(a)] == dist[size_t(b)] && a < b);
       };
@@ -645,11 +690,12 @@ class RetroInfer final : public Method {
   }
 
   // The dtype decode reads the meta index in (meta_dtype): auto = fp16 for a 16-bit KV (bf16 for a
-  // head beyond fp16's range), fp32 for an fp32 KV.
+  // head beyond fp16's range), fp32 for an fp32 KV; kv = the KV dtype (the authors' model dtype).
   DType decode_dtype() const {
     if (meta_dtype_ == "f32") return DType::F32;
     if (meta_dtype_ == "bf16") return DType::BF16;
     if (meta_dtype_ == "f16") return DType::F16;
+    if (meta_dtype_ == "kv") return ctx_.shape.kv_dtype;
     return ctx_.shape.kv_dtype == DType::F32 ? DType::F32 : DType::F16;
   }
 
@@ -722,7 +768,7 @@ class RetroInfer final : public Method {
   bool session_budget_, centre_;
   int64_t probe_;
   std::string meta_dtype_;
-  bool from_prompt_, raw_init_, mask_after_;
+  bool from_prompt_, raw_init_, mask_after_, rank_model_;
   std::vector<LayerIndex> layers_;
   // The last select's estimation state ([Hkv*G][d], [Hkv*G]) for extra().
   std::vector<float> est_o_, est_lse_;
@@ -770,10 +816,14 @@ MethodSpec retroinfer_spec() {
         "paper: r = retrieval x clusters (session budget ignored); session: exact keys = the session budget, "
         "steady zone included, filled with whole clusters in rank order", "paper"},
        {"centre", "bool", "true", "subtract the keys' mean before clustering (added back to the centroids)", "true"},
-       {"meta_dtype", "enum:auto|f16|bf16|f32", "auto",
+       {"meta_dtype", "enum:auto|kv|f16|bf16|f32", "auto",
         "dtype decode reads the centroids and value means in (a derived copy; half the bytes per step when 16-bit): "
-        "auto = f16 for a 16-bit KV, f32 for an f32 KV; f16 falls back to bf16 for a head beyond fp16's range "
-        "(the authors keep the meta index in the model dtype)"},
+        "auto = f16 for a 16-bit KV, f32 for an f32 KV; kv = the KV dtype (the authors keep the meta index in the "
+        "model dtype); f16 falls back to bf16 for a head beyond fp16's range", "kv"},
+       {"rank_dtype", "enum:f32|model", "f32",
+        "precision of the cluster ranking: f32, or model = the KV dtype (the authors' batch_gemm_softmax and "
+        "torch.sum): logits, each head's softmax outputs and the group's sum rounded to it (f32 KV: the same as f32)",
+        "model"},
        {"recall_probe", "int", "0", "k > 0: measure the clustering's recall@k each step (stat probe_recall; slow, exact scores)"}},
       [](const MethodContext& c, const ParamSet& p) { return std::make_unique<RetroInfer>(c, p); }};
 }
