@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // kvsieve bench --method M --context N ...: decode timing of a method against `full` on synthetic
 // data of a given shape, alternating the two in one process, beside the machine's measured read
 // bandwidth (DESIGN.md "Performance"). With --backend cuda (CUDA builds only: KVS_HAVE_CUDA, the CLI

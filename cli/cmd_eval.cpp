@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // kvsieve eval --trace T --methods a,b,... --budget B: replay a trace through each method and
 // score it against exact float64 attention (DESIGN.md "Evaluation", docs/cli.md).
 #include <CLI/CLI.hpp>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Trace replay against a float64 reference (DESIGN.md "Evaluation"), shared by `eval` and `demo`.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A host memory read-bandwidth probe, so `kvsieve bench` can put its decode times beside the
 // machine's own floor (DESIGN.md: "the floor is bytes over measured DRAM bandwidth").
 #pragma once

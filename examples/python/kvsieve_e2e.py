@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """End-to-end accuracy of sparse attention on a real model: how much does method X at budget B
 change stories260K?
 

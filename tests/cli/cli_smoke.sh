@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Smoke tests of the kvsieve command: every subcommand on small inputs, the JSON it writes, and its
 # error exits (0 ok, 1 runtime error, 2 usage error, 3 corrupt file; docs/cli.md).
 #

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The Python binding against float64 NumPy references on random inputs.
 
 Every registered method is covered: the method list is read from the library's registry

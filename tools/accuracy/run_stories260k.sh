@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Regenerates every measurement behind docs/accuracy.md for stories260K, then its tables and plots:
 #   kvsieve eval (every method, budgets 1/2/5/10/20%) on both stories260K traces, and the end-to-end
 #   harness examples/python/kvsieve_e2e.py on the same two texts.

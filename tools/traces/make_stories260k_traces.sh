@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Rebuilds the two stories260K traces of docs/real-traces.md into OUT_DIR (default /work/traces).
 # Needs python3-numpy and, for the text trace, Debian's bible-kjv (program) + bible-kjv-text (data).
 set -euo pipefail

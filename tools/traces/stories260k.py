@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Real-model attention traces from Karpathy's stories260K (llama2.c legacy v0 checkpoint).
 
 A NumPy reimplementation of the llama2.c forward pass (computed in float64; traces are stored as

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CPU attention kernels for one decode query per head: dense over a layer's keys [0, n), and
 // gathered over index lists. Work is split over KV heads and chunks of keys; every chunk yields an
 // attention state (o, lse) for each query head of its group, and the states are merged exactly

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Quest on CUDA (METHODS.md §4; CPU reference src/methods/quest/quest.cpp): per-page key bounds
 // kept on the device, and the decode-time page selection from them.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Position-only token selections on CUDA (no scoring): StreamingLLM's sinks + recent window
 // (METHODS.md §3; CPU reference src/methods/streaming/streaming.cpp).
 //

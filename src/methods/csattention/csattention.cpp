@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // csattention: Centroid-Scoring Attention (PAPER-000 3.1-3.4, B; METHODS.md 5), CPU reference.
 //
 // Index (build_index, from the prompt's queries and keys), per layer and table head:

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ctkvr: CTkvr, centroid-then-token KV retrieval (arXiv 2512.15550; METHODS.md 7).
 //
 // Index (build_index, per layer and KV head): a query-centroid inverted file. Centroids are C

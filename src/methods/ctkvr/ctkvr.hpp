@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ctkvr: CTkvr's query-centroid inverted file (qcIVF), declared here so the tests can inspect the
 // FIFO of centroids. The algorithm is described in ctkvr.cpp and docs/methods/ctkvr.md.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // exact_topk: the oracle ("Flat" in CTkvr §4.1.2, MagicPIG's top-k harness; METHODS.md §2).
 // Every key is scored exactly; the top-k are attended. Per KV head (default) the group's query
 // heads are aggregated as the sum of their per-head softmax (the RetroInfer aggregator, METHODS.md

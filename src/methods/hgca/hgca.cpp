@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // hgca: Hybrid GPU-CPU Attention (Wang et al., arXiv 2507.03153; METHODS.md §8). The near window
 // (NearWindow, Alg. 1 lines 2-13) and the far store (FarStore, lines 19-25) are separate components;
 // each decode step computes the window's dense state and the far part's sparse state and merges

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // HGCA (Hybrid GPU-CPU Attention; arXiv 2507.03153, METHODS.md §8): the two placements of the paper
 // as two components behind explicit interfaces, merged by LSE.
 //  - NearWindow: the "GPU" part. A circular buffer of blk_num blocks of blk_size entries holding the

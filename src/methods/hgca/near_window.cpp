@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // HGCA's near part on the host: the block circular buffer with MAW (Alg. 1 lines 2-13) and its
 // dense attention (Alg. 2 line 10), which also yields the window-normalised weights A_gpu that
 // the MAW update needs (METHODS.md §8.2 steps 1-3).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // lfps: Learn From the Past for Sparse Indexing (arXiv 2506.15704; METHODS.md §6, whose
 // reconstruction of the lost equations (4)-(10) is the spec here; every [RECON]/[ASSUMPTION] item
 // is a parameter, see docs/methods/lfps.md).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // lfps: Learn From the Past for Sparse Indexing (arXiv 2506.15704; METHODS.md §6). The class is
 // declared here (not in an anonymous namespace) so the unit tests can read the tables, their
 // incremental moments and the last update, and check them against brute-force recomputations.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // streaming: StreamingLLM (attention sinks + recent window; METHODS.md §3), on post-RoPE keys with
 // their original positions (no position shift: a decode-time sparse-attention baseline).
 #include <algorithm>
