@@ -49,8 +49,7 @@ def default_model_dir():
     here = os.path.dirname(os.path.abspath(__file__))
     repo = os.path.dirname(os.path.dirname(here))
     for cand in (os.path.join(repo, "shared", "data", "stories260K"),
-                 os.path.join(os.path.dirname(repo), "shared", "data", "stories260K"),
-                 "/work/shared/data/stories260K"):
+                 os.path.join(os.path.dirname(repo), "shared", "data", "stories260K")):
         if os.path.exists(os.path.join(cand, "stories260K.bin")):
             return cand
     raise FileNotFoundError("stories260K not found: set KVS_STORIES260K_DIR")
