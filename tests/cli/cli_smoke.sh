@@ -6,7 +6,7 @@
 #   tests/cli/cli_smoke.sh path/to/kvsieve
 #
 # Prints one line per failure (with the command's stderr) and ends with "N passed, M failed";
-# exits nonzero when anything failed. Needs bash, cmp, dd, head; python3 (if present) checks the
+# exits nonzero when anything failed. Needs bash, cmp, dd, head, od; python3 (if present) checks the
 # JSON documents key by key.
 set -u
 
@@ -265,7 +265,8 @@ contains "$ERR" "given twice" "eval --budgets repeated"
 expect 2 "eval --budgets empty" "$KVS" eval --trace "$T1" --methods full --budgets ,
 
 # eval --json -: the JSON document alone on stdout, the table on stderr, no file named -
-(cd "$TMP" && "$KVS" eval --trace "$T1" --methods full,exact_topk --budget 0.1 --steps 2 --json - >"$TMP/json_stdout" 2>"$TMP/json_stderr")
+KVS_ABS=$(cd "$(dirname "$KVS")" && pwd)/$(basename "$KVS")
+(cd "$TMP" && "$KVS_ABS" eval --trace "$T1" --methods full,exact_topk --budget 0.1 --steps 2 --json - >"$TMP/json_stdout" 2>"$TMP/json_stderr")
 rc=$?
 if [[ $rc -eq 0 ]]; then ok; else ko "eval --json -: exit $rc"; fi
 if [[ ! -e $TMP/- ]]; then ok; else ko "eval --json - wrote a file named -"; fi
@@ -276,6 +277,22 @@ d = json.load(open(sys.argv[1]))
 assert [m["name"] for m in d["methods"]] == ["full", "exact_topk"], d["methods"]
 assert d["steps"] == 2, d["steps"]
 ' "$TMP/json_stdout"
+# eval --plot FILE.png: drawn by Python's matplotlib ($KVSIEVE_PYTHON, else python3); without it, a
+# clear error before the replay.
+KVSIEVE_PYTHON=$TMP/no-such-python expect 1 "eval --plot without a Python" "$KVS" eval --trace "$T1" --methods full --steps 1 --plot "$TMP/p.png"
+contains "$ERR" "--plot needs Python with matplotlib: '$TMP/no-such-python' could not be run" "eval --plot names the missing Python"
+one_error_line "eval --plot without a Python"
+if [[ ! -e $TMP/p.png ]]; then ok; else ko "eval --plot without a Python wrote a PNG"; fi
+PLOT_PY=${KVS_TEST_PLOT_PYTHON:-python3}
+if "$PLOT_PY" -c "import matplotlib" >/dev/null 2>&1; then
+  KVSIEVE_PYTHON=$PLOT_PY expect 0 "eval --plot" "$KVS" eval --trace "$T1" --methods full,exact_topk,streaming --budgets 0.05,0.2 --steps 1 --plot "$TMP/p.png" --json -
+  if [[ $(head -c 8 "$TMP/p.png" | od -An -tx1 | tr -d ' \n') == 89504e470d0a1a0a ]]; then ok; else ko "eval --plot did not write a PNG"; fi
+  py "eval --plot keeps stdout JSON" 'import json, sys; json.load(open(sys.argv[1]))' "$OUT"
+else
+  KVSIEVE_PYTHON=$PLOT_PY expect 1 "eval --plot without matplotlib" "$KVS" eval --trace "$T1" --methods full --steps 1 --plot "$TMP/p.png"
+  contains "$ERR" "cannot import matplotlib" "eval --plot says matplotlib is missing"
+  one_error_line "eval --plot without matplotlib"
+fi
 expect 0 "eval all, f32, 2 steps" "$KVS" eval --trace "$T32" --methods all --steps 2 --threads 1 --json "$TMP/all.json"
 for m in "${METHODS[@]}"; do contains "$OUT" "$m" "eval --methods all runs $m"; done
 py "eval --steps limits the steps" 'import json, sys; d = json.load(open(sys.argv[1])); assert d["steps"] == 2, d["steps"]' "$TMP/all.json"
