@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Micro-benchmark of the CPU dense decode kernel alone (no session, no data generation):
 //   kvsieve_cpu_attention_micro THREADS CONTEXT [REPS [FRACTION]]
 // One layer of 8 KV heads x head dim 128, bf16, GQA 4 (32 query heads). Prints the median time of

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // C shim over src/backends/cuda/cuda_attention.cuh for bench/cuda_sdpa_compare.py, which loads it
 // with ctypes so our kernels and torch's scaled_dot_product_attention run in one process on the
 // same data (the script lays K/V out in pages, kv_layout.cuh). Build (see tools/device/cuda_check.sh):

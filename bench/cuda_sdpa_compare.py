@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Side-by-side timing of kvsieve's CUDA decode kernels and torch's scaled_dot_product_attention.
 
 One process, the same data: q [B, Hq, 1, d] bf16, K/V [B, Hkv, N, d] bf16 for torch; for kvsieve the

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """kvsieve's whole public decode step against PyTorch's SDPA: one process, the same tensors.
 
 What is timed

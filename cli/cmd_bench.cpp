@@ -1,6 +1,7 @@
+// SPDX-License-Identifier: Apache-2.0
 // kvsieve bench --method M --context N ...: decode timing of a method against `full` on synthetic
 // data of a given shape, alternating the two in one process, beside the machine's measured read
-// bandwidth (DESIGN.md "Performance"). With --backend cuda (CUDA builds only: KVS_HAVE_CUDA, the CLI
+// bandwidth (docs/perf.md). With --backend cuda (CUDA builds only: KVS_HAVE_CUDA, the CLI
 // then links the CUDA runtime) the same on the GPU: random prompt K/V uploaded with cudaMemcpy,
 // steps timed with CUDA events after an L2 flush, beside a device-to-device copy's bandwidth.
 #include <CLI/CLI.hpp>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // kvsieve build --trace T --method M --out FILE: prefill a trace's prompt, build the method's
 // index, save the tables (optionally with the KV cache).
 #include <CLI/CLI.hpp>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // kvsieve demo: the README's first command. Synthesizes a moderate trace, then evaluates every
 // registered method at one budget and prints the table (synth + eval in one go).
 #include <CLI/CLI.hpp>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // kvsieve inspect FILE [--json]: verify a tables file and describe it (kvs_tables_describe).
 //
 // The description's schema belongs to the library (docs/formats.md); this printer is generic on

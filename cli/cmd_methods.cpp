@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // kvsieve methods [--json]: the method registry with every parameter and its default.
 #include <CLI/CLI.hpp>
 #include <cstdio>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // kvsieve synth --out FILE [...]: writes a synthetic kvsieve-trace (docs/synth.md).
 #include <CLI/CLI.hpp>
 #include <cstdio>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The subcommands of `kvsieve`, one file each (cmd_<name>.cpp). Each adds itself to the root
 // CLI11 app and returns the function main() runs when it was the one parsed.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Shared helpers of the kvsieve command: error handling, RAII over the C handles, tensor
 // descriptors, scalar conversions, small formatting utilities. Everything here goes through the
 // public C API (<kvsieve/kvsieve.h>) only: the CLI is a client of the library like any other.

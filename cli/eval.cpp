@@ -1,11 +1,20 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "eval.hpp"
 
+#include <unistd.h>
+#include <xxhash.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <tuple>
+#include <utility>
 
 #include "progress.hpp"
 #include "reference.hpp"
@@ -99,7 +108,69 @@ void score_step(Runner& r, const ExactAttention& ex, uint32_t layer, int64_t t,
   }
 }
 
+// XXH3-64 of a file's bytes (and its size), read in 4 MiB blocks.
+std::pair<uint64_t, uint64_t> file_xxh3(const std::string& path) {
+  std::unique_ptr<FILE, int (*)(FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
+  if (!f) throw CliError("cannot read trace '" + path + "': " + std::strerror(errno));
+  std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> st(XXH3_createState(), &XXH3_freeState);
+  if (!st || XXH3_64bits_reset(st.get()) != XXH_OK) throw CliError("xxHash: cannot allocate a hash state");
+  std::vector<char> buf(size_t(4) << 20);
+  uint64_t total = 0;
+  for (size_t n; (n = std::fread(buf.data(), 1, buf.size(), f.get())) > 0;) {
+    XXH3_64bits_update(st.get(), buf.data(), n);
+    total += n;
+  }
+  if (std::ferror(f.get())) throw CliError("cannot read trace '" + path + "': read error");
+  return {XXH3_64bits_digest(st.get()), total};
+}
+
+// The parameters a session resolved (defaults filled in, values normalised), as the library writes
+// them into a tables file: saved to a temporary file, described, deleted.
+nlohmann::ordered_json resolved_params(const Session& s) {
+  const char* dir = std::getenv("TMPDIR");
+  std::string path = std::string(dir && *dir ? dir : "/tmp") + "/kvsieve-eval-params.XXXXXX";
+  const int fd = mkstemp(path.data());
+  if (fd < 0) throw CliError("cannot create a temporary file in '" + std::string(dir && *dir ? dir : "/tmp") +
+                             "' (set TMPDIR): " + std::strerror(errno));
+  close(fd);
+  struct Unlink {
+    std::string p;
+    ~Unlink() { std::remove(p.c_str()); }
+  } unlink_it{path};
+  s.save(path, KVS_SAVE_TABLES);
+  char* raw = nullptr;
+  const Status st = take_status(kvs_tables_describe(path.c_str(), &raw));
+  const LibString text(raw);
+  if (!st.ok()) throw CliError(s.label() + ": reading back its parameters: " + st.message);
+  const auto doc = nlohmann::ordered_json::parse(text ? text.get() : "null", nullptr, false);
+  const auto* p = &doc;
+  for (const char* key : {"header", "method", "params"}) {
+    if (!p->is_object() || !p->contains(key)) return nlohmann::ordered_json::object();
+    p = &(*p)[key];
+  }
+  return *p;
+}
+
 }  // namespace
+
+std::vector<double> parse_budget_list(const std::string& list, const char* option) {
+  std::vector<double> out;
+  const auto items = split(list, ',');
+  if (items.empty()) throw UsageError(std::string(option) + " is empty (expected e.g. 0.01,0.05,0.1)");
+  for (const auto& item : items) {
+    char* end = nullptr;
+    errno = 0;
+    const double b = std::strtod(item.c_str(), &end);
+    if (end == item.c_str() || *end != '\0' || errno == ERANGE)
+      throw UsageError(std::string(option) + ": '" + item + "' is not a number");
+    if (!(b > 0.0 && b <= 1.0))
+      throw UsageError(std::string(option) + ": " + item + " is outside (0, 1]");
+    if (std::find(out.begin(), out.end(), b) != out.end())
+      throw UsageError(std::string(option) + ": " + item + " is given twice");
+    out.push_back(b);
+  }
+  return out;
+}
 
 std::vector<std::string> resolve_methods(const std::string& list, int32_t backend) {
   const auto registered = registered_methods();
@@ -158,7 +229,9 @@ std::map<std::string, std::string> parse_method_params(const std::vector<std::st
 }
 
 EvalReport run_eval(const EvalOptions& opts) {
-  if (!(opts.budget > 0.0 && opts.budget <= 1.0)) throw UsageError("--budget must be in (0, 1]");
+  const std::vector<double> budgets = opts.budgets.empty() ? std::vector<double>{opts.budget} : opts.budgets;
+  for (double b : budgets)
+    if (!(b > 0.0 && b <= 1.0)) throw UsageError(strfmt("--budget must be in (0, 1] (got %g)", b));
   if (opts.methods.empty()) throw UsageError("no method to evaluate");
   Trace trace(opts.trace);
   const kvs_trace_info& info = trace.info();
@@ -175,32 +248,16 @@ EvalReport run_eval(const EvalOptions& opts) {
   for (uint32_t l : trace.present_layers())
     layers.push_back({l, trace.tensor(l, "q"), trace.tensor(l, "k"), trace.tensor(l, "v")});
 
-  // `full` runs first and always (reported only when asked for): its step time is the yardstick
-  // of the speed column, its error the check of the yardstick of every other column.
-  std::vector<Runner> runners;
-  runners.push_back(Runner{"full", nullptr, {}});
-  for (const auto& m : opts.methods)
-    if (m != "full") runners.push_back(Runner{m, nullptr, {}});
-
-  {
-    Progress bar("prefill + index", int64_t(runners.size() * (layers.size() + 1)));
-    for (auto& r : runners) {
-      kvs_session_params p = session_params_for(info);
-      p.method = r.name.c_str();
-      const auto it = opts.method_params.find(r.name);
-      p.method_params = it != opts.method_params.end() ? it->second.c_str() : nullptr;
-      p.budget = opts.budget;
-      p.backend = opts.backend;
-      p.num_threads = opts.threads;
-      r.session = std::make_unique<Session>(p, r.name);
-      for (const auto& L : layers) {
-        r.session->prefill(L.layer, L.q.rows_view(0, P), L.k.rows_view(0, P), L.v.rows_view(0, P));
-        bar.advance();
-      }
-      r.session->build_index();
-      bar.advance();
-    }
-  }
+  EvalReport rep;
+  rep.trace = opts.trace;
+  std::tie(rep.trace_xxh3, rep.trace_bytes) = file_xxh3(opts.trace);
+  rep.budgets = budgets;
+  rep.backend = opts.backend;
+  rep.threads = threads;
+  rep.steps = steps;
+  rep.layers = layers.size();
+  rep.info = info;
+  rep.info.source = nullptr;
 
   const int64_t hq = info.num_q_heads, d = info.head_dim;
   std::vector<float> o(static_cast<size_t>(hq * d)), lse(static_cast<size_t>(hq));
@@ -209,69 +266,95 @@ EvalReport run_eval(const EvalOptions& opts) {
   std::vector<int32_t> sel;
   sel.reserve(size_t(T));
   ExactAttention ex;
-  for (auto& r : runners) r.acc.errs.reserve(size_t(steps) * layers.size() * size_t(hq));
 
-  {
-    Progress bar("replaying", steps * int64_t(layers.size()));
-    for (int64_t s = 0; s < steps; ++s) {
-      const int64_t t = P + s;
-      for (const auto& L : layers) {
-        exact_attention(L.q, L.k, L.v, t, scale, /*want_ranks=*/true, threads, ex);
-        const Tensor qt = L.q.row_view(t), kt = L.k.row_view(t), vt = L.v.row_view(t);
-        for (auto& r : runners) {
-          const auto t0 = Clock::now();
-          r.session->decode(L.layer, qt, kt, vt, o_t, &lse_t);
-          r.acc.time_us += std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
-          ++r.acc.calls;
-          score_step(r, ex, L.layer, t, o, lse, sel);
+  for (const double budget : budgets) {
+    const std::string tag = budgets.size() > 1 ? strfmt("budget %g: ", budget) : std::string();
+    // `full` runs first and always (reported only when asked for): its step time is the yardstick
+    // of the speed column, its error the check of the yardstick of every other column. Sessions live
+    // for one budget at a time, so a sweep needs no more memory than one budget.
+    std::vector<Runner> runners;
+    runners.push_back(Runner{"full", nullptr, {}});
+    for (const auto& m : opts.methods)
+      if (m != "full") runners.push_back(Runner{m, nullptr, {}});
+
+    {
+      Progress bar(tag + "prefill + index", int64_t(runners.size() * (layers.size() + 1)));
+      for (auto& r : runners) {
+        kvs_session_params p = session_params_for(info);
+        p.method = r.name.c_str();
+        const auto it = opts.method_params.find(r.name);
+        p.method_params = it != opts.method_params.end() ? it->second.c_str() : nullptr;
+        p.budget = budget;
+        p.backend = opts.backend;
+        p.num_threads = opts.threads;
+        r.session = std::make_unique<Session>(p, r.name);
+        for (const auto& L : layers) {
+          r.session->prefill(L.layer, L.q.rows_view(0, P), L.k.rows_view(0, P), L.v.rows_view(0, P));
+          bar.advance();
         }
+        r.session->build_index();
         bar.advance();
       }
     }
-  }
 
-  EvalReport rep;
-  rep.trace = opts.trace;
-  rep.steps = steps;
-  rep.layers = layers.size();
-  rep.info = info;
-  rep.info.source = nullptr;
-  const double full_us = mean(runners.front().acc.time_us, runners.front().acc.calls);
-  const double full_err = mean(std::accumulate(runners.front().acc.errs.begin(), runners.front().acc.errs.end(), 0.0),
-                               int64_t(runners.front().acc.errs.size()));
-  if (!(full_err <= kFullTolerance))
-    std::fprintf(stderr,
-                 "kvsieve: warning: `full` differs from the float64 reference by %.3g on average "
-                 "(expected below %.0e): dense attention in the library (or the trace reading) is wrong, "
-                 "so every error below is suspect\n",
-                 full_err, kFullTolerance);
-  for (const auto& m : opts.methods) {
-    const auto it = std::find_if(runners.begin(), runners.end(), [&](const Runner& r) { return r.name == m; });
-    const Accum& a = it->acc;
-    MethodResult res;
-    res.name = m;
-    res.budget = opts.budget;
-    res.recall_at_k = mean(a.recall, a.recall_n);
-    res.mass_recall = mean(a.mass, a.head_n);
-    double err_sum = 0.0;
-    for (double e : a.errs) err_sum += e;
-    res.output_rel_err = mean(err_sum, int64_t(a.errs.size()));
-    res.output_rel_err_p95 = percentile(a.errs, 95.0);
-    res.lse_abs_err = mean(a.lse, a.head_n);
-    res.step_us = mean(a.time_us, a.calls);
-    res.full_step_us = full_us;
-    res.kept_fraction = mean(a.kept, a.recall_n);
-    res.nonfinite = a.nonfinite;
-    for (const auto& name : opts.stats) {
-      double v = 0;
-      kvs_error_t e = kvs_session_method_stat(it->session->get(), name.c_str(), &v);
-      if (e == nullptr) res.stats.emplace_back(name, v);
-      kvs_error_destroy(e);
+    for (auto& r : runners) r.acc.errs.reserve(size_t(steps) * layers.size() * size_t(hq));
+    {
+      Progress bar(tag + "replaying", steps * int64_t(layers.size()));
+      for (int64_t s = 0; s < steps; ++s) {
+        const int64_t t = P + s;
+        for (const auto& L : layers) {
+          exact_attention(L.q, L.k, L.v, t, scale, /*want_ranks=*/true, threads, ex);
+          const Tensor qt = L.q.row_view(t), kt = L.k.row_view(t), vt = L.v.row_view(t);
+          for (auto& r : runners) {
+            const auto t0 = Clock::now();
+            r.session->decode(L.layer, qt, kt, vt, o_t, &lse_t);
+            r.acc.time_us += std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+            ++r.acc.calls;
+            score_step(r, ex, L.layer, t, o, lse, sel);
+          }
+          bar.advance();
+        }
+      }
     }
-    if (a.nonfinite > 0)
-      std::fprintf(stderr, "kvsieve: warning: %s returned %lld non-finite outputs (counted as infinite error)\n",
-                   m.c_str(), static_cast<long long>(a.nonfinite));
-    rep.methods.push_back(res);
+
+    const double full_us = mean(runners.front().acc.time_us, runners.front().acc.calls);
+    const double full_err = mean(std::accumulate(runners.front().acc.errs.begin(), runners.front().acc.errs.end(), 0.0),
+                                 int64_t(runners.front().acc.errs.size()));
+    if (!(full_err <= kFullTolerance))
+      std::fprintf(stderr,
+                   "kvsieve: warning: `full` differs from the float64 reference by %.3g on average "
+                   "(expected below %.0e): dense attention in the library (or the trace reading) is wrong, "
+                   "so every error below is suspect\n",
+                   full_err, kFullTolerance);
+    for (const auto& m : opts.methods) {
+      const auto it = std::find_if(runners.begin(), runners.end(), [&](const Runner& r) { return r.name == m; });
+      const Accum& a = it->acc;
+      MethodResult res;
+      res.name = m;
+      res.budget = budget;
+      res.recall_at_k = mean(a.recall, a.recall_n);
+      res.mass_recall = mean(a.mass, a.head_n);
+      double err_sum = 0.0;
+      for (double e : a.errs) err_sum += e;
+      res.output_rel_err = mean(err_sum, int64_t(a.errs.size()));
+      res.output_rel_err_p95 = percentile(a.errs, 95.0);
+      res.lse_abs_err = mean(a.lse, a.head_n);
+      res.step_us = mean(a.time_us, a.calls);
+      res.full_step_us = full_us;
+      res.kept_fraction = mean(a.kept, a.recall_n);
+      res.nonfinite = a.nonfinite;
+      res.params = resolved_params(*it->session);
+      for (const auto& name : opts.stats) {
+        double v = 0;
+        kvs_error_t e = kvs_session_method_stat(it->session->get(), name.c_str(), &v);
+        if (e == nullptr) res.stats.emplace_back(name, v);
+        kvs_error_destroy(e);
+      }
+      if (a.nonfinite > 0)
+        std::fprintf(stderr, "kvsieve: warning: %s returned %lld non-finite outputs (counted as infinite error)\n",
+                     m.c_str(), static_cast<long long>(a.nonfinite));
+      rep.methods.push_back(std::move(res));
+    }
   }
   return rep;
 }
@@ -295,17 +378,32 @@ nlohmann::ordered_json eval_json(const EvalReport& r) {
   for (const auto& m : r.methods) {
     methods.push_back({{"name", m.name},
                        {"budget", m.budget},
+                       {"kept_fraction", m.kept_fraction},
+                       {"params", m.params},
                        {"recall_at_k", m.recall_at_k},
                        {"mass_recall", m.mass_recall},
                        {"output_rel_err", m.output_rel_err},
                        {"output_rel_err_p95", m.output_rel_err_p95},
                        {"lse_abs_err", m.lse_abs_err},
                        {"step_us", m.step_us},
-                       {"full_step_us", m.full_step_us}});
+                       {"full_step_us", m.full_step_us},
+                       {"nonfinite_outputs", m.nonfinite}});
+    if (!m.stats.empty()) {
+      nlohmann::ordered_json st = nlohmann::ordered_json::object();
+      for (const auto& [name, v] : m.stats) st[name] = v;
+      methods.back()["stats"] = std::move(st);
+    }
   }
   nlohmann::ordered_json out;
   out["trace"] = r.trace;
+  out["trace_bytes"] = r.trace_bytes;
+  out["trace_xxh3_64"] = strfmt("%016llx", static_cast<unsigned long long>(r.trace_xxh3));
+  out["version"] = kvs_version();
+  out["backend"] = backend_name(r.backend);
+  out["threads"] = r.threads;
+  out["budgets"] = r.budgets;
   out["steps"] = r.steps;
+  out["layers"] = r.layers;
   out["methods"] = std::move(methods);
   return out;
 }

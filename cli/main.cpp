@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // kvsieve: the operator's command line over the public C API (docs/cli.md).
 #include <kvsieve/kvsieve.h>
 

@@ -1,5 +1,6 @@
+// SPDX-License-Identifier: Apache-2.0
 // A host memory read-bandwidth probe, so `kvsieve bench` can put its decode times beside the
-// machine's own floor (DESIGN.md: "the floor is bytes over measured DRAM bandwidth").
+// machine's own floor (the floor is bytes over measured DRAM bandwidth; docs/perf.md).
 #pragma once
 
 #include <cstddef>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Progress feedback on stderr, only when stderr is a terminal and only for work that has already
 // taken more than a second: piped or redirected runs (CI logs, scripts) see nothing.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "reference.hpp"
 
 #include <algorithm>
@@ -92,7 +93,7 @@ void exact_attention(const StridedArray& q, const StridedArray& k, const Strided
   for (int64_t c = 0; c < chunks; ++c)
     for (int64_t x = 0; x < hq * d; ++x) r.out[size_t(x)] += partial[size_t(c * hq * d + x)];
 
-  // 4. ranks of keys by the group's summed softmax (the score of DESIGN.md's recall@k)
+  // 4. ranks of keys by the group's summed softmax (the score of recall@k, docs/cli.md)
   if (!want_ranks) {
     r.rank.clear();
     return;

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Exact attention in float64, the yardstick of `kvsieve eval` (and of `synth --stats`): the query of
 // token t over keys 0..t, read from the trace in its stored dtype (so both sides see the same
 // rounded inputs) and accumulated in double precision.

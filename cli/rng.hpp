@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A fixed, portable pseudo-random generator: xoshiro256** seeded through splitmix64, normals by
 // Box-Muller. Unlike std::normal_distribution (whose algorithm is implementation-defined), these
 // produce the same stream on every platform, so a synthetic trace is a pure function of its seed.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The synthetic trace model. docs/synth.md is its specification: the formulas, the coefficient
 // derivations and the order of random draws below follow it line by line.
 #include "synth_model.hpp"

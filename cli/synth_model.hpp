@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The synthetic Q/K/V generator behind `kvsieve synth` (and the data of `bench` and `demo`). Every
 // knob and formula is documented in docs/synth.md; keep the two in step.
 #pragma once

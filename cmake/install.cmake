@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # cmake --install: headers, the shared library (SONAME = ABI major), the CLI (RPATH to the installed
 # library), the CMake package (find_package(kvsieve) -> kvsieve::kvsieve) and kvsieve.pc.
 include(CMakePackageConfigHelpers)

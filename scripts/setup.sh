@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Installs what kvsieve needs (Debian packages) when missing, then configures and builds.
 #   scripts/setup.sh [BUILD_DIR] [extra cmake args...]
 # Environment: KVS_JOBS (parallel build jobs, default: nproc). KVS_BINDINGS=1 also installs what the

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The whole test suite: release build (CUDA compiled when nvcc exists; CUDA tests skip without a
 # GPU), then the C++ tests again under AddressSanitizer + UndefinedBehaviorSanitizer, then the
 # fuzzers and the ThreadSanitizer stress test (scripts/test_hardening.sh).

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Hardening checks (issue 22), run last by scripts/test.sh and runnable alone:
 #  1. build-tsan: the library under ThreadSanitizer (gcc); runs tests/stress/tsan_stress.cpp.
 #  2. The fuzzers' seed corpora, made by a kvsieve command (tests/fuzz/make_corpus.sh) into

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Fails if the shared library exports any dynamic symbol not starting with kvs_.
 execute_process(COMMAND nm -D --defined-only ${LIB} OUTPUT_VARIABLE out RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)

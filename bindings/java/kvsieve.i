@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* SWIG interface of the Java binding (package org.kvsieve). Only the public C ABI is used.
  *
  *  - Session, Batch, Trace and Tensor are SWIG proxies of owned native objects: AutoCloseable, close()

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* SWIG interface of the Python binding: kvsieve.capi, wrapped by the Pythonic facade in
  * kvsieve/__init__.py. Only the public C ABI is used (include/kvsieve/kvsieve.h).
  *

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // kvsieve from C++ through kvsieve.hpp (header-only RAII over the C ABI): prefill a random prompt,
 // decode one token with exact_topk at the whole-context budget, check against a double-precision
 // reference; decode two sessions together through a kvsieve::Batch (plan per token, decode per

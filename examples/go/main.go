@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 // kvsieve from Go through cgo and pkg-config (PKG_CONFIG_PATH=<prefix>/lib/pkgconfig): a prefill
 // and a decode checked against a float64 reference, a batch of two sessions (plan per token, decode
 // per layer) checked against per-session decodes, then an error turned into a Go error.

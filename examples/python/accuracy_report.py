@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Regenerates the tables and plots of docs/accuracy.md from the JSON files in docs/accuracy/.
 
 Inputs (made by tools/accuracy/run_stories260k.sh), for each data set DS (e.g. stories260k-gen):

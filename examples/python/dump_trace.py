@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Writes a kvsieve-trace (docs/formats.md, "Trace") of a real transformers model over a text.
 
 The model (any transformers causal LM: a Hugging Face directory, or a GGUF file that transformers

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """End-to-end quality of kvsieve's methods inside a real model (transformers + kvsieve_hf.py).
 
 For a prompt of --prompt-tokens tokens of a text and the next --continuation tokens:

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Generates text with a transformers model whose attention runs through kvsieve (kvsieve_hf.py).
 
 The prompt is prefilled (exact attention, kvsieve's prefill), then every new token decodes each

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """End-to-end accuracy of sparse attention on a real model: how much does method X at budget B
 change stories260K?
 
@@ -427,7 +428,7 @@ def main(argv=None):
                     "$KVS_STORIES260K_DIR, else shared/data/stories260K)")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--text", metavar="FILE", help="UTF-8 text, encoded after BOS and "
-                     "teacher-forced (e.g. /work/traces/kjv-genesis-1-2.txt)")
+                     "teacher-forced (e.g. traces/kjv-genesis-1-2.txt, made by tools/traces/make_stories260k_traces.sh)")
     src.add_argument("--story", action="store_true", help="the model's own sampled story "
                      "(the default; --seed, --temperature)")
     ap.add_argument("--text-name", help="name of the text in the output (default: the file name)")

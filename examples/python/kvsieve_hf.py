@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Route a Hugging Face transformers model's attention through kvsieve.
 
 kvsieve becomes the model's KV cache: the model runs with ``use_cache=False`` and explicit

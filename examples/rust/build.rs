@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Finds the installed kvsieve through pkg-config (the `pkg-config` command, so that the example
 // builds with `cargo --offline` and no crates): PKG_CONFIG_PATH=<prefix>/lib/pkgconfig.
 use std::process::Command;

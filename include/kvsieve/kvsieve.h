@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * kvsieve: sparse-attention decoding over a KV cache, behind a stable C ABI.
  *

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // kvsieve.hpp: header-only C++17 RAII and exceptions over the C ABI (kvsieve.h). Nothing here is
 // compiled into the library: it only calls kvs_* functions, so it works with any build of the
 // shared library of the same ABI version.

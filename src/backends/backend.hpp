@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The private backend interface (cpu, cuda): memory, copies, stream order, and the one op every
 // placement shares, the exact merge of two attention states. Attention over a KV store and the
 // methods' own kernels belong to the placement that owns the store (src/backends/<b>/placement.*)

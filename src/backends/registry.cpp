@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The backend and placement registry: an explicit list (no static-initialisation tricks, so static
 // linking keeps every backend). The only place that knows whether this build has CUDA: the cuda
 // backend and its placement are listed here (each method's spec names its own cuda implementation).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The C ABI: validate, convert, catch everything, call the core. Nothing here throws.
 #include <cstring>
 #include <string>

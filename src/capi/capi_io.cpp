@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // C API for files: tables inspection and traces. Thin: validate arguments, call src/io.
 #include <cstdint>
 #include <cstdlib>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The one place where C++ exceptions become C error objects.
 #pragma once
 #include <new>

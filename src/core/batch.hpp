@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A batch of sessions decoded together (kvs_batch_*): validated once at creation, planned once per
 // token (every session and layer checked, capacity reserved, workspaces sized: host work only), then
 // one decode call per layer that validates only the step tensors and launches.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Where bytes live, and the descriptors that cross between a session, its method and a backend:
 // a typed reference to memory (Ref), an attention state (o, lse) and a selection of keys.
 // Nothing here copies: a Ref says where its bytes are, and only a placement decides to move them.

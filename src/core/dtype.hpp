@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Scalar types and conversions. bf16 and fp16 are stored as raw uint16_t bit patterns; all
 // arithmetic happens in fp32 (fp64 in references).
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Errors inside the library are C++ exceptions of type kvs::Error; the C API layer (src/capi)
 // catches everything and turns it into an owned kvs_error_s. Nothing throws across the C ABI.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The KV cache of one layer: fixed-size pages of kPageTokens tokens, each page holding
 // K [Hkv][P][d] then V [Hkv][P][d] in the storage dtype. Pages are reference-counted so a forked
 // session or a memory-mapped tables file can share them read-only; a shared page is copied before

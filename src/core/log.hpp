@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Process-wide log sink (set atomically through kvs_set_log_callback). Lines are whole.
 #pragma once
 #include <cstdarg>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The method interface: the strategy that decides which keys each decode step attends to.
 // A method sees the layer's KV store (read-only), the prompt and decode queries, and returns a
 // Selection; optionally it adds an extra attention state (estimated or bypassed part) that the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Method parameters: each method declares ParamSpecs (name, type, default, one-line doc); a session
 // passes "key=value,key=value" text, which is validated against the specs. Every value actually used
 // (defaults included) is recorded in saved tables.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A session's implementation on one backend ("placement"): where its KV cache and its method's index
 // live, and how prefill, append and a decode step run there. `Session` keeps only the state that is
 // the same everywhere (configuration, call-order rules, statistics) and forwards to its placement;

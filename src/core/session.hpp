@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The session: attention state of one sequence across all layers of one model shape. It keeps what
 // is the same on every backend (configuration, the call-order rules: prefill -> build_index ->
 // decode/append, statistics) and forwards the work to its placement (core/placement.hpp), which owns

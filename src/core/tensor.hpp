@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Validation and access of caller tensors (kvs_tensor, DLTensor-compatible). Every check names the
 // argument and what was expected, so the C API can return a useful error.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A fixed pool of worker threads running index-range tasks. The calling thread takes part, so a
 // pool of T threads has T-1 workers. One parallel_for at a time per pool (sessions sharing a pool
 // are serialised by the pool's mutex).

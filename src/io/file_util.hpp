@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Files: read-only memory maps and atomic writes (temporary file in the target's directory, write,
 // fsync, rename, fsync the directory), so a reader never sees a half-written file and a failed
 // write never damages an existing one.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Checked reads of a tables file's JSON header. The checksums prove that a header is the one that
 // was written, not that a writer was honest: every value a loader takes from the header is read
 // through this class, which checks its JSON type and its range at the C++ type it lands in before

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Safetensors files (8-byte little-endian header length, JSON header, raw little-endian data),
 // read through a read-only mmap and written atomically, and the kvsieve trace format on top of
 // them (docs/formats.md, "Trace"). Files written by Python's `safetensors` package read as-is.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The tables file container (format 1.0, byte layout in docs/formats.md), after GGUF: a fixed
 // preamble (magic, version, endianness mark, sizes, checksums), a JSON header, a section directory,
 // then payloads aligned to 64 bytes so a loader can use them straight from a read-only mmap.

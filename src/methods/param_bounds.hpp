@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Bounds of method parameters, checked when a session is created. ParamSet only checks that a
 // value parses ("int": any int64); a method reads its integers through int_param, which checks the
 // range at int64 before the method narrows the value to its own type, so that 4294967297 is refused

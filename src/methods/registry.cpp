@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The method registry: an explicit list (no static-initialisation tricks, so static linking keeps
 // every method). Each method folder provides one spec factory.
 #include <algorithm>

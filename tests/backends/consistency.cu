@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The backend consistency harness (in the spirit of ggml's test-backend-ops): every (method,
 // placement) pair that exists in this build against the cpu placement, the reference, through the
 // public C API only. For each case the same prompt and decode tokens go to cpu sessions (host

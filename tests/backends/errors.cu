@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The bad-input matrix of the C API on the cuda placement (issue 22, "the GPU paths get the same
 // treatment"), through the public C API only. For sessions with backend = KVS_BACKEND_CUDA, every
 // tensor argument of kvs_session_prefill, kvs_session_append, kvs_session_decode, kvs_decode_batch

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # The shared library exports exactly the functions the public header declares: every KVS_API
 # function of include/kvsieve/kvsieve.h is exported, and nothing else is (the version script and
 # hidden visibility keep the rest local).  cmake -DLIB=<libkvsieve.so> -DHEADER=<kvsieve.h> -P ...

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Installs the build into a fresh prefix and builds consumers against the installed tree only:
 # the install layout (headers, SONAME'd library, CLI with RPATH, CMake package, kvsieve.pc), the
 # C++ example through find_package(kvsieve) and through pkg-config, the Rust example (build.rs +

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The Python binding's CUDA tests (DLPack from torch on a stream, device/layout errors) on a GPU
 # machine that has PyTorch, numpy and pytest but no package registry. Builds the library with the
 # CUDA backend and the binding into build-gpu, then runs tests/python/test_bindings.py (every test:

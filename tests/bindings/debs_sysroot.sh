@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Sourced (bash) by the GPU-machine scripts: when .debs/ holds kvsieve's Debian build dependencies
 # as .deb files (the machine has no package registry), unpacks them into a private sysroot
 # (/tmp/kvsieve-sysroot, never into /), makes the OpenBLAS links Debian's alternatives system would

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The public header compiled as C99 (-std=c99 -pedantic -Werror), linked against the shared
  * library: every entry point's error paths, and that a rejected call leaves the session unchanged;
  * batches (kvs_batch_*) against kvs_decode_batch on separate sessions; kvs_method_unsupported_reason.

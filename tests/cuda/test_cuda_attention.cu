@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Standalone tests of src/backends/cuda/cuda_attention.cu against float64 CPU references computed
 // from the same bf16/fp16-rounded inputs, K/V in the paged layout of kv_layout.cuh (pages in
 // shuffled pool order, NaN wherever no valid token lives). Prints "N passed, M failed"; exit 0 iff

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CUDA graphs of the decode step (src/backends/cuda/placement.cpp): batches of full and streaming
 // sessions decoded through kvs_batch_plan/kvs_batch_decode, captured (the default) against the
 // same sessions decoded eagerly (KVS_CUDA_GRAPHS=0 when they were created) and against a float64

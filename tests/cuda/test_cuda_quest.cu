@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests of src/backends/cuda/quest.cu (Quest bounds and page selection) and selection.cu
 // (StreamingLLM's window) against host references written from the CPU methods' rules
 // (src/methods/quest/quest.cpp, src/methods/streaming/streaming.cpp):

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The cuda backend through the public C API against the CPU backend (the reference), on the GPU
 // machine: full and exact_topk, bf16 and fp16 KV, head dims 64 and 128, GQA, batched decode across
 // sessions of different lengths, and the argument errors specific to the backend.

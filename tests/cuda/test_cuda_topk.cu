@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests of src/backends/cuda/topk.cu (exact_topk's score pass and the radix top-k) against float64
 // / std::sort CPU references computed from the same bf16/fp16-rounded inputs.
 // Built into kvsieve_cuda_tests (its main lives in test_cuda_attention.cu); exposes

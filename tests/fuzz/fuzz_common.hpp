@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Shared by the libFuzzer harnesses: a scratch file the parsers read the input from, and the
 // small tensors the harnesses hand to a session. Public C API only (include/kvsieve/kvsieve.h).
 #pragma once

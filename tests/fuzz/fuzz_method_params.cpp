@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // libFuzzer harness of `method_params` parsing: the input (up to its first NUL) is passed as
 // kvs_session_params.method_params to kvs_session_create for every registered method that runs on
 // the CPU, on a small shape. Parsing and validating the text is what is fuzzed; a session that is

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // libFuzzer harness of the tables loader (format 1.0; docs/formats.md): the input is written to a
 // file, described with kvs_tables_describe and loaded with kvs_session_load on the CPU backend;
 // a session that loads is prefilled where its file has no KV (the lengths the header names) and

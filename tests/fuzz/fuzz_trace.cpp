@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // libFuzzer harness of the trace reader (safetensors, "kvsieve-trace" v1; docs/formats.md): the
 // input is written to a file, opened with kvs_trace_open, and when it opens, every view the
 // reader hands out is checked against the trace's own description and read end to end (a view

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Seed corpora and dictionaries of the fuzzers, made with the kvsieve command (nothing binary is
 # committed):
 #

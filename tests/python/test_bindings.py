@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The Python binding against float64 NumPy references on random inputs.
 
 Every registered method is covered: the method list is read from the library's registry
@@ -171,7 +172,7 @@ def test_exact_topk_selects_the_numpy_topk(rng):
         K = np.concatenate([k, kn[None]]).astype(np.float64)
         g = HQ // HKV
         for kh in range(HKV):
-            # group-summed softmax over the whole context (METHODS.md 2)
+            # group-summed softmax over the whole context
             score = np.zeros(K.shape[0])
             for h in range(kh * g, (kh + 1) * g):
                 z = SCALE * K[:, kh] @ qn[h].astype(np.float64)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """End-to-end: the real stories260K model with every attention going through a kvsieve session
 (examples/python/kvsieve_e2e.py), against the model README's reference figures and the NumPy
 float64 forward of tools/traces/stories260k.py (which does not use kvsieve).

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """kvsieve as a transformers attention function (examples/python/kvsieve_hf.py).
 
 A tiny randomly initialised Llama (no download) decodes through kvsieve; its logits must equal the

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """tools/traces/stories260k.py: the README's reference figures, and a small trace written by the
 `trace` subcommand, checked against (a) an independent scalar recomputation of layer 0's q/k/v and
 (b) the model's own attention outputs for every layer. Plain Python: exits nonzero on failure,

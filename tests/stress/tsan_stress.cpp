@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ThreadSanitizer stress test of the public C API (built with KVS_TSAN=ON; scripts/test_hardening.sh).
 //
 // Exercises every thread-safety promise of include/kvsieve/kvsieve.h at once, for a bounded time:

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Independent float64 references and helpers for the tests.
 #pragma once
 #include <cmath>

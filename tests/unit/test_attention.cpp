@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CPU attention kernels and the session decode path against float64 references.
 #include <doctest/doctest.h>
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // csattention: the degenerate exact case (m = 1, C = prompt queries as centroids, L = N), the
 // streaming lists against a float64 brute-force Top-L over every key seen, save/load bit-exactness,
 // the k-means objective, the search period, and parameter errors.

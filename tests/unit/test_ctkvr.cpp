@@ -1,4 +1,5 @@
-// ctkvr (METHODS.md 7): exact recall with rho = N, FIFO invariants, window-eviction insertion
+// SPDX-License-Identifier: Apache-2.0
+// ctkvr: exact recall with rho = N, FIFO invariants, window-eviction insertion
 // against a brute force, LSE merge without double counting, multi-turn update, save/load.
 #include <doctest/doctest.h>
 

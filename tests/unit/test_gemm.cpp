@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The GEMM layer: oneDNN and OpenBLAS against a float64 reference, every transpose combination.
 #include <doctest/doctest.h>
 

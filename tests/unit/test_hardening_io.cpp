@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Issue 22 (hardening): stale temporary files of killed saves (src/io/file_util.*: finding 5) and
 // the overlap check of output tensors (src/core/tensor.*: finding 7).
 #include <dirent.h>

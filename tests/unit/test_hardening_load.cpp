@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Issue 22 (hardening), findings 2, 3, 4 and 6, through the public C API:
 //  2. header numbers of a tables file with valid checksums are range-checked at their type (a float
 //     where an integer belongs, 2^32 + 8 for a uint32, a bool, a non-numeric HGCA layer key, shape or

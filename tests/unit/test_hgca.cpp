@@ -1,4 +1,5 @@
-// hgca (METHODS.md §8): exactness limits against float64 attention (beta = 0, W >= context), the
+// SPDX-License-Identifier: Apache-2.0
+// hgca (docs/methods/hgca.md): exactness limits against float64 attention (beta = 0, W >= context), the
 // merged output equals exact attention over the reported keys, MAW recursion and block eviction
 // against an independent float64 model, salience sets and re-normalised weights, re-evaluation
 // on append reinstating entries, one-step undo, save/load, parameter errors.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The KV page pool (2 MiB-aligned extents with a huge-page hint) and KVLayer storage on top of it.
 #include <doctest/doctest.h>
 

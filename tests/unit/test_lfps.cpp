@@ -1,4 +1,5 @@
-// lfps (METHODS.md §6) against float64 brute force on random inputs: the initial tables of eq. (4),
+// SPDX-License-Identifier: Apache-2.0
+// lfps (docs/methods/lfps.md) against float64 brute force on random inputs: the initial tables of eq. (4),
 // the lazy-decay tables and incremental moments against an explicit replay of eq. (10), the
 // candidate sets of eqs. (7)-(9), exact top-k when every key is a candidate, the sink-value bypass
 // output, save/load and rollback.

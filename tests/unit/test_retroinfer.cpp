@@ -1,4 +1,5 @@
-// retroinfer (RetroInfer's wave index, METHODS.md 9): the k-means partition and cluster store, the
+// SPDX-License-Identifier: Apache-2.0
+// retroinfer (RetroInfer's wave index, docs/methods/retroinfer.md): the k-means partition and cluster store, the
 // Jensen bound of eq. 3, singleton clusters making the estimation exact, estimation on vs off
 // (Fig. 17a), incremental updates, save/load, budgets and parameter errors. References are float64
 // brute force on random inputs.

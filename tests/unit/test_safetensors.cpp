@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Safetensors reader/writer and kvsieve traces (src/io/safetensors.*, src/capi/capi_io.cpp).
 #include <doctest/doctest.h>
 #include <fcntl.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Sessions through the public C API: decode against float64 references, the baselines' selections,
 // save/load, fork, batch decode, append, and argument errors that must leave state unchanged.
 #include <doctest/doctest.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tables container (src/io/tables.*): round trips, truncation, every bit flip, versioning, atomic
 // writes, describe, and the v1.0 golden file.
 #include <dirent.h>

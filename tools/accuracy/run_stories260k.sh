@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Regenerates every measurement behind docs/accuracy.md for stories260K, then its tables and plots:
 #   kvsieve eval (every method, budgets 1/2/5/10/20%) on both stories260K traces, and the end-to-end
 #   harness examples/python/kvsieve_e2e.py on the same two texts.
-# Usage: tools/accuracy/run_stories260k.sh [TRACES_DIR]   (default /work/traces; traces made if missing)
+# Usage: tools/accuracy/run_stories260k.sh [TRACES_DIR]   (default traces/ in the checkout; traces made if missing)
 # Environment: KVSIEVE   the kvsieve CLI (default build/kvsieve)
 #              PYTHON    Python with NumPy and the kvsieve package importable (set PYTHONPATH to
 #                        <build>/bindings/python; default python3)
@@ -10,7 +11,7 @@
 #              THREADS   library threads (default 1)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-TR=${1:-/work/traces}
+TR=${1:-traces}
 KVS=${KVSIEVE:-build/kvsieve}
 PY=${PYTHON:-python3}
 THREADS=${THREADS:-1}

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # On the GPU machine: the Python binding's CUDA tests (tests/bindings/cuda_python.sh) with kvsieve's
 # Debian build dependencies carried as .deb files in .debs/ (unpacked into a private sysroot by
 # tests/bindings/debs_sysroot.sh).

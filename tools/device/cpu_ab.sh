@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # On the GPU machine's host CPU (quiet, AVX-512): a CPU build against a previous one in one call.
 # Carry .dev with .dev/cpu/{kvsieve,libkvsieve.so.0,kvsieve_cpu_attention_micro,kvsieve_tests}
 # (a CPU build, -DKVS_WITH_CUDA=OFF), .dev/cpu-old/ (the same files of the previous build) and

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # On the GPU machine's host CPU: the CPU dense-decode benchmark (kvsieve bench) and the kernel
 # micro-benchmark at several thread counts, paired with and without the bf16x2 conversion.
 # Carry .dev with .dev/cpu/{kvsieve,libkvsieve.so.0,kvsieve_cpu_attention_micro} (a CPU build,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Sourced by the device scripts that run a carried CPU build (cpu_ab.sh, cpu_bench.sh,
 # method_bench.sh): goes to the repository root, sets OUT (default /tmp/kvs_out) and LIBS (the
 # libraries the device lacks, unpacked from .dev/libs.tar.xz; see docs/perf.md), and defines

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Reproduces the GPU machine's crash of a GEMM-using method's index build inside Python (see
 # docs/bindings.md, "Known problem there"): PYTHONPATH=build-gpu/bindings/python python3 csa_repro.py
 import numpy as np, kvsieve

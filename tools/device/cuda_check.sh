@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Builds the CUDA attention kernels, runs their tests (also under compute-sanitizer on small
 # sizes) and the side-by-side benchmark against torch SDPA. Meant for the GPU machine (`run`),
 # from the repository root; logs go to $OUT (default /tmp/kvs_cuda_out).

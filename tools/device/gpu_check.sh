@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # On the GPU machine, from the repository root: builds the library with CUDA, the CUDA tests, the
 # CLI and the Python binding into build-gpu (kvsieve's Debian build dependencies carried as .deb
 # files in .debs/, unpacked into a private sysroot: tests/bindings/debs_sysroot.sh), then

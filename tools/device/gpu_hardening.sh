@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # On the GPU machine, with a build packed by tools/device/pack_gpu.sh in .dev/ and the Debian
 # libraries in .debs/: the bad-input matrix of the C API on the cuda placement
 # (kvsieve_backend_error_tests, plain and under memcheck), and compute-sanitizer's racecheck and

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # On the GPU machine: the transformers integration (examples/python/kvsieve_hf.py) with kvsieve's
 # cuda backend. Builds the Python binding with CUDA into build-gpu (as tools/device/bindings_cuda.sh:
 # kvsieve's Debian build dependencies carried as .deb files in .debs/, unpacked into a private

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # On the GPU machine's host CPU (quiet, unlike the shared development VM): `kvsieve bench` of every
 # published method against `full` at 128K, with the thread counts the issues name. Carry .dev with
 # .dev/cpu/{kvsieve,libkvsieve.so.0} (a CPU build) and .dev/libs.tar.xz (see docs/perf.md); an

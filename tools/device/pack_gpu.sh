@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Here (not on the GPU machine): packs a CUDA build for tools/device/gpu_check.sh into .dev/ (ignored
 # by git): the library and CLI installed into .dev/prefix, the CUDA test programs into .dev/bin,
 # stripped. The device then needs only .debs/ (the Debian libraries, see gpu_check.sh) besides.

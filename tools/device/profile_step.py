@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Where the GPU time of one kvsieve decode step goes: torch.profiler (CUPTI) over a few steps.
 
 For each case (method:context:batch:budget[:method_params]), sessions are prefilled with random bf16 data

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # On the GPU machine: runs the CMake-built CUDA test binary (kernels + sessions through the C API
 # against the CPU backend), carried with the shared libraries the device lacks (oneDNN, OpenBLAS,
 # mimalloc, xxHash) in .dev/ (see docs/perf.md for how .dev is made). Logs under $OUT.

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Rebuilds the two stories260K traces of docs/real-traces.md into OUT_DIR (default /work/traces).
+# SPDX-License-Identifier: Apache-2.0
+# Rebuilds the two stories260K traces of docs/real-traces.md into OUT_DIR (default: traces/ in the checkout).
 # Needs python3-numpy and, for the text trace, Debian's bible-kjv (program) + bible-kjv-text (data).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${1:-/work/traces}
+OUT=${1:-traces}
 mkdir -p "$OUT"
 PY=tools/traces/stories260k.py
 python3 $PY check

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Real-model attention traces from Karpathy's stories260K (llama2.c legacy v0 checkpoint).
 
 A NumPy reimplementation of the llama2.c forward pass (computed in float64; traces are stored as
@@ -48,8 +49,7 @@ def default_model_dir():
     here = os.path.dirname(os.path.abspath(__file__))
     repo = os.path.dirname(os.path.dirname(here))
     for cand in (os.path.join(repo, "shared", "data", "stories260K"),
-                 os.path.join(os.path.dirname(repo), "shared", "data", "stories260K"),
-                 "/work/shared/data/stories260K"):
+                 os.path.join(os.path.dirname(repo), "shared", "data", "stories260K")):
         if os.path.exists(os.path.join(cand, "stories260K.bin")):
             return cand
     raise FileNotFoundError("stories260K not found: set KVS_STORIES260K_DIR")

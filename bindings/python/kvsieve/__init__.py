@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """kvsieve: sparse-attention decoding over a KV cache (Python binding of the C ABI).
 
 Tensors go in without a copy through DLPack (NumPy, PyTorch, CuPy, JAX; CPU, CUDA-host or CUDA

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Type hints of the kvsieve package (see __init__.py for the docstrings).
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """kvsieve.Error: a C-side kvs_error_t turned into a Python exception."""
 
 STATUS_NAMES = {

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! kvsieve from Rust: hand-written declarations of the part of the C ABI this program uses
 //! (include/kvsieve/kvsieve.h), a prefill and a decode checked against a reference, a batch of two
 //! sessions (plan per token, decode per layer) checked against per-session decodes, and an error.

@@ -1,7 +1,8 @@
+// SPDX-License-Identifier: Apache-2.0
 // CPU attention kernels for one decode query per head: dense over a layer's keys [0, n), and
 // gathered over index lists. Work is split over KV heads and chunks of keys; every chunk yields an
 // attention state (o, lse) for each query head of its group, and the states are merged exactly
-// (DESIGN.md "Attention state"). A KV head's keys and values are read once for its whole GQA group.
+// (docs/architecture.md). A KV head's keys and values are read once for its whole GQA group.
 #pragma once
 #include <cstdint>
 #include <vector>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Single-precision GEMM through oneDNN (dnnl_sgemm) or OpenBLAS (cblas_sgemm), chosen per session
 // (kvs_session_params.gemm) or by the KVS_GEMM environment variable ("onednn" / "openblas").
 // Row-major: C[M][N] = alpha * op(A)[M][K] * op(B)[K][N] + beta * C.

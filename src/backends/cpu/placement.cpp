@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The cpu placement: KV in host pages (core/kv_store), the method's CPU implementation (the
 // reference), attention on the thread pool. The decode data flow of docs/architecture.md:
 // append -> Method::on_append -> Method::select -> attend -> Method::extra -> merge.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Top-k selection helpers (CPU).
 #pragma once
 #include <algorithm>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CUDA decode-attention kernels: see cuda_attention.cuh for the contract of each entry point.
 //
 // Dense/gathered decode (flash-decoding): grid (split, KV head x query-group, sequence). A CTA

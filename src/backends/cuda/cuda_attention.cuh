@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CUDA kernels for decode attention over the paged KV layout (kv_layout.cuh): dense split-K
 // ("flash-decoding"), gathered (index lists per KV head or per query head) and the exact merge of
 // two attention states.

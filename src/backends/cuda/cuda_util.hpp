@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host-side helpers shared by the cuda backend's C++ files: error conversion, the device guard,
 // validation of caller tensors on the device. Compiled by the host compiler against the CUDA runtime.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A method's implementation on the cuda placement: its index lives on the GPU, and a decode step
 // is launches only (no host synchronisation, no allocation), reading the query and the paged KV
 // where they are and writing a selection into device buffers that the placement attends.

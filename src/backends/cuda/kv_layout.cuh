@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The device KV layout every CUDA kernel of kvsieve reads: paged, one page table per sequence.
 //
 // A page holds `page_tokens` (P) consecutive tokens of every KV head of one layer of one sequence,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Kernels of kv_ops.cuh. Rows move as 16-byte vectors (d * element size is a multiple of 16 for
 // every supported head dim, and pages and caller tensors are 16-byte aligned).
 #include "backends/cuda/kv_ops.cuh"

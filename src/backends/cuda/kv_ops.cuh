@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Small kernels over the paged device KV (kv_layout.cuh): writing rows into pages and assembling a
 // batch's page table. Conventions of cuda_attention.cuh (device pointers, stream-ordered, Status,
 // no allocation, graph-capturable).

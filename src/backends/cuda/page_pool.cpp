@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #ifdef KVS_HAVE_CUDA
 #include "backends/cuda/page_pool.hpp"
 

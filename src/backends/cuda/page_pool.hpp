@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Device KV pages: a process-wide pool per (device, page size) that carves pages out of slabs of
 // 64 MiB (one cudaMalloc per slab, not per page), reference-counted so forked sessions share their
 // prefix's pages (copied before a shared page is written).

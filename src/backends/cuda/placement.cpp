@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The cuda placement: KV of every layer in device pages (kv_layout.cuh, pages of kPageTokens tokens
 // in the host store's page layout), the method's DeviceMethod, and the decode step as launches on
 // the caller's stream:

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Quest on CUDA: see quest.cuh for the contract of each entry point.
 //
 // Bounds (quest_update_bounds): a warp per (Quest page, KV head); lanes of d/8 cover one key row

@@ -1,4 +1,5 @@
-// Quest on CUDA (METHODS.md §4; CPU reference src/methods/quest/quest.cpp): per-page key bounds
+// SPDX-License-Identifier: Apache-2.0
+// Quest on CUDA (docs/methods.md; CPU reference src/methods/quest/quest.cpp): per-page key bounds
 // kept on the device, and the decode-time page selection from them.
 //
 // Conventions as in cuda_attention.cuh (device pointers unless "host", enqueued on `stream`, no

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Position-only selections on CUDA: see selection.cuh. A thread per output slot; the list of
 // (b, h) is recomputed from n_b in every thread (a few integer operations), so one launch writes
 // every slot, padding included.

@@ -1,5 +1,6 @@
+// SPDX-License-Identifier: Apache-2.0
 // Position-only token selections on CUDA (no scoring): StreamingLLM's sinks + recent window
-// (METHODS.md §3; CPU reference src/methods/streaming/streaming.cpp).
+// (docs/methods.md; CPU reference src/methods/streaming/streaming.cpp).
 //
 // Conventions as in cuda_attention.cuh: device pointers unless "host", enqueued on `stream`, no
 // sync, no allocation, noexcept, Status.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Status values and the CUDA-error checks shared by the kernel files (nvcc only; private to
 // src/backends/cuda/*.cu). A failed CUDA call or launch returns KVS_STATUS_BACKEND with its
 // cudaError_t; the message is a static string naming the call.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // exact_topk on CUDA: see topk.cuh for the contracts.
 //
 // topk_rows: radix select on an order-preserving 32-bit key (NaN -> 0, the lowest; -0 -> +0). One

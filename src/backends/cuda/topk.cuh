@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // exact_topk on CUDA: the score pass over the paged KV cache and a row-wise radix top-k.
 //
 // exact_topk (the oracle) scores every key of a sequence and attends only the best k of them. The

@@ -1,4 +1,5 @@
-// csattention: Centroid-Scoring Attention (PAPER-000 3.1-3.4, B; METHODS.md 5), CPU reference.
+// SPDX-License-Identifier: Apache-2.0
+// csattention: Centroid-Scoring Attention (arXiv 2604.08584, §§3.1-3.4 and App. B; docs/methods/csattention.md), CPU reference.
 //
 // Index (build_index, from the prompt's queries and keys), per layer and table head:
 //   - the head dim is split into m subspaces (uniform d/m, or `splits`);
@@ -942,7 +943,7 @@ class CSAttention final : public Method {
     head_union_[size_t(h)] = nt;
     auto& out = L.cached[size_t(h)];
     if (rerank_ > 0 && nc > rest && rest > 0) {
-      // Rerank (RECON, off by default): the best rerank*rest candidates by the summed list scores
+      // Rerank (not in the paper, off by default): the best rerank*rest candidates by the summed list scores
       // are scored exactly, and the rest best of them by the group's summed softmax (normalised per
       // query head over those candidates) are kept.
       top_by_score(S.ctok.data(), S.csc.data(), nc, std::min(nc, cand), S.rtok, S.rtmp);
@@ -1003,7 +1004,7 @@ MethodSpec csattention_spec() {
   return MethodSpec{
       "csattention",
       "CSAttention: per-subspace query centroids score keys offline into Top-L lists; decode sums the nearest "
-      "centroids' lists, keeps the recent window and the Top-K (METHODS.md 5)",
+      "centroids' lists, keeps the recent window and the Top-K",
       1u << KVS_BACKEND_CPU,
       0.05,
       {{"subspaces", "int", "8", "m: subspaces the head dim is split into (paper 8)"},
@@ -1014,36 +1015,36 @@ MethodSpec csattention_spec() {
        {"iters", "int", "10", "I: k-means iterations (mini-batch: epochs over the sample) (paper 10)"},
        {"kmeans", "enum:minibatch|lloyd", "minibatch",
         "spherical mini-batch k-means (paper) or full-batch Lloyd (objective never increases)"},
-       {"batch", "int", "1024", "mini-batch size [ASSUMPTION]"},
+       {"batch", "int", "1024", "mini-batch size [the paper does not say; our choice]"},
        {"sample", "int", "8192",
-        "query sub-vectors per table head clustered: every stride-th prompt token kept [ASSUMPTION]"},
+        "query sub-vectors per table head clustered: every stride-th prompt token kept [the paper does not say; our choice]"},
        {"init", "enum:kmeans++|queries", "kmeans++",
         "centroid seeding; queries = the sampled normalised queries themselves (needs centroids = their count; "
         "the exactness test)"},
        {"seed", "int", "0", "k-means random seed"},
        {"score_dtype", "enum:f16|f32", "f16", "stored list scores (paper fp16; f32 orders exactly)"},
        {"weights", "enum:uniform|qnorm", "uniform",
-        "w_b: 1 (paper) or ||q^(b)|| (RECON: restores the query norm cosine matching drops)"},
+        "w_b: 1 (paper) or ||q^(b)|| (reconstructed, not in the paper: restores the query norm that cosine matching drops)"},
        {"weight_list", "string", "", "explicit w_b as w1:w2:...:wm (multiplies weights)"},
        {"recent", "int", "-1",
-        "R: recent window always attended; -1 = min(64, round(recent_frac * K)) [ASSUMPTION, paper leaves it open]"},
+        "R: recent window always attended; -1 = min(64, round(recent_frac * K)) [the paper does not say; our choice]"},
        {"recent_frac", "float", "0.5", "window share of the budget K when recent = -1 (R = min(64, round(recent_frac * K)))"},
-       {"sinks", "int", "0", "first tokens always attended [RECON: peers use 4; the paper has none]"},
+       {"sinks", "int", "0", "first tokens always attended [reconstructed: the paper has none; peers use 4]"},
        {"window_in_budget", "bool", "true",
-        "window and sinks count inside K (Top-(K-R) from the rest) [RECON]; false adds them on top"},
+        "window and sinks count inside K (Top-(K-R) from the rest) [reconstructed: the paper does not say]; false adds them on top"},
        {"period", "int", "1", "P: search every P steps, reuse the selection (plus the current window) between"},
        {"schedule", "enum:none|0.05-step-1|0.15-step-4|0.20-step-8", "none",
         "the paper's rho-step-P schedules: set the keep ratio (replacing the session budget) and period"},
        {"gqa", "enum:per_kv_head|per_query_head", "per_kv_head",
-        "tables per KV head over pooled group queries [RECON], or per query head"},
+        "tables per KV head over pooled group queries [reconstructed: the paper does not say], or per query head"},
        {"group_pick", "enum:union|sum", "union",
-        "per_kv_head: every query head picks its centroids and the G*m lists are unioned [RECON], or the group's "
+        "per_kv_head: every query head picks its centroids and the G*m lists are unioned [reconstructed: the paper does not say], or the group's "
         "summed query picks m lists (weight G): G times fewer gathers"},
        {"missing", "enum:zero|list_min", "zero",
-        "reduce-by-key term of a key absent from a picked list: 0 (paper) or that list's minimum score [RECON]"},
+        "reduce-by-key term of a key absent from a picked list: 0 (paper) or that list's minimum score [reconstructed: the paper does not say]"},
        {"rerank", "float", "0",
         "0 = off (paper). r >= 1: the r*K' best keys by summed list scores are scored exactly and the K' best by "
-        "the group's summed softmax kept (K' = K minus forced keys) [RECON, not in the paper]"}},
+        "the group's summed softmax kept (K' = K minus forced keys) [not in the paper]"}},
       [](const MethodContext& c, const ParamSet& p) { return std::make_unique<CSAttention>(c, p); }};
 }
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CSAttention building blocks shared by the method and its white-box tests: spherical k-means
 // (k-means++ seeding, mini-batch or full-batch Lloyd updates), the fixed-length Top-L score lists
 // kept as binary min-heaps, and the streaming try-insert.

@@ -1,4 +1,5 @@
-// Spherical k-means for CSAttention's per-subspace query centroids (METHODS.md 5.1, PAPER-000
+// SPDX-License-Identifier: Apache-2.0
+// Spherical k-means for CSAttention's per-subspace query centroids (docs/methods/csattention.md; paper
 // 3.2(1)): k-means++ seeding over unit vectors (D^2 = 2 - 2 max_j x.c_j), then either Sculley's
 // mini-batch updates (per-centroid learning rate 1/count, centroids projected back to the sphere
 // after every batch; one iteration = one epoch over the shuffled points, sklearn's max_iter) or

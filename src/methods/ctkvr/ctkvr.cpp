@@ -1,4 +1,5 @@
-// ctkvr: CTkvr, centroid-then-token KV retrieval (arXiv 2512.15550; METHODS.md 7).
+// SPDX-License-Identifier: Apache-2.0
+// ctkvr: CTkvr, centroid-then-token KV retrieval (arXiv 2512.15550; docs/methods/ctkvr.md).
 //
 // Index (build_index, per layer and KV head): a query-centroid inverted file. Centroids are C
 // prompt queries (the last C by default; random / initial / equispaced as options), each the
@@ -1056,21 +1057,21 @@ MethodSpec ctkvr_spec() {
   return MethodSpec{
       "ctkvr",
       "CTkvr: query-centroid IVF (last prompt queries, top-rho keys each), recall by cosine, exact rerank, "
-      "FIFO centroid update (METHODS.md 7)",
+      "FIFO centroid update",
       1u << KVS_BACKEND_CPU,
       0.05,
       {{"centroids", "int", "640", "C: FIFO capacity (centroids per KV head); paper: accuracy flat from ~320"},
-       {"rho", "int", "1024", "keys per centroid's posting list (value lost in the paper; RECON ~2k)"},
+       {"rho", "int", "1024", "keys per centroid's posting list (the value is lost from the paper's text, about 2k; we chose 1024)"},
        {"lambda", "int", "5", "centroids recalled per step (paper: stable from ~5)"},
        {"topk", "int", "0", "keys kept after rerank (paper: 512/1024); 0 = session budget minus the static keys"},
-       {"sinks", "int", "4", "first tokens in the static set (ASSUMPTION, as MagicPIG/RetroInfer)"},
-       {"local", "int", "64", "most recent tokens in the static set (ASSUMPTION)"},
+       {"sinks", "int", "4", "first tokens in the static set (the paper does not say; 4 as MagicPIG and RetroInfer)"},
+       {"local", "int", "64", "most recent tokens in the static set (the paper does not say; our choice)"},
        {"init", "enum:last|random|initial|equispaced", "last", "which prompt queries become centroids (paper: last)"},
        {"seed", "int", "0", "random generator seed for init=random"},
        {"aggregate", "enum:sum_softmax|max_softmax|sum_logits", "sum_softmax",
-        "GQA score of a key for lists, rerank and DCU (RECON: sum over the group of per-head softmax)"},
+        "GQA score of a key for lists, rerank and DCU (reconstructed: the paper does not say; default: sum over the group of per-head softmax)"},
        {"recall_sim", "enum:concat_cosine|mean_head_cosine", "concat_cosine",
-        "query-centroid similarity (RECON: cosine of the concatenated group query; or mean per-head cosine)"},
+        "query-centroid similarity (reconstructed: the paper does not say; default: cosine of the concatenated group query; or mean per-head cosine)"},
        {"dcu", "bool", "true", "dynamic centroid update: push (q_t, top-rho of the recalled keys) each step"},
        {"new_tokens", "enum:insert|dcu|none", "insert",
         "tokens leaving the local window: offered to every list (7.3 a), DCU candidates only (7.3 b), or none"},

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ctkvr: CTkvr's query-centroid inverted file (qcIVF), declared here so the tests can inspect the
 // FIFO of centroids. The algorithm is described in ctkvr.cpp and docs/methods/ctkvr.md.
 #pragma once
@@ -13,7 +14,7 @@ struct Entry {
   int32_t i;
 };
 
-// How a group's G per-head scores of one key combine into one score (METHODS.md 7.1 RECON).
+// How a group's G per-head scores of one key combine into one score (reconstructed: the paper does not say; docs/methods/ctkvr.md).
 enum class Agg { SumSoftmax, MaxSoftmax, SumLogits };
 
 // s: G scaled logits q_g.k; lse: G log-normalisers of the centroid (ignored for SumLogits).
@@ -57,7 +58,7 @@ class Fifo {
   void push_front(const Item& it);
   Item item(int i) const;
 
-  // Try-insert key t with score s into centroid i's list (METHODS.md 7.3 (a)).
+  // Try-insert key t with score s into centroid i's list (docs/methods/ctkvr.md, insertion (a)).
   void offer(int i, float s, int32_t t);
   // Drops every list entry with token >= n (rebuilds the heaps).
   void forget_tokens_from(int64_t n);

@@ -1,6 +1,7 @@
-// exact_topk: the oracle ("Flat" in CTkvr §4.1.2, MagicPIG's top-k harness; METHODS.md §2).
+// SPDX-License-Identifier: Apache-2.0
+// exact_topk: the oracle ("Flat" in CTkvr §4.1.2, MagicPIG's top-k harness; docs/methods.md).
 // Every key is scored exactly; the top-k are attended. Per KV head (default) the group's query
-// heads are aggregated as the sum of their per-head softmax (the RetroInfer aggregator, METHODS.md
+// heads are aggregated as the sum of their per-head softmax (the RetroInfer aggregator, docs/methods.md
 // §12), giving one set per KV head; per_query_head selects per query head. Optional forced sinks
 // and local window count toward the budget.
 #include <algorithm>
@@ -90,7 +91,7 @@ std::unique_ptr<DeviceMethod> make_exact_topk_cuda(const MethodContext&, const P
 MethodSpec exact_topk_spec() {
   return MethodSpec{
       "exact_topk",
-      "oracle: exact scores of every key, top-k by the group's summed softmax (METHODS.md 2)",
+      "oracle: exact scores of every key, top-k by the group's summed softmax",
       1u << KVS_BACKEND_CPU,
       0.05,
       {{"mode", "enum:per_kv_head|per_query_head", "per_kv_head",

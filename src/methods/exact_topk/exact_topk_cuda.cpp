@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // exact_topk on the cuda placement: one pass over the keys scores every key (the group's summed
 // softmax per KV head, or each query head's logit), forced sinks/local scored +inf, a radix top-k
 // per row picks the budget (ties to the lower index, so forced keys are kept sinks first as in the

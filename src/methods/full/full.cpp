@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // full: dense, exact attention over every key (the reference every method is judged against).
 #include "core/method.hpp"
 #include "kvsieve/kvsieve.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // full on the cuda placement: every key, dense attention (the placement's dense kernel).
 #ifdef KVS_HAVE_CUDA
 #include "backends/cuda/device_method.hpp"

@@ -1,6 +1,7 @@
+// SPDX-License-Identifier: Apache-2.0
 // HGCA's far part on the host: every evicted entry with its MAW, the per-head salient sets stored
 // contiguously (Alg. 1 lines 19-25, §3.2.2), padding of merged-head tasks and the threaded sparse
-// attention (§3.3), and the mean attention used by the prompt RECON and re-evaluation (§8.3).
+// attention (§3.3), and the mean attention used by the reconstructed prompt scoring and the re-evaluation (docs/methods/hgca.md).
 #include <algorithm>
 #include <cmath>
 #include <cstring>

@@ -1,9 +1,10 @@
-// hgca: Hybrid GPU-CPU Attention (Wang et al., arXiv 2507.03153; METHODS.md §8). The near window
+// SPDX-License-Identifier: Apache-2.0
+// hgca: Hybrid GPU-CPU Attention (Deng et al., arXiv 2507.03153; docs/methods/hgca.md). The near window
 // (NearWindow, Alg. 1 lines 2-13) and the far store (FarStore, lines 19-25) are separate components;
 // each decode step computes the window's dense state and the far part's sparse state and merges
 // them by LSE (§3.3). The Selection only reports the keys attended (attend = false); the state
 // comes from extra(). Prompt tokens beyond the window get MAW from the last r prompt queries and
-// the far entries are judged like an append (§8.3 RECON); an append re-evaluates every far entry.
+// the far entries are judged like an append (reconstructed: the paper does not say how prompt entries are judged); an append re-evaluates every far entry.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -127,7 +128,7 @@ class Hgca final : public Method {
     w.insert(kv, m - from_new, init.data());
     const int64_t r = int64_t(st.stash_pos.size());
     if (p_.prompt_maw_queries && have_q && m - from_new > 0) {
-      // RECON: window-normalised mean attention of the last r queries gives the newcomers' MAW.
+      // Reconstructed (the paper does not say): window-normalised mean attention of the last r queries gives the newcomers' MAW.
       const int64_t a = w.begin(), b = w.end();
       std::vector<float> A(size_t(b - a) * G), row(static_cast<size_t>(hq));
       std::vector<float> all(size_t(b - a) * hq);
@@ -139,7 +140,7 @@ class Hgca final : public Method {
       for (int64_t t = std::max(a, first + from_new); t < b; ++t) w.set_maw(t, all.data() + size_t(t - a) * hq);
     }
     if (do_reeval && st.far.tokens() > 0) {
-      // Alg. 1 lines 19-22: A_cpu from every CPU-side entry (mean over the r queries, RECON).
+      // Alg. 1 lines 19-22: A_cpu from every CPU-side entry (mean over the r queries: reconstructed, the paper does not say).
       const int64_t nf = st.far.tokens();
       std::vector<float> A(size_t(nf) * G), all(size_t(nf) * hq);
       for (int h = 0; h < hkv; ++h) {
@@ -516,19 +517,19 @@ const FarStore* far_of(const Method& m, uint32_t layer) {
 MethodSpec hgca_spec() {
   return MethodSpec{
       "hgca",
-      "HGCA: recent window (dense, MAW per entry) + per-head salient far entries (MAW > beta/W), merged by LSE (METHODS.md 8)",
+      "HGCA: recent window (dense, MAW per entry) + per-head salient far entries (MAW > beta/W), merged by LSE",
       1u << KVS_BACKEND_CPU,
       0.05,
       {{"beta", "float", "1", "salience factor: far entry kept iff its MAW > beta / W (re-evaluation: > beta / far size); 0 keeps all"},
        {"window", "int", "0", "near-window tokens W, rounded up to whole blocks; 0 = window_ratio, else the budget"},
        {"window_ratio", "float", "0", "W as a fraction of the prompt (paper's GPU KV ratio); 0 = the session budget"},
-       {"block_size", "int", "64", "entries per window block, the eviction unit [ASSUMPTION]"},
-       {"alpha", "float", "0.1", "MAW factor: MAW <- (1 - alpha) MAW + alpha A_window [ASSUMPTION]"},
-       {"maw_init", "float", "0", "MAW of a newly inserted token, updated from the next step on [ASSUMPTION]"},
-       {"gqa", "enum:max|mean", "max", "MAW of a KV head's entry: max or mean over its query heads [RECON]"},
-       {"score_queries", "int", "64", "last r queries of a prompt/append that score its tokens [RECON]; 0 = all"},
+       {"block_size", "int", "64", "entries per window block, the eviction unit [the paper does not say; our choice]"},
+       {"alpha", "float", "0.1", "MAW factor: MAW <- (1 - alpha) MAW + alpha A_window [the paper does not say; our choice]"},
+       {"maw_init", "float", "0", "MAW of a newly inserted token, updated from the next step on [the paper does not say; our choice]"},
+       {"gqa", "enum:max|mean", "max", "MAW of a KV head's entry: max or mean over its query heads [reconstructed: the paper does not say]"},
+       {"score_queries", "int", "64", "last r queries of a prompt/append that score its tokens [reconstructed: the paper does not say]; 0 = all"},
        {"prompt_maw", "enum:queries|init", "queries",
-        "prompt/appended tokens: MAW and far test from the r queries' mean attention [RECON], or maw_init"},
+        "prompt/appended tokens: MAW and far test from the r queries' mean attention [reconstructed: the paper does not say], or maw_init"},
        {"reeval_on_append", "bool", "true", "an append re-evaluates every far entry (Alg. 1 lines 19-22)"},
        {"free_slot", "bool", "true", "eviction as printed in Alg. 1 (size+m >= l_max: one slot stays free); false: exact capacity"},
        {"pad", "bool", "true", "pad the heads of a far task to equal length with the best sub-threshold entries (paper 3.3)"},

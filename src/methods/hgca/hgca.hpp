@@ -1,4 +1,5 @@
-// HGCA (Hybrid GPU-CPU Attention; arXiv 2507.03153, METHODS.md §8): the two placements of the paper
+// SPDX-License-Identifier: Apache-2.0
+// HGCA (Hybrid GPU-CPU Attention; arXiv 2507.03153, docs/methods/hgca.md): the two placements of the paper
 // as two components behind explicit interfaces, merged by LSE.
 //  - NearWindow: the "GPU" part. A circular buffer of blk_num blocks of blk_size entries holding the
 //    most recent tokens' K/V and a moving average of attention weights (MAW) per entry and query
@@ -27,12 +28,12 @@ struct Params {
   double beta = 1.0;         // salience factor: keep an entry iff its weight > beta / size
   int64_t window = 0;        // window tokens W (rounded up to blocks); 0: window_ratio or the budget
   double window_ratio = 0;   // W = ceil(ratio * prompt tokens); 0: the session budget
-  int64_t block_size = 64;   // blk_size [ASSUMPTION]
-  double alpha = 0.1;        // MAW factor [ASSUMPTION]
-  float maw_init = 0.f;      // MAW of a newly inserted token [ASSUMPTION]
-  GqaAgg gqa = GqaAgg::Max;  // MAW aggregation over a GQA group [RECON]
-  int64_t score_queries = 64;  // r: last queries scoring prompt/append tokens [RECON]; 0 = all
-  bool prompt_maw_queries = true;  // prompt/appended tokens' MAW from the r queries [RECON], else maw_init
+  int64_t block_size = 64;   // blk_size [the paper does not say; our choice]
+  double alpha = 0.1;        // MAW factor [the paper does not say; our choice]
+  float maw_init = 0.f;      // MAW of a newly inserted token [the paper does not say; our choice]
+  GqaAgg gqa = GqaAgg::Max;  // MAW aggregation over a GQA group [reconstructed: the paper does not say]
+  int64_t score_queries = 64;  // r: last queries scoring prompt/append tokens [reconstructed: the paper does not say]; 0 = all
+  bool prompt_maw_queries = true;  // prompt/appended tokens' MAW from the r queries [reconstructed: the paper does not say], else maw_init
   bool reeval_on_append = true;    // re-evaluate every far entry on append (Alg. 1 lines 19-22)
   bool free_slot = true;     // Alg. 1 as printed: evict when size+m >= l_max (one slot kept free)
   bool pad = true;           // pad heads of a task to equal length with sub-threshold entries (§3.3)
@@ -173,7 +174,7 @@ class FarStore {
 
 // Mean over queries of the causal softmax over keys [a, b) of KV head h: out [b - a][G]. queries:
 // r rows [r][Hq][d] at positions qpos; a query sees keys <= its position; queries that see none are
-// left out of the mean. Used by the prompt RECON and the append re-evaluation.
+// left out of the mean. Used by the reconstructed prompt scoring and the append re-evaluation.
 void mean_attention(const KVLayer& kv, int h, int64_t a, int64_t b, const float* queries, const int64_t* qpos,
                     int64_t r, const ModelShape& shape, int32_t gemm, float* out);
 

@@ -1,6 +1,7 @@
+// SPDX-License-Identifier: Apache-2.0
 // HGCA's near part on the host: the block circular buffer with MAW (Alg. 1 lines 2-13) and its
 // dense attention (Alg. 2 line 10), which also yields the window-normalised weights A_gpu that
-// the MAW update needs (METHODS.md §8.2 steps 1-3).
+// the MAW update needs (docs/methods/hgca.md).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -14,7 +15,7 @@ namespace kvs::hgca {
 
 int64_t evict_count(int64_t resident, int64_t incoming, int64_t l_max, int64_t blk, bool free_slot) {
   const int64_t l_cur = resident + incoming;
-  // Printed: ceil((l_max - l_cur + 1) / blk) * blk, sign reversed (METHODS.md §8.2 step 4).
+  // Printed: ceil((l_max - l_cur + 1) / blk) * blk, sign reversed (docs/methods/hgca.md).
   const int64_t over = free_slot ? l_cur - l_max + 1 : l_cur - l_max;
   if (over <= 0) return 0;
   return (over + blk - 1) / blk * blk;

@@ -1,25 +1,26 @@
-// lfps: Learn From the Past for Sparse Indexing (arXiv 2506.15704; METHODS.md §6, whose
-// reconstruction of the lost equations (4)-(10) is the spec here; every [RECON]/[ASSUMPTION] item
+// SPDX-License-Identifier: Apache-2.0
+// lfps: Learn From the Past for Sparse Indexing (arXiv 2506.15704; docs/methods/lfps.md,
+// whose reconstruction of the lost equations (4)-(10) is the spec here; every reconstructed or assumed item
 // is a parameter, see docs/methods/lfps.md).
 //
 // Per layer and owner (a query head, or a KV head in per_kv_head mode) two score tables:
 //   vertical V[j] by absolute key position j in O = [sinks, n),
 //   slash    S[δ] by offset δ = t - j, t = n - 1 the current token (δ = 0 is the token itself).
-// build_index (§4.2, eq. 4 [RECON]): the tables are the attention of the last T prompt queries,
+// build_index (§4.2, eq. 4 [reconstructed from the paper's prose]): the tables are the attention of the last T prompt queries,
 //   renormalised over O (sinks excluded), weighted gamma^tau, scaled so each table sums to
 //   0.5 / (1 - gamma), the steady-state mass of update (10). Priors: K-bar, V-bar (means over O) and
 //   rho = Var_j(q_p.k_j) / |q_p|^2 with q_p the last prompt query.
 // select, per owner (§4.2 (1)-(4)):
-//   sparsity estimate (eqs. 5-6, App. B.1 [RECON]): A_sink exact, A_glob = |O| exp(mu + sigma^2/2)
+//   sparsity estimate (eqs. 5-6, App. B.1 [reconstructed from the paper's prose]): A_sink exact, A_glob = |O| exp(mu + sigma^2/2)
 //   (log-normal logits, mu = q.K-bar s, sigma^2 = rho |q|^2 s^2), A_loc exact over the last W_loc
 //   keys of O; r = A_sink / (A_sink + max(A_glob, A_loc)); r > theta: the head is bypassed: it
 //   attends its sinks exactly and extra() adds (V-bar, log A_glob), merged by LSE; no update.
-//   candidates (eqs. 7-8 [RECON]): {j : V[j] > tau_V} u {j : S[t-j] > tau_S} with
-//   tau = mu + alpha * alpha_scale * sigma * 3 / kurtosis, moments kept incrementally (§6.4).
+//   candidates (eqs. 7-8 [reconstructed from the paper's prose]): {j : V[j] > tau_V} u {j : S[t-j] > tau_S} with
+//   tau = mu + alpha * alpha_scale * sigma * 3 / kurtosis, moments kept incrementally (docs/methods/lfps.md).
 //   expansion (eq. 9): j + o, o in {-1, 0, 1, 2}, kept if V or S there is above its mean.
 //   exact top-k over the candidates (k = budget minus the sinks); the selection is sinks + top-k.
 //   update (eq. 10): V = gamma V + a~, S = gamma S + a~ (shifted), a~ = half the softmax over the
-//   selected non-sink keys; lazy decay with a global scale (§6.4): O(k) per step.
+//   selected non-sink keys; lazy decay with a global scale (docs/methods/lfps.md): O(k) per step.
 #include "methods/lfps/lfps.hpp"
 
 #include <immintrin.h>
@@ -388,7 +389,7 @@ void Lfps::build_index(uint32_t layer, const KVLayer& kv) {
             sa[pos - j] += a;
           }
         }
-        // rho (§4.2 priors [RECON]): variance over O of the last prompt query's raw dots, over |q_p|^2.
+        // rho (§4.2 priors [reconstructed from the paper's prose]): variance over O of the last prompt query's raw dots, over |q_p|^2.
         const int64_t rl = R - 1;
         const float* qp = qg.data() + (size_t(g) * R + rl) * d;
         double qn = 0;
@@ -526,7 +527,7 @@ TableStats Lfps::stats_of(const Table& t, double g) const {
 double Lfps::threshold_from(const TableStats& s) const {
   if (p_.alpha == kNegInf) return kNegInf;
   if (s.stddev <= 0 || s.kurtosis <= 0) return s.mean;  // a flat table: its mean
-  // eq. (8) [RECON]: tau = mu + alpha sigma (3 / kappa); higher kurtosis -> lower tau, more candidates.
+  // eq. (8) [reconstructed from the paper's prose]: tau = mu + alpha sigma (3 / kappa); higher kurtosis -> lower tau, more candidates.
   return s.mean + p_.alpha * p_.alpha_scale * s.stddev * (3.0 / s.kurtosis);
 }
 
@@ -633,7 +634,7 @@ void Lfps::step_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, 
     return sc.row.data();
   };
 
-  // ---- Step B: head sparsity (eqs. 5-6, App. B.1 [RECON]) and the sink-value bypass.
+  // ---- Step B: head sparsity (eqs. 5-6, App. B.1 [reconstructed from the paper's prose]) and the sink-value bypass.
   const std::vector<double> kbar = mean_key(layer, h);
   const int64_t wl = std::min(p_.local_est, m);
   std::vector<double> sink_all(size_t(ns) * nh), loc_all(size_t(wl) * nh);
@@ -726,7 +727,7 @@ void Lfps::step_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, 
     ++j;
   }
   if (p_.offsets.front() < -1) std::sort(cand.begin(), cand.end());  // offsets are sorted ascending
-  // Forced recent keys (ASSUMPTION option): attended whatever their score.
+  // Forced recent keys (an option not in the paper): attended whatever their score.
   auto& chosen = sc.chosen;
   chosen.clear();
   const int64_t lw = std::min(p_.local_window, std::min(m, k_top));
@@ -857,7 +858,7 @@ void Lfps::step_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, 
   }
 }
 
-// The sink-value bypass (§4.2 [RECON]): o = V-bar, lse = log A_glob, merged by the session with
+// The sink-value bypass (§4.2 [reconstructed from the paper's prose]): o = V-bar, lse = log A_glob, merged by the session with
 // the exact sink attention of the selection.
 bool Lfps::extra(uint32_t layer, const float*, const KVLayer&, float* o, float* lse) {
   const Layer& L = layers_[layer];
@@ -1035,30 +1036,30 @@ MethodSpec lfps_spec() {
   return MethodSpec{
       "lfps",
       "LFPS: vertical and slash score tables learnt from past attention, kurtosis thresholds, "
-      "expansion, sink-value bypass of sparse heads, exact top-k on the candidates (METHODS.md 6)",
+      "expansion, sink-value bypass of sparse heads, exact top-k on the candidates",
       1u << KVS_BACKEND_CPU,
       0.02,
       {{"gamma", "float", "0.95", "decay of the score tables, eq. (10) (paper 5, App. B.2)"},
        {"alpha", "float", "0.2", "threshold coefficient of eq. (8); the paper uses 0.2 and 0.3; -inf makes every key a candidate"},
        {"alpha_scale", "float", "600",
-        "calibration factor on alpha in tau = mu + alpha*alpha_scale*sigma*3/kurtosis [RECON]; 600 gives the paper's "
+        "calibration factor on alpha in tau = mu + alpha*alpha_scale*sigma*3/kurtosis [reconstructed from the paper's prose]; 600 gives the paper's "
         "Table 4 candidate fractions at 4K on real SmolLM2-135M traces (6.0% at alpha 0.2, 4.8% at 0.3; docs/methods/lfps.md)"},
        {"theta", "float", "0.85", "bypass a head when its sink share r exceeds theta, eq. (6) (Table 3)"},
        {"bypass", "bool", "true", "enable the sink-value bypass of highly sparse heads"},
        {"sinks", "int", "4", "first tokens always attended exactly (kept on the GPU in the paper)"},
-       {"last_q", "int", "64", "T: last prompt queries whose attention seeds the tables, eq. (4) [ASSUMPTION]"},
-       {"init_weights", "enum:decayed|uniform", "decayed", "eq. (4) row weights gamma^tau or 1 [RECON]"},
-       {"init_mass", "float", "0", "sum of each initial table; 0 = 0.5/(1-gamma), the steady state of eq. (10) [RECON]"},
+       {"last_q", "int", "64", "T: last prompt queries whose attention seeds the tables, eq. (4) [the paper does not say; our choice]"},
+       {"init_weights", "enum:decayed|uniform", "decayed", "eq. (4) row weights gamma^tau or 1 [reconstructed from the paper's prose]"},
+       {"init_mass", "float", "0", "sum of each initial table; 0 = 0.5/(1-gamma), the steady state of eq. (10) [reconstructed from the paper's prose]"},
        {"local_est", "int", "5", "W_loc: recent keys scored exactly for the sparsity estimate (App. B.1)"},
-       {"combine", "enum:max|sum", "max", "eq. (6): A_sink / (A_sink + max(A_glob, A_loc)) or + (A_glob + A_loc) [RECON]"},
+       {"combine", "enum:max|sum", "max", "eq. (6): A_sink / (A_sink + max(A_glob, A_loc)) or + (A_glob + A_loc) [reconstructed from the paper's prose]"},
        {"offsets", "string", "-1;0;1;2", "expansion offsets of eq. (9), ';'-separated"},
-       {"local_window", "int", "0", "most recent keys always attended (counts toward k) [ASSUMPTION, safety]"},
-       {"min_keys", "int", "0", "floor of the budget in keys (METHODS.md suggests 256)"},
+       {"local_window", "int", "0", "most recent keys always attended (counts toward k) [not in the paper: a safety net]"},
+       {"min_keys", "int", "0", "floor of the budget in keys (256 is a sensible floor)"},
        {"gqa", "enum:per_query_head|per_kv_head", "per_query_head",
         "tables per query head (faithful) or per KV head with a~ summed over the group"},
        {"update_priors", "bool", "false", "keep K-bar, V-bar as running means over appended tokens (paper: prefill only)"},
        {"empty_fallback", "bool", "true",
-        "when no table entry exceeds its threshold, use the tables' means for that step (else the head never selects again) [ASSUMPTION]"},
+        "when no table entry exceeds its threshold, use the tables' means for that step (else the head never selects again) [the paper does not say; our choice]"},
        {"diagnostics", "bool", "false", "measure overlap with exact top-k per step (stat 'overlap'; costs a full scan)"}},
       [](const MethodContext& c, const ParamSet& p) { return std::make_unique<lfps::Lfps>(c, lfps::parse_params(p)); }};
 }

@@ -1,4 +1,5 @@
-// lfps: Learn From the Past for Sparse Indexing (arXiv 2506.15704; METHODS.md §6). The class is
+// SPDX-License-Identifier: Apache-2.0
+// lfps: Learn From the Past for Sparse Indexing (arXiv 2506.15704; docs/methods/lfps.md). The class is
 // declared here (not in an anonymous namespace) so the unit tests can read the tables, their
 // incremental moments and the last update, and check them against brute-force recomputations.
 #pragma once
@@ -13,7 +14,7 @@
 namespace kvs::lfps {
 
 // One score table (vertical or slash) of one owner (a query head, or a KV head in per_kv_head
-// mode). Lazy decay (METHODS.md 6.4): the true value of entry i is scale * x[i], where scale is
+// mode). Lazy decay (docs/methods/lfps.md): the true value of entry i is scale * x[i], where scale is
 // the owner's global scale g (shared by its two tables). s[p] = sum_i x[i]^(p+1), p = 0..3, over
 // the stored floats, kept incrementally (so mean, std and kurtosis cost O(1) per step).
 struct Table {
@@ -44,7 +45,7 @@ struct Params {
   int64_t local_est = 5;       // W_loc of the sparsity estimate (App. B.1)
   bool combine_sum = false;    // eq. (6): max(A_glob, A_loc) (false) or A_glob + A_loc (true)
   std::vector<int> offsets = {-1, 0, 1, 2};  // eq. (9) expansion
-  int64_t local_window = 0;    // forced recent keys (ASSUMPTION, safety option)
+  int64_t local_window = 0;    // forced recent keys (not in the paper: a safety option)
   int64_t min_keys = 0;        // floor of the retrieval budget k in keys
   bool per_kv_head = false;    // GQA: tables per KV head, a_t summed over the group
   bool update_priors = false;  // keep K-bar, V-bar as running means over appended tokens

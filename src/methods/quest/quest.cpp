@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // quest: query-aware page selection (Tang et al., ICML 2024, after mit-han-lab/Quest@01c1623;
 // docs/methods.md "quest"). Keys are grouped in pages of P tokens; per page and KV head the
 // element-wise max M and min m of the keys are kept (built at build_index, updated on append).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Quest's page bound, shared by the method and its tests.
 #pragma once
 

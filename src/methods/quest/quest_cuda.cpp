@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // quest on the cuda placement: the page bounds (max then min per page, KV head and dimension, in the
 // KV dtype: the stored key values, exact) live on the device per layer and are folded in as tokens
 // arrive; a step scores pages by the upper bound (summed over the group, or per query head), picks

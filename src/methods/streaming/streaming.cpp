@@ -1,4 +1,5 @@
-// streaming: StreamingLLM (attention sinks + recent window; METHODS.md §3), on post-RoPE keys with
+// SPDX-License-Identifier: Apache-2.0
+// streaming: StreamingLLM (attention sinks + recent window; docs/methods.md), on post-RoPE keys with
 // their original positions (no position shift: a decode-time sparse-attention baseline).
 #include <algorithm>
 
@@ -38,7 +39,7 @@ class Streaming final : public Method {
 std::unique_ptr<DeviceMethod> make_streaming_cuda(const MethodContext&, const ParamSet&);  // streaming_cuda.cpp
 
 MethodSpec streaming_spec() {
-  return MethodSpec{"streaming", "StreamingLLM: attention sinks + recent window (METHODS.md 3)",
+  return MethodSpec{"streaming", "StreamingLLM: attention sinks + recent window",
                     1u << KVS_BACKEND_CPU, 0.05,
                     {{"sinks", "int", "4", "initial tokens always kept (StartRecentKVCache start_size)"},
                      {"window", "int", "0", "recent tokens kept; 0 = budget minus sinks"}},

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // streaming on the cuda placement: sinks + recent window as device index lists (window_select),
 // the same lists as the CPU method (streaming.cpp), attended by the gathered kernel.
 #ifdef KVS_HAVE_CUDA

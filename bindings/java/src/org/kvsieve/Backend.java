@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 package org.kvsieve;
 
 /** Where a session's data lives and work runs (kvs_backend). */

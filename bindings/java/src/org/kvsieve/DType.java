@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 package org.kvsieve;
 
 /** Element types a tensor may have (DLPack codes). */

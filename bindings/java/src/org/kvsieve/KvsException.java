@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 package org.kvsieve;
 
 /** An error reported by the library: the kvs_status code, its message (naming the argument and

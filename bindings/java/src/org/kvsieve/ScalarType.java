@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 package org.kvsieve;
 
 /** Storage type of the KV cache (kvs_scalar_type). */
