@@ -26,8 +26,8 @@ TOP_FILES = ["CMakeLists.txt"]
 C89 = {".c", ".h"}  # the public header stays valid C89: /* */ comments
 SLASH = {".cpp", ".hpp", ".cc", ".cu", ".cuh", ".inc", ".i", ".java", ".go", ".rs"}
 HASH = {".py", ".pyi", ".sh", ".cmake"}
-# Files whose headers are added by the branch that edits them (remove an entry once it has the line).
-PENDING = ("src/methods/retroinfer/", "tests/conformance/")
+# Files whose headers are added by a branch that edits them (remove an entry once it has the line).
+PENDING = ()
 
 
 def comment_style(path):

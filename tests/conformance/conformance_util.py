@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Shared helpers of the conformance tests: float64 attention and a reader of kvsieve tables files.
 
 The tables reader follows docs/formats.md ("Tables file, format 1.0"): a 56-byte preamble, the JSON

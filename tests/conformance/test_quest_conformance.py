@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Quest under preset=paper against an independent float64 reference of the authors' decode logic.
 
 The reference is written from mit-han-lab/Quest (commit 01c1623), not from kvsieve:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """RetroInfer under preset=paper against an independent float64 reference of the authors' decode logic,
 given the clusters kvsieve built (read back from its saved tables).
 

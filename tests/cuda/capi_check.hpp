@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Shared by the CUDA test files that drive the public C API (test_cuda_session.cu,
 // test_cuda_graphs.cu): a check macro counting into the including file's own counters, an error
 // check, and a kvs_tensor over caller memory. Each file includes it once (the anonymous namespace

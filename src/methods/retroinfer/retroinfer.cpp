@@ -1,4 +1,5 @@
-// retroinfer: the wave index of RetroInfer (Chen et al., arXiv 2505.02922; METHODS.md section 9,
+// SPDX-License-Identifier: Apache-2.0
+// retroinfer: the wave index of RetroInfer (Chen et al., arXiv 2505.02922; docs/methods/retroinfer.md,
 // after microsoft/RetrievalAttention@6b1228c), CPU reference. Per layer and KV head the keys
 // outside the steady zone (4 sinks + 64 local) are clustered by segmented spherical k-means
 // (wave_index.hpp); a decode step ranks the clusters by the group's summed per-head softmax of
@@ -788,7 +789,7 @@ MethodSpec retroinfer_spec() {
   return MethodSpec{
       "retroinfer",
       "RetroInfer wave index: segmented spherical k-means clusters, top 1.8% attended exactly with sinks+local, "
-      "next 23.2% estimated from centroids/sizes/value sums, LSE-merged (METHODS.md 9)",
+      "next 23.2% estimated from centroids/sizes/value sums, LSE-merged (docs/methods/retroinfer.md)",
       1u << KVS_BACKEND_CPU,
       0.05,
       {{"preset", "enum:kvsieve|paper", "kvsieve",

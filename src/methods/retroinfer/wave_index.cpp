@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "methods/retroinfer/wave_index.hpp"
 
 #include <algorithm>

@@ -1,4 +1,5 @@
-// RetroInfer's wave index (Chen et al., arXiv 2505.02922; METHODS.md section 9, after
+// SPDX-License-Identifier: Apache-2.0
+// RetroInfer's wave index (Chen et al., arXiv 2505.02922; docs/methods/retroinfer.md, after
 // microsoft/RetrievalAttention@6b1228c cache_hub/kmeans.py and wave_buffer_cpu.cpp): the segmented
 // spherical k-means that clusters a KV head's keys, and the per-head cluster store it fills.
 //
