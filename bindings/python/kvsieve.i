@@ -36,15 +36,16 @@ typedef struct kvs_batch_s kvs_batch_s;
  * Returns 1 if an error was raised. */
 static int kvsb_raise(kvs_error_t e) {
   if (!e) return 0;
+  /* kvsieve._errors.make picks the subclass (ValueError, FileNotFoundError, FormatError, ...). */
   PyObject* mod = PyImport_ImportModule("kvsieve._errors");
-  PyObject* cls = mod ? PyObject_GetAttrString(mod, "Error") : NULL;
+  PyObject* make = mod ? PyObject_GetAttrString(mod, "make") : NULL;
   Py_XDECREF(mod);
-  if (!cls) { kvs_error_destroy(e); return 1; }
-  PyObject* inst = PyObject_CallFunction(cls, "isL", (int)kvs_error_code(e), kvs_error_message(e),
+  if (!make) { kvs_error_destroy(e); return 1; }
+  PyObject* inst = PyObject_CallFunction(make, "isL", (int)kvs_error_code(e), kvs_error_message(e),
                                          (long long)kvs_error_backend_code(e));
   kvs_error_destroy(e);
-  if (inst) { PyErr_SetObject(cls, inst); Py_DECREF(inst); }
-  Py_DECREF(cls);
+  if (inst) { PyErr_SetObject((PyObject*)Py_TYPE(inst), inst); Py_DECREF(inst); }
+  Py_DECREF(make);
   return 1;
 }
 

@@ -10,6 +10,7 @@ Run: PYTHONPATH=<build>/bindings/python python -m pytest tests/python/test_bindi
 """
 
 import array
+import errno
 import gc
 import os
 import pickle
@@ -219,6 +220,35 @@ def test_decode_batch_equals_single_decodes(rng):
     assert e.value.code == kvsieve.STATUS_INVALID_ARGUMENT
     for s in (a, b, fa, fb):
         s.close()
+
+
+def test_errors_are_builtin_exception_subclasses(tmp_path):
+    with pytest.raises(ValueError) as e:  # an unknown method: INVALID_ARGUMENT
+        kvsieve.Session(L, HQ, HKV, D, method="no_such_method")
+    assert isinstance(e.value, kvsieve.InvalidArgumentError) and isinstance(e.value, kvsieve.Error)
+    assert e.value.code == kvsieve.STATUS_INVALID_ARGUMENT
+    assert e.value.c_message.startswith("params->method:") and e.value.message.startswith("method:")
+    with pytest.raises(FileNotFoundError) as e:  # IO with ENOENT
+        kvsieve.Session.load(str(tmp_path / "missing.kvt"))
+    assert isinstance(e.value, kvsieve.LibraryIOError) and e.value.code == kvsieve.STATUS_IO
+    assert e.value.errno == errno.ENOENT and "missing.kvt" in e.value.message
+    bad = tmp_path / "bad.kvt"
+    bad.write_bytes(b"not a tables file at all, just bytes" * 8)
+    with pytest.raises(kvsieve.FormatError) as e:
+        kvsieve.Session.load(str(bad))
+    assert isinstance(e.value, ValueError) and e.value.status.startswith("FORMAT_")
+    with make("full") as s:
+        with pytest.raises(kvsieve.InvalidStateError):  # decode before prefill and build_index
+            s.decode(0, np.zeros((HQ, D), np.float32) + 1, np.ones((HKV, D), np.float32),
+                     np.ones((HKV, D), np.float32))
+    assert kvsieve._errors.python_names("kvs_session_decode: params->budget x; call kvs_batch_plan first") == \
+        "Session.decode: budget x; call Batch.plan first"
+    # Pickling keeps the class and every field.
+    err = kvsieve._errors.make(kvsieve.STATUS_IO, "kvs_session_load: cannot open 'x'", errno.ENOENT)
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is type(err) is kvsieve.LibraryFileNotFoundError
+    assert (back.code, back.message, back.c_message, back.backend_code) == (
+        err.code, err.message, err.c_message, err.backend_code)
 
 
 def test_session_to_copies_the_state(rng):

@@ -28,10 +28,14 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 import numpy as _np
 
 from . import capi as _native
-from ._errors import STATUS_NAMES, Error
+from ._errors import (STATUS_NAMES, AbiMismatchError, BackendError, Error, FormatError, InternalError,
+                      InvalidArgumentError, InvalidStateError, LibraryFileNotFoundError, LibraryIOError,
+                      LibraryPermissionError, OutOfMemoryError, UnsupportedError)
 
 __all__ = [
-    "Error", "Session", "Batch", "Stats", "MethodInfo", "ParamInfo", "Trace", "methods", "method_names",
+    "Error", "InvalidArgumentError", "OutOfMemoryError", "UnsupportedError", "InvalidStateError",
+    "LibraryIOError", "LibraryFileNotFoundError", "LibraryPermissionError", "FormatError", "BackendError",
+    "AbiMismatchError", "InternalError", "Session", "Batch", "Stats", "MethodInfo", "ParamInfo", "Trace", "methods", "method_names",
     "method_unsupported_reason", "decode_batch", "tables_describe", "version", "version_number", "abi_version",
     "set_log_callback",
 ]
