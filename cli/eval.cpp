@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <tuple>
@@ -31,6 +32,8 @@ struct Accum {
   double recall = 0, mass = 0, lse = 0, time_us = 0, kept = 0;
   int64_t recall_n = 0, head_n = 0, calls = 0;
   std::vector<double> errs;
+  std::map<uint32_t, std::pair<double, int64_t>> layer_mass;  // layer -> (sum over heads and steps, count)
+  std::vector<double> step_mass;  // per (step, layer): mean mass recall over the query heads
   int64_t nonfinite = 0;
   bool warned_selection = false;
 };
@@ -54,6 +57,7 @@ void score_step(Runner& r, const ExactAttention& ex, uint32_t layer, int64_t t,
   const int64_t hq = ex.q_heads, hkv = ex.kv_heads, d = ex.head_dim, group = hq / hkv;
   const int64_t n = ex.n;
   Accum& a = r.acc;
+  double step_mass = 0.0;
   for (int64_t g = 0; g < hkv; ++g) {
     r.session->last_selection(layer, uint32_t(g), sel);
     const bool sorted_unique = std::adjacent_find(sel.begin(), sel.end(), std::greater_equal<>()) == sel.end();
@@ -85,6 +89,7 @@ void score_step(Runner& r, const ExactAttention& ex, uint32_t layer, int64_t t,
       double m = 0.0;
       for (int32_t j : sel) m += p[j];
       a.mass += m;
+      step_mass += m;
 
       const double* ref = ex.output(h);
       double diff2 = 0.0, ref2 = 0.0;
@@ -106,6 +111,10 @@ void score_step(Runner& r, const ExactAttention& ex, uint32_t layer, int64_t t,
       ++a.head_n;
     }
   }
+  auto& lm = a.layer_mass[layer];
+  lm.first += step_mass;
+  lm.second += hq;
+  a.step_mass.push_back(step_mass / double(hq));
 }
 
 // XXH3-64 of a file's bytes (and its size), read in 4 MiB blocks.
@@ -334,6 +343,8 @@ EvalReport run_eval(const EvalOptions& opts) {
       res.budget = budget;
       res.recall_at_k = mean(a.recall, a.recall_n);
       res.mass_recall = mean(a.mass, a.head_n);
+      res.mass_recall_p5 = percentile(a.step_mass, 5.0);
+      for (const auto& [l, sm] : a.layer_mass) res.layer_mass_recall.emplace_back(l, mean(sm.first, sm.second));
       double err_sum = 0.0;
       for (double e : a.errs) err_sum += e;
       res.output_rel_err = mean(err_sum, int64_t(a.errs.size()));
@@ -360,17 +371,31 @@ EvalReport run_eval(const EvalOptions& opts) {
 }
 
 std::string render_eval_table(const EvalReport& r) {
-  TextTable table({"method", "budget", "kept", "recall@k", "mass recall", "out err", "out err p95",
-                   "lse err", "step us", "speed vs full"},
-                  {false, true, true, true, true, true, true, true, true, true});
+  TextTable table({"method", "budget", "kept", "recall@k", "mass recall", "mass p5", "worst layer", "out err",
+                   "out err p95", "lse err", "step us", "speed vs full"},
+                  {false, true, true, true, true, true, false, true, true, true, true, true});
   for (const auto& m : r.methods) {
+    std::string worst = "-";
+    if (!m.layer_mass_recall.empty()) {
+      const auto w = std::min_element(m.layer_mass_recall.begin(), m.layer_mass_recall.end(),
+                                      [](const auto& a, const auto& b) { return a.second < b.second; });
+      worst = strfmt("L%u %.3f", w->first, w->second);
+    }
     table.add_row({m.name, strfmt("%.3g", m.budget), strfmt("%.1f%%", 100.0 * m.kept_fraction),
-                   strfmt("%.3f", m.recall_at_k), strfmt("%.3f", m.mass_recall),
+                   strfmt("%.3f", m.recall_at_k), strfmt("%.3f", m.mass_recall), strfmt("%.3f", m.mass_recall_p5),
+                   worst,
                    strfmt("%.2e", m.output_rel_err), strfmt("%.2e", m.output_rel_err_p95),
                    strfmt("%.2e", m.lse_abs_err), strfmt("%.1f", m.step_us),
                    m.step_us > 0 ? strfmt("%.2fx", m.full_step_us / m.step_us) : std::string("-")});
   }
   return table.render();
+}
+
+// {"<layer>": mean mass recall} for a method's row.
+nlohmann::ordered_json layer_mass_json(const MethodResult& m) {
+  nlohmann::ordered_json out = nlohmann::ordered_json::object();
+  for (const auto& [l, v] : m.layer_mass_recall) out[std::to_string(l)] = v;
+  return out;
 }
 
 nlohmann::ordered_json eval_json(const EvalReport& r) {
@@ -382,6 +407,8 @@ nlohmann::ordered_json eval_json(const EvalReport& r) {
                        {"params", m.params},
                        {"recall_at_k", m.recall_at_k},
                        {"mass_recall", m.mass_recall},
+                       {"mass_recall_p5", m.mass_recall_p5},
+                       {"layer_mass_recall", layer_mass_json(m)},
                        {"output_rel_err", m.output_rel_err},
                        {"output_rel_err_p95", m.output_rel_err_p95},
                        {"lse_abs_err", m.lse_abs_err},

@@ -28,6 +28,8 @@ struct MethodResult {
   double budget = 0;
   double recall_at_k = 0;         // mean over steps, layers, KV heads
   double mass_recall = 0;         // mean over steps, layers, query heads
+  double mass_recall_p5 = 0;      // 5th percentile over (step, layer) of the mean over query heads
+  std::vector<std::pair<uint32_t, double>> layer_mass_recall;  // per layer: mean over steps and heads
   double output_rel_err = 0;      // mean over steps, layers, query heads
   double output_rel_err_p95 = 0;  // 95th percentile of the same samples
   double lse_abs_err = 0;         // mean over steps, layers, query heads

@@ -178,8 +178,9 @@ assert list(d) == ["trace", "trace_bytes", "trace_xxh3_64", "version", "backend"
 assert d["steps"] == 6 and d["layers"] == 2, (d["steps"], d["layers"])
 assert d["budgets"] == [0.1] and d["backend"] == "cpu", d
 assert isinstance(d["threads"], int) and d["threads"] >= 1, d["threads"]
-keys = ["name", "budget", "kept_fraction", "params", "recall_at_k", "mass_recall", "output_rel_err",
-        "output_rel_err_p95", "lse_abs_err", "step_us", "full_step_us", "nonfinite_outputs"]
+keys = ["name", "budget", "kept_fraction", "params", "recall_at_k", "mass_recall", "mass_recall_p5",
+        "layer_mass_recall", "output_rel_err", "output_rel_err_p95", "lse_abs_err", "step_us", "full_step_us",
+        "nonfinite_outputs"]
 by = {m["name"]: m for m in d["methods"]}
 assert list(by) == ["full", "exact_topk"], list(by)
 for m in d["methods"]:
@@ -190,6 +191,11 @@ assert f["recall_at_k"] == 1 and abs(f["mass_recall"] - 1) < 1e-9, f
 assert f["output_rel_err"] < 1e-3 and f["lse_abs_err"] < 1e-3, f
 assert x["recall_at_k"] > 0.99, x
 assert x["mass_recall"] <= 1 + 1e-9 and x["output_rel_err"] <= x["output_rel_err_p95"] + 1e-12, x
+# worst steps and layers: p5 at most the mean; the per-layer means average to the mean (equal weights).
+assert abs(f["mass_recall_p5"] - 1) < 1e-9 and len(f["layer_mass_recall"]) == d["layers"], f
+assert x["mass_recall_p5"] <= x["mass_recall"] + 1e-12, x
+lm = list(x["layer_mass_recall"].values())
+assert len(lm) == 2 and abs(sum(lm) / 2 - x["mass_recall"]) < 1e-9, (lm, x["mass_recall"])
 # kept fraction: full attends every key; exact_topk about the budget (0.1 of 513..518 keys).
 assert abs(f["kept_fraction"] - 1) < 1e-9, f["kept_fraction"]
 assert 0.09 <= x["kept_fraction"] <= 0.12, x["kept_fraction"]
