@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -20,7 +21,7 @@ namespace kvcli {
 namespace {
 
 struct EvalCliOptions {
-  std::string trace, methods = "all", backend = "cpu", json, plot;
+  std::string trace, suite, half = "all", methods = "all", backend = "cpu", json, plot;
   std::vector<std::string> params;
   std::string stats, budgets;
   double budget = 0.05;
@@ -110,8 +111,112 @@ void write_plot(const std::string& png, const EvalReport& rep) {
   if (rc != 0) throw CliError(strfmt("--plot %s: the plotting script failed (exit %d; its message is above)", png.c_str(), rc));
 }
 
+// A suite file: one trace per line, a path relative to the file's folder (or absolute), then an
+// optional half, `tuning` or `heldout` (blank lines and `#` comments skipped).
+struct SuiteEntry {
+  std::string path, half;
+};
+std::vector<SuiteEntry> read_suite(const std::string& file, const std::string& half) {
+  if (half != "all" && half != "tuning" && half != "heldout")
+    throw UsageError("--half: expected all, tuning or heldout, got '" + half + "'");
+  std::FILE* f = std::fopen(file.c_str(), "r");
+  if (!f) throw CliError("cannot read --suite '" + file + "': " + std::strerror(errno));
+  const size_t slash = file.rfind('/');
+  const std::string dir = slash == std::string::npos ? std::string() : file.substr(0, slash + 1);
+  std::vector<SuiteEntry> out;
+  char buf[4096];
+  int line = 0;
+  while (std::fgets(buf, sizeof buf, f)) {
+    ++line;
+    std::string s(buf);
+    if (const size_t h = s.find('#'); h != std::string::npos) s.resize(h);
+    std::vector<std::string> words;
+    for (size_t i = 0; i < s.size();) {
+      while (i < s.size() && std::isspace(static_cast<unsigned char>(s[i]))) ++i;
+      size_t j = i;
+      while (j < s.size() && !std::isspace(static_cast<unsigned char>(s[j]))) ++j;
+      if (j > i) words.push_back(s.substr(i, j - i));
+      i = j;
+    }
+    if (words.empty()) continue;
+    if (words.size() > 2 || (words.size() == 2 && words[1] != "tuning" && words[1] != "heldout")) {
+      std::fclose(f);
+      throw UsageError(strfmt("--suite %s line %d: expected `PATH [tuning|heldout]`", file.c_str(), line));
+    }
+    SuiteEntry e{words[0].front() == '/' ? words[0] : dir + words[0], words.size() == 2 ? words[1] : ""};
+    if (half == "all" || e.half == half) out.push_back(std::move(e));
+  }
+  std::fclose(f);
+  if (out.empty())
+    throw UsageError("--suite " + file + ": no trace" + (half == "all" ? std::string() : " in the " + half + " half"));
+  return out;
+}
+
+// --suite: eval on every trace, then per method and budget the mean over the traces and the worst.
+int run_suite_command(const EvalCliOptions& c, EvalOptions o) {
+  const auto entries = read_suite(c.suite, c.half);
+  const bool json_stdout = c.json == "-";
+  FILE* text = json_stdout ? stderr : stdout;
+  std::vector<EvalReport> reps;
+  for (const auto& e : entries) {
+    o.trace = e.path;
+    reps.push_back(run_eval(o));
+    std::fprintf(text, "== %s%s: %lld steps x %zu layers\n", e.path.c_str(), e.half.empty() ? "" : (" (" + e.half + ")").c_str(),
+                 static_cast<long long>(reps.back().steps), reps.back().layers);
+    std::fputs(render_eval_table(reps.back()).c_str(), text);
+    std::fputs("\n", text);
+  }
+  // Rows in the order of the first report (budget by budget, methods in --methods order).
+  TextTable table({"method", "budget", "kept", "mass recall", "mass p5", "out err", "worst trace (mass recall)"},
+                  {false, true, true, true, true, true, false});
+  nlohmann::ordered_json summary = nlohmann::ordered_json::array();
+  for (size_t i = 0; i < reps.front().methods.size(); ++i) {
+    const auto& first = reps.front().methods[i];
+    double kept = 0, mass = 0, p5 = 0, err = 0, worst = 2;
+    std::string worst_trace;
+    for (size_t t = 0; t < reps.size(); ++t) {
+      const auto& m = reps[t].methods[i];
+      kept += m.kept_fraction;
+      mass += m.mass_recall;
+      p5 += m.mass_recall_p5;
+      err += m.output_rel_err;
+      if (m.mass_recall < worst) {
+        worst = m.mass_recall;
+        worst_trace = entries[t].path;
+      }
+    }
+    const double n = double(reps.size());
+    table.add_row({first.name, strfmt("%.3g", first.budget), strfmt("%.1f%%", 100.0 * kept / n), strfmt("%.3f", mass / n),
+                   strfmt("%.3f", p5 / n), strfmt("%.2e", err / n), strfmt("%.3f %s", worst, worst_trace.c_str())});
+    summary.push_back({{"name", first.name}, {"budget", first.budget}, {"kept_fraction", kept / n},
+                       {"mass_recall", mass / n}, {"mass_recall_p5", p5 / n}, {"output_rel_err", err / n},
+                       {"worst_mass_recall", worst}, {"worst_trace", worst_trace}});
+  }
+  std::fprintf(text, "suite %s (%s): %zu traces, mean over the traces and the worst\n\n", c.suite.c_str(),
+               c.half.c_str(), reps.size());
+  std::fputs(table.render().c_str(), text);
+  if (!c.json.empty()) {
+    nlohmann::ordered_json doc;
+    doc["suite"] = c.suite;
+    doc["half"] = c.half;
+    doc["summary"] = std::move(summary);
+    doc["traces"] = nlohmann::ordered_json::array();
+    for (const auto& r : reps) doc["traces"].push_back(eval_json(r));
+    if (json_stdout) {
+      std::fputs((doc.dump(2) + "\n").c_str(), stdout);
+      std::fflush(stdout);
+    } else {
+      write_text_file(c.json, doc.dump(2) + "\n");
+      std::fprintf(text, "\nwrote %s\n", c.json.c_str());
+    }
+  }
+  return kExitOk;
+}
+
 int run_eval_command(const EvalCliOptions& c) {
   if (c.steps < 0) throw UsageError("--steps must be >= 0");
+  if (c.trace.empty() == c.suite.empty()) throw UsageError("give --trace FILE or --suite FILE (one of them)");
+  if (!c.suite.empty() && !c.plot.empty()) throw UsageError("--plot draws one trace: it cannot be used with --suite");
   EvalOptions o;
   o.trace = c.trace;
   o.backend = parse_backend(c.backend);
@@ -123,6 +228,7 @@ int run_eval_command(const EvalCliOptions& c) {
   o.max_steps = c.steps;
   if (!c.stats.empty()) o.stats = split(c.stats, ',');
   if (!c.plot.empty()) check_plot_python();
+  if (!c.suite.empty()) return run_suite_command(c, o);
 
   const EvalReport rep = run_eval(o);
   const auto& info = rep.info;
@@ -168,7 +274,11 @@ Command add_eval_command(CLI::App& root) {
   auto o = std::make_shared<EvalCliOptions>();
   CLI::App* cmd = root.add_subcommand(
       "eval", "replay a trace through methods; recall, mass recall, output/LSE error and speed vs exact");
-  cmd->add_option("--trace", o->trace, "input trace (.safetensors, kvsieve-trace)")->required();
+  cmd->add_option("--trace", o->trace, "input trace (.safetensors, kvsieve-trace)");
+  cmd->add_option("--suite", o->suite,
+                  "a list of traces (one per line: PATH [tuning|heldout], relative to the list's folder); "
+                  "prints each trace's table and, per method, the mean over the traces and the worst");
+  cmd->add_option("--half", o->half, "with --suite: the traces to run, all, tuning or heldout (default all)");
   cmd->add_option("--methods", o->methods, "comma-separated methods, or `all` (every registered one)");
   auto* budget = cmd->add_option("--budget", o->budget, "exact keys per step, as a fraction of the context, (0, 1]");
   cmd->add_option("--budgets", o->budgets,

@@ -203,6 +203,36 @@ assert 0.09 <= x["kept_fraction"] <= 0.12, x["kept_fraction"]
 assert f["params"] == {}, f["params"]
 assert set(x["params"]) >= {"sinks", "local"}, x["params"]
 ' "$TMP/eval.json"
+# --suite: every trace of a list, then per method the mean over the traces and the worst.
+mkdir -p "$TMP/suite"
+cp "$T1" "$TMP/suite/a.safetensors"
+cp "$TMP/t1c.safetensors" "$TMP/suite/b.safetensors"
+printf '# two synthetic traces\na.safetensors tuning\n\nb.safetensors   heldout  # seed 2\n' > "$TMP/suite/list.txt"
+expect 0 "eval --suite" "$KVS" eval --suite "$TMP/suite/list.txt" --methods full,exact_topk --budget 0.1 --json "$TMP/suite.json"
+contains "$OUT" "worst trace" "eval --suite summary"
+py "eval --suite: the summary is the mean over the traces and their minimum" '
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["half"] == "all" and len(d["traces"]) == 2, d.keys()
+per = [{m["name"]: m for m in t["methods"]} for t in d["traces"]]
+for s in d["summary"]:
+    vals = [p[s["name"]]["mass_recall"] for p in per]
+    assert abs(s["mass_recall"] - sum(vals) / 2) < 1e-12, (s, vals)
+    assert s["worst_mass_recall"] == min(vals), (s, vals)
+    assert s["worst_trace"].endswith(("a.safetensors", "b.safetensors")), s
+    assert abs(s["kept_fraction"] - sum(p[s["name"]]["kept_fraction"] for p in per) / 2) < 1e-12
+' "$TMP/suite.json"
+expect 0 "eval --suite --half heldout" "$KVS" eval --suite "$TMP/suite/list.txt" --half heldout --methods full --json -
+py "eval --suite --half heldout runs the held-out traces only" '
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["half"] == "heldout" and len(d["traces"]) == 1 and d["traces"][0]["trace"].endswith("b.safetensors"), d
+' "$OUT"
+printf 'a.safetensors sideways\n' > "$TMP/suite/bad.txt"
+expect 2 "eval --suite with a bad half" "$KVS" eval --suite "$TMP/suite/bad.txt" --methods full
+contains "$ERR" "line 1" "eval --suite names the bad line"
+expect 2 "eval with --trace and --suite" "$KVS" eval --trace "$T1" --suite "$TMP/suite/list.txt"
+expect 2 "eval with neither --trace nor --suite" "$KVS" eval --methods full
 VERSION=$("$KVS" --version | head -n 1)
 py "eval JSON version, checksum and size match the library and the trace" '
 import json, os, sys
