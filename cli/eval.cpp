@@ -35,6 +35,8 @@ struct Accum {
   std::map<uint32_t, std::pair<double, int64_t>> layer_mass;  // layer -> (sum over heads and steps, count)
   std::vector<double> step_mass;  // per (step, layer): mean mass recall over the query heads
   int64_t nonfinite = 0;
+  int64_t over = 0;        // selections above the budget's keys
+  double max_over = 0.0;   // largest |S| / budget keys among them
   bool warned_selection = false;
 };
 
@@ -42,7 +44,13 @@ struct Runner {
   std::string name;
   std::unique_ptr<Session> session;
   Accum acc;
+  double budget = 0.0;  // the session's budget fraction
 };
+
+// Exact keys a budget fraction grants over n tokens (the library's rule: ceil, clamped to [1, n]).
+int64_t budget_keys(double fraction, int64_t n) {
+  return std::clamp<int64_t>(int64_t(std::ceil(fraction * double(n))), std::min<int64_t>(1, n), n);
+}
 
 struct LayerData {
   uint32_t layer;
@@ -83,6 +91,13 @@ void score_step(Runner& r, const ExactAttention& ex, uint32_t layer, int64_t t,
     a.recall += k > 0 ? double(hits) / double(k) : 0.0;
     a.kept += double(k) / double(n);
     ++a.recall_n;
+    if (r.name != "full" && r.budget > 0) {
+      const int64_t kb = budget_keys(r.budget, n);
+      if (k > kb) {
+        ++a.over;
+        a.max_over = std::max(a.max_over, double(k) / double(kb));
+      }
+    }
 
     for (int64_t h = g * group; h < (g + 1) * group; ++h) {
       const double* p = ex.probs(h);
@@ -297,6 +312,7 @@ EvalReport run_eval(const EvalOptions& opts) {
         p.backend = opts.backend;
         p.num_threads = opts.threads;
         r.session = std::make_unique<Session>(p, r.name);
+        r.budget = budget;
         for (const auto& L : layers) {
           r.session->prefill(L.layer, L.q.rows_view(0, P), L.k.rows_view(0, P), L.v.rows_view(0, P));
           bar.advance();
@@ -354,6 +370,16 @@ EvalReport run_eval(const EvalOptions& opts) {
       res.full_step_us = full_us;
       res.kept_fraction = mean(a.kept, a.recall_n);
       res.nonfinite = a.nonfinite;
+      res.over_budget = a.over;
+      res.selections = a.recall_n;
+      res.max_over_ratio = a.max_over;
+      if (a.over > 0)
+        std::fprintf(stderr,
+                     "kvsieve: warning: %s attends more keys than the budget %g grants in %lld of %lld "
+                     "selections (up to %.2fx the budget's keys); its row is marked '!' (over_budget in the "
+                     "JSON) and is not comparable with rows that keep to the budget\n",
+                     m.c_str(), budget, static_cast<long long>(a.over), static_cast<long long>(a.recall_n),
+                     a.max_over);
       res.params = resolved_params(*it->session);
       for (const auto& name : opts.stats) {
         double v = 0;
@@ -381,7 +407,8 @@ std::string render_eval_table(const EvalReport& r) {
                                       [](const auto& a, const auto& b) { return a.second < b.second; });
       worst = strfmt("L%u %.3f", w->first, w->second);
     }
-    table.add_row({m.name, strfmt("%.3g", m.budget), strfmt("%.1f%%", 100.0 * m.kept_fraction),
+    table.add_row({m.name, strfmt("%.3g", m.budget),
+                   strfmt("%.1f%%%s", 100.0 * m.kept_fraction, m.over_budget > 0 ? " !" : ""),
                    strfmt("%.3f", m.recall_at_k), strfmt("%.3f", m.mass_recall), strfmt("%.3f", m.mass_recall_p5),
                    worst,
                    strfmt("%.2e", m.output_rel_err), strfmt("%.2e", m.output_rel_err_p95),
@@ -404,6 +431,10 @@ nlohmann::ordered_json eval_json(const EvalReport& r) {
     methods.push_back({{"name", m.name},
                        {"budget", m.budget},
                        {"kept_fraction", m.kept_fraction},
+                       {"over_budget", m.over_budget > 0},
+                       {"over_budget_selections", m.over_budget},
+                       {"selections", m.selections},
+                       {"max_over_budget_ratio", m.max_over_ratio},
                        {"params", m.params},
                        {"recall_at_k", m.recall_at_k},
                        {"mass_recall", m.mass_recall},

@@ -36,6 +36,11 @@ struct MethodResult {
   double step_us = 0;             // mean time of one kvs_session_decode call (one layer, one token)
   double full_step_us = 0;        // the same for `full`, measured in the same run
   double kept_fraction = 0;       // mean |S| / (t + 1) over steps, layers, KV heads
+  // Selections (one per step, layer and KV head) with more keys than the budget grants,
+  // ceil(budget * (t + 1)) (full excepted: it attends everything by definition), and the largest
+  // |S| / budget keys among them.
+  int64_t over_budget = 0, selections = 0;
+  double max_over_ratio = 0;
   nlohmann::ordered_json params;  // the parameters the session resolved (defaults included)
   int64_t nonfinite = 0;          // outputs with NaN/inf (counted as error inf)
   std::vector<std::pair<std::string, double>> stats;  // the requested statistics the method knows

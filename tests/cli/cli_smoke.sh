@@ -178,9 +178,9 @@ assert list(d) == ["trace", "trace_bytes", "trace_xxh3_64", "version", "backend"
 assert d["steps"] == 6 and d["layers"] == 2, (d["steps"], d["layers"])
 assert d["budgets"] == [0.1] and d["backend"] == "cpu", d
 assert isinstance(d["threads"], int) and d["threads"] >= 1, d["threads"]
-keys = ["name", "budget", "kept_fraction", "params", "recall_at_k", "mass_recall", "mass_recall_p5",
-        "layer_mass_recall", "output_rel_err", "output_rel_err_p95", "lse_abs_err", "step_us", "full_step_us",
-        "nonfinite_outputs"]
+keys = ["name", "budget", "kept_fraction", "over_budget", "over_budget_selections", "selections",
+        "max_over_budget_ratio", "params", "recall_at_k", "mass_recall", "mass_recall_p5", "layer_mass_recall",
+        "output_rel_err", "output_rel_err_p95", "lse_abs_err", "step_us", "full_step_us", "nonfinite_outputs"]
 by = {m["name"]: m for m in d["methods"]}
 assert list(by) == ["full", "exact_topk"], list(by)
 for m in d["methods"]:

@@ -124,9 +124,9 @@ def test_quest_preset_values_and_explicit_override(tmp_path):
             s.save(path)
             got[params] = Tables(path).params
     assert got[""] == {"preset": "kvsieve", "page_size": "16", "dense_layers": "0", "gqa": "sum",
-                       "score_dtype": "f32"}
+                       "score_dtype": "f32", "page_budget": "fit"}
     assert got["preset=paper"] == {"preset": "paper", "page_size": "16", "dense_layers": "2",
-                                   "gqa": "per_query_head", "score_dtype": "f16"}
+                                   "gqa": "per_query_head", "score_dtype": "f16", "page_budget": "pages"}
     assert got["preset=paper,dense_layers=1,score_dtype=f32"]["dense_layers"] == "1"
     assert got["preset=paper,dense_layers=1,score_dtype=f32"]["score_dtype"] == "f32"
 

@@ -441,8 +441,12 @@ void run_window(int B, int H, int sinks, int window, const std::vector<int>& len
   std::string why;
   for (int b = 0; b < B && why.empty(); ++b) {
     // streaming.cpp
-    const int64_t n = lens[b], s = std::min<int64_t>(sinks, n);
-    const int64_t w = window > 0 ? window : std::max<int64_t>(1, budgets[b] - s);
+    const int64_t n = lens[b];
+    int64_t s = std::min<int64_t>(sinks, n), w = window;
+    if (window == 0) {  // sinks capped at budget / 8 (at least 1 from 2 keys), window the rest
+      s = std::min<int64_t>(s, budgets[b] >= 2 ? std::max(1, budgets[b] / 8) : 0);
+      w = std::max<int64_t>(1, budgets[b] - s);
+    }
     std::vector<int32_t> l;
     for (int64_t t = 0; t < s; ++t) l.push_back(int32_t(t));
     for (int64_t t = std::max(s, n - w); t < n; ++t) l.push_back(int32_t(t));

@@ -215,7 +215,7 @@ struct ScoreArgs {
 
 // Pages, page budget and picked-page count of sequence b (the CPU method's rules).
 struct SeqPlan {
-  int n, pages, want;
+  int n, pages, want, first;  // first: tokens of the current page skipped (fit, budget < the page)
 };
 __device__ __forceinline__ SeqPlan seq_plan(const int32_t* lengths, const int32_t* budget, int b,
                                             int max_length, int ps, int max_want) {
@@ -223,7 +223,20 @@ __device__ __forceinline__ SeqPlan seq_plan(const int32_t* lengths, const int32_
   s.n = min(max(lengths[b], 0), max_length);
   s.pages = s.n / ps + (s.n % ps != 0);
   s.want = 0;
-  if (s.pages > 0) s.want = min(min(max(budget[b] / ps, 1), s.pages), max_want);
+  s.first = 0;
+  int k = budget[b];
+  const bool fit = k < 0;  // page_budget=fit, k = -budget[b] (quest.cpp's rule)
+  if (fit) k = -k;
+  if (s.pages > 0) {
+    if (fit) {
+      const int cur = s.n - (s.pages - 1) * ps;
+      if (k >= cur) s.want = min(1 + (k - cur) / ps, s.pages);
+      else s.want = 1, s.first = cur - k;
+      s.want = min(s.want, max_want);
+    } else {
+      s.want = min(min(max(k / ps, 1), s.pages), max_want);
+    }
+  }
   return s;
 }
 
@@ -369,14 +382,14 @@ __global__ void __launch_bounds__(256) expand_kernel(ExpandArgs a) {
   const int r = blockIdx.x, b = r / a.H;
   const SeqPlan sp = seq_plan(a.lengths, a.budget, b, a.max_length, a.ps, a.max_want);
   const int real = sp.pages > 0 ? sp.want - 1 : 0;           // picked pages before the last
-  const int last_len = sp.pages > 0 ? sp.n - (sp.pages - 1) * a.ps : 0;
+  const int last_len = sp.pages > 0 ? sp.n - (sp.pages - 1) * a.ps - sp.first : 0;
   const int pos = blockIdx.y * 256 + threadIdx.x;
   if (pos == 0) a.out_cnt[r] = sp.pages > 0 ? real * a.ps + last_len : 0;
   if (pos >= a.max_selected) return;
   const int i = pos / a.ps, j = pos - i * a.ps;
   int v = -1;
   if (i < real) v = a.picked[size_t(r) * a.k_host + i] * a.ps + j;
-  else if (i == real && j < last_len) v = (sp.pages - 1) * a.ps + j;
+  else if (i == real && j < last_len) v = (sp.pages - 1) * a.ps + sp.first + j;
   a.out_idx[size_t(r) * a.max_selected + pos] = v;
 }
 

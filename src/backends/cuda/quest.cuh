@@ -32,7 +32,10 @@ Status quest_update_bounds(const AttnShape& shape, const PagedKv& kv, Scalar kv_
 
 // One decode step of Quest for a batch. For sequence b: n_b = clamp(lengths[b], 0, max_length),
 // pages_b = ceil(n_b / page_size), want_b = min(clamp(budget_keys[b] / page_size, 1, pages_b),
-// max_want) pages (the current, last page counted in: Quest's kernel-path page budget). Pages
+// max_want) pages (the current, last page counted in: Quest's kernel-path page budget). A negative
+// budget_keys[b] = -k asks for quest.cpp's page_budget=fit rounding instead: with c_b the tokens
+// of the current page, want_b = min(1 + (k - c_b) / page_size, pages_b, max_want) where k >= c_b,
+// else want_b = 1 and only the newest k tokens of the current page are listed. Pages
 // 0..pages_b-2 are scored by U_p from bounds[b] (device array [B] of device pointers to the
 // buffers above), either summed over the query group (per_query_head = false: H = Hkv rows, one
 // page set per KV head) or per query head (true: H = Hq rows, query head h*G+g reads KV head h).

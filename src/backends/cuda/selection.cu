@@ -26,8 +26,14 @@ struct WindowArgs {
 __global__ void __launch_bounds__(kThreads) window_kernel(WindowArgs a) {
   const int r = blockIdx.x, b = r / a.H;
   const int n = max(a.lengths[b], 0);
-  const int s = min(a.sinks, n);
-  const int w = a.window > 0 ? a.window : max(1, a.budget[b] - s);
+  // window = 0: sinks capped at budget / 8 (at least 1 where the budget is >= 2 keys, none at 1)
+  // and the window the rest of the budget (streaming.cpp's streaming_sinks rule).
+  int s = min(a.sinks, n), w = a.window;
+  if (a.window == 0) {
+    const int k = a.budget[b];
+    s = min(s, k >= 2 ? max(1, k / 8) : 0);
+    w = max(1, k - s);
+  }
   const int start = max(s, n - w);  // first recent token (n - w may be negative)
   const int cnt = min(s + (n - start), a.max_selected);
   const int pos = blockIdx.y * kThreads + threadIdx.x;

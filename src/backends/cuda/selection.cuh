@@ -12,9 +12,9 @@
 namespace kvs::cuda {
 
 // StreamingLLM for a batch: for every (b, h < H) the tokens [0, s') then [max(s', n_b - w_b), n_b)
-// ascending, with n_b = max(lengths[b], 0), s' = min(sinks, n_b) and w_b = window > 0 ? window :
-// max(1, budget_keys[b] - s') (window = 0: the budget minus the sinks, at least the current
-// token). Every head of a sequence gets the same list (H = Hkv for the gathered decode's per-KV-
+// ascending, with n_b = max(lengths[b], 0); window > 0: s' = min(sinks, n_b), w_b = window;
+// window = 0: s' = min(sinks, n_b, k >= 2 ? max(1, k / 8) : 0) with k = budget_keys[b] (the sinks
+// scaled into the budget) and w_b = max(1, k - s') (the budget minus the sinks). Every head of a sequence gets the same list (H = Hkv for the gathered decode's per-KV-
 // head lists). out_idx [B, H, max_selected] (-1 past the count), out_cnt [B, H] = the count.
 // max_selected (host) must be >= every count (e.g. sinks + window, or sinks + the largest
 // budget); a longer list is cut to its first max_selected tokens (never written out of bounds).

@@ -388,6 +388,7 @@ class Ctkvr final : public Method {
         topk_(int_param(p, "ctkvr", "topk", 0, kTok, "0 = the session budget")),
         sinks_(int_param(p, "ctkvr", "sinks", 0, kTok)),
         local_(int_param(p, "ctkvr", "local", 0, kTok)),
+        static_share_(p.get_float("static_share")),
         seed_(p.get_int("seed")),
         append_q_(int_param(p, "ctkvr", "append_queries", -1, kTok, "-1 = C, 0 = none")),
         dcu_(p.get_bool("dcu")),
@@ -399,6 +400,9 @@ class Ctkvr final : public Method {
     pos_int(C_, 1 << 20, "centroids", "in [1, 1048576] (the FIFO capacity C)");
     pos_int(rho_, int64_t(1) << 30, "rho", "in [1, 2^30] (keys per centroid)");
     pos_int(lambda_, 1 << 20, "lambda", "in [1, 1048576] (centroids recalled per step)");
+    if (!(static_share_ >= 0 && static_share_ <= 1))
+      invalid("method_params: ctkvr static_share must be in [0, 1] (0 = fixed sinks + local), got " +
+              std::to_string(static_share_));
     if (C_ * rho_ > (int64_t(1) << 27))
       invalid("method_params: ctkvr centroids * rho must be <= 2^27 (posting lists take 8 bytes per entry per layer and "
               "KV head), got " + std::to_string(C_) + " * " + std::to_string(rho_));
@@ -574,8 +578,17 @@ class Ctkvr final : public Method {
     // (sinks first, like exact_topk's forced keys) and the rerank keeps the rest.
     const int64_t budget = ctx_.budget.keys(n, 0.05);
     const int64_t cap = topk_ > 0 ? n : budget;
-    const int64_t s_end = std::min({sinks_, n, cap});
-    const int64_t l_begin = std::max<int64_t>(s_end, n - std::min(local_, cap - s_end));
+    // static_share > 0 (the default 0.5): the static set scales with the budget, at most that share
+    // of it (sinks at most an eighth of the share), so retrieval keeps the rest at every context
+    // length; 0: the fixed counts, clipped to the budget only.
+    int64_t sinks = sinks_, local = local_;
+    if (topk_ == 0 && static_share_ > 0) {
+      const int64_t st = int64_t(std::floor(static_share_ * double(budget)));
+      sinks = std::min(sinks, st >= 2 ? std::max<int64_t>(1, st / 8) : 0);
+      local = std::min(local, std::max<int64_t>(0, st - sinks));
+    }
+    const int64_t s_end = std::min({sinks, n, cap});
+    const int64_t l_begin = std::max<int64_t>(s_end, n - std::min(local, cap - s_end));
     const int64_t n_static = s_end + (n - l_begin);
     const int64_t k = topk_ > 0 ? topk_ : std::max<int64_t>(0, budget - n_static);
     const int64_t ev0 = indexed_[layer], ev1 = std::max(indexed_[layer], l_begin);
@@ -1031,6 +1044,7 @@ class Ctkvr final : public Method {
 
   MethodContext ctx_;
   int64_t C_, rho_, lambda_, topk_, sinks_, local_, seed_, append_q_;
+  double static_share_;
   bool dcu_, union_, mean_head_;
   Init init_;
   Agg agg_;
@@ -1066,6 +1080,10 @@ MethodSpec ctkvr_spec() {
        {"topk", "int", "0", "keys kept after rerank (paper: 512/1024); 0 = session budget minus the static keys"},
        {"sinks", "int", "4", "first tokens in the static set (the paper does not say; 4 as MagicPIG and RetroInfer)"},
        {"local", "int", "64", "most recent tokens in the static set (the paper does not say; our choice)"},
+       {"static_share", "float", "0.5",
+        "with topk = 0: the static set (sinks + local) takes at most this share of the budget, sinks at most an "
+        "eighth of it (at least 1), so the counts scale down at small budgets; 0 = the fixed sinks + local "
+        "(clipped to the budget)", "0"},
        {"init", "enum:last|random|initial|equispaced", "last", "which prompt queries become centroids (paper: last)"},
        {"seed", "int", "0", "random generator seed for init=random"},
        {"aggregate", "enum:sum_softmax|max_softmax|sum_logits", "sum_softmax",

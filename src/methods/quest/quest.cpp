@@ -8,8 +8,8 @@
 // (gqa=sum, the default: a KV head reads only its budget), or per query head (the authors'
 // evaluation path, repeat_kv: a KV head reads the union of its query heads' pages). score_dtype=f16
 // rounds the page scores to fp16 before the top-k, as the authors' estimate kernel writes them;
-// dense_layers keeps the first layers dense (the authors keep 2). preset=paper sets all three to
-// the authors' values. Bounds hold the stored-dtype key values exactly, so the bound is never below
+// dense_layers keeps the first layers dense (the authors keep 2). preset=paper sets them (and
+// page_budget=pages, the authors' page rounding) to the authors' values. Bounds hold the stored-dtype key values exactly, so the bound is never below
 // the true page maximum. Ties between page scores go to the lower page index.
 #include <algorithm>
 #include <cstring>
@@ -35,6 +35,7 @@ class Quest final : public Method {
         dense_layers_(p.get_int("dense_layers")),
         per_query_(p.get_string("gqa") == "per_query_head"),
         f16_scores_(p.get_string("score_dtype") == "f16"),
+        fit_(p.get_string("page_budget") == "fit"),
         bounds_(ctx.shape.num_layers),
         indexed_(ctx.shape.num_layers, 0) {
     if (page_ < 1 || page_ > 4096) invalid("method_params: quest page_size must be in [1, 4096]");
@@ -68,8 +69,20 @@ class Quest final : public Method {
     // Page budget, current page included: budget tokens / page_size (the authors' page_budget). A
     // budget in tokens is not clamped to the context first, so a budget of at least as many pages
     // as the context has attends every page (as the authors' controller does).
-    const int64_t k = ctx_.budget.tokens > 0 ? ctx_.budget.tokens : ctx_.budget.keys(n, 0.05);
-    const int64_t want = std::clamp<int64_t>(k / page_, 1, pages);
+    // page_budget=fit (the default): the current page (c tokens) plus floor((k - c) / page_size)
+    // more, so the selection never exceeds the k budget keys and falls short by less than a page; a
+    // budget below the current page attends its last k tokens (the newest). page_budget=pages: the
+    // authors' page_budget = k / page_size pages, current page counted as a whole page.
+    const int64_t cur = n - (pages - 1) * page_;  // tokens of the current page, 1..page_
+    int64_t want, cur_skip = 0;
+    if (fit_) {
+      const int64_t k = ctx_.budget.keys(n, 0.05);
+      if (k >= cur) want = std::min<int64_t>(pages, 1 + (k - cur) / page_);
+      else want = 1, cur_skip = cur - k;
+    } else {
+      const int64_t k = ctx_.budget.tokens > 0 ? ctx_.budget.tokens : ctx_.budget.keys(n, 0.05);
+      want = std::clamp<int64_t>(k / page_, 1, pages);
+    }
     const float* b = bounds_[layer].data();
     out.kind = per_query_ ? Selection::Kind::PerQueryHead : Selection::Kind::PerKvHead;
     out.lists.assign(size_t(per_query_ ? hkv * G : hkv), {});
@@ -94,7 +107,9 @@ class Quest final : public Method {
         std::sort(chosen.begin(), chosen.end());
         auto& l = out.lists[size_t(per_query_ ? h * G + g0 : h)];
         for (int32_t p : chosen)
-          for (int64_t t = int64_t(p) * page_; t < std::min(n, int64_t(p + 1) * page_); ++t) l.push_back(int32_t(t));
+          for (int64_t t = int64_t(p) * page_ + (p == pages - 1 ? cur_skip : 0); t < std::min(n, int64_t(p + 1) * page_);
+               ++t)
+            l.push_back(int32_t(t));
       }
     });
   }
@@ -181,7 +196,7 @@ class Quest final : public Method {
 
   MethodContext ctx_;
   int64_t page_, dense_layers_;
-  bool per_query_, f16_scores_;
+  bool per_query_, f16_scores_, fit_;
   std::vector<std::vector<float>> bounds_;
   std::vector<int64_t> indexed_;
 };
@@ -195,7 +210,8 @@ MethodSpec quest_spec() {
       "quest", "Quest: pages of 16 keys scored by their min/max upper bound, top pages attended (docs/methods.md)",
       1u << KVS_BACKEND_CPU, 0.05,
       {{"preset", "enum:kvsieve|paper", "kvsieve",
-        "paper: the authors' code (mit-han-lab/Quest): dense_layers=2, gqa=per_query_head, score_dtype=f16; "
+        "paper: the authors' code (mit-han-lab/Quest): dense_layers=2, gqa=per_query_head, score_dtype=f16, "
+        "page_budget=pages; "
         "parameters given explicitly win"},
        {"page_size", "int", "16", "tokens per page (Quest --chunk_size 16)", "16"},
        {"dense_layers", "int", "0",
@@ -206,7 +222,12 @@ MethodSpec quest_spec() {
         "reads the union of its query heads' pages, more than the budget)", "per_query_head"},
        {"score_dtype", "enum:f32|f16", "f32",
         "page scores as computed (f32) or rounded to fp16 before the top-k as the authors' kernel writes them "
-        "(paper: f16; cpu only)", "f16"}},
+        "(paper: f16; cpu only)", "f16"},
+       {"page_budget", "enum:fit|pages", "fit",
+        "fit: the current page plus floor((k - current page) / page_size) pages, never more than the k budget "
+        "keys (short by less than a page; a budget below the current page attends its newest k tokens); pages: "
+        "the authors' page_budget = k / page_size pages, the current page counted whole (up to a page over)",
+        "pages"}},
       [](const MethodContext& c, const ParamSet& p) { return std::make_unique<Quest>(c, p); },
       KVS_CUDA_IMPL(make_quest_cuda)};
 }

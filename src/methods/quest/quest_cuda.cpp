@@ -35,6 +35,7 @@ class QuestCuda final : public DeviceMethod {
         page_(p.get_int("page_size")),
         dense_layers_(p.get_int("dense_layers")),
         per_query_(p.get_string("gqa") == "per_query_head"),
+        fit_(p.get_string("page_budget") == "fit"),
         layers_(ctx.shape.num_layers) {
     if (page_ < 1 || page_ > 4096) invalid("method_params: quest page_size must be in [1, 4096]");
     if (dense_layers_ < 0) invalid("method_params: quest dense_layers must be >= 0");
@@ -79,9 +80,16 @@ class QuestCuda final : public DeviceMethod {
     int64_t max_want = 1;
     for (size_t b = 0; b < st.host_lengths.size(); ++b) {
       const int64_t n = st.host_lengths[b], pages = (n + page_ - 1) / page_;
-      const int64_t want = std::clamp<int64_t>(budget_keys(batch[b], n, st.host_budget[b]) / page_, 1, pages);
+      const int64_t k = budget_keys(batch[b], n, st.host_budget[b]), cur = n - (pages - 1) * page_;
+      int64_t want, skip = 0;
+      if (static_cast<const QuestCuda*>(batch[b])->fit_) {  // quest.cpp's page_budget=fit
+        if (k >= cur) want = std::min<int64_t>(pages, 1 + (k - cur) / page_);
+        else want = 1, skip = cur - k;
+      } else {
+        want = std::clamp<int64_t>(k / page_, 1, pages);
+      }
       max_want = std::max(max_want, want);
-      p.selected.push_back(double((want - 1) * page_ + (n - (pages - 1) * page_)));
+      p.selected.push_back(double((want - 1) * page_ + cur - skip));
     }
     p.max_selected = int32_t(max_want * page_);
     max_want_ = int32_t(max_want);
@@ -95,7 +103,8 @@ class QuestCuda final : public DeviceMethod {
     auto* keys = reinterpret_cast<int32_t*>(ptrs + batch.size());
     for (size_t b = 0; b < batch.size(); ++b) {
       ptrs[b] = static_cast<const QuestCuda*>(batch[b])->layers_[layer].bounds;
-      keys[b] = int32_t(budget_keys(batch[b], st.host_lengths[b], st.host_budget[b]));
+      const int32_t k = int32_t(budget_keys(batch[b], st.host_lengths[b], st.host_budget[b]));
+      keys[b] = static_cast<const QuestCuda*>(batch[b])->fit_ ? -k : k;  // negative: fit (quest.cuh)
     }
   }
   void select(std::span<DeviceMethod* const>, uint32_t, const DeviceStep& st, const DevicePlan& p, const void* args,
@@ -152,7 +161,7 @@ class QuestCuda final : public DeviceMethod {
     }
   }
   std::unique_ptr<DeviceMethod> clone(void* stream) const override {
-    auto c = std::unique_ptr<QuestCuda>(new QuestCuda(shape_, budget_, page_, dense_layers_, per_query_, device_));
+    auto c = std::unique_ptr<QuestCuda>(new QuestCuda(shape_, budget_, page_, dense_layers_, per_query_, fit_, device_));
     for (size_t l = 0; l < layers_.size(); ++l) {
       const auto& L = layers_[l];
       if (!L.bounds) continue;
@@ -181,16 +190,17 @@ class QuestCuda final : public DeviceMethod {
     int64_t cap = 0;         // pages
     int64_t folded = 0;      // tokens folded into the bounds
   };
-  QuestCuda(const ModelShape& s, const Budget& budget, int64_t page, int64_t dense, bool pq, int dev)
-      : shape_(s), budget_(budget), page_(page), dense_layers_(dense), per_query_(pq), device_(dev),
+  QuestCuda(const ModelShape& s, const Budget& budget, int64_t page, int64_t dense, bool pq, bool fit, int dev)
+      : shape_(s), budget_(budget), page_(page), dense_layers_(dense), per_query_(pq), fit_(fit), device_(dev),
         layers_(s.num_layers) {}
 
   // The keys the page budget comes from (quest.cpp's rule): a budget in tokens as given, not
   // clamped to the context first (a budget covering the context attends every page, a partial last
   // page included); a fraction as the session computed it. Capped where it cannot matter (int32).
   int64_t budget_keys(const DeviceMethod* m, int64_t n, int64_t session_keys) const {
-    const Budget& bg = static_cast<const QuestCuda*>(m)->budget_;
-    if (bg.tokens <= 0) return session_keys;
+    const auto* qm = static_cast<const QuestCuda*>(m);
+    const Budget& bg = qm->budget_;
+    if (bg.tokens <= 0 || qm->fit_) return std::max<int64_t>(1, session_keys);  // fit: the clamped keys
     return std::min<int64_t>(bg.tokens, (n / page_ + 2) * page_);
   }
 
@@ -232,7 +242,7 @@ class QuestCuda final : public DeviceMethod {
   ModelShape shape_;
   Budget budget_;
   int64_t page_, dense_layers_;
-  bool per_query_;
+  bool per_query_, fit_ = true;
   int device_ = 0;
   std::vector<Layer> layers_;
   mutable int32_t max_want_ = 1;

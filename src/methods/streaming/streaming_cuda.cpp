@@ -9,6 +9,7 @@
 #include "backends/cuda/selection.cuh"
 
 namespace kvs {
+int64_t streaming_sinks(int64_t sinks, int64_t k, int64_t n);  // streaming.cpp
 namespace {
 class StreamingCuda final : public DeviceMethod {
  public:
@@ -18,8 +19,12 @@ class StreamingCuda final : public DeviceMethod {
   DevicePlan plan(std::span<DeviceMethod* const>, uint32_t, const DeviceStep& st) const override {
     DevicePlan p;
     for (size_t b = 0; b < st.host_lengths.size(); ++b) {
-      const int64_t n = st.host_lengths[b], s = std::min(sinks_, n);
-      const int64_t w = window_ > 0 ? window_ : std::max<int64_t>(1, st.host_budget[b] - s);
+      const int64_t n = st.host_lengths[b];
+      int64_t s = std::min(sinks_, n), w = window_;
+      if (window_ == 0) {  // the CPU method's rule (streaming.cpp)
+        s = streaming_sinks(sinks_, st.host_budget[b], n);
+        w = std::max<int64_t>(1, st.host_budget[b] - s);
+      }
       const int64_t c = s + std::min(w, n - s);
       p.selected.push_back(double(c));
       p.max_selected = std::max<int32_t>(p.max_selected, int32_t(c));
