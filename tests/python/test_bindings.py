@@ -251,6 +251,27 @@ def test_errors_are_builtin_exception_subclasses(tmp_path):
         err.code, err.message, err.c_message, err.backend_code)
 
 
+def test_torch_in_torch_out_on_the_cpu(rng):
+    torch = pytest.importorskip("torch")
+    q, k, v = rand(rng, N, HQ, D), rand(rng, N, HKV, D), rand(rng, N, HKV, D)
+    qn, kn, vn = rand(rng, 1, HQ, D)[0], rand(rng, 1, HKV, D)[0], rand(rng, 1, HKV, D)[0]
+    with make("full") as a, make("full") as b:
+        for s, conv in ((a, lambda x: x), (b, torch.from_numpy)):
+            for layer in range(L):
+                s.prefill(layer, conv(q), conv(k), conv(v))
+            s.build_index()
+        o_np, l_np = a.decode(0, qn, kn, vn)
+        o_t, l_t = b.decode(0, torch.from_numpy(qn), torch.from_numpy(kn), torch.from_numpy(vn))
+        assert isinstance(o_t, torch.Tensor) and o_t.dtype == torch.float32 and o_t.device.type == "cpu"
+        assert isinstance(l_t, torch.Tensor) and l_t.dtype == torch.float32 and tuple(l_t.shape) == (HQ,)
+        np.testing.assert_array_equal(o_t.numpy(), o_np)
+        np.testing.assert_array_equal(l_t.numpy(), l_np)
+        # A bfloat16 query gives a bfloat16 output (the LSE stays float32).
+        qb = torch.from_numpy(qn).bfloat16()
+        o_b, l_b = a.fork().decode(0, qb, torch.from_numpy(kn), torch.from_numpy(vn))
+        assert o_b.dtype == torch.bfloat16 and l_b.dtype == torch.float32
+
+
 def test_session_to_copies_the_state(rng):
     q, k, v = rand(rng, N, HQ, D), rand(rng, N, HKV, D), rand(rng, N, HKV, D)
     with make("quest", budget=0.2) as a:

@@ -216,20 +216,25 @@ def _check_sessions(sessions, what: str = "sessions") -> tuple:
     return sessions
 
 
-def _alloc_like(ref, shape, what: str):
-    """Allocates a float32 output on ref's device: NumPy for host memory, the same library
-    (torch, CuPy) for CUDA tensors."""
-    dev = _dlpack_device(ref, "q")[0] if hasattr(ref, "__dlpack_device__") else 1  # ref is always q
-    if dev != 2:
-        return _np.empty(shape, dtype=_np.float32)
+def _alloc_like(ref, shape, what: str, lse: bool = False):
+    """Allocates an output where the query lives, with its library: torch in, torch out (same device;
+    the query's dtype when it is float32, float16 or bfloat16, else float32), CuPy likewise (float32
+    or float16), NumPy float32 for other host inputs. lse is always float32."""
     mod = type(ref).__module__.split(".")[0]
     if mod == "torch":
         import torch
-        return torch.empty(shape, dtype=torch.float32, device=ref.device)
+        dt = torch.float32 if lse or ref.dtype not in (torch.float16, torch.bfloat16) else ref.dtype
+        return torch.empty(shape, dtype=dt, device=ref.device)
+    dev = _dlpack_device(ref, "q")[0] if hasattr(ref, "__dlpack_device__") else 1  # ref is always q
     if mod == "cupy":
         import cupy
+        dt = cupy.float16 if not lse and ref.dtype == cupy.float16 else cupy.float32
+        if dev != 2:
+            return cupy.empty(shape, dtype=dt)
         with cupy.cuda.Device(ref.device.id):
-            return cupy.empty(shape, dtype=cupy.float32)
+            return cupy.empty(shape, dtype=dt)
+    if dev != 2:
+        return _np.empty(shape, dtype=_np.float32)
     raise ValueError(f"{what}: pass a CUDA output tensor (out=, lse=); kvsieve allocates CUDA outputs "
                      f"only for torch and CuPy inputs, got {type(ref).__name__}")
 
@@ -347,9 +352,10 @@ class Session:
     def decode(self, layer: int, q, k_new, v_new, *, out=None, lse=None, stream=None):
         """One decode step of one layer: q [Hq, d], k_new, v_new [Hkv, d].
 
-        Returns ``(out, lse)``: out [Hq, d] and lse [Hq] (float32, natural log). Both are allocated
-        (NumPy for host inputs, torch/CuPy for CUDA inputs) unless given; given outputs are filled in
-        place (out may be float32, float16 or bfloat16; lse float32). On the cuda backend the call
+        Returns ``(out, lse)``: out [Hq, d] and lse [Hq] (natural log). Both are allocated unless
+        given, where q lives and with q's library: torch in, torch out (same device; out in q's dtype
+        when that is float16 or bfloat16, else float32), CuPy likewise, NumPy float32 otherwise; lse
+        is float32. Given outputs are filled in place (out float32, float16 or bfloat16; lse float32). On the cuda backend the call
         may return before the work completes: read the outputs after ``stream`` has completed.
         """
         h = self._handle()
@@ -357,7 +363,7 @@ class Session:
         if out is None:
             out = _alloc_like(q, (hq, d) if hq else tuple(_shape(q)), "out")
         if lse is None:
-            lse = _alloc_like(q, (hq,) if hq else (tuple(_shape(q))[0],), "lse")
+            lse = _alloc_like(q, (hq,) if hq else (tuple(_shape(q))[0],), "lse", lse=True)
         with self._lock:
             h.decode(int(layer), q, k_new, v_new, out, lse, _stream_ptr(stream), self._spec_or_none())
         return out, lse
@@ -425,7 +431,7 @@ def decode_batch(sessions: Sequence[Session], layer: int, q, k_new, v_new, *, ou
     if out is None:
         out = _alloc_like(q, (B, hq, d), "out")
     if lse is None:
-        lse = _alloc_like(q, (B, hq), "lse")
+        lse = _alloc_like(q, (B, hq), "lse", lse=True)
     with _locked(sessions):
         _native.decode_batch([s._handle() for s in sessions], int(layer), q, k_new, v_new, out, lse,
                              _stream_ptr(stream), s0._spec_or_none())
@@ -521,7 +527,7 @@ class Batch:
         if out is None:
             out = _alloc_like(q, (B, hq, d) if hq else tuple(_shape(q)), "out")
         if lse is None:
-            lse = _alloc_like(q, (B, hq) if hq else tuple(_shape(q))[:2], "lse")
+            lse = _alloc_like(q, (B, hq) if hq else tuple(_shape(q))[:2], "lse", lse=True)
         with _locked(self._sessions):
             h.decode(int(layer), q, k_new, v_new, out, lse, _stream_ptr(stream), s0._spec_or_none())
         return out, lse
