@@ -3,8 +3,9 @@
 
 Tensors go in without a copy through DLPack (NumPy, PyTorch, CuPy, JAX; CPU, CUDA-host or CUDA
 memory) or the buffer protocol. A wrong dtype raises TypeError, a wrong shape, rank, device or
-layout raises ValueError, both naming what was expected; nothing is ever converted or copied
-silently. Library errors raise :class:`kvsieve.Error` with the code and message. The GIL is
+layout raises ValueError, both naming what was expected; the binding converts or copies nothing (the
+library stores K/V in the session's kv_dtype, bfloat16 by default, rounding float32 K/V as it stores
+them). Library errors raise :class:`kvsieve.Error` with the code and message. The GIL is
 released during every call that can take time. See docs/bindings.md.
 
 Example::
