@@ -268,6 +268,29 @@ class Session:
                  budget_tokens: Optional[int] = None, kv_dtype="bfloat16", backend="cpu",
                  device_id: int = 0, num_threads: int = 0, gemm="auto", softmax_scale: float = 0.0,
                  _handle=None):
+        """Creates a session (kvs_session_create).
+
+        Args:
+            num_layers, num_q_heads, num_kv_heads, head_dim: the model's attention shape
+                (num_q_heads a multiple of num_kv_heads).
+            method: a registered method name (``kvsieve.method_names()``): "full", "exact_topk",
+                "streaming", "quest", "csattention", "ctkvr", "lfps", "hgca", "retroinfer".
+            method_params: the method's parameters, "key=value,..." or a mapping
+                (``kvsieve.methods()`` lists them with defaults and docs).
+            budget: keys attended per step as a fraction of the context, in (0, 1]; or
+            budget_tokens: the same as a number of keys (give at most one; neither: the method's
+                default).
+            kv_dtype: how the KV cache is stored, "bfloat16" (default), "float16" or "float32";
+                float32 inputs are rounded to it when stored.
+            backend: "cpu" or "cuda" (device_id: the CUDA device).
+            num_threads: worker threads of the cpu backend (0: every hardware thread).
+            gemm: the cpu backend's matrix library, "auto", "onednn" or "openblas".
+            softmax_scale: the scale of q.k (0: 1/sqrt(head_dim)).
+
+        Raises:
+            kvsieve.InvalidArgumentError (a ValueError) for a bad argument, kvsieve.UnsupportedError
+            (a NotImplementedError) for a method or shape the backend does not run.
+        """
         # Calls on one session are serialised here (the C ABI marks them exclusive); different
         # sessions run in parallel, the GIL being released inside each call.
         self._lock = _threading.RLock()
