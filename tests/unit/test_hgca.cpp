@@ -167,7 +167,8 @@ TEST_CASE("hgca: beta = 0 keeps every far entry, so the output equals full atten
   Rng rng(3);
   Data D(rng, 4, 2, 16, 300);
   for (const char* extra : {"", ",pad=false", ",gqa=mean,heads_per_task=1", ",free_slot=false,prompt_maw=init"}) {
-    const std::string ps = std::string("beta=0,window=64,block_size=16") + extra;
+    // cap=none: the paper's uncapped sets (the budget cap would keep only the budget's far share).
+    const std::string ps = std::string("cap=none,beta=0,window=64,block_size=16") + extra;
     INFO(ps);
     Sess S;
     auto p = params(D, ps.c_str());
@@ -308,7 +309,7 @@ TEST_CASE("hgca: block eviction carries each entry's MAW (float64 model of Alg. 
 TEST_CASE("hgca: padding aligns the heads of a task with their best sub-threshold entries") {
   Rng rng(7);
   Data D(rng, 8, 4, 16, 500);
-  Harness H(D, "window=64,block_size=16,beta=1,heads_per_task=2");
+  Harness H(D, "cap=none,window=64,block_size=16,beta=1,heads_per_task=2");  // padding: uncapped sets only
   H.prefill(D, 400);
   std::vector<float> o, lse;
   for (int64_t t = 400; t < 420; ++t) H.step(D, t, o, lse);

@@ -264,8 +264,8 @@ TEST_CASE("lfps: lazy-decay tables, incremental moments and candidates equal bru
   }
 }
 
-// Thresholds at -inf and no bypass: every key of O is a candidate, so the selection is the sinks
-// plus the exact top-(k - sinks) of O per query head, and the output is exact attention over it.
+// Thresholds at -inf, no bypass and kv_budget=union: every key of O is a candidate, so the selection
+// is the sinks plus the exact top-(k - sinks) of O per query head, and the output is exact attention over it.
 TEST_CASE("lfps: alpha=-inf without bypass is exact top-k (selection and float64 output)") {
   Rng rng(5);
   const int64_t P = 500, steps = 6;
@@ -291,7 +291,8 @@ TEST_CASE("lfps: alpha=-inf without bypass is exact top-k (selection and float64
     REQUIRE(kvs_session_build_index(s, nullptr) == nullptr);
     return s;
   };
-  kvs_session_t a = make("lfps", "alpha=-inf,bypass=false");
+  // kv_budget=union: each query head keeps its own top-k (the paper's form; cap shares one set per KV head).
+  kvs_session_t a = make("lfps", "alpha=-inf,bypass=false,kv_budget=union");
   kvs_session_t b = make("exact_topk", "mode=per_query_head,sinks=4");
   const double scale = 1.0 / std::sqrt(double(d));
   for (int64_t s = 0; s < steps; ++s) {

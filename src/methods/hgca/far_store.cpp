@@ -68,11 +68,14 @@ void FarStore::add_evicted(const KVLayer& kv, int64_t count, const float* maw, i
     if (changed) renormalise(hd);
   }
   n_ += count;
+  rank_dirty_ = true;
 }
 
 void FarStore::reevaluate(const KVLayer& kv, const float* a) {
   const int hq = int(shape_.num_q_heads), G = shape_.group();
   maw_.assign(a, a + size_t(n_) * hq);
+  reeval_n_ = n_;
+  rank_dirty_ = true;
   const double thr = p_.beta / double(std::max<int64_t>(1, n_));
   for (size_t h = 0; h < heads_.size(); ++h) {
     Head& hd = heads_[h];
@@ -99,7 +102,8 @@ void FarStore::repad(const KVLayer& kv, int heads_per_task) {
     pad_saved_ = true;
   }
   for (auto& hd : heads_) hd.pad.clear();
-  if (!p_.pad || heads_per_task <= 1) return;
+  // Under the budget cap every head attends the same number of far keys: nothing to pad.
+  if (!p_.pad || p_.cap || heads_per_task <= 1) return;
   const int hkv = int(heads_.size()), hq = int(shape_.num_q_heads), G = shape_.group();
   std::vector<int32_t> cand;
   std::vector<float> score(static_cast<size_t>(n_));
@@ -133,8 +137,9 @@ void FarStore::attend(const KVLayer& kv, const float* q, float* o, float* lse, T
   const int hpt = std::max(1, heads_per_task);
   const int tasks = (hkv + hpt - 1) / hpt;
   std::vector<int64_t> len(static_cast<size_t>(hkv)), task_len(static_cast<size_t>(tasks), 0);
+  const bool lim = limit_ >= 0;
   for (int h = 0; h < hkv; ++h) {
-    len[size_t(h)] = int64_t(heads_[size_t(h)].pos.size() + heads_[size_t(h)].pad.size());
+    len[size_t(h)] = lim ? ranked_keys(h) : int64_t(heads_[size_t(h)].pos.size() + heads_[size_t(h)].pad.size());
     task_len[size_t(h / hpt)] = std::max(task_len[size_t(h / hpt)], len[size_t(h)]);
   }
   // Tasks of adjacent heads; a long task is cut into chunks of keys so every thread gets a share
@@ -158,7 +163,11 @@ void FarStore::attend(const KVLayer& kv, const float* q, float* o, float* lse, T
       vr.resize(size_t(e - b));
       const int64_t L = int64_t(hd.pos.size());
       for (int64_t j = b; j < e; ++j) {
-        if (j < L) {
+        if (lim) {
+          const int32_t pos = ranked_[size_t(h)][size_t(j)];
+          kr[size_t(j - b)] = kv.k_row(h, pos);
+          vr[size_t(j - b)] = kv.v_row(h, pos);
+        } else if (j < L) {
           kr[size_t(j - b)] = hd.k.data() + size_t(j) * row_;
           vr[size_t(j - b)] = hd.v.data() + size_t(j) * row_;
         } else {
@@ -184,6 +193,37 @@ void FarStore::attend(const KVLayer& kv, const float* q, float* o, float* lse, T
   }
 }
 
+void FarStore::limit(int64_t far_keys, int64_t w_size) {
+  if (far_keys < 0) {
+    limit_ = -1;
+    return;
+  }
+  limit_ = far_keys;
+  if (heads_.empty()) return;
+  const int64_t want = std::min(far_keys, n_);
+  if (ranked_.size() != heads_.size()) ranked_.assign(heads_.size(), {});
+  if (!rank_dirty_ && rank_w_ == w_size && int64_t(ranked_[0].size()) >= want) return;
+  // Rank a prefix with some slack: the far share grows by a block after each eviction and by one
+  // key per 1/fraction steps, and the ranking only changes when the far store does.
+  const int64_t len = std::min(n_, want + want / 2 + 64);
+  const int hq = int(shape_.num_q_heads), G = shape_.group();
+  std::vector<float> ratio(static_cast<size_t>(n_));
+  std::vector<int32_t> idx;
+  for (size_t h = 0; h < heads_.size(); ++h) {
+    for (int64_t t = 0; t < n_; ++t)
+      ratio[size_t(t)] = agg(maw_.data() + size_t(t) * hq + h * G) * float(t < reeval_n_ ? reeval_n_ : w_size);
+    idx.resize(size_t(n_));
+    std::iota(idx.begin(), idx.end(), 0);
+    auto better = [&](int32_t a, int32_t b) { return ratio[size_t(a)] > ratio[size_t(b)] || (ratio[size_t(a)] == ratio[size_t(b)] && a > b); };
+    if (len > 0 && len < n_) std::nth_element(idx.begin(), idx.begin() + (len - 1), idx.end(), better);
+    idx.resize(size_t(len));
+    std::sort(idx.begin(), idx.end(), better);
+    ranked_[h] = idx;
+  }
+  rank_dirty_ = false;
+  rank_w_ = w_size;
+}
+
 void FarStore::materialise(const KVLayer& kv) {
   for (size_t h = 0; h < heads_.size(); ++h) {
     Head& hd = heads_[h];
@@ -204,6 +244,7 @@ void FarStore::set_far(int64_t n, std::vector<float> maw) {
   n_ = n;
   maw_ = std::move(maw);
   for (auto& hd : heads_) hd.in_ctx.assign(size_t(n), 0);
+  rank_dirty_ = true;
 }
 
 void FarStore::restore_head(int h, std::vector<int32_t> pos, std::vector<float> score, std::vector<int32_t> pad) {
@@ -246,6 +287,7 @@ void FarStore::rollback() {
     if (pad_saved_) hd.pad = std::move(ck_pad_[h]);
   }
   armed_pad_ = pad_saved_ = false;
+  rank_dirty_ = true;
 }
 
 uint64_t FarStore::bytes() const {

@@ -28,6 +28,7 @@ struct LayerState {
   bool built = false;
   bool materialised = true;
   int64_t l_max = 0;
+  int64_t blk = 0;  // block size: block_size, or smaller under cap=budget (a quarter of the window)
   std::unique_ptr<NearWindow> win;
   FarStore far;
   std::vector<float> stash_q;      // last r prompt queries [r][Hq][d] (until the index is built)
@@ -43,7 +44,7 @@ struct LayerState {
 
   LayerState() = default;
   LayerState(const LayerState& x)
-      : built(x.built), materialised(x.materialised), l_max(x.l_max), win(x.win ? x.win->clone() : nullptr),
+      : built(x.built), materialised(x.materialised), l_max(x.l_max), blk(x.blk), win(x.win ? x.win->clone() : nullptr),
         far(x.far), stash_q(x.stash_q), stash_pos(x.stash_pos), wb(x.wb), we(x.we), wmaw(x.wmaw), o(x.o),
         lse(x.lse), steps(x.steps), sum_keys(x.sum_keys), sum_far_keys(x.sum_far_keys) {}
   LayerState& operator=(LayerState&&) = default;
@@ -94,10 +95,21 @@ class Hgca final : public Method {
     if (st.built) return;
     const int64_t n = kv.size();
     int64_t W = p_.window;
-    if (W <= 0) W = p_.window_ratio > 0 ? int64_t(std::ceil(p_.window_ratio * double(n))) : ctx_.budget.keys(n, 0.05);
-    int64_t blocks = std::max<int64_t>((W + p_.block_size - 1) / p_.block_size, p_.free_slot ? 2 : 1);
     LayerState fresh;
-    fresh.l_max = blocks * p_.block_size;
+    fresh.blk = p_.block_size;
+    int64_t blocks;
+    if (W <= 0 && p_.window_ratio <= 0 && p_.cap) {
+      // cap=budget: the window holds at most window_share of the budget (at least the current
+      // token); blocks of a quarter of it, so the resident count (l_max - blk .. l_max - 1 with
+      // free_slot) stays near that share; the far set takes the rest of the budget each step.
+      W = std::max<int64_t>(1, int64_t(std::floor(p_.window_share * double(ctx_.budget.keys(n, 0.05)))));
+      fresh.blk = std::clamp<int64_t>(W / 4, 1, p_.block_size);
+      blocks = std::max<int64_t>((W + (p_.free_slot ? 1 : 0)) / fresh.blk, p_.free_slot ? 2 : 1);
+    } else {
+      if (W <= 0) W = p_.window_ratio > 0 ? int64_t(std::ceil(p_.window_ratio * double(n))) : ctx_.budget.keys(n, 0.05);
+      blocks = std::max<int64_t>((W + p_.block_size - 1) / p_.block_size, p_.free_slot ? 2 : 1);
+    }
+    fresh.l_max = blocks * fresh.blk;
     fresh.win = std::make_unique<CpuNearWindow>(ctx_.shape, fresh.l_max, 0, p_.alpha, ctx_.pool);
     fresh.far = FarStore(ctx_.shape, p_);
     fresh.stash_q = st.stash_q;
@@ -116,7 +128,7 @@ class Hgca final : public Method {
     const int hq = int(s.num_q_heads), G = s.group(), hkv = int(s.num_kv_heads);
     NearWindow& w = *st.win;
     const int64_t first = w.end();
-    const int64_t cnt = evict_count(w.size(), m, st.l_max, p_.block_size, p_.free_slot);
+    const int64_t cnt = evict_count(w.size(), m, st.l_max, st.blk, p_.free_slot);
     const int64_t from_win = std::min(cnt, w.size()), from_new = cnt - from_win;
     std::vector<float> ev(size_t(cnt) * hq, p_.maw_init);
     w.evict(from_win, ev.data());
@@ -224,7 +236,7 @@ class Hgca final : public Method {
     undo_kind_[layer] = UndoKind::Step;
     undo_n_[layer] = n - 1;
     // Alg. 1 lines 10-13 and 23-25: block eviction, the evicted entries' salience test.
-    const int64_t cnt = evict_count(w.size(), 1, st.l_max, p_.block_size, p_.free_slot);
+    const int64_t cnt = evict_count(w.size(), 1, st.l_max, st.blk, p_.free_slot);
     if (cnt > 0) {
       std::vector<float> ev(size_t(cnt) * hq);
       w.evict(cnt, ev.data());
@@ -233,6 +245,8 @@ class Hgca final : public Method {
     }
     std::vector<float> init(static_cast<size_t>(hq), p_.maw_init);
     w.insert(kv, 1, init.data());  // line 9; its MAW is updated from the next step on
+    // cap=budget: the far set is the budget's rest after the window, best salience first.
+    st.far.limit(p_.cap ? std::max<int64_t>(0, ctx_.budget.keys(n, 0.05) - w.size()) : -1, st.l_max);
     // Near part: dense over the window, MAW update (line 8). Far part: sparse over the salient sets.
     st.o.resize(size_t(hq) * d);
     st.lse.resize(size_t(hq));
@@ -249,12 +263,19 @@ class Hgca final : public Method {
       const auto& hd = st.far.heads()[size_t(h)];
       auto& l = out.lists[size_t(h)];
       l.clear();
-      l.reserve(hd.pos.size() + hd.pad.size() + size_t(w.size()));
-      l.insert(l.end(), hd.pos.begin(), hd.pos.end());
-      l.insert(l.end(), hd.pad.begin(), hd.pad.end());
+      if (st.far.limited() >= 0) {
+        const int64_t fk = st.far.ranked_keys(h);
+        l.assign(st.far.ranked(h), st.far.ranked(h) + fk);
+        std::sort(l.begin(), l.end());
+      } else {
+        l.reserve(hd.pos.size() + hd.pad.size() + size_t(w.size()));
+        l.insert(l.end(), hd.pos.begin(), hd.pos.end());
+        l.insert(l.end(), hd.pad.begin(), hd.pad.end());
+      }
+      const size_t nfar = l.size();
       for (int64_t t = w.begin(); t < w.end(); ++t) l.push_back(int32_t(t));
       keys += double(l.size());
-      far_keys += double(hd.pos.size() + hd.pad.size());
+      far_keys += double(nfar);
     }
     last_keys_ = keys / hkv;
     last_far_keys_ = far_keys / hkv;
@@ -282,6 +303,8 @@ class Hgca final : public Method {
       j["stash_queries"] = st.stash_pos.size();
       if (st.built) {
         j["window_slots"] = st.l_max;
+        j["block_size"] = st.blk;
+        j["reeval_far_tokens"] = st.far.reeval_tokens();
         j["window_begin"] = st.materialised ? st.win->begin() : st.wb;
         j["window_end"] = st.materialised ? st.win->end() : st.we;
         const int64_t nf = st.far.tokens();
@@ -372,14 +395,16 @@ class Hgca final : public Method {
         st.built = true;
         st.materialised = false;
         st.l_max = hl.integer<int64_t>(j, "window_slots", 1, kTok);
+        st.blk = hl.has(j, "block_size") ? hl.integer<int64_t>(j, "block_size", 1, 65536) : p_.block_size;
         st.wb = hl.integer<int64_t>(j, "window_begin", 0, kTok);
         st.we = hl.integer<int64_t>(j, "window_end", 0, kTok);
         const int64_t nf = hl.integer<int64_t>(j, "far_tokens", 0, kTok);
-        if (st.l_max < p_.block_size || st.l_max % p_.block_size || st.wb != nf || st.we < st.wb ||
+        if (st.l_max < st.blk || st.l_max % st.blk || st.wb != nf || st.we < st.wb ||
             st.we - st.wb > st.l_max)
           fail(KVS_STATUS_FORMAT_INVALID, hm.where() + "hgca: layer " + key + ": inconsistent window/far sizes in the header");
         st.wmaw = section<float>(f, "hgca.wmaw", L, -1, size_t(st.we - st.wb) * hq);
         st.far.set_far(nf, section<float>(f, "hgca.farmaw", L, -1, size_t(nf) * hq));
+        if (hl.has(j, "reeval_far_tokens")) st.far.set_reeval_tokens(hl.integer<int64_t>(j, "reeval_far_tokens", 0, nf));
         const auto& sal = hl.array(j, "salient");
         const auto& pad = hl.array(j, "padding");
         if (sal.size() != s.num_kv_heads || pad.size() != s.num_kv_heads)
@@ -490,6 +515,10 @@ Params parse(const MethodContext& ctx, const ParamSet& ps) {
   p.free_slot = ps.get_bool("free_slot");
   p.pad = ps.get_bool("pad");
   p.heads_per_task = int_param(ps, "hgca", "heads_per_task", 0, 1024, "0 = auto");
+  p.cap = ps.get_string("cap") == "budget";
+  p.window_share = ps.get_float("window_share");
+  if (!(p.window_share > 0 && p.window_share <= 1))
+    invalid("method_params: hgca window_share must be in (0, 1], got " + std::to_string(p.window_share));
   if (!(p.beta >= 0) || std::isinf(p.beta)) invalid("method_params: hgca beta must be a finite number >= 0, got " + std::to_string(p.beta));
   if (!(p.window_ratio >= 0 && p.window_ratio <= 1))
     invalid("method_params: hgca window_ratio must be in [0, 1] (0 = the session budget), got " + std::to_string(p.window_ratio));
@@ -533,7 +562,15 @@ MethodSpec hgca_spec() {
        {"reeval_on_append", "bool", "true", "an append re-evaluates every far entry (Alg. 1 lines 19-22)"},
        {"free_slot", "bool", "true", "eviction as printed in Alg. 1 (size+m >= l_max: one slot stays free); false: exact capacity"},
        {"pad", "bool", "true", "pad the heads of a far task to equal length with the best sub-threshold entries (paper 3.3)"},
-       {"heads_per_task", "int", "0", "adjacent KV heads per far task; 0 = ceil(kv heads / threads) (paper fn. 4)"}},
+       {"heads_per_task", "int", "0", "adjacent KV heads per far task; 0 = ceil(kv heads / threads) (paper fn. 4)"},
+       {"cap", "enum:budget|none", "budget",
+        "budget: the exact keys keep to the session budget: the window takes window_share of it (unless window or "
+        "window_ratio is given) and each step's far set is the rest, the far entries of highest salience (MAW x the "
+        "size they are judged against; salient ones first), replacing the threshold sets and padding; none: the "
+        "paper's adaptive, uncapped sets (window = the budget unless window/window_ratio)"},
+       {"window_share", "float", "0.5",
+        "with cap=budget and no window/window_ratio: the near window's share of the budget (0..1]; blocks of a "
+        "quarter of the window (at most block_size)"}},
       [](const MethodContext& c, const ParamSet& p) { return std::make_unique<hgca::Hgca>(c, hgca::parse(c, p)); }};
 }
 

@@ -38,6 +38,11 @@ struct Params {
   bool free_slot = true;     // Alg. 1 as printed: evict when size+m >= l_max (one slot kept free)
   bool pad = true;           // pad heads of a task to equal length with sub-threshold entries (§3.3)
   int64_t heads_per_task = 0;  // adjacent KV heads per far task; 0 = ceil(Hkv / threads) (fn. 4)
+  // cap=budget (not in the paper; docs/methods/hgca.md, "Budget"): the window takes window_share of
+  // the budget (unless window / window_ratio size it) and each step's far set is the budget's rest:
+  // the far entries ranked by salience (score x the size it is judged against), best first.
+  bool cap = true;
+  double window_share = 0.5;
 };
 
 // Alg. 1 lines 10-11 with the sign typo fixed: entries (of `resident` + `incoming`, oldest first)
@@ -148,6 +153,18 @@ class FarStore {
   void restore_head(int h, std::vector<int32_t> pos, std::vector<float> score, std::vector<int32_t> pad);
   void set_far(int64_t n, std::vector<float> maw);
 
+  // cap=budget: each head attends the `far_keys` far entries of highest salience ratio
+  // (agg MAW x the size it is judged against: the far count of the last re-evaluation for the
+  // entries it covered, w_size for the ones evicted since; salient entries have a ratio > beta),
+  // instead of its salient set + padding. limit(-1) returns to the uncapped sets.
+  void limit(int64_t far_keys, int64_t w_size);
+  int64_t limited() const { return limit_; }
+  // The far keys head h attends under a limit (the first limit() entries of its ranking).
+  const int32_t* ranked(int h) const { return ranked_[size_t(h)].data(); }
+  int64_t ranked_keys(int h) const { return std::min<int64_t>(limit_, int64_t(ranked_[size_t(h)].size())); }
+  int64_t reeval_tokens() const { return reeval_n_; }
+  void set_reeval_tokens(int64_t n) { reeval_n_ = n; rank_dirty_ = true; }
+
   // One-step undo (decode): checkpoint() then rollback().
   void checkpoint();
   void rollback();
@@ -170,6 +187,12 @@ class FarStore {
   std::vector<size_t> ck_len_;
   std::vector<std::vector<int32_t>> ck_pad_;
   bool armed_pad_ = false, pad_saved_ = false;
+  // cap=budget.
+  int64_t reeval_n_ = 0;    // far entries the last re-evaluation judged (their MAW is far-normalised)
+  int64_t limit_ = -1;      // far keys per head this step; -1: no cap
+  bool rank_dirty_ = true;  // the far set changed since ranked_ was built
+  int64_t rank_w_ = 0;
+  std::vector<std::vector<int32_t>> ranked_;  // per head: best far entries first (a prefix of the ranking)
 };
 
 // Mean over queries of the causal softmax over keys [a, b) of KV head h: out [b - a][G]. queries:

@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <sstream>
 
 #include "backends/cpu/gemm.hpp"
@@ -247,6 +248,8 @@ Params parse_params(const ParamSet& ps) {
   p.update_priors = ps.get_bool("update_priors");
   p.diagnostics = ps.get_bool("diagnostics");
   p.empty_fallback = ps.get_bool("empty_fallback");
+  p.kv_cap = ps.get_string("kv_budget") == "cap";
+  p.fill_recent = ps.get_string("fill") == "recent";
   return p;
 }
 
@@ -598,22 +601,30 @@ void Lfps::select(uint32_t layer, const float* q, const KVLayer& kv, Selection& 
   out.kind = Selection::Kind::PerQueryHead;
   out.lists.assign(size_t(hq), {});
   std::fill(L.bypass.begin(), L.bypass.end(), 0);
-  const int64_t ns = std::min(p_.sinks, n);
-  if (n <= p_.sinks) {  // nothing offloaded yet: the sinks are the whole context
-    for (auto& l : out.lists)
-      for (int64_t j = 0; j < n; ++j) l.push_back(int32_t(j));
-    return;
-  }
   int64_t k_total = ctx_.budget.keys(n, 0.02);
   k_total = std::max(k_total, std::min(p_.min_keys, n));
+  // kv_budget=cap: the sinks count toward the budget and are clipped to it (first sinks first).
+  const int64_t ns = p_.kv_cap ? std::min({p_.sinks, n, k_total}) : std::min(p_.sinks, n);
+  if (n <= p_.sinks) {  // nothing offloaded yet: the sinks are the whole context
+    for (auto& l : out.lists)
+      for (int64_t j = 0; j < ns; ++j) l.push_back(int32_t(j));
+    return;
+  }
   const int64_t k_top = std::max<int64_t>(0, k_total - ns);
   L.undo_tokens = n;  // set first: a throw half-way still rolls back the owners already updated
-  ctx_.pool->parallel_for(owners_, [&](int64_t u) { step_owner(layer, int(u), q, kv, k_top, out); });
+  if (p_.kv_cap && !p_.per_kv_head && ctx_.shape.group() > 1)
+    ctx_.pool->parallel_for(int64_t(ctx_.shape.num_kv_heads), [&](int64_t h) { step_group(layer, int(h), q, kv, k_top, ns, out); });
+  else
+    ctx_.pool->parallel_for(owners_, [&](int64_t u) { step_owner(layer, int(u), q, kv, k_top, ns, out); });
   for (int h = 0; h < hq; ++h) L.bypass_heads += L.bypass[size_t(h)];
   L.head_steps += hq;
 }
 
-void Lfps::step_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, int64_t k_top, Selection& out) {
+// Steps B and A of one owner: the bypass decision of the query heads it serves (bypassed heads get
+// their sink lists here) and, for the active ones, the candidates of eqs. (7)-(9) outside the forced
+// recent keys (`rest`, ascending). Returns false when every head served is bypassed.
+bool Lfps::prepare_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, int64_t k_top, int64_t ns_sel,
+                         Selection& out, std::vector<int>& active, std::vector<int32_t>& rest, int64_t& lw) {
   Layer& L = layers_[layer];
   Head& H = L.heads[size_t(u)];
   const int G = ctx_.shape.group(), d = int(ctx_.shape.head_dim);
@@ -628,6 +639,9 @@ void Lfps::step_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, 
   H.undo.clear();
   H.undo_rescaled = false;
   H.undo_g = H.g;
+  active.clear();
+  rest.clear();
+  lw = 0;
 
   auto key = [&](int64_t j) -> const float* {
     convert_to_f32(kv.k_row(h, j), kv.dtype(), sc.row.data(), size_t(d));
@@ -646,7 +660,6 @@ void Lfps::step_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, 
     const float* k = key(n - wl + i);
     for (int g = 0; g < nh; ++g) loc_all[size_t(g) * wl + i] = double(scale) * dot(q + size_t(h0 + g) * d, k, d);
   }
-  std::vector<int> active;
   for (int g = 0; g < nh; ++g) {
     const int qh = h0 + g;
     const float* qq = q + size_t(qh) * d;
@@ -672,12 +685,12 @@ void Lfps::step_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, 
       L.bypass[size_t(qh)] = 1;
       L.bypass_lse[size_t(qh)] = float(log_glob);
       auto& l = out.lists[size_t(qh)];
-      for (int64_t j = 0; j < ns; ++j) l.push_back(int32_t(j));
+      for (int64_t j = 0; j < ns_sel; ++j) l.push_back(int32_t(j));
     } else {
       active.push_back(g);
     }
   }
-  if (active.empty()) return;  // every head served is bypassed: no candidates, no update
+  if (active.empty()) return false;  // every head served is bypassed: no candidates, no update
 
   // ---- Step A: candidates (eqs. 7-9).
   const TableStats st_v = stats_of(H.t[0], H.g), st_s = stats_of(H.t[1], H.g);
@@ -728,21 +741,43 @@ void Lfps::step_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, 
   }
   if (p_.offsets.front() < -1) std::sort(cand.begin(), cand.end());  // offsets are sorted ascending
   // Forced recent keys (an option not in the paper): attended whatever their score.
-  auto& chosen = sc.chosen;
-  chosen.clear();
-  const int64_t lw = std::min(p_.local_window, std::min(m, k_top));
-  for (int64_t j = n - lw; j < n; ++j) chosen.push_back(int32_t(j));
-  auto& rest = sc.rest;
-  rest.clear();
+  lw = std::min(p_.local_window, std::min(m, k_top));
   for (int32_t j : cand)
     if (j < n - lw) rest.push_back(j);
   for (int32_t j : cand) mark[j] = 0;
   H.last_cand = cand;
   H.cand_frac_sum += double(cand.size()) / double(m);
   ++H.cand_n;
+  return true;
+}
 
-  // ---- Step C: exact scores on the candidates, top-k.
-  const int na = int(active.size());
+// fill=recent: candidates (ascending, outside the forced recent keys [n - lw, n)) fewer than `want`
+// are completed with the most recent keys of O not among them.
+void Lfps::fill_recent(std::vector<int32_t>& rest, int64_t want, int64_t n, int64_t lw) const {
+  if (!p_.fill_recent || int64_t(rest.size()) >= want) return;
+  const size_t had = rest.size();
+  size_t i = had;  // rest[0, i) are the candidates below j
+  for (int64_t j = n - lw - 1; j >= p_.sinks && int64_t(rest.size()) < want; --j) {
+    while (i > 0 && rest[i - 1] > j) --i;
+    if (i > 0 && rest[i - 1] == j) continue;
+    rest.push_back(int32_t(j));
+  }
+  std::reverse(rest.begin() + int64_t(had), rest.end());  // appended newest first: make it ascending
+  std::inplace_merge(rest.begin(), rest.begin() + int64_t(had), rest.end());
+}
+
+// Step C: exact scores of `rest` for the query heads `qheads` of KV head h; the `want` best (by the
+// score, or by the heads' summed softmax), then the forced recent keys [n - lw, n). sel: the chosen
+// keys; ssel [qheads][sel]: their scores.
+void Lfps::score_select(const float* q, const KVLayer& kv, int h, const std::vector<int>& qheads,
+                        const std::vector<int32_t>& rest, int64_t want, int64_t lw, std::vector<int32_t>& sel,
+                        std::vector<double>& ssel) const {
+  Scratch& sc = tls;
+  const int d = int(ctx_.shape.head_dim);
+  const float scale = ctx_.shape.softmax_scale;
+  const int64_t n = kv.size();
+  sc.row.resize(size_t(d));
+  const int na = int(qheads.size());
   const size_t nc = rest.size();
   auto& score = sc.score;  // [na][nc]
   score.resize(size_t(na) * nc);
@@ -754,11 +789,10 @@ void Lfps::step_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, 
     }
     const std::byte* row = kv.k_row(h, rest[c]);
     for (int a = 0; a < na; ++a)
-      score[size_t(a) * nc + c] = scale * dot_row(q + size_t(h0 + active[size_t(a)]) * d, row, kv.dtype(), d, sc.row.data());
+      score[size_t(a) * nc + c] = scale * dot_row(q + size_t(qheads[size_t(a)]) * d, row, kv.dtype(), d, sc.row.data());
   }
-  const int64_t want = k_top - lw;
   // Positions into rest; the k best by the score (one head) or the group's summed softmax.
-  std::vector<int32_t> pos(nc), best;
+  std::vector<int32_t> pos(nc);
   for (size_t c = 0; c < nc; ++c) pos[c] = int32_t(c);
   const float* rank_by = score.data();
   if (na > 1) {
@@ -780,29 +814,91 @@ void Lfps::step_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, 
     if (want > 0) std::nth_element(pos.begin(), pos.begin() + (want - 1), pos.end(), better);
     pos.resize(size_t(std::max<int64_t>(want, 0)));
   }
-  // The selected non-sink keys: forced local + top-k; their scores per active head.
-  std::vector<int32_t> sel;
-  sel.reserve(pos.size() + chosen.size());
-  std::vector<double> ssel(size_t(na) * (pos.size() + chosen.size()));
-  const size_t ks = pos.size() + chosen.size();
+  // The selected non-sink keys: top-k + forced local; their scores per head.
+  const size_t ks = pos.size() + size_t(lw);
+  sel.clear();
+  sel.reserve(ks);
+  ssel.assign(size_t(na) * ks, 0.0);
   for (size_t i = 0; i < pos.size(); ++i) {
     sel.push_back(rest[size_t(pos[i])]);
     for (int a = 0; a < na; ++a) ssel[size_t(a) * ks + i] = score[size_t(a) * nc + size_t(pos[i])];
   }
-  for (size_t i = 0; i < chosen.size(); ++i) {
-    sel.push_back(chosen[i]);
-    const float* k = key(chosen[i]);
+  for (int64_t i = 0; i < lw; ++i) {
+    const int64_t j = n - lw + i;
+    sel.push_back(int32_t(j));
+    convert_to_f32(kv.k_row(h, j), kv.dtype(), sc.row.data(), size_t(d));
     for (int a = 0; a < na; ++a)
-      ssel[size_t(a) * ks + pos.size() + i] = double(scale) * dot(q + size_t(h0 + active[size_t(a)]) * d, k, d);
+      ssel[size_t(a) * ks + pos.size() + size_t(i)] = double(scale) * dot(q + size_t(qheads[size_t(a)]) * d, sc.row.data(), d);
   }
+}
+
+void Lfps::step_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, int64_t k_top, int64_t ns_sel,
+                      Selection& out) {
+  const int G = ctx_.shape.group();
+  const int h = p_.per_kv_head ? u : u / G, h0 = p_.per_kv_head ? u * G : u;
+  std::vector<int> active;
+  std::vector<int32_t> rest, sel;
+  std::vector<double> ssel;
+  int64_t lw = 0;
+  if (!prepare_owner(layer, u, q, kv, k_top, ns_sel, out, active, rest, lw)) return;
+  fill_recent(rest, k_top - lw, kv.size(), lw);
+  std::vector<int> qheads;
+  for (int a : active) qheads.push_back(h0 + a);
+  score_select(q, kv, h, qheads, rest, k_top - lw, lw, sel, ssel);
+  finish_owner(layer, u, q, kv, qheads, sel, ssel.data(), sel.size(), ns_sel, out);
+}
+
+// kv_budget=cap with query-head tables: the G owners of KV head h pick one set together: the union
+// of their candidates (filled with recent keys when short), ranked by the active heads' summed
+// softmax, the best k_top kept; every active head attends it and updates its tables from it.
+void Lfps::step_group(uint32_t layer, int h, const float* q, const KVLayer& kv, int64_t k_top, int64_t ns_sel,
+                      Selection& out) {
+  const int G = ctx_.shape.group();
+  std::vector<std::vector<int>> act(static_cast<size_t>(G));
+  std::vector<int32_t> uni, rest, sel, merged;
+  std::vector<int> qheads, owner_of;
+  int64_t lw = 0, lw_u = 0;
+  for (int g = 0; g < G; ++g) {
+    const int u = h * G + g;
+    if (!prepare_owner(layer, u, q, kv, k_top, ns_sel, out, act[size_t(g)], rest, lw_u)) continue;
+    lw = lw_u;
+    merged.clear();
+    std::set_union(uni.begin(), uni.end(), rest.begin(), rest.end(), std::back_inserter(merged));
+    uni.swap(merged);
+    qheads.push_back(u);
+    owner_of.push_back(g);
+  }
+  if (qheads.empty()) return;
+  fill_recent(uni, k_top - lw, kv.size(), lw);
+  std::vector<double> ssel;
+  score_select(q, kv, h, qheads, uni, k_top - lw, lw, sel, ssel);
+  const size_t ks = sel.size();
+  for (size_t a = 0; a < qheads.size(); ++a)
+    finish_owner(layer, qheads[a], q, kv, {qheads[a]}, sel, ssel.data() + a * ks, ks, ns_sel, out);
+}
+
+// The lists of the owner's active query heads (sinks + sel), the diagnostics and Step D.
+// ssel [qheads][ks]: the scores of sel for each of the owner's active query heads.
+void Lfps::finish_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, const std::vector<int>& qheads,
+                        const std::vector<int32_t>& sel, const double* ssel, size_t ks, int64_t ns_sel,
+                        Selection& out) {
+  Layer& L = layers_[layer];
+  Head& H = L.heads[size_t(u)];
+  const int G = ctx_.shape.group(), d = int(ctx_.shape.head_dim);
+  const int h = p_.per_kv_head ? u : u / G;
+  const int64_t n = kv.size(), t = n - 1, ns = p_.sinks, m = n - ns;
+  const float scale = ctx_.shape.softmax_scale;
+  const int na = int(qheads.size());
+  Scratch& sc = tls;
+  sc.row.resize(size_t(d));
   H.retrieved_sum += double(ks);
   {
     std::vector<int32_t> sorted = sel;
     std::sort(sorted.begin(), sorted.end());
     for (int a = 0; a < na; ++a) {
-      auto& l = out.lists[size_t(h0 + active[size_t(a)])];
+      auto& l = out.lists[size_t(qheads[size_t(a)])];
       l.clear();
-      for (int64_t j = 0; j < ns; ++j) l.push_back(int32_t(j));
+      for (int64_t j = 0; j < ns_sel; ++j) l.push_back(int32_t(j));
       l.insert(l.end(), sorted.begin(), sorted.end());
     }
   }
@@ -814,7 +910,7 @@ void Lfps::step_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, 
     std::vector<uint8_t> in(static_cast<size_t>(m), 0);
     for (int32_t j : sel) in[size_t(j - ns)] = 1;
     for (int a = 0; a < na; ++a) {
-      const float* qq = q + size_t(h0 + active[size_t(a)]) * d;
+      const float* qq = q + size_t(qheads[size_t(a)]) * d;
       for (int64_t j = ns; j < n; ++j) all[size_t(j - ns)] = scale * dot_row(qq, kv.k_row(h, j), kv.dtype(), d, sc.row.data());
       for (int64_t i = 0; i < m; ++i) idx[size_t(i)] = int32_t(i);
       std::nth_element(idx.begin(), idx.begin() + int64_t(ks - 1), idx.end(),
@@ -831,7 +927,7 @@ void Lfps::step_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, 
   // (A head with no selected key still decays: a~ = 0 in eq. (10).)
   std::vector<double> at(ks, 0.0);
   for (int a = 0; a < na; ++a) {
-    const double lse = log_sum_exp(ssel.data() + size_t(a) * ks, ks);
+    const double lse = log_sum_exp(ssel + size_t(a) * ks, ks);
     for (size_t i = 0; i < ks; ++i) at[i] += 0.5 * std::exp(ssel[size_t(a) * ks + i] - lse);
   }
   H.g *= p_.gamma;  // lazy decay of every entry of both tables
@@ -1060,7 +1156,14 @@ MethodSpec lfps_spec() {
        {"update_priors", "bool", "false", "keep K-bar, V-bar as running means over appended tokens (paper: prefill only)"},
        {"empty_fallback", "bool", "true",
         "when no table entry exceeds its threshold, use the tables' means for that step (else the head never selects again) [the paper does not say; our choice]"},
-       {"diagnostics", "bool", "false", "measure overlap with exact top-k per step (stat 'overlap'; costs a full scan)"}},
+       {"diagnostics", "bool", "false", "measure overlap with exact top-k per step (stat 'overlap'; costs a full scan)"},
+       {"kv_budget", "enum:cap|union", "cap",
+        "cap: the sinks are clipped to the budget and a KV head's query heads share one set of budget - sinks keys "
+        "(their candidates' union ranked by the group's summed softmax); union: each query head keeps its own "
+        "top-(budget - sinks) and the KV head reads their union (the paper's per-head form: up to G x budget)"},
+       {"fill", "enum:recent|none", "recent",
+        "recent: candidates fewer than the budget are completed with the most recent keys not among them, so a "
+        "KV head attends the whole budget; none: it attends only its candidates (the paper)"}},
       [](const MethodContext& c, const ParamSet& p) { return std::make_unique<lfps::Lfps>(c, lfps::parse_params(p)); }};
 }
 

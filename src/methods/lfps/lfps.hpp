@@ -51,6 +51,8 @@ struct Params {
   bool update_priors = false;  // keep K-bar, V-bar as running means over appended tokens
   bool empty_fallback = true;  // thresholds fall back to the means when nothing passes them
   bool diagnostics = false;    // measure the overlap with exact top-k (costs a full scan)
+  bool kv_cap = true;          // kv_budget=cap: a KV head attends at most the budget (sinks included)
+  bool fill_recent = true;     // fill=recent: too few candidates are completed with recent keys
 };
 
 class Lfps final : public Method {
@@ -146,7 +148,16 @@ class Lfps final : public Method {
   void check_built(uint32_t layer, const char* fn) const;
   void add_zero_entries(Layer& L, int64_t n_new);
   void add_priors(Layer& L, const KVLayer& kv, int64_t from, int64_t to);
-  void step_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, int64_t k_top, Selection& out);
+  void step_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, int64_t k_top, int64_t ns_sel, Selection& out);
+  void step_group(uint32_t layer, int h, const float* q, const KVLayer& kv, int64_t k_top, int64_t ns_sel, Selection& out);
+  bool prepare_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, int64_t k_top, int64_t ns_sel,
+                     Selection& out, std::vector<int>& active, std::vector<int32_t>& rest, int64_t& lw);
+  void fill_recent(std::vector<int32_t>& rest, int64_t want, int64_t n, int64_t lw) const;
+  void score_select(const float* q, const KVLayer& kv, int h, const std::vector<int>& qheads,
+                    const std::vector<int32_t>& rest, int64_t want, int64_t lw, std::vector<int32_t>& sel,
+                    std::vector<double>& ssel) const;
+  void finish_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, const std::vector<int>& qheads,
+                    const std::vector<int32_t>& sel, const double* ssel, size_t ks, int64_t ns_sel, Selection& out);
   TableStats stats_of(const Table& t, double g) const;
   double threshold_from(const TableStats& s) const;
   void apply_undo(Layer& L);
