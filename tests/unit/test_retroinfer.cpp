@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <numeric>
 #include <string>
@@ -75,7 +76,16 @@ struct Sess {
   ~Sess() { kvs_session_destroy(s); }
 };
 
+// Most tests here check the authors' zones (budget=paper: retrieval and estimation as fractions of
+// the clusters, a fixed steady zone); a parameter string naming neither budget nor preset gets
+// budget=paper in front. The default, budget=session, is tested by name.
 kvs_session_params params(const Data& D, const char* mp, double budget = 0.0, kvs_scalar_type kv = KVS_SCALAR_F32) {
+  static thread_local std::deque<std::string> keep;  // the strings outlive the params (never moved)
+  const std::string m = mp;
+  if (m.find("budget=") == std::string::npos && m.find("preset=") == std::string::npos) {
+    keep.push_back(m.empty() ? "budget=paper" : "budget=paper," + m);
+    mp = keep.back().c_str();
+  }
   kvs_session_params p;
   kvs_session_params_init(&p);
   p.num_layers = 1;
@@ -436,11 +446,48 @@ TEST_CASE("retroinfer: decode selection = steady zone + whole retrieval clusters
   for (float x : o) REQUIRE(std::isfinite(x));
 }
 
-TEST_CASE("retroinfer: budget=session fills the exact budget with whole clusters, never over it") {
+TEST_CASE("retroinfer: budget=session (default) attends exactly the budget: scaled steady zone, clusters, fill") {
+  Rng rng(17);
+  Data D(rng, 8, 2, 32, 2200);
+  for (const int64_t n0 : {int64_t(300), int64_t(2100)}) {  // below the indexing threshold, and indexed
+    for (const double f : {0.01, 0.05, 0.08}) {
+      Sess S;
+      auto p = params(D, "budget=session", f);
+      OK(kvs_session_create(&p, &S.s));
+      prefill(S.s, D, n0);
+      std::vector<float> o, lse;
+      for (int64_t t = n0; t < n0 + 3; ++t) {
+        decode(S.s, D, t, o, lse);
+        const int64_t k = int64_t(std::ceil(f * double(t + 1)));
+        for (uint32_t h = 0; h < uint32_t(D.hkv); ++h) {
+          size_t n = 0;
+          OK(kvs_session_last_selection(S.s, 0, h, nullptr, 0, &n));
+          std::vector<int32_t> sel(n);
+          OK(kvs_session_last_selection(S.s, 0, h, sel.data(), n, &n));
+          CAPTURE(n0);
+          CAPTURE(f);
+          CHECK(int64_t(n) == k);
+          CHECK(std::is_sorted(sel.begin(), sel.end()));
+          CHECK(std::adjacent_find(sel.begin(), sel.end()) == sel.end());
+          CHECK(sel.back() == int32_t(t));  // the newest token is always attended
+        }
+        CHECK(stat(S.s, "steady_tokens") <= 0.5 * double(k) + (n0 < 1000 ? double(k) : 0.0));
+        if (n0 > 1000) {
+          CHECK(stat(S.s, "retrieval_tokens") + stat(S.s, "steady_tokens") + stat(S.s, "fill_tokens") ==
+                doctest::Approx(double(k)));
+          CHECK(stat(S.s, "estimation_clusters") > 0);
+        }
+        for (float x : o) REQUIRE(std::isfinite(x));
+      }
+    }
+  }
+}
+
+TEST_CASE("retroinfer: budget=session,steady_share=0 fills the budget with whole clusters, never over it") {
   Rng rng(17);
   Data D(rng, 8, 2, 32, 2200);
   Sess S;
-  auto p = params(D, "budget=session", 0.08);
+  auto p = params(D, "budget=session,steady_share=0", 0.08);
   OK(kvs_session_create(&p, &S.s));
   prefill(S.s, D, 2100);
   std::vector<float> o, lse;
@@ -460,7 +507,7 @@ TEST_CASE("retroinfer: budget=session fills the exact budget with whole clusters
   }
   // A budget below the steady zone is reported, not hidden.
   Sess B;
-  auto pb = params(D, "budget=session", 0.01);
+  auto pb = params(D, "budget=session,steady_share=0", 0.01);
   OK(kvs_session_create(&pb, &B.s));
   prefill(B.s, D, 2100);
   decode(B.s, D, 2100, o, lse);
@@ -559,7 +606,7 @@ TEST_CASE("retroinfer: parameter errors name the parameter") {
   Data D(rng, 4, 2, 16, 10);
   for (const char* mp : {"retrieval=1.5", "estimation=-0.1", "cluster_size=0", "iterations=0", "segment_size=-1",
                          "update_segment=0", "budget=tokens", "sinks=-1", "cluster_align=0", "rank_dtype=bf16",
-                         "meta_dtype=model"}) {
+                         "meta_dtype=model", "steady_share=1.5"}) {
     Sess S;
     auto p = params(D, mp);
     Err e{kvs_session_create(&p, &S.s)};

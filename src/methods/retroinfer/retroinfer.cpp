@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // retroinfer: the wave index of RetroInfer (Chen et al., arXiv 2505.02922; docs/methods/retroinfer.md,
-// after microsoft/RetrievalAttention@6b1228c), CPU reference. Per layer and KV head the keys
-// outside the steady zone (4 sinks + 64 local) are clustered by segmented spherical k-means
+// after microsoft/RetrievalAttention@6b1228c), CPU reference. By default (budget=session) the exact
+// keys fill the session budget (a steady zone scaled to a share of it, then whole clusters in rank
+// order, then part of the next); preset=paper keeps the authors' fixed zones, described here.
+// Per layer and KV head the keys outside the steady zone (4 sinks + 64 local) are clustered by segmented spherical k-means
 // (wave_index.hpp); a decode step ranks the clusters by the group's summed per-head softmax of
 // q.C/sqrt(d), attends the top r clusters (retrieval zone) exactly together with the steady zone
 // (returned by select, attended by the session), estimates the next e clusters (estimation zone)
@@ -50,7 +52,7 @@ struct LayerIndex {
 // Per-step figures, averaged over KV heads.
 struct StepStats {
   double retrieval_clusters = 0, retrieval_tokens = 0, estimation_clusters = 0, estimation_tokens = 0,
-         steady_tokens = 0, budget_unused = 0, budget_overrun = 0;
+         steady_tokens = 0, fill_tokens = 0, budget_unused = 0, budget_overrun = 0;
 };
 
 // Estimation numerators: num[g][:] += a[g] * row for the G query heads of a group, one meta row
@@ -164,6 +166,7 @@ class RetroInfer final : public Method {
         estimation_(p.get_float("estimation")),
         update_(int_param(p, "retroinfer", "update_segment", 1, kTok)),
         session_budget_(p.get_string("budget") == "session"),
+        steady_share_(p.get_float("steady_share")),
         centre_(p.get_bool("centre")),
         probe_(int_param(p, "retroinfer", "recall_probe", 0, kTok, "0 = off")),
         meta_dtype_(p.get_string("meta_dtype")),
@@ -177,6 +180,7 @@ class RetroInfer final : public Method {
     };
     if (!(retrieval_ >= 0 && retrieval_ <= 1)) bad("retrieval", "a fraction of the clusters in [0, 1]", std::to_string(retrieval_));
     if (!(estimation_ >= 0 && estimation_ <= 1)) bad("estimation", "a fraction of the clusters in [0, 1]", std::to_string(estimation_));
+    if (!(steady_share_ >= 0 && steady_share_ <= 1)) bad("steady_share", "a share of the budget in [0, 1]", std::to_string(steady_share_));
     for (auto& l : layers_) l.indexed_end = sinks_;
   }
 
@@ -235,18 +239,45 @@ class RetroInfer final : public Method {
     auto& L = layers_[layer];
     const int64_t n = kv.size();
     est_layer_ = -1;
-    if (L.clusters() == 0) {  // nothing indexed: the steady zone is the whole context
-      out.kind = Selection::Kind::All;
-      out.lists.clear();
+    const int hkv = int(ctx_.shape.num_kv_heads);
+    const int64_t budget_keys = session_budget_ ? ctx_.budget.keys(n, 0.05) : 0;
+    // budget=session with steady_share > 0 (the default): the steady zone scales with the budget
+    // (sinks [0, sk) and a local window [lb, n) within steady_share of it, as ctkvr's static set),
+    // and the exact keys are filled up to the budget (whole clusters, then part of the next one,
+    // then unclustered tokens, most recent first). Otherwise the steady zone is [0, sinks) and
+    // every token from indexed_end on.
+    const bool scaled = session_budget_ && steady_share_ > 0;
+    int64_t sk = std::min(sinks_, n), lb = L.indexed_end;
+    if (scaled) {
+      const int64_t share = int64_t(std::floor(steady_share_ * double(budget_keys)));
+      sk = std::min({sinks_, n, share >= 2 ? std::max<int64_t>(1, share / 8) : int64_t(0)});
+      lb = n - std::min(local_, std::max<int64_t>(0, share - sk));
+    }
+    if (L.clusters() == 0) {
       last_ = StepStats{};
-      last_.steady_tokens = double(n);
+      if (!scaled) {  // nothing indexed: the steady zone is the whole context
+        out.kind = Selection::Kind::All;
+        out.lists.clear();
+        last_.steady_tokens = double(n);
+        return;
+      }
+      // Nothing indexed (a prompt below the indexing threshold): the sinks and the most recent
+      // tokens, the whole budget.
+      const int64_t lw = std::min(n - sk, budget_keys - sk);
+      out.kind = Selection::Kind::PerKvHead;
+      out.lists.resize(size_t(hkv));
+      for (auto& list : out.lists) {
+        list.clear();
+        for (int64_t t = 0; t < sk; ++t) list.push_back(int32_t(t));
+        for (int64_t t = n - lw; t < n; ++t) list.push_back(int32_t(t));
+      }
+      last_.steady_tokens = double(sk + lw);
       return;
     }
-    const int G = ctx_.shape.group(), d = int(ctx_.shape.head_dim), hkv = int(ctx_.shape.num_kv_heads);
+    const int G = ctx_.shape.group(), d = int(ctx_.shape.head_dim);
     const int64_t C = L.clusters();
     const float scale = ctx_.shape.softmax_scale;
-    const int64_t steady = std::min(sinks_, n) + (n - L.indexed_end);
-    const int64_t budget_keys = session_budget_ ? ctx_.budget.keys(n, 0.05) : 0;
+    const int64_t steady = sk + (n - lb);
     out.kind = Selection::Kind::PerKvHead;
     out.lists.resize(size_t(hkv));  // the lists keep their capacity between steps
     est_o_.assign(size_t(hkv) * G * d, 0.f);
@@ -310,11 +341,16 @@ class RetroInfer final : public Method {
         return dist[size_t(a)] > dist[size_t(b)] || (dist[size_t(a)] == dist[size_t(b)] && a < b);
       };
       // 2. Zones: cand[0, r) retrieval, cand[r, r + e) estimation.
-      int64_t r, k2;
+      int64_t r, k2, er;
+      // budget=session: part of cluster `part` (its rows ord[0, pm)), the unclustered tokens
+      // [tb, lb) and [sb, sinks) attended besides the steady zone.
+      int32_t part = -1;
+      int64_t pm = 0, tb = lb, sb = std::min(sinks_, n);
       StepStats& st = hs[size_t(h)];
       bool est_sorted = false;
       if (!session_budget_) {
         r = std::min(L.r, nc);
+        er = r;
         k2 = std::min(L.r + L.e, nc);
         // The top r and top k2 by (dist desc, id asc) through two value thresholds (the k2-th and
         // r-th largest distances, then one pass in id order that admits the ties lowest id first):
@@ -371,16 +407,57 @@ class RetroInfer final : public Method {
           used += sz;
           ++i;
         }
-        st.budget_unused = double(room - used);
         r = i;
-        k2 = std::min(nc, r + L.e);
+        if (scaled && used < room && r < nc) {
+          // Part of the next cluster (it does not fit whole): its rows of highest exact score (the
+          // largest logit over the group), then no longer estimated.
+          part = cand[size_t(r)];
+          const int64_t b = W.start[size_t(part)], m = W.size[size_t(part)];
+          pm = std::min(room - used, m);
+          auto& sc = S.vals;
+          sc.resize(size_t(m));
+          std::vector<float> row(static_cast<size_t>(d));
+          const size_t rb = size_t(d) * dtype_size(ctx_.shape.kv_dtype);
+          for (int64_t j = 0; j < m; ++j) {
+            convert_to_f32(W.keys.data() + size_t(b + j) * rb, ctx_.shape.kv_dtype, row.data(), size_t(d));
+            float best = -std::numeric_limits<float>::infinity();
+            for (int g = 0; g < G; ++g) {
+              float x = 0;
+              for (int i2 = 0; i2 < d; ++i2) x += qg[size_t(g) * d + i2] * row[size_t(i2)];
+              best = std::max(best, x);
+            }
+            sc[size_t(j)] = best;
+          }
+          auto& ord = S.zo;
+          ord.resize(size_t(m));
+          for (int64_t j = 0; j < m; ++j) ord[size_t(j)] = int32_t(j);
+          std::partial_sort(ord.begin(), ord.begin() + pm, ord.end(), [&](int32_t a, int32_t c2) {
+            return sc[size_t(a)] > sc[size_t(c2)] || (sc[size_t(a)] == sc[size_t(c2)] && a < c2);
+          });
+          ord.resize(size_t(pm));
+          used += pm;
+        }
+        if (scaled) {
+          // Unclustered tokens outside the steady zone, most recent first: the tail waiting for
+          // the next index update, then the sinks beyond the scaled ones.
+          const int64_t tail = std::min(room - used, lb - L.indexed_end);
+          tb = lb - tail;
+          used += tail;
+          const int64_t head = std::min(room - used, std::min(sinks_, n) - sk);
+          sb = std::min(sinks_, n) - head;
+          used += head;
+        }
+        st.budget_unused = double(room - used);
+        er = r + (part >= 0 ? 1 : 0);
+        k2 = std::min(nc, er + L.e);
         if (k2 > sorted && k2 < nc) std::nth_element(cand.begin() + sorted, cand.begin() + k2, cand.end(), better);
       }
       // 3. Exact part: steady zone + retrieval clusters (original positions, ascending).
       auto& list = out.lists[size_t(h)];
       list.clear();
       list.reserve(size_t(steady) + size_t(16 * r));
-      for (int64_t t = 0; t < std::min(sinks_, n); ++t) list.push_back(int32_t(t));
+      for (int64_t t = 0; t < sk; ++t) list.push_back(int32_t(t));
+      for (int64_t t = sb; t < std::min(sinks_, n); ++t) list.push_back(int32_t(t));
       // The retrieval clusters' positions (all in [sinks, indexed_end), distinct) in ascending order
       // through a bitmap over that range instead of a sort.
       int64_t rt = 0;
@@ -396,17 +473,21 @@ class RetroInfer final : public Method {
         }
         rt += W.size[size_t(c)];
       }
+      for (int64_t j = 0; j < pm; ++j) {
+        const uint64_t o = uint64_t(W.pos[size_t(W.start[size_t(part)] + S.zo[size_t(j)])] - lo);
+        bits[o >> 6] |= uint64_t(1) << (o & 63);
+      }
       for (size_t w = 0; w < bits.size(); ++w)
         for (uint64_t x = bits[w]; x; x &= x - 1) list.push_back(int32_t(lo + int64_t(w) * 64 + __builtin_ctzll(x)));
-      for (int64_t t = L.indexed_end; t < n; ++t) list.push_back(int32_t(t));
+      for (int64_t t = tb; t < n; ++t) list.push_back(int32_t(t));
       // 4. Estimation zone (eqs. 2-4): lse = mx + log sum s_i E_i, o = sum E_i VS_i / sum s_i E_i.
       int64_t et = 0;
-      for (int64_t i = r; i < k2; ++i) et += W.size[size_t(cand[size_t(i)])];
-      if (k2 > r) {
+      for (int64_t i = er; i < k2; ++i) et += W.size[size_t(cand[size_t(i)])];
+      if (k2 > er) {
         // Meta rows in ascending cluster order (address order, prefetched ahead), each read once for
         // the whole group; fp32 numerators, fp64 denominators. 16-bit meta rows hold value means,
         // so their weight is E_i * size_i (VS_i = size_i * mean_i).
-        if (!est_sorted) std::sort(cand.begin() + r, cand.begin() + k2);
+        if (!est_sorted) std::sort(cand.begin() + er, cand.begin() + k2);
         const DType mt = m16 ? W.mdt : DType::F32;
         const size_t mrb = size_t(d) * dtype_size(mt);
         const std::byte* meta = m16 ? W.dvmean.data() : reinterpret_cast<const std::byte*>(W.value_sum.data());
@@ -415,7 +496,7 @@ class RetroInfer final : public Method {
         S.a.resize(size_t(G));
         const bool vec = kAvx2 && d % 8 == 0;
         constexpr int64_t kAhead = 8;
-        for (int64_t i = r; i < k2; ++i) {
+        for (int64_t i = er; i < k2; ++i) {
           if (i + kAhead < k2) {
             const std::byte* nx = meta + size_t(cand[size_t(i + kAhead)]) * mrb;
             for (size_t o = 0; o < mrb; o += 64) __builtin_prefetch(nx + o);
@@ -443,9 +524,10 @@ class RetroInfer final : public Method {
       }
       st.retrieval_clusters = double(r);
       st.retrieval_tokens = double(rt);
-      st.estimation_clusters = double(k2 - r);
+      st.estimation_clusters = double(k2 - er);
       st.estimation_tokens = double(et);
       st.steady_tokens = double(steady);
+      st.fill_tokens = double(pm + (lb - tb) + (std::min(sinks_, n) - sb));
       if (probe_ > 0) probe_recall(W, qg, S.dist, cand, probe[size_t(h)], probe_cl[size_t(h)]);
     });
     last_ = StepStats{};
@@ -455,6 +537,7 @@ class RetroInfer final : public Method {
       last_.estimation_clusters += s.estimation_clusters / hkv;
       last_.estimation_tokens += s.estimation_tokens / hkv;
       last_.steady_tokens += s.steady_tokens / hkv;
+      last_.fill_tokens += s.fill_tokens / hkv;
       last_.budget_unused += s.budget_unused / hkv;
       last_.budget_overrun += s.budget_overrun / hkv;
     }
@@ -630,6 +713,7 @@ class RetroInfer final : public Method {
     else if (name == "estimation_clusters") *out = last_.estimation_clusters;
     else if (name == "estimation_tokens") *out = last_.estimation_tokens;
     else if (name == "steady_tokens") *out = last_.steady_tokens;
+    else if (name == "fill_tokens") *out = last_.fill_tokens;
     else if (name == "budget_unused_tokens") *out = last_.budget_unused;
     else if (name == "budget_overrun_tokens") *out = last_.budget_overrun;
     else if (name == "mean_budget_unused_tokens") *out = steps_ ? sum_budget_unused_ / double(steps_) : 0.0;
@@ -766,7 +850,9 @@ class RetroInfer final : public Method {
   int64_t sinks_, local_, cluster_size_, segment_size_, iterations_, align_;
   double retrieval_, estimation_;
   int64_t update_;
-  bool session_budget_, centre_;
+  bool session_budget_;
+  double steady_share_;
+  bool centre_;
   int64_t probe_;
   std::string meta_dtype_;
   bool from_prompt_, raw_init_, mask_after_, rank_model_;
@@ -788,8 +874,9 @@ class RetroInfer final : public Method {
 MethodSpec retroinfer_spec() {
   return MethodSpec{
       "retroinfer",
-      "RetroInfer wave index: segmented spherical k-means clusters, top 1.8% attended exactly with sinks+local, "
-      "next 23.2% estimated from centroids/sizes/value sums, LSE-merged (docs/methods/retroinfer.md)",
+      "RetroInfer wave index: segmented spherical k-means clusters; the session budget attended exactly (a scaled "
+      "steady zone of sinks+local, then clusters in rank order; preset=paper: the top 1.8%), next 23.2% of the "
+      "clusters estimated from centroids/sizes/value sums, LSE-merged (docs/methods/retroinfer.md)",
       1u << KVS_BACKEND_CPU,
       0.05,
       {{"preset", "enum:kvsieve|paper", "kvsieve",
@@ -813,9 +900,15 @@ MethodSpec retroinfer_spec() {
         "empty clusters in the ranking: dropped after the group's softmaxes over every centroid are summed (the "
         "authors' code), or left out of the softmax", "after_softmax"},
        {"update_segment", "int", "1024", "generated tokens clustered on their own and appended (UPDATE_SEGMENT); also the minimum prompt to index", "1024"},
-       {"budget", "enum:paper|session", "paper",
-        "paper: r = retrieval x clusters (session budget ignored); session: exact keys = the session budget, "
-        "steady zone included, filled with whole clusters in rank order", "paper"},
+       {"budget", "enum:paper|session", "session",
+        "session: the exact keys (steady zone + retrieval zone) fill the session budget: the steady zone takes at "
+        "most steady_share of it, whole clusters in rank order the rest, then part of the next cluster and "
+        "unclustered tokens up to the budget; below the indexing threshold the sinks and the most recent tokens; "
+        "paper: r = retrieval x clusters, fixed steady zone (session budget ignored)", "paper"},
+       {"steady_share", "float", "0.5",
+        "budget=session: the steady zone (sinks + local) takes at most this share of the budget, sinks at most an "
+        "eighth of it, so it scales down at small budgets; 0 = the fixed sinks + local + unclustered tail, whole "
+        "clusters only (the budget may be exceeded: budget_overrun_tokens)", "0"},
        {"centre", "bool", "true", "subtract the keys' mean before clustering (added back to the centroids)", "true"},
        {"meta_dtype", "enum:auto|kv|f16|bf16|f32", "auto",
         "dtype decode reads the centroids and value means in (a derived copy; half the bytes per step when 16-bit): "
