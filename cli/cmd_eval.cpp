@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvsieve eval --trace T --methods a,b,... --budget B | --budgets B1,B2,...: replay a trace through
 // each method (at each budget) and score it against exact float64 attention (docs/cli.md).
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -78,10 +79,20 @@ std::string plot_python() {
 // Its output goes to stderr (stdout may carry `--json -`), or nowhere when `quiet`.
 int run_python(const std::string& python, const std::string& args, const char* script, bool quiet = false) {
   const std::string cmd = shell_quote(python) + " - " + args + (quiet ? " >/dev/null 2>&1" : " >&2");
+  // A Python that cannot start closes the pipe at once: the write must fail with EPIPE, not kill us
+  // with SIGPIPE (ignored for the write, restored after).
+  struct sigaction ign{}, old{};
+  ign.sa_handler = SIG_IGN;
+  sigemptyset(&ign.sa_mask);
+  sigaction(SIGPIPE, &ign, &old);
   FILE* p = popen(cmd.c_str(), "w");
-  if (!p) return 127;
+  if (!p) {
+    sigaction(SIGPIPE, &old, nullptr);
+    return 127;
+  }
   std::fputs(script, p);
   const int st = pclose(p);
+  sigaction(SIGPIPE, &old, nullptr);
   return st >= 0 && WIFEXITED(st) ? WEXITSTATUS(st) : 127;
 }
 
