@@ -356,18 +356,40 @@ TablesWriter::Layout TablesWriter::layout() const {
   return L;
 }
 
+namespace {
+// The bytes of a file laid out as L, into any sink with write(data, n), write_zeros(n) and
+// position() (a FileSink, or MemorySink below): the one place the file's byte order is written.
+template <class Sink, class Sections, class FileLayout>
+void emit(Sink& f, const FileLayout& L, const Sections& sections) {
+  f.write(L.pre, sizeof L.pre);
+  f.write(L.js.data(), L.js.size());
+  f.write(L.dir.data(), L.dir.size());
+  for (size_t i = 0; i < sections.size(); ++i) {
+    f.write_zeros(L.offsets[i] - f.position());
+    for (auto& p : sections[i].pieces)
+      if (p.size) f.write(p.data, p.size);
+  }
+}
+
+// A sink into a buffer of known size.
+struct MemorySink {
+  std::byte* base;
+  uint64_t pos = 0;
+  void write(const void* d, uint64_t n) {
+    if (n) std::memcpy(base + pos, d, size_t(n));
+    pos += n;
+  }
+  void write_zeros(uint64_t n) {
+    std::memset(base + pos, 0, size_t(n));
+    pos += n;
+  }
+  uint64_t position() const { return pos; }
+};
+}  // namespace
+
 void TablesWriter::write_atomic(const std::string& path) {
   const Layout L = layout();
-  write_file_atomic(path, [&](FileSink& f) {
-    f.write(L.pre, sizeof L.pre);
-    f.write(L.js.data(), L.js.size());
-    f.write(L.dir.data(), L.dir.size());
-    for (size_t i = 0; i < sections_.size(); ++i) {
-      f.write_zeros(L.offsets[i] - f.position());
-      for (auto& p : sections_[i].pieces)
-        if (p.size) f.write(p.data, p.size);
-    }
-  });
+  write_file_atomic(path, [&](FileSink& f) { emit(f, L, sections_); });
 }
 
 TablesWriter::Image TablesWriter::write_memory() {
@@ -377,20 +399,8 @@ TablesWriter::Image TablesWriter::write_memory() {
   auto* raw = static_cast<std::byte*>(std::aligned_alloc(kAlign, bytes ? bytes : kAlign));
   if (!raw) fail(KVS_STATUS_OUT_OF_MEMORY, "tables image: cannot allocate " + std::to_string(bytes) + " bytes");
   std::shared_ptr<std::byte> buf(raw, [](std::byte* p) { std::free(p); });
-  std::byte* w = raw;
-  auto put = [&](const void* d, size_t n) {
-    if (n) std::memcpy(w, d, n);
-    w += n;
-  };
-  put(L.pre, sizeof L.pre);
-  put(L.js.data(), L.js.size());
-  put(L.dir.data(), L.dir.size());
-  for (size_t i = 0; i < sections_.size(); ++i) {
-    const size_t pad = size_t(L.offsets[i]) - size_t(w - raw);
-    std::memset(w, 0, pad);
-    w += pad;
-    for (auto& p : sections_[i].pieces) put(p.data, size_t(p.size));
-  }
+  MemorySink sink{raw};
+  emit(sink, L, sections_);
   return Image{std::move(buf), L.size};
 }
 
