@@ -73,16 +73,9 @@ class Quest final : public Method {
     // more, so the selection never exceeds the k budget keys and falls short by less than a page; a
     // budget below the current page attends its last k tokens (the newest). page_budget=pages: the
     // authors' page_budget = k / page_size pages, current page counted as a whole page.
-    const int64_t cur = n - (pages - 1) * page_;  // tokens of the current page, 1..page_
-    int64_t want, cur_skip = 0;
-    if (fit_) {
-      const int64_t k = ctx_.budget.keys(n, 0.05);
-      if (k >= cur) want = std::min<int64_t>(pages, 1 + (k - cur) / page_);
-      else want = 1, cur_skip = cur - k;
-    } else {
-      const int64_t k = ctx_.budget.tokens > 0 ? ctx_.budget.tokens : ctx_.budget.keys(n, 0.05);
-      want = std::clamp<int64_t>(k / page_, 1, pages);
-    }
+    const int64_t k = !fit_ && ctx_.budget.tokens > 0 ? ctx_.budget.tokens : ctx_.budget.keys(n, 0.05);
+    const QuestPagePlan pp = quest_page_plan(n, k, page_, fit_);
+    const int64_t want = pp.want, cur_skip = pp.skip;
     const float* b = bounds_[layer].data();
     out.kind = per_query_ ? Selection::Kind::PerQueryHead : Selection::Kind::PerKvHead;
     out.lists.assign(size_t(per_query_ ? hkv * G : hkv), {});

@@ -1,8 +1,26 @@
 // SPDX-License-Identifier: Apache-2.0
 // Quest's page bound, shared by the method and its tests.
 #pragma once
+#include <algorithm>
+#include <cstdint>
 
 namespace kvs {
+// Pages a step attends for n tokens in pages of page_size, budget k keys, the current (last) page
+// included: page_budget=fit (the current page of c tokens plus floor((k - c) / page_size) pages; a
+// budget below the current page attends its newest k tokens: skip = c - k of its oldest are left
+// out) or pages (the authors' k / page_size, at least 1). Shared by the cpu and cuda implementations
+// (the cuda kernels restate it in quest.cu's seq_plan).
+struct QuestPagePlan {
+  int64_t want = 0;  // pages attended, the current one included
+  int64_t skip = 0;  // oldest tokens of the current page left out (fit only)
+};
+inline QuestPagePlan quest_page_plan(int64_t n, int64_t k, int64_t page_size, bool fit) {
+  const int64_t pages = (n + page_size - 1) / page_size, cur = n - (pages - 1) * page_size;
+  if (!fit) return {std::clamp<int64_t>(k / page_size, 1, pages), 0};
+  if (k >= cur) return {std::min<int64_t>(pages, 1 + (k - cur) / page_size), 0};
+  return {1, cur - k};
+}
+
 // U_p = sum_i max(q_i M_i, q_i m_i) >= max_{j in page} q.k_j for M, m the element-wise max and min
 // of the page's keys (Quest estimate.cu). Sixteen independent partial sums let the compiler
 // vectorise the loop (a single float accumulator would serialise it).

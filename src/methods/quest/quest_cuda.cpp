@@ -17,6 +17,7 @@
 #include "backends/cuda/cuda_util.hpp"
 #include "backends/cuda/device_method.hpp"
 #include "backends/cuda/quest.cuh"
+#include "methods/quest/quest.hpp"
 #include "core/dtype.hpp"
 #include "io/header.hpp"
 #include "io/tables.hpp"
@@ -81,13 +82,7 @@ class QuestCuda final : public DeviceMethod {
     for (size_t b = 0; b < st.host_lengths.size(); ++b) {
       const int64_t n = st.host_lengths[b], pages = (n + page_ - 1) / page_;
       const int64_t k = budget_keys(batch[b], n, st.host_budget[b]), cur = n - (pages - 1) * page_;
-      int64_t want, skip = 0;
-      if (static_cast<const QuestCuda*>(batch[b])->fit_) {  // quest.cpp's page_budget=fit
-        if (k >= cur) want = std::min<int64_t>(pages, 1 + (k - cur) / page_);
-        else want = 1, skip = cur - k;
-      } else {
-        want = std::clamp<int64_t>(k / page_, 1, pages);
-      }
+      const auto [want, skip] = quest_page_plan(n, k, page_, static_cast<const QuestCuda*>(batch[b])->fit_);
       max_want = std::max(max_want, want);
       p.selected.push_back(double((want - 1) * page_ + cur - skip));
     }
