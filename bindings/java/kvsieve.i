@@ -123,8 +123,10 @@ static const kvs_tensor* kvsj_t(kvsj_tensor* t) { return t ? &t->t : NULL; }
 %javamethodmodifiers kvs_batch_s::planNative "private";
 %javamethodmodifiers kvs_batch_s::decodeNative "private";
 %javamethodmodifiers kvs_batch_s::sizeNative "private";
+%javamethodmodifiers kvs_session_s::toBackend "private";
 
 %newobject kvs_session_s::fork;
+%newobject kvs_session_s::toBackend;
 %newobject kvs_session_s::load;
 %newobject kvs_session_s::stats;
 %newobject kvs_trace_s::open;
@@ -198,6 +200,10 @@ typedef struct kvs_session_stats {
     buf.get(out);
     return out;
   }
+
+  /** A copy of this session's state (KV, index, layer states, statistics) on another backend and
+   *  device (kvs_session_to); this session is unchanged. */
+  public Session to(Backend backend, int deviceId) { return toBackend(backend.value, deviceId); }
 
   public static final class Builder {
     private final int numLayers, numQHeads, numKvHeads, headDim;
@@ -284,6 +290,11 @@ typedef struct kvs_session_stats {
   kvs_session_s* fork() {
     kvs_session_t s = NULL;
     kvsj_check(kvs_session_fork($self, &s));
+    return s;
+  }
+  kvs_session_s* toBackend(int32_t backend, int32_t device_id) {
+    kvs_session_t s = NULL;
+    kvsj_check(kvs_session_to($self, backend, device_id, &s));
     return s;
   }
   kvs_session_stats* stats() {

@@ -172,6 +172,9 @@ class KvsieveTest {
     }
     parent.buildIndex(0);
     Session child = parent.fork();
+    Session copy = parent.to(Backend.CPU, 0);
+    assertEquals(N, copy.layerTokens(0));
+    copy.close();
     parent.close();
     parent.close();
     try (Tensor q = Tensor.of(random(r, HQ * D), DType.F32, HQ, D); Tensor k = Tensor.of(random(r, HKV * D), DType.F32, HKV, D);
