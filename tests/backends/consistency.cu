@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "kvsieve/kvsieve.h"
+#include "../cuda/crash_report.hpp"
 
 namespace {
 
@@ -275,6 +276,10 @@ void step(std::vector<kvs_session_t>& cpu, std::vector<kvs_session_t>& gpu, kvs_
     for (int b = 0; b < B; ++b) {
       const auto& s = seqs[size_t(b)];
       const int64_t t = pos[size_t(b)];
+      if (t < 0 || size_t(t + 1) * qs > s.q[size_t(l)].size()) {  // a test bug, not a crash
+        report(false, name + " test data", "position " + std::to_string(t) + " past the generated tokens");
+        return;
+      }
       const float* qp = s.q[size_t(l)].data() + t * qs;
       const float* kp = s.k[size_t(l)].data() + t * ks;
       const float* vp = s.v[size_t(l)].data() + t * ks;
@@ -331,8 +336,11 @@ void run_case(const Case& m, const Shape& sh, std::vector<int64_t> n0, int steps
                 sh.kv == KVS_SCALAR_BF16 ? "bf16" : "f16", B, (long long)n0[0]);
   const std::string name = label;
   const int64_t extra = 40;  // the appended turn
+  // Tokens read after the steps and the turn: the turn's step, save/load, kvs_session_to, and the
+  // fork's own token one past the parent's (pos + 1), with one to spare.
+  const int64_t tail = 6;
   std::vector<Seq> seqs;
-  for (int b = 0; b < B; ++b) seqs.push_back(random_seq(sh, n0[size_t(b)] + steps + extra + 4, seed + uint32_t(b)));
+  for (int b = 0; b < B; ++b) seqs.push_back(random_seq(sh, n0[size_t(b)] + steps + extra + tail, seed + uint32_t(b)));
   std::vector<kvs_session_t> cpu(static_cast<size_t>(B)), gpu(static_cast<size_t>(B));
   for (int b = 0; b < B; ++b) {
     auto pc = params(sh, m.method, m.params, m.budget, m.budget_tokens, KVS_BACKEND_CPU);
@@ -526,6 +534,7 @@ void run_trace(const char* path) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  install_crash_report();
   const char* trace = nullptr;
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--small") g_small = true;

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "kvsieve/kvsieve.h"
+#include "../cuda/crash_report.hpp"
 
 namespace {
 
@@ -653,6 +654,7 @@ void run_method(const char* method) {
 }  // namespace
 
 int main() {
+  install_crash_report();
   if (cudaGetDeviceCount(&g_devices) != cudaSuccess || g_devices == 0) {
     std::printf("SKIPPED: no CUDA device\n");
     return 77;

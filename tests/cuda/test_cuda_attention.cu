@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "backends/cuda/cuda_attention.cuh"
+#include "crash_report.hpp"
 
 using kvs::cuda::Scalar;
 
@@ -343,8 +344,8 @@ kvs::cuda::Status run_call(const Opt& opt, DevBuf& dout, DevBuf& dlse, C call) {
     r = call(st);  // warm-up: one-time kernel set-up happens outside the capture
     CK(cudaStreamSynchronize(st));
     if (r.ok()) {
-      CK(cudaMemset(dout.p, 0xff, dout.n));
-      CK(cudaMemset(dlse.p, 0xff, dlse.n));
+      CK(cudaMemsetAsync(dout.p, 0xff, dout.n, st));
+      CK(cudaMemsetAsync(dlse.p, 0xff, dlse.n, st));
       cudaGraph_t g;
       cudaGraphExec_t ge;
       CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
@@ -357,8 +358,10 @@ kvs::cuda::Status run_call(const Opt& opt, DevBuf& dout, DevBuf& dlse, C call) {
       CK(cudaGraphDestroy(g));
     }
   } else {
-    CK(cudaMemset(dout.p, 0xff, dout.n));  // NaN poison
-    CK(cudaMemset(dlse.p, 0xff, dlse.n));
+    // NaN poison, on the call's stream: st does not synchronise with the legacy default stream
+    // (cudaStreamNonBlocking), so a cudaMemset there could land after the kernel's writes.
+    CK(cudaMemsetAsync(dout.p, 0xff, dout.n, st));
+    CK(cudaMemsetAsync(dlse.p, 0xff, dlse.n, st));
     r = call(st);
   }
   CK(cudaStreamSynchronize(st));
@@ -616,6 +619,7 @@ int run_quest_passed();
 #endif
 
 int main(int argc, char** argv) {
+  install_crash_report();
   for (int i = 1; i < argc; ++i)
     if (std::string(argv[i]) == "--small") g_small = true;
   int n = 0;

@@ -240,6 +240,12 @@ void run_rows_tests() {
   run_rows("k==len", {4096, 4096}, 4096, 4096, 4096, 0, kSoftmax);
   run_rows("many rows", std::vector<int>(64, 4096), 4096, 100, 4100, 0, kSoftmax);
   run_rows("many rows ties", std::vector<int>(40, 5000), 5000, 333, 5000, 0, kTies);
+  // Around the one-CTA path's limit (32768 scores; 4 to 32 keys per thread) and a Quest-like row
+  // (8191 page scores, +inf pads past the candidates).
+  run_rows("short rows at the limit", {32768, 32767, 1000, 0}, 32768, 1638, 32768, 0, kTies);
+  run_rows("one past the short-row limit", {32769, 5}, 32769, 1638, 32769, 0, kSpecial);
+  run_rows("short rows, 4 keys per thread", {4096, 4095, 4093}, 4096, 205, 4097, 1, kTies);
+  run_rows("short rows, all equal", {8191, 8000}, 8191, 409, 8192, 0, kAllEqual);
   run_rows("8x128K", std::vector<int>(8, 131072), 131072, 6554, 131072, 0, kSoftmax);
   run_rows("8x128K ties", {131072, 100000, 131071, 65536, 1, 0, 131072, 7}, 131072, 6554, 131072, 0, kTies);
   run_rows("1x128K random", {131072}, 131072, 6554, 131072, 0, kRandom);
@@ -568,7 +574,8 @@ void run_graph_test() {
   };
   bool ok = enqueue(d_idx.p);
   TCK(cudaStreamSynchronize(st));
-  TCK(cudaMemset(d_idx2.p, 0x7f, d_idx2.n));
+  TCK(cudaMemsetAsync(d_idx2.p, 0x7f, d_idx2.n, st));  // on st: it does not wait for the legacy stream
+  TCK(cudaStreamSynchronize(st));
   cudaGraph_t g;
   cudaGraphExec_t ge;
   TCK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
