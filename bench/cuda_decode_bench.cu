@@ -44,6 +44,7 @@ extern "C" {
 const char* kvsb_last_message() { return g_msg; }
 int kvsb_last_cuda_error() { return g_cuda_err; }
 int kvsb_set_variant(int v) { return kvs::cuda::detail::set_dense_variant(v) ? 0 : 1; }
+int kvsb_set_gather_variant(int v) { return kvs::cuda::detail::set_gather_variant(v) ? 0 : 1; }
 void kvsb_set_merge_pdl(int on) { kvs::cuda::detail::set_merge_pdl(on != 0); }
 void kvsb_set_min_chunk(int tokens) { kvs::cuda::detail::set_min_chunk(tokens); }
 

@@ -47,6 +47,7 @@ def load_lib(path):
     lib.kvsb_set_variant.argtypes = [I]
     lib.kvsb_set_merge_pdl.argtypes = [I]
     lib.kvsb_set_min_chunk.argtypes = [I]
+    lib.kvsb_set_gather_variant.argtypes = [I]
     lib.kvsb_dense.argtypes = [I, I, I, I, FL, I, I, I, P, P, I, I, P, I, P, P, P, SZ, P]
     lib.kvsb_gathered.argtypes = [I, I, I, I, FL, I, I, I, P, P, I, I, P, P, I, I, P, P, P, SZ, P]
     return lib
@@ -231,7 +232,8 @@ def dense_case(lib, old, B, N, Hq, Hkv, D, reps, pages, copy_gbps, results, chec
     torch.cuda.empty_cache()
 
 
-def gathered_case(lib, old, N, Hq, Hkv, D, frac, reps, pages, copy_gbps, results, runs=False, per_q=False):
+def gathered_case(lib, old, N, Hq, Hkv, D, frac, reps, pages, copy_gbps, results, runs=False, per_q=False,
+                  shapes=((0, 0),)):
     """One sequence, random lists of frac * N tokens (or whole aligned 16-token runs in random
     order, sorted within a run) per KV head (or per query head with per_q)."""
     torch.manual_seed(7)
@@ -294,32 +296,23 @@ def gathered_case(lib, old, N, Hq, Hkv, D, frac, reps, pages, copy_gbps, results
             check(lib, lib.kvsb_gathered(1, Hq, Hkv, D, scale, BF16, BF16, BF16, q.data_ptr(), pg.table.data_ptr(),
                                          pg.max_pages, P, idx.data_ptr(), cnt.data_ptr(), sel, int(per_q),
                                          o.data_ptr(), lse.data_ptr(), ws.data_ptr(), wsb, stream), "gathered")
-        row(f"paged P={P}", ours)
+        # (pipeline shape, fewest keys per split): kernel shapes of the gathered path (bf16, d 128,
+        # G 4 only; see detail::set_gather_variant) and split sizes; (0, 0) = the defaults.
+        for gv, mc in shapes:
+            check(lib, lib.kvsb_set_gather_variant(gv), "gather variant")
+            lib.kvsb_set_min_chunk(mc)
+            wsb = lib.kvsb_gathered_ws(1, Hq, Hkv, D, sel, int(per_q))  # the split count moves it
+            ws = torch.empty(max(wsb, 1), dtype=torch.uint8, device=dev)
+            row(f"paged P={P}" + (f" g{gv} mc{mc}" if (gv, mc) != (0, 0) else ""), ours)
+        lib.kvsb_set_gather_variant(0)
+        lib.kvsb_set_min_chunk(0)
         del pg
     del k, v
     torch.cuda.empty_cache()
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--lib", required=True)
-    ap.add_argument("--old-lib", help="shim of the previous (contiguous-cache) kernels, for before/after")
-    ap.add_argument("--json")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--variants", default="0",
-                    help="dense kernel variants to time in the headline cases (comma-separated; "
-                         "2 = the tensor-core kernel with 3 stages)")
-    args = ap.parse_args()
-    V = tuple(int(x) for x in args.variants.split(","))
-    lib = load_lib(args.lib)
-    old = load_old_lib(args.old_lib) if args.old_lib else None
-    print(f"torch {torch.__version__}, device {torch.cuda.get_device_name()}, "
-          f"cudnn {torch.backends.cudnn.version()}")
-    copy_gbps, copy_us = copy_bandwidth()
-    print(f"device-to-device copy: {copy_gbps:.0f} GB/s (1 GiB, read+write, median {copy_us:.0f} us)")
-    results = []
-    reps = 20 if args.quick else 40
-    PG = (256, 16)
+def headline_cases(lib, old, args, V, reps, PG, copy_gbps, results):
+    """The dense and gathered cases of the default run."""
     dense_case(lib, old, 1, 131072, 32, 8, 128, reps, PG, copy_gbps, results, check_lse=True, pdl_ab=True,
                variants=V)
     dense_case(lib, old, 1, 524288, 32, 8, 128, reps, PG, copy_gbps, results, variants=V)
@@ -337,6 +330,39 @@ def main():
     gathered_case(lib, None, 131072, 32, 8, 128, 0.05, reps, PG, copy_gbps, results, per_q=True)
     # the headline case again: run-to-run spread
     dense_case(lib, old, 1, 131072, 32, 8, 128, reps, PG, copy_gbps, results, variants=V)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", required=True)
+    ap.add_argument("--old-lib", help="shim of the previous (contiguous-cache) kernels, for before/after")
+    ap.add_argument("--json")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--variants", default="0",
+                    help="dense kernel variants to time in the headline cases (comma-separated; "
+                         "2 = the tensor-core kernel with 3 stages)")
+    ap.add_argument("--gather-shapes", default="0:0",
+                    help="gathered-decode shapes for the 5%% cases, comma-separated VARIANT:MIN_CHUNK "
+                         "(detail::set_gather_variant, detail::set_min_chunk; 0:0 = the defaults)")
+    ap.add_argument("--gathered-only", action="store_true", help="only the 5%% gathered cases")
+    args = ap.parse_args()
+    V = tuple(int(x) for x in args.variants.split(","))
+    GS = tuple(tuple(int(y) for y in x.split(":")) for x in args.gather_shapes.split(","))
+    lib = load_lib(args.lib)
+    old = load_old_lib(args.old_lib) if args.old_lib else None
+    print(f"torch {torch.__version__}, device {torch.cuda.get_device_name()}, "
+          f"cudnn {torch.backends.cudnn.version()}")
+    copy_gbps, copy_us = copy_bandwidth()
+    print(f"device-to-device copy: {copy_gbps:.0f} GB/s (1 GiB, read+write, median {copy_us:.0f} us)")
+    results = []
+    reps = 20 if args.quick else 40
+    PG = (256, 16)
+    if args.gathered_only:
+        gathered_case(lib, None, 131072, 32, 8, 128, 0.05, reps, PG, copy_gbps, results, shapes=GS)
+        gathered_case(lib, None, 131072, 32, 8, 128, 0.05, reps, PG, copy_gbps, results, runs=True, shapes=GS)
+        gathered_case(lib, None, 524288, 32, 8, 128, 0.05, reps, (256,), copy_gbps, results, runs=True, shapes=GS)
+    if not args.gathered_only:
+        headline_cases(lib, old, args, V, reps, PG, copy_gbps, results)
 
     print()
     print(f"{'case':58s} {'kernel':16s} {'splits':>6s} {'median us':>10s} {'GB/s':>7s} {'%copy':>6s} "

@@ -9,9 +9,12 @@ What is timed
   peer: torch.nn.functional.scaled_dot_product_attention, one query token, GQA (enable_gqa=True;
   K/V repeated to Hq heads where this torch lacks it), with the first of the cuDNN, flash and
   memory-efficient backends that runs the shape (torch.nn.attention.sdpa_kernel; named in "peer").
-  Each timed call is preceded by a write of max(2 x L2, 256 MiB) (an L2 flush) and a GPU spin of
-  about --hide-us microseconds (torch.cuda._sleep), so the host's enqueue work is hidden behind GPU
-  work and the events time the GPU alone; each call is bracketed by CUDA events on the current
+  Each timed call is preceded by an L2 flush over max(2 x L2, 256 MiB) (--flush read, the default:
+  a read of that buffer, which leaves L2 full of clean lines; --flush write: a write of it, which
+  leaves L2 full of dirty lines that the timed call then pays to write back) and a GPU spin of
+  about --hide-us microseconds (torch.cuda._sleep; raised for a case whose warm-up calls take longer
+  on the host, to 1.5x the slowest of them after the first), so the host's enqueue work is hidden behind GPU work and
+  the events time the GPU alone; each call is bracketed by CUDA events on the current
   stream; the calls rotate which goes first; medians over --reps steps after --warmup untimed ones.
   The host time of one kvsieve decode call (time.perf_counter around the call, stream idle before
   it) is reported apart as host_us, and the peer's as peer_host_us.
@@ -119,6 +122,9 @@ def build_parser():
     ap.add_argument("--prefill-chunk", type=int, default=16384, help="tokens per kvsieve prefill call")
     ap.add_argument("--hide-us", type=float, default=200.0,
                     help="GPU spin before each timed call, hiding host enqueue time (0 = flush only)")
+    ap.add_argument("--flush", default="read", choices=("read", "write"),
+                    help="L2 flush before each timed call: read a large buffer (clean lines left "
+                         "behind) or write it (dirty lines left behind, written back during the call)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random tensors")
     ap.add_argument("--device", type=int, default=0, help="CUDA device")
     ap.add_argument("--no-peer-bhnd", action="store_true",
@@ -313,7 +319,9 @@ class Env:
                              "package (e.g. PYTHONPATH=build/bindings/python, configured with "
                              "-DKVS_BUILD_PYTHON=ON) or pip install it")
         self.kvsieve = kvsieve
-        self.flush_buf = torch.empty(self.flush_bytes, dtype=torch.uint8, device=self.device)
+        self.flush_buf = torch.zeros(self.flush_bytes, dtype=torch.uint8, device=self.device)
+        self.flush_words = self.flush_buf.view(torch.int64)
+        self.flush_mode = args.flush
         self.gqa = self._has_enable_gqa()
         self.spin_cycles, self.flush_us = 0, None
         if self.cuda:
@@ -322,6 +330,8 @@ class Env:
             if sleep is not None and args.hide_us > 0:
                 us = self._gpu_us(lambda: sleep(1 << 20))
                 self.spin_cycles = int((1 << 20) * args.hide_us / us) if us > 0 else 0
+                self.cycles_per_us = (1 << 20) / us if us > 0 else 0.0
+        self.case_spin_us = args.hide_us if self.spin_cycles else 0.0  # raised per case, see run_case
 
     def _gpu_us(self, fn, reps=5):
         """Median GPU time of fn() in microseconds (CUDA events)."""
@@ -347,9 +357,12 @@ class Env:
 
     def flush(self):
         """Before a timed call: evict L2, then keep the GPU busy while the host enqueues the call."""
-        self.flush_buf.zero_()
+        if self.flush_mode == "read":
+            self.flush_sink = self.flush_words.sum()  # reads every line; writes one word
+        else:
+            self.flush_buf.zero_()
         if self.spin_cycles:
-            self.torch.cuda._sleep(self.spin_cycles)
+            self.torch.cuda._sleep(max(self.spin_cycles, int(self.case_spin_us * self.cycles_per_us)))
 
     def pair(self):
         return _EventPair(self.torch) if self.cuda else _ClockPair()
@@ -533,9 +546,17 @@ def run_case(env, args, case):
         if peer_b is not None:
             calls.append(("peer_bhnd", peer_b, lambda j: peer_b(q4[j])))
         pairs = {name: [env.pair() for _ in range(args.reps)] for name, _, _ in calls}
+        env.case_spin_us = args.hide_us if env.spin_cycles else 0.0
+        warm_host = []
         for i in range(args.warmup + args.reps):
             j = 1 + i
             r = i % len(calls)
+            if i == args.warmup and warm_host and env.spin_cycles:
+                # The spin must outlast the host's enqueue of one call, or the events time host work:
+                # raised for this case to 1.5x the slowest warm-up call's host time (less the flush;
+                # the first call, which sets things up once, left out).
+                slowest = max(warm_host[1:] or warm_host)
+                env.case_spin_us = max(args.hide_us, 1.5 * slowest - (env.flush_us or 0.0))
             for name, p, fn in calls[r:] + calls[:r]:
                 env.flush()
                 with (p.ctx() if p is not None else contextlib.nullcontext()):
@@ -545,7 +566,10 @@ def run_case(env, args, case):
                         fn(j)
                         pr.stop()
                     else:
+                        t0 = time.perf_counter()
                         fn(j)
+                        if name == "kvsieve":
+                            warm_host.append((time.perf_counter() - t0) * 1e6)
         env.sync()
         med = {name: statistics.median(pr.us() for pr in prs) for name, prs in pairs.items()}
 
@@ -567,7 +591,7 @@ def run_case(env, args, case):
 
         hidden = None
         if env.cuda:  # did the GPU work queued before each timed call outlast the host's enqueue?
-            ahead = (env.flush_us or 0.0) + (args.hide_us if env.spin_cycles else 0.0)
+            ahead = (env.flush_us or 0.0) + env.case_spin_us
             hidden = host_us <= ahead
             if not hidden:
                 print(f"    warning: a kvsieve call takes {host_us:.0f} us on the host, more than the "
@@ -581,7 +605,7 @@ def run_case(env, args, case):
               f"prefill {prefill_ms:.0f} ms, index {index_ms:.0f} ms; kvsieve context {N + 1}..{ctx_end}",
               flush=True)
         return make_row(case, args.placement, step_us=med["kvsieve"], peer=peer.name, peer_us=med["peer"],
-                        host_us=host_us, max_abs_err=max_abs, rel_err=rel, lse_abs_err=lse_err, check=check,
+                        host_us=host_us, gpu_spin_us=env.case_spin_us, max_abs_err=max_abs, rel_err=rel, lse_abs_err=lse_err, check=check,
                         peer_host_us=peer_host_us, host_hidden=hidden,
                         peer_bhnd=peer_b.name if peer_b else None,
                         peer_bhnd_us=med.get("peer_bhnd"),
@@ -592,8 +616,8 @@ def run_case(env, args, case):
 def run_all(args):
     env = Env(args)
     kvs, torch = env.kvsieve, env.torch
-    hide = (f"{env.flush_us:.0f} us L2 flush ({env.flush_bytes >> 20} MiB)" if env.flush_us is not None
-            else f"L2 flush ({env.flush_bytes >> 20} MiB)")
+    hide = (f"{env.flush_us:.0f} us L2 flush ({env.flush_mode}, {env.flush_bytes >> 20} MiB)"
+            if env.flush_us is not None else f"L2 flush ({env.flush_mode}, {env.flush_bytes >> 20} MiB)")
     hide += f" + {args.hide_us:g} us GPU spin" if env.spin_cycles else " (no GPU spin)" if env.cuda else ""
     print(f"gpu_bench: {env.device_name}, torch {torch.__version__}, kvsieve {kvs.version()}, "
           f"{args.hq} q / {args.hkv} kv heads, d {args.d}, {args.dtype}; medians of {args.reps} steps after "
@@ -626,6 +650,7 @@ def run_all(args):
         "kvsieve": kvs.version(), "placement": args.placement, "dtype": args.dtype,
         "q_heads": args.hq, "kv_heads": args.hkv, "head_dim": args.d, "reps": args.reps,
         "warmup": args.warmup, "host_reps": args.host_reps, "l2_flush_bytes": env.flush_bytes,
+        "l2_flush": env.flush_mode,
         "l2_flush_us": env.flush_us, "gpu_spin_us": args.hide_us if env.spin_cycles else 0,
         "enable_gqa": env.gqa})
     print()

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// CUDA graphs of the decode step (src/backends/cuda/placement.cpp): batches of full and streaming
-// sessions decoded through kvs_batch_plan/kvs_batch_decode, captured (the default) against the
+// CUDA graphs of the decode step (src/backends/cuda/placement.cpp): batches of full, streaming and
+// quest sessions decoded through kvs_batch_plan/kvs_batch_decode, captured (the default) against the
 // same sessions decoded eagerly (KVS_CUDA_GRAPHS=0 when they were created) and against a float64
 // reference over the bf16-rounded K/V. Many steps, so the context crosses capacity buckets (a
 // recapture each time); two layers (a graph each); output and LSE buffers that change mid-run (the
@@ -170,8 +170,8 @@ void run(const char* method, int B, int layers, int hq, int hkv, int d, int64_t 
       cudaMemcpyAsync(hle.data(), le, hle.size() * 4, cudaMemcpyDeviceToHost, stream);
       cudaStreamSynchronize(stream);
       for (size_t i = 0; i < hg.size(); ++i) worst_ge = std::max(worst_ge, double(std::fabs(hg[i] - he[i])));
-      // float64 reference: the keys the method attends (full: all; streaming: the session's last
-      // selection, checked equal between the two sets).
+      // float64 reference: the keys the method attends (the session's last selection, checked equal
+      // between the two sets).
       for (int b = 0; b < B; ++b) {
         const int64_t n = n0 + 61 * b + s + 1;
         std::vector<int64_t> keys;
@@ -246,6 +246,10 @@ int run_graph_tests(bool small) {
   run("full", 3, 2, 8, 2, 64, 450, steps, 0.0);
   run("streaming", 1, 2, 16, 4, 128, 300, steps, 0.05);
   run("streaming", 3, 1, 32, 8, 128, 1200, steps, 0.1);
+  // quest: a page folded into the bounds every 16 steps (before the replay), the page capacity of
+  // the selection in steps of 256 keys.
+  run("quest", 1, 2, 16, 4, 128, 700, steps, 0.1);
+  run("quest", 3, 1, 32, 8, 128, 1500, steps, 0.05);
   std::printf("graph tests: %d passed, %d failed\n", g_pass, g_fail);
   return g_fail;
 }

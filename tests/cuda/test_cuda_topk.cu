@@ -240,10 +240,10 @@ void run_rows_tests() {
   run_rows("k==len", {4096, 4096}, 4096, 4096, 4096, 0, kSoftmax);
   run_rows("many rows", std::vector<int>(64, 4096), 4096, 100, 4100, 0, kSoftmax);
   run_rows("many rows ties", std::vector<int>(40, 5000), 5000, 333, 5000, 0, kTies);
-  // Around the one-CTA path's limit (32768 scores; 4 to 32 keys per thread) and a Quest-like row
+  // Around the one-CTA path's limit (16384 scores; 4 to 16 keys per thread) and a Quest-like row
   // (8191 page scores, +inf pads past the candidates).
-  run_rows("short rows at the limit", {32768, 32767, 1000, 0}, 32768, 1638, 32768, 0, kTies);
-  run_rows("one past the short-row limit", {32769, 5}, 32769, 1638, 32769, 0, kSpecial);
+  run_rows("short rows at the limit", {16384, 16383, 1000, 0}, 16384, 819, 16384, 0, kTies);
+  run_rows("one past the short-row limit", {16385, 5}, 16385, 819, 16385, 0, kSpecial);
   run_rows("short rows, 4 keys per thread", {4096, 4095, 4093}, 4096, 205, 4097, 1, kTies);
   run_rows("short rows, all equal", {8191, 8000}, 8191, 409, 8192, 0, kAllEqual);
   run_rows("8x128K", std::vector<int>(8, 131072), 131072, 6554, 131072, 0, kSoftmax);
@@ -629,6 +629,55 @@ void run_error_tests() {
   report(kvs::cuda::topk_rows_workspace_bytes(8, 131072, 6554) == 0, "topk_rows needs no workspace", "");
 }
 
+// Informational (no pass/fail): microseconds per topk_rows call, 200 calls back to back, for Quest's
+// page rows (8 or 64 rows of 8602 scores, k 409) and exact_topk's (8 x 128K, k 6554), on the
+// automatic path and with each cluster size forced.
+void run_rows_timing() {
+  struct Shape {
+    int rows, len, k;
+  };
+  for (Shape sh : {Shape{8, 8602, 409}, Shape{-8, 8602, 409}, Shape{64, 8602, 409}, Shape{8, 16384, 819},
+                   Shape{8, 32768, 1638}, Shape{8, 131072, 6554}}) {
+    const bool sorted = sh.rows < 0;  // rows = -R: R rows of ascending scores (long runs of one digit)
+    sh.rows = std::abs(sh.rows);
+    std::vector<float> h(size_t(sh.rows) * sh.len);
+    std::mt19937 gen(5);
+    std::normal_distribution<float> nd(3.f, 0.5f);
+    for (auto& x : h) x = nd(gen);
+    if (sorted)
+      for (int r = 0; r < sh.rows; ++r) std::sort(h.begin() + size_t(r) * sh.len, h.begin() + size_t(r + 1) * sh.len);
+    Buf d_sc, d_idx(size_t(sh.rows) * sh.k * 4);
+    upload(d_sc, h);
+    std::string line = "topk_rows timing rows=" + std::to_string(sh.rows) + " len=" + std::to_string(sh.len) +
+                       " k=" + std::to_string(sh.k) + (sorted ? " sorted" : "") + ":";
+    for (int force : {0, 1, 2, 4, 8, 16}) {
+      kvs::cuda::detail::set_topk_tuning(force, 0);
+      auto call = [&] {
+        return kvs::cuda::topk_rows(d_sc.as<float>(), sh.len, nullptr, sh.rows, sh.len, sh.k, d_idx.as<int32_t>(),
+                                    nullptr, {}, nullptr);
+      };
+      if (!call().ok()) continue;
+      cudaEvent_t e0, e1;
+      TCK(cudaEventCreate(&e0));
+      TCK(cudaEventCreate(&e1));
+      TCK(cudaEventRecord(e0, nullptr));
+      for (int i = 0; i < 200; ++i) (void)call();
+      TCK(cudaEventRecord(e1, nullptr));
+      TCK(cudaEventSynchronize(e1));
+      float ms = 0.f;
+      TCK(cudaEventElapsedTime(&ms, e0, e1));
+      TCK(cudaEventDestroy(e0));
+      TCK(cudaEventDestroy(e1));
+      char buf[64];
+      std::snprintf(buf, sizeof buf, " %s %.1f us", force == 0 ? "auto" : ("C=" + std::to_string(force)).c_str(),
+                    ms * 1e3f / 200.f);
+      line += buf;
+    }
+    kvs::cuda::detail::set_topk_tuning(0, 0);
+    std::printf("%s\n", line.c_str());
+  }
+}
+
 }  // namespace
 
 int run_topk_passed() { return g_pass; }
@@ -640,6 +689,7 @@ int run_topk_tests(bool small) {
   run_rows_tests();
   run_scores_tests();
   run_graph_test();
+  if (!small) run_rows_timing();
   std::printf("topk tests: %d passed, %d failed\n", g_pass, g_fail);
   return g_fail;
 }

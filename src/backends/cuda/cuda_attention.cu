@@ -869,6 +869,8 @@ constexpr int kNumVariants = 4;
 std::atomic<int> g_variant{0};
 std::atomic<bool> g_merge_pdl{true};
 std::atomic<int> g_min_chunk{kMinChunk};  // fewest keys a split is worth (benchmark knob)
+constexpr int kNumGatherVariants = 6;
+std::atomic<int> g_gather_variant{0};  // gathered bf16, d 128, G 4: pipeline shape (benchmark knob)
 
 // CTAs per SM (> 0) for kernel fn, or -cudaError_t. Set up once per instantiation and process
 // (assumes every GPU in the process is the same model).
@@ -919,8 +921,11 @@ struct MmaDecodeKernel {
 // the CUDA-core one (8 warps x 3 stages) for G <= 2 (MHA: 483 vs 491 us); the tensor-core kernel
 // runs 4 warps x 4 stages for d <= 128 (paged, 128K, G=4 on an H100: 194.9 vs 197.3 us with
 // pages of 256, 201.4 vs 205.7 with pages of 16, against 4 x 3) and 4 x 3 for d = 256 (4 x 4
-// would exceed an SM's shared memory). Gathered decode keeps the CUDA-core kernel (4 x 4) up to
-// 4 heads (and for per-query-head lists, GT = 1) and the tensor-core one (4 x 3) above.
+// would exceed an SM's shared memory). Gathered decode runs the CUDA-core kernel (4 x 4) for groups
+// of 1 or 2 heads (and for per-query-head lists, GT = 1), the tensor-core kernel with 4 warps x 2
+// stages for 4 (5% of 128K and 512K in 16-token runs on an H100: 26.9 vs 30.4 and 60.7 vs 64.3 us
+// against the CUDA-core 4 x 4, the best of six shapes, bench/cuda_sdpa_compare.py --gathered-only)
+// and 4 x 3 for 8.
 template <typename T, int D, int GT, bool GATHER, typename F>
 Status with_kernel(F&& f) {
   if constexpr (std::is_same_v<T, __nv_bfloat16> && !GATHER) {
@@ -931,8 +936,19 @@ Status with_kernel(F&& f) {
       default: break;
     }
   }
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && GATHER && D == 128 && GT == 4) {
+    switch (g_gather_variant.load(std::memory_order_relaxed)) {  // benchmark knob: pipeline shapes
+      case 1: return f(DecodeKernel<T, D, GT, GATHER, 4, 2>{});
+      case 2: return f(DecodeKernel<T, D, GT, GATHER, 8, 2>{});
+      case 3: return f(MmaDecodeKernel<T, D, GATHER, 4, 3>{});
+      case 4: return f(DecodeKernel<T, D, GT, GATHER, 4, 4>{});
+      case 5: return f(DecodeKernel<T, D, GT, GATHER, 2, 4>{});
+      default: break;
+    }
+  }
   if constexpr (GATHER) {
     if constexpr (GT == 8) return f(MmaDecodeKernel<T, D, GATHER, 4, 3>{});
+    else if constexpr (GT == 4) return f(MmaDecodeKernel<T, D, GATHER, 4, 2>{});
     else return f(DecodeKernel<T, D, GT, GATHER, 4, 4>{});
   } else {
     if constexpr (GT >= 4) return f(MmaDecodeKernel<T, D, GATHER, 4, (D == 256 ? 3 : 4)>{});
@@ -1231,6 +1247,11 @@ namespace detail {
 bool set_dense_variant(int variant) noexcept {
   if (variant < 0 || variant >= kNumVariants) return false;
   g_variant.store(variant, std::memory_order_relaxed);
+  return true;
+}
+bool set_gather_variant(int variant) noexcept {
+  if (variant < 0 || variant >= kNumGatherVariants) return false;
+  g_gather_variant.store(variant, std::memory_order_relaxed);
   return true;
 }
 void set_merge_pdl(bool on) noexcept { g_merge_pdl.store(on, std::memory_order_relaxed); }

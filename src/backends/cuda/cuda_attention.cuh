@@ -93,8 +93,9 @@ struct Workspace {
 // ceil(G/8) CTAs) so K and V are read once per KV head; a second kernel merges the chunks (skipped
 // when one chunk suffices; launched as a programmatic dependent launch so its start overlaps the
 // first kernel's tail). Two launches at most, no host sync, no allocation. Groups of 3 or more
-// heads (gathered decode: 5 or more) run on tensor cores (mma.sync, q and p split into hi+lo
-// 16-bit parts, fp32 accumulation): with fp16 KV there, |q * scale * log2(e)| must stay below 65504.
+// heads (here and in gathered decode's per-KV-head lists) run on tensor cores (mma.sync, q and p
+// split into hi+lo 16-bit parts, fp32 accumulation): with fp16 KV there, |q * scale * log2(e)| must
+// stay below 65504.
 size_t dense_decode_workspace_bytes(const AttnShape& shape, int32_t max_length) noexcept;
 Status dense_decode(const AttnShape& shape, const Query& q, const PagedKv& kv, Scalar kv_dtype,
                     const int32_t* lengths, int32_t max_length, const Output& out,
@@ -136,6 +137,11 @@ namespace detail {
 // Process-wide kernel variant for the bf16 dense path (0 = default). For benchmarking and tests
 // only; not meant to be called by the library. Returns false for an unknown variant.
 bool set_dense_variant(int variant) noexcept;
+// Process-wide pipeline shape of gathered decode for bf16, d 128, groups of 4 (0 = the default,
+// tensor cores with 4 warps x 2 stages; 1: CUDA cores 4 x 2; 2: CUDA cores 8 x 2; 3: tensor cores
+// 4 x 3; 4: CUDA cores 4 x 4, the default before; 5: CUDA cores 2 x 4). For benchmarking only.
+// Returns false for an unknown variant.
+bool set_gather_variant(int variant) noexcept;
 // Process-wide: launch the chunk-merge kernel as a programmatic dependent launch (default true)
 // or as a plain launch. For benchmarking only.
 void set_merge_pdl(bool on) noexcept;

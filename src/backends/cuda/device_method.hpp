@@ -78,7 +78,8 @@ class DeviceMethod {
                       const DevicePlan& plan, const void* args, int32_t* idx, int32_t* cnt,
                       const cuda::Workspace& ws) = 0;
   // True when a step can be captured in a CUDA graph and replayed for later tokens: for a decode
-  // token on_tokens launches nothing, and select() launches the same kernels with the same
+  // token on_tokens launches only work that reads tokens stored before that token (it runs in
+  // stream order before the replay, while the token is appended by the replay), and select() launches the same kernels with the same
   // arguments for every step with the same plan capacities (DeviceStep::max_length, the plan's
   // max_selected, workspace), reading every per-token value from device memory (lengths,
   // budget_keys, the uploaded args, and the query through DeviceStep::q.at, which is set in a

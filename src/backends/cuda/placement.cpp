@@ -405,7 +405,9 @@ class CudaPlacement final : public Placement {
     };
     try {
       if (graph) {
-        advance(ps, layer, t.stream, advanced);  // host bookkeeping only: capturable methods launch nothing here
+        // Before the replay, in stream order: a capturable method's on_tokens launches only work on
+        // tokens stored before this step (quest folds a page it no longer writes).
+        advance(ps, layer, t.stream, advanced);
         auto& key = graph_key_scratch_;
         key.clear();
         for (auto* c : ps) key.push_back(uintptr_t(c));

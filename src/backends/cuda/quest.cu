@@ -201,6 +201,7 @@ __global__ void __launch_bounds__(kThreads) bounds_kernel(BoundsArgs a) {
 // ---- 2. page scores --------------------------------------------------------------------------
 struct ScoreArgs {
   const void* q;
+  const void* const* q_at;  // null, or device: the query's address, read at run time (graphs)
   int32_t q_f32;
   const void* const* bounds;
   const int32_t* lengths;
@@ -290,6 +291,7 @@ __global__ void __launch_bounds__(kThreads) score_kernel(ScoreArgs a) {
 
   // Query vectors of this KV head's group.
   const bool f32 = a.q_f32 != 0;
+  const void* qbase = a.q_at ? *a.q_at : a.q;
   const size_t q0 = (size_t(b) * a.hkv * a.G + size_t(h) * a.G) * D;
   // (Loops kept rolled: the first tile's loads hold their registers meanwhile.)
 #pragma unroll 1
@@ -299,7 +301,7 @@ __global__ void __launch_bounds__(kThreads) score_kernel(ScoreArgs a) {
     float P = 0.f, N = 0.f;
 #pragma unroll 1
     for (int g = g0; g < g1; ++g) {
-      const float x = load_q<T>(a.q, f32, q0 + size_t(g) * D + i);
+      const float x = load_q<T>(qbase, f32, q0 + size_t(g) * D + i);
       P += fmaxf(x, 0.f);
       N += fminf(x, 0.f);
     }
@@ -555,7 +557,7 @@ Status quest_select(const AttnShape& shape, const Query& q, Scalar kv_dtype, con
                     int32_t page_size, int32_t max_want, bool per_query_head, int32_t* out_idx,
                     int32_t* out_cnt, int32_t max_selected, const Workspace& ws, void* stream) noexcept {
   if (Status s = check_common(shape, kv_dtype); !s.ok()) return s;
-  if (q.data == nullptr || (q.dtype != Scalar::F32 && q.dtype != kv_dtype))
+  if ((q.data == nullptr && q.at == nullptr) || (q.dtype != Scalar::F32 && q.dtype != kv_dtype))
     return invalid("quest_select: query must be F32 or the KV dtype");
   if (bounds == nullptr || lengths == nullptr || budget_keys == nullptr || out_idx == nullptr || out_cnt == nullptr)
     return invalid("quest_select: null pointer argument");
@@ -579,6 +581,7 @@ Status quest_select(const AttnShape& shape, const Query& q, Scalar kv_dtype, con
   if (L.k_host > 0) {
     ScoreArgs a{};
     a.q = q.data;
+    a.q_at = q.at;
     a.q_f32 = q.dtype == Scalar::F32;
     a.bounds = bounds;
     a.lengths = lengths;

@@ -43,7 +43,8 @@ Status quest_update_bounds(const AttnShape& shape, const PagedKv& kv, Scalar kv_
 // written ascending to out_idx[(b*H + r) * max_selected + i], i < out_cnt[b*H + r]; the rest of
 // each row is -1. A sequence of length 0 lists nothing. Requires max_selected >= max_want *
 // page_size (host: every list fits) and max_length >= 1.
-// Query: [B, Hq, d], F32 or the KV dtype. The bound is computed as
+// Query: [B, Hq, d], F32 or the KV dtype (by address or through q.at, as in cuda_attention.cuh).
+// The bound is computed as
 //   U_p = sum_i P_i M_i + N_i m_i,  P_i = sum_g max(q_gi, 0), N_i = sum_g min(q_gi, 0)
 // (equal to the sum of the per-head bounds since M >= m), on tensor cores: P|N split into two
 // 16-bit parts (hi + lo, relative error <= 2^-18 per term for bf16, 2^-22 for fp16) against the

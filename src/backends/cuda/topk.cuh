@@ -28,8 +28,10 @@ namespace kvs::cuda {
 // keys); ties at the threshold value go to the lowest indices, so the result is deterministic.
 // Limits: k >= 1 (k = 0 is accepted: only out_cnt[r] = 0 is written), rows >= 1, 0 <= max_len,
 // row_stride >= max_len when rows > 1.
-// How: one thread-block cluster (1 to 16 CTAs of 1024 threads, chosen per (rows, max_len) from the
-// device's cluster occupancy) per row; each CTA owns a contiguous slice of the row, keeps its keys
+// How: rows of at most 16384 scores (max_len) take one CTA of 1024 threads each, the keys in
+// registers (up to 16 per thread), four passes of 8-bit digits at most, one block scan to write.
+// Longer rows take one thread-block cluster (1 to 16 CTAs of 1024 threads, chosen per (rows,
+// max_len) from the device's cluster occupancy) per row; each CTA owns a contiguous slice of the row, keeps its keys
 // in shared memory when they fit (up to 176 KB, else re-reads them from global/L2 each pass), and the
 // cluster adds its slice histograms in distributed shared memory. Three histogram passes at most
 // (fewer when the threshold bin is taken whole); each slice's counts come from its histograms; one

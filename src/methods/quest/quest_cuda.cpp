@@ -7,8 +7,12 @@
 // of the authors' kernel), which is refused here; the tables sections are the same (fp32
 // bounds), so a CPU-built index loads here and the other way round.
 //
-// The last page is always attended and never scored, so its bounds are folded in when it fills
-// (one launch per session every page_size decode steps), and before a save.
+// The last page is always attended and never scored, so its bounds are folded in once it is no
+// longer the last page: by the first decode token past it (one launch per session every page_size
+// decode steps, reading only tokens stored before that step, so it runs before a captured step's
+// launches), by an append of several tokens, and before a save. A step is graph-capturable: the
+// query is read through DeviceStep::q.at, every per-token value comes from device memory, and the
+// page capacity of the selection grows in steps of 256 keys (kWantStep).
 #ifdef KVS_HAVE_CUDA
 #include <algorithm>
 #include <cstring>
@@ -52,10 +56,14 @@ class QuestCuda final : public DeviceMethod {
   QuestCuda(const QuestCuda&) = delete;
 
   void on_tokens(uint32_t layer, const DeviceLayerView& v, int64_t t0, int64_t t1) override {
-    auto& l = layers_[layer];
-    if (t1 - t0 == 1 && t1 % page_ != 0 && l.folded <= t0) return;  // a decode token inside the last page
+    if (t1 - t0 == 1) {  // a decode token: the pages before its own are candidates from now on
+      const int64_t whole = t0 / page_ * page_;
+      if (layers_[layer].folded < whole) fold(layer, v, whole);
+      return;
+    }
     fold(layer, v, t1);
   }
+  bool capturable() const override { return true; }
   void build_index(uint32_t layer, const DeviceLayerView& v) override {
     layers_[layer].folded = 0;
     fold(layer, v, v.tokens);
@@ -86,6 +94,9 @@ class QuestCuda final : public DeviceMethod {
       max_want = std::max(max_want, want);
       p.selected.push_back(double((want - 1) * page_ + cur - skip));
     }
+    // Capacity in whole pages, grown in steps of kWantStep keys: a captured step (whose kernels
+    // take max_want as an argument) then serves every token until the budget leaves the step.
+    max_want = std::max(max_want, (max_want * page_ + kWantStep - 1) / kWantStep * kWantStep / page_);
     p.max_selected = int32_t(max_want * page_);
     max_want_ = int32_t(max_want);
     p.workspace = cuda::quest_select_workspace_bytes(st.shape, st.max_length, int32_t(page_), int32_t(max_want));
@@ -198,6 +209,8 @@ class QuestCuda final : public DeviceMethod {
     if (bg.tokens <= 0 || qm->fit_) return std::max<int64_t>(1, session_keys);  // fit: the clamped keys
     return std::min<int64_t>(bg.tokens, (n / page_ + 2) * page_);
   }
+
+  static constexpr int64_t kWantStep = 256;  // keys: see plan()
 
   size_t per_page() const { return size_t(shape_.num_kv_heads) * 2 * shape_.head_dim; }
 
