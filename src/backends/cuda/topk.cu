@@ -938,8 +938,14 @@ Status launch_scores(ScoreArgs a, bool per_head, const Workspace& ws, const Scor
   KVS_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
                "cudaDeviceGetAttribute(MultiProcessorCount)");
   auto kern = per_head ? topk_logits_kernel<T, D, GT, false> : topk_logits_kernel<T, D, GT, true>;
-  KVS_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, kScoreThreads, 0),
-               "cudaOccupancyMaxActiveBlocksPerMultiprocessor(topk_logits_kernel)");
+  // Asked once per kernel (the query costs host time on every step otherwise); 0 = not asked yet.
+  static std::atomic<int> occ_cache[2];
+  occ = occ_cache[per_head].load(std::memory_order_relaxed);
+  if (occ == 0) {
+    KVS_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, kScoreThreads, 0),
+                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor(topk_logits_kernel)");
+    occ_cache[per_head].store(std::max(occ, 1), std::memory_order_relaxed);
+  }
   const int64_t rows = int64_t(a.B) * a.Hkv * a.ngroups;
   ScorePlan pl = score_plan(rows, a.max_len, D, GT, sms, occ);
   if (const int fc = g_force_chunk.load(std::memory_order_relaxed); fc > 0) {
