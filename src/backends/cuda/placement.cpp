@@ -121,9 +121,9 @@ struct DevBuf {
   // sizes creep up with the context, and a reallocation synchronises the device.
   void reserve(size_t n, int dev) {
     if (n <= bytes && p) return;
+    n = std::max(n, bytes + bytes / 4);  // before release(), which zeroes `bytes`
     release();
     device = dev;
-    n = std::max(n, bytes + bytes / 4);
     check(cudaMalloc(&p, n ? n : 1), "cudaMalloc(workspace)");
     bytes = n;
   }
@@ -339,7 +339,9 @@ class CudaPlacement final : public Placement {
                                     : cuda::gathered_decode_workspace_bytes(st.shape, pl.max_selected, pl.per_query_head);
     const size_t kern_ws = align256(std::max(attn_ws, pl.workspace));
     if (!ws_) ws_ = std::make_shared<DevBuf>();
+    const void* ws_before = ws_->p;
     ws_->reserve(arg_bytes + table_bytes + lse_bytes + kern_ws, device_);
+    ws_allocs_ += ws_->p != ws_before;
     char* ws = static_cast<char*>(ws_->p);
     char* dargs = ws;
     float* dlse = t.lse ? reinterpret_cast<float*>(lv.mutable_base()) : reinterpret_cast<float*>(ws + arg_bytes + table_bytes);
@@ -491,6 +493,10 @@ class CudaPlacement final : public Placement {
     }
     if (name == "cuda_graph_captures" || name == "cuda_graph_launches") {
       *out = double(name == "cuda_graph_captures" ? graph_captures_ : graph_launches_);
+      return true;
+    }
+    if (name == "cuda_workspace_allocs") {  // each one synchronises the device
+      *out = double(ws_allocs_);
       return true;
     }
     return method_->stat(name, out);
@@ -740,6 +746,7 @@ class CudaPlacement final : public Placement {
   std::vector<uintptr_t> graph_key_scratch_;
   cudaStream_t cap_stream_ = nullptr;
   uint64_t graph_captures_ = 0, graph_launches_ = 0;
+  uint64_t ws_allocs_ = 0;  // step workspace (re)allocations
 
   static bool env_is(const char* name, const char* value) {
     const char* e = std::getenv(name);
