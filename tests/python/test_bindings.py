@@ -272,6 +272,56 @@ def test_torch_in_torch_out_on_the_cpu(rng):
         assert o_b.dtype == torch.bfloat16 and l_b.dtype == torch.float32
 
 
+class _ViaDLPack:
+    """Exposes a tensor only through DLPack (not a torch.Tensor, so the binding takes the DLPack path)."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def __dlpack__(self, stream=None):
+        return self.t.__dlpack__() if stream is None else self.t.__dlpack__(stream=stream)
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+
+def _contiguous_strides(shape):
+    out, s = [], 1
+    for n in reversed(shape):
+        out.append(s)
+        s *= n
+    return tuple(reversed(out))
+
+
+def test_torch_tensors_read_directly_match_dlpack(rng):
+    """The binding reads a torch.Tensor's metadata directly (a DLPack export costs ~20 us per CUDA
+    tensor); what it reads must be what DLPack says, and what it does not take must still go through
+    DLPack (requires_grad: refused there). A pending negation is refused: its memory holds the values
+    before it, and torch's DLPack export passes that memory on as it is."""
+    torch = pytest.importorskip("torch")
+    base = torch.from_numpy(rng.standard_normal((6, 4, 8)).astype(np.float32))
+    views = [base, base[:, 1], base.transpose(0, 1), base[2:], base.bfloat16(), base.half(), base[..., ::2]]
+    for t in views:
+        for output in (0, 1):
+            got = kvsieve.capi.describe_tensor(t, output)
+            ref = kvsieve.capi.describe_tensor(_ViaDLPack(t), output)
+            ref_strides = ref[5] if ref[5] is not None else _contiguous_strides(ref[4])
+            assert got[:5] == ref[:5] and got[5] == ref_strides
+            assert got[7] + got[6] == ref[7] + ref[6] == t.data_ptr()
+    with make("full") as s:
+        s.prefill(0, torch.from_numpy(rand(rng, N, HQ, D)), torch.from_numpy(rand(rng, N, HKV, D)),
+                  torch.from_numpy(rand(rng, N, HKV, D)))
+        s.build_index()
+        q, k, v = (torch.from_numpy(rand(rng, 1, h, D)[0]) for h in (HQ, HKV, HKV))
+        with pytest.raises(BufferError, match="require gradient"):
+            s.fork().decode(0, q.clone().requires_grad_(), k, v)
+        with pytest.raises(ValueError, match="q: expected a tensor without a pending negation"):
+            s.fork().decode(0, q._neg_view(), k, v)
+        o_neg, _ = s.fork().decode(0, q._neg_view().resolve_neg(), k, v)
+        o_ref, _ = s.fork().decode(0, -q, k, v)
+        np.testing.assert_array_equal(o_neg.numpy(), o_ref.numpy())
+
+
 def test_session_to_copies_the_state(rng):
     q, k, v = rand(rng, N, HQ, D), rand(rng, N, HKV, D), rand(rng, N, HKV, D)
     with make("quest", budget=0.2) as a:
