@@ -741,6 +741,36 @@ def test_trace_views_outlive_the_trace(tmp_path):
     np.testing.assert_array_equal(k, first)  # the view keeps the mapping alive
 
 
+def test_trace_bf16_through_torch_goes_into_a_session(tmp_path):
+    """A bf16 trace: NumPy sees its raw bits (uint16); kind="torch" gives torch.bfloat16 views of the
+    same memory, which a session takes as they are, and decodes as it does from float32 copies."""
+    torch = pytest.importorskip("torch")
+    path = str(tmp_path / "t16.safetensors")
+    subprocess.run([_cli(), "synth", "--out", path, "--layers", "1", "--q-heads", "4", "--kv-heads", "2",
+                    "--head-dim", "16", "--prefill", "64", "--decode", "4", "--dtype", "bf16"], check=True,
+                   capture_output=True)
+    with kvsieve.Trace(path) as t:
+        layer = t.layers[0]
+        raw = t.tensor(layer, "k")
+        assert raw.dtype == np.uint16
+        q, k, v = (t.tensor(layer, n, kind="torch") for n in ("q", "k", "v"))
+        assert k.dtype == torch.bfloat16 and tuple(k.shape) == raw.shape
+        assert k.data_ptr() == raw.__array_interface__["data"][0]  # no copy
+        np.testing.assert_array_equal(k.view(torch.int16).numpy().view(np.uint16), raw)
+        with pytest.raises(ValueError, match="kind: expected 'numpy' or 'torch'"):
+            t.tensor(layer, "k", kind="jax")
+        sessions = []
+        for conv in (lambda x: x, lambda x: x.float()):  # bf16 as given; float32 copies
+            s = kvsieve.Session(1, 4, 2, 16, method="full", kv_dtype="bfloat16")
+            s.prefill(0, conv(q[:64]), conv(k[:64]), conv(v[:64]))
+            s.build_index()
+            sessions.append(s)
+        outs = [s.decode(0, q[64].float(), k[64], v[64])[0] for s in sessions]
+        np.testing.assert_array_equal(outs[0].numpy(), outs[1].numpy())
+        for s in sessions:
+            s.close()
+
+
 # ---- the GIL -------------------------------------------------------------------------------------
 def test_gil_released_during_long_calls(rng):
     """A pure-Python thread must keep running at full speed while the main thread is inside the

@@ -602,9 +602,16 @@ class Trace:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def tensor(self, layer: int, name: str) -> _np.ndarray:
-        """A read-only NumPy view (no copy) of "q", "k", "v" of a present layer or "tokens".
-        bf16 tensors come back as a uint16 view of the raw bits."""
+    def tensor(self, layer: int, name: str, kind: str = "numpy"):
+        """A view (no copy) of "q", "k", "v" of a present layer or "tokens".
+
+        kind="numpy" (default): a read-only NumPy array; bf16 tensors come back as a uint16 view of
+        the raw bits (NumPy has no bfloat16). kind="torch": a CPU torch tensor over the same memory,
+        bf16 as torch.bfloat16, which ``Session.prefill``/``decode`` take as they are (do not write
+        to it: the trace is mapped read-only).
+        """
+        if kind not in ("numpy", "torch"):
+            raise ValueError(f"kind: expected 'numpy' or 'torch', got {kind!r}")
         if self._h is None:
             raise ValueError("trace: expected an open trace, got a closed one")
         addr, shape, strides, code, bits = self._h.tensor(int(layer), _text(name, "name"))
@@ -614,7 +621,15 @@ class Trace:
         item = bits // 8
         iface = {"version": 3, "shape": tuple(shape), "typestr": typestr, "data": (addr, True),
                  "strides": tuple(s * item for s in strides)}
-        return _np.asarray(_View(self._h, iface))
+        arr = _np.asarray(_View(self._h, iface))
+        if kind == "numpy":
+            return arr
+        import torch
+        import warnings
+        with warnings.catch_warnings():  # torch warns that the array is read-only: it is, by design
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(arr)  # keeps arr, and through it the mapping, alive
+        return t.view(torch.bfloat16) if (code, bits) == (4, 16) else t
 
 
 # ---- logging ------------------------------------------------------------------------------------
