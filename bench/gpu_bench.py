@@ -13,9 +13,9 @@ What is timed
   a read of that buffer, which leaves L2 full of clean lines; --flush write: a write of it, which
   leaves L2 full of dirty lines that the timed call then pays to write back) and a GPU spin of
   about --hide-us microseconds (torch.cuda._sleep; raised for a case whose warm-up calls take longer
-  on the host, to 1.5x the slowest of them after the first), so the host's enqueue work is hidden behind GPU work and
-  the events time the GPU alone; each call is bracketed by CUDA events on the current
-  stream; the calls rotate which goes first; medians over --reps steps after --warmup untimed ones.
+  on the host, to 1.5x the slowest of them after the first), so the host's enqueue work is hidden
+  behind GPU work and the events time the GPU alone; each call is bracketed by CUDA events on the
+  current stream; the calls rotate which goes first; medians over --reps steps after --warmup untimed ones.
   The host time of one kvsieve decode call (time.perf_counter around the call, stream idle before
   it) is reported apart as host_us, and the peer's as peer_host_us.
 
@@ -362,7 +362,7 @@ class Env:
         else:
             self.flush_buf.zero_()
         if self.spin_cycles:
-            self.torch.cuda._sleep(max(self.spin_cycles, int(self.case_spin_us * self.cycles_per_us)))
+            self.torch.cuda._sleep(int(self.case_spin_us * self.cycles_per_us))  # >= --hide-us
 
     def pair(self):
         return _EventPair(self.torch) if self.cuda else _ClockPair()
@@ -605,7 +605,8 @@ def run_case(env, args, case):
               f"prefill {prefill_ms:.0f} ms, index {index_ms:.0f} ms; kvsieve context {N + 1}..{ctx_end}",
               flush=True)
         return make_row(case, args.placement, step_us=med["kvsieve"], peer=peer.name, peer_us=med["peer"],
-                        host_us=host_us, gpu_spin_us=env.case_spin_us, max_abs_err=max_abs, rel_err=rel, lse_abs_err=lse_err, check=check,
+                        host_us=host_us, gpu_spin_us=env.case_spin_us, max_abs_err=max_abs, rel_err=rel,
+                        lse_abs_err=lse_err, check=check,
                         peer_host_us=peer_host_us, host_hidden=hidden,
                         peer_bhnd=peer_b.name if peer_b else None,
                         peer_bhnd_us=med.get("peer_bhnd"),
@@ -616,8 +617,8 @@ def run_case(env, args, case):
 def run_all(args):
     env = Env(args)
     kvs, torch = env.kvsieve, env.torch
-    hide = (f"{env.flush_us:.0f} us L2 flush ({env.flush_mode}, {env.flush_bytes >> 20} MiB)"
-            if env.flush_us is not None else f"L2 flush ({env.flush_mode}, {env.flush_bytes >> 20} MiB)")
+    hide = (f"{env.flush_us:.0f} us " if env.flush_us is not None else "") + \
+        f"L2 flush ({env.flush_mode}, {env.flush_bytes >> 20} MiB)"
     hide += f" + {args.hide_us:g} us GPU spin" if env.spin_cycles else " (no GPU spin)" if env.cuda else ""
     print(f"gpu_bench: {env.device_name}, torch {torch.__version__}, kvsieve {kvs.version()}, "
           f"{args.hq} q / {args.hkv} kv heads, d {args.d}, {args.dtype}; medians of {args.reps} steps after "

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json as _json
 import os as _os
 import threading as _threading
+import warnings as _warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
@@ -625,9 +626,8 @@ class Trace:
         if kind == "numpy":
             return arr
         import torch
-        import warnings
-        with warnings.catch_warnings():  # torch warns that the array is read-only: it is, by design
-            warnings.simplefilter("ignore", UserWarning)
+        with _warnings.catch_warnings():  # torch warns that the array is read-only: it is, by design
+            _warnings.simplefilter("ignore", UserWarning)
             t = torch.from_numpy(arr)  # keeps arr, and through it the mapping, alive
         return t.view(torch.bfloat16) if (code, bits) == (4, 16) else t
 
