@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -24,6 +25,7 @@
 
 #include "backends/cuda/cuda_attention.cuh"
 #include "crash_report.hpp"
+#include "late_copy.cuh"
 
 using kvs::cuda::Scalar;
 
@@ -326,6 +328,26 @@ struct Opt {
   float scale = -1.f;   // softmax scale (< 0: 1/sqrt(d))
   bool graph = false;   // run the call through a captured CUDA graph (after one plain warm-up)
   bool runs = false;    // gathered: select whole aligned 16-token runs (page-friendly lists)
+  bool pdl = false;     // call with pdl = true right after a slow kernel that writes the inputs
+};
+
+// With opt.pdl: stages copies of `bufs`, and returns what to enqueue before the call (poison the
+// buffers, then the late copy); the call itself must then pass pdl = true.
+struct LateInputs {
+  std::vector<std::unique_ptr<DevBuf>> stage;
+  LateCopy copy;
+  explicit LateInputs(std::initializer_list<DevBuf*> bufs) {
+    int r = 0;
+    for (DevBuf* b : bufs) {
+      stage.push_back(std::make_unique<DevBuf>(b->n));
+      CK(cudaMemcpy(stage.back()->p, b->p, b->n, cudaMemcpyDeviceToDevice));
+      copy.dst[r] = b->p;
+      copy.src[r] = stage.back()->p;
+      copy.bytes[r] = b->n;
+      ++r;
+    }
+  }
+  void enqueue(cudaStream_t st) const { CK(enqueue_late_copy(copy, st)); }
 };
 
 std::string lens_str(const std::vector<int>& lens) {
@@ -393,15 +415,18 @@ void run_dense(Scalar kvt, Scalar qt, Scalar ot, int D, int G, int Hkv, std::vec
   kvs::cuda::Query q{P.dq.p, qt};
   const auto kv = P.paged();
   kvs::cuda::Output out{dout.p, ot, dlse.as<float>()};
+  std::unique_ptr<LateInputs> late;
+  if (opt.pdl) late = std::make_unique<LateInputs>(std::initializer_list<DevBuf*>{&P.dpool, &P.dlens});
   auto r = run_call(opt, dout, dlse, [&](cudaStream_t st) {
+    if (late) late->enqueue(st);
     return kvs::cuda::dense_decode(s, q, kv, kvt, P.dlens.as<int32_t>(), maxlen, out,
-                                   kvs::cuda::Workspace{ws.p, ws.n}, st);
+                                   kvs::cuda::Workspace{ws.p, ws.n}, st, opt.pdl);
   });
   char name[256];
   std::snprintf(name, sizeof name,
-                "dense v%d kv=%s q=%s o=%s d=%d G=%d Hkv=%d P=%d B=%d lens=[%s] splits=%d%s", g_variant,
+                "dense v%d kv=%s q=%s o=%s d=%d G=%d Hkv=%d P=%d B=%d lens=[%s] splits=%d%s%s", g_variant,
                 sname(kvt), sname(qt), sname(ot), D, G, Hkv, P.P, P.B, lens_str(lens).c_str(),
-                kvs::cuda::decode_num_splits(s, maxlen, kvt), opt.graph ? " graph" : "");
+                kvs::cuda::decode_num_splits(s, maxlen, kvt), opt.graph ? " graph" : "", opt.pdl ? " pdl" : "");
   if (!r.ok()) {
     report(false, name, std::string("status ") + r.message);
     return;
@@ -472,15 +497,19 @@ void run_gathered(Scalar kvt, Scalar qt, Scalar ot, int D, int G, int Hkv, int B
   kvs::cuda::Query q{P.dq.p, qt};
   const auto kv = P.paged();
   kvs::cuda::Output out{dout.p, ot, dlse.as<float>()};
+  std::unique_ptr<LateInputs> late;
+  if (opt.pdl) late = std::make_unique<LateInputs>(std::initializer_list<DevBuf*>{&P.dpool, &didx, &dcnt});
   auto r = run_call(opt, dout, dlse, [&](cudaStream_t st) {
+    if (late) late->enqueue(st);
     return kvs::cuda::gathered_decode(s, q, kv, kvt, didx.as<int32_t>(), dcnt.as<int32_t>(),
-                                      max_sel, out, kvs::cuda::Workspace{ws.p, ws.n}, st, per_q);
+                                      max_sel, out, kvs::cuda::Workspace{ws.p, ws.n}, st, per_q, opt.pdl);
   });
   char name[256];
   std::snprintf(name, sizeof name,
-                "gathered %s kv=%s q=%s o=%s d=%d G=%d Hkv=%d P=%d B=%d cap=%d max_sel=%d%s%s",
+                "gathered %s kv=%s q=%s o=%s d=%d G=%d Hkv=%d P=%d B=%d cap=%d max_sel=%d%s%s%s",
                 per_q ? "per-q-head" : "per-kv-head", sname(kvt), sname(qt), sname(ot), D, G, Hkv,
-                P.P, B, cap, max_sel, opt.runs ? " runs16" : "", opt.graph ? " graph" : "");
+                P.P, B, cap, max_sel, opt.runs ? " runs16" : "", opt.graph ? " graph" : "",
+                opt.pdl ? " pdl" : "");
   if (!r.ok()) {
     report(false, name, std::string("status ") + r.message);
     return;
@@ -684,6 +713,19 @@ int main(int argc, char** argv) {
     run_dense(BF, F32, F32, 128, 4, 2, {M, 333, 17}, o);
     run_dense(BF, F32, BF, 256, 2, 2, {M, 1000}, o);
   }
+  // Programmatic dependent launch (pdl = true) right after a kernel that writes the KV pool and the
+  // lengths 20 us late: the decode may read only the query before that kernel ends. Eager and
+  // captured; tensor-core (G 4) and CUDA-core (G 2) kernels, split and not.
+  for (bool graph : {false, true}) {
+    Opt o = pg(16);
+    o.pdl = true;
+    o.graph = graph;
+    run_dense(BF, BF, F32, 128, 4, 2, {M, 333, 17}, o);
+    run_dense(BF, F32, BF, 128, 2, 2, {L, 1000}, o);
+    run_dense(F16, F16, F16, 64, 8, 1, {40}, o);  // one chunk: the chunk kernel writes the output
+  }
+  // Many splits per row (one KV head, one query head): the merge's loop past its first 8 per thread.
+  for (int D : {64, 128, 256}) run_dense(BF, F32, F32, D, 1, 1, {L, 3 * M}, pg(256));
   // The other dense kernel variants (bf16 only): 1 = CUDA-core 4x4 for every group size,
   // 2, 3 = tensor-core kernel for every group size (padding small groups).
   for (int v = 1; v < 4; ++v) {
@@ -743,6 +785,13 @@ int main(int argc, char** argv) {
     o.graph = true;
     run_gathered(BF, F32, F32, 128, 4, 2, 2, M, 1024, false, o);
     run_gathered(BF, F32, F32, 128, 4, 2, 2, M, 1024, true, o);
+  }
+  for (bool graph : {false, true}) {  // after a late writer of the pool, indices and counts
+    Opt o = pg(16);
+    o.pdl = true;
+    o.graph = graph;
+    run_gathered(BF, BF, F32, 128, 4, 2, 2, M, 1024, false, o);
+    run_gathered(BF, F32, F32, 128, 2, 2, 2, M, 1024, true, o);
   }
   // Merge
   for (int D : {64, 128, 256, 5}) run_merge(37, D, false);

@@ -31,6 +31,7 @@
 
 #include "backends/cuda/quest.cuh"
 #include "backends/cuda/selection.cuh"
+#include "late_copy.cuh"
 
 namespace {
 
@@ -290,6 +291,7 @@ struct SelCase {
   std::vector<int> lens, budgets;
   int want_extra = 0;  // max_want above the largest want
   int len_extra = 0;   // max_length above the longest sequence
+  bool pdl = false;    // pdl = true right after a kernel that writes sequence 0's bounds late
 };
 
 void run_select(const SelCase& sc) {
@@ -343,12 +345,28 @@ void run_select(const SelCase& sc) {
   QCK(cudaMemset(ws.p, 0x7B, ws.n));
   kvs::cuda::Query qq{dq.p, sc.qt};
   QCK(cudaDeviceSynchronize());
-  if (!status_ok(kvs::cuda::quest_select(shape, qq, sc.t, dbp.as<const void* const>(), dlen.as<int32_t>(),
-                                         dbud.as<int32_t>(), max_len, ps, max_want, sc.per_query,
-                                         oidx.as<int32_t>(), ocnt.as<int32_t>(), max_sel,
-                                         kvs::cuda::Workspace{ws.p, ws.n}, nullptr),
-                 name))
-    return;
+  cudaStream_t st = nullptr;
+  DevBuf staged;
+  if (sc.pdl) {
+    name += " pdl";
+    QCK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    staged.alloc(bounds[0].n);
+    QCK(cudaMemcpy(staged.p, bounds[0].p, bounds[0].n, cudaMemcpyDeviceToDevice));
+    LateCopy lc;
+    lc.dst[0] = bounds[0].p;
+    lc.src[0] = staged.p;
+    lc.bytes[0] = bounds[0].n;
+    QCK(enqueue_late_copy(lc, st));
+  }
+  const auto rs = kvs::cuda::quest_select(shape, qq, sc.t, dbp.as<const void* const>(), dlen.as<int32_t>(),
+                                          dbud.as<int32_t>(), max_len, ps, max_want, sc.per_query,
+                                          oidx.as<int32_t>(), ocnt.as<int32_t>(), max_sel,
+                                          kvs::cuda::Workspace{ws.p, ws.n}, st, sc.pdl);
+  if (st) {
+    QCK(cudaStreamSynchronize(st));
+    QCK(cudaStreamDestroy(st));
+  }
+  if (!status_ok(rs, name)) return;
   QCK(cudaGetLastError());
   QCK(cudaDeviceSynchronize());
   const auto idx = download<int32_t>(oidx.p, size_t(B) * H * max_sel);
@@ -544,6 +562,12 @@ int run_quest_tests(bool small) {
     c.budgets = {n / 20};
     run_select(c);
     c.per_query = true;
+    run_select(c);
+    c.per_query = false;  // as a programmatic dependent launch after a late writer of the bounds
+    c.pdl = true;
+    run_select(c);
+    c.lens = {n, 700, 40};
+    c.budgets = {n / 20, 64, 30};
     run_select(c);
   }
   {

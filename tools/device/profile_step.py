@@ -7,6 +7,12 @@ For each case (method:context:batch:budget[:method_params]), sessions are prefil
 spin (so the host's enqueue is hidden) and are profiled. Prints, per case: every kernel and copy
 with its median GPU duration per step, their sum, and the median span of a step (first start to
 last end on the GPU), so the gap between the sum and the span is launch latency and idle time.
+--timeline adds the kernels of the median-span step with their start and end relative to its first
+start (overlaps and gaps show there). --ncu runs the steps without torch.profiler inside an NVTX
+range named kvs_steps, for Nsight Compute:
+
+  ncu --nvtx --nvtx-include "kvs_steps/" --clock-control none --section SpeedOfLight \
+      python tools/device/profile_step.py quest:131072:1:0.05 --steps 2 --ncu
 
   python tools/device/profile_step.py quest:131072:1:0.05:page_size=16 exact_topk:131072:1:0.05 full:8192:1:0
 Needs torch with CUDA and the kvsieve binding on PYTHONPATH (tools/device/gpu_check.sh STEPS=profile).
@@ -21,6 +27,8 @@ def main(argv):
     ap.add_argument("cases", nargs="+")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch-api", action="store_true", help="kvs_batch_plan + kvs_batch_decode per step")
+    ap.add_argument("--timeline", action="store_true", help="print the median-span step's kernels with start/end")
+    ap.add_argument("--ncu", action="store_true", help="no profiler: the steps inside an NVTX range kvs_steps")
     a = ap.parse_args(argv)
     import torch
     import kvsieve as kvs
@@ -62,6 +70,17 @@ def main(argv):
         for j in range(5):
             step(j)
         torch.cuda.synchronize()
+        if a.ncu:
+            torch.cuda.nvtx.range_push("kvs_steps")
+            for j in range(5, S):
+                step(j)
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_pop()
+            print(f"== {case}: {a.steps} steps in the NVTX range kvs_steps")
+            for s in ss:
+                s.close()
+            del batch
+            continue
         marks = []
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for j in range(5, S):
@@ -98,6 +117,13 @@ def main(argv):
         for k_, v_ in sorted(per.items(), key=lambda kv: -statistics.median(kv[1])):
             print(f"   {statistics.median(v_):8.1f} us  x{len(v_):3d}  {k_[:110]}")
         print(f"   sum of kernels {statistics.median(sums):.1f} us, step span {statistics.median(spans):.1f} us")
+        if a.timeline and spans:
+            med = sorted(range(len(spans)), key=lambda i: spans[i])[len(spans) // 2]
+            st = [x for x in steps if x][med]
+            t0 = st[0].time_range.start
+            print(f"   timeline of the median step (span {spans[med]:.1f} us): start..end us, kernel")
+            for e in st:
+                print(f"   {e.time_range.start - t0:7.1f}..{e.time_range.end - t0:7.1f}  {e.name[:100]}")
         for s in ss:
             s.close()
         del batch

@@ -141,6 +141,7 @@ struct DecodeArgs {
   float* lse_part;  // [B * Hq, nsplit]
   const void* const* q_at;  // null, or device: the query's address, read at run time (graphs)
   void* const* o_at;        // null, or device [2]: o then lse addresses, read at run time
+  int32_t pdl;              // host: the chunk kernel is a programmatic dependent launch
 };
 
 // The caller's tensors: a captured graph passes their addresses in device memory (q_at, o_at), so
@@ -285,30 +286,6 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_kernel(const DecodeArgs 
   const int start = split * a.chunk;
   auto tile_base = [&](int j) { return start + (warp + j * NW) * R; };
 
-  KeySource<T, D, GATHER, R> src{a, b, (kvh << a.page_shift) * D, (1 << a.page_shift) - 1, nullptr, 0};
-  int len;
-  int ixp[STAGES];  // gathered: the lane's index of the first STAGES tiles
-  if constexpr (GATHER) {
-    const int64_t lrow = a.per_q ? int64_t(b) * a.Hq + kvh * a.G + g0 : int64_t(b) * a.Hkv + kvh;
-    src.idx = a.indices + lrow * a.max_tokens;
-    len = a.lengths[lrow];
-    // Loaded before the count arrives (every slot below max_selected is readable): the count,
-    // index and query loads share one round trip.
-    const int bound = min(a.max_tokens, start + a.chunk);
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) ixp[s] = src.load_index(tile_base(s), lane, bound);
-  } else {
-    len = a.lengths[b];
-  }
-  len = min(max(len, 0), a.max_tokens);
-  const int end = min(len, start + a.chunk);
-  src.end = end;
-
-  if (start >= end) {  // uniform over the CTA
-    cta_write_empty<T, D, GT, NW>(a, b, kvh, g0);
-    return;
-  }
-
   // Query heads of this CTA, pre-scaled into base 2. Heads past the group get q = 0 (discarded).
   float qr[GT][8];
   const void* const qbase = q_of(a);
@@ -323,6 +300,33 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_kernel(const DecodeArgs 
 #pragma unroll
       for (int j = 0; j < 8; ++j) qr[g][j] = 0.f;
     }
+  }
+
+  // As a programmatic dependent launch (a.pdl) the query loads above ran while the previous kernel
+  // (the KV append, the selection) finished; nothing below may be read before it has.
+  pdl_wait();
+  KeySource<T, D, GATHER, R> src{a, b, (kvh << a.page_shift) * D, (1 << a.page_shift) - 1, nullptr, 0};
+  int len;
+  int ixp[STAGES];  // gathered: the lane's index of the first STAGES tiles
+  if constexpr (GATHER) {
+    const int64_t lrow = a.per_q ? int64_t(b) * a.Hq + kvh * a.G + g0 : int64_t(b) * a.Hkv + kvh;
+    src.idx = a.indices + lrow * a.max_tokens;
+    len = a.lengths[lrow];
+    // Loaded before the count arrives (every slot below max_selected is readable): the count
+    // and index loads share one round trip.
+    const int bound = min(a.max_tokens, start + a.chunk);
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) ixp[s] = src.load_index(tile_base(s), lane, bound);
+  } else {
+    len = a.lengths[b];
+  }
+  len = min(max(len, 0), a.max_tokens);
+  const int end = min(len, start + a.chunk);
+  src.end = end;
+
+  if (start >= end) {  // uniform over the CTA
+    cta_write_empty<T, D, GT, NW>(a, b, kvh, g0);
+    return;
   }
 
   const int ntiles = (end - start + R - 1) / R;
@@ -580,28 +584,6 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_mma_kernel(const DecodeA
   const int start = split * a.chunk;
   auto tile_base = [&](int j) { return start + (warp + j * NW) * R; };
 
-  KeySource<T, D, GATHER, R> src{a, b, (kvh << a.page_shift) * D, (1 << a.page_shift) - 1, nullptr, 0};
-  int len;
-  int ixp[STAGES];  // gathered: the lane's index of the first STAGES tiles
-  if constexpr (GATHER) {
-    // Per-KV-head lists only (per-query-head lists run the CUDA-core kernel with GT = 1).
-    const int64_t lrow = int64_t(b) * a.Hkv + kvh;
-    src.idx = a.indices + lrow * a.max_tokens;
-    len = a.lengths[lrow];
-    const int bound = min(a.max_tokens, start + a.chunk);
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) ixp[s] = src.load_index(tile_base(s), lane, bound);
-  } else {
-    len = a.lengths[b];
-  }
-  len = min(max(len, 0), a.max_tokens);
-  const int end = min(len, start + a.chunk);
-  src.end = end;
-  if (start >= end) {
-    cta_write_empty<T, D, GT, NW>(a, b, kvh, g0);
-    return;
-  }
-
   // A fragments of q (pre-scaled into base 2), hi and lo parts; head g0 + qr_ (zero past G).
   uint32_t qa_hi[KS][2], qa_lo[KS][2];
   {
@@ -627,6 +609,29 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_mma_kernel(const DecodeA
         x1 = live ? x1 * a.qmul : 0.f;
         split2<T>(x0, x1, qa_hi[ks][h], qa_lo[ks][h]);
       }
+  }
+
+  pdl_wait();  // a programmatic dependent launch: the query setup above overlapped the previous kernel
+  KeySource<T, D, GATHER, R> src{a, b, (kvh << a.page_shift) * D, (1 << a.page_shift) - 1, nullptr, 0};
+  int len;
+  int ixp[STAGES];  // gathered: the lane's index of the first STAGES tiles
+  if constexpr (GATHER) {
+    // Per-KV-head lists only (per-query-head lists run the CUDA-core kernel with GT = 1).
+    const int64_t lrow = int64_t(b) * a.Hkv + kvh;
+    src.idx = a.indices + lrow * a.max_tokens;
+    len = a.lengths[lrow];
+    const int bound = min(a.max_tokens, start + a.chunk);
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) ixp[s] = src.load_index(tile_base(s), lane, bound);
+  } else {
+    len = a.lengths[b];
+  }
+  len = min(max(len, 0), a.max_tokens);
+  const int end = min(len, start + a.chunk);
+  src.end = end;
+  if (start >= end) {
+    cta_write_empty<T, D, GT, NW>(a, b, kvh, g0);
+    return;
   }
 
   const int ntiles = (end - start + R - 1) / R;
@@ -779,68 +784,86 @@ constexpr int mma_smem_bytes() {
   constexpr int red = NW * 8 * (D + 2) * 4;
   return pipe > red ? pipe : red;
 }
-// Block-wide reductions for 128 threads.
-template <bool MAX>
-__device__ __forceinline__ float block_reduce128(float x, float* sh) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const float y = __shfl_xor_sync(0xffffffffu, x, off);
-    x = MAX ? fmaxf(x, y) : x + y;
-  }
-  __syncthreads();
-  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = x;
-  __syncthreads();
-  float r = sh[0];
-#pragma unroll
-  for (int w = 1; w < 4; ++w) r = MAX ? fmaxf(r, sh[w]) : r + sh[w];
-  return r;
-}
-
 // How the merge kernel finds a row's key count: dense lengths [B], per-KV-head counts [B, Hkv],
 // per-query-head counts [B, Hq].
 enum ListMode : int { kDense = 0, kPerKvHead = 1, kPerQHead = 2 };
 
-// Combines the chunk partials of one (sequence, query head) row. grid B*Hq, block 128.
+// (m, l) pairs of a log-sum-exp in pieces: the sum of e^(x - m) over a set is l; -inf, 0 is empty.
+__device__ __forceinline__ void lse_combine(float& m, float& l, float m2, float l2) {
+  const float M = fmaxf(m, m2);
+  if (M == -INFINITY) return;  // both empty
+  l = l * expf(m - M) + l2 * expf(m2 - M);
+  m = M;
+}
+
+// Combines the chunk partials of one (sequence, query head) row. grid B*Hq, block 128. It runs as
+// the chunk kernel's programmatic dependent: its CTAs wait at pdl_wait for the partials, so what
+// follows is the merge's whole latency. Every load goes out at once (the row's key count, one lse
+// per thread for the row's LSE, and the lse and o partial of this thread's first U splits; slots
+// past the count hold stale values and are masked once the count is known), the LSE is reduced
+// in (max, sum) pairs by shuffles and one shared-memory exchange, then the weighted sum.
 template <typename T, int D>
 __global__ void __launch_bounds__(128) decode_merge_kernel(const DecodeArgs a, int mode) {
-  extern __shared__ float wgt[];  // [nsplit]
-  __shared__ float red[4];
+  constexpr int TPRm = D / 4, P = 128 / TPRm, U = 8;
+  __shared__ float2 red[4];
   __shared__ float4 part[128];
   pdl_wait();  // the chunk kernel's partials are complete and visible past this point
   const int64_t row = blockIdx.x;
   const int b = int(row / a.Hq), h = int(row % a.Hq);
-  int len = mode == kDense      ? a.lengths[b]
-            : mode == kPerKvHead ? a.lengths[b * a.Hkv + h / a.G]
-                                 : a.lengths[row];
-  len = min(max(len, 0), a.max_tokens);
-  const int ns = min((len + a.chunk - 1) / a.chunk, a.nsplit);
+  const int tid = threadIdx.x, cc = tid % TPRm, pr = tid / TPRm;
+  const int raw_len = mode == kDense      ? a.lengths[b]
+                      : mode == kPerKvHead ? a.lengths[b * a.Hkv + h / a.G]
+                                           : a.lengths[row];
   const float* lp = a.lse_part + row * a.nsplit;
-
-  float mx = -INFINITY;
-  for (int s = threadIdx.x; s < ns; s += 128) mx = fmaxf(mx, lp[s]);
-  mx = block_reduce128<true>(mx, red);
-  float sum = 0.f;
-  if (mx != -INFINITY)
-    for (int s = threadIdx.x; s < ns; s += 128) sum += expf(lp[s] - mx);
-  sum = block_reduce128<false>(sum, red);
-  const bool empty = !(sum > 0.f);
-  const float lse = empty ? -INFINITY : mx + logf(sum);
-  for (int s = threadIdx.x; s < ns; s += 128) wgt[s] = empty ? 0.f : expf(lp[s] - lse);
-  __syncthreads();
-
-  constexpr int TPRm = D / 4, P = 128 / TPRm;
-  const int cc = threadIdx.x % TPRm, pr = threadIdx.x / TPRm;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   const float4* op = reinterpret_cast<const float4*>(a.o_part + row * a.nsplit * D);
-  for (int s = pr; s < ns; s += P) {
-    const float w = wgt[s];
-    const float4 x = op[s * TPRm + cc];
-    acc.x = fmaf(w, x.x, acc.x);
-    acc.y = fmaf(w, x.y, acc.y);
-    acc.z = fmaf(w, x.z, acc.z);
-    acc.w = fmaf(w, x.w, acc.w);
+  const float lt = tid < a.nsplit ? lp[tid] : -INFINITY;
+  float ls[U];
+  float4 x[U];
+#pragma unroll
+  for (int i = 0; i < U; ++i) {
+    const int s = pr + P * i;
+    if (s < a.nsplit) {
+      ls[i] = lp[s];
+      x[i] = op[s * TPRm + cc];
+    } else {
+      ls[i] = -INFINITY;
+      x[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
   }
-  part[threadIdx.x] = acc;
+  const int len = min(max(raw_len, 0), a.max_tokens);
+  const int ns = min((len + a.chunk - 1) / a.chunk, a.nsplit);
+
+  float m = tid < ns ? lt : -INFINITY, l = m == -INFINITY ? 0.f : 1.f;
+  for (int s = tid + 128; s < ns; s += 128) lse_combine(m, l, lp[s], 1.f);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, off), l2 = __shfl_xor_sync(0xffffffffu, l, off);
+    lse_combine(m, l, m2, l2);
+  }
+  if ((tid & 31) == 0) red[tid >> 5] = make_float2(m, l);
+  __syncthreads();
+  m = red[0].x;
+  l = red[0].y;
+#pragma unroll
+  for (int w = 1; w < 4; ++w) lse_combine(m, l, red[w].x, red[w].y);
+  const bool empty = !(l > 0.f);
+  const float lse = empty ? -INFINITY : m + logf(l);
+
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  auto add = [&](float lsv, const float4& v) {
+    const float w = expf(lsv - lse);
+    acc.x = fmaf(w, v.x, acc.x);
+    acc.y = fmaf(w, v.y, acc.y);
+    acc.z = fmaf(w, v.z, acc.z);
+    acc.w = fmaf(w, v.w, acc.w);
+  };
+  if (!empty) {
+#pragma unroll
+    for (int i = 0; i < U; ++i)
+      if (pr + P * i < ns) add(ls[i], x[i]);
+    for (int s = pr + P * U; s < ns; s += P) add(lp[s], op[s * TPRm + cc]);  // more than U * P splits
+  }
+  part[tid] = acc;
   __syncthreads();
   if (pr == 0) {
     for (int p = 1; p < P; ++p) {
@@ -856,7 +879,7 @@ __global__ void __launch_bounds__(128) decode_merge_kernel(const DecodeArgs a, i
       o[2] = Cvt<T>::from(acc.z);
       o[3] = Cvt<T>::from(acc.w);
     }
-    if (threadIdx.x == 0) lse_of(a)[row] = lse;
+    if (tid == 0) lse_of(a)[row] = lse;
   }
 }
 
@@ -1022,12 +1045,22 @@ Status launch_decode(DecodeArgs a, const AttnShape& s, const Workspace& ws, cuda
                                           align_up(rows * p.nsplit * s.head_dim * 4, 256));
   }
   if (s.num_kv_heads * a.ngroups > 65535) return unsupported("num_kv_heads too large");
-  dim3 grid(p.nsplit, s.num_kv_heads * a.ngroups, s.batch);
-  K::kernel<<<grid, K::kThreads, K::kSmem, st>>>(a);
-  KVS_LAUNCH_CHECK(K::kName);
+  {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(p.nsplit, s.num_kv_heads * a.ngroups, s.batch);
+    cfg.blockDim = dim3(K::kThreads);
+    cfg.dynamicSmemBytes = K::kSmem;
+    cfg.stream = st;
+    cfg.attrs = attr;
+    cfg.numAttrs = a.pdl ? 1 : 0;
+    KVS_CUDA_TRY(cudaLaunchKernelEx(&cfg, K::kernel, a), K::kName);
+  }
   if (p.nsplit > 1) {
     const unsigned rows = unsigned(s.batch) * unsigned(s.num_q_heads);
-    const size_t smem = size_t(p.nsplit) * sizeof(float);
+    const size_t smem = 0;
     if (g_merge_pdl.load(std::memory_order_relaxed)) {
       // Programmatic dependent launch: the merge grid is launched while the chunk grid drains.
       cudaLaunchAttribute attr[1];
@@ -1074,7 +1107,7 @@ Status dispatch_dim(const DecodeArgs& a, const AttnShape& s, const Workspace& ws
 Status decode_common(const AttnShape& s, const Query& q, const PagedKv& kv, Scalar kv_dtype,
                      const int32_t* lens, const int32_t* indices, int32_t max_tokens,
                      const Output& out, const Workspace& ws, void* stream, bool gather,
-                     bool per_q) {
+                     bool per_q, bool pdl) {
   Status e = check_shape(s);
   if (!e.ok()) return e;
   if (kv_dtype != Scalar::BF16 && kv_dtype != Scalar::F16) return unsupported("KV dtype must be BF16 or F16");
@@ -1120,6 +1153,7 @@ Status decode_common(const AttnShape& s, const Query& q, const PagedKv& kv, Scal
   a.lse = out.lse;
   a.q_at = q.at;
   a.o_at = out.at;
+  a.pdl = pdl;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (kv_dtype == Scalar::BF16)
     return gather ? dispatch_dim<__nv_bfloat16, true>(a, s, ws, st)
@@ -1194,9 +1228,9 @@ size_t dense_decode_workspace_bytes(const AttnShape& shape, int32_t max_length) 
 
 Status dense_decode(const AttnShape& shape, const Query& q, const PagedKv& kv, Scalar kv_dtype,
                     const int32_t* lengths, int32_t max_length, const Output& out,
-                    const Workspace& ws, void* stream) noexcept {
+                    const Workspace& ws, void* stream, bool pdl) noexcept {
   return decode_common(shape, q, kv, kv_dtype, lengths, nullptr, max_length, out, ws, stream,
-                       false, false);
+                       false, false, pdl);
 }
 
 size_t gathered_decode_workspace_bytes(const AttnShape& shape, int32_t max_selected,
@@ -1207,9 +1241,9 @@ size_t gathered_decode_workspace_bytes(const AttnShape& shape, int32_t max_selec
 Status gathered_decode(const AttnShape& shape, const Query& q, const PagedKv& kv, Scalar kv_dtype,
                        const int32_t* indices, const int32_t* counts, int32_t max_selected,
                        const Output& out, const Workspace& ws, void* stream,
-                       bool per_query_head) noexcept {
+                       bool per_query_head, bool pdl) noexcept {
   return decode_common(shape, q, kv, kv_dtype, counts, indices, max_selected, out, ws, stream,
-                       true, per_query_head);
+                       true, per_query_head, pdl);
 }
 
 Status merge_states(const float* o_a, const float* lse_a, const float* o_b, const float* lse_b,

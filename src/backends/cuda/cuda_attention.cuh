@@ -31,6 +31,11 @@
 //   matching *_workspace_bytes function (same shape, same device current). Size 0 means none
 //   needed (a null pointer is then fine). Workspace use is stream-ordered: one workspace must not
 //   serve two calls that can run concurrently.
+// - pdl (optional, default false): launch the first kernel as a programmatic dependent launch
+//   (sm_90) of the stream's previous kernel: it starts while that kernel runs and reads the query
+//   (and nothing else) before that kernel has completed, then waits for it. Pass true only when
+//   the previous launch on the stream does not write the query (kvsieve's own KV append does not);
+//   a kernel's later launches in one call depend on its earlier ones this way regardless.
 // - The current CUDA device (cudaGetDevice) must be the one owning every pointer.
 // - Threading: every function is safe to call concurrently from several host threads
 //   (@threadsafety any) given distinct outputs and workspaces.
@@ -99,7 +104,7 @@ struct Workspace {
 size_t dense_decode_workspace_bytes(const AttnShape& shape, int32_t max_length) noexcept;
 Status dense_decode(const AttnShape& shape, const Query& q, const PagedKv& kv, Scalar kv_dtype,
                     const int32_t* lengths, int32_t max_length, const Output& out,
-                    const Workspace& ws, void* stream) noexcept;
+                    const Workspace& ws, void* stream, bool pdl = false) noexcept;
 
 // ---- 2. Gathered decode ----------------------------------------------------------------------
 // Like dense_decode, but each query head attends only to the tokens of one index list:
@@ -118,7 +123,7 @@ size_t gathered_decode_workspace_bytes(const AttnShape& shape, int32_t max_selec
 Status gathered_decode(const AttnShape& shape, const Query& q, const PagedKv& kv, Scalar kv_dtype,
                        const int32_t* indices, const int32_t* counts, int32_t max_selected,
                        const Output& out, const Workspace& ws, void* stream,
-                       bool per_query_head = false) noexcept;
+                       bool per_query_head = false, bool pdl = false) noexcept;
 
 // ---- 3. Merge of two attention states --------------------------------------------------------
 // For each of `rows` rows (e.g. B * Hq): m = max(la, lb); lse = m + log(e^(la-m) + e^(lb-m));

@@ -43,6 +43,9 @@ struct DeviceStep {
   std::span<const int64_t> host_budget;
   int32_t max_length = 0;
   void* stream = nullptr;
+  // The stream's last launch is the step's own (the KV append, which writes no query): select()'s
+  // first kernel may be a programmatic dependent launch (the `pdl` of cuda_attention.cuh).
+  bool pdl = false;
 };
 
 // What a step needs, decided on the host before any launch.

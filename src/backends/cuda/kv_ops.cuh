@@ -18,7 +18,8 @@ Status write_kv_rows(const PagedKv& kv, int32_t b, int32_t num_kv_heads, int32_t
 // The decode step's append for a batch: token pos[b] of sequence b (device int32 [B]) gets row b of
 // k_new / v_new ([B, Hkv, d] contiguous, KV dtype). With kv_at (device [2]), their addresses are
 // read from there when the kernel runs (a captured graph whose inputs move; k_new/v_new ignored).
-// One launch.
+// One launch; it lets a programmatic dependent launch that follows start at once (such a kernel
+// waits for it before reading the KV: the `pdl` of cuda_attention.cuh).
 Status append_kv_batch(const PagedKv& kv, int32_t batch, int32_t num_kv_heads, int32_t head_dim, Scalar dtype,
                        const int32_t* pos, const void* k_new, const void* v_new, void* stream,
                        const void* const* kv_at = nullptr) noexcept;

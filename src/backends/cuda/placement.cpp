@@ -396,12 +396,16 @@ class CudaPlacement final : public Placement {
       if (!graph) advance(ps, layer, s, advanced);  // eager: the method's update in stream order
       cuda::Output out{ov.mutable_base(), cuda::Scalar(int32_t(ov.dtype)), dlse,
                        graph ? const_cast<void* const*>(dtens + 1) : nullptr};
+      // The launches before each of these are the step's own and write no query: each may start
+      // (reading the query) while the one before it ends.
+      sst.pdl = pdl_;
       if (pl.dense) {
-        check(cuda::dense_decode(st.shape, st.q, st.kv, kvdt(), st.lengths, st.max_length, out, kw, s), "dense_decode");
+        check(cuda::dense_decode(st.shape, st.q, st.kv, kvdt(), st.lengths, st.max_length, out, kw, s, pdl_),
+              "dense_decode");
       } else {
         method_->select(ms, layer, sst, pl, dargs + ints + ptrs, idx, cnt, kw);
         check(cuda::gathered_decode(st.shape, st.q, st.kv, kvdt(), idx, cnt, pl.max_selected, out, kw, s,
-                                    pl.per_query_head),
+                                    pl.per_query_head, pdl_),
               "gathered_decode");
       }
     };
@@ -742,6 +746,8 @@ class CudaPlacement final : public Placement {
   };
   static constexpr int64_t kGraphBucket = 256;  // tokens and selection slots a capture covers ahead
   bool graphs_ = !env_is("KVS_CUDA_GRAPHS", "0");
+  // Programmatic dependent launches inside a step (KVS_CUDA_PDL=0 turns them off, for comparison).
+  bool pdl_ = !env_is("KVS_CUDA_PDL", "0");
   std::vector<LayerGraph> graphs_of_;
   std::vector<uintptr_t> graph_key_scratch_;
   cudaStream_t cap_stream_ = nullptr;

@@ -60,6 +60,31 @@ std::atomic<int> g_tiles{0};  // detail::set_quest_tiles_per_warp
 
 constexpr int kThreads = 128;  // 4 warps per CTA, both kernels
 
+// Programmatic dependent launch (sm_90): a kernel launched with the attribute may start while the
+// stream's previous kernel runs; griddepcontrol.wait blocks until that kernel completed and its
+// writes are visible (a no-op after a plain launch). Every CTA of such a kernel waits before it
+// exits, so "this kernel completed" keeps implying "every earlier kernel completed" down the chain.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+// Launches kern<<<grid, block, smem, st>>>(args...), as a programmatic dependent launch when pdl.
+template <typename... P, typename... A>
+cudaError_t launch(void (*kern)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, bool pdl, A&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1]{};
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kern, std::forward<A>(args)...);
+}
+
 // ---- 16-bit element helpers --------------------------------------------------------------------
 template <typename T>
 struct Half2Of;
@@ -209,6 +234,7 @@ struct ScoreArgs {
   int32_t max_length, ps, max_want, k_host;
   int32_t hkv, G, V, RG;  // V query vectors per KV head (G per head, 1 summed), RG = ceil(V / 8)
   int32_t tiles;          // tiles of 8 pages per warp
+  int32_t pdl;            // launched as a programmatic dependent: the query setup runs before the wait
   float* scores;          // [B * Hkv * V][S]
   int32_t S;
   int32_t* lens;  // [B * Hkv * V]
@@ -255,20 +281,15 @@ __global__ void __launch_bounds__(kThreads) score_kernel(ScoreArgs a) {
   uint4* frag = reinterpret_cast<uint4*>(smem);                          // [RG][NM][32] A fragments
   float* vec = reinterpret_cast<float*>(smem + size_t(a.RG) * NM * 512);  // [V][2D] P | N
   const int b = blockIdx.z, h = blockIdx.y;
+  pdl_launch_dependents();  // the top-k may launch (and wait) once every CTA here has started
   const SeqPlan sp = seq_plan(a.lengths, a.budget, b, a.max_length, a.ps, a.max_want);
   const int ncand = max(sp.pages - 1, 0);
   const int row0 = (b * a.hkv + h) * a.V;
-  if (blockIdx.x == 0) {
-    // Row lengths for the top-k: candidates, then k_host - (want - 1) +inf pads.
-    const int len = sp.pages > 0 ? ncand + a.k_host - (sp.want - 1) : 0;
-    for (int v = 0; v < a.V; ++v) {
-      if (threadIdx.x == 0) a.lens[row0 + v] = len;
-      float* row = a.scores + size_t(row0 + v) * a.S;
-      for (int t = ncand + threadIdx.x; t < len; t += kThreads) row[t] = __int_as_float(0x7f800000);
-    }
-  }
   const int tile0 = blockIdx.x * (kThreads / 32) * a.tiles;
-  if (tile0 * 8 >= ncand) return;  // CTA-uniform
+  if (blockIdx.x != 0 && tile0 * 8 >= ncand) {  // CTA-uniform: nothing to score
+    pdl_wait();
+    return;
+  }
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int gid = lane >> 2, tig = lane & 3;
@@ -285,9 +306,11 @@ __global__ void __launch_bounds__(kThreads) score_kernel(ScoreArgs a) {
       for (int c = 0; c < NC; ++c) u[c] = make_uint4(0u, 0u, 0u, 0u);
     }
   };
-  // The first tile's loads go out before the query setup below, which then hides under them.
+  // A plain launch sends the first tile's loads out before the query setup below, which then
+  // hides under them; a programmatic dependent launch does the setup while the previous kernel
+  // (the KV append, or a bounds fold that writes what the tiles read) finishes, then waits.
   uint4 cur[NC];
-  load_tile(0, cur);
+  if (!a.pdl) load_tile(0, cur);
 
   // Query vectors of this KV head's group.
   const bool f32 = a.q_f32 != 0;
@@ -307,6 +330,17 @@ __global__ void __launch_bounds__(kThreads) score_kernel(ScoreArgs a) {
     }
     vec[v * 2 * D + i] = P;
     vec[v * 2 * D + D + i] = N;
+  }
+  pdl_wait();
+  if (a.pdl) load_tile(0, cur);
+  if (blockIdx.x == 0) {
+    // Row lengths for the top-k: candidates, then k_host - (want - 1) +inf pads.
+    const int len = sp.pages > 0 ? ncand + a.k_host - (sp.want - 1) : 0;
+    for (int v = 0; v < a.V; ++v) {
+      if (threadIdx.x == 0) a.lens[row0 + v] = len;
+      float* row = a.scores + size_t(row0 + v) * a.S;
+      for (int t = ncand + threadIdx.x; t < len; t += kThreads) row[t] = __int_as_float(0x7f800000);
+    }
   }
   __syncthreads();
   // A fragments: register r of lane l for k-step m holds row (l/4) + 8*(r&1) (row & 7 = vector,
@@ -381,6 +415,8 @@ struct ExpandArgs {
 };
 
 __global__ void __launch_bounds__(256) expand_kernel(ExpandArgs a) {
+  pdl_wait();  // always a programmatic dependent launch: nothing is read or written before this
+  pdl_launch_dependents();
   const int r = blockIdx.x, b = r / a.H;
   const SeqPlan sp = seq_plan(a.lengths, a.budget, b, a.max_length, a.ps, a.max_want);
   const int real = sp.pages > 0 ? sp.want - 1 : 0;           // picked pages before the last
@@ -490,8 +526,7 @@ Status launch_score(ScoreArgs a, int B, int max_cand, cudaStream_t st) {
   a.tiles = tiles;
   const int per_cta = tiles * (kThreads / 32);
   dim3 grid(unsigned((tiles_per_head + per_cta - 1) / per_cta), unsigned(a.hkv), unsigned(B));
-  kern<<<grid, kThreads, smem, st>>>(a);
-  KVS_LAUNCH_CHECK("quest score kernel launch");
+  KVS_CUDA_TRY(launch(kern, grid, dim3(kThreads), smem, st, a.pdl != 0, a), "quest score kernel launch");
   return {};
 }
 
@@ -555,7 +590,7 @@ size_t quest_select_workspace_bytes(const AttnShape& shape, int32_t max_length, 
 Status quest_select(const AttnShape& shape, const Query& q, Scalar kv_dtype, const void* const* bounds,
                     const int32_t* lengths, const int32_t* budget_keys, int32_t max_length,
                     int32_t page_size, int32_t max_want, bool per_query_head, int32_t* out_idx,
-                    int32_t* out_cnt, int32_t max_selected, const Workspace& ws, void* stream) noexcept {
+                    int32_t* out_cnt, int32_t max_selected, const Workspace& ws, void* stream, bool pdl) noexcept {
   if (Status s = check_common(shape, kv_dtype); !s.ok()) return s;
   if ((q.data == nullptr && q.at == nullptr) || (q.dtype != Scalar::F32 && q.dtype != kv_dtype))
     return invalid("quest_select: query must be F32 or the KV dtype");
@@ -590,6 +625,7 @@ Status quest_select(const AttnShape& shape, const Query& q, Scalar kv_dtype, con
     a.ps = page_size;
     a.max_want = max_want;
     a.k_host = L.k_host;
+    a.pdl = pdl;
     a.hkv = shape.num_kv_heads;
     a.G = G;
     a.V = V;
@@ -618,8 +654,7 @@ Status quest_select(const AttnShape& shape, const Query& q, Scalar kv_dtype, con
   e.out_cnt = out_cnt;
   e.max_selected = max_selected;
   dim3 grid(unsigned(rows), unsigned((max_selected + 255) / 256));
-  expand_kernel<<<grid, 256, 0, st>>>(e);
-  KVS_LAUNCH_CHECK("quest expand kernel launch");
+  KVS_CUDA_TRY(launch(expand_kernel, grid, dim3(256), 0, st, true, e), "quest expand kernel launch");
   return {};
 }
 

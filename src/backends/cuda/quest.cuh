@@ -51,13 +51,16 @@ Status quest_update_bounds(const AttnShape& shape, const PagedKv& kv, Scalar kv_
 // exact bounds, fp32 accumulation. With fp16 KV, |P_i| and |N_i| must stay below 65504.
 // Steps: 1 launch scoring (each bound read once for the whole group, 16-byte loads), the row top-k
 // of topk.cuh over the page scores (rows padded with +inf past each sequence's candidates so one
-// host-side k = max_want - 1 serves every budget), 1 launch expanding pages to tokens.
+// host-side k = max_want - 1 serves every budget), 1 launch expanding pages to tokens. The top-k
+// and the expansion are programmatic dependent launches of the launch before them; with pdl (see
+// cuda_attention.cuh) the scoring is one too, reading q before the stream's previous kernel ends.
 size_t quest_select_workspace_bytes(const AttnShape& shape, int32_t max_length, int32_t page_size,
                                     int32_t max_want) noexcept;
 Status quest_select(const AttnShape& shape, const Query& q, Scalar kv_dtype, const void* const* bounds,
                     const int32_t* lengths, const int32_t* budget_keys, int32_t max_length,
                     int32_t page_size, int32_t max_want, bool per_query_head, int32_t* out_idx,
-                    int32_t* out_cnt, int32_t max_selected, const Workspace& ws, void* stream) noexcept;
+                    int32_t* out_cnt, int32_t max_selected, const Workspace& ws, void* stream,
+                    bool pdl = false) noexcept;
 
 namespace detail {
 // Tiles of 8 pages each warp of the scoring kernel walks (0 = automatic). Benchmarking only.

@@ -118,7 +118,7 @@ class QuestCuda final : public DeviceMethod {
     const auto* bounds = static_cast<const void* const*>(args);
     const auto* keys = reinterpret_cast<const int32_t*>(bounds + st.shape.batch);
     check(cuda::quest_select(st.shape, st.q, st.kv_dtype, bounds, st.lengths, keys, st.max_length, int32_t(page_), max_want_, per_query_, idx, cnt,
-                             p.max_selected, ws, st.stream),
+                             p.max_selected, ws, st.stream, st.pdl),
           "quest_select");
   }
 
