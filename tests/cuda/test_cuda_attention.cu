@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <numeric>
@@ -35,9 +36,11 @@ int g_pass = 0, g_fail = 0;
 bool g_small = false;
 int g_variant = 0;  // dense kernel variant under test (kvs::cuda::detail::set_dense_variant)
 
+bool g_quiet = false;  // --pdl-stress: FAIL lines only
 void report(bool ok, const std::string& name, const std::string& detail) {
   if (ok) ++g_pass;
   else ++g_fail;
+  if (ok && g_quiet) return;
   std::printf("%s %s %s\n", ok ? "PASS" : "FAIL", name.c_str(), detail.c_str());
   std::fflush(stdout);
 }
@@ -649,8 +652,13 @@ int run_quest_passed();
 
 int main(int argc, char** argv) {
   install_crash_report();
-  for (int i = 1; i < argc; ++i)
-    if (std::string(argv[i]) == "--small") g_small = true;
+  int stress = 0;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--small") g_small = true;
+    if (a == "--pdl-stress" && i + 1 < argc) stress = std::atoi(argv[++i]);
+    if (a == "--pdl-wait-first") kvs::cuda::detail::set_pdl_wait_first(true);
+  }
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
     std::printf("SKIPPED: no CUDA device\n");
@@ -665,6 +673,21 @@ int main(int argc, char** argv) {
     return o;
   };
 
+  if (stress > 0) {  // the programmatic-dependent-launch cases, repeated (FAIL lines only)
+    g_quiet = true;
+    for (int it = 0; it < stress; ++it)
+      for (bool graph : {false, true}) {
+        Opt o = pg(16);
+        o.pdl = true;
+        o.graph = graph;
+        run_dense(BF, BF, F32, 128, 4, 2, {M, 333, 17}, o);  // the suite's cases, in its order
+        run_dense(BF, F32, BF, 128, 2, 2, {L, 1000}, o);
+        run_dense(F16, F16, F16, 64, 8, 1, {40}, o);
+        run_gathered(BF, BF, F32, 128, 4, 2, 2, M, 1024, false, o);
+      }
+    std::printf("pdl stress x%d: %d passed, %d failed\n", stress, g_pass, g_fail);
+    return g_fail ? 1 : 0;
+  }
   run_errors();
   // Dense: d x G x lengths (not multiples of the page), pages of 16 and 256, B = 1 and B = 3 with
   // different lengths; q/o dtypes alternate.

@@ -142,6 +142,7 @@ struct DecodeArgs {
   const void* const* q_at;  // null, or device: the query's address, read at run time (graphs)
   void* const* o_at;        // null, or device [2]: o then lse addresses, read at run time
   int32_t pdl;              // host: the chunk kernel is a programmatic dependent launch
+  int32_t wait_first;       // wait for the previous kernel before the query set-up too (knob)
 };
 
 // The caller's tensors: a captured graph passes their addresses in device memory (q_at, o_at), so
@@ -286,6 +287,7 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_kernel(const DecodeArgs 
   const int start = split * a.chunk;
   auto tile_base = [&](int j) { return start + (warp + j * NW) * R; };
 
+  if (a.wait_first) pdl_wait();
   // Query heads of this CTA, pre-scaled into base 2. Heads past the group get q = 0 (discarded).
   float qr[GT][8];
   const void* const qbase = q_of(a);
@@ -584,6 +586,7 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_mma_kernel(const DecodeA
   const int start = split * a.chunk;
   auto tile_base = [&](int j) { return start + (warp + j * NW) * R; };
 
+  if (a.wait_first) pdl_wait();
   // A fragments of q (pre-scaled into base 2), hi and lo parts; head g0 + qr_ (zero past G).
   uint32_t qa_hi[KS][2], qa_lo[KS][2];
   {
@@ -891,6 +894,7 @@ __global__ void __launch_bounds__(128) decode_merge_kernel(const DecodeArgs a, i
 constexpr int kNumVariants = 4;
 std::atomic<int> g_variant{0};
 std::atomic<bool> g_merge_pdl{true};
+std::atomic<bool> g_pdl_wait_first{false};  // detail::set_pdl_wait_first
 std::atomic<int> g_min_chunk{kMinChunk};  // fewest keys a split is worth (benchmark knob)
 constexpr int kNumGatherVariants = 6;
 std::atomic<int> g_gather_variant{0};  // gathered bf16, d 128, G 4: pipeline shape (benchmark knob)
@@ -1154,6 +1158,7 @@ Status decode_common(const AttnShape& s, const Query& q, const PagedKv& kv, Scal
   a.q_at = q.at;
   a.o_at = out.at;
   a.pdl = pdl;
+  a.wait_first = g_pdl_wait_first.load(std::memory_order_relaxed);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (kv_dtype == Scalar::BF16)
     return gather ? dispatch_dim<__nv_bfloat16, true>(a, s, ws, st)
@@ -1289,6 +1294,7 @@ bool set_gather_variant(int variant) noexcept {
   return true;
 }
 void set_merge_pdl(bool on) noexcept { g_merge_pdl.store(on, std::memory_order_relaxed); }
+void set_pdl_wait_first(bool on) noexcept { g_pdl_wait_first.store(on, std::memory_order_relaxed); }
 void set_min_chunk(int32_t tokens) noexcept {
   g_min_chunk.store(tokens > 0 ? tokens : kMinChunk, std::memory_order_relaxed);
 }

@@ -150,6 +150,9 @@ bool set_gather_variant(int variant) noexcept;
 // Process-wide: launch the chunk-merge kernel as a programmatic dependent launch (default true)
 // or as a plain launch. For benchmarking only.
 void set_merge_pdl(bool on) noexcept;
+// Process-wide: a chunk kernel launched with pdl waits for the previous kernel before its query
+// set-up too (default false). For tests only.
+void set_pdl_wait_first(bool on) noexcept;
 // Process-wide: fewest keys per split of the split-K plan (<= 0: the default, 128). Query the
 // workspace size after setting it. For benchmarking only.
 void set_min_chunk(int32_t tokens) noexcept;

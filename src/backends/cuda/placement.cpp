@@ -746,8 +746,12 @@ class CudaPlacement final : public Placement {
   };
   static constexpr int64_t kGraphBucket = 256;  // tokens and selection slots a capture covers ahead
   bool graphs_ = !env_is("KVS_CUDA_GRAPHS", "0");
-  // Programmatic dependent launches inside a step (KVS_CUDA_PDL=0 turns them off, for comparison).
-  bool pdl_ = !env_is("KVS_CUDA_PDL", "0");
+  // Programmatic dependent launches of the selection and attention kernels inside a step: off
+  // unless KVS_CUDA_PDL=1 (quest at 128K: 52.5 against 55.9 us on an H100), until a rare failure
+  // of their kernel test (a decode after a late writer read the writer's lengths before the
+  // writer's data: 1 of about 600 runs, not reproduced alone) is understood. The chunk merge and
+  // the top-k are programmatic dependents either way (docs/perf.md).
+  bool pdl_ = env_is("KVS_CUDA_PDL", "1");
   std::vector<LayerGraph> graphs_of_;
   std::vector<uintptr_t> graph_key_scratch_;
   cudaStream_t cap_stream_ = nullptr;

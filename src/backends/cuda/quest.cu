@@ -415,7 +415,7 @@ struct ExpandArgs {
 };
 
 __global__ void __launch_bounds__(256) expand_kernel(ExpandArgs a) {
-  pdl_wait();  // always a programmatic dependent launch: nothing is read or written before this
+  pdl_wait();  // with pdl, a programmatic dependent launch: nothing is read or written before this
   pdl_launch_dependents();
   const int r = blockIdx.x, b = r / a.H;
   const SeqPlan sp = seq_plan(a.lengths, a.budget, b, a.max_length, a.ps, a.max_want);
@@ -654,7 +654,7 @@ Status quest_select(const AttnShape& shape, const Query& q, Scalar kv_dtype, con
   e.out_cnt = out_cnt;
   e.max_selected = max_selected;
   dim3 grid(unsigned(rows), unsigned((max_selected + 255) / 256));
-  KVS_CUDA_TRY(launch(expand_kernel, grid, dim3(256), 0, st, true, e), "quest expand kernel launch");
+  KVS_CUDA_TRY(launch(expand_kernel, grid, dim3(256), 0, st, pdl, e), "quest expand kernel launch");
   return {};
 }
 

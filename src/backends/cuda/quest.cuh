@@ -52,8 +52,8 @@ Status quest_update_bounds(const AttnShape& shape, const PagedKv& kv, Scalar kv_
 // Steps: 1 launch scoring (each bound read once for the whole group, 16-byte loads), the row top-k
 // of topk.cuh over the page scores (rows padded with +inf past each sequence's candidates so one
 // host-side k = max_want - 1 serves every budget), 1 launch expanding pages to tokens. The top-k
-// and the expansion are programmatic dependent launches of the launch before them; with pdl (see
-// cuda_attention.cuh) the scoring is one too, reading q before the stream's previous kernel ends.
+// is a programmatic dependent launch of the scoring; with pdl (see cuda_attention.cuh) the scoring
+// and the expansion are too, the scoring reading q before the stream's previous kernel ends.
 size_t quest_select_workspace_bytes(const AttnShape& shape, int32_t max_length, int32_t page_size,
                                     int32_t max_want) noexcept;
 Status quest_select(const AttnShape& shape, const Query& q, Scalar kv_dtype, const void* const* bounds,
