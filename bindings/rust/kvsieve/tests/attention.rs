@@ -314,3 +314,39 @@ fn methods_are_listed() {
     assert!(kvsieve::version().starts_with("0."));
     kvsieve::abi_check().unwrap();
 }
+
+/// A session decoded on its own between the batch's plan and its decode (the header allows use on
+/// its own between tokens): whatever the library answers, the results it gives are right. (It
+/// answers with a correct decode: the batch step re-reserves what the session's own steps used.)
+#[test]
+fn session_used_between_plan_and_decode() {
+    let mut rng = Rng(3);
+    const N: usize = 20;
+    let (k0, v0) = (rng.vec(N * HKV * D), rng.vec(N * HKV * D));
+    let mut s = Session::new(&full_params(1)).unwrap();
+    s.prefill(0, &rng.vec(N * HQ * D), &k0, &v0, None).unwrap();
+    s.build_index().unwrap();
+    let (mut k, mut v) = (k0, v0);
+    let mut batch = Batch::new(vec![&mut s]).unwrap();
+    batch.plan().unwrap();
+    for _ in 0..40 {
+        let (q, kn, vn) = (rng.vec(HQ * D), rng.vec(HKV * D), rng.vec(HKV * D));
+        let mut o = vec![f32::NAN; HQ * D];
+        batch.session_mut(0).decode(0, &q, &kn, &vn, &mut o, None).unwrap();
+        k.extend_from_slice(&kn);
+        v.extend_from_slice(&vn);
+        let e = max_diff(&o, &reference(&q, &k, &v, k.len() / (HKV * D)).0);
+        assert!(e < 1e-4, "decode on its own: {e:e}");
+    }
+    let (q, kn, vn) = (rng.vec(HQ * D), rng.vec(HKV * D), rng.vec(HKV * D));
+    let mut o = vec![f32::NAN; HQ * D];
+    match batch.decode(0, &q, &kn, &vn, &mut o, None) {
+        Ok(()) => {
+            k.extend_from_slice(&kn);
+            v.extend_from_slice(&vn);
+            let e = max_diff(&o, &reference(&q, &k, &v, k.len() / (HKV * D)).0);
+            assert!(e < 1e-4, "batch decode after the session moved on: {e:e}");
+        }
+        Err(e) => assert_eq!(e.status(), Status::InvalidState, "{e}"),
+    }
+}
