@@ -3,7 +3,7 @@
 # Installs what kvsieve needs (Debian packages) when missing, then configures and builds.
 #   scripts/setup.sh [BUILD_DIR] [extra cmake args...]
 # Environment: KVS_JOBS (parallel build jobs, default: nproc). KVS_BINDINGS=1 also installs what the
-# bindings and consumer examples need (JDK, JUnit 5, Go, Rust, Python headers), creates
+# bindings and consumer examples need (JDK, JUnit 5, Go, Rust, bindgen + libclang, Python headers), creates
 # BUILD_DIR/venv (numpy, pytest, and torch + transformers for the transformers-integration test, from
 # PyPI; KVS_NO_TORCH=1 leaves those two out) and configures with the Python and Java bindings on.
 # KVS_HARDENING=1 also installs clang 19 and its compiler-rt (libFuzzer, the sanitizer runtimes) for
@@ -18,6 +18,10 @@ PKGS=(cmake ninja-build g++ pkg-config libdnnl-dev ocl-icd-opencl-dev libopenbla
       libcli11-dev nlohmann-json3-dev libxxhash-dev libdlpack-dev swig python3 python3-numpy)
 if [ "${KVS_BINDINGS:-0}" = 1 ]; then
   PKGS+=(python3-dev python3-venv default-jdk-headless junit5 golang-go cargo rustc)
+  # bindgen (0.60) regenerates bindings/rust/kvsieve-sys/src/bindings.rs for the drift check of
+  # tests/bindings/consumers.sh; it loads libclang at run time and needs clang's own headers
+  # (stddef.h): neither is a dependency of the Debian package.
+  PKGS+=(bindgen libclang1-14 libclang-common-14-dev)
 fi
 if [ "${KVS_HARDENING:-0}" = 1 ]; then
   PKGS+=(clang-19 libclang-rt-19-dev)

@@ -2,12 +2,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # Installs the build into a fresh prefix and builds consumers against the installed tree only:
 # the install layout (headers, SONAME'd library, CLI with RPATH, CMake package, kvsieve.pc), the
-# C++ example through find_package(kvsieve) and through pkg-config, the Rust example (build.rs +
-# pkg-config, cargo --offline) and the Go example (cgo + pkg-config). Each consumer runs a prefill
+# C++ example through find_package(kvsieve) and through pkg-config, the Rust crates (kvsieve-sys,
+# whose bindgen output must match the header, and the safe kvsieve: cargo test --offline) and the
+# Rust example on them, the Go package (go test) and the Go example on it. Each consumer runs a prefill
 # and a decode checked against a reference, a batch of two sessions (kvs_batch_plan per token,
 # kvs_batch_decode per layer) checked against per-session decodes, and handles errors.
 #   tests/bindings/consumers.sh BUILD_DIR [WORK_DIR]
-# KVS_CONSUMERS_OPTIONAL=1 skips Rust/Go when cargo/go are missing (CI installs both and requires them).
+# KVS_CONSUMERS_OPTIONAL=1 skips Rust/Go when cargo/go are missing, and the bindings.rs check when
+# bindgen is (CI installs all three and requires them).
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
 BUILD=$(cd "$1" && pwd)
@@ -57,19 +59,39 @@ c++ -std=c++17 -O1 "$SRC/examples/cpp/main.cpp" -o "$WORK/cpp-pkgconfig" $(pkg-c
 "$WORK/cpp-pkgconfig"
 
 if command -v cargo >/dev/null; then
-  step "Rust example (build.rs -> pkg-config, cargo --offline)"
-  # built from a copy: cargo writes Cargo.lock next to the manifest, in the format of its version
-  cp -r "$SRC/examples/rust" "$WORK/rust-src" && rm -rf "$WORK/rust-src/target" "$WORK/rust-src/Cargo.lock"
-  cargo build --offline --quiet --manifest-path "$WORK/rust-src/Cargo.toml" --target-dir "$WORK/rust"
-  "$WORK/rust/debug/kvsieve-example"
+  if command -v bindgen >/dev/null; then
+    step "Rust: kvsieve-sys's committed bindings.rs is what bindgen makes of kvsieve.h"
+    bash "$SRC/bindings/rust/kvsieve-sys/regen.sh" "$WORK/bindings.rs"
+    diff -u "$SRC/bindings/rust/kvsieve-sys/src/bindings.rs" "$WORK/bindings.rs" >&2 \
+      || die "bindings/rust/kvsieve-sys/src/bindings.rs differs from the header: run bindings/rust/kvsieve-sys/regen.sh and commit it"
+  elif [ "${KVS_CONSUMERS_OPTIONAL:-0}" = 1 ]; then echo "consumers: bindgen missing, bindings.rs drift check skipped"
+  else die "bindgen not found (Debian package bindgen, with libclang1-14 and libclang-common-14-dev)"; fi
+  # built from a copy of bindings/rust and examples/rust (the path dependencies keep their relative
+  # places): cargo writes Cargo.lock next to the manifest, in the format of its version
+  RT=$WORK/rust-tree
+  mkdir -p "$RT/bindings" "$RT/examples"
+  cp -r "$SRC/bindings/rust" "$RT/bindings/rust" && cp -r "$SRC/examples/rust" "$RT/examples/rust"
+  find "$RT" \( -name target -o -name Cargo.lock \) -prune -exec rm -rf {} +
+  step "Rust crates: cargo test --offline (kvsieve-sys: struct layouts; kvsieve: against an f64 reference)"
+  for crate in kvsieve-sys kvsieve; do
+    env -u LD_LIBRARY_PATH cargo test --offline --quiet --manifest-path "$RT/bindings/rust/$crate/Cargo.toml" \
+      --target-dir "$WORK/rust" || die "cargo test of $crate"
+  done
+  step "Rust example (the kvsieve crate by path, cargo --offline)"
+  cargo build --offline --quiet --manifest-path "$RT/examples/rust/Cargo.toml" --target-dir "$WORK/rust"
+  env -u LD_LIBRARY_PATH "$WORK/rust/debug/kvsieve-example"
 elif [ "${KVS_CONSUMERS_OPTIONAL:-0}" = 1 ]; then echo "consumers: cargo missing, Rust skipped"
 else die "cargo not found"; fi
 
 if command -v go >/dev/null; then
-  step "Go example (cgo + pkg-config)"
-  (cd "$SRC/examples/go" && GOCACHE="$WORK/gocache" GOPATH="$WORK/gopath" GOFLAGS=-mod=mod GO111MODULE=on \
-     CGO_ENABLED=1 CGO_LDFLAGS="-Wl,-rpath,$LIBDIR" go build -o "$WORK/go-example" .)
-  "$WORK/go-example"
+  # no network: the package has no dependencies, the example reaches it through a replace directive
+  goenv=(env -u LD_LIBRARY_PATH GOCACHE="$WORK/gocache" GOPATH="$WORK/gopath" GOFLAGS=-mod=mod GOPROXY=off
+         GO111MODULE=on CGO_ENABLED=1 CGO_LDFLAGS="-Wl,-rpath,$LIBDIR")
+  step "Go package: go test (against a float64 reference)"
+  (cd "$SRC/bindings/go/kvsieve" && "${goenv[@]}" go test -count=1 .) || die "go test of bindings/go/kvsieve"
+  step "Go example (cgo + pkg-config through the package)"
+  (cd "$SRC/examples/go" && "${goenv[@]}" go build -o "$WORK/go-example" .)
+  env -u LD_LIBRARY_PATH "$WORK/go-example"
 elif [ "${KVS_CONSUMERS_OPTIONAL:-0}" = 1 ]; then echo "consumers: go missing, Go skipped"
 else die "go not found"; fi
 echo "consumers: all passed"
