@@ -241,12 +241,17 @@ void FarStore::widen(const KVLayer& kv, const float* q, const float* win_lse, in
     auto& c = chosen_[size_t(h)];
     // MAW candidates: twice the far share, within the ranked prefix (about 1.5 F + 64 entries).
     c.assign(rk.begin(), rk.begin() + std::min<int64_t>(int64_t(rk.size()), 2 * F));
-    std::vector<uint8_t> in_maw(size_t(n_), 0);
-    for (int32_t t : c) in_maw[size_t(t)] = 1;
+    // Sinks [0, sinks) and recent [rb, n) not already among the MAW candidates (marks over the two
+    // ranges only: the step stays independent of the far store's size).
+    const int64_t rb = std::max(sinks, n_ - recent);
+    std::vector<uint8_t> in_maw(size_t(sinks + (n_ - rb)), 0);
+    auto slot = [&](int64_t t) -> int64_t { return t < sinks ? t : t >= rb ? sinks + (t - rb) : -1; };
+    for (int32_t t : c)
+      if (const int64_t sl = slot(t); sl >= 0) in_maw[size_t(sl)] = 1;
     for (int64_t t = 0; t < sinks; ++t)
-      if (!in_maw[size_t(t)]) c.push_back(int32_t(t));
-    for (int64_t t = std::max(sinks, n_ - recent); t < n_; ++t)
-      if (!in_maw[size_t(t)]) c.push_back(int32_t(t));
+      if (!in_maw[size_t(slot(t))]) c.push_back(int32_t(t));
+    for (int64_t t = rb; t < n_; ++t)
+      if (!in_maw[size_t(slot(t))]) c.push_back(int32_t(t));
     const int64_t m = int64_t(c.size());
     if (m <= F) return;  // the pool is the MAW set: nothing to choose
     std::vector<const std::byte*> kr(static_cast<size_t>(m));
@@ -254,13 +259,14 @@ void FarStore::widen(const KVLayer& kv, const float* q, const float* win_lse, in
     std::vector<float> sc(size_t(G) * m), w(size_t(m), 0.f);
     cpu::score_rows(shape_.kv_dtype, d, G, q + size_t(h) * G * d, shape_.softmax_scale, kr.data(), m, sc.data());
     for (int g = 0; g < G; ++g) {
-      const float* e = sc.data() + size_t(g) * m;
-      double mx = win_lse[h * G + g];
-      for (int64_t i = 0; i < m; ++i) mx = std::max(mx, double(e[i]));
-      double z = std::isfinite(mx) ? std::exp(double(win_lse[h * G + g]) - mx) : 0.0;
-      for (int64_t i = 0; i < m; ++i) z += std::exp(double(e[i]) - mx);
-      const double Z = mx + std::log(z);
-      for (int64_t i = 0; i < m; ++i) w[size_t(i)] += float(std::exp(double(e[i]) - Z));
+      // Weights over the pool and the window: exp(e_i - mx) / (sum_pool + exp(lse_window - mx)).
+      float* e = sc.data() + size_t(g) * m;
+      const float wl = win_lse[h * G + g];
+      float mx = wl;
+      for (int64_t i = 0; i < m; ++i) mx = std::max(mx, e[i]);
+      const double z = cpu::exp_shift(e, m, mx) + (std::isfinite(wl) ? std::exp(double(wl) - double(mx)) : 0.0);
+      const float inv = float(1.0 / z);
+      for (int64_t i = 0; i < m; ++i) w[size_t(i)] += e[i] * inv;
     }
     std::vector<int32_t> idx(static_cast<size_t>(m));
     std::iota(idx.begin(), idx.end(), 0);
