@@ -164,7 +164,7 @@ void FarStore::attend(const KVLayer& kv, const float* q, float* o, float* lse, T
       const int64_t L = int64_t(hd.pos.size());
       for (int64_t j = b; j < e; ++j) {
         if (lim) {
-          const int32_t pos = ranked_[size_t(h)][size_t(j)];
+          const int32_t pos = ranked(h)[size_t(j)];
           kr[size_t(j - b)] = kv.k_row(h, pos);
           vr[size_t(j - b)] = kv.v_row(h, pos);
         } else if (j < L) {
@@ -194,6 +194,7 @@ void FarStore::attend(const KVLayer& kv, const float* q, float* o, float* lse, T
 }
 
 void FarStore::limit(int64_t far_keys, int64_t w_size) {
+  widened_ = false;
   if (far_keys < 0) {
     limit_ = -1;
     return;
@@ -222,6 +223,67 @@ void FarStore::limit(int64_t far_keys, int64_t w_size) {
   }
   rank_dirty_ = false;
   rank_w_ = w_size;
+}
+
+void FarStore::widen(const KVLayer& kv, const float* q, const float* win_lse, int64_t sinks, int64_t recent,
+                     ThreadPool& pool) {
+  widened_ = false;
+  if (limit_ < 0 || heads_.empty() || n_ == 0) return;
+  const int hkv = int(heads_.size()), G = shape_.group(), d = int(shape_.head_dim);
+  sinks = std::clamp<int64_t>(sinks, 0, n_);
+  recent = std::clamp<int64_t>(recent, 0, n_);
+  chosen_.resize(heads_.size());
+  swapped_.assign(heads_.size(), 0);
+  pool.parallel_for(hkv, [&](int64_t hh) {
+    const int h = int(hh);
+    const auto& rk = ranked_[size_t(h)];
+    const int64_t F = std::min<int64_t>(limit_, int64_t(rk.size()));
+    auto& c = chosen_[size_t(h)];
+    // MAW candidates: twice the far share, within the ranked prefix (about 1.5 F + 64 entries).
+    c.assign(rk.begin(), rk.begin() + std::min<int64_t>(int64_t(rk.size()), 2 * F));
+    // Sinks [0, sinks) and recent [rb, n) not already among the MAW candidates (marks over the two
+    // ranges only: the step stays independent of the far store's size).
+    const int64_t rb = std::max(sinks, n_ - recent);
+    std::vector<uint8_t> in_maw(size_t(sinks + (n_ - rb)), 0);
+    auto slot = [&](int64_t t) -> int64_t { return t < sinks ? t : t >= rb ? sinks + (t - rb) : -1; };
+    for (int32_t t : c)
+      if (const int64_t sl = slot(t); sl >= 0) in_maw[size_t(sl)] = 1;
+    for (int64_t t = 0; t < sinks; ++t)
+      if (!in_maw[size_t(slot(t))]) c.push_back(int32_t(t));
+    for (int64_t t = rb; t < n_; ++t)
+      if (!in_maw[size_t(slot(t))]) c.push_back(int32_t(t));
+    const int64_t m = int64_t(c.size());
+    if (m <= F) return;  // the pool is the MAW set: nothing to choose
+    std::vector<const std::byte*> kr(static_cast<size_t>(m));
+    for (int64_t i = 0; i < m; ++i) kr[size_t(i)] = kv.k_row(h, c[size_t(i)]);
+    std::vector<float> sc(size_t(G) * m), w(size_t(m), 0.f);
+    cpu::score_rows(shape_.kv_dtype, d, G, q + size_t(h) * G * d, shape_.softmax_scale, kr.data(), m, sc.data());
+    for (int g = 0; g < G; ++g) {
+      // Weights over the pool and the window: exp(e_i - mx) / (sum_pool + exp(lse_window - mx)).
+      float* e = sc.data() + size_t(g) * m;
+      const float wl = win_lse[h * G + g];
+      float mx = wl;
+      for (int64_t i = 0; i < m; ++i) mx = std::max(mx, e[i]);
+      const double z = cpu::exp_shift(e, m, mx) + (std::isfinite(wl) ? std::exp(double(wl) - double(mx)) : 0.0);
+      const float inv = float(1.0 / z);
+      for (int64_t i = 0; i < m; ++i) w[size_t(i)] += e[i] * inv;
+    }
+    std::vector<int32_t> idx(static_cast<size_t>(m));
+    std::iota(idx.begin(), idx.end(), 0);
+    auto better = [&](int32_t a, int32_t b) {
+      return w[size_t(a)] > w[size_t(b)] || (w[size_t(a)] == w[size_t(b)] && c[size_t(a)] > c[size_t(b)]);
+    };
+    std::nth_element(idx.begin(), idx.begin() + (F - 1), idx.end(), better);
+    std::vector<int32_t> pick(static_cast<size_t>(F));
+    int64_t sw = 0;
+    for (int64_t i = 0; i < F; ++i) {
+      pick[size_t(i)] = c[size_t(idx[size_t(i)])];
+      sw += idx[size_t(i)] >= F;  // not among the F entries the MAW ranking alone would attend
+    }
+    c = std::move(pick);
+    swapped_[size_t(h)] = sw;
+  });
+  widened_ = true;
 }
 
 void FarStore::materialise(const KVLayer& kv) {

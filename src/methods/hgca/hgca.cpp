@@ -21,6 +21,7 @@
 #include "methods/hgca/hgca.hpp"
 
 namespace kvs {
+int64_t streaming_sinks(int64_t sinks, int64_t k, int64_t n);  // methods/streaming/streaming.cpp
 namespace hgca {
 namespace {
 
@@ -40,18 +41,20 @@ struct LayerState {
   std::vector<float> o, lse;
   // Statistics.
   int64_t steps = 0;
-  double sum_keys = 0, sum_far_keys = 0;
+  double sum_keys = 0, sum_far_keys = 0, sum_widened = 0;
 
   LayerState() = default;
   LayerState(const LayerState& x)
       : built(x.built), materialised(x.materialised), l_max(x.l_max), blk(x.blk), win(x.win ? x.win->clone() : nullptr),
         far(x.far), stash_q(x.stash_q), stash_pos(x.stash_pos), wb(x.wb), we(x.we), wmaw(x.wmaw), o(x.o),
-        lse(x.lse), steps(x.steps), sum_keys(x.sum_keys), sum_far_keys(x.sum_far_keys) {}
+        lse(x.lse), steps(x.steps), sum_keys(x.sum_keys), sum_far_keys(x.sum_far_keys), sum_widened(x.sum_widened) {}
   LayerState& operator=(LayerState&&) = default;
   LayerState(LayerState&&) = default;
 };
 
 enum class UndoKind { None, Step, Full };
+
+constexpr int64_t kWidenSinks = 4;  // streaming's default sinks (scaled into the budget as streaming does)
 
 class Hgca final : public Method {
  public:
@@ -192,6 +195,7 @@ class Hgca final : public Method {
       --st.steps;
       st.sum_keys -= last_keys_;
       st.sum_far_keys -= last_far_keys_;
+      st.sum_widened -= last_widened_;
     } else if (undo_kind_[layer] == UndoKind::Full && undo_n_[layer] == n && undo_full_[layer]) {
       st = std::move(*undo_full_[layer]);
     } else if (!st.built) {
@@ -252,14 +256,22 @@ class Hgca final : public Method {
     st.lse.resize(size_t(hq));
     std::vector<float> fo(size_t(hq) * d), fl(static_cast<size_t>(hq));
     w.attend(q, st.o.data(), st.lse.data(), /*update=*/true, /*no_update_from=*/n - 1);
+    if (st.far.limited() >= 0 && p_.widen) {
+      // widen=recent: streaming's sinks and its recent keys beyond the window join the MAW far set
+      // as candidates; the exact weights of this query choose among them (st.lse: the window's).
+      const int64_t k = ctx_.budget.keys(n, 0.05);
+      const int64_t sk = streaming_sinks(kWidenSinks, k, n);
+      st.far.widen(kv, q, st.lse.data(), sk, std::max<int64_t>(0, k - sk - w.size()), *ctx_.pool);
+    }
     st.far.attend(kv, q, fo.data(), fl.data(), *ctx_.pool, heads_per_task());
     cpu::merge_states(st.o.data(), st.lse.data(), fo.data(), fl.data(), hq, d);
     // Report the exact keys attended, per KV head.
     out.kind = Selection::Kind::PerKvHead;
     out.attend = false;
     out.lists.resize(size_t(hkv));
-    double keys = 0, far_keys = 0;
+    double keys = 0, far_keys = 0, widened = 0;
     for (int h = 0; h < hkv; ++h) {
+      widened += double(st.far.widened_keys(h));
       const auto& hd = st.far.heads()[size_t(h)];
       auto& l = out.lists[size_t(h)];
       l.clear();
@@ -279,9 +291,11 @@ class Hgca final : public Method {
     }
     last_keys_ = keys / hkv;
     last_far_keys_ = far_keys / hkv;
+    last_widened_ = widened / hkv;
     ++st.steps;
     st.sum_keys += last_keys_;
     st.sum_far_keys += last_far_keys_;
+    st.sum_widened += last_widened_;
   }
 
   bool extra(uint32_t layer, const float*, const KVLayer&, float* o, float* lse) override {
@@ -454,7 +468,7 @@ class Hgca final : public Method {
       *out = nf && st.built ? double(st.far.heads()[H].pos.size()) / double(nf) : 0.0;
       return true;
     }
-    double sum = 0, mn = 1, mx = 0, cnt = 0, pad = 0, far = 0, win = 0, keys = 0, steps = 0, fk = 0;
+    double sum = 0, mn = 1, mx = 0, cnt = 0, pad = 0, far = 0, win = 0, keys = 0, steps = 0, fk = 0, wk = 0;
     for (auto& st : layers_) {
       if (!st.built) continue;
       const int64_t nf = st.far.tokens();
@@ -462,6 +476,7 @@ class Hgca final : public Method {
       win += double(st.materialised ? st.win->size() : st.we - st.wb);
       keys += st.sum_keys;
       fk += st.sum_far_keys;
+      wk += st.sum_widened;
       steps += double(st.steps);
       for (auto& hd : st.far.heads()) {
         pad += double(hd.pad.size());
@@ -482,6 +497,7 @@ class Hgca final : public Method {
     else if (nm == "window_tokens") *out = win / nl;
     else if (nm == "exact_keys") *out = steps ? keys / steps : 0.0;
     else if (nm == "far_keys") *out = steps ? fk / steps : 0.0;
+    else if (nm == "widened_keys") *out = steps ? wk / steps : 0.0;
     else return false;
     return true;
   }
@@ -493,7 +509,7 @@ class Hgca final : public Method {
   std::vector<UndoKind> undo_kind_;
   std::vector<int64_t> undo_n_;
   std::vector<std::unique_ptr<LayerState>> undo_full_;
-  double last_keys_ = 0, last_far_keys_ = 0;
+  double last_keys_ = 0, last_far_keys_ = 0, last_widened_ = 0;
 };
 
 Params parse(const MethodContext& ctx, const ParamSet& ps) {
@@ -517,6 +533,7 @@ Params parse(const MethodContext& ctx, const ParamSet& ps) {
   p.heads_per_task = int_param(ps, "hgca", "heads_per_task", 0, 1024, "0 = auto");
   p.cap = ps.get_string("cap") == "budget";
   p.window_share = ps.get_float("window_share");
+  p.widen = ps.get_string("widen") == "recent";
   if (!(p.window_share > 0 && p.window_share <= 1))
     invalid("method_params: hgca window_share must be in (0, 1], got " + std::to_string(p.window_share));
   if (!(p.beta >= 0) || std::isinf(p.beta)) invalid("method_params: hgca beta must be a finite number >= 0, got " + std::to_string(p.beta));
@@ -570,7 +587,11 @@ MethodSpec hgca_spec() {
         "paper's adaptive, uncapped sets (window = the budget unless window/window_ratio)"},
        {"window_share", "float", "0.5",
         "with cap=budget and no window/window_ratio: the near window's share of the budget (0..1]; blocks of a "
-        "quarter of the window (at most block_size)"}},
+        "quarter of the window (at most block_size)"},
+       {"widen", "enum:recent|none", "recent",
+        "with cap=budget: each step's far set is the best by this query's exact weights among the MAW-ranked far "
+        "set, streaming's sinks and its recent keys beyond the window (scored, not attended: up to about twice the "
+        "far keys read for scores); none: the MAW ranking alone [ours]"}},
       [](const MethodContext& c, const ParamSet& p) { return std::make_unique<hgca::Hgca>(c, hgca::parse(c, p)); }};
 }
 

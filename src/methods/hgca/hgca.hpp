@@ -43,6 +43,10 @@ struct Params {
   // the far entries ranked by salience (score x the size it is judged against), best first.
   bool cap = true;
   double window_share = 0.5;
+  // widen=recent (cap=budget only; docs/methods/hgca.md, "When the past does not predict the
+  // query"): each step the far set is the best by exact score of a pool of the MAW ranking's far
+  // set plus streaming's sinks and recent keys; false: the MAW ranking alone.
+  bool widen = true;
 };
 
 // Alg. 1 lines 10-11 with the sign typo fixed: entries (of `resident` + `incoming`, oldest first)
@@ -159,9 +163,23 @@ class FarStore {
   // instead of its salient set + padding. limit(-1) returns to the uncapped sets.
   void limit(int64_t far_keys, int64_t w_size);
   int64_t limited() const { return limit_; }
-  // The far keys head h attends under a limit (the first limit() entries of its ranking).
-  const int32_t* ranked(int h) const { return ranked_[size_t(h)].data(); }
-  int64_t ranked_keys(int h) const { return std::min<int64_t>(limit_, int64_t(ranked_[size_t(h)].size())); }
+  // widen=recent, after limit(): this step's far set of each head becomes the limit() entries of
+  // highest exact attention weight among a pool = the first 2 x limit() entries of the MAW ranking
+  // (at most its cached prefix, about 1.5 limit() + 64), the
+  // far entries [0, sinks) and the most recent `recent` far entries [n - recent, n) (streaming's
+  // far keys). The weight of key i is sum_g exp(scale q_g.k_i - Z_g), Z_g the log-sum-exp of head
+  // g over the pool and the window (win_lse [Hq]). A query the MAW does not predict gets the
+  // recent keys, the sinks or lower-ranked far entries instead of the wrong ones. Cost: the pool's
+  // keys are scored (at most 2 limit() + sinks + recent K rows per head), the chosen limit() attended.
+  void widen(const KVLayer& kv, const float* q, const float* win_lse, int64_t sinks, int64_t recent, ThreadPool& pool);
+  // The far keys head h attends under a limit (the first limit() entries of its ranking, or the
+  // widened set).
+  const int32_t* ranked(int h) const { return widened_ ? chosen_[size_t(h)].data() : ranked_[size_t(h)].data(); }
+  int64_t ranked_keys(int h) const {
+    return widened_ ? int64_t(chosen_[size_t(h)].size()) : std::min<int64_t>(limit_, int64_t(ranked_[size_t(h)].size()));
+  }
+  // Far keys of head h that this step's widening chose in place of the MAW ranking's first limit().
+  int64_t widened_keys(int h) const { return widened_ ? swapped_[size_t(h)] : 0; }
   int64_t reeval_tokens() const { return reeval_n_; }
   void set_reeval_tokens(int64_t n) { reeval_n_ = n; rank_dirty_ = true; }
 
@@ -193,6 +211,9 @@ class FarStore {
   bool rank_dirty_ = true;  // the far set changed since ranked_ was built
   int64_t rank_w_ = 0;
   std::vector<std::vector<int32_t>> ranked_;  // per head: best far entries first (a prefix of the ranking)
+  bool widened_ = false;                      // this step's far sets are chosen_ (widen)
+  std::vector<std::vector<int32_t>> chosen_;  // per head: this step's widened far set
+  std::vector<int64_t> swapped_;              // per head: keys of chosen_ outside the MAW prefix
 };
 
 // Mean over queries of the causal softmax over keys [a, b) of KV head h: out [b - a][G]. queries:

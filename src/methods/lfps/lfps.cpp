@@ -250,6 +250,7 @@ Params parse_params(const ParamSet& ps) {
   p.empty_fallback = ps.get_bool("empty_fallback");
   p.kv_cap = ps.get_string("kv_budget") == "cap";
   p.fill_recent = ps.get_string("fill") == "recent";
+  p.widen = ps.get_string("widen") == "recent";
   return p;
 }
 
@@ -752,12 +753,16 @@ bool Lfps::prepare_owner(uint32_t layer, int u, const float* q, const KVLayer& k
 }
 
 // fill=recent: candidates (ascending, outside the forced recent keys [n - lw, n)) fewer than `want`
-// are completed with the most recent keys of O not among them.
+// are completed with the most recent keys of O not among them. widen=recent (with kv_budget=cap):
+// the `want` most recent keys of O below n - lw join the candidates whatever their number (a query
+// the tables do not predict then gets streaming's recent keys from the exact top-k of step C).
 void Lfps::fill_recent(std::vector<int32_t>& rest, int64_t want, int64_t n, int64_t lw) const {
-  if (!p_.fill_recent || int64_t(rest.size()) >= want) return;
+  if (!p_.fill_recent) return;
+  const bool widen = p_.widen && p_.kv_cap;
+  if (!widen && int64_t(rest.size()) >= want) return;
   const size_t had = rest.size();
   size_t i = had;  // rest[0, i) are the candidates below j
-  for (int64_t j = n - lw - 1; j >= p_.sinks && int64_t(rest.size()) < want; --j) {
+  for (int64_t j = n - lw - 1; j >= p_.sinks && (widen ? n - lw - j <= want : int64_t(rest.size()) < want); --j) {
     while (i > 0 && rest[i - 1] > j) --i;
     if (i > 0 && rest[i - 1] == j) continue;
     rest.push_back(int32_t(j));
@@ -1163,7 +1168,11 @@ MethodSpec lfps_spec() {
         "top-(budget - sinks) and the KV head reads their union (the paper's per-head form: up to G x budget)"},
        {"fill", "enum:recent|none", "recent",
         "recent: candidates fewer than the budget are completed with the most recent keys not among them, so a "
-        "KV head attends the whole budget; none: it attends only its candidates (the paper)"}},
+        "KV head attends the whole budget; none: it attends only its candidates (the paper)"},
+       {"widen", "enum:recent|none", "recent",
+        "with kv_budget=cap and fill=recent: the budget's count of most recent keys (outside local_window) join "
+        "the candidates every step, so the exact top-k can prefer them to the tables' candidates (a query the "
+        "tables do not predict); none: they only fill a shortfall [ours]"}},
       [](const MethodContext& c, const ParamSet& p) { return std::make_unique<lfps::Lfps>(c, lfps::parse_params(p)); }};
 }
 

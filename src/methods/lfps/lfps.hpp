@@ -53,6 +53,10 @@ struct Params {
   bool diagnostics = false;    // measure the overlap with exact top-k (costs a full scan)
   bool kv_cap = true;          // kv_budget=cap: a KV head attends at most the budget (sinks included)
   bool fill_recent = true;     // fill=recent: too few candidates are completed with recent keys
+  // widen=recent (with kv_budget=cap, fill=recent; docs/methods/lfps.md): the most recent keys
+  // outside the forced window, as many as the step chooses, join the candidates every step, so the
+  // exact top-k chooses between the tables' prediction and streaming's recent keys.
+  bool widen = true;
 };
 
 class Lfps final : public Method {

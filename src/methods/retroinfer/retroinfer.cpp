@@ -30,6 +30,7 @@
 #include "methods/retroinfer/wave_index.hpp"
 
 namespace kvs {
+int64_t streaming_sinks(int64_t sinks, int64_t k, int64_t n);  // methods/streaming/streaming.cpp
 namespace {
 
 using retro::WaveHead;
@@ -249,8 +250,10 @@ class RetroInfer final : public Method {
     const bool scaled = session_budget_ && steady_share_ > 0;
     int64_t sk = std::min(sinks_, n), lb = L.indexed_end;
     if (scaled) {
+      // Sinks by streaming's rule (at most an eighth of the budget, at least 1 where k >= 2; not an
+      // eighth of the steady share, which dropped heavy sinks below k = 64), within the share.
       const int64_t share = int64_t(std::floor(steady_share_ * double(budget_keys)));
-      sk = std::min({sinks_, n, share >= 2 ? std::max<int64_t>(1, share / 8) : int64_t(0)});
+      sk = std::min(streaming_sinks(sinks_, budget_keys, n), share);
       lb = n - std::min(local_, std::max<int64_t>(0, share - sk));
     }
     if (L.clusters() == 0) {
@@ -261,8 +264,10 @@ class RetroInfer final : public Method {
         last_.steady_tokens = double(n);
         return;
       }
-      // Nothing indexed (a prompt below the indexing threshold): the sinks and the most recent
-      // tokens, the whole budget.
+      // Nothing indexed (a prompt below the indexing threshold): streaming's selection, the
+      // sinks (streaming's rule, not capped by the steady share) and the most recent tokens, the
+      // whole budget.
+      sk = streaming_sinks(sinks_, budget_keys, n);
       const int64_t lw = std::min(n - sk, budget_keys - sk);
       out.kind = Selection::Kind::PerKvHead;
       out.lists.resize(size_t(hkv));
