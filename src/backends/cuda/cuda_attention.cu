@@ -15,6 +15,7 @@
 // Each chunk writes a normalized partial (o, lse); a merge kernel combines the chunks exactly.
 // When one chunk covers the whole context the first kernel writes the final output directly.
 #include "backends/cuda/cuda_attention.cuh"
+#include "backends/cuda/launch.cuh"
 #include "backends/cuda/status.cuh"
 
 #include <cuda_bf16.h>
@@ -111,13 +112,9 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// Programmatic dependent launch (sm_90): the chunk kernel lets the merge kernel launch once every
-// CTA is past its main loop; the merge kernel waits for the chunk kernel's completion (and memory
-// flush) before reading anything. Both are no-ops when the launch is a plain one.
-__device__ __forceinline__ void pdl_launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+// Programmatic dependent launch (launch.cuh): the chunk kernel lets the merge kernel launch once
+// every CTA is past its main loop; the merge kernel waits for the chunk kernel's completion (and
+// memory flush) before reading anything.
 
 // ---- decode kernels --------------------------------------------------------------------------
 struct DecodeArgs {
@@ -271,6 +268,28 @@ struct KeySource {
   }
 };
 
+// Opens a CTA's chunk [start, start + chunk) after the wait: the key count of list `lrow` (gathered)
+// or of sequence b (dense), clamped; returns the chunk's end (src.end). Gathered, the lane's index
+// of each of the first STAGES tiles is loaded before the count arrives (every slot below
+// max_tokens is readable): the count and index loads share one round trip.
+template <bool GATHER, int STAGES, typename Src, typename TileBase>
+__device__ __forceinline__ int open_chunk(const DecodeArgs& a, Src& src, int b, int64_t lrow, int start, int lane,
+                                          TileBase tile_base, int (&ixp)[STAGES]) {
+  int len;
+  if constexpr (GATHER) {
+    src.idx = a.indices + lrow * a.max_tokens;
+    len = a.lengths[lrow];
+    const int bound = min(a.max_tokens, start + a.chunk);
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) ixp[s] = src.load_index(tile_base(s), lane, bound);
+  } else {
+    len = a.lengths[b];
+  }
+  len = min(max(len, 0), a.max_tokens);
+  src.end = min(len, start + a.chunk);
+  return src.end;
+}
+
 template <typename T, int D, int GT, bool GATHER, int NW, int STAGES>
 __global__ void __launch_bounds__(NW * 32) decode_chunk_kernel(const DecodeArgs a) {
   using G_ = Geo<D>;
@@ -308,23 +327,9 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_kernel(const DecodeArgs 
   // (the KV append, the selection) finished; nothing below may be read before it has.
   pdl_wait();
   KeySource<T, D, GATHER, R> src{a, b, (kvh << a.page_shift) * D, (1 << a.page_shift) - 1, nullptr, 0};
-  int len;
   int ixp[STAGES];  // gathered: the lane's index of the first STAGES tiles
-  if constexpr (GATHER) {
-    const int64_t lrow = a.per_q ? int64_t(b) * a.Hq + kvh * a.G + g0 : int64_t(b) * a.Hkv + kvh;
-    src.idx = a.indices + lrow * a.max_tokens;
-    len = a.lengths[lrow];
-    // Loaded before the count arrives (every slot below max_selected is readable): the count
-    // and index loads share one round trip.
-    const int bound = min(a.max_tokens, start + a.chunk);
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) ixp[s] = src.load_index(tile_base(s), lane, bound);
-  } else {
-    len = a.lengths[b];
-  }
-  len = min(max(len, 0), a.max_tokens);
-  const int end = min(len, start + a.chunk);
-  src.end = end;
+  const int64_t lrow = a.per_q ? int64_t(b) * a.Hq + kvh * a.G + g0 : int64_t(b) * a.Hkv + kvh;
+  const int end = open_chunk<GATHER, STAGES>(a, src, b, lrow, start, lane, tile_base, ixp);
 
   if (start >= end) {  // uniform over the CTA
     cta_write_empty<T, D, GT, NW>(a, b, kvh, g0);
@@ -616,22 +621,9 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_mma_kernel(const DecodeA
 
   pdl_wait();  // a programmatic dependent launch: the query setup above overlapped the previous kernel
   KeySource<T, D, GATHER, R> src{a, b, (kvh << a.page_shift) * D, (1 << a.page_shift) - 1, nullptr, 0};
-  int len;
   int ixp[STAGES];  // gathered: the lane's index of the first STAGES tiles
-  if constexpr (GATHER) {
-    // Per-KV-head lists only (per-query-head lists run the CUDA-core kernel with GT = 1).
-    const int64_t lrow = int64_t(b) * a.Hkv + kvh;
-    src.idx = a.indices + lrow * a.max_tokens;
-    len = a.lengths[lrow];
-    const int bound = min(a.max_tokens, start + a.chunk);
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) ixp[s] = src.load_index(tile_base(s), lane, bound);
-  } else {
-    len = a.lengths[b];
-  }
-  len = min(max(len, 0), a.max_tokens);
-  const int end = min(len, start + a.chunk);
-  src.end = end;
+  // Per-KV-head lists only (per-query-head lists run the CUDA-core kernel with GT = 1).
+  const int end = open_chunk<GATHER, STAGES>(a, src, b, int64_t(b) * a.Hkv + kvh, start, lane, tile_base, ixp);
   if (start >= end) {
     cta_write_empty<T, D, GT, NW>(a, b, kvh, g0);
     return;
@@ -1049,40 +1041,16 @@ Status launch_decode(DecodeArgs a, const AttnShape& s, const Workspace& ws, cuda
                                           align_up(rows * p.nsplit * s.head_dim * 4, 256));
   }
   if (s.num_kv_heads * a.ngroups > 65535) return unsupported("num_kv_heads too large");
-  {
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(p.nsplit, s.num_kv_heads * a.ngroups, s.batch);
-    cfg.blockDim = dim3(K::kThreads);
-    cfg.dynamicSmemBytes = K::kSmem;
-    cfg.stream = st;
-    cfg.attrs = attr;
-    cfg.numAttrs = a.pdl ? 1 : 0;
-    KVS_CUDA_TRY(cudaLaunchKernelEx(&cfg, K::kernel, a), K::kName);
-  }
+  KVS_CUDA_TRY(launch_kernel(K::kernel, dim3(p.nsplit, s.num_kv_heads * a.ngroups, s.batch), dim3(K::kThreads),
+                             K::kSmem, st, a.pdl != 0, 1, a),
+               K::kName);
   if (p.nsplit > 1) {
     const unsigned rows = unsigned(s.batch) * unsigned(s.num_q_heads);
-    const size_t smem = 0;
-    if (g_merge_pdl.load(std::memory_order_relaxed)) {
-      // Programmatic dependent launch: the merge grid is launched while the chunk grid drains.
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[0].val.programmaticStreamSerializationAllowed = 1;
-      cudaLaunchConfig_t cfg{};
-      cfg.gridDim = dim3(rows);
-      cfg.blockDim = dim3(128);
-      cfg.dynamicSmemBytes = smem;
-      cfg.stream = st;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-      KVS_CUDA_TRY(cudaLaunchKernelEx(&cfg, decode_merge_kernel<T, D>, a, mode),
-                   "decode_merge_kernel launch");
-    } else {
-      decode_merge_kernel<T, D><<<rows, 128, smem, st>>>(a, mode);
-      KVS_LAUNCH_CHECK("decode_merge_kernel launch");
-    }
+    // A programmatic dependent launch (unless detail::set_merge_pdl(false)): the merge grid is
+    // launched while the chunk grid drains.
+    KVS_CUDA_TRY(launch_kernel(decode_merge_kernel<T, D>, dim3(rows), dim3(128), 0, st,
+                               g_merge_pdl.load(std::memory_order_relaxed), 1, a, mode),
+                 "decode_merge_kernel launch");
   }
   return {};
 }

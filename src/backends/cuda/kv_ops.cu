@@ -2,6 +2,7 @@
 // Kernels of kv_ops.cuh. Rows move as 16-byte vectors (d * element size is a multiple of 16 for
 // every supported head dim, and pages and caller tensors are 16-byte aligned).
 #include "backends/cuda/kv_ops.cuh"
+#include "backends/cuda/launch.cuh"
 #include "backends/cuda/status.cuh"
 
 #include <cuda_runtime.h>
@@ -29,7 +30,7 @@ __global__ void write_rows_kernel(PagedKv kv, int32_t b, int32_t hkv, int32_t ve
 __global__ void append_batch_kernel(PagedKv kv, int32_t hkv, int32_t vecs_per_row, const int32_t* __restrict__ pos,
                                     const uint4* k_new, const uint4* v_new, const void* const* kv_at) {
   // A programmatic dependent launch after this one may start now (it waits before reading KV).
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  pdl_launch_dependents();
   const int32_t b = blockIdx.x, h = blockIdx.y;
   if (kv_at) {
     k_new = static_cast<const uint4*>(kv_at[0]);

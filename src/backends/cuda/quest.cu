@@ -23,6 +23,7 @@
 //     sits at higher indices: ascending order puts them first; ties among real +inf scores resolve
 //     to the lowest pages, as on the CPU) and the last page, expanded to tokens.
 #include "backends/cuda/quest.cuh"
+#include "backends/cuda/launch.cuh"
 #include "backends/cuda/status.cuh"
 
 #include <cuda_bf16.h>
@@ -59,31 +60,6 @@ size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 std::atomic<int> g_tiles{0};  // detail::set_quest_tiles_per_warp
 
 constexpr int kThreads = 128;  // 4 warps per CTA, both kernels
-
-// Programmatic dependent launch (sm_90): a kernel launched with the attribute may start while the
-// stream's previous kernel runs; griddepcontrol.wait blocks until that kernel completed and its
-// writes are visible (a no-op after a plain launch). Every CTA of such a kernel waits before it
-// exits, so "this kernel completed" keeps implying "every earlier kernel completed" down the chain.
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-__device__ __forceinline__ void pdl_launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-
-// Launches kern<<<grid, block, smem, st>>>(args...), as a programmatic dependent launch when pdl.
-template <typename... P, typename... A>
-cudaError_t launch(void (*kern)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, bool pdl, A&&... args) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = st;
-  cudaLaunchAttribute attr[1]{};
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kern, std::forward<A>(args)...);
-}
 
 // ---- 16-bit element helpers --------------------------------------------------------------------
 template <typename T>
@@ -526,7 +502,7 @@ Status launch_score(ScoreArgs a, int B, int max_cand, cudaStream_t st) {
   a.tiles = tiles;
   const int per_cta = tiles * (kThreads / 32);
   dim3 grid(unsigned((tiles_per_head + per_cta - 1) / per_cta), unsigned(a.hkv), unsigned(B));
-  KVS_CUDA_TRY(launch(kern, grid, dim3(kThreads), smem, st, a.pdl != 0, a), "quest score kernel launch");
+  KVS_CUDA_TRY(launch_kernel(kern, grid, dim3(kThreads), smem, st, a.pdl != 0, 1, a), "quest score kernel launch");
   return {};
 }
 
@@ -654,7 +630,7 @@ Status quest_select(const AttnShape& shape, const Query& q, Scalar kv_dtype, con
   e.out_cnt = out_cnt;
   e.max_selected = max_selected;
   dim3 grid(unsigned(rows), unsigned((max_selected + 255) / 256));
-  KVS_CUDA_TRY(launch(expand_kernel, grid, dim3(256), 0, st, pdl, e), "quest expand kernel launch");
+  KVS_CUDA_TRY(launch_kernel(expand_kernel, grid, dim3(256), 0, st, pdl, 1, e), "quest expand kernel launch");
   return {};
 }
 

@@ -30,6 +30,7 @@
 // into summed probabilities. topk_rows is launched as a programmatic dependent too, so it can
 // follow the score pass without a launch gap.
 #include "backends/cuda/topk.cuh"
+#include "backends/cuda/launch.cuh"
 #include "backends/cuda/status.cuh"
 
 #include <cooperative_groups.h>
@@ -253,7 +254,7 @@ __global__ void __launch_bounds__(kRowsThreads, 1) topk_rows_kernel(const RowsAr
   const int row = int(blockIdx.x / unsigned(C));
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   // Launched as a programmatic dependent (e.g. of the score pass): wait for the previous kernel.
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  pdl_wait();
   int len = a.lengths ? a.lengths[row] : a.max_len;
   len = min(max(len, 0), a.max_len);
   const int count = min(a.k, len);
@@ -446,7 +447,7 @@ __global__ void __launch_bounds__(kSmallThreads, 1) topk_small_kernel(const Rows
   __shared__ SelState sst;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int row = blockIdx.x;
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // a programmatic dependent launch
+  pdl_wait();  // a programmatic dependent launch
   int len = a.lengths ? a.lengths[row] : a.max_len;
   len = min(max(len, 0), a.max_len);
   const int count = min(a.k, len);
@@ -750,7 +751,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) topk_logits_kernel(const Sco
   }
   // The group-score kernel (a programmatic dependent launch) may start its prologue now; it waits
   // for this whole grid's results before reading them.
-  asm volatile("griddepcontrol.launch_dependents;");
+  pdl_launch_dependents();
   if constexpr (GROUP) {
     const int slot = warp * RPP + rsub;
     if (c % R == 0) {
@@ -793,7 +794,7 @@ __device__ __forceinline__ void load_z(const float* p, float (&z)[GT]) {
 
 // grid (ceil(max_len / kGroupChunk), Hkv, B), block kScoreThreads, dynamic smem G floats:
 // each query head's base-2 LSE from the chunk statistics, then s_t = sum_g 2^(z_gt - lse_g).
-// Launched as a programmatic dependent of the logits kernel: everything before griddepcontrol.wait
+// Launched as a programmatic dependent of the logits kernel: everything before pdl_wait
 // overlaps that kernel's tail. Each thread loads all its logits before the LSE prologue, so the
 // two round trips overlap.
 template <int GT>
@@ -801,8 +802,8 @@ __global__ void __launch_bounds__(kScoreThreads) topk_group_scores_kernel(const 
   constexpr int TPT = kGroupChunk / kScoreThreads;  // tokens per thread
   extern __shared__ float slse[];
   const int kvh = blockIdx.y, b = blockIdx.z;
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;");  // e.g. topk_rows: it waits for this grid
+  pdl_wait();
+  pdl_launch_dependents();  // e.g. topk_rows: it waits for this grid
   const int len = min(max(a.lengths[b], 0), a.max_len);
   const int t0 = int(blockIdx.x) * kGroupChunk;
   if (t0 >= len) return;
@@ -966,17 +967,10 @@ Status launch_scores(ScoreArgs a, bool per_head, const Workspace& ws, const Scor
   if (!per_head) {
     const size_t smem = size_t(a.G) * 4;
     if (smem > 48 * 1024) return unsupported("topk_scores: too many query heads per KV head");
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(unsigned(ceil_div(a.max_len, kGroupChunk)), unsigned(a.Hkv), unsigned(a.B));
-    cfg.blockDim = dim3(kScoreThreads, 1, 1);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = st;
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    KVS_CUDA_TRY(cudaLaunchKernelEx(&cfg, topk_group_scores_kernel<GT>, a), "topk_group_scores_kernel launch");
+    KVS_CUDA_TRY(launch_kernel(topk_group_scores_kernel<GT>,
+                               dim3(unsigned(ceil_div(a.max_len, kGroupChunk)), unsigned(a.Hkv), unsigned(a.B)),
+                               dim3(kScoreThreads), smem, st, /*pdl=*/true, 1, a),
+                 "topk_group_scores_kernel launch");
     KVS_LAUNCH_CHECK("topk_group_scores_kernel launch");
   }
   return {};
@@ -1076,16 +1070,8 @@ Status launch_small(const RowsArgs& a, int rows, bool vec, cudaStream_t st) {
     case 8: kern = vec ? topk_small_kernel<8, true> : topk_small_kernel<8, false>; break;
     default: kern = vec ? topk_small_kernel<16, true> : topk_small_kernel<16, false>; break;
   }
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(rows), 1, 1);
-  cfg.blockDim = dim3(kSmallThreads, 1, 1);
-  cfg.stream = st;
-  cudaLaunchAttribute attr[1]{};
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  KVS_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, a), "topk_small_kernel launch");
+  KVS_CUDA_TRY(launch_kernel(kern, dim3(unsigned(rows)), dim3(kSmallThreads), 0, st, /*pdl=*/true, 1, a),
+               "topk_small_kernel launch");
   KVS_LAUNCH_CHECK("topk_small_kernel launch");
   return {};
 }
@@ -1161,21 +1147,9 @@ Status topk_rows(const float* scores, int64_t row_stride, const int32_t* lengths
   Status e = prepare_variant(dev, best_var);
   if (!e.ok()) return e;
 
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(int64_t(rows) * C), 1, 1);
-  cfg.blockDim = dim3(kRowsThreads, 1, 1);
-  cfg.dynamicSmemBytes = best_smem;
-  cfg.stream = st;
-  cudaLaunchAttribute attr[2]{};
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = unsigned(C);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 2;
-  KVS_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, a), "topk_rows_kernel launch");
+  KVS_CUDA_TRY(launch_kernel(kern, dim3(unsigned(int64_t(rows) * C)), dim3(kRowsThreads), best_smem, st, /*pdl=*/true,
+                             C, a),
+               "topk_rows_kernel launch");
   KVS_LAUNCH_CHECK("topk_rows_kernel launch");
   return {};
 }

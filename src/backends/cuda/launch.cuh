@@ -1,0 +1,52 @@
+// SPDX-License-Identifier: Apache-2.0
+// Kernel launches shared by the .cu files of this directory (nvcc only; private): programmatic
+// dependent launch (PDL, sm_90) on the device side and one launch helper on the host side.
+//
+// A kernel launched with `pdl` may start while the stream's previous kernel still runs (once every
+// CTA of that kernel has called pdl_launch_dependents or exited). pdl_wait then blocks until that
+// kernel has completed and its writes are visible; after a plain launch both are no-ops. Every CTA
+// of a kernel that may be launched with `pdl` calls pdl_wait before it reads anything the previous
+// kernel writes and before it exits, so "this kernel completed" keeps implying "every earlier
+// kernel of the stream completed" down a chain of such launches.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <utility>
+
+namespace kvs::cuda {
+
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+// kern<<<grid, block, smem, st>>>(args...) through cudaLaunchKernelEx: a programmatic dependent
+// launch when `pdl`, on clusters of `cluster` CTAs along x when cluster > 1.
+template <typename... P, typename... A>
+cudaError_t launch_kernel(void (*kern)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, bool pdl,
+                          int cluster, A&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[2]{};
+  unsigned n = 0;
+  if (cluster > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = unsigned(cluster);
+    attr[n].val.clusterDim.y = 1;
+    attr[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  if (pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = n;
+  return cudaLaunchKernelEx(&cfg, kern, std::forward<A>(args)...);
+}
+
+}  // namespace kvs::cuda
