@@ -246,6 +246,18 @@ class KvsieveCache(Cache):
             raise ValueError(f"stats: the cache holds {len(self.sessions)} sessions; use cache.sessions[b].stats")
         return self.sessions[0].stats
 
+    @property
+    def session(self) -> Optional[kvsieve.Session]:
+        """The single session (batch 1), None before the first forward."""
+        if len(self.sessions) > 1:
+            raise ValueError(f"session: the cache holds {len(self.sessions)} sessions; use cache.sessions[b]")
+        return self.sessions[0] if self.sessions else None
+
+    @property
+    def tokens(self) -> int:
+        """Positions seen so far (padding included): the position of the next token."""
+        return self.get_seq_length()
+
     def fork(self) -> "KvsieveCache":
         """A new cache at this cache's current state (every session forked: KV shared copy-on-write,
         the method's index copied). Both evolve independently. cpu backend."""
@@ -260,6 +272,26 @@ class KvsieveCache(Cache):
         c._held = [list(h) for h in self._held]
         c._lse = None
         return c
+
+    def prefill_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      out: Optional[torch.Tensor] = None) -> None:
+        """Batch 1: prefills one layer from precomputed prompt q [n, Hq, d], k/v [n, Hkv, d] (e.g. from
+        a trace or a shared prompt pass) and builds its index; ``out`` optionally receives the
+        prompt's causal attention (cpu backend). The layer's length becomes n, so the next forward
+        (with ``past_key_values=cache``) continues at position n."""
+        self._ensure_sessions(1, q.dtype, scale)
+        s, n = self.sessions[0], int(q.shape[0])
+        if self._held[0][layer]:
+            raise ValueError(f"prefill_layer: layer {layer} already holds {self._held[0][layer]} tokens")
+        if self.backend == "cuda":
+            stream = torch.cuda.current_stream(q.device)
+            s.prefill(layer, q.contiguous(), self._kv(k), self._kv(v), out=out, stream=stream)
+            s.build_index(stream=stream)
+        else:
+            s.prefill(layer, q, k, v, out=out)
+            s.build_index()
+        self._held[0][layer] = n
+        self.layers[layer].seen = n
 
     def _ensure_sessions(self, batch: int, dtype: torch.dtype, scale: float) -> None:
         if self.sessions:
