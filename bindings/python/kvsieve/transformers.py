@@ -342,6 +342,9 @@ def _check(module, query: torch.Tensor, dropout: float, kwargs, cache: Optional[
 def _row_span(mask_row: Optional[torch.Tensor], n: int, held: int, past: int, row: int) -> int:
     """First valid index among the n new positions of one row (n if none): left padding only."""
     if mask_row is None:
+        if held != past:
+            raise ValueError(f"kvsieve attention: row {row}'s session holds {held} of the {past} past positions (the "
+                             "rest were padding): pass the attention mask that covers them")
         return 0
     new = mask_row[-n:]
     if bool(new.all()):
