@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""kvsieve as a transformers attention function (examples/python/kvsieve_hf.py).
+"""kvsieve as a transformers attention function, step by step (examples/python/kvsieve_hf.py over
+kvsieve.transformers; generate() is tested in test_hf_generate.py).
 
 A tiny randomly initialised Llama (no download) decodes through kvsieve; its logits must equal the
 same model's with transformers' own eager attention (the independent reference) over the prompt
@@ -174,17 +175,24 @@ def test_wrong_device_is_refused():
             kvsieve_hf.forward(model, random_ids(model)[:, :PROMPT], cache)
 
 
-def test_missing_cache_and_batch_are_refused():
+def test_missing_cache_is_refused_and_batches_decode():
     model = tiny_llama(4, 2)
     model.set_attn_implementation(kvsieve_hf.NAME)
     ids = random_ids(model)[:, :PROMPT]
-    with pytest.raises(ValueError, match="pass kvsieve_cache=KvsieveCache"):
+    with pytest.raises(ValueError, match="pass past_key_values=kvsieve.transformers.KvsieveCache"):
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
-    cache = kvsieve_hf.KvsieveCache(model.config, backend=BACKEND)
-    with pytest.raises(ValueError, match="batch size must be 1"):
-        with torch.no_grad():
-            kvsieve_hf.forward(model, ids.repeat(2, 1), cache)
+    # A batch of two rows (one session each) gives each row what the row alone gives.
+    ids2 = torch.cat([ids, random_ids(model, seed=5)[:, :PROMPT]])
+    with torch.no_grad():
+        one = [kvsieve_logits(model, ids2[b:b + 1, :PROMPT], kv_dtype=KV_DTYPE) for b in range(2)]
+        cache = kvsieve_hf.KvsieveCache(model.config, backend=BACKEND, kv_dtype=KV_DTYPE)
+        both = kvsieve_hf.forward(model, ids2, cache)
+    assert len(cache.sessions) == 2
+    for b in range(2):
+        assert torch.allclose(both[b], one[b][0], rtol=0, atol=TOL * one[b][0].abs().max().item())
+        one[b][1].close()
+    cache.close()
     with pytest.raises(ValueError, match="backend: expected 'cpu' or 'cuda'"):
         kvsieve_hf.KvsieveCache(model.config, backend="tpu")
 
