@@ -37,6 +37,7 @@ struct BenchOptions {
   double membw_mib = 0;
   bool no_membw = false;
   int device = 0;  // CUDA device (--backend cuda)
+  std::string kv_memory = "cuda";  // --backend cuda: where the KV cache lives (cuda or cuda_host)
 };
 
 // The command-line checks shared by both paths.
@@ -60,6 +61,8 @@ int run_bench(const BenchOptions& o) {
   validate_options(o);
   const DType dtype = parse_dtype(o.dtype);
   const unsigned threads = resolve_threads(o.threads);
+  if (backend != KVS_BACKEND_CUDA && o.kv_memory != "cuda")
+    throw UsageError("--kv-memory applies to --backend cuda (the cpu backend keeps its KV in host memory)");
   if (backend == KVS_BACKEND_CUDA) {
 #ifdef KVS_HAVE_CUDA
     return run_bench_cuda(o, dtype, threads);
@@ -393,6 +396,9 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads) {
   p.kv_dtype = int32_t(dtype);
   p.backend = KVS_BACKEND_CUDA;
   p.device_id = o.device;
+  if (o.kv_memory == "cuda_host") p.kv_memory = KVS_DEVICE_CUDA_HOST;
+  else if (o.kv_memory == "cuda") p.kv_memory = KVS_DEVICE_CUDA;
+  else throw CliError("bench: --kv-memory: expected cuda or cuda_host, got '" + o.kv_memory + "'");
   p.num_threads = o.threads;
   p.budget = o.budget;
   kvs_session_params pf = p;
@@ -555,10 +561,10 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads) {
   const double speedup = step_us > 0 ? full_step_us / step_us : 0.0;
 
   std::printf("bench %s vs full: context %lld, %u q heads / %u kv heads, d %u, %s, budget %g, cuda backend "
-              "on %s (device %d), median of %lld steps after %lld warm-up, L2 flushed (%s) before each\n",
+              "on %s (device %d), KV in %s, median of %lld steps after %lld warm-up, L2 flushed (%s) before each\n",
               o.method.c_str(), static_cast<long long>(P), o.q_heads, o.kv_heads, o.head_dim, dtype_name(dtype),
-              o.budget, device_name.c_str(), dev, static_cast<long long>(o.steps), static_cast<long long>(o.warmup),
-              human_bytes(double(flush_bytes)).c_str());
+              o.budget, device_name.c_str(), dev, o.kv_memory == "cuda_host" ? "pinned host memory" : "GPU memory",
+              static_cast<long long>(o.steps), static_cast<long long>(o.warmup), human_bytes(double(flush_bytes)).c_str());
   std::printf("  prefill %.1f ms, index build %.1f ms; index %s, KV %s\n", prefill_ms, index_ms,
               human_bytes(double(stt.index_bytes)).c_str(), human_bytes(double(stt.kv_bytes)).c_str());
   std::printf("  full     %10.1f us/step  reads %s  -> %.1f GB/s", full_step_us, human_bytes(full_bytes).c_str(),
@@ -592,6 +598,7 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads) {
     using J = nlohmann::ordered_json;
     const J j = {{"method", o.method},
                  {"backend", o.backend},
+                 {"kv_memory", o.kv_memory},
                  {"device", device_name},
                  {"context", P},
                  {"q_heads", o.q_heads},
@@ -637,6 +644,9 @@ Command add_bench_command(CLI::App& root) {
   cmd->add_option("--budget", o->budget, "exact keys per step, as a fraction of the context, (0, 1]");
   cmd->add_option("--backend", o->backend, "cpu, cuda (CUDA builds: device memory, CUDA events) or hybrid");
   cmd->add_option("--device", o->device, "CUDA device of --backend cuda");
+  cmd->add_option("--kv-memory", o->kv_memory,
+                  "--backend cuda: where both sessions keep the KV cache: cuda (GPU memory) or cuda_host (pinned "
+                  "host memory read over the bus)");
   cmd->add_option("--threads", o->threads,
                   "library threads and bandwidth-probe (cuda: data-generation) threads (0 = all)");
   cmd->add_option("--steps", o->steps, "timed decode steps of each session");

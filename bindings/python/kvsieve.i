@@ -817,7 +817,8 @@ struct kvs_batch_s {};
 kvs_session_s* session_create(uint32_t num_layers, uint32_t num_q_heads, uint32_t num_kv_heads,
                               uint32_t head_dim, double softmax_scale, int32_t kv_dtype, int32_t backend,
                               int32_t device_id, uint32_t num_threads, int32_t gemm, const char* method,
-                              const char* method_params, double budget, int64_t budget_tokens) {
+                              const char* method_params, double budget, int64_t budget_tokens,
+                              int32_t kv_memory) {
   kvs_session_params p;
   kvs_session_params_init(&p);
   p.num_layers = num_layers;
@@ -834,6 +835,7 @@ kvs_session_s* session_create(uint32_t num_layers, uint32_t num_q_heads, uint32_
   p.method_params = method_params;
   p.budget = budget;
   p.budget_tokens = budget_tokens;
+  p.kv_memory = kv_memory;
   kvs_session_t s = NULL;
   kvs_error_t err;
   Py_BEGIN_ALLOW_THREADS
@@ -844,10 +846,11 @@ kvs_session_s* session_create(uint32_t num_layers, uint32_t num_q_heads, uint32_
 }
 
 kvs_session_s* session_load(const char* path, int32_t backend, int32_t device_id, uint32_t num_threads,
-                            int32_t gemm, uint32_t flags) {
+                            int32_t gemm, uint32_t flags, int32_t kv_memory) {
   kvs_load_params p;
   kvs_load_params_init(&p);
   p.flags = flags;
+  p.kv_memory = kv_memory;
   p.backend = backend;
   p.device_id = device_id;
   p.num_threads = num_threads;

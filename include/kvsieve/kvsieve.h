@@ -223,6 +223,13 @@ typedef struct kvs_session_params {
   const char* method_params; /* "key=value,key=value" (see kvs_method_param); NULL = defaults. Copied. */
   double budget;          /* fraction of the context in (0, 1]; 0 = unset */
   int64_t budget_tokens;  /* absolute number of exact keys; 0 = unset. Wins over budget. */
+  /* Where the KV cache lives (kvs_device_type), 0 = the backend's own memory. The cuda backend
+   * takes KVS_DEVICE_CUDA (GPU memory, the default) or KVS_DEVICE_CUDA_HOST: pinned host memory
+   * mapped into the GPU's address space, which the kernels read over the bus (PCIe / NVLink-C2C),
+   * for contexts larger than GPU memory; the method's index stays on the GPU. The cpu backend
+   * takes KVS_DEVICE_CPU only. (Appended after 0.1.0: callers built against older headers pass a
+   * smaller struct_size and get 0.) */
+  int32_t kv_memory;
 } kvs_session_params;
 
 /** Fills defaults (struct_size included). @threadsafety any */
@@ -324,6 +331,7 @@ typedef struct kvs_load_params {
   uint32_t num_threads; /* 0 = all hardware threads */
   int32_t gemm;
   uint32_t flags;       /* kvs_load_flags; 0 = copy everything out of the file */
+  int32_t kv_memory;    /* as kvs_session_params.kv_memory; 0 = the backend's own memory */
 } kvs_load_params;
 
 /** Fills defaults (struct_size included; flags 0). @threadsafety any */

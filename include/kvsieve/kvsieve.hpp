@@ -113,6 +113,8 @@ class SessionParams {
   SessionParams& budget_tokens(int64_t n) { p_.budget_tokens = n; return *this; }
   SessionParams& kv_dtype(kvs_scalar_type t) { p_.kv_dtype = t; return *this; }
   SessionParams& backend(kvs_backend b, int32_t device_id = 0) { p_.backend = b; p_.device_id = device_id; return *this; }
+  // Where the KV cache lives (kvs_device_type; KVS_DEVICE_CUDA_HOST: pinned host memory, cuda backend).
+  SessionParams& kv_memory(kvs_device_type m) { p_.kv_memory = m; return *this; }
   SessionParams& num_threads(uint32_t n) { p_.num_threads = n; return *this; }
   SessionParams& softmax_scale(float s) { p_.softmax_scale = s; return *this; }
   /// The C struct, pointing into this object's strings.

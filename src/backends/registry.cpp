@@ -74,6 +74,9 @@ std::unique_ptr<Placement> make_placement(const SessionConfig& cfg, const Method
 #ifdef KVS_HAVE_CUDA
   if (cfg.backend == KVS_BACKEND_CUDA) return make_cuda_placement(cfg, spec, ps, std::move(pool));
 #endif
+  if (cfg.kv_memory != 0 && cfg.kv_memory != KVS_DEVICE_CPU)
+    fail(KVS_STATUS_UNSUPPORTED, "params->kv_memory: the cpu backend keeps its KV cache in host memory "
+                                 "(KVS_DEVICE_CPU or 0), got " + std::to_string(cfg.kv_memory));
   return make_cpu_placement(cfg, spec, ps, std::move(pool));
 }
 

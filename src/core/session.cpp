@@ -29,11 +29,18 @@ constexpr uint32_t kMaxLayers = 4096, kMaxKvHeads = 1024, kMaxQHeads = 8192, kMi
 // ---------------------------------------------------------------------------------------------
 // Configuration
 
-SessionConfig SessionConfig::from_params(const kvs_session_params* p) {
-  if (!p) invalid("params: expected a kvs_session_params, got NULL");
-  if (p->struct_size < sizeof(kvs_session_params))
-    invalid("params->struct_size: expected >= " + std::to_string(sizeof(kvs_session_params)) +
-            " (fill with kvs_session_params_init), got " + std::to_string(p->struct_size));
+SessionConfig SessionConfig::from_params(const kvs_session_params* caller) {
+  if (!caller) invalid("params: expected a kvs_session_params, got NULL");
+  // Fields are appended to kvs_session_params over versions: a caller built against an older
+  // header passes its smaller struct_size, and the fields it does not know keep their defaults.
+  constexpr size_t kFirstSize = offsetof(kvs_session_params, kv_memory);  // 0.1.0's struct
+  if (caller->struct_size < kFirstSize)
+    invalid("params->struct_size: expected >= " + std::to_string(kFirstSize) +
+            " (fill with kvs_session_params_init), got " + std::to_string(caller->struct_size));
+  kvs_session_params local;
+  kvs_session_params_init(&local);
+  std::memcpy(&local, caller, std::min<size_t>(caller->struct_size, sizeof local));
+  const kvs_session_params* p = &local;
   SessionConfig c;
   auto& s = c.shape;
   if (p->num_layers < 1 || p->num_layers > kMaxLayers)
@@ -57,6 +64,10 @@ SessionConfig SessionConfig::from_params(const kvs_session_params* p) {
             std::to_string(p->backend));
   if (p->num_threads > kMaxThreads)
     invalid("params->num_threads: expected 0.." + std::to_string(kMaxThreads) + ", got " + std::to_string(p->num_threads));
+  if (p->kv_memory != 0 && p->kv_memory != KVS_DEVICE_CPU && p->kv_memory != KVS_DEVICE_CUDA &&
+      p->kv_memory != KVS_DEVICE_CUDA_HOST)
+    invalid("params->kv_memory: expected 0 (the backend's own), KVS_DEVICE_CPU (1), KVS_DEVICE_CUDA (2) or "
+            "KVS_DEVICE_CUDA_HOST (3), got " + std::to_string(p->kv_memory));
   if (!(p->budget >= 0.0 && p->budget <= 1.0))
     invalid("params->budget: expected a fraction in (0, 1] or 0 (unset), got " + std::to_string(p->budget));
   if (p->budget_tokens < 0) invalid("params->budget_tokens: expected >= 0, got " + std::to_string(p->budget_tokens));
@@ -68,6 +79,7 @@ SessionConfig SessionConfig::from_params(const kvs_session_params* p) {
   s.kv_dtype = DType(p->kv_dtype);
   c.backend = p->backend;
   c.device_id = p->device_id;
+  c.kv_memory = p->kv_memory;
   c.num_threads = p->num_threads;
   cpu::resolve_gemm(p->gemm);  // validates
   c.gemm = p->gemm;
@@ -347,6 +359,10 @@ std::unique_ptr<Session> Session::load(const std::string& path, const kvs_load_p
   if (lp.num_threads > kMaxThreads)
     invalid("kvs_session_load: params->num_threads: expected 0.." + std::to_string(kMaxThreads) + ", got " +
             std::to_string(lp.num_threads));
+  if (lp.kv_memory != 0 && lp.kv_memory != KVS_DEVICE_CPU && lp.kv_memory != KVS_DEVICE_CUDA &&
+      lp.kv_memory != KVS_DEVICE_CUDA_HOST)
+    invalid("kvs_session_load: params->kv_memory: expected 0 (the backend's own), KVS_DEVICE_CPU (1), "
+            "KVS_DEVICE_CUDA (2) or KVS_DEVICE_CUDA_HOST (3), got " + std::to_string(lp.kv_memory));
   if (lp.flags & ~uint32_t(KVS_LOAD_MMAP))
     invalid("kvs_session_load: params->flags: expected 0 or KVS_LOAD_MMAP (1), got " + std::to_string(lp.flags));
   (void)cpu::resolve_gemm(lp.gemm);  // validates lp.gemm and KVS_GEMM
@@ -392,6 +408,7 @@ std::unique_ptr<Session> Session::load_from(const std::shared_ptr<const io::Tabl
     const int32_t saved_backend = hr.integer<int32_t>(h, "backend", KVS_BACKEND_CPU, KVS_BACKEND_HYBRID);
     p.backend = lp.backend ? lp.backend : saved_backend;
     p.device_id = lp.device_id;
+    p.kv_memory = lp.kv_memory;
     p.num_threads = lp.num_threads;
     p.gemm = lp.gemm;
     // The caller's fields are valid (checked above): whatever from_params refuses now is the file's.

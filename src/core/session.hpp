@@ -21,6 +21,7 @@ struct SessionConfig {
   ModelShape shape;
   int32_t backend = KVS_BACKEND_CPU;
   int32_t device_id = 0;
+  int32_t kv_memory = 0;  // kvs_device_type, 0 = the backend's own memory
   uint32_t num_threads = 0;
   int32_t gemm = KVS_GEMM_AUTO;
   std::string method = "full";

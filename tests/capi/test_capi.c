@@ -6,6 +6,7 @@
 #include <kvsieve/kvsieve.h>
 
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -585,7 +586,23 @@ int main(void) {
   p.gemm = 5;
   EXPECT(kvs_session_create(&p, &s), KVS_STATUS_INVALID_ARGUMENT, "gemm");
   p.gemm = KVS_GEMM_AUTO;
+  p.kv_memory = 9;
+  EXPECT(kvs_session_create(&p, &s), KVS_STATUS_INVALID_ARGUMENT, "kv_memory");
+  p.kv_memory = KVS_DEVICE_CUDA_HOST; /* pinned host KV is the cuda backend's */
+  EXPECT(kvs_session_create(&p, &s), KVS_STATUS_UNSUPPORTED, "kv_memory");
   CHECK(s == NULL);
+  /* a caller built against the 0.1.0 header: its struct ends before kv_memory, whose bytes here
+     (garbage to such a caller) are not read */
+  p.struct_size = (uint32_t)offsetof(kvs_session_params, kv_memory);
+  OK(kvs_session_create(&p, &s));
+  kvs_session_destroy(s);
+  s = NULL;
+  p.struct_size = sizeof p;
+  p.kv_memory = KVS_DEVICE_CPU;
+  OK(kvs_session_create(&p, &s));
+  kvs_session_destroy(s);
+  s = NULL;
+  p.kv_memory = 0;
   OK(kvs_session_create(&p, &s));
 
   tq = tensor(q, 3, qs3, f32, KVS_DEVICE_CPU);

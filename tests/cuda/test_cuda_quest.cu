@@ -292,6 +292,7 @@ struct SelCase {
   int want_extra = 0;  // max_want above the largest want
   int len_extra = 0;   // max_length above the longest sequence
   bool pdl = false;    // pdl = true right after a kernel that writes sequence 0's bounds late
+  bool timing = false; // afterwards, print the time of one call per score tiling (informational)
 };
 
 void run_select(const SelCase& sc) {
@@ -437,6 +438,35 @@ void run_select(const SelCase& sc) {
       }
   }
   report(bad == 0, name, "max_want=" + std::to_string(max_want) + " rows_with_ties=" + std::to_string(ties) + " " + why);
+  if (!sc.timing) return;
+  // Informational: microseconds per quest_select (score pass, page top-k, expansion), 200 calls
+  // back to back, per score tiling (tiles of 8 pages per warp; 0 = automatic).
+  std::string line = "quest_select timing " + name + ":";
+  for (int tiles : {0, 1, 2, 3, 4, 6, 8}) {
+    kvs::cuda::detail::set_quest_tiles_per_warp(tiles);
+    auto call = [&] {
+      return kvs::cuda::quest_select(shape, qq, sc.t, dbp.as<const void* const>(), dlen.as<int32_t>(), dbud.as<int32_t>(),
+                                     max_len, ps, max_want, sc.per_query, oidx.as<int32_t>(), ocnt.as<int32_t>(),
+                                     max_sel, kvs::cuda::Workspace{ws.p, ws.n}, nullptr, false);
+    };
+    if (!call().ok()) continue;
+    cudaEvent_t e0, e1;
+    QCK(cudaEventCreate(&e0));
+    QCK(cudaEventCreate(&e1));
+    QCK(cudaEventRecord(e0, nullptr));
+    for (int i = 0; i < 200; ++i) (void)call();
+    QCK(cudaEventRecord(e1, nullptr));
+    QCK(cudaEventSynchronize(e1));
+    float ms = 0.f;
+    QCK(cudaEventElapsedTime(&ms, e0, e1));
+    QCK(cudaEventDestroy(e0));
+    QCK(cudaEventDestroy(e1));
+    char buf[48];
+    std::snprintf(buf, sizeof buf, " tiles=%d %.1f us", tiles, ms * 1e3f / 200.f);
+    line += buf;
+  }
+  kvs::cuda::detail::set_quest_tiles_per_warp(0);
+  std::printf("%s\n", line.c_str());
 }
 
 void run_window(int B, int H, int sinks, int window, const std::vector<int>& lens, const std::vector<int>& budgets,
@@ -560,7 +590,9 @@ int run_quest_tests(bool small) {
     const int n = small ? 3000 : 131072;
     c.lens = {n};
     c.budgets = {n / 20};
+    c.timing = !small;
     run_select(c);
+    c.timing = false;
     c.per_query = true;
     run_select(c);
     c.per_query = false;  // as a programmatic dependent launch after a late writer of the bounds

@@ -40,8 +40,10 @@ T* upload(const std::vector<T>& h) {
 }
 
 // One configuration: B sessions per backend with prompt lengths n0 + 37 b, `steps` decode steps.
+// kv_memory: the cuda sessions' params->kv_memory (KVS_DEVICE_CUDA_HOST: KV in pinned host memory).
+// per_session_k: exact_topk batches keep their fractional budget, so each session has its own k.
 void run_case(const char* method, kvs_scalar_type kvdt, int hq, int hkv, int d, int64_t n0, int B, int steps,
-              double budget) {
+              double budget, int32_t kv_memory = 0, bool per_session_k = false) {
   std::mt19937 rng(uint32_t(n0 + d + hq));
   std::normal_distribution<float> nd;
   const int64_t T = n0 + 37 * (B - 1) + steps;
@@ -65,12 +67,14 @@ void run_case(const char* method, kvs_scalar_type kvdt, int hq, int hkv, int d, 
   p.kv_dtype = kvdt;
   p.method = method;
   p.budget = budget;
-  if (B > 1 && std::string(method) == "exact_topk") p.budget_tokens = 128;  // one k for the batch
+  if (B > 1 && std::string(method) == "exact_topk" && !per_session_k) p.budget_tokens = 128;  // one k for the batch
   std::vector<kvs_session_t> cpu(B), gpu(B);
   for (int b = 0; b < B; ++b) {
     p.backend = KVS_BACKEND_CPU;
+    p.kv_memory = 0;
     if (!ok(kvs_session_create(&p, &cpu[b]), "create cpu")) return;
     p.backend = KVS_BACKEND_CUDA;
+    p.kv_memory = kv_memory;
     if (!ok(kvs_session_create(&p, &gpu[b]), "create cuda")) return;
     const int64_t n = n0 + 37 * b;
     Tensor tq(q[b].data(), KVS_DEVICE_CPU, F32, {n, hq, d}), tk(k[b].data(), KVS_DEVICE_CPU, F32, {n, hkv, d}),
@@ -136,7 +140,7 @@ void run_case(const char* method, kvs_scalar_type kvdt, int hq, int hkv, int d, 
       worst = std::isnan(e) ? 1e9 : std::max(worst, e);
       worst_lse = std::max(worst_lse, double(std::fabs(lse[size_t(r)] - rlse[size_t(r)])));
     }
-    if (std::string(method) == "exact_topk")
+    if (std::string(method) == "exact_topk" || std::string(method) == "quest")
       for (int b = 0; b < B; ++b)
         for (uint32_t h = 0; h < uint32_t(hkv); ++h) {
           size_t nc = 0, ng = 0;
@@ -156,12 +160,14 @@ void run_case(const char* method, kvs_scalar_type kvdt, int hq, int hkv, int d, 
     cudaFree(dout);
     cudaFree(dlse);
   }
-  CAPI_CHECK(worst < 1e-2, "%s kv=%d hq=%d hkv=%d d=%d n0=%lld B=%d: worst rel err %.3g", method, int(kvdt), hq, hkv, d,
-         (long long)n0, B, worst);
-  CAPI_CHECK(worst_lse < 2e-2, "%s: worst lse err %.3g", method, worst_lse);
-  CAPI_CHECK(sel_equal, "%s: GPU and CPU selections differ beyond near-ties", method);
-  std::printf("session %-10s kv=%s hq=%d hkv=%d d=%d n0=%lld B=%d steps=%d: rel err %.2e, lse err %.2e\n", method,
-              kvdt == KVS_SCALAR_BF16 ? "bf16" : "f16", hq, hkv, d, (long long)n0, B, steps, worst, worst_lse);
+  const char* mem = kv_memory == KVS_DEVICE_CUDA_HOST ? " kv_memory=cuda_host" : "";
+  const char* ks = per_session_k ? " k per session" : "";
+  CAPI_CHECK(worst < 1e-2, "%s kv=%d hq=%d hkv=%d d=%d n0=%lld B=%d%s%s: worst rel err %.3g", method, int(kvdt), hq, hkv,
+             d, (long long)n0, B, mem, ks, worst);
+  CAPI_CHECK(worst_lse < 2e-2, "%s%s%s: worst lse err %.3g", method, mem, ks, worst_lse);
+  CAPI_CHECK(sel_equal, "%s%s%s: GPU and CPU selections differ beyond near-ties", method, mem, ks);
+  std::printf("session %-10s kv=%s hq=%d hkv=%d d=%d n0=%lld B=%d steps=%d%s%s: rel err %.2e, lse err %.2e\n", method,
+              kvdt == KVS_SCALAR_BF16 ? "bf16" : "f16", hq, hkv, d, (long long)n0, B, steps, mem, ks, worst, worst_lse);
   cudaStreamDestroy(stream);
   for (int b = 0; b < B; ++b) {
     kvs_session_destroy(cpu[b]);
@@ -211,6 +217,14 @@ int run_session_tests() {
     run_case("full", kv, 16, 2, 64, 3000, 3, 3, 0.0);
     run_case("exact_topk", kv, 32, 8, 128, 8000, 1, 3, 0.05);
     run_case("exact_topk", kv, 8, 1, 64, 2000, 2, 2, 0.1);
+    // Sessions of one batch with different budgets in keys: one top-k launch, each row its own k
+    // (read on the device, so a captured step serves them as the context grows).
+    run_case("exact_topk", kv, 16, 4, 128, 3000, 3, 40, 0.05, 0, true);
+    // KV in pinned host memory, read by the kernels over the bus: same results as in GPU memory.
+    run_case("full", kv, 32, 8, 128, 5000, 2, 3, 0.0, KVS_DEVICE_CUDA_HOST);
+    run_case("exact_topk", kv, 32, 8, 128, 4000, 2, 3, 0.05, KVS_DEVICE_CUDA_HOST, true);
+    run_case("quest", kv, 32, 8, 128, 6000, 2, 20, 0.05, KVS_DEVICE_CUDA_HOST);
+    run_case("streaming", kv, 16, 4, 64, 3000, 1, 3, 0.05, KVS_DEVICE_CUDA_HOST);
   }
   run_errors();
   std::printf("session tests: %d passed, %d failed\n", g_pass, g_fail);

@@ -171,9 +171,10 @@ float gen_value(Gen g) {
 }
 
 // One topk_rows call on `rows` rows of lengths lens (max_len, row_stride, offset floats from a
-// 256-aligned base), checked exactly against host_topk.
+// 256-aligned base), checked exactly against host_topk. row_k (non-empty): each row's own k, read
+// on the device (k is then the capacity and the output stride).
 void run_rows(const std::string& tag, const std::vector<int>& lens, int max_len, int k,
-              int64_t stride, int offset, Gen gen, bool pass_lengths = true) {
+              int64_t stride, int offset, Gen gen, bool pass_lengths = true, const std::vector<int>& row_k = {}) {
   const int rows = int(lens.size());
   const size_t total = size_t(rows - 1) * size_t(stride) + size_t(max_len) + size_t(offset) + 4;
   std::vector<float> h(total, std::numeric_limits<float>::infinity());  // padding: +inf (must not be read)
@@ -184,18 +185,20 @@ void run_rows(const std::string& tag, const std::vector<int>& lens, int max_len,
   }
   std::vector<int> lclamp(static_cast<size_t>(rows));
   for (int r = 0; r < rows; ++r) lclamp[r] = pass_lengths ? std::min(std::max(lens[r], 0), max_len) : max_len;
-  Buf d_sc, d_len, d_idx(size_t(rows) * k * 4 + 4), d_cnt(size_t(rows) * 4 + 4);
+  Buf d_sc, d_len, d_rk, d_idx(size_t(rows) * k * 4 + 4), d_cnt(size_t(rows) * 4 + 4);
   upload(d_sc, h);
   upload(d_len, lens);
+  if (!row_k.empty()) upload(d_rk, row_k);
   TCK(cudaMemset(d_idx.p, 0x7f, d_idx.n));
   TCK(cudaMemset(d_cnt.p, 0x7f, d_cnt.n));
   const kvs::cuda::Status st = kvs::cuda::topk_rows(
       d_sc.as<float>() + offset, stride, pass_lengths ? d_len.as<int32_t>() : nullptr, rows, max_len, k,
-      d_idx.as<int32_t>(), d_cnt.as<int32_t>(), {}, nullptr);
+      d_idx.as<int32_t>(), d_cnt.as<int32_t>(), {}, nullptr, row_k.empty() ? nullptr : d_rk.as<int32_t>());
   const cudaError_t le = cudaDeviceSynchronize();
   const std::string name = "topk_rows " + tag + " gen=" + gname(gen) + " rows=" + std::to_string(rows) +
                            " max_len=" + std::to_string(max_len) + " k=" + std::to_string(k) +
-                           " stride=" + std::to_string(stride) + " off=" + std::to_string(offset);
+                           " stride=" + std::to_string(stride) + " off=" + std::to_string(offset) +
+                           (row_k.empty() ? "" : " row_k");
   if (!st.ok() || le != cudaSuccess || cudaGetLastError() != cudaSuccess) {
     report(false, name, std::string("status: ") + st.message + " / " + cudaGetErrorString(le));
     return;
@@ -206,7 +209,8 @@ void run_rows(const std::string& tag, const std::vector<int>& lens, int max_len,
   std::string first;
   for (int r = 0; r < rows; ++r) {
     const float* row = h.data() + offset + size_t(r) * stride;
-    const std::vector<int> ref = host_topk(row, lclamp[r], k);
+    const int kr = row_k.empty() ? k : std::min(std::max(row_k[r], 0), k);
+    const std::vector<int> ref = host_topk(row, lclamp[r], kr);
     bool ok = cnt[r] == int(ref.size());
     size_t i = 0;
     for (; ok && i < ref.size(); ++i) ok = idx[size_t(r) * k + i] == ref[i];
@@ -246,6 +250,10 @@ void run_rows_tests() {
   run_rows("one past the short-row limit", {16385, 5}, 16385, 819, 16385, 0, kSpecial);
   run_rows("short rows, 4 keys per thread", {4096, 4095, 4093}, 4096, 205, 4097, 1, kTies);
   run_rows("short rows, all equal", {8191, 8000}, 8191, 409, 8192, 0, kAllEqual);
+  // Per-row k read on the device (capacity 500): 0, negative, above the capacity, above the length.
+  run_rows("row_k short rows", {8000, 8000, 8000, 8000, 8000, 300, 5000}, 8000, 500, 8000, 0, kSoftmax, true,
+           {409, 0, -3, 9999, 1, 400, 500});
+  run_rows("row_k cluster rows", {131072, 100000, 131072}, 131072, 7000, 131072, 0, kTies, true, {6554, 5000, 0});
   run_rows("8x128K", std::vector<int>(8, 131072), 131072, 6554, 131072, 0, kSoftmax);
   run_rows("8x128K ties", {131072, 100000, 131071, 65536, 1, 0, 131072, 7}, 131072, 6554, 131072, 0, kTies);
   run_rows("1x128K random", {131072}, 131072, 6554, 131072, 0, kRandom);
@@ -636,7 +644,9 @@ void run_rows_timing() {
   struct Shape {
     int rows, len, k;
   };
-  for (Shape sh : {Shape{8, 8602, 409}, Shape{-8, 8602, 409}, Shape{64, 8602, 409}, Shape{8, 16384, 819},
+  // (8 x 8602 with k = 8602: the "every key" path, i.e. launch, load and write without the search.)
+  for (Shape sh : {Shape{8, 8602, 409}, Shape{8, 8602, 8602}, Shape{8, 8602, 1}, Shape{-8, 8602, 409},
+                   Shape{64, 8602, 409}, Shape{8, 16384, 819},
                    Shape{8, 32768, 1638}, Shape{8, 131072, 6554}}) {
     const bool sorted = sh.rows < 0;  // rows = -R: R rows of ascending scores (long runs of one digit)
     sh.rows = std::abs(sh.rows);

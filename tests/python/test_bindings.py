@@ -1012,11 +1012,21 @@ def test_strings_with_nul_raise_value_error(tmp_path):
     # The native layer refuses on its own too, naming the argument.
     with pytest.raises(ValueError, match=r"method: expected a string without NUL"):
         kvsieve.capi.session_create(L, HQ, HKV, D, 0.0, kvsieve.capi.KVS_SCALAR_F32, kvsieve.capi.KVS_BACKEND_CPU,
-                                    0, 1, 0, "full\0x", None, 0.0, 0)
+                                    0, 1, 0, "full\0x", None, 0.0, 0, 0)
     with pytest.raises(ValueError, match=r"method: expected a string without NUL"):
         kvsieve.capi.kvs_method_doc("quest\0x")
     assert kvsieve.capi.kvs_method_doc("quest")  # plain strings and None still pass
     assert kvsieve.capi.kvs_method_doc(None) is None
+
+
+def test_kv_memory_is_checked():
+    # Where the KV lives: the cpu backend keeps it in host memory; pinned host KV is the cuda backend's.
+    kvsieve.Session(1, 4, 2, 16, kv_memory="cpu").close()
+    kvsieve.Session(1, 4, 2, 16, kv_memory="default").close()
+    with pytest.raises(kvsieve.UnsupportedError, match="kv_memory"):
+        kvsieve.Session(1, 4, 2, 16, kv_memory="cuda_host")
+    with pytest.raises(ValueError, match="kv_memory"):
+        kvsieve.Session(1, 4, 2, 16, kv_memory="gpu")
 
 
 def test_method_params_empty_items_and_repeated_keys_are_refused():

@@ -280,6 +280,9 @@ type SessionParams struct {
 	MethodParams string  // "key=value,key=value"; "" = defaults
 	Budget       float64 // fraction of the context in (0, 1]; 0 = unset
 	BudgetTokens int64   // absolute number of exact keys; 0 = unset; wins over Budget
+	// KVMemory is where the KV cache lives, a kvs_device_type (3 = KVS_DEVICE_CUDA_HOST: the cuda
+	// backend keeps it in pinned host memory that its kernels read over the bus); 0 = the backend's own.
+	KVMemory int32
 }
 
 // NewSessionParams gives the library's defaults for a shape.
@@ -296,6 +299,7 @@ func NewSessionParams(numLayers, numQHeads, numKVHeads, headDim uint32) SessionP
 		Gemm:         Gemm(p.gemm),
 		Budget:       float64(p.budget),
 		BudgetTokens: int64(p.budget_tokens),
+		KVMemory:     int32(p.kv_memory),
 	}
 	if p.method != nil {
 		sp.Method = C.GoString(p.method)
@@ -313,6 +317,7 @@ type LoadParams struct {
 	DeviceID   int32
 	NumThreads uint32 // 0 = all hardware threads
 	Gemm       Gemm
+	KVMemory   int32 // as SessionParams.KVMemory; 0 = the backend's own memory
 }
 
 // Stats mirrors kvs_session_stats.
@@ -348,6 +353,7 @@ func NewSession(p SessionParams) (*Session, error) {
 	c.kv_dtype, c.backend, c.device_id = C.int32_t(p.KVDtype), C.int32_t(p.Backend), C.int32_t(p.DeviceID)
 	c.num_threads, c.gemm = C.uint32_t(p.NumThreads), C.int32_t(p.Gemm)
 	c.budget, c.budget_tokens = C.double(p.Budget), C.int64_t(p.BudgetTokens)
+	c.kv_memory = C.int32_t(p.KVMemory)
 	// The strings live in C memory (a C struct must not hold Go pointers); the library copies them.
 	if p.Method != "" {
 		c.method = C.CString(p.Method)
@@ -377,6 +383,7 @@ func LoadSession(path string, p LoadParams) (*Session, error) {
 	C.kvs_load_params_init(&c)
 	c.backend, c.device_id = C.int32_t(p.Backend), C.int32_t(p.DeviceID)
 	c.num_threads, c.gemm = C.uint32_t(p.NumThreads), C.int32_t(p.Gemm)
+	c.kv_memory = C.int32_t(p.KVMemory)
 	var raw C.kvs_session_t
 	if err := check(C.kvs_session_load(cp, &c, &raw)); err != nil {
 		return nil, err

@@ -64,6 +64,8 @@ _BACKEND_NAMES = {v: k for k, v in _BACKENDS.items()}
 _KV_DTYPES = {"float32": _native.KVS_SCALAR_F32, "f32": _native.KVS_SCALAR_F32,
               "float16": _native.KVS_SCALAR_F16, "f16": _native.KVS_SCALAR_F16,
               "bfloat16": _native.KVS_SCALAR_BF16, "bf16": _native.KVS_SCALAR_BF16}
+_KV_MEMORY = {"default": 0, "cpu": _native.KVS_DEVICE_CPU, "cuda": _native.KVS_DEVICE_CUDA,
+              "cuda_host": _native.KVS_DEVICE_CUDA_HOST}
 _GEMMS = {"auto": _native.KVS_GEMM_AUTO, "onednn": _native.KVS_GEMM_ONEDNN,
           "openblas": _native.KVS_GEMM_OPENBLAS}
 _LOG_LEVELS = {"debug": 0, "info": 1, "warn": 2, "error": 3, "off": 4}
@@ -268,7 +270,7 @@ class Session:
                  method: str = "full", method_params=None, budget: Optional[float] = None,
                  budget_tokens: Optional[int] = None, kv_dtype="bfloat16", backend="cpu",
                  device_id: int = 0, num_threads: int = 0, gemm="auto", softmax_scale: float = 0.0,
-                 _handle=None):
+                 kv_memory="default", _handle=None):
         """Creates a session (kvs_session_create).
 
         Args:
@@ -287,6 +289,10 @@ class Session:
             num_threads: worker threads of the cpu backend (0: every hardware thread).
             gemm: the cpu backend's matrix library, "auto", "onednn" or "openblas".
             softmax_scale: the scale of q.k (0: 1/sqrt(head_dim)).
+            kv_memory: where the KV cache lives: "default" (the backend's own memory), "cuda"
+                (GPU memory), "cuda_host" (cuda backend: pinned host memory that the GPU kernels
+                read over the bus, for contexts larger than GPU memory; the index stays on the GPU)
+                or "cpu".
 
         Raises:
             kvsieve.InvalidArgumentError (a ValueError) for a bad argument, kvsieve.UnsupportedError
@@ -303,7 +309,7 @@ class Session:
             int(num_layers), int(num_q_heads), int(num_kv_heads), int(head_dim), float(softmax_scale),
             _enum(kv_dtype, _KV_DTYPES, "kv_dtype"), _enum(backend, _BACKENDS, "backend"), int(device_id),
             int(num_threads), _enum(gemm, _GEMMS, "gemm"), method, _method_params_str(method_params),
-            float(budget or 0.0), int(budget_tokens or 0))
+            float(budget or 0.0), int(budget_tokens or 0), _enum(kv_memory, _KV_MEMORY, "kv_memory"))
         self._set_shape(num_layers, num_q_heads, num_kv_heads, head_dim, method,
                         _enum(backend, _BACKENDS, "backend"), device_id)
 
@@ -318,17 +324,19 @@ class Session:
 
     @classmethod
     def load(cls, path: str, *, backend=None, device_id: int = 0, num_threads: int = 0,
-             gemm="auto", mmap: bool = False) -> "Session":
+             gemm="auto", mmap: bool = False, kv_memory="default") -> "Session":
         """Loads a session saved by :meth:`save`; the shape is read from the file.
 
         The KV pages are copied into memory of the session's own; ``mmap=True`` maps them from the
         file instead (no copy: the file must then not be truncated or modified while the session,
-        or a fork of it, lives). ``backend`` (None = as saved) may differ from the one that saved.
+        or a fork of it, lives). ``backend`` (None = as saved) may differ from the one that saved;
+        ``kv_memory`` as in :class:`Session`.
         """
         be = 0 if backend is None else _enum(backend, _BACKENDS, "backend")
         path = _path(path)
         flags = _native.KVS_LOAD_MMAP if mmap else 0
-        h = _native.session_load(path, be, int(device_id), int(num_threads), _enum(gemm, _GEMMS, "gemm"), flags)
+        h = _native.session_load(path, be, int(device_id), int(num_threads), _enum(gemm, _GEMMS, "gemm"), flags,
+                                 _enum(kv_memory, _KV_MEMORY, "kv_memory"))
         s = cls(0, 0, 0, 0, _handle=h)
         # The C ABI has no shape getter: the shape comes from the file's header (already verified
         # by the load, so describing it cannot fail differently).

@@ -3,6 +3,7 @@
 #include "backends/cuda/page_pool.hpp"
 
 #include <map>
+#include <tuple>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -13,10 +14,10 @@ namespace kvs {
 
 class DevicePagePool : public std::enable_shared_from_this<DevicePagePool> {
  public:
-  DevicePagePool(int device, size_t page_bytes) : device_(device), page_bytes_(page_bytes) {}
+  DevicePagePool(int device, size_t page_bytes, PageMemory mem) : device_(device), page_bytes_(page_bytes), mem_(mem) {}
   // Slabs live as long as the pool (the process): freed pages are reused, not returned.
   ~DevicePagePool() {
-    for (void* s : slabs_) cudaFree(s);
+    for (void* s : slabs_) mem_ == PageMemory::Device ? cudaFree(s) : cudaFreeHost(s);
   }
   std::shared_ptr<DevicePage> take() {
     void* p = nullptr;
@@ -37,27 +38,39 @@ class DevicePagePool : public std::enable_shared_from_this<DevicePagePool> {
   void grow() {
     const size_t per_slab = std::max<size_t>(1, (size_t(64) << 20) / page_bytes_);
     void* s = nullptr;
-    cudautil::check(cudaMalloc(&s, per_slab * page_bytes_), "cudaMalloc(KV page slab)");
+    void* dev = nullptr;  // the slab's device address
+    if (mem_ == PageMemory::Device) {
+      cudautil::check(cudaMalloc(&s, per_slab * page_bytes_), "cudaMalloc(KV page slab)");
+      dev = s;
+    } else {
+      cudautil::check(cudaHostAlloc(&s, per_slab * page_bytes_, cudaHostAllocMapped | cudaHostAllocPortable),
+                      "cudaHostAlloc(KV page slab, pinned host)");
+      if (cudaError_t e = cudaHostGetDevicePointer(&dev, s, 0); e != cudaSuccess) {
+        cudaFreeHost(s);
+        cudautil::check(e, "cudaHostGetDevicePointer(KV page slab)");
+      }
+    }
     slabs_.push_back(s);
-    for (size_t i = per_slab; i-- > 0;) free_.push_back(static_cast<char*>(s) + i * page_bytes_);
+    for (size_t i = per_slab; i-- > 0;) free_.push_back(static_cast<char*>(dev) + i * page_bytes_);
   }
   int device_;
   size_t page_bytes_;
+  PageMemory mem_;
   std::mutex mu_;
   std::vector<void*> slabs_, free_;
 };
 
 DevicePage::~DevicePage() { pool_->give(data_); }
 
-std::shared_ptr<DevicePage> device_page(int device, size_t bytes) {
+std::shared_ptr<DevicePage> device_page(int device, size_t bytes, PageMemory mem) {
   static std::mutex mu;
   // Never destroyed: pools outlive every session, including sessions freed during exit.
-  static auto* pools = new std::map<std::pair<int, size_t>, std::shared_ptr<DevicePagePool>>();
+  static auto* pools = new std::map<std::tuple<int, size_t, int>, std::shared_ptr<DevicePagePool>>();
   std::shared_ptr<DevicePagePool> pool;
   {
     std::lock_guard<std::mutex> lk(mu);
-    auto& p = (*pools)[{device, bytes}];
-    if (!p) p = std::make_shared<DevicePagePool>(device, bytes);
+    auto& p = (*pools)[{device, bytes, int(mem)}];
+    if (!p) p = std::make_shared<DevicePagePool>(device, bytes, mem);
     pool = p;
   }
   return pool->take();

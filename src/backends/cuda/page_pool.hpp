@@ -1,7 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-// Device KV pages: a process-wide pool per (device, page size) that carves pages out of slabs of
-// 64 MiB (one cudaMalloc per slab, not per page), reference-counted so forked sessions share their
-// prefix's pages (copied before a shared page is written).
+// KV pages of the cuda placement: a process-wide pool per (device, page size, memory) that carves
+// pages out of slabs of 64 MiB (one allocation per slab, not per page), reference-counted so forked
+// sessions share their prefix's pages (copied before a shared page is written). The memory is the
+// device's own (cudaMalloc), or pinned host memory mapped into the device's address space
+// (cudaHostAlloc, mapped and portable): the kernels then read and write the pages over the bus, so
+// a context larger than the GPU's memory fits, at the bus's bandwidth.
 #pragma once
 #ifdef KVS_HAVE_CUDA
 #include <cstddef>
@@ -25,8 +28,11 @@ class DevicePage {
   std::shared_ptr<class DevicePagePool> pool_;
 };
 
-// A new page of `bytes` on `device` (the current device must be `device`). Throws OUT_OF_MEMORY.
-std::shared_ptr<DevicePage> device_page(int device, size_t bytes);
+enum class PageMemory { Device, PinnedHost };
+
+// A new page of `bytes` for `device` (the current device must be `device`), in `mem`; data() is a
+// device address either way. Throws OUT_OF_MEMORY.
+std::shared_ptr<DevicePage> device_page(int device, size_t bytes, PageMemory mem = PageMemory::Device);
 
 }  // namespace kvs
 #endif

@@ -166,6 +166,11 @@ class CudaPlacement final : public Placement {
       fail(KVS_STATUS_UNSUPPORTED, "params->backend: the cuda backend needs a CUDA device, none was found");
     if (device_ < 0 || device_ >= count)
       invalid("params->device_id: expected 0.." + std::to_string(count - 1) + ", got " + std::to_string(device_));
+    if (cfg.kv_memory == KVS_DEVICE_CUDA_HOST) kv_mem_ = PageMemory::PinnedHost;
+    else if (cfg.kv_memory != 0 && cfg.kv_memory != KVS_DEVICE_CUDA)
+      fail(KVS_STATUS_UNSUPPORTED, "params->kv_memory: the cuda backend keeps its KV cache in GPU memory "
+                                   "(KVS_DEVICE_CUDA or 0) or in pinned host memory (KVS_DEVICE_CUDA_HOST), got " +
+                                       std::to_string(cfg.kv_memory));
     if (sh.kv_dtype == DType::F32)
       fail(KVS_STATUS_UNSUPPORTED, "params->kv_dtype: the cuda backend stores KV in bf16 or fp16, not f32");
     if (sh.head_dim != 64 && sh.head_dim != 128 && sh.head_dim != 256)
@@ -526,7 +531,7 @@ class CudaPlacement final : public Placement {
         std::vector<io::Piece> pieces;
         for (auto& p : lay.pages) {
           saved_pages_.emplace_back(p->bytes());
-          check(cudaMemcpy(saved_pages_.back().data(), p->data(), p->bytes(), cudaMemcpyDeviceToHost),
+          check(cudaMemcpy(saved_pages_.back().data(), p->data(), p->bytes(), cudaMemcpyDefault),
                 "cudaMemcpy(KV page to host)");
           pieces.push_back(io::Piece{saved_pages_.back().data(), uint64_t(p->bytes())});
         }
@@ -552,7 +557,7 @@ class CudaPlacement final : public Placement {
       reserve_pages(lay, n, nullptr);
       for (int64_t i = 0; i < np; ++i)
         check(cudaMemcpy(lay.pages[size_t(i)]->data(), sec.data + size_t(i) * page_bytes_, page_bytes_,
-                         cudaMemcpyHostToDevice),
+                         cudaMemcpyDefault),
               "cudaMemcpy(KV page to device)");
       lay.n = n;
     }
@@ -600,14 +605,14 @@ class CudaPlacement final : public Placement {
     if (lay.n % kPageTokens != 0 && tokens > lay.n) {
       auto& last = lay.pages[size_t(lay.n / kPageTokens)];
       if (last.use_count() > 1) {
-        auto copy = device_page(device_, page_bytes_);
-        check(cudaMemcpyAsync(copy->data(), last->data(), page_bytes_, cudaMemcpyDeviceToDevice, S(stream)),
+        auto copy = device_page(device_, page_bytes_, kv_mem_);
+        check(cudaMemcpyAsync(copy->data(), last->data(), page_bytes_, cudaMemcpyDefault, S(stream)),
               "cudaMemcpyAsync(copy-on-write page)");
         last = std::move(copy);
         first_dirty = size_t(lay.n / kPageTokens);
       }
     }
-    while (int64_t(lay.pages.size()) < need) lay.pages.push_back(device_page(device_, page_bytes_));
+    while (int64_t(lay.pages.size()) < need) lay.pages.push_back(device_page(device_, page_bytes_, kv_mem_));
     if (first_dirty < lay.pages.size()) upload_table(lay, first_dirty, stream);
   }
 
@@ -728,6 +733,7 @@ class CudaPlacement final : public Placement {
   std::shared_ptr<ThreadPool> pool_;
   int device_;
   size_t page_bytes_ = 0;
+  PageMemory kv_mem_ = PageMemory::Device;  // params->kv_memory
   std::unique_ptr<DeviceMethod> method_;
   std::vector<DevLayer> layers_;
   std::vector<SelRecord> sel_;

@@ -81,10 +81,17 @@ struct RowsArgs {
   const float* scores;
   int64_t stride;
   const int32_t* lengths;
+  const int32_t* row_k;  // null, or device [rows]: row r keeps clamp(row_k[r], 0, k) (k = the capacity)
   int32_t max_len, k;
   int32_t* out_idx;
   int32_t* out_cnt;
 };
+
+// Row r's k: the capacity a.k, or clamp(row_k[r], 0, a.k) when per-row counts are given (read
+// after pdl_wait, like the lengths).
+__device__ __forceinline__ int row_k_of(const RowsArgs& a, int row) {
+  return a.row_k ? min(max(a.row_k[row], 0), a.k) : a.k;
+}
 
 // Threshold state: T's top `nbits` bits are `prefix`; `rem` keys with those bits are still to take
 // (the lowest indices among them); done: the selection is final.
@@ -257,7 +264,7 @@ __global__ void __launch_bounds__(kRowsThreads, 1) topk_rows_kernel(const RowsAr
   pdl_wait();
   int len = a.lengths ? a.lengths[row] : a.max_len;
   len = min(max(len, 0), a.max_len);
-  const int count = min(a.k, len);
+  const int count = min(row_k_of(a, row), len);
   const int64_t chunk = (ceil_div(len, C) + 3) & ~int64_t(3);
   const int64_t beg = min(int64_t(len), rank * chunk), end = min(int64_t(len), beg + chunk);
   const float* src = a.scores + int64_t(row) * a.stride;
@@ -450,7 +457,7 @@ __global__ void __launch_bounds__(kSmallThreads, 1) topk_small_kernel(const Rows
   pdl_wait();  // a programmatic dependent launch
   int len = a.lengths ? a.lengths[row] : a.max_len;
   len = min(max(len, 0), a.max_len);
-  const int count = min(a.k, len);
+  const int count = min(row_k_of(a, row), len);
   const float* src = a.scores + int64_t(row) * a.stride;
   int32_t* out = a.out_idx + int64_t(row) * a.k;
 
@@ -617,6 +624,7 @@ __device__ __forceinline__ void st_hint(float* p, float v, uint64_t pol) {
 
 struct ScoreArgs {
   const void* q;
+  const void* const* q_at;  // null, or device: the query's address, read at run time (graphs)
   int32_t q_f32;
   PagedKv kv;
   const int32_t* lengths;
@@ -678,17 +686,18 @@ __global__ void __launch_bounds__(kScoreThreads, 2) topk_logits_kernel(const Sco
     spage[i] = static_cast<const T*>(a.kv.pages[int64_t(b) * a.kv.max_pages + pg0 + i]);
 
   float qr[GT][8];
+  const void* const qbase = a.q_at ? *a.q_at : a.q;
 #pragma unroll
   for (int g = 0; g < GT; ++g) {
     if (g0 + g < a.G) {
       const int64_t qrow = int64_t(b) * a.Hq + int64_t(kvh) * a.G + g0 + g;
       if (a.q_f32) {
-        const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(a.q) + qrow * D + c * 8);
+        const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(qbase) + qrow * D + c * 8);
         const float4 x = __ldg(p), y = __ldg(p + 1);
         qr[g][0] = x.x; qr[g][1] = x.y; qr[g][2] = x.z; qr[g][3] = x.w;
         qr[g][4] = y.x; qr[g][5] = y.y; qr[g][6] = y.z; qr[g][7] = y.w;
       } else {
-        Cvt<T>::f32x8(__ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.q) + qrow * D + c * 8)), qr[g]);
+        Cvt<T>::f32x8(__ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(qbase) + qrow * D + c * 8)), qr[g]);
       }
 #pragma unroll
       for (int e = 0; e < 8; ++e) qr[g][e] *= a.qmul;
@@ -1088,7 +1097,7 @@ size_t topk_rows_workspace_bytes(int32_t rows, int32_t max_len, int32_t k) noexc
 
 Status topk_rows(const float* scores, int64_t row_stride, const int32_t* lengths, int32_t rows,
                  int32_t max_len, int32_t k, int32_t* out_idx, int32_t* out_cnt,
-                 const Workspace& ws, void* stream) noexcept {
+                 const Workspace& ws, void* stream, const int32_t* row_k) noexcept {
   (void)ws;
   if (rows < 1) return invalid("topk_rows: rows must be >= 1");
   if (k < 0) return invalid("topk_rows: k must be >= 0");
@@ -1108,6 +1117,7 @@ Status topk_rows(const float* scores, int64_t row_stride, const int32_t* lengths
   a.lengths = lengths;
   a.max_len = max_len;
   a.k = k;
+  a.row_k = row_k;
   a.out_idx = out_idx;
   a.out_cnt = out_cnt;
   if (force <= 0 && max_len <= kSmallMaxLen) {
@@ -1170,7 +1180,7 @@ Status topk_scores(const AttnShape& s, const Query& q, const PagedKv& kv, Scalar
   if (max_length < 0 || max_length > 0x7fffffff - kMaxChunk) return invalid("max_length out of range");
   if (sinks < 0 || local < 0) return invalid("sinks and local must be >= 0");
   if (max_length == 0) return {};
-  if (!q.data || !kv.pages || !lengths || !scores) return invalid("topk_scores: null pointer");
+  if ((!q.data && !q.at) || !kv.pages || !lengths || !scores) return invalid("topk_scores: null pointer");
   if (reinterpret_cast<uintptr_t>(q.data) % 16 != 0) return invalid("q must be 16-byte aligned");
   const int32_t P = kv.page_tokens;
   if (P < 16 || P > 1024 || (P & (P - 1)) != 0 || kv.page_shift < 4 || kv.page_shift > 10 ||
@@ -1185,6 +1195,7 @@ Status topk_scores(const AttnShape& s, const Query& q, const PagedKv& kv, Scalar
 
   ScoreArgs a{};
   a.q = q.data;
+  a.q_at = q.at;
   a.q_f32 = q.dtype == Scalar::F32;
   a.kv = kv;
   a.lengths = lengths;

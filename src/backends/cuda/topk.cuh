@@ -40,9 +40,12 @@ namespace kvs::cuda {
 // it), no workspace (workspace bytes = 0), fixed launch configuration for given (rows, max_len, k)
 // on a given device; graph-capturable.
 size_t topk_rows_workspace_bytes(int32_t rows, int32_t max_len, int32_t k) noexcept;
+// row_k (optional, device int32 [rows]): row r keeps min(clamp(row_k[r], 0, k), len_r) instead,
+// read at run time like the lengths (so one launch, or one captured graph, serves per-row budgets
+// that change between calls); k is then the capacity and the output stride.
 Status topk_rows(const float* scores, int64_t row_stride, const int32_t* lengths, int32_t rows,
                  int32_t max_len, int32_t k, int32_t* out_idx, int32_t* out_cnt,
-                 const Workspace& ws, void* stream) noexcept;
+                 const Workspace& ws, void* stream, const int32_t* row_k = nullptr) noexcept;
 
 // ---- Score pass of exact_topk ----------------------------------------------------------------------
 // One query token per sequence b (q: [B, Hq, d]), keys of the paged cache `kv` (kv_layout.cuh) in

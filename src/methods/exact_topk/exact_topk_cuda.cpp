@@ -36,17 +36,27 @@ class ExactTopkCuda final : public DeviceMethod {
     p.max_selected = int32_t(kmax);
     const size_t rows = size_t(B) * H;
     p.workspace = a256(rows * size_t(st.max_length) * 4) + a256(cuda::topk_scores_workspace_bytes(st.shape, st.max_length)) +
-                  a256(cuda::topk_rows_workspace_bytes(int32_t(rows), st.max_length, int32_t(kmax))) +
-                  a256(size_t(H) * kmax * 4);
-    p.arg_bytes = rows * 4;  // per-row lengths
+                  a256(cuda::topk_rows_workspace_bytes(int32_t(rows), st.max_length, int32_t(kmax)));
+    p.arg_bytes = 2 * rows * 4;  // per-row lengths, then per-row k
     return p;
   }
 
+  // Every per-token value the step reads is in device memory (lengths, the per-row k, the query
+  // through DeviceStep::q.at), and the launches depend only on the capacities: capturable.
+  bool capturable() const override { return true; }
+
   void fill_args(std::span<DeviceMethod* const>, uint32_t, const DeviceStep& st, void* host) const override {
     const int32_t H = per_query_ ? st.shape.num_q_heads : st.shape.num_kv_heads;
+    const size_t rows = st.host_lengths.size() * size_t(H);
     auto* rl = static_cast<int32_t*>(host);
-    for (size_t b = 0; b < st.host_lengths.size(); ++b)
-      for (int32_t h = 0; h < H; ++h) rl[b * H + size_t(h)] = int32_t(st.host_lengths[b]);
+    int32_t* rk = rl + rows;
+    for (size_t b = 0; b < st.host_lengths.size(); ++b) {
+      const auto k = int32_t(std::min(st.host_budget[b], st.host_lengths[b]));
+      for (int32_t h = 0; h < H; ++h) {
+        rl[b * H + size_t(h)] = int32_t(st.host_lengths[b]);
+        rk[b * H + size_t(h)] = k;
+      }
+    }
   }
 
   void select(std::span<DeviceMethod* const>, uint32_t, const DeviceStep& st, const DevicePlan& p, const void* args,
@@ -62,29 +72,13 @@ class ExactTopkCuda final : public DeviceMethod {
                             int32_t(local_), scores, cuda::Workspace{w, sws}, st.stream),
           "topk_scores");
     w += a256(sws);
+    // One top-k for the whole batch: each row's k (the session's budget at its length) is read on
+    // the device, p.max_selected (a capacity, rounded up in a captured step) is the row stride.
     const auto* row_len = static_cast<const int32_t*>(args);
-    bool uniform = true;
-    for (size_t b = 0; b < st.host_lengths.size(); ++b)
-      uniform &= std::min(st.host_budget[b], st.host_lengths[b]) == p.max_selected;
     const size_t tws = cuda::topk_rows_workspace_bytes(int32_t(rows), st.max_length, p.max_selected);
-    if (uniform) {
-      check(cuda::topk_rows(scores, st.max_length, row_len, int32_t(rows), st.max_length, p.max_selected, idx, cnt,
-                            cuda::Workspace{w, tws}, st.stream),
-            "topk_rows");
-      return;
-    }
-    // Budgets differ within the batch: one top-k per session into [H, k_b], moved to [H, max_selected].
-    int32_t* tmp = reinterpret_cast<int32_t*>(w + a256(tws));
-    for (int32_t b = 0; b < B; ++b) {
-      const int32_t k = int32_t(std::min(st.host_budget[size_t(b)], st.host_lengths[size_t(b)]));
-      check(cuda::topk_rows(scores + size_t(b) * H * st.max_length, st.max_length, row_len + size_t(b) * H, H,
-                            st.max_length, k, tmp, cnt + size_t(b) * H, cuda::Workspace{w, tws}, st.stream),
-            "topk_rows");
-      cudautil::check(cudaMemcpy2DAsync(idx + size_t(b) * H * p.max_selected, size_t(p.max_selected) * 4, tmp,
-                                        size_t(k) * 4, size_t(k) * 4, size_t(H), cudaMemcpyDeviceToDevice,
-                                        cudautil::S(st.stream)),
-                      "cudaMemcpy2DAsync(selection)");
-    }
+    check(cuda::topk_rows(scores, st.max_length, row_len, int32_t(rows), st.max_length, p.max_selected, idx, cnt,
+                          cuda::Workspace{w, tws}, st.stream, row_len + rows),
+          "topk_rows");
   }
   std::unique_ptr<DeviceMethod> clone(void*) const override { return std::make_unique<ExactTopkCuda>(*this); }
 

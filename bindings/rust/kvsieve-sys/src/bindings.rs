@@ -550,12 +550,13 @@ pub struct kvs_session_params {
     pub method_params: *const ::std::os::raw::c_char,
     pub budget: f64,
     pub budget_tokens: i64,
+    pub kv_memory: i32,
 }
 #[test]
 fn bindgen_test_layout_kvs_session_params() {
     assert_eq!(
         ::std::mem::size_of::<kvs_session_params>(),
-        80usize,
+        88usize,
         concat!("Size of: ", stringify!(kvs_session_params))
     );
     assert_eq!(
@@ -818,6 +819,23 @@ fn bindgen_test_layout_kvs_session_params() {
         );
     }
     test_field_budget_tokens();
+    fn test_field_kv_memory() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvs_session_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).kv_memory) as usize - ptr as usize
+            },
+            80usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvs_session_params),
+                "::",
+                stringify!(kv_memory)
+            )
+        );
+    }
+    test_field_kv_memory();
 }
 extern "C" {
     #[doc = " Fills defaults (struct_size included). @threadsafety any"]
@@ -983,12 +1001,13 @@ pub struct kvs_load_params {
     pub num_threads: u32,
     pub gemm: i32,
     pub flags: u32,
+    pub kv_memory: i32,
 }
 #[test]
 fn bindgen_test_layout_kvs_load_params() {
     assert_eq!(
         ::std::mem::size_of::<kvs_load_params>(),
-        24usize,
+        28usize,
         concat!("Size of: ", stringify!(kvs_load_params))
     );
     assert_eq!(
@@ -1098,6 +1117,23 @@ fn bindgen_test_layout_kvs_load_params() {
         );
     }
     test_field_flags();
+    fn test_field_kv_memory() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvs_load_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).kv_memory) as usize - ptr as usize
+            },
+            24usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvs_load_params),
+                "::",
+                stringify!(kv_memory)
+            )
+        );
+    }
+    test_field_kv_memory();
 }
 extern "C" {
     #[doc = " Fills defaults (struct_size included; flags 0). @threadsafety any"]

@@ -428,6 +428,9 @@ pub struct SessionParams {
     pub budget: f64,
     /// Absolute number of exact keys; 0 = unset. Wins over budget.
     pub budget_tokens: i64,
+    /// Where the KV cache lives, a `kvs_device_type` (`sys::KVS_DEVICE_CUDA_HOST`: the cuda backend
+    /// keeps it in pinned host memory that its kernels read over the bus); 0 = the backend's own.
+    pub kv_memory: i32,
 }
 
 impl SessionParams {
@@ -450,6 +453,7 @@ impl SessionParams {
             method_params: unsafe { cstr(p.method_params) },
             budget: p.budget,
             budget_tokens: p.budget_tokens,
+            kv_memory: p.kv_memory,
         }
     }
     pub fn method(mut self, method: &str) -> Self {
@@ -496,6 +500,8 @@ pub struct LoadParams {
     /// 0 = all hardware threads.
     pub num_threads: u32,
     pub gemm: Gemm,
+    /// As [`SessionParams::kv_memory`]; 0 = the backend's own memory.
+    pub kv_memory: i32,
 }
 
 impl Default for LoadParams {
@@ -507,6 +513,7 @@ impl Default for LoadParams {
             device_id: p.device_id,
             num_threads: p.num_threads,
             gemm: Gemm::from_raw(p.gemm).unwrap_or(Gemm::Auto),
+            kv_memory: p.kv_memory,
         }
     }
 }
@@ -579,6 +586,7 @@ impl Session {
         p.method_params = mparams.as_ref().map_or(ptr::null(), |m| m.as_ptr());
         p.budget = params.budget;
         p.budget_tokens = params.budget_tokens;
+        p.kv_memory = params.kv_memory;
         let mut raw: sys::kvs_session_t = ptr::null_mut();
         check(unsafe { sys::kvs_session_create(&p, &mut raw) })?;
         own(
@@ -605,6 +613,7 @@ impl Session {
         p.device_id = params.device_id;
         p.num_threads = params.num_threads;
         p.gemm = params.gemm.raw();
+        p.kv_memory = params.kv_memory;
         let mut raw: sys::kvs_session_t = ptr::null_mut();
         check(unsafe { sys::kvs_session_load(cp.as_ptr(), &p, &mut raw) })?;
         // The C ABI has no shape getter: the shape comes from the file's header, which the load
