@@ -203,8 +203,12 @@ void KVLayer::truncate(int64_t n) {
   pages_.resize(size_t((n + kPageTokens - 1) / kPageTokens));
   const int64_t slot = n % kPageTokens;
   if (slot == 0) return;
+  // A page shared with a fork (or mapped from a file) keeps its bytes: the other holder may still
+  // read those rows, and this layer copies the page before it writes it anyway.
+  const auto& last = pages_.back();
+  if (last.use_count() > 1 || !last->owned()) return;
   const int64_t end = std::min<int64_t>(kPageTokens, old - (n - slot));  // slots the dropped tokens used
-  Page& pg = writable_last_page();
+  Page& pg = *last;
   for (int h = 0; h < 2 * hkv_; ++h)
     std::memset(pg.data() + size_t(h) * block_bytes_ + size_t(slot) * row_bytes_, 0, size_t(end - slot) * row_bytes_);
 }

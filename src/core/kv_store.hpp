@@ -82,8 +82,8 @@ class KVLayer {
   // Appends n tokens given as fp32 rows k[n][Hkv][d], v[n][Hkv][d] (converted to the storage dtype).
   void append(const float* k, const float* v, int64_t n);
   // Keeps the first n tokens (a failed call rolled back, kvs_session_truncate). The rest of the
-  // last page is zeroed again (copied first if shared), so a saved page reads as if the dropped
-  // tokens had never been appended.
+  // last page is zeroed again when this layer alone holds it, so a saved page reads as if the
+  // dropped tokens had never been appended (a shared page is left as it is: never copied here).
   void truncate(int64_t n);
   // A read-only view of the first n tokens (shares the pages; nothing is copied or zeroed): the
   // layer as it was when it held n tokens, for replaying a method's calls.

@@ -198,6 +198,18 @@ TEST_CASE("truncate: far back through a long history (two checkpoints), and refu
       CHECK(e.msg().find("max_rollback") != std::string::npos);
       for (uint32_t l = 0; l < kLayers; ++l) CHECK(layer_tokens(X.s, l) == END);  // nothing changed
     }
+    double hist = -1;
+    OK(kvs_session_method_stat(X.s, "rollback_history_bytes", &hist));
+    if (keeps_history(method)) {
+      // Two copies of the index and the queries of at most 2W tokens per layer.
+      CHECK(hist > double(kLayers) * W * D.hq * D.d * 4);
+      kvs_session_stats st;
+      st.struct_size = sizeof st;
+      OK(kvs_session_get_stats(X.s, &st));
+      CHECK(hist <= 2.0 * double(st.index_bytes) + double(kLayers) * (2 * W + 1) * D.hq * D.d * 4);
+    } else {
+      CHECK(hist == 0);
+    }
     const int64_t keep = END - W;
     OK(kvs_session_truncate(X.s, keep));
     Sess R;

@@ -334,6 +334,14 @@ class CpuPlacement final : public Placement {
         *out = phase_seconds_[i];
         return true;
       }
+    if (name == "rollback_history_bytes") {  // what max_rollback costs now (kvs_session_truncate)
+      uint64_t b = 0;
+      for (const auto& cp : history_.checkpoints) b += cp.method->index_bytes();
+      for (const auto& calls : history_.calls)
+        for (const auto& c : calls) b += c.q.size() * sizeof(float);
+      *out = double(b);
+      return true;
+    }
     return method_->stat(name, out);
   }
 
