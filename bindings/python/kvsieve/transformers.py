@@ -31,7 +31,8 @@ cpu backend only). Removing tokens (``crop``: assisted / speculative decoding) t
 session (``Session.truncate``, cpu backend): full, exact_topk, streaming and quest roll back to any
 length; the methods whose index keeps history (csattention, ctkvr, lfps, hgca, retroinfer) as far back
 as ``max_rollback`` tokens (a ``KvsieveCache`` argument, 0 by default: give the most tokens one
-crop removes, e.g. the assistant's largest draft).
+crop removes), never below the prompt their index was built on (so not with ``assistant_model``,
+whose first drafts come with the prompt).
 
 Not supported (a clear error each): sliding-window, chunked, linear-attention or shared-KV layers,
 attention logit softcapping, dropout (call ``model.eval()``), packed sequences or custom mask
