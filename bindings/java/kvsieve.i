@@ -209,7 +209,8 @@ typedef struct kvs_session_stats {
     private final int numLayers, numQHeads, numKvHeads, headDim;
     private String method = "full", methodParams = null;
     private double budget = 0, softmaxScale = 0;
-    private long budgetTokens = 0;
+    private long budgetTokens = 0, maxRollback = 0;
+    private int lseBase = 0;
     private ScalarType kvDtype = ScalarType.BF16;
     private Backend backend = Backend.CPU;
     private int deviceId = 0, numThreads = 0;
@@ -224,10 +225,16 @@ typedef struct kvs_session_stats {
     public Builder deviceId(int id) { deviceId = id; return this; }
     public Builder numThreads(int n) { numThreads = n; return this; }
     public Builder softmaxScale(double s) { softmaxScale = s; return this; }
+    /** true: decode's lse in base 2 (lse_e / ln 2, for base-2 kernels such as FlashInfer's merge);
+     *  false (the default): natural log. Refused on the cuda backend for now. */
+    public Builder lseBase2(boolean on) { lseBase = on ? 1 : 0; return this; }
+    /** Tokens truncate() must be able to drop on methods whose index keeps history (csattention,
+     *  ctkvr, lfps, hgca, retroinfer); 0 (the default): none (kvs_session_params.max_rollback). */
+    public Builder maxRollback(long tokens) { maxRollback = tokens; return this; }
     /** Creates the session; throws KvsException naming the bad field. */
     public Session create() {
       return new Session(numLayers, numQHeads, numKvHeads, headDim, softmaxScale, kvDtype.value, backend.value,
-                         deviceId, numThreads, method, methodParams, budget, budgetTokens);
+                         deviceId, numThreads, method, methodParams, budget, budgetTokens, lseBase, maxRollback);
     }
   }
 %}
@@ -235,7 +242,8 @@ typedef struct kvs_session_stats {
 %extend kvs_session_s {
   kvs_session_s(uint32_t num_layers, uint32_t num_q_heads, uint32_t num_kv_heads, uint32_t head_dim,
                 double softmax_scale, int32_t kv_dtype, int32_t backend, int32_t device_id, uint32_t num_threads,
-                const char* method, const char* method_params, double budget, int64_t budget_tokens) {
+                const char* method, const char* method_params, double budget, int64_t budget_tokens,
+                int32_t lse_base, int64_t max_rollback) {
     kvs_session_params p;
     kvs_session_params_init(&p);
     p.num_layers = num_layers;
@@ -251,6 +259,8 @@ typedef struct kvs_session_stats {
     p.method_params = method_params;
     p.budget = budget;
     p.budget_tokens = budget_tokens;
+    p.lse_base = lse_base;
+    p.max_rollback = max_rollback;
     kvs_session_t s = NULL;
     kvsj_check(kvs_session_create(&p, &s));
     return s;
@@ -284,6 +294,8 @@ typedef struct kvs_session_stats {
   void append(uint32_t layer, kvsj_tensor* q, kvsj_tensor* k, kvsj_tensor* v, kvsj_tensor* o, int64_t stream) {
     kvsj_check(kvs_session_append($self, layer, kvsj_t(q), kvsj_t(k), kvsj_t(v), kvsj_t(o), (void*)(intptr_t)stream));
   }
+  /* Rollback: keeps the first numTokens tokens of every layer (kvs_session_truncate). */
+  void truncate(int64_t num_tokens) { kvsj_check(kvs_session_truncate($self, num_tokens)); }
   void save(const char* path, bool include_kv) {
     kvsj_check(kvs_session_save($self, path, include_kv ? KVS_SAVE_INCLUDE_KV : KVS_SAVE_TABLES));
   }

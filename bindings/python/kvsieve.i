@@ -578,6 +578,7 @@ static void kvsb_log_trampoline(int32_t level, const char* line, void* user) {
 %ignore kvs_session_build_index;
 %ignore kvs_session_decode;
 %ignore kvs_session_append;
+%ignore kvs_session_truncate;
 %ignore kvs_decode_batch;
 %ignore kvs_batch_create;
 %ignore kvs_batch_destroy;
@@ -666,6 +667,14 @@ struct kvs_batch_s {};
     }
     kvsb_release(&aq); kvsb_release(&ak); kvsb_release(&av); kvsb_release(&ao); kvsb_release(&al);
     if (!ok || kvsb_raise(err)) return NULL;
+    Py_RETURN_NONE;
+  }
+  PyObject* truncate(int64_t num_tokens) {
+    kvs_error_t err;
+    Py_BEGIN_ALLOW_THREADS
+    err = kvs_session_truncate($self, num_tokens);
+    Py_END_ALLOW_THREADS
+    if (kvsb_raise(err)) return NULL;
     Py_RETURN_NONE;
   }
   PyObject* save(const char* path, uint32_t flags) {
@@ -818,7 +827,7 @@ kvs_session_s* session_create(uint32_t num_layers, uint32_t num_q_heads, uint32_
                               uint32_t head_dim, double softmax_scale, int32_t kv_dtype, int32_t backend,
                               int32_t device_id, uint32_t num_threads, int32_t gemm, const char* method,
                               const char* method_params, double budget, int64_t budget_tokens,
-                              int32_t kv_memory) {
+                              int32_t lse_base, int64_t max_rollback, int32_t kv_memory) {
   kvs_session_params p;
   kvs_session_params_init(&p);
   p.num_layers = num_layers;
@@ -835,6 +844,8 @@ kvs_session_s* session_create(uint32_t num_layers, uint32_t num_q_heads, uint32_
   p.method_params = method_params;
   p.budget = budget;
   p.budget_tokens = budget_tokens;
+  p.lse_base = lse_base;
+  p.max_rollback = max_rollback;
   p.kv_memory = kv_memory;
   kvs_session_t s = NULL;
   kvs_error_t err;

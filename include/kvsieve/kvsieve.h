@@ -11,7 +11,8 @@
  *    C-contiguous. Inputs are borrowed for the duration of the call (for asynchronous CUDA work: until
  *    the stream passed with the call has completed). Outputs (o, lse) whose strides put two
  *    elements at one address are refused (KVS_STATUS_INVALID_ARGUMENT).
- *  - Every log-sum-exp crossing this API is a natural logarithm (base e).
+ *  - Every log-sum-exp crossing this API is a natural logarithm (base e), unless the session was
+ *    created with kvs_session_params.lse_base = KVS_LSE_BASE_2 (then base 2, as FlashInfer's).
  *  - Thread safety is tagged on each function:
  *      @threadsafety any              callable from any thread at any time
  *      @threadsafety concurrent-const concurrent calls on one object are fine if none mutates it
@@ -207,6 +208,13 @@ typedef enum kvs_gemm_provider {
   KVS_GEMM_OPENBLAS = 2
 } kvs_gemm_provider;
 
+/** The base of the log-sum-exp a decode step writes (kvs_session_params.lse_base). Base 2 is
+ *  lse_e / ln 2, for kernels that merge attention states in base 2 (FlashInfer's merge_state). */
+typedef enum kvs_lse_base {
+  KVS_LSE_BASE_E = 0, /* natural log (the default) */
+  KVS_LSE_BASE_2 = 1  /* log2: lse_e * log2(e) */
+} kvs_lse_base;
+
 typedef struct kvs_session_params {
   uint32_t struct_size;   /* sizeof(kvs_session_params) */
   uint32_t num_layers;    /* 1 .. 4096 */
@@ -223,12 +231,21 @@ typedef struct kvs_session_params {
   const char* method_params; /* "key=value,key=value" (see kvs_method_param); NULL = defaults. Copied. */
   double budget;          /* fraction of the context in (0, 1]; 0 = unset */
   int64_t budget_tokens;  /* absolute number of exact keys; 0 = unset. Wins over budget. */
+  /* Fields below were appended after 0.1.0: a caller built against 0.1.0's header passes the
+   * smaller struct_size and gets their defaults. */
+  int32_t lse_base;       /* kvs_lse_base of the lse that decode writes; default KVS_LSE_BASE_E.
+                             KVS_LSE_BASE_2 is refused on the cuda backend (not supported there yet). */
+  int64_t max_rollback;   /* tokens kvs_session_truncate must be able to drop exactly (at least) on
+                             methods whose index keeps history (csattention, ctkvr, lfps, hgca,
+                             retroinfer): the cpu backend keeps up to two copies of the method's
+                             index and the queries of the last 2 * max_rollback tokens (docs/api.md,
+                             "Rollback"). 0 (the default) keeps none; >= 0, <= 2^20. full,
+                             exact_topk, streaming and quest roll back to any length without it. */
   /* Where the KV cache lives (kvs_device_type), 0 = the backend's own memory. The cuda backend
    * takes KVS_DEVICE_CUDA (GPU memory, the default) or KVS_DEVICE_CUDA_HOST: pinned host memory
    * mapped into the GPU's address space, which the kernels read over the bus (PCIe / NVLink-C2C),
    * for contexts larger than GPU memory; the method's index stays on the GPU. The cpu backend
-   * takes KVS_DEVICE_CPU only. (Appended after 0.1.0: callers built against older headers pass a
-   * smaller struct_size and get 0.) */
+   * takes KVS_DEVICE_CPU only. */
   int32_t kv_memory;
 } kvs_session_params;
 
@@ -257,7 +274,8 @@ KVS_API kvs_error_t kvs_session_prefill(kvs_session_t s, uint32_t layer, const k
 KVS_API kvs_error_t kvs_session_build_index(kvs_session_t s, void* stream);
 
 /** One decode step of one layer: appends k_new, v_new [Hkv, d], selects, attends with q [Hq, d] and
- *  writes o [Hq, d] and, when lse is not NULL, lse [Hq] (fp32, natural log). o may be fp32/fp16/bf16.
+ *  writes o [Hq, d] and, when lse is not NULL, lse [Hq] (fp32; natural log, or base 2 when the
+ *  session's lse_base is KVS_LSE_BASE_2). o may be fp32/fp16/bf16.
  *  @threadsafety exclusive */
 KVS_API kvs_error_t kvs_session_decode(kvs_session_t s, uint32_t layer, const kvs_tensor* q,
                                        const kvs_tensor* k_new, const kvs_tensor* v_new,
@@ -269,6 +287,22 @@ KVS_API kvs_error_t kvs_session_decode(kvs_session_t s, uint32_t layer, const kv
 KVS_API kvs_error_t kvs_session_append(kvs_session_t s, uint32_t layer, const kvs_tensor* q,
                                        const kvs_tensor* k, const kvs_tensor* v, const kvs_tensor* o,
                                        void* stream);
+
+/** Rollback: keeps the first num_tokens tokens of every layer and drops the rest, KV and index
+ *  alike, so that decoding continues exactly as if the dropped tokens had never been appended
+ *  (speculative decoding's rejected drafts; transformers' Cache.crop(num_tokens)). A layer holding
+ *  num_tokens or fewer is left as it is. To drop the last m tokens of a session whose layers hold
+ *  N each, pass N - m.
+ *  num_tokens: 0 .. the tokens of the longest layer. How far back a layer can go depends on its
+ *  method: full, exact_topk, streaming and quest to any length (0 empties the layer, which is then
+ *  prefilled and indexed again); methods whose index keeps history (csattention, ctkvr, lfps, hgca,
+ *  retroinfer) back to the oldest point kvs_session_params.max_rollback keeps (never below the
+ *  prompt the index was built on, nor before the last prefill, build or load); the error message
+ *  names the allowed range. Errors: KVS_STATUS_INVALID_ARGUMENT (num_tokens out of range),
+ *  KVS_STATUS_INVALID_STATE (a layer loaded without KV and not prefilled again),
+ *  KVS_STATUS_UNSUPPORTED (the cuda backend: not supported there yet). On error nothing changes.
+ *  Statistics (decode_steps, selected keys) keep counting the work done. @threadsafety exclusive */
+KVS_API kvs_error_t kvs_session_truncate(kvs_session_t s, int64_t num_tokens);
 
 /** One layer's decode step for `count` sessions of the same shape, method and backend: q [B, Hq, d],
  *  k_new, v_new [B, Hkv, d], o [B, Hq, d], lse [B, Hq] or NULL, B = count. All or nothing: inputs are
@@ -388,7 +422,8 @@ KVS_API kvs_error_t kvs_session_last_selection(kvs_session_t s, uint32_t layer, 
 
 /** A statistic by name: the method's own (e.g. "dedup_coefficient"), or one of the session's CPU
  *  decode phase timings "decode_update_seconds", "decode_select_seconds", "decode_attend_seconds"
- *  (wall seconds summed over all steps and layers). Fails for a name neither has.
+ *  (wall seconds summed over all steps and layers), or "rollback_history_bytes" (cpu: what the
+ *  history kept for kvs_session_truncate holds now). Fails for a name neither has.
  *  @threadsafety concurrent-const */
 KVS_API kvs_error_t kvs_session_method_stat(kvs_session_t s, const char* name, double* out);
 

@@ -117,6 +117,8 @@ class SessionParams {
   SessionParams& kv_memory(kvs_device_type m) { p_.kv_memory = m; return *this; }
   SessionParams& num_threads(uint32_t n) { p_.num_threads = n; return *this; }
   SessionParams& softmax_scale(float s) { p_.softmax_scale = s; return *this; }
+  SessionParams& lse_base(kvs_lse_base b) { p_.lse_base = b; return *this; }
+  SessionParams& max_rollback(int64_t tokens) { p_.max_rollback = tokens; return *this; }
   /// The C struct, pointing into this object's strings.
   const kvs_session_params* get() {
     p_.method = method_.empty() ? nullptr : method_.c_str();
@@ -165,6 +167,8 @@ class Session {
               void* stream = nullptr) {
     check(kvs_session_append(s_, layer, q.get(), k.get(), v.get(), opt(o), stream));
   }
+  /// Rollback: keeps the first num_tokens tokens of every layer (kvs_session_truncate).
+  void truncate(int64_t num_tokens) { check(kvs_session_truncate(s_, num_tokens)); }
   void save(const std::string& path, bool include_kv = false) const {
     check(kvs_session_save(s_, path.c_str(), include_kv ? KVS_SAVE_INCLUDE_KV : KVS_SAVE_TABLES));
   }

@@ -36,6 +36,17 @@ void attach_placements(std::vector<MethodSpec>& specs) {
   }
 }
 
+// The defaults of a placement that has no rollback (the cuda placement, for now).
+int64_t Placement::truncate_floor(uint32_t, std::string* why) const {
+  *why = std::string("not supported on the ") + ops().name() + " backend yet (truncate on the cpu backend, or move "
+         "the session there with kvs_session_to)";
+  return -1;
+}
+
+void Placement::truncate(int64_t) {
+  fail(KVS_STATUS_UNSUPPORTED, std::string("kvs_session_truncate: not supported on the ") + ops().name() + " backend yet");
+}
+
 const Backend* find_backend(int32_t id, const char** why_not) {
   if (id == KVS_BACKEND_CPU) return &cpu_backend();
   if (id == KVS_BACKEND_CUDA) {

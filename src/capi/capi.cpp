@@ -131,6 +131,8 @@ void kvs_session_params_init(kvs_session_params* p) {
   p->backend = KVS_BACKEND_CPU;
   p->gemm = KVS_GEMM_AUTO;
   p->method = "full";
+  p->lse_base = KVS_LSE_BASE_E;
+  p->max_rollback = 0;
 }
 
 void kvs_load_params_init(kvs_load_params* p) {
@@ -171,6 +173,10 @@ kvs_error_t kvs_session_decode(kvs_session_t s, uint32_t layer, const kvs_tensor
 kvs_error_t kvs_session_append(kvs_session_t s, uint32_t layer, const kvs_tensor* q, const kvs_tensor* k,
                                const kvs_tensor* v, const kvs_tensor* o, void* stream) {
   return guarded([&] { S(s, "kvs_session_append").append(layer, q, k, v, o, stream); });
+}
+
+kvs_error_t kvs_session_truncate(kvs_session_t s, int64_t num_tokens) {
+  return guarded([&] { S(s, "kvs_session_truncate").truncate(num_tokens); });
 }
 
 kvs_error_t kvs_decode_batch(kvs_session_t* sessions, size_t count, uint32_t layer, const kvs_tensor* q,

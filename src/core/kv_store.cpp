@@ -197,8 +197,28 @@ void KVLayer::append(const float* k, const float* v, int64_t n) {
 
 void KVLayer::truncate(int64_t n) {
   if (n < 0 || n > n_) invalid("truncate: bad length");
+  if (n == n_) return;
+  const int64_t old = n_;
   n_ = n;
   pages_.resize(size_t((n + kPageTokens - 1) / kPageTokens));
+  const int64_t slot = n % kPageTokens;
+  if (slot == 0) return;
+  // A page shared with a fork (or mapped from a file) keeps its bytes: the other holder may still
+  // read those rows, and this layer copies the page before it writes it anyway.
+  const auto& last = pages_.back();
+  if (last.use_count() > 1 || !last->owned()) return;
+  const int64_t end = std::min<int64_t>(kPageTokens, old - (n - slot));  // slots the dropped tokens used
+  Page& pg = *last;
+  for (int h = 0; h < 2 * hkv_; ++h)
+    std::memset(pg.data() + size_t(h) * block_bytes_ + size_t(slot) * row_bytes_, 0, size_t(end - slot) * row_bytes_);
+}
+
+KVLayer KVLayer::prefix(int64_t n) const {
+  if (n < 0 || n > n_) invalid("prefix: bad length");
+  KVLayer v(dtype_, hkv_, d_);
+  v.pages_.assign(pages_.begin(), pages_.begin() + (n + kPageTokens - 1) / kPageTokens);
+  v.n_ = n;
+  return v;
 }
 
 void KVLayer::adopt(std::vector<std::shared_ptr<Page>> pages, int64_t n) {

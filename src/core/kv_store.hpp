@@ -81,8 +81,13 @@ class KVLayer {
 
   // Appends n tokens given as fp32 rows k[n][Hkv][d], v[n][Hkv][d] (converted to the storage dtype).
   void append(const float* k, const float* v, int64_t n);
-  // Removes every token (used when a prefill fails half-way, so state stays unchanged).
+  // Keeps the first n tokens (a failed call rolled back, kvs_session_truncate). The rest of the
+  // last page is zeroed again when this layer alone holds it, so a saved page reads as if the
+  // dropped tokens had never been appended (a shared page is left as it is: never copied here).
   void truncate(int64_t n);
+  // A read-only view of the first n tokens (shares the pages; nothing is copied or zeroed): the
+  // layer as it was when it held n tokens, for replaying a method's calls.
+  KVLayer prefix(int64_t n) const;
 
   // Read-only access to pages (for save and for sharing on fork/load).
   const std::vector<std::shared_ptr<Page>>& pages() const { return pages_; }

@@ -70,6 +70,11 @@ class Method {
   // The layer was truncated back to n tokens (a failed call is rolled back): forget indexed state
   // about tokens >= n.
   virtual void truncate(uint32_t layer, int64_t n) {}
+  // True when truncate(layer, n) rolls a layer back exactly to any n >= 0, its index being a
+  // function of the keys alone (full, exact_topk, streaming, quest). False: truncate only undoes the
+  // latest call, and kvs_session_truncate restores a copy of the method taken earlier and replays
+  // the calls since (the cpu placement's rollback history, docs/api.md "Rollback").
+  virtual bool exact_truncate() const { return false; }
   // The exact keys to attend for decode query q [Hq][d] over kv (which already holds the new token).
   virtual void select(uint32_t layer, const float* q, const KVLayer& kv, Selection& out) = 0;
   // An extra attention state over keys disjoint from the selection (o [Hq][d], lse [Hq]); return

@@ -67,6 +67,17 @@ class Placement {
   virtual void decode(std::span<Placement* const> batch, uint32_t layer, const StepTensors& t,
                       std::span<StepReport> reports) = 0;
 
+  // Rollback (kvs_session_truncate). The fewest tokens `layer` can be cut back to so that decoding
+  // continues exactly as if the rest had never been appended, and in *why what sets that limit;
+  // -1 with the reason in *why where this placement cannot truncate (the default).
+  virtual int64_t truncate_floor(uint32_t layer, std::string* why) const;
+  // Keeps the first n tokens of every layer; each layer holding more was checked against
+  // truncate_floor by the session. The default refuses (UNSUPPORTED).
+  virtual void truncate(int64_t n);
+  // Whether decode writes lse in base 2 when the session asks (kvs_session_params.lse_base); the
+  // session refuses KVS_LSE_BASE_2 at creation where not. The default: no.
+  virtual bool lse_base2() const { return false; }
+
   // The keys the last decode step of the layer attended for a KV head (sorted; union over the
   // group for per-query-head methods). May synchronise with the device.
   virtual std::vector<int32_t> last_selection(uint32_t layer, uint32_t kv_head) const = 0;

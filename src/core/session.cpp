@@ -24,23 +24,25 @@ constexpr int64_t kMaxLayerTokens = (int64_t(1) << 31) - 1;
 // Session limits (kvs_session_params; a tables file's shape is checked against the same).
 constexpr uint32_t kMaxLayers = 4096, kMaxKvHeads = 1024, kMaxQHeads = 8192, kMinHeadDim = 8, kMaxHeadDim = 256,
                    kMaxThreads = 1024;
+constexpr int64_t kMaxRollback = int64_t(1) << 20;
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
 // Configuration
 
-SessionConfig SessionConfig::from_params(const kvs_session_params* caller) {
-  if (!caller) invalid("params: expected a kvs_session_params, got NULL");
-  // Fields are appended to kvs_session_params over versions: a caller built against an older
-  // header passes its smaller struct_size, and the fields it does not know keep their defaults.
-  constexpr size_t kFirstSize = offsetof(kvs_session_params, kv_memory);  // 0.1.0's struct
-  if (caller->struct_size < kFirstSize)
+SessionConfig SessionConfig::from_params(const kvs_session_params* p) {
+  if (!p) invalid("params: expected a kvs_session_params, got NULL");
+  // Fields are appended over versions: a caller built against 0.1.0's header passes its smaller
+  // struct, and the fields it does not know keep their defaults.
+  constexpr size_t kFirstSize = offsetof(kvs_session_params, lse_base);
+  if (p->struct_size < kFirstSize)
     invalid("params->struct_size: expected >= " + std::to_string(kFirstSize) +
-            " (fill with kvs_session_params_init), got " + std::to_string(caller->struct_size));
-  kvs_session_params local;
-  kvs_session_params_init(&local);
-  std::memcpy(&local, caller, std::min<size_t>(caller->struct_size, sizeof local));
-  const kvs_session_params* p = &local;
+            " (fill with kvs_session_params_init), got " + std::to_string(p->struct_size));
+  kvs_session_params full;
+  kvs_session_params_init(&full);
+  std::memcpy(&full, p, std::min<size_t>(p->struct_size, sizeof full));
+  full.struct_size = sizeof full;
+  p = &full;
   SessionConfig c;
   auto& s = c.shape;
   if (p->num_layers < 1 || p->num_layers > kMaxLayers)
@@ -71,6 +73,11 @@ SessionConfig SessionConfig::from_params(const kvs_session_params* caller) {
   if (!(p->budget >= 0.0 && p->budget <= 1.0))
     invalid("params->budget: expected a fraction in (0, 1] or 0 (unset), got " + std::to_string(p->budget));
   if (p->budget_tokens < 0) invalid("params->budget_tokens: expected >= 0, got " + std::to_string(p->budget_tokens));
+  if (p->lse_base != KVS_LSE_BASE_E && p->lse_base != KVS_LSE_BASE_2)
+    invalid("params->lse_base: expected KVS_LSE_BASE_E (0) or KVS_LSE_BASE_2 (1), got " + std::to_string(p->lse_base));
+  if (p->max_rollback < 0 || p->max_rollback > kMaxRollback)
+    invalid("params->max_rollback: expected 0.." + std::to_string(kMaxRollback) + " tokens, got " +
+            std::to_string(p->max_rollback));
   s.num_layers = p->num_layers;
   s.num_q_heads = p->num_q_heads;
   s.num_kv_heads = p->num_kv_heads;
@@ -87,6 +94,8 @@ SessionConfig SessionConfig::from_params(const kvs_session_params* caller) {
   c.method_params = p->method_params ? p->method_params : "";
   c.budget.fraction = p->budget;
   c.budget.tokens = p->budget_tokens;
+  c.lse_base = p->lse_base;
+  c.max_rollback = p->max_rollback;
   return c;
 }
 
@@ -104,6 +113,9 @@ Session::Session(const SessionConfig& cfg, std::shared_ptr<ThreadPool> pool) : c
   cfg_.method_params = ps.to_text();  // normalised, defaults included
   pool_ = pool ? std::move(pool) : std::make_shared<ThreadPool>(cfg_.num_threads);
   placement_ = make_placement(cfg_, *spec_, ps, pool_);
+  if (cfg_.lse_base == KVS_LSE_BASE_2 && !placement_->lse_base2())
+    fail(KVS_STATUS_UNSUPPORTED, std::string("params->lse_base: KVS_LSE_BASE_2 is not supported on the ") +
+                                     placement_->ops().name() + " backend yet (use KVS_LSE_BASE_E and divide by ln 2)");
   built_.assign(cfg_.shape.num_layers, 0);
   expected_len_.assign(cfg_.shape.num_layers, -1);
   logf(LogLevel::Debug, "session: method %s (%s), backend %s, %u layers, %u/%u heads, d %u, kv %s, %u threads",
@@ -174,6 +186,39 @@ void Session::append(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, c
                      const kvs_tensor* o, void* stream) {
   check_decodable(layer, "kvs_session_append");
   placement_->add_tokens(layer, q, k, v, o, "kvs_session_append", /*prompt=*/false, kMaxLayerTokens, stream);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rollback
+
+void Session::truncate(int64_t n) {
+  const char* fn = "kvs_session_truncate";
+  int64_t longest = 0;
+  for (uint32_t l = 0; l < cfg_.shape.num_layers; ++l) longest = std::max(longest, placement_->tokens(l));
+  if (n < 0 || n > longest)
+    invalid(std::string(fn) + ": num_tokens: expected 0.." + std::to_string(longest) +
+            " (the tokens of the longest layer), got " + std::to_string(n));
+  bool any = false;
+  for (uint32_t l = 0; l < cfg_.shape.num_layers; ++l) {
+    const int64_t t = placement_->tokens(l);
+    if (t <= n) continue;
+    any = true;
+    if (expected_len_[l] >= 0)
+      fail(KVS_STATUS_INVALID_STATE, std::string(fn) + ": layer " + L(l) + " was loaded without KV: prefill its " +
+                                         std::to_string(expected_len_[l]) + " prompt tokens before truncating");
+    std::string why;
+    const int64_t floor = placement_->truncate_floor(l, &why);
+    if (floor < 0) fail(KVS_STATUS_UNSUPPORTED, std::string(fn) + ": " + why);
+    if (n < floor)
+      invalid(std::string(fn) + ": num_tokens: expected " + std::to_string(floor) + ".." + std::to_string(longest) +
+              " (layer " + L(l) + " can go back to " + std::to_string(floor) + " tokens: " + why + "), got " +
+              std::to_string(n));
+  }
+  if (!any) return;
+  placement_->truncate(n);
+  // An emptied layer starts again: prefill, then build its index.
+  for (uint32_t l = 0; l < cfg_.shape.num_layers; ++l)
+    if (placement_->tokens(l) == 0) built_[l] = 0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -330,7 +375,7 @@ std::unique_ptr<Session> Session::to(int32_t backend, int32_t device_id) const {
   lp.num_threads = cfg_.num_threads;
   lp.gemm = cfg_.gemm;
   lp.flags = KVS_LOAD_MMAP;  // cpu: the pages stay in the image (one copy in all); cuda copies them up
-  auto s = load_from(file, lp, "kvs_session_to");
+  auto s = load_from(file, lp, "kvs_session_to", &cfg_);
   s->decode_steps_ = decode_steps_;
   s->sum_selected_ = sum_selected_;
   s->last_selected_ = last_selected_;
@@ -370,7 +415,8 @@ std::unique_ptr<Session> Session::load(const std::string& path, const kvs_load_p
 }
 
 std::unique_ptr<Session> Session::load_from(const std::shared_ptr<const io::TablesFile>& file,
-                                            const kvs_load_params& lp, const std::string& path) {
+                                            const kvs_load_params& lp, const std::string& path,
+                                            const SessionConfig* runtime) {
   const int32_t gemm = int32_t(cpu::resolve_gemm(lp.gemm));
   // The file. Everything below that is wrong is the file's fault: KVS_STATUS_FORMAT_INVALID naming
   // the file and the header field. Every number is range-checked at the type it lands in
@@ -446,6 +492,10 @@ std::unique_ptr<Session> Session::load_from(const std::shared_ptr<const io::Tabl
     }
     const nlohmann::json meta = mh.contains("meta") ? hm.object(mh, "meta") : nlohmann::json::object();
 
+    if (runtime) {
+      cfg.lse_base = runtime->lse_base;
+      cfg.max_rollback = runtime->max_rollback;
+    }
     auto s = std::make_unique<Session>(cfg, pool);
     for (uint32_t l = 0; l < p.num_layers; ++l) {
       s->built_[l] = built[l];

@@ -27,6 +27,8 @@ struct SessionConfig {
   std::string method = "full";
   std::string method_params;
   Budget budget;
+  int32_t lse_base = KVS_LSE_BASE_E;  // of the lse a decode step writes (runtime: not saved)
+  int64_t max_rollback = 0;           // tokens kvs_session_truncate must reach (runtime: not saved)
 
   // Validates a public params struct (names the offending field) and converts it.
   static SessionConfig from_params(const kvs_session_params* p);
@@ -47,6 +49,8 @@ class Session {
               const kvs_tensor* o, const kvs_tensor* lse, void* stream);
   void append(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, const kvs_tensor* v,
               const kvs_tensor* o, void* stream);
+  // kvs_session_truncate: keeps the first n tokens of every layer (checks the range first).
+  void truncate(int64_t n);
   static void decode_batch(Session* const* sessions, size_t count, uint32_t layer, const kvs_tensor* q,
                            const kvs_tensor* k, const kvs_tensor* v, const kvs_tensor* o,
                            const kvs_tensor* lse, void* stream, bool single = false);
@@ -76,8 +80,10 @@ class Session {
   // The tables writer of a save: header and every section (borrowing this session's buffers).
   std::unique_ptr<io::TablesWriter> tables_writer(bool with_kv, const char* fn) const;
   // The part of load after the file is open; `lp` validated, `path` names the source in messages.
+  // runtime (optional): the session whose runtime settings (lse_base, max_rollback) carry over.
   static std::unique_ptr<Session> load_from(const std::shared_ptr<const io::TablesFile>& file,
-                                            const kvs_load_params& lp, const std::string& path);
+                                            const kvs_load_params& lp, const std::string& path,
+                                            const SessionConfig* runtime = nullptr);
   // A session around an existing placement (fork).
   Session(const SessionConfig& cfg, std::shared_ptr<ThreadPool> pool, std::unique_ptr<Placement> placement);
   void check_layer(uint32_t layer, const char* fn) const;

@@ -495,6 +495,48 @@ static void test_load_flags_and_finite(void) {
   kvs_session_destroy(s);
 }
 
+/* The appended session fields keep their place (append-only layout), and kvs_session_truncate's
+ * error paths through the C ABI; test_truncate.cpp checks what a rollback computes. */
+typedef char kvs_lse_base_follows_budget_tokens[offsetof(kvs_session_params, lse_base) ==
+                                                        offsetof(kvs_session_params, budget_tokens) + 8 ? 1 : -1];
+typedef char kvs_max_rollback_follows_lse_base[offsetof(kvs_session_params, max_rollback) ==
+                                                       offsetof(kvs_session_params, lse_base) + 8 ? 1 : -1];
+static void test_truncate_and_lse_base(void) {
+  static float q[N * HQ * D], k[N * HKV * D], v[N * HKV * D];
+  unsigned seed = 11;
+  int i;
+  kvs_session_params p;
+  kvs_session_t s;
+  int64_t n = 0;
+  for (i = 0; i < N * HQ * D; ++i) q[i] = frand(&seed);
+  for (i = 0; i < N * HKV * D; ++i) k[i] = frand(&seed), v[i] = frand(&seed);
+  kvs_session_params_init(&p);
+  CHECK(p.lse_base == KVS_LSE_BASE_E && p.max_rollback == 0);
+  p.num_layers = 2, p.num_q_heads = HQ, p.num_kv_heads = HKV, p.head_dim = D, p.num_threads = 1;
+  p.method = "quest";
+  s = prefilled(&p, q, k, v, N);
+  EXPECT(kvs_session_truncate(NULL, 0), KVS_STATUS_INVALID_ARGUMENT, "s");
+  EXPECT(kvs_session_truncate(s, -1), KVS_STATUS_INVALID_ARGUMENT, "num_tokens");
+  EXPECT(kvs_session_truncate(s, N + 1), KVS_STATUS_INVALID_ARGUMENT, "num_tokens");
+  OK(kvs_session_truncate(s, N));
+  OK(kvs_session_truncate(s, N - 7));
+  OK(kvs_session_layer_tokens(s, 1, &n));
+  CHECK(n == N - 7);
+  kvs_session_destroy(s);
+  p.method = "csattention"; /* history kept only with max_rollback > 0 */
+  s = prefilled(&p, q, k, v, N);
+  EXPECT(kvs_session_truncate(s, N - 1), KVS_STATUS_INVALID_ARGUMENT, "max_rollback");
+  kvs_session_destroy(s);
+  p.lse_base = 7;
+  s = NULL;
+  EXPECT(kvs_session_create(&p, &s), KVS_STATUS_INVALID_ARGUMENT, "lse_base");
+  CHECK(s == NULL);
+  p.lse_base = KVS_LSE_BASE_E;
+  p.max_rollback = -3;
+  EXPECT(kvs_session_create(&p, &s), KVS_STATUS_INVALID_ARGUMENT, "max_rollback");
+  CHECK(s == NULL);
+}
+
 static void log_fn(int32_t level, const char* line, void* user) {
   (void)level;
   (void)line;
@@ -591,8 +633,9 @@ int main(void) {
   p.kv_memory = KVS_DEVICE_CUDA_HOST; /* pinned host KV is the cuda backend's */
   EXPECT(kvs_session_create(&p, &s), KVS_STATUS_UNSUPPORTED, "kv_memory");
   CHECK(s == NULL);
-  /* a caller built against the 0.1.0 header: its struct ends before kv_memory, whose bytes here
-     (garbage to such a caller) are not read */
+  /* a caller built against a header before kv_memory: its struct ends there, and the bytes here
+     (garbage to such a caller, an invalid kv_memory) are not read */
+  p.kv_memory = 9;
   p.struct_size = (uint32_t)offsetof(kvs_session_params, kv_memory);
   OK(kvs_session_create(&p, &s));
   kvs_session_destroy(s);
@@ -751,6 +794,7 @@ int main(void) {
   test_unsupported_reasons();
   test_hardening();
   test_load_flags_and_finite();
+  test_truncate_and_lse_base();
   kvs_string_free(NULL);
   kvs_set_log_callback(NULL, NULL, KVS_LOG_WARN);
 

@@ -200,6 +200,58 @@ def test_append_and_chunked_prefill(rng):
         assert s.layer_tokens(0) == N + 5 and s.layer_tokens(1) == N
 
 
+@pytest.mark.parametrize("method,kw", [("full", {}), ("quest", {}), ("csattention", {"max_rollback": 8}),
+                                       ("ctkvr", {"max_rollback": 8}), ("lfps", {"max_rollback": 8}),
+                                       ("retroinfer", {"max_rollback": 8})])
+def test_truncate_decodes_on_as_if_the_tokens_never_came(method, kw, rng):
+    """Session.truncate after decode steps: the next steps equal, bit for bit, those of a fresh
+    session fed only the kept tokens (the reference); out of range raises naming num_tokens."""
+    q, k, v = rand(rng, N + 12, HQ, D), rand(rng, N + 12, HKV, D), rand(rng, N + 12, HKV, D)
+    x, y = make(method, budget=0.2, **kw), make(method, budget=0.2, **kw)
+    with x, y:
+        for s in (x, y):
+            for layer in range(L):
+                s.prefill(layer, q[:N], k[:N], v[:N])
+            s.build_index()
+        for t in range(N, N + 6):
+            for layer in range(L):
+                x.decode(layer, q[t], k[t], v[t])
+        x.truncate(N + 2)
+        assert x.layer_tokens(0) == N + 2 and x.layer_tokens(1) == N + 2
+        for t in range(N, N + 2):
+            for layer in range(L):
+                y.decode(layer, q[t], k[t], v[t])
+        for t in range(N + 6, N + 12):
+            for layer in range(L):
+                ox, lx = x.decode(layer, q[t], k[t], v[t])
+                oy, ly = y.decode(layer, q[t], k[t], v[t])
+                np.testing.assert_array_equal(ox, oy)
+                np.testing.assert_array_equal(lx, ly)
+                np.testing.assert_array_equal(x.last_selection(layer, 0), y.last_selection(layer, 0))
+        with pytest.raises(kvsieve.InvalidArgumentError, match="num_tokens: expected 0..") as e:
+            x.truncate(N + 100)
+        assert "Session.truncate" in str(e.value)
+        with pytest.raises(TypeError, match="num_tokens"):
+            x.truncate(3.0)
+
+
+def test_lse_base_2_is_lse_over_ln2(rng):
+    q, k, v = rand(rng, N + 1, HQ, D), rand(rng, N + 1, HKV, D), rand(rng, N + 1, HKV, D)
+    with make("quest", budget=0.3) as a, make("quest", budget=0.3, lse_base=2) as b:
+        for s in (a, b):
+            s.prefill(0, q[:N], k[:N], v[:N])
+            s.build_index()
+        oa, la = a.decode(0, q[N], k[N], v[N])
+        ob, lb = b.decode(0, q[N], k[N], v[N])
+        np.testing.assert_array_equal(oa, ob)
+        np.testing.assert_allclose(lb, la.astype(np.float64) / np.log(2.0), rtol=1e-6, atol=1e-6)
+    for bad in ("ten", 10, True):
+        with pytest.raises(ValueError, match="lse_base"):
+            make("full", lse_base=bad)
+    with pytest.raises(kvsieve.InvalidArgumentError, match="max_rollback"):
+        make("full", max_rollback=-1)
+
+
 def test_decode_batch_equals_single_decodes(rng):
     q, k, v = rand(rng, N, HQ, D), rand(rng, N, HKV, D), rand(rng, N, HKV, D)
     a, b = make("quest", budget=0.2), make("quest", budget=0.2)
@@ -1012,7 +1064,7 @@ def test_strings_with_nul_raise_value_error(tmp_path):
     # The native layer refuses on its own too, naming the argument.
     with pytest.raises(ValueError, match=r"method: expected a string without NUL"):
         kvsieve.capi.session_create(L, HQ, HKV, D, 0.0, kvsieve.capi.KVS_SCALAR_F32, kvsieve.capi.KVS_BACKEND_CPU,
-                                    0, 1, 0, "full\0x", None, 0.0, 0, 0)
+                                    0, 1, 0, "full\0x", None, 0.0, 0, kvsieve.capi.KVS_LSE_BASE_E, 0, 0)
     with pytest.raises(ValueError, match=r"method: expected a string without NUL"):
         kvsieve.capi.kvs_method_doc("quest\0x")
     assert kvsieve.capi.kvs_method_doc("quest")  # plain strings and None still pass

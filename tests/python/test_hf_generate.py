@@ -212,6 +212,79 @@ def test_full_cache_reports_seq_length_and_can_continue():
     assert_logits_close(got_logits, want_logits)
 
 
+@pytest.mark.parametrize("method,kw", [("full", {}), ("quest", {"budget": 0.5}),
+                                       ("csattention", {"budget": 0.5, "max_rollback": 8}),
+                                       ("hgca", {"budget": 0.5, "max_rollback": 8})])
+def test_crop_continues_as_a_cache_that_never_saw_the_tokens(method, kw):
+    """cache.crop(-k) after k decode steps: the next forwards give bit-identical logits to a cache
+    fed only the kept tokens (the independent reference: a fresh cache, same calls up to the kept
+    point)."""
+    model = tiny_llama()
+    model.set_attn_implementation(kt.NAME)
+    ids, _ = prompts([20], seed=5)
+    g = torch.Generator().manual_seed(6)
+    drafts, after = torch.randint(1, 101, (1, 6), generator=g), torch.randint(1, 101, (1, 4), generator=g)
+    a = kt.KvsieveCache(model.config, method=method, kv_dtype="float32", **kw)
+    b = kt.KvsieveCache(model.config, method=method, kv_dtype="float32", **kw)
+    with a, b, torch.no_grad():
+        model(ids, past_key_values=a)
+        for t in range(6):
+            model(drafts[:, t:t + 1], past_key_values=a)
+        a.crop(-4)
+        assert a.get_seq_length() == 22 and a.session.layer_tokens(2) == 22
+        model(ids, past_key_values=b)
+        for t in range(2):
+            model(drafts[:, t:t + 1], past_key_values=b)
+        for t in range(4):
+            la = model(after[:, t:t + 1], past_key_values=a).logits
+            lb = model(after[:, t:t + 1], past_key_values=b).logits
+            assert torch.equal(la, lb)
+        # A verification pass of several tokens (append), then its rejected tail dropped. The kept
+        # token's K/V come from a 3-token forward here and a 1-token forward in the reference, which
+        # torch's matrix products round differently: float tolerance, and only where attention
+        # is dense (a sparse method may then pick other keys).
+        model(drafts[:, :3], past_key_values=a)
+        a.crop(-2)
+        assert a.get_seq_length() == 27 and a.session.layer_tokens(0) == 27
+        model(drafts[:, :1], past_key_values=b)
+        la, lb = model(after[:, :1], past_key_values=a).logits, model(after[:, :1], past_key_values=b).logits
+        if method == "full":
+            assert_logits_close(la, lb)
+
+
+@pytest.mark.parametrize("method", ["full", "quest"])
+def test_assisted_generation_crops_the_rejected_drafts(method):
+    """generate() with an assistant model (speculative decoding): the target verifies the drafts
+    with one pass (the first one with the prompt: a prefill; then appends) and crops the rejected
+    ones. With full attention and float32 KV the tokens equal plain greedy decoding with
+    transformers' eager attention and DynamicCache."""
+    model = tiny_llama(seed=0)
+    assistant = tiny_llama(seed=1, layers=2)   # a different model: some drafts are rejected
+    ids, mask = prompts([15], seed=7)
+    want, want_logits = generate(model, ids, mask, "eager")
+    assistant.set_attn_implementation("eager")
+    with kt.KvsieveCache(model.config, method=method, budget=0.5, kv_dtype="float32") as cache:
+        got, got_logits = generate(model, ids, mask, kt.NAME, cache, assistant_model=assistant)
+        assert cache.get_seq_length() == cache.session.layer_tokens(0) == ids.shape[1] + NEW - 1
+    assert got.shape == want.shape
+    if method == "full":
+        assert torch.equal(got, want)
+        assert_logits_close(got_logits, want_logits)
+
+
+def test_assisted_generation_with_a_history_method_is_refused_clearly():
+    """The first verification pass of assisted decoding comes with the prompt (one prefill): a
+    method whose index keeps history cannot roll back below the prompt its index was built on, so
+    the crop raises (naming the range) instead of decoding from a wrong index."""
+    model = tiny_llama(seed=0)
+    assistant = tiny_llama(seed=1, layers=2)
+    ids, mask = prompts([15], seed=7)
+    assistant.set_attn_implementation("eager")
+    with kt.KvsieveCache(model.config, method="csattention", kv_dtype="float32", max_rollback=16) as cache:
+        with pytest.raises(kvsieve.InvalidArgumentError, match=r"num_tokens: expected (\d+)\.\.\1 "):
+            generate(model, ids, mask, kt.NAME, cache, assistant_model=assistant)
+
+
 def test_refusals():
     model = tiny_llama()
     ids, mask = prompts([12, 7])
@@ -233,12 +306,21 @@ def test_refusals():
         with pytest.raises(NotImplementedError, match="only left padding"):
             with torch.no_grad():
                 model(input_ids=ids, attention_mask=right, past_key_values=cache)
-    # Removing tokens (assisted decoding's rollback).
+    # Removing tokens: a positive count (transformers' legacy absolute length) and more than held are
+    # refused; a method whose index keeps history needs max_rollback.
     with kt.KvsieveCache(model.config) as cache:
         generate(model, ids, mask, kt.NAME, cache)
         cache.crop(0)   # a no-op is fine
-        with pytest.raises(NotImplementedError, match="cannot remove tokens"):
-            cache.crop(-1)
+        with pytest.raises(ValueError, match="expected a negative number"):
+            cache.crop(3)
+        with pytest.raises(ValueError, match="cannot remove 100 positions"):
+            cache.crop(-100)
+    with kt.KvsieveCache(model.config, method="csattention") as cache:
+        generate(model, ids[:1], mask[:1], kt.NAME, cache)
+        seen = cache.get_seq_length()
+        with pytest.raises(kvsieve.InvalidArgumentError, match="max_rollback"):
+            cache.crop(-2)
+        assert cache.get_seq_length() == seen and cache.session.layer_tokens(0) == seen
     with pytest.raises(ValueError, match="backend: expected 'cpu' or 'cuda'"):
         kt.KvsieveCache(model.config, backend="tpu")
     # Dropout and wrong dtypes.

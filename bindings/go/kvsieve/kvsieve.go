@@ -280,10 +280,23 @@ type SessionParams struct {
 	MethodParams string  // "key=value,key=value"; "" = defaults
 	Budget       float64 // fraction of the context in (0, 1]; 0 = unset
 	BudgetTokens int64   // absolute number of exact keys; 0 = unset; wins over Budget
+	LseBase      LseBase // the base of the lse Decode writes; LseBaseE (natural log) by default
+	// MaxRollback: tokens Truncate must be able to drop on methods whose index keeps history
+	// (csattention, ctkvr, lfps, hgca, retroinfer); 0 = none. Costs up to two copies of the index and
+	// the queries of 2 * MaxRollback tokens (docs/api.md, "Rollback").
+	MaxRollback int64
 	// KVMemory is where the KV cache lives, a kvs_device_type (3 = KVS_DEVICE_CUDA_HOST: the cuda
 	// backend keeps it in pinned host memory that its kernels read over the bus); 0 = the backend's own.
 	KVMemory int32
 }
+
+// LseBase is kvs_lse_base: the base of the log-sum-exp a decode step writes.
+type LseBase int32
+
+const (
+	LseBaseE LseBase = C.KVS_LSE_BASE_E // natural log
+	LseBase2 LseBase = C.KVS_LSE_BASE_2 // log2 = ln / ln 2 (FlashInfer's merge_state); not on the cuda backend yet
+)
 
 // NewSessionParams gives the library's defaults for a shape.
 func NewSessionParams(numLayers, numQHeads, numKVHeads, headDim uint32) SessionParams {
@@ -299,6 +312,8 @@ func NewSessionParams(numLayers, numQHeads, numKVHeads, headDim uint32) SessionP
 		Gemm:         Gemm(p.gemm),
 		Budget:       float64(p.budget),
 		BudgetTokens: int64(p.budget_tokens),
+		LseBase:      LseBase(p.lse_base),
+		MaxRollback:  int64(p.max_rollback),
 		KVMemory:     int32(p.kv_memory),
 	}
 	if p.method != nil {
@@ -353,6 +368,7 @@ func NewSession(p SessionParams) (*Session, error) {
 	c.kv_dtype, c.backend, c.device_id = C.int32_t(p.KVDtype), C.int32_t(p.Backend), C.int32_t(p.DeviceID)
 	c.num_threads, c.gemm = C.uint32_t(p.NumThreads), C.int32_t(p.Gemm)
 	c.budget, c.budget_tokens = C.double(p.Budget), C.int64_t(p.BudgetTokens)
+	c.lse_base, c.max_rollback = C.int32_t(p.LseBase), C.int64_t(p.MaxRollback)
 	c.kv_memory = C.int32_t(p.KVMemory)
 	// The strings live in C memory (a C struct must not hold Go pointers); the library copies them.
 	if p.Method != "" {
@@ -570,6 +586,15 @@ func (s *Session) Stats() (Stats, error) {
 	return Stats{int64(c.tokens), int64(c.decode_steps), uint64(c.kv_bytes), uint64(c.kv_shared_bytes),
 		uint64(c.index_bytes), uint64(c.workspace_bytes), float64(c.last_selected_keys),
 		float64(c.mean_selected_keys), float64(c.last_selected_fraction)}, nil
+}
+
+// Truncate is the rollback (kvs_session_truncate): it keeps the first numTokens tokens of every
+// layer and drops the rest, KV and index alike, so decoding continues as if they had never been
+// appended. The error names the allowed range (it depends on the method and MaxRollback).
+func (s *Session) Truncate(numTokens int64) error {
+	err := check(C.kvs_session_truncate(s.raw, C.int64_t(numTokens)))
+	runtime.KeepAlive(s)
+	return err
 }
 
 // LayerTokens is the number of tokens in a layer.

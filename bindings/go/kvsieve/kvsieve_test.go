@@ -437,3 +437,52 @@ func TestFinalizers(t *testing.T) {
 	runtime.GC()
 	runtime.GC()
 }
+
+// Truncate drops decoded tokens: the next step equals a session that never saw them (csattention,
+// whose rollback replays its history); out of range is refused naming the argument; lse base 2.
+func TestTruncateAndLseBase2(t *testing.T) {
+	rng := rand.New(rand.NewSource(2121))
+	const n = 64
+	q, k, v := randVec(rng, (n+3)*hq*d), randVec(rng, (n+3)*hkv*d), randVec(rng, (n+3)*hkv*d)
+	start := func(base LseBase) *Session {
+		p := NewSessionParams(1, hq, hkv, d)
+		p.Method, p.Budget, p.MaxRollback, p.LseBase = "csattention", 0.5, 4, base
+		s, err := NewSession(p)
+		must(t, err)
+		must(t, s.Prefill(0, q[:n*hq*d], k[:n*hkv*d], v[:n*hkv*d], nil))
+		must(t, s.BuildIndex())
+		return s
+	}
+	step := func(s *Session, i int) ([]float32, []float32) {
+		o, lse := nans(hq*d), nans(hq)
+		must(t, s.Decode(0, q[i*hq*d:(i+1)*hq*d], k[i*hkv*d:(i+1)*hkv*d], v[i*hkv*d:(i+1)*hkv*d], o, lse))
+		return o, lse
+	}
+	a := start(LseBaseE)
+	defer a.Close()
+	step(a, n)
+	step(a, n+1)
+	must(t, a.Truncate(n+1))
+	if got, _ := a.LayerTokens(0); got != n+1 {
+		t.Fatalf("tokens after truncate: %d", got)
+	}
+	if e := wantStatus(t, a.Truncate(n+5), StatusInvalidArgument); !strings.Contains(e.Message, "num_tokens") {
+		t.Fatalf("message does not name num_tokens: %v", e)
+	}
+	oa, la := step(a, n+2)
+	b := start(LseBase2)
+	defer b.Close()
+	step(b, n)
+	ob, lb := step(b, n+2)
+	for i := range oa {
+		if oa[i] != ob[i] {
+			t.Fatalf("o[%d]: %g after rollback, %g without the dropped token", i, oa[i], ob[i])
+		}
+	}
+	for h := 0; h < hq; h++ {
+		want := float64(la[h]) / math.Ln2
+		if math.Abs(float64(lb[h])-want) > 1e-5*math.Max(1, math.Abs(want)) {
+			t.Fatalf("lse base 2 [%d]: %g, want %g", h, lb[h], want)
+		}
+	}
+}

@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import json as _json
+import numbers as _numbers
 import os as _os
 import threading as _threading
 import warnings as _warnings
@@ -137,6 +138,15 @@ def _enum(value, table: Mapping[str, int], what: str) -> int:
     if isinstance(value, int):
         return value
     raise TypeError(f"{what}: expected a string or an int, got {type(value).__name__}")
+
+
+def _lse_base(value) -> int:
+    """kvs_lse_base from "e" (natural log) or 2 (an int or "2")."""
+    if isinstance(value, str) and value.lower() in ("e", "natural"):
+        return _native.KVS_LSE_BASE_E
+    if (isinstance(value, str) and value == "2") or (isinstance(value, int) and not isinstance(value, bool) and value == 2):
+        return _native.KVS_LSE_BASE_2
+    raise ValueError(f"lse_base: expected \"e\" (natural log) or 2, got {value!r}")
 
 
 def _stream_ptr(stream) -> int:
@@ -270,7 +280,7 @@ class Session:
                  method: str = "full", method_params=None, budget: Optional[float] = None,
                  budget_tokens: Optional[int] = None, kv_dtype="bfloat16", backend="cpu",
                  device_id: int = 0, num_threads: int = 0, gemm="auto", softmax_scale: float = 0.0,
-                 kv_memory="default", _handle=None):
+                 lse_base="e", max_rollback: int = 0, kv_memory="default", _handle=None):
         """Creates a session (kvs_session_create).
 
         Args:
@@ -289,6 +299,13 @@ class Session:
             num_threads: worker threads of the cpu backend (0: every hardware thread).
             gemm: the cpu backend's matrix library, "auto", "onednn" or "openblas".
             softmax_scale: the scale of q.k (0: 1/sqrt(head_dim)).
+            lse_base: the base of the lse :meth:`decode` returns, "e" (natural log, the default) or
+                2 (log2 = ln / ln 2, for kernels that merge attention states in base 2, such as
+                FlashInfer's merge_state); 2 is refused on the cuda backend for now.
+            max_rollback: tokens :meth:`truncate` must be able to drop on methods whose index keeps
+                history (csattention, ctkvr, lfps, hgca, retroinfer); the cpu backend then keeps
+                up to two copies of the index and the queries of the last 2 * max_rollback tokens.
+                0 (the default): none. full, exact_topk, streaming and quest need none.
             kv_memory: where the KV cache lives: "default" (the backend's own memory), "cuda"
                 (GPU memory), "cuda_host" (cuda backend: pinned host memory that the GPU kernels
                 read over the bus, for contexts larger than GPU memory; the index stays on the GPU)
@@ -309,7 +326,8 @@ class Session:
             int(num_layers), int(num_q_heads), int(num_kv_heads), int(head_dim), float(softmax_scale),
             _enum(kv_dtype, _KV_DTYPES, "kv_dtype"), _enum(backend, _BACKENDS, "backend"), int(device_id),
             int(num_threads), _enum(gemm, _GEMMS, "gemm"), method, _method_params_str(method_params),
-            float(budget or 0.0), int(budget_tokens or 0), _enum(kv_memory, _KV_MEMORY, "kv_memory"))
+            float(budget or 0.0), int(budget_tokens or 0), _lse_base(lse_base),
+            int(max_rollback), _enum(kv_memory, _KV_MEMORY, "kv_memory"))
         self._set_shape(num_layers, num_q_heads, num_kv_heads, head_dim, method,
                         _enum(backend, _BACKENDS, "backend"), device_id)
 
@@ -385,7 +403,8 @@ class Session:
     def decode(self, layer: int, q, k_new, v_new, *, out=None, lse=None, stream=None):
         """One decode step of one layer: q [Hq, d], k_new, v_new [Hkv, d].
 
-        Returns ``(out, lse)``: out [Hq, d] and lse [Hq] (natural log). Both are allocated unless
+        Returns ``(out, lse)``: out [Hq, d] and lse [Hq] (natural log, or base 2 when the session
+        was created with ``lse_base=2``). Both are allocated unless
         given, where q lives and with q's library: torch in, torch out (same device; out in q's dtype
         when that is float16 or bfloat16, else float32), CuPy likewise, NumPy float32 otherwise; lse
         is float32. Given outputs are filled in place (out float32, float16 or bfloat16; lse float32). On the cuda backend the call
@@ -406,6 +425,22 @@ class Session:
         receives exact causal attention over the whole context."""
         with self._lock:
             self._handle().append(int(layer), q, k, v, out, _stream_ptr(stream), self._spec_or_none())
+
+    def truncate(self, num_tokens: int) -> None:
+        """Rollback (kvs_session_truncate): keeps the first ``num_tokens`` tokens of every layer and
+        drops the rest, KV and index alike, so that decoding continues exactly as if the dropped
+        tokens had never been appended (a layer holding fewer is left as it is). ``num_tokens``: 0
+        .. the longest layer's tokens; how far back a layer can go depends on the method (full,
+        exact_topk, streaming, quest: anywhere; the others: as far as ``max_rollback`` keeps).
+
+        Raises:
+            kvsieve.InvalidArgumentError (a ValueError) naming the allowed range,
+            kvsieve.UnsupportedError on the cuda backend (not supported there yet).
+        """
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, _numbers.Integral):
+            raise TypeError(f"num_tokens: expected an int, got {type(num_tokens).__name__}")
+        with self._lock:
+            self._handle().truncate(int(num_tokens))
 
     def save(self, path: str, *, include_kv: bool = False) -> None:
         """Writes the session (parameters, method tables, optionally the KV cache) atomically."""

@@ -143,6 +143,7 @@ _C_NAMES = [
     ("kvs_session_last_selection", "Session.last_selection"),
     ("kvs_session_method_stat", "Session.method_stat"),
     ("kvs_session_layer_tokens", "Session.layer_tokens"),
+    ("kvs_session_params.max_rollback", "max_rollback"),
     ("kvs_decode_batch", "kvsieve.decode_batch"),
     ("kvs_batch_create", "Batch()"),
     ("kvs_tables_describe", "kvsieve.tables_describe"),

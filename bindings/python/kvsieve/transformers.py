@@ -27,7 +27,12 @@ stored in its session, and generate's position ids (counted over the mask) give 
 positions an unpadded run would. Padding after a real token (right padding, holes) is refused.
 
 Beam search, ``num_return_sequences`` and other row reorderings fork the sessions (copy-on-write KV,
-cpu backend only). Removing tokens (``crop``: assisted / speculative decoding) is refused.
+cpu backend only). Removing tokens (``crop``: assisted / speculative decoding) truncates every row's
+session (``Session.truncate``, cpu backend): full, exact_topk, streaming and quest roll back to any
+length; the methods whose index keeps history (csattention, ctkvr, lfps, hgca, retroinfer) as far back
+as ``max_rollback`` tokens (a ``KvsieveCache`` argument, 0 by default: give the most tokens one
+crop removes), never below the prompt their index was built on (so not with ``assistant_model``,
+whose first drafts come with the prompt).
 
 Not supported (a clear error each): sliding-window, chunked, linear-attention or shared-KV layers,
 attention logit softcapping, dropout (call ``model.eval()``), packed sequences or custom mask
@@ -71,7 +76,7 @@ class _KvsieveLayer(CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
-    is_croppable = False
+    is_croppable = True   # cpu backend (set per instance)
     supports_early_init = False
 
     def __init__(self, layer_idx: int):
@@ -129,12 +134,14 @@ class KvsieveCache(Cache):
     ``budget_tokens``, ``method_params``, ``kv_dtype``, ``backend``, ``device_id`` and
     ``num_threads`` are those of :class:`kvsieve.Session` (``kv_dtype`` defaults to the model's
     dtype, bfloat16 for a float32 model on the cuda backend). The softmax scale is the model's.
+    ``max_rollback`` too: the tokens one :meth:`crop` may remove on a method whose index keeps
+    history (csattention, ctkvr, lfps, hgca, retroinfer; 0 = none, the default).
     """
 
     def __init__(self, config, *, method: str = "full", budget: Optional[float] = None,
                  budget_tokens: Optional[int] = None, method_params: Optional[Mapping[str, Any]] = None,
                  backend: str = "cpu", device_id: int = 0, num_threads: int = 0,
-                 kv_dtype: Optional[str] = None):
+                 kv_dtype: Optional[str] = None, max_rollback: int = 0):
         register()
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         if getattr(text, "is_encoder_decoder", False):
@@ -147,6 +154,9 @@ class KvsieveCache(Cache):
         self.num_kv_heads = int(getattr(text, "num_key_value_heads", None) or self.num_q_heads)
         self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // self.num_q_heads)
         super().__init__(layers=[_KvsieveLayer(i) for i in range(self.num_layers)])
+        for layer in self.layers:
+            layer.is_croppable = backend == "cpu"
+        self.max_rollback = int(max_rollback)
         self._config = config
         self.method, self.budget, self.budget_tokens = method, budget, budget_tokens
         self.method_params = dict(method_params or {})
@@ -204,10 +214,49 @@ class KvsieveCache(Cache):
         self.close()
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove == 0:
+        """Removes the last ``-tokens_to_remove`` positions of every layer (transformers' convention:
+        a negative count; 0 is a no-op) from every row's session, KV and index alike
+        (``Session.truncate``; cpu backend), so that decoding continues as if they had never been
+        fed: assisted and speculative decoding drop their rejected draft tokens this way."""
+        n = int(tokens_to_remove)
+        if n == 0:
             return
-        raise NotImplementedError("KvsieveCache: kvsieve sessions cannot remove tokens (crop), so assisted / "
-                                  "speculative decoding and other rollbacks are not supported")
+        if n > 0:
+            raise ValueError(f"KvsieveCache.crop: expected a negative number of tokens to remove (transformers' "
+                             f"convention), got {n}")
+        n = -n
+        seen = {layer.seen for layer in self.layers}
+        if len(seen) != 1:
+            raise ValueError(f"KvsieveCache.crop: the layers have seen different numbers of positions {sorted(seen)}")
+        past = seen.pop()
+        if n > past:
+            raise ValueError(f"KvsieveCache.crop: cannot remove {n} positions, the cache holds {past}")
+        if self.backend != "cpu":
+            raise NotImplementedError("KvsieveCache.crop: kvsieve's truncate is not supported on the cuda backend "
+                                      "yet (use the cpu backend for assisted / speculative decoding)")
+        targets = []
+        for b, held in enumerate(self._held):
+            if len(set(held)) != 1:
+                raise ValueError(f"KvsieveCache.crop: row {b}'s layers hold different numbers of tokens {held}")
+            # The positions removed are the newest: real tokens of every row (padding is only at the
+            # left), except where a row holds fewer than n (then it is emptied of them all).
+            targets.append(max(0, held[0] - n))
+        # Every row is checked first (truncate validates before it changes anything), so a refused
+        # crop leaves the cache as it was.
+        for b, s in enumerate(self.sessions):
+            try:
+                s.truncate(targets[b])
+            except kvsieve.Error as e:
+                hint = ("" if self.max_rollback else " (pass KvsieveCache(..., max_rollback=N) with N at least the "
+                        "tokens one crop removes)")
+                if b == 0:
+                    raise type(e)(e.code, f"KvsieveCache.crop: {e.c_message}{hint}", e.backend_code) from e
+                raise RuntimeError(f"KvsieveCache.crop: row {b} could not be cropped after rows 0..{b - 1} were "
+                                   f"({e}); the cache is inconsistent: close it") from e
+        for b, t in enumerate(targets):
+            self._held[b] = [t] * self.num_layers
+        for layer in self.layers:
+            layer.seen = past - n
 
     def _select_rows(self, rows: List[int], what: str) -> None:
         if not self.sessions:
@@ -310,7 +359,7 @@ class KvsieveCache(Cache):
             method=self.method, budget=self.budget, budget_tokens=self.budget_tokens,
             method_params=self.method_params or None, kv_dtype=self.kv_dtype,
             backend=self.backend, device_id=self.device_id, num_threads=self.num_threads,
-            softmax_scale=self._scale) for _ in range(batch)]
+            softmax_scale=self._scale, max_rollback=self.max_rollback) for _ in range(batch)]
         self._held = [[0] * self.num_layers for _ in range(batch)]
 
     def _kv(self, x: torch.Tensor) -> torch.Tensor:

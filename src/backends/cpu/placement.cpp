@@ -128,6 +128,8 @@ class CpuPlacement final : public Placement {
     check_finite(kf.data(), kv, fn, "k");
     check_finite(vf.data(), vv, fn, "v");
     std::vector<float> of(o ? size_t(n) * hq * d : 0);
+    if (prompt) history_.clear();  // on_prefill state is not replayed: the history starts again
+    else checkpoint();
     try {
       lay.append(kf.data(), vf.data(), n);
       if (prompt) method_->on_prefill(layer, qf.data(), n, lay);
@@ -138,10 +140,14 @@ class CpuPlacement final : public Placement {
       method_->truncate(layer, n0);
       throw;
     }
+    if (!prompt) log_call(layer, n0, n, false, std::move(qf));
     if (o) write_f32(ov, of.data());
   }
 
-  void build_index(uint32_t layer, void*) override { method_->build_index(layer, layers_[layer]); }
+  void build_index(uint32_t layer, void*) override {
+    history_.clear();
+    method_->build_index(layer, layers_[layer]);
+  }
 
   void decode(std::span<Placement* const> batch, uint32_t layer, const StepTensors& t,
               std::span<StepReport> reports) override {
@@ -187,8 +193,102 @@ class CpuPlacement final : public Placement {
         throw;
       }
     }
+    for (int64_t b = 0; b < B; ++b)
+      ps[size_t(b)]->log_call(layer, ps[size_t(b)]->layers_[layer].size() - 1, 1, true,
+                              std::vector<float>(qf.begin() + b * hq * d, qf.begin() + (b + 1) * hq * d));
+    // lse_base = 2 (kvs_session_params.lse_base): log2 x = ln x / ln 2, per session of the batch.
+    for (int64_t b = 0; b < B; ++b)
+      if (ps[size_t(b)]->cfg_.lse_base == KVS_LSE_BASE_2)
+        for (int64_t h = 0; h < hq; ++h) lf[size_t(b * hq + h)] *= kLog2e;
     write_f32(ov, of.data());
     if (t.lse) write_f32(lv, lf.data());
+  }
+
+  bool lse_base2() const override { return true; }
+
+  int64_t truncate_floor(uint32_t layer, std::string* why) const override {
+    const int64_t n = layers_[layer].size();
+    if (method_->exact_truncate()) {
+      *why = "method '" + cfg_.method + "' rolls back to any length";
+      return 0;
+    }
+    if (history_.checkpoints.empty()) {
+      *why = cfg_.max_rollback == 0
+                 ? "method '" + cfg_.method + "' keeps no rollback history unless kvs_session_params.max_rollback > 0"
+                 : "method '" + cfg_.method + "' has no rollback history since the last prefill, index build or load";
+      return n;
+    }
+    const int64_t f = history_.checkpoints.front().tokens[layer];
+    *why = "method '" + cfg_.method + "' keeps history back to token " + std::to_string(f) +
+           " (max_rollback = " + std::to_string(cfg_.max_rollback) + ")";
+    return std::min(f, n);
+  }
+
+  void truncate(int64_t n) override {
+    const uint32_t nl = cfg_.shape.num_layers;
+    std::vector<int64_t> target(nl);
+    for (uint32_t l = 0; l < nl; ++l) target[l] = std::min(layers_[l].size(), n);
+    if (method_->exact_truncate()) {
+      for (uint32_t l = 0; l < nl; ++l)
+        if (layers_[l].size() > target[l]) {
+          layers_[l].truncate(target[l]);
+          method_->truncate(l, target[l]);
+          forget_selection(l, target[l]);
+        }
+      return;
+    }
+    // Restore the newest copy of the method taken at or before every target, then replay each
+    // layer's logged calls up to its target (a call cut in the middle is replayed in part: the
+    // same as a session that was given only those tokens).
+    auto& H = history_;
+    size_t c = H.checkpoints.size();
+    while (c > 0) {
+      bool fits = true;
+      for (uint32_t l = 0; l < nl; ++l) fits &= H.checkpoints[c - 1].tokens[l] <= target[l];
+      if (fits) break;
+      --c;
+    }
+    if (c == 0) fail(KVS_STATUS_INTERNAL, "kvs_session_truncate: no rollback checkpoint covers the target");
+    const Checkpoint& cp = H.checkpoints[c - 1];
+    std::unique_ptr<Method> m = cp.method->clone();
+    std::vector<Selection> sel(nl);
+    std::vector<int64_t> sel_n(nl, -1);
+    const auto& s = cfg_.shape;
+    std::vector<float> eo(size_t(s.num_q_heads) * s.head_dim), el(s.num_q_heads);
+    for (uint32_t l = 0; l < nl; ++l) {
+      for (auto& call : H.calls[l]) {
+        if (call.first < cp.tokens[l] || call.first >= target[l]) continue;
+        const int64_t cnt = std::min(call.n, target[l] - call.first);
+        const KVLayer kv = layers_[l].prefix(call.first + cnt);
+        if (call.decode) {
+          m->on_append(l, call.q.data(), 1, kv, true);
+          m->select(l, call.q.data(), kv, sel[l]);
+          m->extra(l, call.q.data(), kv, eo.data(), el.data());
+          sel_n[l] = kv.size();
+        } else {
+          m->on_append(l, call.q.data(), cnt, kv, false);
+        }
+      }
+    }
+    // Nothing below can fail: the state changes all at once.
+    method_ = std::move(m);
+    H.checkpoints.resize(c);
+    for (uint32_t l = 0; l < nl; ++l) {
+      auto& calls = H.calls[l];
+      while (!calls.empty() && calls.back().first >= target[l]) calls.pop_back();
+      if (!calls.empty() && calls.back().first + calls.back().n > target[l]) {
+        auto& b = calls.back();
+        b.n = target[l] - b.first;
+        b.q.resize(size_t(b.n) * s.num_q_heads * s.head_dim);
+      }
+      if (layers_[l].size() > target[l]) layers_[l].truncate(target[l]);
+      if (sel_n[l] >= 0) {
+        last_sel_[l] = std::move(sel[l]);
+        last_n_[l] = sel_n[l];
+      } else {
+        forget_selection(l, target[l]);
+      }
+    }
   }
 
   std::vector<int32_t> last_selection(uint32_t layer, uint32_t kv_head) const override {
@@ -234,6 +334,14 @@ class CpuPlacement final : public Placement {
         *out = phase_seconds_[i];
         return true;
       }
+    if (name == "rollback_history_bytes") {  // what max_rollback costs now (kvs_session_truncate)
+      uint64_t b = 0;
+      for (const auto& cp : history_.checkpoints) b += cp.method->index_bytes();
+      for (const auto& calls : history_.calls)
+        for (const auto& c : calls) b += c.q.size() * sizeof(float);
+      *out = double(b);
+      return true;
+    }
     return method_->stat(name, out);
   }
 
@@ -284,6 +392,7 @@ class CpuPlacement final : public Placement {
       lay.adopt(std::move(pages), n);
     }
     method_->load(f, meta);
+    history_.clear();
   }
 
   bool index_fits(uint32_t layer, int64_t tokens, std::string* why) const override {
@@ -294,6 +403,7 @@ class CpuPlacement final : public Placement {
     auto p = std::make_unique<CpuPlacement>(cfg_, spec_, params_, pool_);
     p->layers_ = layers_;  // shares pages; copy-on-write on the next append
     p->method_ = method_->clone();
+    p->history_ = history_;  // the checkpoints are shared (read-only), the logs copied
     return p;
   }
 
@@ -330,6 +440,7 @@ class CpuPlacement final : public Placement {
     const int G = s.group();
     auto& lay = layers_[layer];
     const int64_t n0 = lay.size();
+    checkpoint();
     lay.append(k, v, 1);
     try {
       using Clock = std::chrono::steady_clock;
@@ -379,6 +490,78 @@ class CpuPlacement final : public Placement {
     }
   }
 
+  // ---- rollback history (kvs_session_truncate) ----
+  // For a method whose truncate only undoes its latest call (exact_truncate() false): copies of
+  // the method taken at most every max_rollback tokens (the two newest kept) and, per layer, the
+  // append and decode calls since the older one with their queries. Rolling back restores the
+  // newest copy at or before the target and replays the calls after it, so the method ends in the
+  // state a session that never saw the dropped tokens has (its code, its order, its rounding).
+  // Cost: up to two copies of the index, Hq*d*4 bytes of queries per token and layer kept for up
+  // to 2 * max_rollback tokens, and a truncate replays up to 2 * max_rollback steps per layer.
+  struct Checkpoint {
+    std::shared_ptr<const Method> method;
+    std::vector<int64_t> tokens;  // per layer, when the copy was taken
+  };
+  struct Call {
+    int64_t first, n;  // the layer's tokens before the call, tokens added
+    bool decode;
+    std::vector<float> q;  // [n][Hq][d]
+  };
+  struct History {
+    std::vector<Checkpoint> checkpoints;  // oldest first, at most two
+    std::vector<std::vector<Call>> calls;  // [layer]
+    void clear() {
+      checkpoints.clear();
+      for (auto& c : calls) c.clear();
+    }
+  };
+
+  bool keeps_history() const { return cfg_.max_rollback > 0 && !method_->exact_truncate(); }
+
+  // Before an append or decode call: the first copy after a prefill, build or load, and a new one
+  // once every layer has moved max_rollback tokens past the newest (the older one then still
+  // reaches at least max_rollback tokens back).
+  void checkpoint() {
+    if (!keeps_history()) return;
+    auto& H = history_;
+    const uint32_t nl = cfg_.shape.num_layers;
+    if (H.calls.size() != nl) H.calls.resize(nl);
+    if (!H.checkpoints.empty()) {
+      const auto& newest = H.checkpoints.back().tokens;
+      for (uint32_t l = 0; l < nl; ++l)
+        if (layers_[l].size() > 0 && layers_[l].size() - newest[l] < cfg_.max_rollback) return;
+    }
+    Checkpoint cp;
+    cp.method = method_->clone();
+    cp.tokens.resize(nl);
+    for (uint32_t l = 0; l < nl; ++l) cp.tokens[l] = layers_[l].size();
+    H.checkpoints.push_back(std::move(cp));
+    if (H.checkpoints.size() > 2) {
+      H.checkpoints.erase(H.checkpoints.begin());
+      const auto& oldest = H.checkpoints.front().tokens;
+      for (uint32_t l = 0; l < nl; ++l) {
+        auto& calls = H.calls[l];
+        size_t drop = 0;
+        while (drop < calls.size() && calls[drop].first < oldest[l]) ++drop;
+        calls.erase(calls.begin(), calls.begin() + std::ptrdiff_t(drop));
+      }
+    }
+  }
+
+  // After a successful append or decode call.
+  void log_call(uint32_t layer, int64_t first, int64_t n, bool decode, std::vector<float> q) {
+    if (!keeps_history() || history_.checkpoints.empty()) return;
+    history_.calls[layer].push_back(Call{first, n, decode, std::move(q)});
+  }
+
+  // After a truncate: the last selection names no dropped token.
+  void forget_selection(uint32_t layer, int64_t n) {
+    for (auto& l : last_sel_[layer].lists) l.erase(std::remove_if(l.begin(), l.end(), [n](int32_t t) { return t >= n; }), l.end());
+    last_n_[layer] = std::min(last_n_[layer], n);
+  }
+
+  static constexpr float kLog2e = 1.4426950408889634f;
+
   SessionConfig cfg_;
   const MethodSpec& spec_;
   ParamSet params_;
@@ -390,6 +573,7 @@ class CpuPlacement final : public Placement {
   // Wall time of the decode phases, summed over every step and layer: the method's streaming
   // update (on_append), its selection (select) and the exact attention with the merge.
   double phase_seconds_[3] = {0, 0, 0};
+  History history_;
 };
 
 }  // namespace

@@ -76,6 +76,7 @@ class ExactTopk final : public Method {
       }
     }
   }
+  bool exact_truncate() const override { return true; }  // no index: every key scored per step
   std::unique_ptr<Method> clone() const override { return std::make_unique<ExactTopk>(*this); }
 
  private:

@@ -11,6 +11,7 @@ class Full final : public Method {
     out.kind = Selection::Kind::All;
     out.lists.clear();
   }
+  bool exact_truncate() const override { return true; }  // no index
   std::unique_ptr<Method> clone() const override { return std::make_unique<Full>(*this); }
 };
 }  // namespace

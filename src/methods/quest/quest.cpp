@@ -56,6 +56,8 @@ class Quest final : public Method {
     indexed_[layer] = keep * page_;
   }
 
+  // The bounds are a function of the keys: the pages past n go, the partial page is folded again.
+  bool exact_truncate() const override { return true; }
   void select(uint32_t layer, const float* q, const KVLayer& kv, Selection& out) override {
     const int64_t n = kv.size();
     if (int64_t(layer) < dense_layers_) {

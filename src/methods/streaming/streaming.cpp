@@ -40,6 +40,7 @@ class Streaming final : public Method {
     out.kind = Selection::Kind::PerKvHead;
     out.lists.assign(ctx_.shape.num_kv_heads, l);
   }
+  bool exact_truncate() const override { return true; }  // no index: positions only
   std::unique_ptr<Method> clone() const override { return std::make_unique<Streaming>(*this); }
 
  private:

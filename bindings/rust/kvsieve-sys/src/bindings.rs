@@ -532,6 +532,11 @@ pub const KVS_GEMM_AUTO: kvs_gemm_provider = 0;
 pub const KVS_GEMM_ONEDNN: kvs_gemm_provider = 1;
 pub const KVS_GEMM_OPENBLAS: kvs_gemm_provider = 2;
 pub type kvs_gemm_provider = ::std::os::raw::c_uint;
+pub const KVS_LSE_BASE_E: kvs_lse_base = 0;
+pub const KVS_LSE_BASE_2: kvs_lse_base = 1;
+#[doc = " The base of the log-sum-exp a decode step writes (kvs_session_params.lse_base). Base 2 is"]
+#[doc = "  lse_e / ln 2, for kernels that merge attention states in base 2 (FlashInfer's merge_state)."]
+pub type kvs_lse_base = ::std::os::raw::c_uint;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct kvs_session_params {
@@ -550,13 +555,15 @@ pub struct kvs_session_params {
     pub method_params: *const ::std::os::raw::c_char,
     pub budget: f64,
     pub budget_tokens: i64,
+    pub lse_base: i32,
+    pub max_rollback: i64,
     pub kv_memory: i32,
 }
 #[test]
 fn bindgen_test_layout_kvs_session_params() {
     assert_eq!(
         ::std::mem::size_of::<kvs_session_params>(),
-        88usize,
+        104usize,
         concat!("Size of: ", stringify!(kvs_session_params))
     );
     assert_eq!(
@@ -819,6 +826,40 @@ fn bindgen_test_layout_kvs_session_params() {
         );
     }
     test_field_budget_tokens();
+    fn test_field_lse_base() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvs_session_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).lse_base) as usize - ptr as usize
+            },
+            80usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvs_session_params),
+                "::",
+                stringify!(lse_base)
+            )
+        );
+    }
+    test_field_lse_base();
+    fn test_field_max_rollback() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvs_session_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).max_rollback) as usize - ptr as usize
+            },
+            88usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvs_session_params),
+                "::",
+                stringify!(max_rollback)
+            )
+        );
+    }
+    test_field_max_rollback();
     fn test_field_kv_memory() {
         assert_eq!(
             unsafe {
@@ -826,7 +867,7 @@ fn bindgen_test_layout_kvs_session_params() {
                 let ptr = uninit.as_ptr();
                 ::std::ptr::addr_of!((*ptr).kv_memory) as usize - ptr as usize
             },
-            80usize,
+            96usize,
             concat!(
                 "Offset of field: ",
                 stringify!(kvs_session_params),
@@ -885,7 +926,8 @@ extern "C" {
 }
 extern "C" {
     #[doc = " One decode step of one layer: appends k_new, v_new [Hkv, d], selects, attends with q [Hq, d] and"]
-    #[doc = "  writes o [Hq, d] and, when lse is not NULL, lse [Hq] (fp32, natural log). o may be fp32/fp16/bf16."]
+    #[doc = "  writes o [Hq, d] and, when lse is not NULL, lse [Hq] (fp32; natural log, or base 2 when the"]
+    #[doc = "  session's lse_base is KVS_LSE_BASE_2). o may be fp32/fp16/bf16."]
     #[doc = "  @threadsafety exclusive"]
     pub fn kvs_session_decode(
         s: kvs_session_t,
@@ -911,6 +953,23 @@ extern "C" {
         o: *const kvs_tensor,
         stream: *mut ::std::os::raw::c_void,
     ) -> kvs_error_t;
+}
+extern "C" {
+    #[doc = " Rollback: keeps the first num_tokens tokens of every layer and drops the rest, KV and index"]
+    #[doc = "  alike, so that decoding continues exactly as if the dropped tokens had never been appended"]
+    #[doc = "  (speculative decoding's rejected drafts; transformers' Cache.crop(num_tokens)). A layer holding"]
+    #[doc = "  num_tokens or fewer is left as it is. To drop the last m tokens of a session whose layers hold"]
+    #[doc = "  N each, pass N - m."]
+    #[doc = "  num_tokens: 0 .. the tokens of the longest layer. How far back a layer can go depends on its"]
+    #[doc = "  method: full, exact_topk, streaming and quest to any length (0 empties the layer, which is then"]
+    #[doc = "  prefilled and indexed again); methods whose index keeps history (csattention, ctkvr, lfps, hgca,"]
+    #[doc = "  retroinfer) back to the oldest point kvs_session_params.max_rollback keeps (never below the"]
+    #[doc = "  prompt the index was built on, nor before the last prefill, build or load); the error message"]
+    #[doc = "  names the allowed range. Errors: KVS_STATUS_INVALID_ARGUMENT (num_tokens out of range),"]
+    #[doc = "  KVS_STATUS_INVALID_STATE (a layer loaded without KV and not prefilled again),"]
+    #[doc = "  KVS_STATUS_UNSUPPORTED (the cuda backend: not supported there yet). On error nothing changes."]
+    #[doc = "  Statistics (decode_steps, selected keys) keep counting the work done. @threadsafety exclusive"]
+    pub fn kvs_session_truncate(s: kvs_session_t, num_tokens: i64) -> kvs_error_t;
 }
 extern "C" {
     #[doc = " One layer's decode step for `count` sessions of the same shape, method and backend: q [B, Hq, d],"]
@@ -1395,7 +1454,8 @@ extern "C" {
 extern "C" {
     #[doc = " A statistic by name: the method's own (e.g. \"dedup_coefficient\"), or one of the session's CPU"]
     #[doc = "  decode phase timings \"decode_update_seconds\", \"decode_select_seconds\", \"decode_attend_seconds\""]
-    #[doc = "  (wall seconds summed over all steps and layers). Fails for a name neither has."]
+    #[doc = "  (wall seconds summed over all steps and layers), or \"rollback_history_bytes\" (cpu: what the"]
+    #[doc = "  history kept for kvs_session_truncate holds now). Fails for a name neither has."]
     #[doc = "  @threadsafety concurrent-const"]
     pub fn kvs_session_method_stat(
         s: kvs_session_t,

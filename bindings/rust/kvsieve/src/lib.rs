@@ -267,6 +267,28 @@ impl Gemm {
     }
 }
 
+/// `kvs_lse_base`: the base of the log-sum-exp a decode step writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LseBase {
+    /// Natural log (the default).
+    E,
+    /// log2 = ln / ln 2, for kernels that merge attention states in base 2 (FlashInfer's
+    /// merge_state). Refused on the cuda backend for now.
+    Two,
+}
+
+impl LseBase {
+    pub fn raw(self) -> i32 {
+        (match self {
+            LseBase::E => sys::KVS_LSE_BASE_E,
+            LseBase::Two => sys::KVS_LSE_BASE_2,
+        }) as i32
+    }
+    fn from_raw(v: i32) -> Option<LseBase> {
+        [LseBase::E, LseBase::Two].into_iter().find(|b| b.raw() == v)
+    }
+}
+
 /// The registered methods' names, in registry order.
 pub fn methods() -> Vec<String> {
     let n = unsafe { sys::kvs_method_count() };
@@ -428,6 +450,13 @@ pub struct SessionParams {
     pub budget: f64,
     /// Absolute number of exact keys; 0 = unset. Wins over budget.
     pub budget_tokens: i64,
+    /// The base of the lse that [`Session::decode`] writes.
+    pub lse_base: LseBase,
+    /// Tokens [`Session::truncate`] must be able to drop on methods whose index keeps history
+    /// (csattention, ctkvr, lfps, hgca, retroinfer); 0 = none (full, exact_topk, streaming and
+    /// quest need none). Costs up to two copies of the index and the queries of 2 * max_rollback
+    /// tokens (docs/api.md, "Rollback").
+    pub max_rollback: i64,
     /// Where the KV cache lives, a `kvs_device_type` (`sys::KVS_DEVICE_CUDA_HOST`: the cuda backend
     /// keeps it in pinned host memory that its kernels read over the bus); 0 = the backend's own.
     pub kv_memory: i32,
@@ -453,6 +482,8 @@ impl SessionParams {
             method_params: unsafe { cstr(p.method_params) },
             budget: p.budget,
             budget_tokens: p.budget_tokens,
+            lse_base: LseBase::from_raw(p.lse_base).unwrap_or(LseBase::E),
+            max_rollback: p.max_rollback,
             kv_memory: p.kv_memory,
         }
     }
@@ -486,6 +517,14 @@ impl SessionParams {
     }
     pub fn softmax_scale(mut self, scale: f32) -> Self {
         self.softmax_scale = scale;
+        self
+    }
+    pub fn lse_base(mut self, base: LseBase) -> Self {
+        self.lse_base = base;
+        self
+    }
+    pub fn max_rollback(mut self, tokens: i64) -> Self {
+        self.max_rollback = tokens;
         self
     }
 }
@@ -586,6 +625,8 @@ impl Session {
         p.method_params = mparams.as_ref().map_or(ptr::null(), |m| m.as_ptr());
         p.budget = params.budget;
         p.budget_tokens = params.budget_tokens;
+        p.lse_base = params.lse_base.raw();
+        p.max_rollback = params.max_rollback;
         p.kv_memory = params.kv_memory;
         let mut raw: sys::kvs_session_t = ptr::null_mut();
         check(unsafe { sys::kvs_session_create(&p, &mut raw) })?;
@@ -689,6 +730,13 @@ impl Session {
         let (rq, rk, rv) = (tq.raw(), tk.raw(), tv.raw());
         let ro = to.as_mut().map(|t| t.raw());
         check(unsafe { sys::kvs_session_append(self.raw(), layer, &rq, &rk, &rv, opt_ptr(&ro), ptr::null_mut()) })
+    }
+
+    /// `kvs_session_truncate` (rollback): keeps the first `num_tokens` tokens of every layer and
+    /// drops the rest, KV and index alike; decoding continues as if they had never been appended.
+    /// The error names the allowed range (which depends on the method and `max_rollback`).
+    pub fn truncate(&mut self, num_tokens: i64) -> Result<()> {
+        check(unsafe { sys::kvs_session_truncate(self.raw(), num_tokens) })
     }
 
     /// `kvs_session_save`: parameters and method tables (and the KV cache when `include_kv`),

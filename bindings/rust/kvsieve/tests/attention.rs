@@ -2,7 +2,7 @@
 //! The safe crate against the installed library: decodes, prefills and appends checked against
 //! softmax attention computed here in f64 on random inputs, a batch checked against per-session
 //! decodes, save/load, forks, method listing, and errors with their status.
-use kvsieve::{Backend, Batch, LoadParams, ScalarType, Session, SessionParams, Status};
+use kvsieve::{Backend, Batch, LoadParams, LseBase, ScalarType, Session, SessionParams, Status};
 
 const HQ: usize = 4;
 const HKV: usize = 2;
@@ -348,5 +348,44 @@ fn session_used_between_plan_and_decode() {
             assert!(e < 1e-4, "batch decode after the session moved on: {e:e}");
         }
         Err(e) => assert_eq!(e.status(), Status::InvalidState, "{e}"),
+    }
+}
+
+/// Truncate drops decoded tokens: the next step equals a session that never saw them (csattention,
+/// whose rollback replays its history); out of range is refused naming the argument; lse base 2.
+#[test]
+fn truncate_rolls_back_and_lse_base_two() {
+    let mut rng = Rng(0x5151_2121_7777_0001);
+    const N: usize = 64;
+    let (q, k, v) = (rng.vec((N + 3) * HQ * D), rng.vec((N + 3) * HKV * D), rng.vec((N + 3) * HKV * D));
+    let row = |t: &[f32], i: usize, h: usize| t[i * h * D..(i + 1) * h * D].to_vec();
+    let params = SessionParams::new(1, HQ as u32, HKV as u32, D as u32).method("csattention").budget(0.5).max_rollback(4);
+    let start = |p: &SessionParams| {
+        let mut s = Session::new(p).expect("create");
+        s.prefill(0, &q[..N * HQ * D], &k[..N * HKV * D], &v[..N * HKV * D], None).expect("prefill");
+        s.build_index().expect("build_index");
+        s
+    };
+    let step = |s: &mut Session, t: usize| {
+        let (mut o, mut lse) = (vec![f32::NAN; HQ * D], vec![f32::NAN; HQ]);
+        s.decode(0, &row(&q, t, HQ), &row(&k, t, HKV), &row(&v, t, HKV), &mut o, Some(&mut lse)).expect("decode");
+        (o, lse)
+    };
+    let mut a = start(&params);
+    step(&mut a, N);
+    step(&mut a, N + 1);
+    a.truncate(N as i64 + 1).expect("truncate");
+    assert_eq!(a.layer_tokens(0).unwrap(), N as i64 + 1);
+    let e = a.truncate(N as i64 + 5).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidArgument, "{e}");
+    assert!(e.message().contains("num_tokens"), "{e}");
+    let (oa, la) = step(&mut a, N + 2);
+    let mut b = start(&params.clone().lse_base(LseBase::Two));
+    step(&mut b, N);
+    let (ob, lb) = step(&mut b, N + 2);
+    assert_eq!(oa, ob, "a rolled-back session decodes as one that never saw the dropped token");
+    for h in 0..HQ {
+        let want = la[h] as f64 / std::f64::consts::LN_2;
+        assert!((lb[h] as f64 - want).abs() <= 1e-5 * want.abs().max(1.0), "lse base 2: {} vs {want}", lb[h]);
     }
 }

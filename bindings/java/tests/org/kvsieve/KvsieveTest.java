@@ -108,6 +108,57 @@ class KvsieveTest {
     }
   }
 
+  /** Truncate rolls back decoded tokens: the next step equals a session that never saw them; lse base 2. */
+  @Test
+  void truncateAndLseBase2() {
+    Random r = new Random(21);
+    FloatBuffer q = random(r, N * HQ * D), k = random(r, N * HKV * D), v = random(r, N * HKV * D);
+    FloatBuffer qn = random(r, 3 * HQ * D), kn = random(r, 3 * HKV * D), vn = random(r, 3 * HKV * D);
+    float[][] outs = new float[2][];
+    float[][] lses = new float[2][];
+    for (int run = 0; run < 2; ++run) {
+      try (Session s = Session.builder(1, HQ, HKV, D).method("csattention").budget(0.5).maxRollback(8)
+               .lseBase2(run == 1).numThreads(1).create();
+           Tensor tq = Tensor.of(q, DType.F32, N, HQ, D); Tensor tk = Tensor.of(k, DType.F32, N, HKV, D);
+           Tensor tv = Tensor.of(v, DType.F32, N, HKV, D)) {
+        s.prefill(0, tq, tk, tv, null, 0);
+        s.buildIndex(0);
+        FloatBuffer o = direct(HQ * D), lse = direct(HQ);
+        for (int t = 0; t < 3; ++t) {
+          if (run == 0 && t == 2) {  // the first run decodes token 2 twice: once, then again after a rollback
+            try (Tensor a = Tensor.of(slice(qn, t, HQ * D), DType.F32, HQ, D);
+                 Tensor b = Tensor.of(slice(kn, t, HKV * D), DType.F32, HKV, D);
+                 Tensor c = Tensor.of(slice(vn, t, HKV * D), DType.F32, HKV, D);
+                 Tensor to = Tensor.of(o, DType.F32, HQ, D); Tensor tl = Tensor.of(lse, DType.F32, HQ)) {
+              s.decode(0, a, b, c, to, tl, 0);
+            }
+            s.truncate(N + 2);
+            assertEquals(N + 2, s.layerTokens(0));
+            assertThrows(KvsException.class, () -> s.truncate(N + 3));
+          }
+          try (Tensor a = Tensor.of(slice(qn, t, HQ * D), DType.F32, HQ, D);
+               Tensor b = Tensor.of(slice(kn, t, HKV * D), DType.F32, HKV, D);
+               Tensor c = Tensor.of(slice(vn, t, HKV * D), DType.F32, HKV, D);
+               Tensor to = Tensor.of(o, DType.F32, HQ, D); Tensor tl = Tensor.of(lse, DType.F32, HQ)) {
+            s.decode(0, a, b, c, to, tl, 0);
+          }
+        }
+        outs[run] = new float[HQ * D];
+        lses[run] = new float[HQ];
+        for (int i = 0; i < HQ * D; ++i) outs[run][i] = o.get(i);
+        for (int h = 0; h < HQ; ++h) lses[run][h] = lse.get(h);
+      }
+    }
+    assertArrayEquals(outs[0], outs[1]);
+    for (int h = 0; h < HQ; ++h) assertEquals(lses[0][h] / Math.log(2.0), lses[1][h], 1e-5 * Math.max(1, Math.abs(lses[1][h])));
+  }
+
+  private static FloatBuffer slice(FloatBuffer b, int i, int n) {
+    FloatBuffer out = direct(n);
+    for (int j = 0; j < n; ++j) out.put(j, b.get(i * n + j));
+    return out;
+  }
+
   @Test
   void bfloat16ThroughShortBuffers() {
     Random r = new Random(3);
