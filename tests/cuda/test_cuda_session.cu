@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -175,6 +176,96 @@ void run_case(const char* method, kvs_scalar_type kvdt, int hq, int hkv, int d, 
   }
 }
 
+// Rollback on the GPU: session A decodes `extra` tokens more than B, is truncated back to B's
+// length, then both decode the same `after` tokens (a decode appends): A's outputs and LSE must be
+// B's bit for bit (same kernels, same data), for a cut inside a page and across pages (KV pages of
+// 256 tokens, Quest pages of 16), with KV in GPU or pinned host memory.
+void run_truncate(const char* method, int64_t n0, int extra, int cut_back, int after, int32_t kv_memory = 0) {
+  const int hq = 16, hkv = 4, d = 128;
+  const kvs_scalar_type kvdt = KVS_SCALAR_BF16;
+  std::mt19937 rng(uint32_t(n0 + extra));
+  std::normal_distribution<float> nd;
+  const int64_t T = n0 + extra + after + 1;
+  std::vector<float> q(size_t(T) * hq * d), k(size_t(T) * hkv * d), v(size_t(T) * hkv * d);
+  for (auto& x : q) x = nd(rng);
+  for (auto& x : k) x = nd(rng);
+  for (auto& x : v) x = nd(rng);
+  kvs_session_params p;
+  kvs_session_params_init(&p);
+  p.num_q_heads = hq;
+  p.num_kv_heads = hkv;
+  p.head_dim = d;
+  p.kv_dtype = kvdt;
+  p.method = method;
+  p.budget = 0.1;
+  p.backend = KVS_BACKEND_CUDA;
+  p.kv_memory = kv_memory;
+  kvs_session_t A = nullptr, B = nullptr;
+  if (!ok(kvs_session_create(&p, &A), "create A") || !ok(kvs_session_create(&p, &B), "create B")) return;
+  auto k16 = to16(k, kvdt), v16 = to16(v, kvdt);
+  float* dq = upload(q);
+  uint16_t* dk = upload(k16);
+  uint16_t* dv = upload(v16);
+  float *dout = nullptr, *dlse = nullptr;
+  cudaMalloc(&dout, size_t(2) * hq * d * 4);
+  cudaMalloc(&dlse, size_t(2) * hq * 4);
+  for (kvs_session_t s : {A, B}) {
+    Tensor gq(dq, KVS_DEVICE_CUDA, F32, {n0, hq, d}), gk(dk, KVS_DEVICE_CUDA, dt16(kvdt), {n0, hkv, d}),
+        gv(dv, KVS_DEVICE_CUDA, dt16(kvdt), {n0, hkv, d});
+    ok(kvs_session_prefill(s, 0, &gq.t, &gk.t, &gv.t, nullptr, nullptr), "prefill");
+    ok(kvs_session_build_index(s, nullptr), "build");
+  }
+  // A decodes tokens n0 .. n0 + extra - 1; B stops cut_back tokens earlier.
+  auto step = [&](kvs_session_t s, int64_t t, int slot) {
+    Tensor gq(dq + t * hq * d, KVS_DEVICE_CUDA, F32, {hq, d}), gk(dk + t * hkv * d, KVS_DEVICE_CUDA, dt16(kvdt), {hkv, d}),
+        gv(dv + t * hkv * d, KVS_DEVICE_CUDA, dt16(kvdt), {hkv, d}), go(dout + size_t(slot) * hq * d, KVS_DEVICE_CUDA, F32, {hq, d}),
+        gl(dlse + size_t(slot) * hq, KVS_DEVICE_CUDA, F32, {hq});
+    return ok(kvs_session_decode(s, 0, &gq.t, &gk.t, &gv.t, &go.t, &gl.t, nullptr), "decode");
+  };
+  for (int64_t t = n0; t < n0 + extra; ++t) step(A, t, 0);
+  for (int64_t t = n0; t < n0 + extra - cut_back; ++t) step(B, t, 1);
+  const int64_t keep = n0 + extra - cut_back;
+  ok(kvs_session_truncate(A, keep), "truncate");
+  kvs_session_stats st{};
+  st.struct_size = sizeof st;
+  ok(kvs_session_get_stats(A, &st), "stats");
+  bool same = st.tokens == keep;
+  double worst = 0;
+  for (int64_t t = keep; t < keep + after; ++t) {
+    step(A, t, 0);
+    step(B, t, 1);
+    cudaDeviceSynchronize();
+    std::vector<float> o(size_t(2) * hq * d), l(size_t(2) * hq);
+    cudaMemcpy(o.data(), dout, o.size() * 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(l.data(), dlse, l.size() * 4, cudaMemcpyDeviceToHost);
+    for (size_t i = 0; i < size_t(hq) * d; ++i) worst = std::max(worst, double(std::fabs(o[i] - o[hq * d + i])));
+    for (int h = 0; h < hq; ++h) worst = std::max(worst, double(std::fabs(l[h] - l[hq + h])));
+    same &= std::memcmp(o.data(), o.data() + size_t(hq) * d, size_t(hq) * d * 4) == 0 &&
+            std::memcmp(l.data(), l.data() + hq, size_t(hq) * 4) == 0;
+    for (uint32_t h = 0; h < uint32_t(hkv); ++h) {
+      size_t na = 0, nb = 0;
+      kvs_session_last_selection(A, 0, h, nullptr, 0, &na);
+      kvs_session_last_selection(B, 0, h, nullptr, 0, &nb);
+      std::vector<int32_t> sa(na), sb(nb);
+      kvs_session_last_selection(A, 0, h, sa.data(), na, &na);
+      kvs_session_last_selection(B, 0, h, sb.data(), nb, &nb);
+      same &= sa == sb;
+    }
+  }
+  const char* mem = kv_memory == KVS_DEVICE_CUDA_HOST ? " kv_memory=cuda_host" : "";
+  CAPI_CHECK(same, "truncate %s n0=%lld extra=%d cut_back=%d%s: outputs/selections differ from a session that never "
+             "saw the dropped tokens (max |diff| %.3g)", method, (long long)n0, extra, cut_back, mem, worst);
+  std::printf("session truncate %-10s n0=%lld extra=%d cut_back=%d after=%d%s: %s\n", method, (long long)n0, extra,
+              cut_back, after, mem, same ? "bit-identical" : "DIFFERENT");
+  cudaFree(dq);
+  cudaFree(dk);
+  cudaFree(dv);
+  cudaFree(dout);
+  cudaFree(dlse);
+  kvs_session_destroy(A);
+  kvs_session_destroy(B);
+}
+
 void run_errors() {
   kvs_session_params p;
   kvs_session_params_init(&p);
@@ -226,6 +317,13 @@ int run_session_tests() {
     run_case("quest", kv, 32, 8, 128, 6000, 2, 20, 0.05, KVS_DEVICE_CUDA_HOST);
     run_case("streaming", kv, 16, 4, 64, 3000, 1, 3, 0.05, KVS_DEVICE_CUDA_HOST);
   }
+  // Rollback: inside a Quest page, across Quest pages, across a KV page (256 tokens), to the prompt.
+  for (const char* m : {"full", "exact_topk", "streaming", "quest"}) {
+    run_truncate(m, 1000, 5, 3, 40);
+    run_truncate(m, 1000, 40, 37, 40);
+    run_truncate(m, 250, 20, 20, 30);
+  }
+  run_truncate("quest", 3000, 300, 290, 60, KVS_DEVICE_CUDA_HOST);
   run_errors();
   std::printf("session tests: %d passed, %d failed\n", g_pass, g_fail);
   return g_fail;

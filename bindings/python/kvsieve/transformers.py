@@ -216,7 +216,7 @@ class KvsieveCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """Removes the last ``-tokens_to_remove`` positions of every layer (transformers' convention:
         a negative count; 0 is a no-op) from every row's session, KV and index alike
-        (``Session.truncate``; cpu backend), so that decoding continues as if they had never been
+        (``Session.truncate``), so that decoding continues as if they had never been
         fed: assisted and speculative decoding drop their rejected draft tokens this way."""
         n = int(tokens_to_remove)
         if n == 0:
@@ -231,9 +231,6 @@ class KvsieveCache(Cache):
         past = seen.pop()
         if n > past:
             raise ValueError(f"KvsieveCache.crop: cannot remove {n} positions, the cache holds {past}")
-        if self.backend != "cpu":
-            raise NotImplementedError("KvsieveCache.crop: kvsieve's truncate is not supported on the cuda backend "
-                                      "yet (use the cpu backend for assisted / speculative decoding)")
         targets = []
         for b, held in enumerate(self._held):
             if len(set(held)) != 1:

@@ -482,7 +482,35 @@ class CudaPlacement final : public Placement {
     std::sort(out.begin(), out.end());
     out.erase(std::unique(out.begin(), out.end()), out.end());
     out.erase(std::remove(out.begin(), out.end(), -1), out.end());
+    // Keys a kvs_session_truncate dropped since that step are not reported.
+    out.erase(std::lower_bound(out.begin(), out.end(), int32_t(r.n)), out.end());
     return out;
+  }
+
+  // ---- rollback ----
+
+  // Every method on this placement rolls back exactly to any length: full, exact_topk and
+  // streaming keep no index, Quest's bounds of whole pages below the cut stay valid and the page
+  // holding the cut is folded again from its keys once it is complete (QuestCuda::truncate).
+  int64_t truncate_floor(uint32_t, std::string* why) const override {
+    *why = "method '" + cfg_.method + "' rolls back to any length";
+    return 0;
+  }
+  void truncate(int64_t n) override {
+    DeviceGuard g(device_);
+    // Kernels already queued may still read the pages dropped here, which go back to the pool.
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(truncate)");
+    for (uint32_t l = 0; l < layers_.size(); ++l) {
+      auto& lay = layers_[l];
+      if (lay.n <= n) continue;
+      lay.n = n;
+      // The page table keeps stale entries past the new end (never read below lay.n); reserve()
+      // uploads the entries of pages added later. A kept last page a fork shares is copied before
+      // the next token is written into it (reserve_pages).
+      lay.pages.resize(size_t((n + kPageTokens - 1) / kPageTokens));
+      method_->truncate(l, n);
+      sel_[l].n = std::min(sel_[l].n, n);
+    }
   }
 
   void stats(kvs_session_stats& st) const override {
