@@ -26,6 +26,11 @@ import zipfile
 # auditwheel's copy of libopenblasp-r0.3.21.so: libopenblasp-r0-<8 hex>.3.21.so (the hash before the first dot)
 HASHED = re.compile(r"^(?P<base>[^.]+)-[0-9a-f]{8}\.(?P<ext>.+)$")
 COMMON = re.compile(r"/usr/share/common-licenses/([A-Za-z0-9+.-]*[A-Za-z0-9+-])")
+# Licences a copyright file quotes by their notice but names only by a generic path ("LGPL", today
+# the LGPL-3): gcc-<N>-base's libquadmath parts are LGPL-2.1-or-later and LGPL-2-or-later.
+NOTICES = [(re.compile(r"Lesser General Public\s+License as published by the Free Software\s+Foundation; "
+                       r"either\s+version 2\.1"), "LGPL-2.1"),
+           (re.compile(r"GNU Library General Public\s+License as published"), "LGPL-2")]
 
 
 def fail(msg):
@@ -112,7 +117,9 @@ def main():
             text = fh.read()
         lic = f"{os.path.basename(doc)}.copyright"
         added[f"{dest}/{lic}"] = text
-        for common in sorted(set(COMMON.findall(text.decode("utf-8", "replace")))):
+        utext = text.decode("utf-8", "replace")
+        names = set(COMMON.findall(utext)) | {name for rx, name in NOTICES if rx.search(utext)}
+        for common in sorted(names):
             cpath = f"/usr/share/common-licenses/{common}"
             if os.path.isfile(cpath):
                 with open(cpath, "rb") as fh:
