@@ -226,7 +226,7 @@ typedef struct kvs_session_stats {
     public Builder numThreads(int n) { numThreads = n; return this; }
     public Builder softmaxScale(double s) { softmaxScale = s; return this; }
     /** true: decode's lse in base 2 (lse_e / ln 2, for base-2 kernels such as FlashInfer's merge);
-     *  false (the default): natural log. Refused on the cuda backend for now. */
+     *  false (the default): natural log. The sessions of one cuda batch must share it. */
     public Builder lseBase2(boolean on) { lseBase = on ? 1 : 0; return this; }
     /** Tokens truncate() must be able to drop on methods whose index keeps history (csattention,
      *  ctkvr, lfps, hgca, retroinfer); 0 (the default): none (kvs_session_params.max_rollback). */

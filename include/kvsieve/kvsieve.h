@@ -234,7 +234,7 @@ typedef struct kvs_session_params {
   /* Fields below were appended after 0.1.0: a caller built against 0.1.0's header passes the
    * smaller struct_size and gets their defaults. */
   int32_t lse_base;       /* kvs_lse_base of the lse that decode writes; default KVS_LSE_BASE_E.
-                             KVS_LSE_BASE_2 is refused on the cuda backend (not supported there yet). */
+                             The sessions of one cuda batch must share it. */
   int64_t max_rollback;   /* tokens kvs_session_truncate must be able to drop exactly (at least) on
                              methods whose index keeps history (csattention, ctkvr, lfps, hgca,
                              retroinfer): the cpu backend keeps up to two copies of the method's
@@ -300,7 +300,7 @@ KVS_API kvs_error_t kvs_session_append(kvs_session_t s, uint32_t layer, const kv
  *  prompt the index was built on, nor before the last prefill, build or load); the error message
  *  names the allowed range. Errors: KVS_STATUS_INVALID_ARGUMENT (num_tokens out of range),
  *  KVS_STATUS_INVALID_STATE (a layer loaded without KV and not prefilled again),
- *  KVS_STATUS_UNSUPPORTED (the cuda backend: not supported there yet). On error nothing changes.
+ *  KVS_STATUS_UNSUPPORTED (a backend without rollback). On error nothing changes.
  *  Statistics (decode_steps, selected keys) keep counting the work done. @threadsafety exclusive */
 KVS_API kvs_error_t kvs_session_truncate(kvs_session_t s, int64_t num_tokens);
 

@@ -44,7 +44,7 @@ T* upload(const std::vector<T>& h) {
 // kv_memory: the cuda sessions' params->kv_memory (KVS_DEVICE_CUDA_HOST: KV in pinned host memory).
 // per_session_k: exact_topk batches keep their fractional budget, so each session has its own k.
 void run_case(const char* method, kvs_scalar_type kvdt, int hq, int hkv, int d, int64_t n0, int B, int steps,
-              double budget, int32_t kv_memory = 0, bool per_session_k = false) {
+              double budget, int32_t kv_memory = 0, bool per_session_k = false, int32_t lse_base = KVS_LSE_BASE_E) {
   std::mt19937 rng(uint32_t(n0 + d + hq));
   std::normal_distribution<float> nd;
   const int64_t T = n0 + 37 * (B - 1) + steps;
@@ -68,6 +68,7 @@ void run_case(const char* method, kvs_scalar_type kvdt, int hq, int hkv, int d, 
   p.kv_dtype = kvdt;
   p.method = method;
   p.budget = budget;
+  p.lse_base = lse_base;  // both backends: the CPU reference writes the same base
   if (B > 1 && std::string(method) == "exact_topk" && !per_session_k) p.budget_tokens = 128;  // one k for the batch
   std::vector<kvs_session_t> cpu(B), gpu(B);
   for (int b = 0; b < B; ++b) {
@@ -162,7 +163,7 @@ void run_case(const char* method, kvs_scalar_type kvdt, int hq, int hkv, int d, 
     cudaFree(dlse);
   }
   const char* mem = kv_memory == KVS_DEVICE_CUDA_HOST ? " kv_memory=cuda_host" : "";
-  const char* ks = per_session_k ? " k per session" : "";
+  const char* ks = per_session_k ? " k per session" : lse_base == KVS_LSE_BASE_2 ? " lse_base=2" : "";
   CAPI_CHECK(worst < 1e-2, "%s kv=%d hq=%d hkv=%d d=%d n0=%lld B=%d%s%s: worst rel err %.3g", method, int(kvdt), hq, hkv,
              d, (long long)n0, B, mem, ks, worst);
   CAPI_CHECK(worst_lse < 2e-2, "%s%s%s: worst lse err %.3g", method, mem, ks, worst_lse);
@@ -286,6 +287,37 @@ void run_errors() {
          "csattention on cuda: %s", kvs_error_message(e));
   kvs_error_destroy(e);
   p.method = "full";
+  {  // one cuda batch, two lse bases: refused before anything changes
+    kvs_session_t two[2] = {nullptr, nullptr};
+    p.lse_base = KVS_LSE_BASE_2;
+    ok(kvs_session_create(&p, &two[0]), "create base 2");
+    p.lse_base = KVS_LSE_BASE_E;
+    ok(kvs_session_create(&p, &two[1]), "create base e");
+    std::vector<float> x(size_t(2) * 16 * 8 * 64);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = float(i % 7) * 0.1f - 0.3f;
+    auto x16 = to16(x, KVS_SCALAR_BF16);
+    float* dq = upload(x);
+    uint16_t* dkv = upload(x16);
+    for (auto* t : two) {
+      Tensor gq(dq, KVS_DEVICE_CUDA, F32, {16, 8, 64}), gk(dkv, KVS_DEVICE_CUDA, dt16(KVS_SCALAR_BF16), {16, 2, 64});
+      ok(kvs_session_prefill(t, 0, &gq.t, &gk.t, &gk.t, nullptr, nullptr), "prefill");
+      ok(kvs_session_build_index(t, nullptr), "build");
+    }
+    Tensor bq(dq, KVS_DEVICE_CUDA, F32, {2, 8, 64}), bk(dkv, KVS_DEVICE_CUDA, dt16(KVS_SCALAR_BF16), {2, 2, 64}),
+        bo(dq + 2 * 8 * 64, KVS_DEVICE_CUDA, F32, {2, 8, 64});
+    e = kvs_decode_batch(two, 2, 0, &bq.t, &bk.t, &bk.t, &bo.t, nullptr, nullptr);
+    CAPI_CHECK(e && kvs_error_code(e) == KVS_STATUS_INVALID_ARGUMENT && std::string(kvs_error_message(e)).find("lse_base") != std::string::npos,
+               "cuda batch with two lse bases: %s", e ? kvs_error_message(e) : "accepted");
+    kvs_error_destroy(e);
+    kvs_session_stats st{};
+    st.struct_size = sizeof st;
+    ok(kvs_session_get_stats(two[0], &st), "stats");
+    CAPI_CHECK(st.tokens == 16, "refused batch left the session at %lld tokens", (long long)st.tokens);
+    cudaFree(dq);
+    cudaFree(dkv);
+    kvs_session_destroy(two[0]);
+    kvs_session_destroy(two[1]);
+  }
   if (!ok(kvs_session_create(&p, &s), "create")) return;
   std::vector<float> hq(16 * 8 * 64, 0.5f);
   Tensor host(hq.data(), KVS_DEVICE_CPU, F32, {16, 8, 64});
@@ -316,6 +348,10 @@ int run_session_tests() {
     run_case("exact_topk", kv, 32, 8, 128, 4000, 2, 3, 0.05, KVS_DEVICE_CUDA_HOST, true);
     run_case("quest", kv, 32, 8, 128, 6000, 2, 20, 0.05, KVS_DEVICE_CUDA_HOST);
     run_case("streaming", kv, 16, 4, 64, 3000, 1, 3, 0.05, KVS_DEVICE_CUDA_HOST);
+    // lse in base 2: one chunk (the attention kernel writes it), split chunks (the merge kernel).
+    run_case("full", kv, 8, 8, 64, 1, 1, 3, 0.0, 0, false, KVS_LSE_BASE_2);
+    run_case("full", kv, 32, 8, 128, 5000, 2, 3, 0.0, 0, false, KVS_LSE_BASE_2);
+    run_case("quest", kv, 32, 8, 128, 6000, 2, 5, 0.05, 0, false, KVS_LSE_BASE_2);
   }
   // Rollback: inside a Quest page, across Quest pages, across a KV page (256 tokens), to the prompt.
   for (const char* m : {"full", "exact_topk", "streaming", "quest"}) {

@@ -301,7 +301,7 @@ class Session:
             softmax_scale: the scale of q.k (0: 1/sqrt(head_dim)).
             lse_base: the base of the lse :meth:`decode` returns, "e" (natural log, the default) or
                 2 (log2 = ln / ln 2, for kernels that merge attention states in base 2, such as
-                FlashInfer's merge_state); 2 is refused on the cuda backend for now.
+                FlashInfer's merge_state); the sessions of one cuda Batch must share it.
             max_rollback: tokens :meth:`truncate` must be able to drop on methods whose index keeps
                 history (csattention, ctkvr, lfps, hgca, retroinfer); the cpu backend then keeps
                 up to two copies of the index and the queries of the last 2 * max_rollback tokens.
@@ -434,8 +434,7 @@ class Session:
         exact_topk, streaming, quest: anywhere; the others: as far as ``max_rollback`` keeps).
 
         Raises:
-            kvsieve.InvalidArgumentError (a ValueError) naming the allowed range,
-            kvsieve.UnsupportedError on the cuda backend (not supported there yet).
+            kvsieve.InvalidArgumentError (a ValueError) naming the allowed range.
         """
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, _numbers.Integral):
             raise TypeError(f"num_tokens: expected an int, got {type(num_tokens).__name__}")

@@ -130,6 +130,7 @@ struct DecodeArgs {
   int32_t per_q;             // gathered: one list per query head (GT == 1 kernels only)
   int32_t B, Hq, Hkv, G, ngroups;
   float qmul;  // scale * log2(e)
+  int32_t lse_base2;  // the final lse in base 2 (the partials of a split stay natural)
   int32_t nsplit, chunk;
   void* o;  // final output (nsplit == 1)
   int32_t o_f32;
@@ -205,12 +206,13 @@ __device__ __forceinline__ void cta_epilogue(const DecodeArgs& a, const float* r
     }
     const bool empty = !(L > 0.f);
     const float ov = empty ? 0.f : O / L;
-    const float lv = empty ? -INFINITY : (M + log2f(L)) * kLn2;
+    const float lv2 = empty ? -INFINITY : M + log2f(L);  // base 2
+    const float lv = lv2 * kLn2;
     const int64_t row = int64_t(b) * a.Hq + kvh * a.G + g0 + g;
     if (a.nsplit == 1) {
       if (a.o_f32) static_cast<float*>(o_of(a))[row * D + dim] = ov;
       else static_cast<T*>(o_of(a))[row * D + dim] = Cvt<T>::from(ov);
-      if (dim == 0) lse_of(a)[row] = lv;
+      if (dim == 0) lse_of(a)[row] = a.lse_base2 ? lv2 : lv;
     } else {
       a.o_part[(row * a.nsplit + split) * D + dim] = ov;
       if (dim == 0) a.lse_part[row * a.nsplit + split] = lv;
@@ -874,7 +876,7 @@ __global__ void __launch_bounds__(128) decode_merge_kernel(const DecodeArgs a, i
       o[2] = Cvt<T>::from(acc.z);
       o[3] = Cvt<T>::from(acc.w);
     }
-    if (tid == 0) lse_of(a)[row] = lse;
+    if (tid == 0) lse_of(a)[row] = a.lse_base2 ? lse * kLog2e : lse;
   }
 }
 
@@ -1123,6 +1125,7 @@ Status decode_common(const AttnShape& s, const Query& q, const PagedKv& kv, Scal
   a.o = out.o;
   a.o_f32 = out.dtype == Scalar::F32;
   a.lse = out.lse;
+  a.lse_base2 = out.lse_base2;
   a.q_at = q.at;
   a.o_at = out.at;
   a.pdl = pdl;

@@ -81,8 +81,9 @@ struct Query {
 struct Output {
   void* o = nullptr;           // [B, Hq, d] contiguous; every element is written
   Scalar dtype = Scalar::F32;  // F32, or the KV dtype
-  float* lse = nullptr;        // [B, Hq] fp32, natural log; every element is written
+  float* lse = nullptr;        // [B, Hq] fp32, natural log (base 2 with lse_base2); every element is written
   void* const* at = nullptr;   // optional: device [2] holding `o` then `lse`
+  bool lse_base2 = false;      // write log2 of the softmax denominator instead of ln
 };
 
 struct Workspace {

@@ -278,6 +278,11 @@ class CudaPlacement final : public Placement {
       ov = cuda_view(t.o, "o", {B, hq, d}, device_, qdt);
       if (t.lse) lv = cuda_view(t.lse, "lse", {B, hq}, device_, {DType::F32}, 4);
     }
+    // One lse base per launch: the batch's sessions must agree (checked before anything changes).
+    for (int64_t b = 1; b < B; ++b)
+      if (static_cast<CudaPlacement*>(batch[size_t(b)])->cfg_.lse_base != cfg_.lse_base)
+        invalid(std::string(t.fn) + ": sessions[" + std::to_string(b) +
+                "]: on the cuda backend the sessions of one batch must share kvs_session_params.lse_base");
     std::vector<CudaPlacement*> ps(static_cast<size_t>(B));
     std::vector<DeviceMethod*> ms(static_cast<size_t>(B));
     std::vector<int64_t> lens(static_cast<size_t>(B)), budget(static_cast<size_t>(B));
@@ -400,7 +405,7 @@ class CudaPlacement final : public Placement {
             "append_kv_batch");
       if (!graph) advance(ps, layer, s, advanced);  // eager: the method's update in stream order
       cuda::Output out{ov.mutable_base(), cuda::Scalar(int32_t(ov.dtype)), dlse,
-                       graph ? const_cast<void* const*>(dtens + 1) : nullptr};
+                       graph ? const_cast<void* const*>(dtens + 1) : nullptr, cfg_.lse_base == KVS_LSE_BASE_2};
       // The launches before each of these are the step's own and write no query: each may start
       // (reading the query) while the one before it ends.
       sst.pdl = pdl_;
@@ -425,7 +430,8 @@ class CudaPlacement final : public Placement {
         // Not the caller's tensors: the kernels read their addresses from the argument block.
         for (const void* ptr : std::initializer_list<const void*>{ws, idx, st.kv.pages})
           key.push_back(uintptr_t(ptr));
-        for (int64_t x : {int64_t(qv.dtype), int64_t(ov.dtype), int64_t(t.lse != nullptr), int64_t(st.max_length),
+        for (int64_t x : {int64_t(qv.dtype), int64_t(ov.dtype), int64_t(t.lse != nullptr), int64_t(cfg_.lse_base),
+                          int64_t(st.max_length),
                           int64_t(pl.max_selected),
                           int64_t(max_pages), int64_t(st.kv.max_pages), int64_t(arg_bytes), int64_t(table_bytes),
                           int64_t(lse_bytes), int64_t(kern_ws), int64_t(pl.dense), int64_t(pl.per_query_head),
@@ -486,6 +492,8 @@ class CudaPlacement final : public Placement {
     out.erase(std::lower_bound(out.begin(), out.end(), int32_t(r.n)), out.end());
     return out;
   }
+
+  bool lse_base2() const override { return true; }
 
   // ---- rollback ----
 

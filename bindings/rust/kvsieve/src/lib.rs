@@ -273,7 +273,7 @@ pub enum LseBase {
     /// Natural log (the default).
     E,
     /// log2 = ln / ln 2, for kernels that merge attention states in base 2 (FlashInfer's
-    /// merge_state). Refused on the cuda backend for now.
+    /// merge_state). The sessions of one cuda batch must share it.
     Two,
 }
 
