@@ -193,9 +193,10 @@ class CpuPlacement final : public Placement {
         throw;
       }
     }
-    for (int64_t b = 0; b < B; ++b)
-      ps[size_t(b)]->log_call(layer, ps[size_t(b)]->layers_[layer].size() - 1, 1, true,
-                              std::vector<float>(qf.begin() + b * hq * d, qf.begin() + (b + 1) * hq * d));
+    for (int64_t b = 0; b < B; ++b)  // (the query is copied only for a session that keeps a history)
+      if (ps[size_t(b)]->logging())
+        ps[size_t(b)]->log_call(layer, ps[size_t(b)]->layers_[layer].size() - 1, 1, true,
+                                std::vector<float>(qf.begin() + b * hq * d, qf.begin() + (b + 1) * hq * d));
     // lse_base = 2 (kvs_session_params.lse_base): log2 x = ln x / ln 2, per session of the batch.
     for (int64_t b = 0; b < B; ++b)
       if (ps[size_t(b)]->cfg_.lse_base == KVS_LSE_BASE_2)
@@ -549,8 +550,9 @@ class CpuPlacement final : public Placement {
   }
 
   // After a successful append or decode call.
+  bool logging() const { return keeps_history() && !history_.checkpoints.empty(); }
   void log_call(uint32_t layer, int64_t first, int64_t n, bool decode, std::vector<float> q) {
-    if (!keeps_history() || history_.checkpoints.empty()) return;
+    if (!logging()) return;
     history_.calls[layer].push_back(Call{first, n, decode, std::move(q)});
   }
 
