@@ -388,7 +388,7 @@ TEST_CASE("hardening: csattention centroids are clamped to the sampled prompt qu
     const char* params;
     const char* needle;
   };
-  for (const Bad& b : {Bad{"csattention", "subspaces=4294967297", "subspaces: expected 1..16"},
+  for (const Bad& b : {Bad{"csattention", "subspaces=4294967297", "subspaces: expected 0..16"},
                        Bad{"csattention", "iters=5000", "iters: expected 0..1000"},
                        Bad{"csattention", "centroids=2000000", "centroids: expected 1..1048576"},
                        Bad{"csattention", "sample=100000000", "sample: expected 1..1048576"},

@@ -230,7 +230,11 @@ class CSAttention final : public Method {
     // Integers are range-checked at int64 before they are narrowed (param_bounds.hpp); those that
     // size memory or time have bounds (docs/methods/csattention.md).
     constexpr int64_t kTok = (int64_t(1) << 31) - 1;  // token counts and indices are int32
-    m_ = int(int_param(p, "csattention", "subspaces", 1, d_, "at most head_dim"));
+    // 0 (the default): 8 subspaces (the paper's m), but none narrower than 8 dims. A spherical
+    // k-means of 1- to 4-dim sub-vectors keeps little more than their signs (a 1-dim sub-vector
+    // normalises to +-1), so small heads get fewer, wider subspaces: d 8 -> 1, 16 -> 2, 32 -> 4.
+    m_ = int(int_param(p, "csattention", "subspaces", 0, d_, "0 = auto, else at most head_dim"));
+    if (m_ == 0) m_ = std::min(8, std::max(1, d_ / 8));
     C_ = int_param(p, "csattention", "centroids", 1, kMaxCentroids,
                    "per subspace; clamped at build time to the sampled prompt queries");
     alpha_ = p.get_float("list_frac");
@@ -1007,7 +1011,7 @@ MethodSpec csattention_spec() {
       "centroids' lists, keeps the recent window and the Top-K",
       1u << KVS_BACKEND_CPU,
       0.05,
-      {{"subspaces", "int", "8", "m: subspaces the head dim is split into (paper 8)"},
+      {{"subspaces", "int", "0", "m: subspaces the head dim is split into; 0 = 8 (the paper's), but at most head_dim / 8 (none narrower than 8 dims)"},
        {"splits", "string", "", "non-uniform subspace sizes a:b:..., summing to head_dim (empty = d/m each)"},
        {"centroids", "int", "64", "C: query centroids per subspace (paper 64/128/200; with alpha 0.1 tables are 0.6x a bf16 KV at d=128)"},
        {"list_frac", "float", "0.1", "alpha: list length L = alpha * prompt tokens (paper: typical 0.2-0.4; 0.1 measured as accurate, half the memory and gathers)"},
