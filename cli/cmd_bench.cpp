@@ -594,9 +594,12 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads) {
               graph_launches, graph_captures, batch_host);
   if (!o.stats.empty()) {
     std::printf("  %s stats:", o.method.c_str());
-    for (const auto& [name, v] : r.method_stats) {
-      if (v) std::printf(" %s=%.4g", name.c_str(), *v);
+    for (const auto& name : split(o.stats, ',')) {
+      double v = 0;
+      kvs_error_t e = kvs_session_method_stat(method.get(), name.c_str(), &v);
+      if (e == nullptr) std::printf(" %s=%.4g", name.c_str(), v);
       else std::printf(" %s=(unknown)", name.c_str());
+      kvs_error_destroy(e);
     }
     std::printf("\n");
   }
