@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 #endif
 
+#include "bench.hpp"
 #include "commands.hpp"
 #include "common.hpp"
 #include "membw.hpp"
@@ -23,22 +24,6 @@
 #include "synth_model.hpp"
 
 namespace kvcli {
-
-namespace {
-
-struct BenchOptions {
-  std::string method, params, dtype = "bf16", backend = "cpu", json, stats;
-  int64_t context = 32768;
-  uint32_t q_heads = 32, kv_heads = 8, head_dim = 128;
-  double budget = 0.05;
-  unsigned threads = 0;
-  int64_t steps = 20, warmup = 3;
-  uint64_t seed = 1;
-  double membw_mib = 0;
-  bool no_membw = false;
-  int device = 0;  // CUDA device (--backend cuda)
-  std::string kv_memory = "cuda";  // --backend cuda: where the KV cache lives (cuda or cuda_host)
-};
 
 // The command-line checks shared by both paths.
 void validate_options(const BenchOptions& o) {
@@ -53,28 +38,12 @@ void validate_options(const BenchOptions& o) {
 }
 
 #ifdef KVS_HAVE_CUDA
+namespace {
 int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads);
+}
 #endif
 
-int run_bench(const BenchOptions& o) {
-  const int32_t backend = parse_backend(o.backend);
-  validate_options(o);
-  const DType dtype = parse_dtype(o.dtype);
-  const unsigned threads = resolve_threads(o.threads);
-  if (backend != KVS_BACKEND_CUDA && o.kv_memory != "cuda")
-    throw UsageError("--kv-memory applies to --backend cuda (the cpu backend keeps its KV in host memory)");
-  if (backend == KVS_BACKEND_CUDA) {
-#ifdef KVS_HAVE_CUDA
-    return run_bench_cuda(o, dtype, threads);
-#else
-    throw CliError(
-        "bench: --backend cuda needs a kvsieve built with CUDA (this CLI was built without the CUDA "
-        "runtime, so it cannot allocate device tensors); benchmark CUDA against PyTorch with the drivers "
-        "in bench/ (bench/gpu_bench.py; see docs/cli.md)",
-        kExitUsage);
-#endif
-  }
-
+SynthTrace bench_data(const BenchOptions& o, DType dtype, unsigned threads) {
   // Structured synthetic data (docs/synth.md), so data-dependent methods see realistic attention.
   SynthConfig cfg;
   cfg.layers = 1;
@@ -87,11 +56,12 @@ int run_bench(const BenchOptions& o) {
   cfg.seed = o.seed;
   cfg.segments = uint32_t(std::clamp<int64_t>((o.context - cfg.sinks) / 256, 1, 16));
   validate(cfg);
-  SynthTrace data;
-  {
-    Activity busy("generating synthetic data");
-    data = synth_generate(cfg, threads);
-  }
+  Activity busy("generating synthetic data");
+  return synth_generate(cfg, threads);
+}
+
+BenchTiming bench_cpu(const BenchOptions& o, DType dtype, const SynthTrace& data) {
+  BenchTiming r;
   const StridedArray q = data.q(0), k = data.k(0), v = data.v(0);
 
   kvs_session_params p;
@@ -101,7 +71,7 @@ int run_bench(const BenchOptions& o) {
   p.num_kv_heads = o.kv_heads;
   p.head_dim = o.head_dim;
   p.kv_dtype = int32_t(dtype);
-  p.backend = backend;
+  p.backend = parse_backend(o.backend);
   p.num_threads = o.threads;
   p.budget = o.budget;
   kvs_session_params pf = p;
@@ -112,15 +82,14 @@ int run_bench(const BenchOptions& o) {
   Session full(pf, "full");
 
   const int64_t P = o.context;
-  double prefill_ms = 0, index_ms = 0;
   {
     Activity busy("prefill and index build");
     auto t0 = Clock::now();
     method.prefill(0, q.rows_view(0, P), k.rows_view(0, P), v.rows_view(0, P));
-    prefill_ms = seconds_since(t0) * 1e3;
+    r.prefill_ms = seconds_since(t0) * 1e3;
     t0 = Clock::now();
     method.build_index();
-    index_ms = seconds_since(t0) * 1e3;
+    r.index_ms = seconds_since(t0) * 1e3;
     full.prefill(0, q.rows_view(0, P), k.rows_view(0, P), v.rows_view(0, P));
     full.build_index();
   }
@@ -128,11 +97,9 @@ int run_bench(const BenchOptions& o) {
   std::vector<float> out(static_cast<size_t>(o.q_heads) * o.head_dim), lse(o.q_heads);
   const Tensor o_t(out.data(), DType::F32, {int64_t(o.q_heads), int64_t(o.head_dim)});
   const Tensor lse_t(lse.data(), DType::F32, {int64_t(o.q_heads)});
-  std::vector<double> method_us, full_us;
   // Per-step wall time of the method's phases (session statistics; CPU decode only): streaming
   // update, selection, exact attention.
   static const char* const kPhases[3] = {"decode_update_seconds", "decode_select_seconds", "decode_attend_seconds"};
-  std::vector<double> phase_us[3];
   auto phase_totals = [&](double* out) {
     for (int p = 0; p < 3; ++p) {
       out[p] = 0;
@@ -153,16 +120,51 @@ int run_bench(const BenchOptions& o) {
         const auto t0 = Clock::now();
         s.decode(0, qt, kt, vt, o_t, &lse_t);
         const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
-        if (i >= o.warmup) (m ? method_us : full_us).push_back(us);
+        if (i >= o.warmup) (m ? r.method_us : r.full_us).push_back(us);
         if (m && i >= o.warmup) {
           phase_totals(after);
-          for (int p = 0; p < 3; ++p) phase_us[p].push_back((after[p] - before[p]) * 1e6);
+          for (int p = 0; p < 3; ++p) r.phase_us[p].push_back((after[p] - before[p]) * 1e6);
         }
       }
       bar.advance();
     }
   }
-  const kvs_session_stats st = method.stats();
+  r.stats = method.stats();
+  for (const auto& name : split(o.stats, ',')) {
+    double v = 0;
+    kvs_error_t e = kvs_session_method_stat(method.get(), name.c_str(), &v);
+    r.method_stats.emplace_back(name, e == nullptr ? std::optional<double>(v) : std::nullopt);
+    kvs_error_destroy(e);
+  }
+  return r;
+}
+
+int run_bench(const BenchOptions& o) {
+  const int32_t backend = parse_backend(o.backend);
+  validate_options(o);
+  const DType dtype = parse_dtype(o.dtype);
+  const unsigned threads = resolve_threads(o.threads);
+  if (backend != KVS_BACKEND_CUDA && o.kv_memory != "cuda")
+    throw UsageError("--kv-memory applies to --backend cuda (the cpu backend keeps its KV in host memory)");
+  if (backend == KVS_BACKEND_CUDA) {
+#ifdef KVS_HAVE_CUDA
+    return run_bench_cuda(o, dtype, threads);
+#else
+    throw CliError(
+        "bench: --backend cuda needs a kvsieve built with CUDA (this CLI was built without the CUDA "
+        "runtime, so it cannot allocate device tensors); benchmark CUDA against PyTorch with the drivers "
+        "in bench/ (bench/gpu_bench.py; see docs/cli.md)",
+        kExitUsage);
+#endif
+  }
+
+  const SynthTrace data = bench_data(o, dtype, threads);
+  const BenchTiming r = bench_cpu(o, dtype, data);
+  const int64_t P = o.context;
+  const double prefill_ms = r.prefill_ms, index_ms = r.index_ms;
+  const std::vector<double>&method_us = r.method_us, &full_us = r.full_us;
+  const std::vector<double>* phase_us = r.phase_us;
+  const kvs_session_stats st = r.stats;
 
   double measured = 0;
   if (!o.no_membw) {
@@ -204,12 +206,9 @@ int run_bench(const BenchOptions& o) {
               percentile(full_us, 99.0), o.method.c_str(), step_us, percentile(method_us, 99.0));
   if (!o.stats.empty()) {
     std::printf("  %s stats:", o.method.c_str());
-    for (const auto& name : split(o.stats, ',')) {
-      double v = 0;
-      kvs_error_t e = kvs_session_method_stat(method.get(), name.c_str(), &v);
-      if (e == nullptr) std::printf(" %s=%.4g", name.c_str(), v);
+    for (const auto& [name, v] : r.method_stats) {
+      if (v) std::printf(" %s=%.4g", name.c_str(), *v);
       else std::printf(" %s=(unknown)", name.c_str());
-      kvs_error_destroy(e);
     }
     std::printf("\n");
   }
@@ -240,6 +239,17 @@ int run_bench(const BenchOptions& o) {
   }
   return kExitOk;
 }
+
+bool cuda_device_visible() {
+#ifdef KVS_HAVE_CUDA
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+#else
+  return false;
+#endif
+}
+
+namespace {
 
 #ifdef KVS_HAVE_CUDA
 // ------------------------------------------------------------------------------------------------

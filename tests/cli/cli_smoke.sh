@@ -379,10 +379,19 @@ expect 2 "bench without method" "$KVS" bench
 expect 2 "bench tiny context" "$KVS" bench --method full --context 8
 
 # ---- demo --------------------------------------------------------------------------------------
-expect 0 "demo" "$KVS" demo --out-dir "$TMP/demo" --prefill 1024 --decode 4 --threads 2
-contains "$OUT" "speed vs full" "demo prints the table"
+expect 0 "demo" "$KVS" demo --out-dir "$TMP/demo" --quick --threads 2
+contains "$OUT" "accuracy on a real model" "demo replays the real-model trace"
+contains "$OUT" "stories260k" "demo names the real-model trace"
+contains "$OUT" "vs full" "demo prints the table"
 for m in "${METHODS[@]}"; do contains "$OUT" "$m" "demo evaluates $m"; done
-if [[ -s $TMP/demo/trace.safetensors && -s $TMP/demo/eval.json ]]; then ok; else ko "demo leaves trace.safetensors and eval.json"; fi
+for m in "${METHODS[@]}"; do
+  [[ $m == full ]] && continue
+  contains "$OUT" "$m: " "demo has a take-away line for $m"
+done
+contains "$OUT" "of the attention mass on stories260K" "demo take-away lines quote the mass recall"
+if [[ -s $TMP/demo/eval.json && -s $TMP/demo/bench.json ]]; then ok; else ko "demo leaves eval.json and bench.json"; fi
+expect 0 "demo cuda" "$KVS" demo --out-dir "$TMP/demo-cuda" --quick --threads 2 --backend cuda
+contains "$OUT" "speed on the GPU" "demo --backend cuda reports the GPU part (run or not run)"
 expect 0 "verbose flag" "$KVS" -v methods
 expect 1 "demo unwritable dir" "$KVS" demo --out-dir /proc/kvsieve-demo
 
