@@ -232,9 +232,11 @@ class CSAttention final : public Method {
     constexpr int64_t kTok = (int64_t(1) << 31) - 1;  // token counts and indices are int32
     // 0 (the default): 8 subspaces (the paper's m), but none narrower than 8 dims. A spherical
     // k-means of 1- to 4-dim sub-vectors keeps little more than their signs (a 1-dim sub-vector
-    // normalises to +-1), so small heads get fewer, wider subspaces: d 8 -> 1, 16 -> 2, 32 -> 4.
+    // normalises to +-1), so small heads get fewer, wider subspaces: d 8 -> 1, 16 -> 2, 32 -> 4
+    // (with longer lists, below).
     m_ = int(int_param(p, "csattention", "subspaces", 0, d_, "0 = auto, else at most head_dim"));
-    if (m_ == 0) m_ = std::min(8, std::max(1, d_ / 8));
+    const bool auto_m = m_ == 0;
+    if (auto_m) m_ = std::min(8, std::max(1, d_ / 8));
     C_ = int_param(p, "csattention", "centroids", 1, kMaxCentroids,
                    "per subspace; clamped at build time to the sampled prompt queries");
     alpha_ = p.get_float("list_frac");
@@ -288,6 +290,9 @@ class CSAttention final : public Method {
       o += db_[size_t(b)];
     }
     if (!(alpha_ > 0.0 && alpha_ <= 1.0)) invalid("method_params: csattention list_frac must be in (0, 1]");
+    // Fewer subspaces than the paper's 8 (auto, small heads): lists 8/m times longer, so the tables
+    // keep the paper's size (m * C * L) and the step the same pool of candidates.
+    if (auto_m && m_ < 8) alpha_ = std::min(1.0, alpha_ * 8.0 / m_);
     if (!(recent_frac_ >= 0.0 && recent_frac_ <= 1.0)) invalid("method_params: csattention recent_frac must be in [0, 1]");
     if (!(rerank_ == 0.0 || (rerank_ >= 1.0 && rerank_ <= 64.0)))
       invalid("method_params: csattention rerank must be 0 (off) or in [1, 64], got " + std::to_string(rerank_));
@@ -1011,7 +1016,7 @@ MethodSpec csattention_spec() {
       "centroids' lists, keeps the recent window and the Top-K",
       1u << KVS_BACKEND_CPU,
       0.05,
-      {{"subspaces", "int", "0", "m: subspaces the head dim is split into; 0 = 8 (the paper's), but at most head_dim / 8 (none narrower than 8 dims)"},
+      {{"subspaces", "int", "0", "m: subspaces the head dim is split into; 0 = 8 (the paper's), but at most head_dim / 8 (none narrower than 8 dims), the lists then 8/m times longer (list_frac * 8/m)"},
        {"splits", "string", "", "non-uniform subspace sizes a:b:..., summing to head_dim (empty = d/m each)"},
        {"centroids", "int", "64", "C: query centroids per subspace (paper 64/128/200; with alpha 0.1 tables are 0.6x a bf16 KV at d=128)"},
        {"list_frac", "float", "0.1", "alpha: list length L = alpha * prompt tokens (paper: typical 0.2-0.4; 0.1 measured as accurate, half the memory and gathers)"},
