@@ -967,7 +967,7 @@ extern "C" {
     #[doc = "  prompt the index was built on, nor before the last prefill, build or load); the error message"]
     #[doc = "  names the allowed range. Errors: KVS_STATUS_INVALID_ARGUMENT (num_tokens out of range),"]
     #[doc = "  KVS_STATUS_INVALID_STATE (a layer loaded without KV and not prefilled again),"]
-    #[doc = "  KVS_STATUS_UNSUPPORTED (the cuda backend: not supported there yet). On error nothing changes."]
+    #[doc = "  KVS_STATUS_UNSUPPORTED (a backend without rollback). On error nothing changes."]
     #[doc = "  Statistics (decode_steps, selected keys) keep counting the work done. @threadsafety exclusive"]
     pub fn kvs_session_truncate(s: kvs_session_t, num_tokens: i64) -> kvs_error_t;
 }
