@@ -210,7 +210,7 @@ typedef struct kvs_session_stats {
     private String method = "full", methodParams = null;
     private double budget = 0, softmaxScale = 0;
     private long budgetTokens = 0, maxRollback = 0;
-    private int lseBase = 0;
+    private int lseBase = 0, kvMemory = 0;
     private ScalarType kvDtype = ScalarType.BF16;
     private Backend backend = Backend.CPU;
     private int deviceId = 0, numThreads = 0;
@@ -231,10 +231,15 @@ typedef struct kvs_session_stats {
     /** Tokens truncate() must be able to drop on methods whose index keeps history (csattention,
      *  ctkvr, lfps, hgca, retroinfer); 0 (the default): none (kvs_session_params.max_rollback). */
     public Builder maxRollback(long tokens) { maxRollback = tokens; return this; }
+    /** Where the KV cache lives (kvs_session_params.kv_memory): true with Backend.CUDA keeps it in
+     *  pinned host memory the GPU kernels read over the bus (KVS_DEVICE_CUDA_HOST); false (the
+     *  default): the backend's own memory. */
+    public Builder kvInPinnedHostMemory(boolean on) { kvMemory = on ? 3 : 0; return this; }
     /** Creates the session; throws KvsException naming the bad field. */
     public Session create() {
       return new Session(numLayers, numQHeads, numKvHeads, headDim, softmaxScale, kvDtype.value, backend.value,
-                         deviceId, numThreads, method, methodParams, budget, budgetTokens, lseBase, maxRollback);
+                         deviceId, numThreads, method, methodParams, budget, budgetTokens, lseBase, maxRollback,
+                         kvMemory);
     }
   }
 %}
@@ -243,7 +248,7 @@ typedef struct kvs_session_stats {
   kvs_session_s(uint32_t num_layers, uint32_t num_q_heads, uint32_t num_kv_heads, uint32_t head_dim,
                 double softmax_scale, int32_t kv_dtype, int32_t backend, int32_t device_id, uint32_t num_threads,
                 const char* method, const char* method_params, double budget, int64_t budget_tokens,
-                int32_t lse_base, int64_t max_rollback) {
+                int32_t lse_base, int64_t max_rollback, int32_t kv_memory) {
     kvs_session_params p;
     kvs_session_params_init(&p);
     p.num_layers = num_layers;
@@ -261,6 +266,7 @@ typedef struct kvs_session_stats {
     p.budget_tokens = budget_tokens;
     p.lse_base = lse_base;
     p.max_rollback = max_rollback;
+    p.kv_memory = kv_memory;
     kvs_session_t s = NULL;
     kvsj_check(kvs_session_create(&p, &s));
     return s;

@@ -25,6 +25,12 @@ constexpr int64_t kMaxLayerTokens = (int64_t(1) << 31) - 1;
 constexpr uint32_t kMaxLayers = 4096, kMaxKvHeads = 1024, kMaxQHeads = 8192, kMinHeadDim = 8, kMaxHeadDim = 256,
                    kMaxThreads = 1024;
 constexpr int64_t kMaxRollback = int64_t(1) << 20;
+// kvs_session_params.kv_memory and kvs_load_params.kv_memory: a kvs_device_type or 0.
+void check_kv_memory(int32_t m, const char* what) {
+  if (m != 0 && m != KVS_DEVICE_CPU && m != KVS_DEVICE_CUDA && m != KVS_DEVICE_CUDA_HOST)
+    invalid(std::string(what) + ": expected 0 (the backend's own), KVS_DEVICE_CPU (1), KVS_DEVICE_CUDA (2) or "
+            "KVS_DEVICE_CUDA_HOST (3), got " + std::to_string(m));
+}
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -66,10 +72,7 @@ SessionConfig SessionConfig::from_params(const kvs_session_params* p) {
             std::to_string(p->backend));
   if (p->num_threads > kMaxThreads)
     invalid("params->num_threads: expected 0.." + std::to_string(kMaxThreads) + ", got " + std::to_string(p->num_threads));
-  if (p->kv_memory != 0 && p->kv_memory != KVS_DEVICE_CPU && p->kv_memory != KVS_DEVICE_CUDA &&
-      p->kv_memory != KVS_DEVICE_CUDA_HOST)
-    invalid("params->kv_memory: expected 0 (the backend's own), KVS_DEVICE_CPU (1), KVS_DEVICE_CUDA (2) or "
-            "KVS_DEVICE_CUDA_HOST (3), got " + std::to_string(p->kv_memory));
+  check_kv_memory(p->kv_memory, "params->kv_memory");
   if (!(p->budget >= 0.0 && p->budget <= 1.0))
     invalid("params->budget: expected a fraction in (0, 1] or 0 (unset), got " + std::to_string(p->budget));
   if (p->budget_tokens < 0) invalid("params->budget_tokens: expected >= 0, got " + std::to_string(p->budget_tokens));
@@ -404,10 +407,7 @@ std::unique_ptr<Session> Session::load(const std::string& path, const kvs_load_p
   if (lp.num_threads > kMaxThreads)
     invalid("kvs_session_load: params->num_threads: expected 0.." + std::to_string(kMaxThreads) + ", got " +
             std::to_string(lp.num_threads));
-  if (lp.kv_memory != 0 && lp.kv_memory != KVS_DEVICE_CPU && lp.kv_memory != KVS_DEVICE_CUDA &&
-      lp.kv_memory != KVS_DEVICE_CUDA_HOST)
-    invalid("kvs_session_load: params->kv_memory: expected 0 (the backend's own), KVS_DEVICE_CPU (1), "
-            "KVS_DEVICE_CUDA (2) or KVS_DEVICE_CUDA_HOST (3), got " + std::to_string(lp.kv_memory));
+  check_kv_memory(lp.kv_memory, "kvs_session_load: params->kv_memory");
   if (lp.flags & ~uint32_t(KVS_LOAD_MMAP))
     invalid("kvs_session_load: params->flags: expected 0 or KVS_LOAD_MMAP (1), got " + std::to_string(lp.flags));
   (void)cpu::resolve_gemm(lp.gemm);  // validates lp.gemm and KVS_GEMM

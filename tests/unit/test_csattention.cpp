@@ -21,24 +21,12 @@
 #include "io/tables.hpp"
 #include "kvsieve/kvsieve.h"
 #include "methods/csattention/csattention.hpp"
+#include "capi_helpers.hpp"
 #include "reference.hpp"
 
 using namespace kvt;
 
 namespace {
-
-struct Err {
-  kvs_error_t e;
-  ~Err() { kvs_error_destroy(e); }
-  int code() const { return kvs_error_code(e); }
-  std::string msg() const { return kvs_error_message(e); }
-};
-#define OK(expr)              \
-  do {                        \
-    Err _e{(expr)};           \
-    INFO(_e.msg());           \
-    REQUIRE(_e.e == nullptr); \
-  } while (0)
 
 std::string tmp_path(const std::string& name) {
   return (std::filesystem::temp_directory_path() / ("kvsieve_csa_" + std::to_string(::getpid()) + "_" + name)).string();
@@ -56,11 +44,6 @@ struct Data {
   float* qt(int64_t t) { return q.data() + t * hq * d; }
   float* kt(int64_t t) { return k.data() + t * hkv * d; }
   float* vt(int64_t t) { return v.data() + t * hkv * d; }
-};
-
-struct Sess {
-  kvs_session_t s = nullptr;
-  ~Sess() { kvs_session_destroy(s); }
 };
 
 kvs_session_params params(const Data& D, const char* mp, uint32_t layers = 1, double budget = 0.0,

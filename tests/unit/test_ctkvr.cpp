@@ -20,24 +20,12 @@
 #include "core/thread_pool.hpp"
 #include "kvsieve/kvsieve.h"
 #include "methods/ctkvr/ctkvr.hpp"
+#include "capi_helpers.hpp"
 #include "reference.hpp"
 
 using namespace kvt;
 
 namespace {
-
-struct Err {
-  kvs_error_t e;
-  ~Err() { kvs_error_destroy(e); }
-  int code() const { return kvs_error_code(e); }
-  std::string msg() const { return e ? kvs_error_message(e) : ""; }
-};
-#define OK(expr)              \
-  do {                        \
-    Err _e{(expr)};           \
-    INFO(_e.msg());           \
-    REQUIRE(_e.e == nullptr); \
-  } while (0)
 
 struct Data {
   int hq, hkv, d;
@@ -92,11 +80,6 @@ double logit(const Data& D, const float* qrow, int64_t t, int h) {
   for (int i = 0; i < D.d; ++i) acc += double(qrow[i]) * double(D.k[(size_t(t) * D.hkv + h) * D.d + i]);
   return acc / std::sqrt(double(D.d));
 }
-
-struct Sess {
-  kvs_session_t s = nullptr;
-  ~Sess() { kvs_session_destroy(s); }
-};
 
 kvs_session_params params(const Data& D, const char* mp, uint32_t layers = 1) {
   kvs_session_params p;

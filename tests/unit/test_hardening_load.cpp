@@ -23,30 +23,13 @@
 
 #include "io/tables.hpp"
 #include "kvsieve/kvsieve.h"
+#include "capi_helpers.hpp"
 #include "reference.hpp"
 
 using namespace kvt;
 using nlohmann::json;
 
 namespace {
-
-struct Err {
-  kvs_error_t e;
-  ~Err() { kvs_error_destroy(e); }
-  int code() const { return kvs_error_code(e); }
-  std::string msg() const { return kvs_error_message(e); }
-};
-#define OK(expr)              \
-  do {                        \
-    Err _e{(expr)};           \
-    INFO(_e.msg());           \
-    REQUIRE(_e.e == nullptr); \
-  } while (0)
-
-struct Sess {
-  kvs_session_t s = nullptr;
-  ~Sess() { kvs_session_destroy(s); }
-};
 
 std::string tmp(const std::string& name) {
   return (std::filesystem::temp_directory_path() / ("kvsieve_hl_" + std::to_string(::getpid()) + "_" + name)).string();

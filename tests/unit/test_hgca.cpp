@@ -16,23 +16,12 @@
 #include "core/method.hpp"
 #include "kvsieve/kvsieve.h"
 #include "methods/hgca/hgca.hpp"
+#include "capi_helpers.hpp"
 #include "reference.hpp"
 
 using namespace kvt;
 
 namespace {
-
-struct Err {
-  kvs_error_t e;
-  ~Err() { kvs_error_destroy(e); }
-  std::string msg() const { return e ? kvs_error_message(e) : ""; }
-};
-#define OK(expr)              \
-  do {                        \
-    Err _e{(expr)};           \
-    INFO(_e.msg());           \
-    REQUIRE(_e.e == nullptr); \
-  } while (0)
 
 struct Data {
   int hq, hkv, d;
@@ -48,11 +37,6 @@ struct Data {
   float* qt(int64_t t) { return q.data() + t * hq * d; }
   float* kt(int64_t t) { return k.data() + t * hkv * d; }
   float* vt(int64_t t) { return v.data() + t * hkv * d; }
-};
-
-struct Sess {
-  kvs_session_t s = nullptr;
-  ~Sess() { kvs_session_destroy(s); }
 };
 
 kvs_session_params params(const Data& D, const char* method_params, double budget = 0.0) {

@@ -23,24 +23,12 @@
 #include "io/tables.hpp"
 #include "kvsieve/kvsieve.h"
 #include "methods/retroinfer/wave_index.hpp"
+#include "capi_helpers.hpp"
 #include "reference.hpp"
 
 using namespace kvt;
 
 namespace {
-
-struct Err {
-  kvs_error_t e;
-  ~Err() { kvs_error_destroy(e); }
-  int code() const { return kvs_error_code(e); }
-  std::string msg() const { return e ? kvs_error_message(e) : ""; }
-};
-#define OK(expr)              \
-  do {                        \
-    Err _e{(expr)};           \
-    INFO(_e.msg());           \
-    REQUIRE(_e.e == nullptr); \
-  } while (0)
 
 std::string tmp_path(const std::string& name) {
   return (std::filesystem::temp_directory_path() / ("kvsieve_retro_" + std::to_string(::getpid()) + "_" + name)).string();
@@ -69,11 +57,6 @@ struct Data {
   float* qt(int64_t t) { return q.data() + t * hq * d; }
   float* kt(int64_t t) { return k.data() + t * hkv * d; }
   float* vt(int64_t t) { return v.data() + t * hkv * d; }
-};
-
-struct Sess {
-  kvs_session_t s = nullptr;
-  ~Sess() { kvs_session_destroy(s); }
 };
 
 // Most tests here check the authors' zones (budget=paper: retrieval and estimation as fractions of

@@ -11,31 +11,12 @@
 #include <vector>
 
 #include "kvsieve/kvsieve.h"
+#include "capi_helpers.hpp"
 #include "reference.hpp"
 
 using namespace kvt;
 
 namespace {
-
-struct Err {
-  kvs_error_t e;
-  ~Err() { kvs_error_destroy(e); }
-  int code() const { return kvs_error_code(e); }
-  std::string msg() const { return kvs_error_message(e); }
-};
-#define OK(expr)              \
-  do {                        \
-    Err _e{(expr)};           \
-    INFO(_e.msg());           \
-    REQUIRE(_e.e == nullptr); \
-  } while (0)
-
-struct Sess {
-  kvs_session_t s = nullptr;
-  Sess() = default;
-  Sess(const Sess&) = delete;
-  ~Sess() { kvs_session_destroy(s); }
-};
 
 // Random tokens (never zeros): q [T][Hq][d], k, v [T][Hkv][d], a few heavy keys.
 struct Data {

@@ -199,6 +199,10 @@ class KvsieveTest {
     assertTrue(e.getMessage().contains("nope"));
     e = assertThrows(KvsException.class, () -> Session.builder(L, HQ + 1, HKV, D).create());
     assertEquals(KvsException.INVALID_ARGUMENT, e.code());
+    // pinned host KV is the cuda backend's: the cpu backend refuses it, naming the field
+    e = assertThrows(KvsException.class, () -> Session.builder(L, HQ, HKV, D).kvInPinnedHostMemory(true).create());
+    assertEquals(KvsException.UNSUPPORTED, e.code());
+    assertTrue(e.getMessage().contains("kv_memory"));
     e = assertThrows(KvsException.class, () -> Session.load("/nonexistent/kvsieve.kvs"));
     assertEquals(KvsException.IO, e.code());
     assertEquals(2, e.backendCode()); // ENOENT
