@@ -41,7 +41,9 @@ T2=$SECONDS
 HIDE=()
 for so in libdnnl.so.2 libopenblas.so.0 libmimalloc.so.2 libxxhash.so.0 libgomp.so.1 libgfortran.so.5 \
           libquadmath.so.0 libOpenCL.so.1; do
-  p=$(/sbin/ldconfig -p | awk -v so="$so" '$1 == so && /x86-64/ { print $NF; exit }')
+  # (awk reads all of ldconfig's output: an early exit would end ldconfig with SIGPIPE, a failure
+  # under pipefail)
+  p=$(/sbin/ldconfig -p | awk -v so="$so" '!found && $1 == so && /x86-64/ { print $NF; found = 1 }')
   [ -z "$p" ] || HIDE+=("$(realpath "$p")")
 done
 UNSHARE=()
