@@ -11,7 +11,7 @@
 // backend computes no prompt outputs) naming the argument. Also: decode, kvs_decode_batch and
 // kvs_batch_plan before kvs_session_build_index (INVALID_STATE); batches mixing backends, methods,
 // devices or one session twice (kvs_batch_create and kvs_decode_batch refuse); a device id that
-// does not exist; a method without a cuda implementation (csattention: UNSUPPORTED, the message
+// does not exist; a method without a cuda implementation (hgca: UNSUPPORTED, the message
 // carrying kvs_method_unsupported_reason's sentence).
 //
 // No refused call may change state: after every refused call the sessions take their next token
@@ -676,15 +676,15 @@ int main() {
     report(s == nullptr, "kvs_session_create on a missing device: no session returned");
     p = params("full", KVS_BACKEND_CUDA, -1);
     refused(kvs_session_create(&p, &s), KVS_STATUS_INVALID_ARGUMENT, {"device_id"}, "kvs_session_create on device -1");
-    const char* why = kvs_method_unsupported_reason("csattention", KVS_BACKEND_CUDA);
-    report(why != nullptr && std::strlen(why) > 10, "kvs_method_unsupported_reason(csattention, cuda) is a sentence",
+    const char* why = kvs_method_unsupported_reason("hgca", KVS_BACKEND_CUDA);
+    report(why != nullptr && std::strlen(why) > 10, "kvs_method_unsupported_reason(hgca, cuda) is a sentence",
            why ? why : "(NULL)");
-    p = params("csattention", KVS_BACKEND_CUDA);
-    refused(kvs_session_create(&p, &s), KVS_STATUS_UNSUPPORTED, {"csattention", why ? why : "?"},
-            "kvs_session_create of csattention on cuda");
-    report(s == nullptr, "kvs_session_create of csattention on cuda: no session returned");
-    report((kvs_method_backends("csattention") & (1u << KVS_BACKEND_CUDA)) == 0,
-           "kvs_method_backends(csattention) has no cuda bit");
+    p = params("hgca", KVS_BACKEND_CUDA);
+    refused(kvs_session_create(&p, &s), KVS_STATUS_UNSUPPORTED, {"hgca", why ? why : "?"},
+            "kvs_session_create of hgca on cuda");
+    report(s == nullptr, "kvs_session_create of hgca on cuda: no session returned");
+    report((kvs_method_backends("hgca") & (1u << KVS_BACKEND_CUDA)) == 0,
+           "kvs_method_backends(hgca) has no cuda bit");
   }
 
   run_method("full");

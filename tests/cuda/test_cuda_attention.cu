@@ -641,6 +641,8 @@ int run_session_tests();
 int run_session_passed();
 int run_graph_tests(bool small);  // CUDA graphs of batched steps (test_cuda_graphs.cu)
 int run_graph_passed();
+int run_csattention_tests(bool small);  // csattention sessions against the cpu (test_cuda_csattention.cu)
+int run_csattention_passed();
 #ifdef KVS_HAVE_TOPK_TESTS
 int run_topk_tests(bool small);  // radix top-k (topk.cu's tests); returns failures
 int run_topk_passed();
@@ -653,9 +655,11 @@ int run_quest_passed();
 int main(int argc, char** argv) {
   install_crash_report();
   int stress = 0;
+  bool only_csa = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--small") g_small = true;
+    if (a == "--only-csattention") only_csa = true;  // the csattention session tests alone
     if (a == "--pdl-stress" && i + 1 < argc) stress = std::atoi(argv[++i]);
     if (a == "--pdl-wait-first") kvs::cuda::detail::set_pdl_wait_first(true);
   }
@@ -664,6 +668,9 @@ int main(int argc, char** argv) {
     std::printf("SKIPPED: no CUDA device\n");
     return 77;  // ctest's SKIP_RETURN_CODE (tests/CMakeLists.txt)
   }
+#ifndef KVS_NO_SESSION_TESTS
+  if (only_csa) return run_csattention_tests(g_small) ? 1 : 0;
+#endif
   const Scalar BF = Scalar::BF16, F16 = Scalar::F16, F32 = Scalar::F32;
   const int L = g_small ? 1000 : 70000;  // long context
   const int M = g_small ? 700 : 5000;    // medium context
@@ -828,6 +835,8 @@ int main(int argc, char** argv) {
   other_passed += run_session_passed();
   other_failures += run_graph_tests(g_small);
   other_passed += run_graph_passed();
+  other_failures += run_csattention_tests(g_small);
+  other_passed += run_csattention_passed();
 #endif  // KVS_NO_SESSION_TESTS: the kernels-only build of tools/device/cuda_check.sh
 #ifdef KVS_HAVE_TOPK_TESTS
   other_failures += run_topk_tests(g_small);

@@ -27,7 +27,6 @@ struct T3 : Tensor {
   T3(void* p, kvs_dtype dt, std::initializer_list<int64_t> dims) : Tensor(p, KVS_DEVICE_CUDA, dt, dims) {}
 };
 const kvs_dtype BF16{KVS_DTYPE_CODE_BFLOAT, 16, 1};
-const kvs_dtype F32{KVS_DTYPE_CODE_FLOAT, 32, 1};
 
 float bf(float x) { return kvs::bf16_to_f32(kvs::f32_to_bf16(x)); }
 

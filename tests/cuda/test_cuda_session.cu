@@ -20,26 +20,6 @@
 
 namespace {
 
-const kvs_dtype F32{KVS_DTYPE_CODE_FLOAT, 32, 1};
-
-kvs_dtype dt16(kvs_scalar_type s) {
-  return s == KVS_SCALAR_BF16 ? kvs_dtype{KVS_DTYPE_CODE_BFLOAT, 16, 1} : kvs_dtype{KVS_DTYPE_CODE_FLOAT, 16, 1};
-}
-
-std::vector<uint16_t> to16(const std::vector<float>& x, kvs_scalar_type s) {
-  std::vector<uint16_t> r(x.size());
-  for (size_t i = 0; i < x.size(); ++i) r[i] = s == KVS_SCALAR_BF16 ? kvs::f32_to_bf16(x[i]) : kvs::f32_to_f16(x[i]);
-  return r;
-}
-
-template <class T>
-T* upload(const std::vector<T>& h) {
-  T* d = nullptr;
-  cudaMalloc(&d, h.size() * sizeof(T));
-  cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
-  return d;
-}
-
 // One configuration: B sessions per backend with prompt lengths n0 + 37 b, `steps` decode steps.
 // kv_memory: the cuda sessions' params->kv_memory (KVS_DEVICE_CUDA_HOST: KV in pinned host memory).
 // per_session_k: exact_topk batches keep their fractional budget, so each session has its own k.
@@ -279,12 +259,12 @@ void run_errors() {
   CAPI_CHECK(e && kvs_error_code(e) == KVS_STATUS_UNSUPPORTED, "head_dim 96 on cuda: %s", kvs_error_message(e));
   kvs_error_destroy(e);
   p.head_dim = 64;
-  p.method = "csattention";  // no cuda implementation yet: refused with the registry's reason
+  p.method = "hgca";  // no cuda implementation yet: refused with the registry's reason
   e = kvs_session_create(&p, &s);
   CAPI_CHECK(e && kvs_error_code(e) == KVS_STATUS_UNSUPPORTED &&
-             std::string(kvs_error_message(e)).find(kvs_method_unsupported_reason("csattention", KVS_BACKEND_CUDA)) !=
+             std::string(kvs_error_message(e)).find(kvs_method_unsupported_reason("hgca", KVS_BACKEND_CUDA)) !=
                  std::string::npos,
-         "csattention on cuda: %s", kvs_error_message(e));
+         "hgca on cuda: %s", kvs_error_message(e));
   kvs_error_destroy(e);
   p.method = "full";
   {  // one cuda batch, two lse bases: refused before anything changes

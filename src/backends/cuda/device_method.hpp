@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -64,12 +65,17 @@ class DeviceMethod {
   // Tokens [t0, t1) were stored in the layer (prefill chunk, appended turn, or t1 - t0 = 1 for the
   // token a decode step appends: then called before select, in stream order).
   virtual void on_tokens(uint32_t layer, const DeviceLayerView& v, int64_t t0, int64_t t1) {}
+  // A prompt chunk's queries (q: [n][Hq][d] on the device, F32 or the KV dtype) for tokens
+  // [t0, t0 + n), before on_tokens of the same chunk (methods that cluster the prompt's queries).
+  virtual void on_prompt(uint32_t layer, const DeviceLayerView& v, const cuda::Query& q, int64_t t0, int64_t n) {}
   virtual void build_index(uint32_t layer, const DeviceLayerView& v) {}
   // Room for the index of `tokens` tokens in the layer, so that the steps up to there allocate
   // nothing (called before every step, by a batch plan and by each direct decode, before
   // fill_args: device buffers may move here, never during a step).
   virtual void reserve(uint32_t layer, int64_t tokens, void* stream) {}
   virtual void truncate(uint32_t layer, int64_t n) {}
+  // The least length kvs_session_truncate may roll the layer back to (0: any; else why not below).
+  virtual int64_t truncate_floor(uint32_t layer, std::string* why) const { return 0; }
   // Host only, on batch[0]'s implementation for the whole batch.
   virtual DevicePlan plan(std::span<DeviceMethod* const> batch, uint32_t layer, const DeviceStep& step) const = 0;
   // Launches that write the selection (idx [B, H, max_selected] -1 padded, cnt [B, H]) unless the

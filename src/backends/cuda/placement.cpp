@@ -233,6 +233,8 @@ class CudaPlacement final : public Placement {
                                 int32_t(n), kv.base, vv.base, stream),
             "write_kv_rows");
       lay.n = n0 + n;
+      if (prompt)
+        method_->on_prompt(layer, view(lay, stream), cuda::Query{qv.base, cuda::Scalar(int32_t(qv.dtype))}, n0, n);
       method_->on_tokens(layer, view(lay, stream), n0, n0 + n);
     } catch (...) {
       lay.n = n0;
@@ -240,7 +242,6 @@ class CudaPlacement final : public Placement {
       method_->truncate(layer, n0);
       throw;
     }
-    (void)prompt;
   }
 
   void build_index(uint32_t layer, void* stream) override {
@@ -497,10 +498,12 @@ class CudaPlacement final : public Placement {
 
   // ---- rollback ----
 
-  // Every method on this placement rolls back exactly to any length: full, exact_topk and
-  // streaming keep no index, Quest's bounds of whole pages below the cut stay valid and the page
-  // holding the cut is folded again from its keys once it is complete (QuestCuda::truncate).
-  int64_t truncate_floor(uint32_t, std::string* why) const override {
+  // full, exact_topk and streaming keep no index, Quest's bounds of whole pages below the cut stay
+  // valid and the page holding the cut is folded again from its keys once it is complete
+  // (QuestCuda::truncate): they roll back to any length. csattention's lists keep no undo log here
+  // (DeviceMethod::truncate_floor).
+  int64_t truncate_floor(uint32_t layer, std::string* why) const override {
+    if (const int64_t f = method_->truncate_floor(layer, why); f > 0) return f;
     *why = "method '" + cfg_.method + "' rolls back to any length";
     return 0;
   }

@@ -69,11 +69,15 @@ constexpr int kMaxCluster = 16;
 constexpr int kCacheBytesMax = 176 * 1024;       // keys kept in shared memory up to this size
 constexpr int kRowsVariants = 4;                 // (vector loads) x (key cache)
 
-// Order-preserving key: larger float -> larger key; NaN -> 0 (below -inf = 0x007fffff); -0 -> +0.
-__device__ __forceinline__ uint32_t ord_key(float x) {
+// Order-preserving key: larger float -> larger key; NaN -> 0 (below -inf = 0x007fffff); -0 -> +0,
+// or -0 -> 0 like NaN when `absent` (topk_rows' neg_zero_absent: -0 marks an absent score).
+__device__ __forceinline__ uint32_t ord_key(float x, bool absent = false) {
   uint32_t u = __float_as_uint(x);
   if (x != x) return 0u;
-  if (u == 0x80000000u) u = 0u;
+  if (u == 0x80000000u) {
+    if (absent) return 0u;
+    u = 0u;
+  }
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
@@ -85,6 +89,7 @@ struct RowsArgs {
   int32_t max_len, k;
   int32_t* out_idx;
   int32_t* out_cnt;
+  bool absent;  // -0 scores rank with NaN, below every other value
 };
 
 // Row r's k: the capacity a.k, or clamp(row_k[r], 0, a.k) when per-row counts are given (read
@@ -150,8 +155,8 @@ __device__ __forceinline__ float4 load4(const float* src, int64_t i, int64_t end
   if (i + 3 < end) v.w = __ldg(src + i + 3);
   return v;
 }
-__device__ __forceinline__ uint4 keys4(const float4& v) {
-  return make_uint4(ord_key(v.x), ord_key(v.y), ord_key(v.z), ord_key(v.w));
+__device__ __forceinline__ uint4 keys4(const float4& v, bool absent) {
+  return make_uint4(ord_key(v.x, absent), ord_key(v.y, absent), ord_key(v.z, absent), ord_key(v.w, absent));
 }
 __device__ __forceinline__ uint32_t comp(const uint4& k, int j) {
   return j == 0 ? k.x : j == 1 ? k.y : j == 2 ? k.z : k.w;
@@ -161,7 +166,7 @@ __device__ __forceinline__ uint32_t comp(const uint4& k, int j) {
 // or from global memory (U block steps of loads in flight; STORE also fills the cache).
 template <bool VEC, bool FROM_CACHE, bool STORE, typename F>
 __device__ __forceinline__ void for_each_key(const float* src, uint32_t* cache, int64_t beg,
-                                             int64_t end, F&& f) {
+                                             int64_t end, bool absent, F&& f) {
   const int64_t n = end - beg;
   if constexpr (FROM_CACHE) {
     for (int64_t i = int64_t(threadIdx.x) * 4; i < n; i += kTile) {
@@ -180,7 +185,7 @@ __device__ __forceinline__ void for_each_key(const float* src, uint32_t* cache, 
       for (int u = 0; u < U; ++u) {
         const int64_t i = i0 + int64_t(u) * kTile;
         if (i >= end) break;
-        const uint4 k = keys4(v[u]);
+        const uint4 k = keys4(v[u], absent);
         if constexpr (STORE) {
           if (i + 3 < end) *reinterpret_cast<uint4*>(cache + (i - beg)) = k;
           else
@@ -292,10 +297,10 @@ __global__ void __launch_bounds__(kRowsThreads, 1) topk_rows_kernel(const RowsAr
         if (pass == 0 || (key >> mshift) == prefix) atomicAdd(&lhist[digit_of(key, pass)], 1u);
       };
       if (pass == 0) {
-        for_each_key<VEC, false, CACHE>(src, cache, beg, end, hist);
+        for_each_key<VEC, false, CACHE>(src, cache, beg, end, a.absent, hist);
       } else {
-        if constexpr (CACHE) for_each_key<VEC, true, false>(src, cache, beg, end, hist);
-        else for_each_key<VEC, false, false>(src, cache, beg, end, hist);
+        if constexpr (CACHE) for_each_key<VEC, true, false>(src, cache, beg, end, a.absent, hist);
+        else for_each_key<VEC, false, false>(src, cache, beg, end, a.absent, hist);
       }
       __syncthreads();
       if (pass == 0) cluster_wait();  // every CTA running, every histogram zeroed
@@ -345,7 +350,7 @@ __global__ void __launch_bounds__(kRowsThreads, 1) topk_rows_kernel(const RowsAr
       if constexpr (CACHE) {
         return i < end ? *reinterpret_cast<const uint4*>(cache + (i - beg)) : make_uint4(0u, 0u, 0u, 0u);
       } else {
-        return keys4(load4<VEC>(src, i, end));
+        return keys4(load4<VEC>(src, i, end), a.absent);
       }
     };
     {
@@ -468,10 +473,10 @@ __global__ void __launch_bounds__(kSmallThreads, 1) topk_small_kernel(const Rows
 #pragma unroll
     for (int q = 0; q < KPT / 4; ++q) {
       const float4 v = load4<VEC>(src, i0 + 4 * q, len);
-      key[4 * q] = ord_key(v.x);
-      key[4 * q + 1] = ord_key(v.y);
-      key[4 * q + 2] = ord_key(v.z);
-      key[4 * q + 3] = ord_key(v.w);
+      key[4 * q] = ord_key(v.x, a.absent);
+      key[4 * q + 1] = ord_key(v.y, a.absent);
+      key[4 * q + 2] = ord_key(v.z, a.absent);
+      key[4 * q + 3] = ord_key(v.w, a.absent);
     }
     if (tid < 256) hist[tid] = 0;
     __syncthreads();
@@ -1097,7 +1102,7 @@ size_t topk_rows_workspace_bytes(int32_t rows, int32_t max_len, int32_t k) noexc
 
 Status topk_rows(const float* scores, int64_t row_stride, const int32_t* lengths, int32_t rows,
                  int32_t max_len, int32_t k, int32_t* out_idx, int32_t* out_cnt,
-                 const Workspace& ws, void* stream, const int32_t* row_k) noexcept {
+                 const Workspace& ws, void* stream, const int32_t* row_k, bool neg_zero_absent) noexcept {
   (void)ws;
   if (rows < 1) return invalid("topk_rows: rows must be >= 1");
   if (k < 0) return invalid("topk_rows: k must be >= 0");
@@ -1118,6 +1123,7 @@ Status topk_rows(const float* scores, int64_t row_stride, const int32_t* lengths
   a.max_len = max_len;
   a.k = k;
   a.row_k = row_k;
+  a.absent = neg_zero_absent;
   a.out_idx = out_idx;
   a.out_cnt = out_cnt;
   if (force <= 0 && max_len <= kSmallMaxLen) {

@@ -43,9 +43,12 @@ size_t topk_rows_workspace_bytes(int32_t rows, int32_t max_len, int32_t k) noexc
 // row_k (optional, device int32 [rows]): row r keeps min(clamp(row_k[r], 0, k), len_r) instead,
 // read at run time like the lengths (so one launch, or one captured graph, serves per-row budgets
 // that change between calls); k is then the capacity and the output stride.
+// neg_zero_absent: a score of -0.0 (bits 0x80000000) marks an absent element, ranked with NaN
+// below every value (csattention's untouched keys); by default -0 equals +0.
 Status topk_rows(const float* scores, int64_t row_stride, const int32_t* lengths, int32_t rows,
                  int32_t max_len, int32_t k, int32_t* out_idx, int32_t* out_cnt,
-                 const Workspace& ws, void* stream, const int32_t* row_k = nullptr) noexcept;
+                 const Workspace& ws, void* stream, const int32_t* row_k = nullptr,
+                 bool neg_zero_absent = false) noexcept;
 
 // ---- Score pass of exact_topk ----------------------------------------------------------------------
 // One query token per sequence b (q: [B, Hq, d]), keys of the paged cache `kv` (kv_layout.cuh) in

@@ -314,6 +314,15 @@ class CSAttention final : public Method {
     km_.C = int(C_);
     TH_ = per_query_ ? int(s.num_q_heads) : int(s.num_kv_heads);
     layers_.resize(s.num_layers);
+    P_ = Params{d_, G_, m_, TH_, C_, list_len_, sample_, recent_, sinks_, period_, alpha_, recent_frac_, rerank_,
+                seed_, f16_, qnorm_, window_in_budget_, per_query_, group_sum_, missing_min_, sched_,
+                schedule_.rho, km_, db_, off_, w_};
+  }
+
+  const Params& params() const { return P_; }
+  LayerTables tables(uint32_t layer) {
+    auto& L = layers_[layer];
+    return LayerTables{&L.built, &L.dense_fallback, &L.L, &L.C, &L.indexed, &L.step, &L.cent, &L.idx, &L.v16, &L.v32, &L.cached};
   }
 
   // ---- prefill: keep a systematic sample of the prompt's queries (every stride-th token) ----
@@ -509,22 +518,8 @@ class CSAttention final : public Method {
       return;
     }
     if (L.indexed < n) on_append(layer, q, n - L.indexed, kv, true);  // keys appended without on_append
-    const int64_t k = sched_ ? Budget{schedule_.rho, 0}.keys(n, schedule_.rho) : ctx_.budget.keys(n, 0.05);
-    // Forced keys: sinks [0, s) and the recent window [n - R, n).
-    // R: explicit, or by default a function of the budget, min(64, round(recent_frac * K)), so a
-    // small budget is not swallowed by the window.
-    const int64_t R = recent_ >= 0 ? recent_ : std::min<int64_t>(kRecentMax, std::llround(recent_frac_ * double(k)));
-    const int64_t s_end = std::min(sinks_, n), w_begin = std::max(s_end, n - R);
-    std::vector<int32_t> forced;
-    for (int64_t t = 0; t < s_end; ++t) forced.push_back(int32_t(t));
-    for (int64_t t = w_begin; t < n; ++t) forced.push_back(int32_t(t));
-    if (int64_t(forced.size()) > k) {  // sinks first, then the newest keys
-      std::vector<int32_t> f(forced.begin(), forced.begin() + std::min<int64_t>(s_end, k));
-      for (int64_t t = n - (k - int64_t(f.size())); t < n; ++t)
-        if (t >= s_end) f.push_back(int32_t(t));
-      forced.swap(f);
-    }
-    const int64_t rest = window_in_budget_ ? std::max<int64_t>(0, k - int64_t(forced.size())) : k;
+    const StepKeys sk = step_keys(P_, ctx_.budget, n);
+    const int64_t s_end = sk.s_end, w_begin = sk.w_begin, rest = sk.rest;
     const bool search = L.cached.size() != size_t(TH_) || L.step % period_ == 0;
     ++L.step;
     if (search) {
@@ -547,17 +542,15 @@ class CSAttention final : public Method {
     out.kind = per_query_ ? Selection::Kind::PerQueryHead : Selection::Kind::PerKvHead;
     out.lists.resize(size_t(TH_));
     // Sorted without a sort: sinks < the searched keys in [s_end, w_begin) (kept sorted) < window.
-    size_t nsink = 0;
-    while (nsink < forced.size() && forced[nsink] < s_end) ++nsink;
     for (int h = 0; h < TH_; ++h) {
       auto& l = out.lists[size_t(h)];
       const auto& c = L.cached[size_t(h)];
       l.clear();
-      l.reserve(forced.size() + c.size());
-      l.insert(l.end(), forced.begin(), forced.begin() + nsink);
+      l.reserve(size_t(sk.s_emit + (n - sk.w_emit)) + c.size());
+      for (int64_t t = 0; t < sk.s_emit; ++t) l.push_back(int32_t(t));
       for (int32_t t : c)
         if (t >= s_end && t < w_begin) l.push_back(t);
-      l.insert(l.end(), forced.begin() + nsink, forced.end());
+      for (int64_t t = sk.w_emit; t < n; ++t) l.push_back(int32_t(t));
     }
   }
 
@@ -988,7 +981,6 @@ class CSAttention final : public Method {
 
   MethodContext ctx_;
   int d_, G_, m_, TH_;
-  static constexpr int64_t kRecentMax = 64;
   int64_t C_, list_len_, sample_, recent_, sinks_, period_;
   double recent_frac_;
   double alpha_;
@@ -1001,6 +993,7 @@ class CSAttention final : public Method {
   std::vector<int> db_, off_;
   std::vector<float> w_;
   std::vector<LayerState> layers_;
+  Params P_;  // the same parameters, for step_keys and the cuda implementation
   std::vector<Scratch> scratch_;       // per search task (pool thread)
   std::vector<int64_t> head_union_;    // |U| of each table head's last search
   double union_sum_ = 0;
@@ -1008,6 +1001,33 @@ class CSAttention final : public Method {
 };
 
 }  // namespace
+
+namespace csa {
+StepKeys step_keys(const Params& p, const Budget& session_budget, int64_t n) {
+  StepKeys s;
+  s.k = p.sched ? Budget{p.sched_rho, 0}.keys(n, p.sched_rho) : session_budget.keys(n, 0.05);
+  // Forced keys: sinks [0, s_end) and the recent window [n - R, n). R: explicit, or by default a
+  // function of the budget, min(64, round(recent_frac * K)), so a small budget is not swallowed by
+  // the window. When they exceed K: the first sinks, then the newest keys.
+  const int64_t R = p.recent >= 0 ? p.recent : std::min<int64_t>(kRecentMax, std::llround(p.recent_frac * double(s.k)));
+  s.s_end = std::min(p.sinks, n);
+  s.w_begin = std::max(s.s_end, n - R);
+  s.s_emit = s.s_end;
+  s.w_emit = s.w_begin;
+  if (s.s_end + (n - s.w_begin) > s.k) {
+    s.s_emit = std::min(s.s_end, s.k);
+    s.w_emit = std::max(s.s_end, n - (s.k - s.s_emit));
+  }
+  const int64_t forced = s.s_emit + (n - s.w_emit);
+  s.rest = p.window_in_budget ? std::max<int64_t>(0, s.k - forced) : s.k;
+  return s;
+}
+
+const Params& params_of(const Method& m) { return static_cast<const CSAttention&>(m).params(); }
+LayerTables tables_of(Method& m, uint32_t layer) { return static_cast<CSAttention&>(m).tables(layer); }
+}  // namespace csa
+
+std::unique_ptr<DeviceMethod> make_csattention_cuda(const MethodContext&, const ParamSet&);  // csattention_cuda.cpp
 
 MethodSpec csattention_spec() {
   return MethodSpec{
@@ -1054,7 +1074,8 @@ MethodSpec csattention_spec() {
        {"rerank", "float", "0",
         "0 = off (paper). r >= 1: the r*K' best keys by summed list scores are scored exactly and the K' best by "
         "the group's summed softmax kept (K' = K minus forced keys) [not in the paper]"}},
-      [](const MethodContext& c, const ParamSet& p) { return std::make_unique<CSAttention>(c, p); }};
+      [](const MethodContext& c, const ParamSet& p) { return std::make_unique<CSAttention>(c, p); },
+      KVS_CUDA_IMPL(make_csattention_cuda)};
 }
 
 }  // namespace kvs

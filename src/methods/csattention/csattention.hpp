@@ -11,6 +11,7 @@
 
 #include "backends/cpu/gemm.hpp"
 #include "core/dtype.hpp"
+#include "core/method.hpp"
 
 namespace kvs::csa {
 
@@ -114,5 +115,46 @@ void build_list(const float* scores, int64_t n, int64_t L, int32_t* idx, S* val,
 // lists are added again and every touched key collected), which the sampled threshold otherwise
 // rarely needs. The selections must not change.
 extern std::atomic<bool> g_force_recollect;
+
+// ---- shared by the cpu method (csattention.cpp) and its cuda implementation (csattention_cuda.cpp) ----
+
+// The parsed parameters (csattention.cpp validates them; docs/methods/csattention.md).
+struct Params {
+  int d = 0, G = 1, m = 8, TH = 0;  // head dim, group, subspaces, table heads (Hkv, or Hq per query head)
+  int64_t C = 64, list_len = 0, sample = 8192, recent = -1, sinks = 0, period = 1;
+  double alpha = 0.1, recent_frac = 0.5, rerank = 0;
+  uint64_t seed = 0;
+  bool f16 = true, qnorm = false, window_in_budget = true, per_query = false, group_sum = false;
+  bool missing_min = false, sched = false;
+  double sched_rho = 0.05;
+  KMeansConfig km;
+  std::vector<int> db, off;  // subspace sizes and first dims
+  std::vector<float> w;      // w_b
+};
+constexpr int64_t kRecentMax = 64;  // the default recent window's cap
+
+// The keys one step attends around the search (csattention.cpp's rule): n tokens, a budget of k
+// keys. Emitted in this order: sinks [0, s_emit), the searched keys (the best `rest` of
+// [s_end, w_begin), or of the period's cached search filtered to that range), the window [w_emit, n).
+struct StepKeys {
+  int64_t k = 0, s_end = 0, w_begin = 0, s_emit = 0, w_emit = 0, rest = 0;
+};
+StepKeys step_keys(const Params& p, const Budget& session_budget, int64_t n);
+
+// The cpu method's parsed parameters and one layer's tables, for the cuda implementation, which
+// keeps a cpu object to parse its parameters and to save and load the tables file (m must come
+// from csattention_spec().create).
+struct LayerTables {
+  bool* built;
+  bool* dense_fallback;
+  int64_t *L, *C, *indexed, *step;
+  std::vector<float>* cent;
+  std::vector<int32_t>* idx;
+  std::vector<uint16_t>* v16;
+  std::vector<float>* v32;
+  std::vector<std::vector<int32_t>>* cached;
+};
+const Params& params_of(const Method& m);
+LayerTables tables_of(Method& m, uint32_t layer);
 
 }  // namespace kvs::csa

@@ -1,0 +1,566 @@
+// SPDX-License-Identifier: Apache-2.0
+// CSAttention's decode step on CUDA (csattention.cuh). Per step, for B sessions of TH table heads:
+//
+//   insert   a thread per list (session, head, subspace, centroid): tokens [ins_from, n) scored
+//            against the centroid, try-inserted into the min-heap (csa::heap_try_insert)
+//   pick     a CTA per row (session, table head): the nearest centroid per (query head, subspace)
+//            by a warp each, the distinct lists with their summed weights; the other CTAs of the
+//            row's grid column set the row's accumulator to -0.0 ("untouched")
+//   scatter  CTAs per row over the picked lists' entries: acc[token] += w * score + off (fp32
+//            atomics; the CPU adds in list order, so sums may differ in the last bits)
+//   top-k    topk_rows over the accumulator rows with -0.0 ranked absent, per-row k = rest
+//   emit     a CTA per row: sinks, the searched keys (untouched ones dropped; stored as the cached
+//            search) or the cached keys, then the window, written ascending
+//
+// Every per-step value comes from the uploaded CsaSession array, so a captured step replays for
+// later tokens; the grid shapes depend on host capacities only.
+#include "backends/cuda/csattention.cuh"
+#include "backends/cuda/launch.cuh"
+#include "backends/cuda/status.cuh"
+#include "backends/cuda/topk.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace kvs::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr unsigned kInsertCtas = 64;  // per session: a thread per list, grid-stride
+constexpr uint32_t kUntouched = 0x80000000u;  // -0.0f: no picked list holds the key
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+
+size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
+
+// ---- list values ----
+template <bool F16>
+__device__ __forceinline__ float val_at(const void* val, int64_t i) {
+  if constexpr (F16) return __half2float(__ushort_as_half(static_cast<const uint16_t*>(val)[i]));
+  else return static_cast<const float*>(val)[i];
+}
+// csa::worse: lower score, or equal score and a later token.
+__device__ __forceinline__ bool worse(float va, int32_t ia, float vb, int32_t ib) {
+  return va < vb || (va == vb && ia > ib);
+}
+
+// csa::heap_sift_down on one list (root = worst entry) from position i.
+template <bool F16>
+__device__ void sift_down(int32_t* idx, void* val, int64_t L, int64_t i) {
+  using S = std::conditional_t<F16, uint16_t, float>;
+  S* v = static_cast<S*>(val);
+  const int32_t xi = idx[i];
+  const S xv = v[i];
+  const float xf = val_at<F16>(val, i);
+  for (;;) {
+    int64_t c = 2 * i + 1;
+    if (c >= L) break;
+    float cf = val_at<F16>(val, c);
+    if (c + 1 < L) {
+      const float rf = val_at<F16>(val, c + 1);
+      if (worse(rf, idx[c + 1], cf, idx[c])) {
+        ++c;
+        cf = rf;
+      }
+    }
+    if (!worse(cf, idx[c], xf, xi)) break;
+    idx[i] = idx[c];
+    v[i] = v[c];
+    i = c;
+  }
+  idx[i] = xi;
+  v[i] = xv;
+}
+
+// ---- streaming update ----
+struct InsertArgs {
+  CsaConfig cfg;
+  const CsaSession* ss;  // device [B]
+  int32_t hkv, G, d;
+  PagedKv kv;
+};
+
+template <typename KT, bool F16>
+__device__ void insert_list(const InsertArgs& a, const CsaSession& s, int b, int32_t from, int32_t to, int64_t id,
+                            int64_t per_head) {
+  const int h = int(id / per_head);
+  const int sub = int((id / s.C) % a.cfg.m);
+  const int64_t j = id % s.C;
+  const int kvh = a.cfg.per_query_head ? h / a.G : h;
+  const int off = a.cfg.off[sub], db = a.cfg.db[sub];
+  const float* c = s.cent + int64_t(h) * s.C * a.d + int64_t(s.C) * off + j * db;
+  const int64_t base = ((int64_t(h) * a.cfg.m + sub) * s.C + j) * s.L;
+  int32_t* idx = s.idx + base;
+  void* val = F16 ? static_cast<void*>(static_cast<uint16_t*>(s.val) + base)
+                  : static_cast<void*>(static_cast<float*>(s.val) + base);
+  for (int32_t t = from; t < to; ++t) {
+    const KT* k = kv_row<KT>(a.kv, a.hkv, a.d, b, kvh, t, 0) + off;
+    float sc = 0.f;
+    for (int i = 0; i < db; ++i) sc = __fadd_rn(sc, __fmul_rn(c[i], to_f32(k[i])));
+    float stored;
+    if constexpr (F16) {
+      const __half hv = __float2half_rn(sc);
+      stored = __half2float(hv);
+      if (!(stored > val_at<F16>(val, 0))) continue;
+      static_cast<uint16_t*>(val)[0] = __half_as_ushort(hv);
+    } else {
+      stored = sc;
+      if (!(stored > val_at<F16>(val, 0))) continue;
+      static_cast<float*>(val)[0] = sc;
+    }
+    idx[0] = t;
+    sift_down<F16>(idx, val, s.L, 0);
+  }
+}
+
+template <typename KT, bool F16>
+__global__ void __launch_bounds__(kThreads) insert_kernel(InsertArgs a) {
+  const int b = blockIdx.y;
+  const CsaSession s = a.ss[b];
+  const int32_t from = s.ins_from, to = s.n;
+  if (from >= to || s.search == 2) return;
+  const int64_t per_head = int64_t(a.cfg.m) * s.C;
+  for (int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; id < per_head * a.cfg.TH;
+       id += int64_t(gridDim.x) * blockDim.x)
+    insert_list<KT, F16>(a, s, b, from, to, id, per_head);
+}
+
+template <typename F>
+Status with_types(Scalar kv, bool f16, F&& f) {
+  if (kv == Scalar::BF16) return f16 ? f(__nv_bfloat16{}, std::true_type{}) : f(__nv_bfloat16{}, std::false_type{});
+  return f16 ? f(__half{}, std::true_type{}) : f(__half{}, std::false_type{});
+}
+
+Status check_config(const CsaConfig& cfg, int32_t hq, int32_t hkv, int32_t d, Scalar kv_dtype) {
+  if (kv_dtype != Scalar::BF16 && kv_dtype != Scalar::F16) return unsupported("csattention: KV dtype must be BF16 or F16");
+  if (hq < 1 || hkv < 1 || hq % hkv || d < 1) return invalid("csattention: bad head counts or head_dim");
+  if (cfg.m < 1 || cfg.m > kCsaMaxSubspaces) return unsupported("csattention: at most 64 subspaces on the cuda backend");
+  int sum = 0;
+  for (int b = 0; b < cfg.m; ++b) {
+    if (cfg.db[b] < 1 || cfg.off[b] != sum) return invalid("csattention: subspaces must tile the head dim in order");
+    sum += cfg.db[b];
+  }
+  if (sum != d) return invalid("csattention: subspace dims must sum to head_dim");
+  if (cfg.TH != (cfg.per_query_head ? hq : hkv)) return invalid("csattention: TH must be Hkv, or Hq per query head");
+  return {};
+}
+
+// ---- the search ----
+struct PickArgs {
+  CsaConfig cfg;
+  const CsaSession* ss;
+  int32_t hq, hkv, G, d, P;  // P: pick slots per row
+  const void* q;
+  const void* const* q_at;
+  bool q_f32;
+  float* acc;
+  int64_t stride;
+  int64_t* pk_base;
+  float* pk_w;
+  float* pk_off;
+  int32_t* pk_n;
+  int32_t* row_len;
+  int32_t* row_k;
+};
+
+template <typename KT>
+__device__ __forceinline__ float load_q(const void* q, bool f32, int64_t i) {
+  return f32 ? static_cast<const float*>(q)[i] : to_f32(static_cast<const KT*>(q)[i]);
+}
+
+template <typename KT, bool F16>
+__global__ void __launch_bounds__(kThreads) pick_kernel(PickArgs a) {
+  extern __shared__ float qv[];  // [gq][d]
+  __shared__ int32_t pid[512];
+  __shared__ float pw[512];
+  const int row = blockIdx.x, TH = a.cfg.TH;
+  const int b = row / TH, h = row % TH;
+  const CsaSession s = a.ss[b];
+  const bool search = s.search == 1;
+  float* acc = a.acc + int64_t(row) * a.stride;
+  if (search) {  // this CTA's slice of [0, w_begin) becomes untouched
+    const int64_t n = s.w_begin, per = (n + gridDim.y - 1) / gridDim.y;
+    const int64_t beg = int64_t(blockIdx.y) * per, end = min(n, beg + per);
+    for (int64_t t = beg + threadIdx.x; t < end; t += blockDim.x) acc[t] = __uint_as_float(kUntouched);
+  }
+  if (blockIdx.y != 0) return;
+  if (threadIdx.x == 0) {
+    a.row_len[row] = search ? s.w_begin : 0;
+    a.row_k[row] = search ? s.rest : 0;
+  }
+  if (!search) {
+    if (threadIdx.x == 0) a.pk_n[row] = 0;
+    return;
+  }
+  const int m = a.cfg.m, d = a.d, G = a.G;
+  const bool one = a.cfg.per_query_head || a.cfg.group_sum;
+  const int gq = one ? 1 : G;
+  const void* qb = a.q_at ? *a.q_at : a.q;
+  const int64_t q0 = int64_t(b) * a.hq * d;
+  for (int i = threadIdx.x; i < gq * d; i += blockDim.x) {
+    const int g = i / d, e = i % d;
+    float x;
+    if (a.cfg.per_query_head) {
+      x = load_q<KT>(qb, a.q_f32, q0 + int64_t(h) * d + e);
+    } else if (a.cfg.group_sum) {  // the group's summed query, in head order (csattention.cpp)
+      x = 0.f;
+      for (int gg = 0; gg < G; ++gg) x = __fadd_rn(x, load_q<KT>(qb, a.q_f32, q0 + int64_t(h * G + gg) * d + e));
+    } else {
+      x = load_q<KT>(qb, a.q_f32, q0 + int64_t(h * G + g) * d + e);
+    }
+    qv[i] = x;
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const float* cent_h = s.cent + int64_t(h) * s.C * d;
+  for (int task = warp; task < gq * m; task += warps) {
+    const int g = task / m, sub = task % m;
+    const int off = a.cfg.off[sub], db = a.cfg.db[sub];
+    const float* qh = qv + g * d + off;
+    const float* cb = cent_h + int64_t(s.C) * off;
+    float best = -INFINITY;
+    int bj = 0x7fffffff;
+    for (int j = lane; j < s.C; j += 32) {
+      const float* c = cb + int64_t(j) * db;
+      float sc = 0.f;
+      for (int i = 0; i < db; ++i) sc = __fadd_rn(sc, __fmul_rn(c[i], qh[i]));
+      if (sc > best) {
+        best = sc;
+        bj = j;
+      }
+    }
+    for (int o = 16; o; o >>= 1) {  // larger score, then the lower index
+      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+      const int oj = __shfl_xor_sync(0xffffffffu, bj, o);
+      if (ob > best || (ob == best && oj < bj)) {
+        best = ob;
+        bj = oj;
+      }
+    }
+    if (lane == 0) {
+      if (bj == 0x7fffffff) bj = 0;  // every score -inf or NaN: the CPU keeps centroid 0
+      float wt = a.cfg.w[sub];
+      if (a.cfg.qnorm) {
+        double nn = 0;
+        for (int i = 0; i < db; ++i) nn += double(qh[i]) * qh[i];
+        wt = __fmul_rn(wt, float(sqrt(nn)));
+      } else if (a.cfg.group_sum && !a.cfg.per_query_head) {
+        wt = __fmul_rn(wt, float(G));
+      }
+      pid[task] = sub * s.C + bj;
+      pw[task] = wt;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int np = gq * m;
+    for (int i = 1; i < np; ++i) {  // insertion sort by list (stable)
+      const int32_t k = pid[i];
+      const float wv = pw[i];
+      int j = i - 1;
+      for (; j >= 0 && pid[j] > k; --j) {
+        pid[j + 1] = pid[j];
+        pw[j + 1] = pw[j];
+      }
+      pid[j + 1] = k;
+      pw[j + 1] = wv;
+    }
+    int cnt = 0;
+    for (int i = 0; i < np;) {
+      float wsum = 0.f;
+      int j = i;
+      for (; j < np && pid[j] == pid[i]; ++j) wsum = __fadd_rn(wsum, pw[j]);
+      const int sub = pid[i] / s.C, cj = pid[i] % s.C;
+      const int64_t base = ((int64_t(h) * m + sub) * s.C + cj) * s.L;
+      const int64_t slot = int64_t(row) * a.P + cnt;
+      a.pk_base[slot] = base;
+      a.pk_w[slot] = wsum;
+      a.pk_off[slot] = a.cfg.missing_min ? -__fmul_rn(wsum, val_at<F16>(s.val, base)) : 0.f;
+      ++cnt;
+      i = j;
+    }
+    a.pk_n[row] = cnt;
+  }
+}
+
+struct ScatterArgs {
+  const CsaSession* ss;
+  int32_t TH, P;
+  float* acc;
+  int64_t stride;
+  const int64_t* pk_base;
+  const float* pk_w;
+  const float* pk_off;
+  const int32_t* pk_n;
+};
+
+template <bool F16>
+__global__ void __launch_bounds__(kThreads) scatter_kernel(ScatterArgs a) {
+  __shared__ int64_t sb[512];
+  __shared__ float sw[512], so[512];
+  const int row = blockIdx.x;
+  const CsaSession s = a.ss[row / a.TH];
+  if (s.search != 1) return;
+  const int np = a.pk_n[row];
+  for (int i = threadIdx.x; i < np; i += blockDim.x) {
+    sb[i] = a.pk_base[int64_t(row) * a.P + i];
+    sw[i] = a.pk_w[int64_t(row) * a.P + i];
+    so[i] = a.pk_off[int64_t(row) * a.P + i];
+  }
+  __syncthreads();
+  const int64_t L = s.L, total = int64_t(np) * L;
+  const int64_t per = (total + gridDim.y - 1) / gridDim.y;
+  const int64_t beg = int64_t(blockIdx.y) * per, end = min(total, beg + per);
+  float* acc = a.acc + int64_t(row) * a.stride;
+  const int32_t lo = s.s_end, hi = s.w_begin;
+  for (int64_t e = beg + threadIdx.x; e < end; e += blockDim.x) {
+    const int p = int(e / L);
+    const int64_t i = sb[p] + (e - int64_t(p) * L);
+    const int32_t tok = s.idx[i];
+    if (tok < lo || tok >= hi) continue;  // forced keys (sinks, window) are not searched
+    // csattention.cpp: acc[t] += (w * V + off) + 0.0f (never -0.0, so "touched" stays exact)
+    const float v = __fadd_rn(__fadd_rn(__fmul_rn(sw[p], val_at<F16>(s.val, i)), so[p]), 0.f);
+    atomicAdd(acc + tok, v);
+  }
+}
+
+struct EmitArgs {
+  const CsaSession* ss;
+  int32_t TH;
+  const float* acc;
+  int64_t stride;
+  const int32_t* tk_idx;
+  const int32_t* tk_cnt;
+  int32_t kcap;
+  int32_t* out_idx;
+  int32_t* out_cnt;
+  int32_t max_sel;
+};
+
+// Block-wide exclusive scan of one flag per thread (kThreads threads); returns this thread's rank,
+// *total the count.
+__device__ __forceinline__ int block_rank(bool flag, int* total) {
+  __shared__ int wsum[kThreads / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned bal = __ballot_sync(0xffffffffu, flag);
+  if (lane == 0) wsum[warp] = __popc(bal);
+  __syncthreads();
+  int before = 0, all = 0;
+  for (int w = 0; w < kThreads / 32; ++w) {
+    before += w < warp ? wsum[w] : 0;
+    all += wsum[w];
+  }
+  __syncthreads();
+  *total = all;
+  return before + __popc(bal & ((1u << lane) - 1u));
+}
+
+__global__ void __launch_bounds__(kThreads) emit_kernel(EmitArgs a) {
+  const int row = blockIdx.x;
+  const int h = row % a.TH;
+  const CsaSession s = a.ss[row / a.TH];
+  int32_t* out = a.out_idx + int64_t(row) * a.max_sel;
+  const int cap = a.max_sel;
+  int pos = 0;
+  if (s.search == 2) {  // no index: every key
+    for (int t = threadIdx.x; t < s.n && t < cap; t += blockDim.x) out[t] = t;
+    pos = min(s.n, cap);
+  } else {
+    for (int t = threadIdx.x; t < s.s_emit && t < cap; t += blockDim.x) out[t] = t;
+    pos = min(s.s_emit, cap);
+    const bool search = s.search == 1;
+    const int32_t* cand = search ? a.tk_idx + int64_t(row) * a.kcap : s.cached + int64_t(h) * s.cached_cap;
+    const int nc = search ? a.tk_cnt[row] : min(s.cached_cnt[h], s.cached_cap);
+    const float* acc = a.acc + int64_t(row) * a.stride;
+    int kept = 0;
+    for (int c0 = 0; c0 < nc; c0 += blockDim.x) {
+      const int i = c0 + threadIdx.x;
+      int32_t tok = -1;
+      bool keep = false;
+      if (i < nc) {
+        tok = cand[i];
+        keep = search ? __float_as_uint(acc[tok]) != kUntouched : (tok >= s.s_end && tok < s.w_begin);
+      }
+      int total;
+      const int r = block_rank(keep, &total);
+      if (keep) {
+        if (pos + kept + r < cap) out[pos + kept + r] = tok;
+        if (search && kept + r < s.cached_cap) s.cached[int64_t(h) * s.cached_cap + kept + r] = tok;
+      }
+      kept += total;
+    }
+    if (search && threadIdx.x == 0) s.cached_cnt[h] = min(kept, s.cached_cap);
+    pos = min(pos + kept, cap);
+    const int nw = max(s.n - s.w_emit, 0);
+    for (int t = threadIdx.x; t < nw; t += blockDim.x)
+      if (pos + t < cap) out[pos + t] = s.w_emit + t;
+    pos = min(pos + nw, cap);
+  }
+  for (int t = pos + threadIdx.x; t < cap; t += blockDim.x) out[t] = -1;
+  if (threadIdx.x == 0) a.out_cnt[row] = pos;
+}
+
+// ---- the prompt-query sample ----
+template <typename T>
+__global__ void sample_kernel(const T* q, int32_t row_elems, int64_t i0, int64_t stride, float* dst) {
+  const int64_t i = i0 + int64_t(blockIdx.x) * stride;
+  const T* src = q + i * row_elems;
+  float* o = dst + int64_t(blockIdx.x) * row_elems;
+  for (int e = threadIdx.x; e < row_elems; e += blockDim.x) o[e] = to_f32(src[e]);
+}
+
+struct Layout {
+  size_t acc, pk_base, pk_w, pk_off, pk_n, row_len, row_k, tk_idx, tk_cnt, topk, total;
+  int64_t stride;
+  int32_t rows, P;
+};
+
+Layout make_layout(const CsaConfig& cfg, int32_t B, int32_t hq, int32_t hkv, int32_t max_length, int32_t max_rest) {
+  Layout L{};
+  const int G = hq / hkv;
+  L.rows = B * cfg.TH;
+  L.P = (cfg.per_query_head || cfg.group_sum ? 1 : G) * cfg.m;
+  L.stride = (int64_t(max_length) + 3) & ~int64_t(3);
+  size_t o = 0;
+  auto take = [&](size_t bytes) {
+    const size_t at = o;
+    o += align256(bytes);
+    return at;
+  };
+  L.acc = take(size_t(L.rows) * size_t(L.stride) * 4);
+  L.pk_base = take(size_t(L.rows) * L.P * 8);
+  L.pk_w = take(size_t(L.rows) * L.P * 4);
+  L.pk_off = take(size_t(L.rows) * L.P * 4);
+  L.pk_n = take(size_t(L.rows) * 4);
+  L.row_len = take(size_t(L.rows) * 4);
+  L.row_k = take(size_t(L.rows) * 4);
+  L.tk_idx = take(size_t(L.rows) * size_t(std::max(max_rest, 1)) * 4);
+  L.tk_cnt = take(size_t(L.rows) * 4);
+  const size_t tb = topk_rows_workspace_bytes(L.rows, max_length, std::max(max_rest, 1));
+  L.topk = take(tb);
+  L.total = o;
+  return L;
+}
+
+}  // namespace
+
+size_t csa_select_workspace_bytes(const CsaConfig& cfg, int32_t B, int32_t hq, int32_t hkv, int32_t max_length,
+                                  int32_t max_rest) noexcept {
+  if (B < 1 || hq < 1 || hkv < 1 || hq % hkv || cfg.m < 1 || cfg.TH < 1 || max_length < 1) return 0;
+  return make_layout(cfg, B, hq, hkv, max_length, max_rest).total;
+}
+
+Status csa_select(const CsaConfig& cfg, const CsaSession* sessions, int32_t B, int32_t hq, int32_t hkv, int32_t d,
+                  const Query& q, const PagedKv& kv, Scalar kv_dtype, int32_t max_length, int32_t max_rest, int32_t* out_idx, int32_t* out_cnt, int32_t max_selected, const Workspace& ws,
+                  void* stream) noexcept {
+  if (Status s = check_config(cfg, hq, hkv, d, kv_dtype); !s.ok()) return s;
+  if (!sessions || !out_idx || !out_cnt || (q.data == nullptr && q.at == nullptr)) return invalid("csa_select: null pointer");
+  if (q.dtype != Scalar::F32 && q.dtype != kv_dtype) return invalid("csa_select: query must be F32 or the KV dtype");
+  if (B < 1 || max_length < 1 || max_rest < 0 || max_selected < 1)
+    return invalid("csa_select: capacities must be >= 1");
+  const Layout L = make_layout(cfg, B, hq, hkv, max_length, max_rest);
+  if (L.P > 512) return unsupported("csa_select: at most 512 picks (query heads per table head x subspaces)");
+  const int G = hq / hkv;
+  const int gq = cfg.per_query_head || cfg.group_sum ? 1 : G;
+  const size_t qsmem = size_t(gq) * d * 4;
+  if (qsmem > 48 * 1024) return unsupported("csa_select: query group too large (G * head_dim * 4 > 48 KiB)");
+  if (ws.bytes < L.total || !ws.ptr) return invalid("csa_select: workspace smaller than csa_select_workspace_bytes");
+  char* w = static_cast<char*>(ws.ptr);
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  float* acc = reinterpret_cast<float*>(w + L.acc);
+  auto* pk_base = reinterpret_cast<int64_t*>(w + L.pk_base);
+  auto* pk_w = reinterpret_cast<float*>(w + L.pk_w);
+  auto* pk_off = reinterpret_cast<float*>(w + L.pk_off);
+  auto* pk_n = reinterpret_cast<int32_t*>(w + L.pk_n);
+  auto* row_len = reinterpret_cast<int32_t*>(w + L.row_len);
+  auto* row_k = reinterpret_cast<int32_t*>(w + L.row_k);
+  auto* tk_idx = reinterpret_cast<int32_t*>(w + L.tk_idx);
+  auto* tk_cnt = reinterpret_cast<int32_t*>(w + L.tk_cnt);
+
+  return with_types(kv_dtype, cfg.f16_scores, [&](auto kt, auto f16) -> Status {
+    using KT = decltype(kt);
+    constexpr bool F16 = decltype(f16)::value;
+    // 1. the streaming update of the step's new tokens
+    InsertArgs ia{};
+    ia.cfg = cfg;
+    ia.ss = sessions;
+    ia.hkv = hkv;
+    ia.G = G;
+    ia.d = d;
+    ia.kv = kv;
+    insert_kernel<KT, F16><<<dim3(kInsertCtas, unsigned(B)), kThreads, 0, st>>>(ia);
+    KVS_LAUNCH_CHECK("csattention insert kernel launch");
+    // 2. picks, and the accumulators reset
+    PickArgs pa{};
+    pa.cfg = cfg;
+    pa.ss = sessions;
+    pa.hq = hq;
+    pa.hkv = hkv;
+    pa.G = G;
+    pa.d = d;
+    pa.P = L.P;
+    pa.q = q.data;
+    pa.q_at = q.at;
+    pa.q_f32 = q.dtype == Scalar::F32;
+    pa.acc = acc;
+    pa.stride = L.stride;
+    pa.pk_base = pk_base;
+    pa.pk_w = pk_w;
+    pa.pk_off = pk_off;
+    pa.pk_n = pk_n;
+    pa.row_len = row_len;
+    pa.row_k = row_k;
+    const unsigned fill_y = unsigned(std::clamp<int64_t>((int64_t(max_length) + 16383) / 16384, 1, 64));
+    pick_kernel<KT, F16><<<dim3(unsigned(L.rows), fill_y), kThreads, qsmem, st>>>(pa);
+    KVS_LAUNCH_CHECK("csattention pick kernel launch");
+    // 3. reduce by key
+    ScatterArgs sa{sessions, cfg.TH, L.P, acc, L.stride, pk_base, pk_w, pk_off, pk_n};
+    const int64_t entries = int64_t(L.P) * max_length;  // lists are at most max_length long
+    const unsigned sy = unsigned(std::clamp<int64_t>((entries + kThreads * 16 - 1) / (kThreads * 16), 1, 1024));
+    scatter_kernel<F16><<<dim3(unsigned(L.rows), sy), kThreads, 0, st>>>(sa);
+    KVS_LAUNCH_CHECK("csattention scatter kernel launch");
+    // 4. the best `rest` of each row (untouched keys absent)
+    if (max_rest > 0) {
+      if (Status s = topk_rows(acc, L.stride, row_len, L.rows, max_length, max_rest, tk_idx, tk_cnt,
+                               Workspace{w + L.topk, L.total - L.topk}, stream, row_k, /*neg_zero_absent=*/true);
+          !s.ok())
+        return s;
+    } else {
+      KVS_CUDA_TRY(cudaMemsetAsync(tk_cnt, 0, size_t(L.rows) * 4, st), "cudaMemsetAsync(csattention counts)");
+    }
+    // 5. the selection rows
+    EmitArgs ea{sessions, cfg.TH, acc, L.stride, tk_idx, tk_cnt, std::max(max_rest, 1), out_idx, out_cnt, max_selected};
+    emit_kernel<<<unsigned(L.rows), kThreads, 0, st>>>(ea);
+    KVS_LAUNCH_CHECK("csattention emit kernel launch");
+    return {};
+  });
+}
+
+Status csa_sample_rows(const void* q, Scalar q_dtype, int32_t n, int32_t row_elems, int64_t t0, int64_t stride,
+                       float* dst, int32_t first, void* stream) noexcept {
+  if (!q || !dst || n < 0 || row_elems < 1 || t0 < 0 || stride < 1 || first < 0)
+    return invalid("csa_sample_rows: bad argument");
+  const int64_t i0 = (stride - t0 % stride) % stride;
+  if (i0 >= n) return {};
+  const int64_t count = (n - 1 - i0) / stride + 1;
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  float* o = dst + int64_t(first) * row_elems;
+  switch (q_dtype) {
+    case Scalar::F32: sample_kernel<<<unsigned(count), kThreads, 0, st>>>(static_cast<const float*>(q), row_elems, i0, stride, o); break;
+    case Scalar::BF16:
+      sample_kernel<<<unsigned(count), kThreads, 0, st>>>(static_cast<const __nv_bfloat16*>(q), row_elems, i0, stride, o);
+      break;
+    case Scalar::F16: sample_kernel<<<unsigned(count), kThreads, 0, st>>>(static_cast<const __half*>(q), row_elems, i0, stride, o); break;
+    default: return invalid("csa_sample_rows: query dtype");
+  }
+  KVS_LAUNCH_CHECK("csattention sample kernel launch");
+  return {};
+}
+
+}  // namespace kvs::cuda
