@@ -9,7 +9,8 @@
 //            count; exactly equal for index-free methods)
 // Cases: random data (several shapes, dtypes, GQA ratios, batches with different lengths and
 // budgets; single decode, kvs_decode_batch and kvs_batch_plan/decode; append; kvs_session_to and save on one
-// placement and load on the other; fork) and a real trace (stories260K's q/k/v, padded with zero
+// placement and load on the other; fork; csattention with the index built on the cpu and moved by
+// kvs_session_to, its k-means being randomised) and a real trace (stories260K's q/k/v, padded with zero
 // dimensions to head dim 64 so the GPU kernels take it: the attention pattern is the model's).
 //
 //   kvsieve_backend_tests [--small] [--trace FILE]
@@ -326,6 +327,9 @@ struct Case {
   double budget;
   int64_t budget_tokens;
   bool exact_sel;  // index-free selection: must match exactly
+  // The index is built on the cpu and the cuda session made from it by kvs_session_to (methods
+  // whose index build is randomised, csattention's k-means: both then decode with the same tables).
+  bool cpu_index = false;
 };
 
 void run_case(const Case& m, const Shape& sh, std::vector<int64_t> n0, int steps, uint32_t seed) {
@@ -346,8 +350,13 @@ void run_case(const Case& m, const Shape& sh, std::vector<int64_t> n0, int steps
     auto pc = params(sh, m.method, m.params, m.budget, m.budget_tokens, KVS_BACKEND_CPU);
     auto pg = params(sh, m.method, m.params, m.budget, m.budget_tokens, KVS_BACKEND_CUDA);
     if (!ok(kvs_session_create(&pc, &cpu[size_t(b)]), name + " create cpu")) return;
-    if (!ok(kvs_session_create(&pg, &gpu[size_t(b)]), name + " create cuda")) return;
     if (!add(cpu[size_t(b)], false, sh, seqs[size_t(b)], 0, n0[size_t(b)], false, name + " prefill cpu")) return;
+    if (m.cpu_index) {
+      if (!ok(kvs_session_build_index(cpu[size_t(b)], nullptr), name + " build cpu")) return;
+      if (!ok(kvs_session_to(cpu[size_t(b)], KVS_BACKEND_CUDA, 0, &gpu[size_t(b)]), name + " to cuda")) return;
+      continue;
+    }
+    if (!ok(kvs_session_create(&pg, &gpu[size_t(b)]), name + " create cuda")) return;
     // The device prompt in two chunks (prefill chunks must compose).
     const int64_t half = n0[size_t(b)] / 2;
     if (half > 0 && !add(gpu[size_t(b)], true, sh, seqs[size_t(b)], 0, half, false, name + " prefill cuda")) return;
@@ -503,17 +512,24 @@ void run_trace(const char* path) {
                         {"exact_topk", "mode=per_query_head,sinks=4,local=16", 0.2, 0, false},
                         {"streaming", "", 0.1, 0, true},
                         {"quest", "gqa=sum", 0.2, 0, false},
-                        {"quest", "gqa=per_query_head", 0.2, 0, false}};
+                        {"quest", "gqa=per_query_head", 0.2, 0, false},
+                        {"csattention", "", 0.1, 0, false, true},
+                        {"csattention", "gqa=per_query_head,sinks=4", 0.2, 0, false, true}};
   for (const auto& m : cases) {
     std::vector<kvs_session_t> cpu(1), gpu(1);
     auto pc = params(sh, m.method, m.params, m.budget, m.budget_tokens, KVS_BACKEND_CPU);
     auto pg = params(sh, m.method, m.params, m.budget, m.budget_tokens, KVS_BACKEND_CUDA);
     const std::string name = std::string("trace ") + m.method + "(" + m.params + ")";
-    if (!ok(kvs_session_create(&pc, &cpu[0]), name) || !ok(kvs_session_create(&pg, &gpu[0]), name)) return;
+    if (!ok(kvs_session_create(&pc, &cpu[0]), name)) return;
     add(cpu[0], false, sh, s, 0, n0, false, name);
-    add(gpu[0], true, sh, s, 0, n0, false, name);
     kvs_session_build_index(cpu[0], nullptr);
-    kvs_session_build_index(gpu[0], nullptr);
+    if (m.cpu_index) {
+      if (!ok(kvs_session_to(cpu[0], KVS_BACKEND_CUDA, 0, &gpu[0]), name + " to cuda")) return;
+    } else {
+      if (!ok(kvs_session_create(&pg, &gpu[0]), name)) return;
+      add(gpu[0], true, sh, s, 0, n0, false, name);
+      kvs_session_build_index(gpu[0], nullptr);
+    }
     cudaStream_t stream;
     CK(cudaStreamCreate(&stream));
     Cmp c;
@@ -564,6 +580,9 @@ int main(int argc, char** argv) {
       {"quest", "gqa=sum", 0.05, 0, false},
       {"quest", "gqa=per_query_head", 0.05, 0, false},
       {"quest", "page_size=64,dense_layers=1", 0.1, 0, false},
+      {"csattention", "", 0.05, 0, false, true},
+      {"csattention", "group_pick=sum,schedule=0.15-step-4", 0.05, 0, false, true},
+      {"csattention", "gqa=per_query_head,missing=list_min", 0, 100, false, true},
   };
   const int big = g_small ? 700 : 5000;
   const Shape shapes[] = {

@@ -521,8 +521,13 @@ Status csa_select(const CsaConfig& cfg, const CsaSession* sessions, int32_t B, i
     KVS_LAUNCH_CHECK("csattention pick kernel launch");
     // 3. reduce by key
     ScatterArgs sa{sessions, cfg.TH, L.P, acc, L.stride, pk_base, pk_w, pk_off, pk_n};
-    const int64_t entries = int64_t(L.P) * max_length;  // lists are at most max_length long
-    const unsigned sy = unsigned(std::clamp<int64_t>((entries + kThreads * 16 - 1) / (kThreads * 16), 1, 1024));
+    // About four CTAs per SM in all, each taking an equal share of its row's picked entries (the
+    // list length is the session's, read at run time: a captured step's grid cannot depend on it).
+    int dev = 0, sms = 132;
+    KVS_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
+    KVS_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+    const unsigned sy = unsigned(std::clamp<int64_t>((int64_t(4) * sms + L.rows - 1) / L.rows, 1,
+                                                     std::max<int64_t>(1, int64_t(L.P) * max_length / kThreads)));
     scatter_kernel<F16><<<dim3(unsigned(L.rows), sy), kThreads, 0, st>>>(sa);
     KVS_LAUNCH_CHECK("csattention scatter kernel launch");
     // 4. the best `rest` of each row (untouched keys absent)
