@@ -71,7 +71,9 @@ REPORT_KEYS = ("device", "torch", "peer_backend", "rows")
 
 DEFAULT_BUDGET = 0.05
 # (method, method params) and (context, batch) of the default table.
-DEFAULT_METHODS = (("full", ""), ("exact_topk", ""), ("quest", "page_size=16"), ("streaming", ""))
+DEFAULT_METHODS = (("full", ""), ("exact_topk", ""), ("quest", "page_size=16"), ("streaming", ""), ("csattention", ""))
+# Methods whose index build is timed against a causal flash prefill of the same layer's prompt.
+TIME_PREFILL = ("csattention",)
 DEFAULT_SHAPES = ((131072, 1), (524288, 1), (131072, 8), (8192, 1))
 
 # Peer backends in the order they are tried (name, torch.nn.attention.SDPBackend member); math is
@@ -491,6 +493,11 @@ def run_case(env, args, case):
             s.build_index(stream=stream)
         env.sync()
         index_ms = (time.perf_counter() - t0) * 1e3
+        causal_ms = None
+        if case.method in TIME_PREFILL:
+            causal_ms = time_causal_prefill(env, K[0, :N], V[0, :N], hq, dt, args.seed)
+            print(f"    index build {index_ms:.1f} ms (for {B} session(s)); causal SDPA prefill of one "
+                  f"session's {N}-token prompt {causal_ms:.1f} ms", flush=True)
 
         def kvs_step(j):
             if B == 1:
@@ -611,7 +618,34 @@ def run_case(env, args, case):
                         peer_bhnd=peer_b.name if peer_b else None,
                         peer_bhnd_us=med.get("peer_bhnd"),
                         selected_keys=st.last_selected_keys, kvsieve_context_end=ctx_end,
-                        prefill_ms=prefill_ms, index_build_ms=index_ms)
+                        prefill_ms=prefill_ms, index_build_ms=index_ms, causal_prefill_ms=causal_ms)
+
+
+def time_causal_prefill(env, K, V, hq, dt, seed):
+    """Median of 3 timed calls (after one warm-up) of torch's causal SDPA over the layer's prompt:
+    queries [1, hq, N, d] (random), keys and values from K, V [N, hkv, d]; the cost an index build is
+    judged against (a layer's prefill attention)."""
+    torch, F = env.torch, env.F
+    N, hkv, d = K.shape
+    gen = torch.Generator(device=env.device).manual_seed(seed + 7)
+    q = torch.randn(1, hq, N, d, generator=gen, device=env.device, dtype=dt)
+    k = K.transpose(0, 1).unsqueeze(0).contiguous()
+    v = V.transpose(0, 1).unsqueeze(0).contiguous()
+    if not env.gqa and hq != hkv:
+        k = k.repeat_interleave(hq // hkv, dim=1)
+        v = v.repeat_interleave(hq // hkv, dim=1)
+    kw = {"is_causal": True, **({"enable_gqa": True} if env.gqa and hq != hkv else {})}
+    times = []
+    for i in range(4):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        F.scaled_dot_product_attention(q, k, v, **kw)
+        b.record()
+        b.synchronize()
+        if i:
+            times.append(a.elapsed_time(b))
+    del q, k, v
+    return sorted(times)[1]
 
 
 def run_all(args):
@@ -690,7 +724,7 @@ def selftest():
     a = parse_args(["--method", "full", "--context", "8192"])
     check("full has budget 0", cases_from_args(a) == [Case("full", 8192, 1, 0.0, "")])
     cs = cases_from_args(parse_args([]))
-    check("default table size", len(cs) == 16, str(len(cs)))
+    check("default table size", len(cs) == 20, str(len(cs)))
     check("default shapes", sorted({(c.context, c.batch) for c in cs}) ==
           [(8192, 1), (131072, 1), (131072, 8), (524288, 1)])
     check("default budgets", all(c.budget == (0.0 if c.method == "full" else 0.05) for c in cs))
@@ -699,7 +733,7 @@ def selftest():
     check("method over default shapes", len(cases_from_args(parse_args(["--method", "exact_topk"]))) == 4)
     check("shape over default methods",
           [c.method for c in cases_from_args(parse_args(["--context", "1024", "--batch", "3"]))] ==
-          ["full", "exact_topk", "quest", "streaming"])
+          ["full", "exact_topk", "quest", "streaming", "csattention"])
     for argv in (["--budget", "0"], ["--budget", "1.5"], ["--context", "0"], ["--batch", "2"],
                  ["--context", "64", "--batch", "0"], ["--hq", "30", "--hkv", "8"], ["--dtype", "f32"],
                  ["--params", "x=1"], ["--placement", "tpu"], ["--reps", "0"], ["--warmup", "-1"],

@@ -30,7 +30,7 @@ namespace kvs::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr unsigned kInsertCtas = 64;  // per session: a thread per list, grid-stride
+constexpr int kInsertCtas = 16;  // per session: a thread per list, grid-stride
 constexpr uint32_t kUntouched = 0x80000000u;  // -0.0f: no picked list holds the key
 
 __device__ __forceinline__ float to_f32(float x) { return x; }
@@ -119,15 +119,14 @@ __device__ void insert_list(const InsertArgs& a, const CsaSession& s, int b, int
   }
 }
 
+// The CTAs of the pick kernel past its rows: kInsertCtas per session, a thread per list.
 template <typename KT, bool F16>
-__global__ void __launch_bounds__(kThreads) insert_kernel(InsertArgs a) {
-  const int b = blockIdx.y;
+__device__ void insert_block(const InsertArgs& a, int b, int cta) {
   const CsaSession s = a.ss[b];
   const int32_t from = s.ins_from, to = s.n;
   if (from >= to || s.search == 2) return;
   const int64_t per_head = int64_t(a.cfg.m) * s.C;
-  for (int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; id < per_head * a.cfg.TH;
-       id += int64_t(gridDim.x) * blockDim.x)
+  for (int64_t id = int64_t(cta) * blockDim.x + threadIdx.x; id < per_head * a.cfg.TH; id += int64_t(kInsertCtas) * blockDim.x)
     insert_list<KT, F16>(a, s, b, from, to, id, per_head);
 }
 
@@ -156,6 +155,7 @@ struct PickArgs {
   CsaConfig cfg;
   const CsaSession* ss;
   int32_t hq, hkv, G, d, P;  // P: pick slots per row
+  int32_t rows, fill_y;      // rows = B * TH; CTAs per row
   const void* q;
   const void* const* q_at;
   bool q_f32;
@@ -174,22 +174,30 @@ __device__ __forceinline__ float load_q(const void* q, bool f32, int64_t i) {
   return f32 ? static_cast<const float*>(q)[i] : to_f32(static_cast<const KT*>(q)[i]);
 }
 
+// One launch for the work that precedes the scatter and is independent: per row, fill_y CTAs reset
+// the accumulator (the first also picks the lists), then the streaming update's CTAs.
 template <typename KT, bool F16>
-__global__ void __launch_bounds__(kThreads) pick_kernel(PickArgs a) {
+__global__ void __launch_bounds__(kThreads) pick_kernel(PickArgs a, InsertArgs ia) {
   extern __shared__ float qv[];  // [gq][d]
   __shared__ int32_t pid[512];
   __shared__ float pw[512];
-  const int row = blockIdx.x, TH = a.cfg.TH;
+  const int fy = a.fill_y, nrow_ctas = a.rows * fy;
+  if (int(blockIdx.x) >= nrow_ctas) {
+    const int i = int(blockIdx.x) - nrow_ctas;
+    insert_block<KT, F16>(ia, i / kInsertCtas, i % kInsertCtas);
+    return;
+  }
+  const int row = int(blockIdx.x) / fy, yb = int(blockIdx.x) % fy, TH = a.cfg.TH;
   const int b = row / TH, h = row % TH;
   const CsaSession s = a.ss[b];
   const bool search = s.search == 1;
   float* acc = a.acc + int64_t(row) * a.stride;
   if (search) {  // this CTA's slice of [0, w_begin) becomes untouched
-    const int64_t n = s.w_begin, per = (n + gridDim.y - 1) / gridDim.y;
-    const int64_t beg = int64_t(blockIdx.y) * per, end = min(n, beg + per);
+    const int64_t n = s.w_begin, per = (n + fy - 1) / fy;
+    const int64_t beg = int64_t(yb) * per, end = min(n, beg + per);
     for (int64_t t = beg + threadIdx.x; t < end; t += blockDim.x) acc[t] = __uint_as_float(kUntouched);
   }
-  if (blockIdx.y != 0) return;
+  if (yb != 0) return;
   if (threadIdx.x == 0) {
     a.row_len[row] = search ? s.w_begin : 0;
     a.row_k[row] = search ? s.rest : 0;
@@ -378,22 +386,39 @@ __global__ void __launch_bounds__(kThreads) emit_kernel(EmitArgs a) {
     const int32_t* cand = search ? a.tk_idx + int64_t(row) * a.kcap : s.cached + int64_t(h) * s.cached_cap;
     const int nc = search ? a.tk_cnt[row] : min(s.cached_cnt[h], s.cached_cap);
     const float* acc = a.acc + int64_t(row) * a.stride;
+    // Untouched keys reach the top-k only when fewer than `rest` keys were touched; the cached
+    // search holds keys that left [s_end, w_begin) only when the window moved past them. Without
+    // either, the candidates are copied in parallel; else compacted by block-wide ranks.
+    bool drop = false;
+    for (int i = threadIdx.x; i < nc; i += blockDim.x) {
+      const int32_t tok = cand[i];
+      drop |= search ? __float_as_uint(acc[tok]) == kUntouched : (tok < s.s_end || tok >= s.w_begin);
+    }
     int kept = 0;
-    for (int c0 = 0; c0 < nc; c0 += blockDim.x) {
-      const int i = c0 + threadIdx.x;
-      int32_t tok = -1;
-      bool keep = false;
-      if (i < nc) {
-        tok = cand[i];
-        keep = search ? __float_as_uint(acc[tok]) != kUntouched : (tok >= s.s_end && tok < s.w_begin);
+    if (!__syncthreads_or(drop)) {
+      for (int i = threadIdx.x; i < nc; i += blockDim.x) {
+        const int32_t tok = cand[i];
+        if (pos + i < cap) out[pos + i] = tok;
+        if (search && i < s.cached_cap) s.cached[int64_t(h) * s.cached_cap + i] = tok;
       }
-      int total;
-      const int r = block_rank(keep, &total);
-      if (keep) {
-        if (pos + kept + r < cap) out[pos + kept + r] = tok;
-        if (search && kept + r < s.cached_cap) s.cached[int64_t(h) * s.cached_cap + kept + r] = tok;
+      kept = nc;
+    } else {
+      for (int c0 = 0; c0 < nc; c0 += blockDim.x) {
+        const int i = c0 + threadIdx.x;
+        int32_t tok = -1;
+        bool keep = false;
+        if (i < nc) {
+          tok = cand[i];
+          keep = search ? __float_as_uint(acc[tok]) != kUntouched : (tok >= s.s_end && tok < s.w_begin);
+        }
+        int total;
+        const int r = block_rank(keep, &total);
+        if (keep) {
+          if (pos + kept + r < cap) out[pos + kept + r] = tok;
+          if (search && kept + r < s.cached_cap) s.cached[int64_t(h) * s.cached_cap + kept + r] = tok;
+        }
+        kept += total;
       }
-      kept += total;
     }
     if (search && threadIdx.x == 0) s.cached_cnt[h] = min(kept, s.cached_cap);
     pos = min(pos + kept, cap);
@@ -486,7 +511,7 @@ Status csa_select(const CsaConfig& cfg, const CsaSession* sessions, int32_t B, i
   return with_types(kv_dtype, cfg.f16_scores, [&](auto kt, auto f16) -> Status {
     using KT = decltype(kt);
     constexpr bool F16 = decltype(f16)::value;
-    // 1. the streaming update of the step's new tokens
+    // 1. the streaming update of the step's new tokens (in the pick kernel's last CTAs)
     InsertArgs ia{};
     ia.cfg = cfg;
     ia.ss = sessions;
@@ -494,9 +519,7 @@ Status csa_select(const CsaConfig& cfg, const CsaSession* sessions, int32_t B, i
     ia.G = G;
     ia.d = d;
     ia.kv = kv;
-    insert_kernel<KT, F16><<<dim3(kInsertCtas, unsigned(B)), kThreads, 0, st>>>(ia);
-    KVS_LAUNCH_CHECK("csattention insert kernel launch");
-    // 2. picks, and the accumulators reset
+    // 2. picks, the accumulators reset, the streaming update
     PickArgs pa{};
     pa.cfg = cfg;
     pa.ss = sessions;
@@ -516,8 +539,10 @@ Status csa_select(const CsaConfig& cfg, const CsaSession* sessions, int32_t B, i
     pa.pk_n = pk_n;
     pa.row_len = row_len;
     pa.row_k = row_k;
-    const unsigned fill_y = unsigned(std::clamp<int64_t>((int64_t(max_length) + 16383) / 16384, 1, 64));
-    pick_kernel<KT, F16><<<dim3(unsigned(L.rows), fill_y), kThreads, qsmem, st>>>(pa);
+    pa.rows = L.rows;
+    pa.fill_y = int32_t(std::clamp<int64_t>((int64_t(max_length) + 16383) / 16384, 1, 64));
+    const unsigned ctas = unsigned(L.rows * pa.fill_y + B * kInsertCtas);
+    pick_kernel<KT, F16><<<ctas, kThreads, qsmem, st>>>(pa, ia);
     KVS_LAUNCH_CHECK("csattention pick kernel launch");
     // 3. reduce by key
     ScatterArgs sa{sessions, cfg.TH, L.P, acc, L.stride, pk_base, pk_w, pk_off, pk_n};
