@@ -1,0 +1,670 @@
+// SPDX-License-Identifier: Apache-2.0
+// CSAttention's index build on CUDA: see csa_build.cuh for the contract and the output layout.
+//
+// Steps on the stream:
+//  1. kmeans_kernel, a CTA (512 threads) per (table head h, subspace b) problem:
+//     - compaction: the pooled rows r * gq + g of the sample, each normalised (float64 norm, as the
+//       CPU), the non-zero ones copied densely in row order into the workspace (a block scan per
+//       chunk of 512 rows), so the rest works on npts points P[npts][db];
+//     - k-means++: C - 1 passes, each updating D^2(x) = min(D^2, 2 - 2 x.c_new) of every point and
+//       their float64 sum; the next seed is drawn proportionally to D^2 (a block scan of per-thread
+//       sums over contiguous point ranges, then one thread walks its range);
+//     - mini-batch epochs: a Feistel permutation of [0, npts) (cycle walking; keyed per epoch) gives
+//       the batches; each batch is assigned (argmax x.c_j, lowest j on ties) by all threads, then
+//       a warp per centroid walks the batch's rows assigned to it in batch order (ballots) and applies
+//       c <- (1 - 1/n_j) c + x / n_j sequentially, and projects c back to the sphere (float64 norm);
+//     - or Lloyd: assignment of all points, then a warp per centroid sums its points in point order
+//       (float64, as the CPU) and normalises the sum; an empty cluster keeps its centroid.
+//     The centroids live in shared memory when C * db floats fit (else in `cent` itself; global
+//     memory is coherent inside the CTA across __syncthreads). The assignment keeps each point in
+//     registers (float4, up to 64 dims, two points per thread at db <= 16) and reads centroids as
+//     broadcast float4 from shared memory; other shapes take a scalar path.
+//  2. per table head h:
+//     - score_kernel: a CTA per 64 tokens loads their key rows (KV head h or h / G) into shared
+//       memory as fp32 (padded stride d + 1: conflict-free), then walks all m * C centroid rows in
+//       chunks of 64; S[row][t] = sum_i c_i * k_i in dimension order with __fmul_rn/__fadd_rn (no
+//       FMA contraction), rounded through fp16 (RNE) when f16_scores;
+//     - topk_rows (topk.cuh) of each of the m * C rows with k = L: the L best by (score desc,
+//       index asc) -- exactly the CPU build_list's set (ties at the threshold to the lowest tokens);
+//     - key_kernel: key = (order-preserving bits of the score, -0 taken as +0) << 32 | ~token, so
+//       ascending keys are ascending "worse" order (lower score first, equal scores: larger token
+//       first);
+//     - cub::DeviceSegmentedSort::SortKeys over the m * C lists (segments of L keys);
+//     - out_kernel: token = ~low 32 bits, value = S[row][token] (fp16 bits or fp32).
+#include "backends/cuda/csa_build.cuh"
+#include "backends/cuda/launch.cuh"
+#include "backends/cuda/status.cuh"
+#include "backends/cuda/topk.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cub/device/device_segmented_sort.cuh>
+
+#include <algorithm>
+#include <cfloat>
+#include <climits>
+#include <cstdint>
+#include <cstring>
+
+namespace kvs::cuda {
+namespace {
+
+constexpr int kMaxM = 256;             // subspaces per head
+constexpr int kMaxDb = 512;            // dims per subspace (Lloyd's per-lane float64 sums: 16 per lane)
+constexpr int kKmThreads = 512;        // k-means CTA
+constexpr int kKmWarps = kKmThreads / 32;
+constexpr size_t kCentSmemMax = 160 * 1024;  // centroids in shared memory up to this size
+constexpr int kScoreTokens = 64;       // tokens per score CTA
+constexpr int kScoreRows = 64;         // centroid rows per shared-memory chunk
+constexpr int kScoreThreads = 256;
+
+size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+// ---- counter-based random numbers ------------------------------------------------------------
+__host__ __device__ __forceinline__ uint64_t mix64(uint64_t z) {  // splitmix64's finaliser
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+__device__ __forceinline__ uint64_t rnd(uint64_t key, uint64_t ctr) { return mix64(key ^ mix64(ctr)); }
+__device__ __forceinline__ double unif01(uint64_t r) { return double(r >> 11) * 0x1.0p-53; }
+
+// A pseudo-random permutation of [0, n): a balanced 4-round Feistel network on 2 * hb bits
+// (2^(2 hb) < 4 n), cycle-walking past n (expected < 4 steps).
+struct Perm {
+  uint32_t n = 1, hb = 1, mask = 1;
+  uint64_t key = 0;
+};
+__device__ __forceinline__ Perm make_perm(uint32_t n, uint64_t key) {
+  Perm p;
+  p.n = n;
+  uint32_t bits = 2;
+  while (bits < 32 && (uint64_t(1) << bits) < n) bits += 2;
+  p.hb = bits / 2;
+  p.mask = (1u << p.hb) - 1u;
+  p.key = key;
+  return p;
+}
+__device__ __forceinline__ uint32_t perm_apply(const Perm& p, uint32_t i) {
+  uint32_t x = i;
+  do {
+    uint32_t l = x >> p.hb, r = x & p.mask;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t f = uint32_t(mix64(p.key + uint64_t(k) * 0x632BE59BD9B4E019ull + r)) & p.mask;
+      const uint32_t nl = r;
+      r = l ^ f;
+      l = nl;
+    }
+    x = (l << p.hb) | r;
+  } while (x >= p.n);
+  return x;
+}
+
+// ---- block scans (exclusive prefix + total) over kKmThreads threads ------------------------------
+template <typename T>
+__device__ T block_excl_scan(T v, T& total, T* sh /* [kKmWarps] */) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  T x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const T y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  T ex = __shfl_up_sync(0xffffffffu, x, 1);
+  if (lane == 0) ex = T(0);
+  if (lane == 31) sh[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    T w = lane < kKmWarps ? sh[lane] : T(0);
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const T y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    if (lane < kKmWarps) sh[lane] = w;
+  }
+  __syncthreads();
+  const T before = warp ? sh[warp - 1] : T(0);
+  total = sh[kKmWarps - 1];
+  __syncthreads();  // sh may be reused right away
+  return before + ex;
+}
+
+__device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// ---- 1. k-means --------------------------------------------------------------------------------
+struct KmArgs {
+  const float* q;   // [S][Hq][d]
+  float* P;         // ws: head h's rows at h * rows * d, subspace b's block at + rows * off[b]
+  float* d2;        // ws: [TH * m][rows]
+  int32_t* asg;     // ws: [TH * m][rows]
+  int32_t* pidx;    // ws: [TH * m][rows]
+  int32_t* cnt;     // ws: [TH * m][C]
+  float* cent;      // out: [TH][C * d]
+  int64_t rows;     // S * gq
+  int32_t S, Hq, d, G, gq, m, C, iters, batch, full, pq, smem_cent;
+  uint64_t seed;
+  uint16_t off[kMaxM], db[kMaxM];
+};
+
+// Nearest centroid (largest dot, lowest j on ties) of up to PPT points (pointers p[k], k < np),
+// each held in registers as float4 (db % 4 == 0, db <= CH); c in shared memory, 16-byte aligned.
+template <int CH, int PPT>
+__device__ __forceinline__ void nearest_fast(const float* const (&p)[PPT], int np, int db, const float* c, int C,
+                                             int (&out)[PPT]) {
+  constexpr int V = CH / 4;
+  const int dv = db >> 2;
+  float4 x[PPT][V];
+#pragma unroll
+  for (int k = 0; k < PPT; ++k)
+#pragma unroll
+    for (int v = 0; v < V; ++v)
+      x[k][v] = (k < np && v < dv) ? __ldg(reinterpret_cast<const float4*>(p[k]) + v) : make_float4(0.f, 0.f, 0.f, 0.f);
+  float best[PPT];
+#pragma unroll
+  for (int k = 0; k < PPT; ++k) best[k] = -INFINITY, out[k] = 0;
+  for (int j = 0; j < C; ++j) {
+    const float4* cj = reinterpret_cast<const float4*>(c + size_t(j) * db);
+    float s[PPT];
+#pragma unroll
+    for (int k = 0; k < PPT; ++k) s[k] = 0.f;
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      if (v < dv) {
+        const float4 cc = cj[v];
+#pragma unroll
+        for (int k = 0; k < PPT; ++k) {
+          s[k] += x[k][v].x * cc.x;
+          s[k] += x[k][v].y * cc.y;
+          s[k] += x[k][v].z * cc.z;
+          s[k] += x[k][v].w * cc.w;
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < PPT; ++k)
+      if (s[k] > best[k]) best[k] = s[k], out[k] = j;
+  }
+}
+
+__device__ __forceinline__ int nearest_scalar(const float* x, int db, const float* c, int C) {
+  float best = -INFINITY;
+  int bj = 0;
+  for (int j = 0; j < C; ++j) {
+    const float* cj = c + size_t(j) * db;
+    float s = 0.f;
+    for (int i = 0; i < db; ++i) s += x[i] * cj[i];
+    if (s > best) best = s, bj = j;
+  }
+  return bj;
+}
+
+// asg[i] = nearest centroid of point pt(i), i < n; CH = 0: the scalar path.
+template <int CH, typename PtOf>
+__device__ void assign_points(const float* P, int db, const float* c, int C, int n, int32_t* asg, PtOf pt) {
+  if constexpr (CH == 0) {
+    for (int i = threadIdx.x; i < n; i += kKmThreads) asg[i] = nearest_scalar(P + size_t(pt(i)) * db, db, c, C);
+  } else {
+    constexpr int PPT = CH <= 16 ? 2 : 1;
+    for (int i0 = threadIdx.x * PPT; i0 < n; i0 += kKmThreads * PPT) {
+      const float* p[PPT];
+      const int np = min(PPT, n - i0);
+#pragma unroll
+      for (int k = 0; k < PPT; ++k) p[k] = P + size_t(pt(k < np ? i0 + k : i0)) * db;
+      int out[PPT];
+      nearest_fast<CH, PPT>(p, np, db, c, C, out);
+#pragma unroll
+      for (int k = 0; k < PPT; ++k)
+        if (k < np) asg[i0 + k] = out[k];
+    }
+  }
+}
+
+// Projects centroid c[0..db) back to the unit sphere (float64 norm, as kmeans.cpp); warp-wide.
+__device__ __forceinline__ void warp_normalise(float* c, int db, int lane) {
+  double s = 0;
+  for (int i = lane; i < db; i += 32) s += double(c[i]) * c[i];
+  s = warp_sum(s);
+  if (s <= 0) return;
+  const float inv = float(1.0 / sqrt(s));
+  for (int i = lane; i < db; i += 32) c[i] *= inv;
+}
+
+template <int CH>
+__global__ void __launch_bounds__(kKmThreads) kmeans_kernel(const __grid_constant__ KmArgs a) {
+  extern __shared__ float4 smem4[];
+  __shared__ double sh_d[kKmWarps];
+  __shared__ int sh_i[kKmWarps];
+  __shared__ int sh_chosen;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int h = blockIdx.x / a.m, b = blockIdx.x % a.m;
+  const int db = a.db[b], off = a.off[b], C = a.C;
+  const int64_t rows = a.rows;
+  const int prob = blockIdx.x;
+  float* P = a.P + size_t(h) * rows * a.d + size_t(rows) * off;
+  float* d2 = a.d2 + size_t(prob) * rows;
+  int32_t* asg = a.asg + size_t(prob) * rows;
+  int32_t* pidx = a.pidx + size_t(prob) * rows;
+  int32_t* cnt = a.cnt + size_t(prob) * C;
+  float* cout = a.cent + size_t(h) * C * a.d + size_t(C) * off;
+  float* c = a.smem_cent ? reinterpret_cast<float*>(smem4) : cout;
+
+  // Compaction of the non-zero, normalised rows (row order r * gq + g).
+  int npts = 0;
+  for (int64_t base = 0; base < rows; base += kKmThreads) {
+    const int64_t r = base + tid;
+    const float* src = nullptr;
+    double nn = 0;
+    if (r < rows) {
+      const int64_t s = r / a.gq;
+      const int g = int(r % a.gq);
+      const int qh = a.pq ? h : h * a.G + g;
+      src = a.q + (size_t(s) * a.Hq + qh) * a.d + off;
+      for (int i = 0; i < db; ++i) nn += double(src[i]) * src[i];
+    }
+    const int flag = nn > 0 ? 1 : 0;
+    int total;
+    const int pos = block_excl_scan<int>(flag, total, sh_i);
+    if (flag) {
+      const float inv = float(1.0 / sqrt(nn));
+      float* dst = P + size_t(npts + pos) * db;
+      for (int i = 0; i < db; ++i) dst[i] = src[i] * inv;
+    }
+    npts += total;
+  }
+  for (int j = tid; j < C; j += kKmThreads) cnt[j] = 0;
+  __syncthreads();  // P complete
+
+  if (npts == 0) {  // no direction at all: any unit centroids (kmeans.cpp's choice)
+    for (int e = tid; e < C * db; e += kKmThreads) c[e] = (e % db) == (e / db) % db ? 1.f : 0.f;
+  } else {
+    // ---- k-means++ seeding ----
+    const uint64_t key = a.seed + uint64_t(h) * 8191ull + uint64_t(b);
+    {
+      const int first = int(rnd(key, 0) % uint64_t(npts));
+      for (int i = tid; i < db; i += kKmThreads) c[i] = P[size_t(first) * db + i];
+    }
+    const int per = (npts + kKmThreads - 1) / kKmThreads;
+    const int p0 = min(npts, tid * per), p1 = min(npts, p0 + per);
+    for (int j = 1; j <= C; ++j) {
+      __syncthreads();  // centroid j - 1 written
+      const float* cj = c + size_t(j - 1) * db;
+      double mine = 0;
+      for (int p = p0; p < p1; ++p) {
+        const float* x = P + size_t(p) * db;
+        float dot = 0.f;
+        for (int i = 0; i < db; ++i) dot += x[i] * cj[i];
+        const float v = float(fmax(0.0, 2.0 - 2.0 * double(dot)));
+        const float nd = j == 1 ? v : fminf(d2[p], v);
+        d2[p] = nd;
+        mine += nd;
+      }
+      if (j == C) break;
+      if (tid == 0) sh_chosen = INT_MAX;
+      double total;
+      const double ex = block_excl_scan<double>(mine, total, sh_d);  // syncs: sh_chosen visible
+      int chosen;
+      if (!(total > 0)) {
+        chosen = int(rnd(key, uint64_t(j)) % uint64_t(npts));  // fewer distinct directions than centroids
+      } else {
+        const double u = unif01(rnd(key, uint64_t(j))) * total;
+        if (mine > 0 && ex <= u && u < ex + mine) {
+          double acc = ex;
+          int pick = p1 - 1;
+          for (int p = p0; p < p1; ++p) {
+            acc += d2[p];
+            if (acc > u) {
+              pick = p;
+              break;
+            }
+          }
+          atomicMin(&sh_chosen, pick);
+        }
+        __syncthreads();
+        chosen = sh_chosen == INT_MAX ? npts - 1 : sh_chosen;
+      }
+      for (int i = tid; i < db; i += kKmThreads) c[size_t(j) * db + i] = P[size_t(chosen) * db + i];
+    }
+    __syncthreads();
+
+    if (a.full) {
+      // ---- Lloyd ----
+      for (int it = 1; it <= a.iters; ++it) {
+        assign_points<CH>(P, db, c, C, npts, asg, [](int i) { return i; });
+        __syncthreads();
+        for (int j = warp; j < C; j += kKmWarps) {
+          double acc[kMaxDb / 32];
+#pragma unroll
+          for (int w = 0; w < kMaxDb / 32; ++w) acc[w] = 0;
+          int count = 0;
+          for (int q0 = 0; q0 < npts; q0 += 32) {
+            const int qi = q0 + lane;
+            unsigned bal = __ballot_sync(0xffffffffu, qi < npts && asg[qi] == j);
+            while (bal) {
+              const int k = __ffs(bal) - 1;
+              bal &= bal - 1;
+              const float* x = P + size_t(q0 + k) * db;
+              ++count;
+#pragma unroll
+              for (int w = 0; w < kMaxDb / 32; ++w)
+                if (lane + 32 * w < db) acc[w] += x[lane + 32 * w];
+            }
+          }
+          if (!count) continue;  // empty: keep the old centroid
+          double s = 0;
+#pragma unroll
+          for (int w = 0; w < kMaxDb / 32; ++w) s += acc[w] * acc[w];
+          s = warp_sum(s);
+          if (s <= 0) continue;
+          const double inv = 1.0 / sqrt(s);
+#pragma unroll
+          for (int w = 0; w < kMaxDb / 32; ++w)
+            if (lane + 32 * w < db) c[size_t(j) * db + lane + 32 * w] = float(acc[w] * inv);
+        }
+        __syncthreads();
+      }
+    } else {
+      // ---- mini-batch (Sculley) on the sphere ----
+      const int B = max(1, min(a.batch, npts));
+      for (int it = 1; it <= a.iters; ++it) {
+        const Perm pm = make_perm(uint32_t(npts), rnd(key, 0x5EED000000000000ull + uint64_t(it)));
+        for (int start = 0; start < npts; start += B) {
+          const int nb = min(B, npts - start);
+          for (int r = tid; r < nb; r += kKmThreads) pidx[r] = int32_t(perm_apply(pm, uint32_t(start + r)));
+          __syncthreads();
+          assign_points<CH>(P, db, c, C, nb, asg, [&](int i) { return pidx[i]; });
+          __syncthreads();
+          for (int j = warp; j < C; j += kKmWarps) {
+            float* cj = c + size_t(j) * db;
+            int n = cnt[j];
+            bool touched = false;
+            for (int r0 = 0; r0 < nb; r0 += 32) {
+              unsigned bal = __ballot_sync(0xffffffffu, r0 + lane < nb && asg[r0 + lane] == j);
+              while (bal) {
+                const int k = __ffs(bal) - 1;
+                bal &= bal - 1;
+                const float* x = P + size_t(pidx[r0 + k]) * db;
+                const float eta = float(1.0 / double(++n));
+                for (int i = lane; i < db; i += 32) cj[i] = (1.f - eta) * cj[i] + eta * x[i];
+                touched = true;
+              }
+            }
+            if (touched) {
+              if (lane == 0) cnt[j] = n;
+              warp_normalise(cj, db, lane);
+            }
+          }
+          __syncthreads();
+        }
+      }
+    }
+  }
+  __syncthreads();
+  if (a.smem_cent)
+    for (int e = tid; e < C * db; e += kKmThreads) cout[e] = c[e];
+}
+
+// ---- 2. scores -----------------------------------------------------------------------------------
+struct ScoreArgs {
+  PagedKv kv;
+  const float* cent;  // head h's [C * d]
+  float* S;           // [m * C][N]
+  int32_t N, Hkv, d, C, m, kvh, f16;
+  uint16_t off[kMaxM], db[kMaxM];
+};
+
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+
+template <typename T>
+__global__ void __launch_bounds__(kScoreThreads) score_kernel(const __grid_constant__ ScoreArgs a) {
+  extern __shared__ float sm[];
+  const int d = a.d, ks_stride = d + 1;
+  float* ks = sm;                                   // [kScoreTokens][d + 1]
+  float* cs = sm + kScoreTokens * ks_stride;        // [kScoreRows][d]
+  const int t0 = blockIdx.x * kScoreTokens;
+  const int nt = min(kScoreTokens, a.N - t0);
+  for (int e = threadIdx.x; e < kScoreTokens * d; e += kScoreThreads) {
+    const int tt = e / d, i = e % d;
+    float v = 0.f;
+    if (tt < nt) v = to_f32(kv_row<T>(a.kv, a.Hkv, d, 0, a.kvh, t0 + tt, 0)[i]);
+    ks[tt * ks_stride + i] = v;
+  }
+  const int tt = threadIdx.x % kScoreTokens, rg = threadIdx.x / kScoreTokens;
+  const int rows = a.m * a.C;
+  for (int r0 = 0; r0 < rows; r0 += kScoreRows) {
+    const int nr = min(kScoreRows, rows - r0);
+    __syncthreads();  // keys loaded / previous chunk consumed
+    for (int rr = threadIdx.x / 32; rr < nr; rr += kScoreThreads / 32) {
+      const int r = r0 + rr, b = r / a.C, j = r % a.C, db = a.db[b];
+      const float* src = a.cent + size_t(a.C) * a.off[b] + size_t(j) * db;
+      for (int i = threadIdx.x % 32; i < db; i += 32) cs[rr * d + i] = src[i];
+    }
+    __syncthreads();
+    if (tt < nt) {
+      const float* k = ks + tt * ks_stride;
+      for (int rr = rg; rr < nr; rr += kScoreThreads / kScoreTokens) {
+        const int r = r0 + rr, b = r / a.C, db = a.db[b];
+        const float* cr = cs + rr * d;
+        const float* kb = k + a.off[b];
+        float s = 0.f;
+        for (int i = 0; i < db; ++i) s = __fadd_rn(s, __fmul_rn(cr[i], kb[i]));
+        if (a.f16) s = __half2float(__float2half_rn(s));
+        a.S[size_t(r) * a.N + t0 + tt] = s;
+      }
+    }
+  }
+}
+
+// ---- 3. list keys, segment offsets, output ------------------------------------------------------
+__global__ void key_kernel(const float* S, int32_t N, const int32_t* tidx, int32_t L, int64_t total,
+                           unsigned long long* keys) {
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = e / L;
+    const uint32_t t = uint32_t(tidx[e]);
+    float s = S[size_t(row) * N + t];
+    if (s == 0.f) s = 0.f;  // -0 orders as +0 (it compares equal)
+    uint32_t u = __float_as_uint(s);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    keys[e] = (uint64_t(u) << 32) | uint64_t(~t);
+  }
+}
+
+__global__ void offsets_kernel(int32_t* offs, int32_t n, int32_t L) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i <= n; i += gridDim.x * blockDim.x) offs[i] = i * L;
+}
+
+__global__ void out_kernel(const float* S, int32_t N, const unsigned long long* keys, int32_t L, int64_t total,
+                           int32_t* idx, void* val, int f16) {
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = e / L;
+    const uint32_t t = ~uint32_t(keys[e]);
+    const float s = S[size_t(row) * N + t];
+    idx[e] = int32_t(t);
+    if (f16) static_cast<uint16_t*>(val)[e] = __half_as_ushort(__float2half_rn(s));
+    else static_cast<float*>(val)[e] = s;
+  }
+}
+
+// ---- host side -----------------------------------------------------------------------------------
+struct Layout {
+  size_t P = 0, d2 = 0, asg = 0, pidx = 0, cnt = 0, S = 0, tidx = 0, kA = 0, kB = 0, offs = 0, cub = 0, topk = 0;
+  size_t cub_bytes = 0, topk_bytes = 0, total = 0;
+};
+
+// Shape checks shared by the size function and the call; "" when fine.
+const char* check_shape(const CsaBuildShape& s, int32_t S) {
+  if (s.tokens < 1 || s.num_kv_heads < 1 || s.num_q_heads < 1 || s.head_dim < 1 || S < 1)
+    return "csa_build: tokens, heads, head_dim and sample_rows must be >= 1";
+  if (s.num_q_heads % s.num_kv_heads) return "csa_build: num_q_heads must be a multiple of num_kv_heads";
+  if (s.table_heads != (s.per_query_head ? s.num_q_heads : s.num_kv_heads))
+    return "csa_build: table_heads must be Hq with per_query_head, else Hkv";
+  if (s.m < 1 || s.m > kMaxM || s.m > s.head_dim || !s.off || !s.db) return "csa_build: m must be in [1, min(256, d)] with off/db";
+  int o = 0;
+  for (int b = 0; b < s.m; ++b) {
+    if (s.off[b] != o || s.db[b] < 1 || s.db[b] > kMaxDb) return "csa_build: subspaces must be contiguous, 1..512 dims each";
+    o += s.db[b];
+  }
+  if (o != s.head_dim) return "csa_build: subspace sizes must sum to head_dim";
+  const int64_t gq = s.per_query_head ? 1 : s.num_q_heads / s.num_kv_heads;
+  if (s.C < 1 || int64_t(s.C) > int64_t(S) * gq) return "csa_build: C must be in [1, sample_rows * group]";
+  if (s.L < 1 || s.L > s.tokens) return "csa_build: L must be in [1, tokens]";
+  if (int64_t(s.m) * s.C * s.L >= (int64_t(1) << 31) || int64_t(S) * gq >= (int64_t(1) << 31) ||
+      int64_t(s.C) * s.head_dim >= (int64_t(1) << 31))
+    return "csa_build: lists or sample too large (int32 counts)";
+  return "";
+}
+
+Layout layout(const CsaBuildShape& s, int32_t S) {
+  Layout l;
+  const int64_t gq = s.per_query_head ? 1 : s.num_q_heads / s.num_kv_heads;
+  const size_t rows = size_t(S) * size_t(gq), probs = size_t(s.table_heads) * s.m;
+  const size_t lists = size_t(s.m) * s.C, items = lists * size_t(s.L);
+  size_t at = 0;
+  auto take = [&](size_t bytes) {
+    const size_t p = at;
+    at = align_up(at + bytes, 256);
+    return p;
+  };
+  l.P = take(4 * rows * s.table_heads * s.head_dim);
+  l.d2 = take(4 * rows * probs);
+  l.asg = take(4 * rows * probs);
+  l.pidx = take(4 * rows * probs);
+  l.cnt = take(4 * size_t(s.C) * probs);
+  l.S = take(4 * lists * size_t(s.tokens));
+  l.tidx = take(4 * items);
+  l.kA = take(8 * items);
+  l.kB = take(8 * items);
+  l.offs = take(4 * (lists + 1));
+  size_t cb = 0;
+  cub::DeviceSegmentedSort::SortKeys(nullptr, cb, static_cast<const unsigned long long*>(nullptr),
+                                     static_cast<unsigned long long*>(nullptr), int64_t(items), int64_t(lists),
+                                     static_cast<const int32_t*>(nullptr), static_cast<const int32_t*>(nullptr));
+  l.cub_bytes = cb;
+  l.cub = take(cb);
+  l.topk_bytes = topk_rows_workspace_bytes(int32_t(lists), s.tokens, s.L);
+  l.topk = take(l.topk_bytes);
+  l.total = at;
+  return l;
+}
+
+template <int CH>
+Status launch_kmeans(const KmArgs& a, int grid, size_t smem, cudaStream_t st) {
+  if (smem > 48 * 1024)
+    KVS_CUDA_TRY(cudaFuncSetAttribute(kmeans_kernel<CH>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+                 "csa_build: cudaFuncSetAttribute (k-means)");
+  kmeans_kernel<CH><<<grid, kKmThreads, smem, st>>>(a);
+  return launch_status("csa_build: k-means launch");
+}
+
+template <typename T>
+Status launch_scores(const ScoreArgs& a, cudaStream_t st) {
+  const size_t smem = 4 * (size_t(kScoreTokens) * (a.d + 1) + size_t(kScoreRows) * a.d);
+  if (smem > 48 * 1024)
+    KVS_CUDA_TRY(cudaFuncSetAttribute(score_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+                 "csa_build: cudaFuncSetAttribute (scores)");
+  score_kernel<T><<<(a.N + kScoreTokens - 1) / kScoreTokens, kScoreThreads, smem, st>>>(a);
+  return launch_status("csa_build: score launch");
+}
+
+}  // namespace
+
+size_t csa_build_workspace_bytes(const CsaBuildShape& s, int32_t sample_rows) noexcept {
+  if (*check_shape(s, sample_rows)) return 0;
+  return layout(s, sample_rows).total;
+}
+
+Status csa_build(const CsaBuildShape& s, const CsaKmeans& km, const float* q_sample, int32_t sample_rows,
+                 const PagedKv& kv, Scalar kv_dtype, float* cent, int32_t* idx, void* val,
+                 const Workspace& ws, void* stream) noexcept {
+  if (const char* why = check_shape(s, sample_rows); *why) return invalid(why);
+  if (kv_dtype != Scalar::BF16 && kv_dtype != Scalar::F16) return unsupported("csa_build: kv_dtype must be BF16 or F16");
+  if (km.iters < 0 || km.batch < 1) return invalid("csa_build: iters must be >= 0 and batch >= 1");
+  if (!q_sample || !cent || !idx || !val || !kv.pages || kv.page_tokens < 1 ||
+      int64_t(s.tokens) > int64_t(kv.max_pages) * kv.page_tokens)
+    return invalid("csa_build: null pointer or tokens past the page table");
+  const Layout l = layout(s, sample_rows);
+  if (ws.bytes < l.total || (l.total && !ws.ptr)) return invalid("csa_build: workspace too small");
+  auto* st = static_cast<cudaStream_t>(stream);
+  char* w = static_cast<char*>(ws.ptr);
+  const int G = s.num_q_heads / s.num_kv_heads;
+
+  // 1. k-means, a CTA per (h, b).
+  KmArgs a{};
+  a.q = q_sample;
+  a.P = reinterpret_cast<float*>(w + l.P);
+  a.d2 = reinterpret_cast<float*>(w + l.d2);
+  a.asg = reinterpret_cast<int32_t*>(w + l.asg);
+  a.pidx = reinterpret_cast<int32_t*>(w + l.pidx);
+  a.cnt = reinterpret_cast<int32_t*>(w + l.cnt);
+  a.cent = cent;
+  a.gq = s.per_query_head ? 1 : G;
+  a.rows = int64_t(sample_rows) * a.gq;
+  a.S = sample_rows, a.Hq = s.num_q_heads, a.d = s.head_dim, a.G = G, a.m = s.m, a.C = s.C;
+  a.iters = km.iters, a.batch = km.batch, a.full = km.full_batch, a.pq = s.per_query_head;
+  a.seed = km.seed;
+  int maxdb = 0, alldiv4 = 1;
+  for (int b = 0; b < s.m; ++b) {
+    a.off[b] = uint16_t(s.off[b]), a.db[b] = uint16_t(s.db[b]);
+    maxdb = std::max(maxdb, s.db[b]);
+    alldiv4 &= s.db[b] % 4 == 0;
+  }
+  const size_t cent_smem = 4 * size_t(s.C) * maxdb;
+  a.smem_cent = cent_smem <= kCentSmemMax;
+  const size_t smem = a.smem_cent ? cent_smem : 0;
+  const int grid = s.table_heads * s.m;
+  Status st_km;
+  if (!a.smem_cent || !alldiv4 || maxdb > 64) st_km = launch_kmeans<0>(a, grid, smem, st);
+  else if (maxdb <= 16) st_km = launch_kmeans<16>(a, grid, smem, st);
+  else if (maxdb <= 32) st_km = launch_kmeans<32>(a, grid, smem, st);
+  else st_km = launch_kmeans<64>(a, grid, smem, st);
+  if (!st_km.ok()) return st_km;
+
+  // 2. per table head: scores, top-L, ordering.
+  const int32_t lists = s.m * s.C;
+  const int64_t items = int64_t(lists) * s.L;
+  float* S = reinterpret_cast<float*>(w + l.S);
+  int32_t* tidx = reinterpret_cast<int32_t*>(w + l.tidx);
+  auto* kA = reinterpret_cast<unsigned long long*>(w + l.kA);
+  auto* kB = reinterpret_cast<unsigned long long*>(w + l.kB);
+  int32_t* offs = reinterpret_cast<int32_t*>(w + l.offs);
+  offsets_kernel<<<(lists + 256) / 256, 256, 0, st>>>(offs, lists, s.L);
+  KVS_LAUNCH_CHECK("csa_build: offsets launch");
+  ScoreArgs sa{};
+  sa.kv = kv;
+  sa.N = s.tokens, sa.Hkv = s.num_kv_heads, sa.d = s.head_dim, sa.C = s.C, sa.m = s.m, sa.f16 = s.f16_scores;
+  for (int b = 0; b < s.m; ++b) sa.off[b] = a.off[b], sa.db[b] = a.db[b];
+  const int eg = int(std::min<int64_t>((items + 255) / 256, 132 * 16));
+  for (int h = 0; h < s.table_heads; ++h) {
+    sa.cent = cent + size_t(h) * s.C * s.head_dim;
+    sa.S = S;
+    sa.kvh = s.per_query_head ? h / G : h;
+    const Status sc = kv_dtype == Scalar::BF16 ? launch_scores<__nv_bfloat16>(sa, st) : launch_scores<__half>(sa, st);
+    if (!sc.ok()) return sc;
+    const Status tk = topk_rows(S, s.tokens, nullptr, lists, s.tokens, s.L, tidx, nullptr,
+                                Workspace{w + l.topk, l.topk_bytes}, stream);
+    if (!tk.ok()) return tk;
+    key_kernel<<<eg, 256, 0, st>>>(S, s.tokens, tidx, s.L, items, kA);
+    KVS_LAUNCH_CHECK("csa_build: key launch");
+    size_t cb = l.cub_bytes;
+    KVS_CUDA_TRY(cub::DeviceSegmentedSort::SortKeys(w + l.cub, cb, static_cast<const unsigned long long*>(kA), kB,
+                                                    items, int64_t(lists), static_cast<const int32_t*>(offs),
+                                                    static_cast<const int32_t*>(offs + 1), st),
+                 "csa_build: cub::DeviceSegmentedSort::SortKeys");
+    const size_t vb = s.f16_scores ? 2 : 4;
+    out_kernel<<<eg, 256, 0, st>>>(S, s.tokens, kB, s.L, items, idx + size_t(h) * items,
+                                   static_cast<char*>(val) + size_t(h) * items * vb, s.f16_scores);
+    KVS_LAUNCH_CHECK("csa_build: output launch");
+  }
+  return Status{};
+}
+
+}  // namespace kvs::cuda
