@@ -17,7 +17,7 @@
 //  - shapes: d 64/128, d 16 with m = 1; bf16 and fp16 keys; per-KV-head and per-query-head tables
 //    (G = 4); non-uniform splits (32:32:64; 10:22:32 takes the scalar path); f16 and f32 scores;
 //    L = N and L = 1; N not a multiple of the page size; mini-batch and Lloyd; iters = 0; a C too
-//    large for shared memory (centroids in global memory).
+//    large for shared memory (centroids in global memory); lists longer than 16384 (CUB's sort).
 //  - timing (not in small mode, printed only): N = 131072, Hkv = 8, G = 4, d = 128, m = 8, C = 64,
 //    L = 13107, 8192 sampled query rows.
 // Keys and queries are random (never zero, except the deliberately zeroed query sub-vectors);
@@ -567,6 +567,23 @@ int run_csa_build_tests(bool small) {
     c.L = 30;
     c.iters = 2;
     c.batch = 1024;
+    run_case(c);
+  }
+  if (!small) {
+    CsaCase c;  // lists longer than 16384: ordered by CUB's segmented radix sort, f16 and f32
+    c.name = "long_lists";
+    c.d = 64;
+    c.splits = {32, 32};
+    c.Hkv = 1;
+    c.S = 64;
+    c.C = 3;
+    c.N = 20011;
+    c.L = 17000;
+    c.P = 1024;
+    run_case(c);
+    c.f16 = false;
+    c.t = Scalar::F16;
+    c.pq = true;
     run_case(c);
   }
   if (!small) {

@@ -26,11 +26,13 @@
 //       FMA contraction), rounded through fp16 (RNE) when f16_scores;
 //     - topk_rows (topk.cuh) of each of the m * C rows with k = L: the L best by (score desc,
 //       index asc) -- exactly the CPU build_list's set (ties at the threshold to the lowest tokens);
-//     - key_kernel: key = (order-preserving bits of the score, -0 taken as +0) << 32 | ~token, so
-//       ascending keys are ascending "worse" order (lower score first, equal scores: larger token
-//       first);
-//     - cub::DeviceSegmentedSort::SortKeys over the m * C lists (segments of L keys);
-//     - out_kernel: token = ~low 32 bits, value = S[row][token] (fp16 bits or fp32).
+//     - the order: key = (order-preserving bits of the stored score: 16 for fp16, 32 for fp32; -0
+//       taken as +0) << tb | (2^tb - 1 - token), tb = bits of N - 1, so ascending keys are ascending
+//       "worse" order (lower score first, equal scores: larger token first), and the key decodes
+//       back to (token, stored value). Lists of L <= 16384: list_sort_kernel, a CTA per list, the
+//       keys gathered from S by the top-k's tokens and bitonic-sorted in shared memory, then idx/val
+//       written. Longer lists: key_kernel to global memory, cub::DeviceSegmentedRadixSort over the
+//       m * C segments (only the 16 + tb or 32 + tb key bits), out_kernel.
 #include "backends/cuda/csa_build.cuh"
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/status.cuh"
@@ -40,7 +42,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <cub/device/device_segmented_sort.cuh>
+#include <cub/device/device_segmented_radix_sort.cuh>
 
 #include <algorithm>
 #include <cfloat>
@@ -59,6 +61,7 @@ constexpr size_t kCentSmemMax = 160 * 1024;  // centroids in shared memory up to
 constexpr int kScoreTokens = 64;       // tokens per score CTA
 constexpr int kScoreRows = 64;         // centroid rows per shared-memory chunk
 constexpr int kScoreThreads = 256;
+constexpr int kSortSmem = 16384;       // lists up to this length sort in shared memory (128 KiB of keys)
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -425,21 +428,67 @@ __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162flo
 __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
 
 template <typename T>
+__device__ __forceinline__ void to_f32x8(const uint4& u, float* out) {
+  const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = to_f32(e[i]);
+}
+
+// s = sum_i c[i] * k[i] in dimension order, no FMA; k in registers (db <= 32), c in shared memory
+// (float4 reads when VEC: 16-byte aligned, db % 4 == 0).
+template <bool VEC>
+__device__ __forceinline__ float dot_regs(const float* c, const float (&k)[32], int db) {
+  float s = 0.f;
+  if constexpr (VEC) {
+#pragma unroll
+    for (int v = 0; v < 8; ++v)
+      if (4 * v < db) {
+        const float4 cc = reinterpret_cast<const float4*>(c)[v];
+        s = __fadd_rn(s, __fmul_rn(cc.x, k[4 * v]));
+        s = __fadd_rn(s, __fmul_rn(cc.y, k[4 * v + 1]));
+        s = __fadd_rn(s, __fmul_rn(cc.z, k[4 * v + 2]));
+        s = __fadd_rn(s, __fmul_rn(cc.w, k[4 * v + 3]));
+      }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 32; ++i)
+      if (i < db) s = __fadd_rn(s, __fmul_rn(c[i], k[i]));
+  }
+  return s;
+}
+
+// A CTA per kScoreTokens tokens of one table head: their keys (fp32) in shared memory, then every
+// centroid row in chunks of kScoreRows; thread (token tt, row group rg) computes rows rg, rg + 4, ...
+// of the chunk, its key sub-vector held in registers (db <= 32) while the subspace stays the same.
+template <typename T>
 __global__ void __launch_bounds__(kScoreThreads) score_kernel(const __grid_constant__ ScoreArgs a) {
-  extern __shared__ float sm[];
+  extern __shared__ float4 sm4[];
+  float* sm = reinterpret_cast<float*>(sm4);
   const int d = a.d, ks_stride = d + 1;
-  float* ks = sm;                                   // [kScoreTokens][d + 1]
-  float* cs = sm + kScoreTokens * ks_stride;        // [kScoreRows][d]
+  float* ks = sm;                                // [kScoreTokens][d + 1]
+  float* cs = sm + kScoreTokens * ks_stride;     // [kScoreRows][d] (16-byte aligned: 64 * 4 * (d + 1))
   const int t0 = blockIdx.x * kScoreTokens;
   const int nt = min(kScoreTokens, a.N - t0);
-  for (int e = threadIdx.x; e < kScoreTokens * d; e += kScoreThreads) {
-    const int tt = e / d, i = e % d;
-    float v = 0.f;
-    if (tt < nt) v = to_f32(kv_row<T>(a.kv, a.Hkv, d, 0, a.kvh, t0 + tt, 0)[i]);
-    ks[tt * ks_stride + i] = v;
+  if (d % 8 == 0) {  // 16-byte loads of the key rows
+    const int d8 = d / 8;
+    for (int e = threadIdx.x; e < kScoreTokens * d8; e += kScoreThreads) {
+      const int tt = e / d8, i8 = e % d8;
+      float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      if (tt < nt) to_f32x8<T>(__ldg(reinterpret_cast<const uint4*>(kv_row<T>(a.kv, a.Hkv, d, 0, a.kvh, t0 + tt, 0)) + i8), v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) ks[tt * ks_stride + i8 * 8 + i] = v[i];
+    }
+  } else {
+    for (int e = threadIdx.x; e < kScoreTokens * d; e += kScoreThreads) {
+      const int tt = e / d, i = e % d;
+      ks[tt * ks_stride + i] = tt < nt ? to_f32(kv_row<T>(a.kv, a.Hkv, d, 0, a.kvh, t0 + tt, 0)[i]) : 0.f;
+    }
   }
   const int tt = threadIdx.x % kScoreTokens, rg = threadIdx.x / kScoreTokens;
   const int rows = a.m * a.C;
+  const float* k = ks + tt * ks_stride;
+  float kr[32];
+  int cur_b = -1;
   for (int r0 = 0; r0 < rows; r0 += kScoreRows) {
     const int nr = min(kScoreRows, rows - r0);
     __syncthreads();  // keys loaded / previous chunk consumed
@@ -449,32 +498,100 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const __grid_const
       for (int i = threadIdx.x % 32; i < db; i += 32) cs[rr * d + i] = src[i];
     }
     __syncthreads();
-    if (tt < nt) {
-      const float* k = ks + tt * ks_stride;
-      for (int rr = rg; rr < nr; rr += kScoreThreads / kScoreTokens) {
-        const int r = r0 + rr, b = r / a.C, db = a.db[b];
-        const float* cr = cs + rr * d;
+    if (tt >= nt) continue;
+    for (int rr = rg; rr < nr; rr += kScoreThreads / kScoreTokens) {
+      const int r = r0 + rr, b = r / a.C, db = a.db[b];
+      const float* cr = cs + rr * d;
+      float s;
+      if (db <= 32) {
+        if (b != cur_b) {
+          cur_b = b;
+          const float* kb = k + a.off[b];
+#pragma unroll
+          for (int i = 0; i < 32; ++i) kr[i] = i < db ? kb[i] : 0.f;
+        }
+        s = (d % 4 == 0 && db % 4 == 0) ? dot_regs<true>(cr, kr, db) : dot_regs<false>(cr, kr, db);
+      } else {
         const float* kb = k + a.off[b];
-        float s = 0.f;
+        s = 0.f;
         for (int i = 0; i < db; ++i) s = __fadd_rn(s, __fmul_rn(cr[i], kb[i]));
-        if (a.f16) s = __half2float(__float2half_rn(s));
-        a.S[size_t(r) * a.N + t0 + tt] = s;
       }
+      if (a.f16) s = __half2float(__float2half_rn(s));
+      a.S[size_t(r) * a.N + t0 + tt] = s;
     }
   }
 }
 
-// ---- 3. list keys, segment offsets, output ------------------------------------------------------
-__global__ void key_kernel(const float* S, int32_t N, const int32_t* tidx, int32_t L, int64_t total,
+// ---- 3. list order ------------------------------------------------------------------------------
+// Sort key of a list entry: (order-preserving bits of the stored score) << tb | (tmask - token),
+// tmask = 2^tb - 1 >= N - 1: ascending keys = ascending "worse" order (lower score first, among
+// equal scores the larger token first). The score bits are the fp16 bits (16) or the fp32 bits
+// (32); -0 is taken as +0 (the two compare equal). The key decodes back to the stored value.
+struct KeyFmt {
+  int32_t tb;     // token bits
+  int32_t f16;    // 16-bit score field, else 32
+};
+__device__ __forceinline__ unsigned long long make_key(float s, uint32_t t, const KeyFmt& f) {
+  if (s == 0.f) s = 0.f;  // -0 orders as +0
+  uint64_t ord;
+  if (f.f16) {
+    const uint32_t h = __half_as_ushort(__float2half_rn(s));  // exact: s is already fp16-rounded
+    ord = (h & 0x8000u) ? (~h & 0xFFFFu) : (h | 0x8000u);
+  } else {
+    const uint32_t u = __float_as_uint(s);
+    ord = (u & 0x80000000u) ? uint32_t(~u) : (u | 0x80000000u);
+  }
+  const uint64_t tmask = (uint64_t(1) << f.tb) - 1;
+  return (ord << f.tb) | (tmask - t);
+}
+__device__ __forceinline__ void store_entry(unsigned long long key, const KeyFmt& f, int32_t* idx, void* val,
+                                            int64_t e) {
+  const uint64_t tmask = (uint64_t(1) << f.tb) - 1;
+  idx[e] = int32_t(tmask - (key & tmask));
+  const uint32_t ord = uint32_t(key >> f.tb);
+  if (f.f16) {
+    static_cast<uint16_t*>(val)[e] = uint16_t((ord & 0x8000u) ? (ord & 0x7FFFu) : (~ord & 0xFFFFu));
+  } else {
+    static_cast<float*>(val)[e] = __uint_as_float((ord & 0x80000000u) ? (ord & 0x7FFFFFFFu) : ~ord);
+  }
+}
+
+// One CTA per list (L <= kSortSmem): the L keys (scores gathered from S by the top-k's tokens) in
+// shared memory, padded to P2 = 2^ceil(log2 L) with ~0, a bitonic sort, then idx/val written.
+__global__ void __launch_bounds__(1024) list_sort_kernel(const float* S, int32_t N, const int32_t* tidx, int32_t L,
+                                                         int32_t P2, KeyFmt f, int32_t* idx, void* val) {
+  extern __shared__ unsigned long long keys[];
+  const int64_t row = blockIdx.x;
+  const int nt = blockDim.x;
+  for (int i = threadIdx.x; i < P2; i += nt) {
+    unsigned long long k = ~0ull;
+    if (i < L) {
+      const uint32_t t = uint32_t(tidx[row * L + i]);
+      k = make_key(S[size_t(row) * N + t], t, f);
+    }
+    keys[i] = k;
+  }
+  __syncthreads();
+  for (int k = 2; k <= P2; k <<= 1)
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int i = threadIdx.x; i < P2 / 2; i += nt) {
+        const int lo = ((i & ~(j - 1)) << 1) | (i & (j - 1)), hi = lo + j;
+        const bool up = (lo & k) == 0;
+        const unsigned long long a = keys[lo], b = keys[hi];
+        if ((a > b) == up) keys[lo] = b, keys[hi] = a;
+      }
+      __syncthreads();
+    }
+  for (int i = threadIdx.x; i < L; i += nt) store_entry(keys[i], f, idx, val, row * L + i);
+}
+
+// Longer lists: keys to global memory, CUB's segmented radix sort, then idx/val.
+__global__ void key_kernel(const float* S, int32_t N, const int32_t* tidx, int32_t L, int64_t total, KeyFmt f,
                            unsigned long long* keys) {
   for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
     const int64_t row = e / L;
     const uint32_t t = uint32_t(tidx[e]);
-    float s = S[size_t(row) * N + t];
-    if (s == 0.f) s = 0.f;  // -0 orders as +0 (it compares equal)
-    uint32_t u = __float_as_uint(s);
-    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-    keys[e] = (uint64_t(u) << 32) | uint64_t(~t);
+    keys[e] = make_key(S[size_t(row) * N + t], t, f);
   }
 }
 
@@ -482,16 +599,9 @@ __global__ void offsets_kernel(int32_t* offs, int32_t n, int32_t L) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i <= n; i += gridDim.x * blockDim.x) offs[i] = i * L;
 }
 
-__global__ void out_kernel(const float* S, int32_t N, const unsigned long long* keys, int32_t L, int64_t total,
-                           int32_t* idx, void* val, int f16) {
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = e / L;
-    const uint32_t t = ~uint32_t(keys[e]);
-    const float s = S[size_t(row) * N + t];
-    idx[e] = int32_t(t);
-    if (f16) static_cast<uint16_t*>(val)[e] = __half_as_ushort(__float2half_rn(s));
-    else static_cast<float*>(val)[e] = s;
-  }
+__global__ void out_kernel(const unsigned long long* keys, int64_t total, KeyFmt f, int32_t* idx, void* val) {
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x)
+    store_entry(keys[e], f, idx, val, e);
 }
 
 // ---- host side -----------------------------------------------------------------------------------
@@ -523,6 +633,13 @@ const char* check_shape(const CsaBuildShape& s, int32_t S) {
   return "";
 }
 
+int32_t token_bits(int32_t N) {
+  int32_t tb = 1;
+  while ((int64_t(1) << tb) < N) ++tb;
+  return tb;
+}
+int32_t score_bits(const CsaBuildShape& s) { return s.f16_scores ? 16 : 32; }
+
 Layout layout(const CsaBuildShape& s, int32_t S) {
   Layout l;
   const int64_t gq = s.per_query_head ? 1 : s.num_q_heads / s.num_kv_heads;
@@ -541,15 +658,18 @@ Layout layout(const CsaBuildShape& s, int32_t S) {
   l.cnt = take(4 * size_t(s.C) * probs);
   l.S = take(4 * lists * size_t(s.tokens));
   l.tidx = take(4 * items);
-  l.kA = take(8 * items);
-  l.kB = take(8 * items);
-  l.offs = take(4 * (lists + 1));
-  size_t cb = 0;
-  cub::DeviceSegmentedSort::SortKeys(nullptr, cb, static_cast<const unsigned long long*>(nullptr),
-                                     static_cast<unsigned long long*>(nullptr), int64_t(items), int64_t(lists),
-                                     static_cast<const int32_t*>(nullptr), static_cast<const int32_t*>(nullptr));
-  l.cub_bytes = cb;
-  l.cub = take(cb);
+  if (s.L > kSortSmem) {  // lists sorted by CUB in global memory
+    l.kA = take(8 * items);
+    l.kB = take(8 * items);
+    l.offs = take(4 * (lists + 1));
+    size_t cb = 0;
+    cub::DeviceSegmentedRadixSort::SortKeys(nullptr, cb, static_cast<const unsigned long long*>(nullptr),
+                                            static_cast<unsigned long long*>(nullptr), int(items), int(lists),
+                                            static_cast<const int32_t*>(nullptr), static_cast<const int32_t*>(nullptr),
+                                            0, score_bits(s) + token_bits(s.tokens));
+    l.cub_bytes = cb;
+    l.cub = take(cb);
+  }
   l.topk_bytes = topk_rows_workspace_bytes(int32_t(lists), s.tokens, s.L);
   l.topk = take(l.topk_bytes);
   l.total = at;
@@ -633,16 +753,26 @@ Status csa_build(const CsaBuildShape& s, const CsaKmeans& km, const float* q_sam
   const int64_t items = int64_t(lists) * s.L;
   float* S = reinterpret_cast<float*>(w + l.S);
   int32_t* tidx = reinterpret_cast<int32_t*>(w + l.tidx);
-  auto* kA = reinterpret_cast<unsigned long long*>(w + l.kA);
-  auto* kB = reinterpret_cast<unsigned long long*>(w + l.kB);
-  int32_t* offs = reinterpret_cast<int32_t*>(w + l.offs);
-  offsets_kernel<<<(lists + 256) / 256, 256, 0, st>>>(offs, lists, s.L);
-  KVS_LAUNCH_CHECK("csa_build: offsets launch");
+  const KeyFmt kf{token_bits(s.tokens), s.f16_scores ? 1 : 0};
+  const bool smem_sort = s.L <= kSortSmem;
+  int32_t P2 = 1;
+  while (P2 < s.L) P2 <<= 1;
+  const int sort_threads = std::min(1024, std::max(32, P2 / 2));
+  const size_t sort_smem = size_t(P2) * 8;
+  if (smem_sort) {
+    if (sort_smem > 48 * 1024)
+      KVS_CUDA_TRY(cudaFuncSetAttribute(list_sort_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sort_smem)),
+                   "csa_build: cudaFuncSetAttribute (list sort)");
+  } else {
+    offsets_kernel<<<(lists + 256) / 256, 256, 0, st>>>(reinterpret_cast<int32_t*>(w + l.offs), lists, s.L);
+    KVS_LAUNCH_CHECK("csa_build: offsets launch");
+  }
   ScoreArgs sa{};
   sa.kv = kv;
   sa.N = s.tokens, sa.Hkv = s.num_kv_heads, sa.d = s.head_dim, sa.C = s.C, sa.m = s.m, sa.f16 = s.f16_scores;
   for (int b = 0; b < s.m; ++b) sa.off[b] = a.off[b], sa.db[b] = a.db[b];
   const int eg = int(std::min<int64_t>((items + 255) / 256, 132 * 16));
+  const size_t vb = s.f16_scores ? 2 : 4;
   for (int h = 0; h < s.table_heads; ++h) {
     sa.cent = cent + size_t(h) * s.C * s.head_dim;
     sa.S = S;
@@ -652,17 +782,25 @@ Status csa_build(const CsaBuildShape& s, const CsaKmeans& km, const float* q_sam
     const Status tk = topk_rows(S, s.tokens, nullptr, lists, s.tokens, s.L, tidx, nullptr,
                                 Workspace{w + l.topk, l.topk_bytes}, stream);
     if (!tk.ok()) return tk;
-    key_kernel<<<eg, 256, 0, st>>>(S, s.tokens, tidx, s.L, items, kA);
-    KVS_LAUNCH_CHECK("csa_build: key launch");
-    size_t cb = l.cub_bytes;
-    KVS_CUDA_TRY(cub::DeviceSegmentedSort::SortKeys(w + l.cub, cb, static_cast<const unsigned long long*>(kA), kB,
-                                                    items, int64_t(lists), static_cast<const int32_t*>(offs),
-                                                    static_cast<const int32_t*>(offs + 1), st),
-                 "csa_build: cub::DeviceSegmentedSort::SortKeys");
-    const size_t vb = s.f16_scores ? 2 : 4;
-    out_kernel<<<eg, 256, 0, st>>>(S, s.tokens, kB, s.L, items, idx + size_t(h) * items,
-                                   static_cast<char*>(val) + size_t(h) * items * vb, s.f16_scores);
-    KVS_LAUNCH_CHECK("csa_build: output launch");
+    int32_t* idx_h = idx + size_t(h) * items;
+    void* val_h = static_cast<char*>(val) + size_t(h) * items * vb;
+    if (smem_sort) {
+      list_sort_kernel<<<lists, sort_threads, sort_smem, st>>>(S, s.tokens, tidx, s.L, P2, kf, idx_h, val_h);
+      KVS_LAUNCH_CHECK("csa_build: list sort launch");
+    } else {
+      auto* kA = reinterpret_cast<unsigned long long*>(w + l.kA);
+      auto* kB = reinterpret_cast<unsigned long long*>(w + l.kB);
+      const int32_t* offs = reinterpret_cast<const int32_t*>(w + l.offs);
+      key_kernel<<<eg, 256, 0, st>>>(S, s.tokens, tidx, s.L, items, kf, kA);
+      KVS_LAUNCH_CHECK("csa_build: key launch");
+      size_t cb = l.cub_bytes;
+      KVS_CUDA_TRY(cub::DeviceSegmentedRadixSort::SortKeys(w + l.cub, cb, static_cast<const unsigned long long*>(kA), kB,
+                                                           int(items), int(lists), offs, offs + 1, 0,
+                                                           score_bits(s) + kf.tb, st),
+                   "csa_build: cub::DeviceSegmentedRadixSort::SortKeys");
+      out_kernel<<<eg, 256, 0, st>>>(kB, items, kf, idx_h, val_h);
+      KVS_LAUNCH_CHECK("csa_build: output launch");
+    }
   }
   return Status{};
 }

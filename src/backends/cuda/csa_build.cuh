@@ -22,18 +22,21 @@
 //     (round-to-nearest-even) when f16_scores; the list is the top L tokens by (stored score desc,
 //     token asc), written in ascending "worse" order (csattention.hpp: lowest score first, among
 //     equal scores the larger token first), so each list is sorted and therefore a valid min-heap
-//     for the CPU's heap code and streaming try-insert.
+//     for the CPU's heap code and streaming try-insert. (A stored score of -0 comes out as +0.)
 //
 // Output layout (row-major, like the CPU LayerState):
 //   cent [TH][C * d] fp32: head h's subspace b is the C x db[b] block at h * C * d + C * off[b].
 //   idx  [TH][m][C][L] int32, val [TH][m][C][L] (uint16 fp16 bits when f16_scores, else fp32).
 //
-// Launches (no host sync; graph-capturable, the segmented sort of CUB included):
-//   one k-means kernel (a CTA per (h, b) problem: compaction + normalisation of the rows, seeding,
-//   updates; the centroids live in shared memory when C * db fits, else in `cent` itself), then per
-//   table head: the score kernel ([m*C][N] fp32 scores in the workspace), topk_rows (topk.cuh) with
-//   k = L, a kernel composing 64-bit keys (ordered score bits, ~token), CUB's segmented sort of the
-//   m*C lists, and a kernel writing idx/val.
+// Launches (no host sync, no allocation; graph-capturable): one k-means kernel (a CTA per (h, b)
+// problem: compaction + normalisation of the rows, seeding, updates; the centroids live in shared
+// memory when C * db fits in 160 KiB, else in `cent` itself), then per table head: the score kernel
+// ([m*C][N] fp32 scores in the workspace), topk_rows (topk.cuh) with k = L, and the ordering of
+// the lists: a CTA per list sorting 64-bit keys (ordered score bits, then the complemented token)
+// in shared memory (bitonic, L <= 16384), or for longer lists the keys in global memory through
+// CUB's segmented radix sort (DeviceSegmentedRadixSort: one pass sequence, no host round trip;
+// DeviceSegmentedSort is avoided because above 500 segments it copies group sizes to the host and
+// synchronises).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -70,10 +73,10 @@ struct CsaKmeans {
 
 // Workspace of csa_build for this shape and sample size (0 on an invalid shape). Holds, 256-byte
 // aligned each: the normalised query rows (4 * sample_rows * Hq * d bytes in either mode), per
-// (h, b) problem a float and two int32 per pooled row and an int32 per centroid, the scores of one
-// table head (4 * m * C * N bytes: 256 MiB at N = 128K, m * C = 512), the lists' top-k indices
-// (4 * m * C * L), two arrays of 64-bit sort keys (16 * m * C * L), the segment offsets, and
-// CUB's segmented-sort scratch. Same device current as the call.
+// (h, b) problem three 4-byte values per pooled row (sample_rows * gq) and one per centroid, the
+// scores of one table head (4 * m * C * N bytes: 256 MiB at N = 128K, m * C = 512) and its lists'
+// top-L tokens (4 * m * C * L); lists longer than 16384 add two arrays of 64-bit sort keys
+// (16 * m * C * L), the segment offsets and CUB's scratch. Same device current as the call.
 size_t csa_build_workspace_bytes(const CsaBuildShape& s, int32_t sample_rows) noexcept;
 
 // q_sample: device fp32 [sample_rows][Hq][d] (the sampled prompt queries, sample_rows >= 1);
