@@ -8,7 +8,8 @@
 //       chunk of 512 rows), so the rest works on npts points P[npts][db];
 //     - k-means++: C - 1 passes, each updating D^2(x) = min(D^2, 2 - 2 x.c_new) of every point and
 //       their float64 sum; the next seed is drawn proportionally to D^2 (a block scan of per-thread
-//       sums over contiguous point ranges, then one thread walks its range);
+//       sums, each thread owning points tid + 512 k, then the one thread whose range holds the
+//       drawn value walks its points);
 //     - mini-batch epochs: a Feistel permutation of [0, npts) (cycle walking; keyed per epoch) gives
 //       the batches; each batch is assigned (argmax x.c_j, lowest j on ties) by all threads, then
 //       a warp per centroid walks the batch's rows assigned to it in batch order (ballots) and applies
@@ -170,7 +171,7 @@ __device__ __forceinline__ void nearest_fast(const float* const (&p)[PPT], int n
   for (int k = 0; k < PPT; ++k)
 #pragma unroll
     for (int v = 0; v < V; ++v)
-      x[k][v] = (k < np && v < dv) ? __ldg(reinterpret_cast<const float4*>(p[k]) + v) : make_float4(0.f, 0.f, 0.f, 0.f);
+      x[k][v] = (k < np && v < dv) ? reinterpret_cast<const float4*>(p[k])[v] : make_float4(0.f, 0.f, 0.f, 0.f);
   float best[PPT];
 #pragma unroll
   for (int k = 0; k < PPT; ++k) best[k] = -INFINITY, out[k] = 0;
@@ -241,6 +242,27 @@ __device__ __forceinline__ void warp_normalise(float* c, int db, int lane) {
   for (int i = lane; i < db; i += 32) c[i] *= inv;
 }
 
+// x . c in dimension order (float): float4 loads on the fast path (CH > 0: db % 4 == 0, x and c
+// 16-byte aligned), scalar otherwise.
+template <int CH>
+__device__ __forceinline__ float seed_dot(const float* x, const float* c, int db) {
+  float s = 0.f;
+  if constexpr (CH > 0) {
+#pragma unroll
+    for (int v = 0; v < CH / 4; ++v)
+      if (4 * v < db) {
+        const float4 a = reinterpret_cast<const float4*>(x)[v], b = reinterpret_cast<const float4*>(c)[v];
+        s += a.x * b.x;
+        s += a.y * b.y;
+        s += a.z * b.z;
+        s += a.w * b.w;
+      }
+  } else {
+    for (int i = 0; i < db; ++i) s += x[i] * c[i];
+  }
+  return s;
+}
+
 template <int CH>
 __global__ void __launch_bounds__(kKmThreads) kmeans_kernel(const __grid_constant__ KmArgs a) {
   extern __shared__ float4 smem4[];
@@ -295,16 +317,14 @@ __global__ void __launch_bounds__(kKmThreads) kmeans_kernel(const __grid_constan
       const int first = int(rnd(key, 0) % uint64_t(npts));
       for (int i = tid; i < db; i += kKmThreads) c[i] = P[size_t(first) * db + i];
     }
-    const int per = (npts + kKmThreads - 1) / kKmThreads;
-    const int p0 = min(npts, tid * per), p1 = min(npts, p0 + per);
+    // Thread tid owns points tid, tid + 512, ... (coalesced loads); the D^2 sampling walks the
+    // points in (thread, k) order -- any fixed order samples proportionally to D^2.
     for (int j = 1; j <= C; ++j) {
       __syncthreads();  // centroid j - 1 written
       const float* cj = c + size_t(j - 1) * db;
       double mine = 0;
-      for (int p = p0; p < p1; ++p) {
-        const float* x = P + size_t(p) * db;
-        float dot = 0.f;
-        for (int i = 0; i < db; ++i) dot += x[i] * cj[i];
+      for (int p = tid; p < npts; p += kKmThreads) {
+        const float dot = seed_dot<CH>(P + size_t(p) * db, cj, db);
         const float v = float(fmax(0.0, 2.0 - 2.0 * double(dot)));
         const float nd = j == 1 ? v : fminf(d2[p], v);
         d2[p] = nd;
@@ -321,15 +341,16 @@ __global__ void __launch_bounds__(kKmThreads) kmeans_kernel(const __grid_constan
         const double u = unif01(rnd(key, uint64_t(j))) * total;
         if (mine > 0 && ex <= u && u < ex + mine) {
           double acc = ex;
-          int pick = p1 - 1;
-          for (int p = p0; p < p1; ++p) {
+          int pick = -1;
+          for (int p = tid; p < npts; p += kKmThreads) {
+            if (d2[p] > 0) pick = p;  // rounding fallback: the range's last point with weight
             acc += d2[p];
             if (acc > u) {
               pick = p;
               break;
             }
           }
-          atomicMin(&sh_chosen, pick);
+          if (pick >= 0) atomicMin(&sh_chosen, pick);
         }
         __syncthreads();
         chosen = sh_chosen == INT_MAX ? npts - 1 : sh_chosen;
@@ -624,6 +645,8 @@ const char* check_shape(const CsaBuildShape& s, int32_t S) {
     o += s.db[b];
   }
   if (o != s.head_dim) return "csa_build: subspace sizes must sum to head_dim";
+  if (4 * (size_t(kScoreTokens) * (s.head_dim + 1) + size_t(kScoreRows) * s.head_dim) > 227 * 1024)
+    return "csa_build: head_dim too large for the score kernel's shared memory (d <= 443)";
   const int64_t gq = s.per_query_head ? 1 : s.num_q_heads / s.num_kv_heads;
   if (s.C < 1 || int64_t(s.C) > int64_t(S) * gq) return "csa_build: C must be in [1, sample_rows * group]";
   if (s.L < 1 || s.L > s.tokens) return "csa_build: L must be in [1, tokens]";

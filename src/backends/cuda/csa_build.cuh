@@ -50,12 +50,12 @@ struct CsaBuildShape {
   int32_t tokens = 0;        // N: keys of the sequence to index (>= 1, <= kv.max_pages * P)
   int32_t num_q_heads = 0;   // Hq, a multiple of Hkv
   int32_t num_kv_heads = 0;  // Hkv
-  int32_t head_dim = 0;      // d (any value >= 1)
+  int32_t head_dim = 0;      // d, 1..443 (the score kernel keeps 64 key rows and 64 centroid rows in shared memory)
   int32_t table_heads = 0;   // TH = Hkv, or Hq with per_query_head
   bool per_query_head = false;
   int32_t m = 0;                 // subspaces, 1 <= m <= 256 and m <= d
   const int32_t* off = nullptr;  // HOST [m]: first dim of subspace b (off[0] = 0, contiguous)
-  const int32_t* db = nullptr;   // HOST [m]: dims of subspace b (>= 1; the sizes sum to d)
+  const int32_t* db = nullptr;   // HOST [m]: dims of subspace b (1..512; the sizes sum to d)
   int32_t C = 0;                 // centroids per subspace, 1 <= C <= sample_rows * gq (caller clamps)
   int32_t L = 0;                 // list length, 1 <= L <= tokens
   bool f16_scores = true;        // val as fp16 bits (uint16) else fp32
