@@ -10,16 +10,20 @@
 //       their float64 sum; the next seed is drawn proportionally to D^2 (a block scan of per-thread
 //       sums, each thread owning points tid + 512 k, then the one thread whose range holds the
 //       drawn value walks its points);
-//     - mini-batch epochs: a Feistel permutation of [0, npts) (cycle walking; keyed per epoch) gives
-//       the batches; each batch is assigned (argmax x.c_j, lowest j on ties) by all threads, then
-//       a warp per centroid walks the batch's rows assigned to it in batch order (ballots) and applies
-//       c <- (1 - 1/n_j) c + x / n_j sequentially, and projects c back to the sphere (float64 norm);
-//     - or Lloyd: assignment of all points, then a warp per centroid sums its points in point order
-//       (float64, as the CPU) and normalises the sum; an empty cluster keeps its centroid.
-//     The centroids live in shared memory when C * db floats fit (else in `cent` itself; global
-//     memory is coherent inside the CTA across __syncthreads). The assignment keeps each point in
-//     registers (float4, up to 64 dims, two points per thread at db <= 16) and reads centroids as
-//     broadcast float4 from shared memory; other shapes take a scalar path.
+//     - updates, `iters` times: mini-batch epochs take the points in the order of a Feistel
+//       permutation of [0, npts) (cycle walking; keyed per epoch), B at a time; Lloyd takes all
+//       points at once. All threads assign their points (argmax x.c_j, lowest j on ties) and add
+//       each point to its centroid's sum as 64-bit fixed point (x * 2^30) with atomics -- integer
+//       sums do not depend on the order of the additions, so the build is deterministic -- and
+//       count it; then a warp per touched centroid applies the update: Sculley's sequential
+//       c <- (1 - 1/n) c + x / n over the batch's rows telescopes to c = (n0 c0 + sum x) / (n0 + K),
+//       computed in float64 and projected back to the sphere (float64 norm); Lloyd normalises the
+//       sum (an empty cluster keeps its centroid).
+//     The centroids, the sums and the counts live in shared memory when they fit (200 KiB), else
+//     in `cent` and the workspace (global memory is coherent inside the CTA across
+//     __syncthreads). The assignment keeps each point in registers (float4, up to 64 dims, two
+//     points per thread at db <= 16) and reads centroids as broadcast float4 from shared memory;
+//     other shapes take a scalar path.
 //  2. per table head h:
 //     - score_kernel: a CTA per 64 tokens loads their key rows (KV head h or h / G) into shared
 //       memory as fp32 (padded stride d + 1: conflict-free), then walks all m * C centroid rows in
@@ -58,7 +62,7 @@ constexpr int kMaxM = 256;             // subspaces per head
 constexpr int kMaxDb = 512;            // dims per subspace (Lloyd's per-lane float64 sums: 16 per lane)
 constexpr int kKmThreads = 512;        // k-means CTA
 constexpr int kKmWarps = kKmThreads / 32;
-constexpr size_t kCentSmemMax = 160 * 1024;  // centroids in shared memory up to this size
+constexpr size_t kKmSmemMax = 200 * 1024;    // k-means state in shared memory up to this size
 constexpr int kScoreTokens = 64;       // tokens per score CTA
 constexpr int kScoreRows = 64;         // centroid rows per shared-memory chunk
 constexpr int kScoreThreads = 256;
@@ -146,18 +150,27 @@ __device__ __forceinline__ double warp_sum(double v) {
 
 // ---- 1. k-means --------------------------------------------------------------------------------
 struct KmArgs {
-  const float* q;   // [S][Hq][d]
-  float* P;         // ws: head h's rows at h * rows * d, subspace b's block at + rows * off[b]
-  float* d2;        // ws: [TH * m][rows]
-  int32_t* asg;     // ws: [TH * m][rows]
-  int32_t* pidx;    // ws: [TH * m][rows]
-  int32_t* cnt;     // ws: [TH * m][C]
-  float* cent;      // out: [TH][C * d]
-  int64_t rows;     // S * gq
-  int32_t S, Hq, d, G, gq, m, C, iters, batch, full, pq, smem_cent;
+  const float* q;            // [S][Hq][d]
+  float* P;                  // ws: head h's rows at h * rows * d, subspace b's block at + rows * off[b]
+  float* d2;                 // ws: [TH * m][rows]
+  int32_t* cnt;              // ws: [TH * m][C], points absorbed per centroid (mini-batch)
+  unsigned long long* sums;  // ws (when not in shared memory): like cent, [TH][C * d] fixed-point
+  int32_t* bcnt;             // ws (when not in shared memory): [TH * m][C], points per centroid this batch
+  float* cent;               // out: [TH][C * d]
+  int64_t rows;              // S * gq
+  int32_t S, Hq, d, G, gq, m, C, iters, batch, full, pq, in_smem;
   uint64_t seed;
   uint16_t off[kMaxM], db[kMaxM];
 };
+
+// Fixed point of the per-batch sums: x * 2^30 as a 64-bit integer, so that the atomic additions
+// are associative and the sums (hence the centroids) do not depend on the order the threads add
+// them in. |x_i| <= 1 (unit rows): 2^-30 resolution, no overflow below 2^33 rows per centroid.
+constexpr float kFix = 1073741824.f;  // 2^30
+constexpr double kUnfix = 1.0 / 1073741824.0;
+__device__ __forceinline__ unsigned long long to_fix(float x) {
+  return static_cast<unsigned long long>(__float2ll_rn(x * kFix));
+}
 
 // Nearest centroid (largest dot, lowest j on ties) of up to PPT points (pointers p[k], k < np),
 // each held in registers as float4 (db % 4 == 0, db <= CH); c in shared memory, 16-byte aligned.
@@ -211,11 +224,23 @@ __device__ __forceinline__ int nearest_scalar(const float* x, int db, const floa
   return bj;
 }
 
-// asg[i] = nearest centroid of point pt(i), i < n; CH = 0: the scalar path.
+// Adds point x (row of db floats) to centroid j's batch sum and count.
+__device__ __forceinline__ void accumulate(const float* x, int db, int j, unsigned long long* sums, int32_t* bcnt) {
+  atomicAdd(&bcnt[j], 1);
+  unsigned long long* sj = sums + size_t(j) * db;
+  for (int i = 0; i < db; ++i) atomicAdd(&sj[i], to_fix(x[i]));
+}
+
+// Assigns points pt(i), i < n, to their nearest centroids and adds each to its centroid's batch
+// sum. CH = 0: the scalar path.
 template <int CH, typename PtOf>
-__device__ void assign_points(const float* P, int db, const float* c, int C, int n, int32_t* asg, PtOf pt) {
+__device__ void assign_points(const float* P, int db, const float* c, int C, int n, unsigned long long* sums,
+                              int32_t* bcnt, PtOf pt) {
   if constexpr (CH == 0) {
-    for (int i = threadIdx.x; i < n; i += kKmThreads) asg[i] = nearest_scalar(P + size_t(pt(i)) * db, db, c, C);
+    for (int i = threadIdx.x; i < n; i += kKmThreads) {
+      const float* x = P + size_t(pt(i)) * db;
+      accumulate(x, db, nearest_scalar(x, db, c, C), sums, bcnt);
+    }
   } else {
     constexpr int PPT = CH <= 16 ? 2 : 1;
     for (int i0 = threadIdx.x * PPT; i0 < n; i0 += kKmThreads * PPT) {
@@ -227,19 +252,9 @@ __device__ void assign_points(const float* P, int db, const float* c, int C, int
       nearest_fast<CH, PPT>(p, np, db, c, C, out);
 #pragma unroll
       for (int k = 0; k < PPT; ++k)
-        if (k < np) asg[i0 + k] = out[k];
+        if (k < np) accumulate(p[k], db, out[k], sums, bcnt);
     }
   }
-}
-
-// Projects centroid c[0..db) back to the unit sphere (float64 norm, as kmeans.cpp); warp-wide.
-__device__ __forceinline__ void warp_normalise(float* c, int db, int lane) {
-  double s = 0;
-  for (int i = lane; i < db; i += 32) s += double(c[i]) * c[i];
-  s = warp_sum(s);
-  if (s <= 0) return;
-  const float inv = float(1.0 / sqrt(s));
-  for (int i = lane; i < db; i += 32) c[i] *= inv;
 }
 
 // x . c in dimension order (float): float4 loads on the fast path (CH > 0: db % 4 == 0, x and c
@@ -263,6 +278,16 @@ __device__ __forceinline__ float seed_dot(const float* x, const float* c, int db
   return s;
 }
 
+// Projects centroid c[0..db) back to the unit sphere (float64 norm, as kmeans.cpp); warp-wide.
+__device__ __forceinline__ void warp_normalise(float* c, int db, int lane) {
+  double s = 0;
+  for (int i = lane; i < db; i += 32) s += double(c[i]) * c[i];
+  s = warp_sum(s);
+  if (s <= 0) return;
+  const float inv = float(1.0 / sqrt(s));
+  for (int i = lane; i < db; i += 32) c[i] *= inv;
+}
+
 template <int CH>
 __global__ void __launch_bounds__(kKmThreads) kmeans_kernel(const __grid_constant__ KmArgs a) {
   extern __shared__ float4 smem4[];
@@ -276,11 +301,17 @@ __global__ void __launch_bounds__(kKmThreads) kmeans_kernel(const __grid_constan
   const int prob = blockIdx.x;
   float* P = a.P + size_t(h) * rows * a.d + size_t(rows) * off;
   float* d2 = a.d2 + size_t(prob) * rows;
-  int32_t* asg = a.asg + size_t(prob) * rows;
-  int32_t* pidx = a.pidx + size_t(prob) * rows;
   int32_t* cnt = a.cnt + size_t(prob) * C;
   float* cout = a.cent + size_t(h) * C * a.d + size_t(C) * off;
-  float* c = a.smem_cent ? reinterpret_cast<float*>(smem4) : cout;
+  // Centroids, batch sums and batch counts: shared memory (cent | sums | counts) or global.
+  float* c = cout;
+  unsigned long long* sums = a.sums + size_t(h) * C * a.d + size_t(C) * off;
+  int32_t* bcnt = a.bcnt + size_t(prob) * C;
+  if (a.in_smem) {
+    c = reinterpret_cast<float*>(smem4);
+    sums = reinterpret_cast<unsigned long long*>(smem4 + (size_t(C) * db + 3) / 4);
+    bcnt = reinterpret_cast<int32_t*>(sums + size_t(C) * db);
+  }
 
   // Compaction of the non-zero, normalised rows (row order r * gq + g).
   int npts = 0;
@@ -359,80 +390,52 @@ __global__ void __launch_bounds__(kKmThreads) kmeans_kernel(const __grid_constan
     }
     __syncthreads();
 
-    if (a.full) {
-      // ---- Lloyd ----
-      for (int it = 1; it <= a.iters; ++it) {
-        assign_points<CH>(P, db, c, C, npts, asg, [](int i) { return i; });
+    // ---- updates: a batch (mini-batch) or all points (Lloyd) per step ----
+    // Sculley's sequential updates of centroid j by its batch rows x_1..x_K, c <- (1 - 1/n) c + x / n
+    // with n = n0 + 1, ..., n0 + K, telescope to c = (n0 c0 + sum_k x_k) / (n0 + K): that closed
+    // form is applied (float64, from the fixed-point sums), then the projection to the sphere.
+    // Lloyd: c_j = sum of its points, normalised; an empty cluster keeps its centroid.
+    const int B = a.full ? npts : max(1, min(a.batch, npts));
+    for (int it = 1; it <= a.iters; ++it) {
+      const Perm pm = make_perm(uint32_t(npts), rnd(key, 0x5EED000000000000ull + uint64_t(it)));
+      for (int start = 0; start < npts; start += B) {
+        const int nb = min(B, npts - start);
+        for (int e = tid; e < C * db; e += kKmThreads) sums[e] = 0ull;
+        for (int j = tid; j < C; j += kKmThreads) bcnt[j] = 0;
+        __syncthreads();
+        if (a.full) assign_points<CH>(P, db, c, C, nb, sums, bcnt, [](int i) { return i; });
+        else assign_points<CH>(P, db, c, C, nb, sums, bcnt, [&](int i) { return int(perm_apply(pm, uint32_t(start + i))); });
         __syncthreads();
         for (int j = warp; j < C; j += kKmWarps) {
-          double acc[kMaxDb / 32];
-#pragma unroll
-          for (int w = 0; w < kMaxDb / 32; ++w) acc[w] = 0;
-          int count = 0;
-          for (int q0 = 0; q0 < npts; q0 += 32) {
-            const int qi = q0 + lane;
-            unsigned bal = __ballot_sync(0xffffffffu, qi < npts && asg[qi] == j);
-            while (bal) {
-              const int k = __ffs(bal) - 1;
-              bal &= bal - 1;
-              const float* x = P + size_t(q0 + k) * db;
-              ++count;
-#pragma unroll
-              for (int w = 0; w < kMaxDb / 32; ++w)
-                if (lane + 32 * w < db) acc[w] += x[lane + 32 * w];
+          const int K = bcnt[j];
+          if (!K) continue;  // untouched (Lloyd: empty) -- keeps its centroid
+          float* cj = c + size_t(j) * db;
+          const unsigned long long* sj = sums + size_t(j) * db;
+          if (a.full) {
+            double s = 0;
+            for (int i = lane; i < db; i += 32) {
+              const double v = double(static_cast<long long>(sj[i])) * kUnfix;
+              s += v * v;
             }
+            s = warp_sum(s);
+            if (s <= 0) continue;
+            const double inv = 1.0 / sqrt(s);
+            for (int i = lane; i < db; i += 32) cj[i] = float(double(static_cast<long long>(sj[i])) * kUnfix * inv);
+          } else {
+            const int n0 = cnt[j], n = n0 + K;
+            for (int i = lane; i < db; i += 32)
+              cj[i] = float((double(n0) * cj[i] + double(static_cast<long long>(sj[i])) * kUnfix) / double(n));
+            __syncwarp();
+            if (lane == 0) cnt[j] = n;
+            warp_normalise(cj, db, lane);
           }
-          if (!count) continue;  // empty: keep the old centroid
-          double s = 0;
-#pragma unroll
-          for (int w = 0; w < kMaxDb / 32; ++w) s += acc[w] * acc[w];
-          s = warp_sum(s);
-          if (s <= 0) continue;
-          const double inv = 1.0 / sqrt(s);
-#pragma unroll
-          for (int w = 0; w < kMaxDb / 32; ++w)
-            if (lane + 32 * w < db) c[size_t(j) * db + lane + 32 * w] = float(acc[w] * inv);
         }
         __syncthreads();
-      }
-    } else {
-      // ---- mini-batch (Sculley) on the sphere ----
-      const int B = max(1, min(a.batch, npts));
-      for (int it = 1; it <= a.iters; ++it) {
-        const Perm pm = make_perm(uint32_t(npts), rnd(key, 0x5EED000000000000ull + uint64_t(it)));
-        for (int start = 0; start < npts; start += B) {
-          const int nb = min(B, npts - start);
-          for (int r = tid; r < nb; r += kKmThreads) pidx[r] = int32_t(perm_apply(pm, uint32_t(start + r)));
-          __syncthreads();
-          assign_points<CH>(P, db, c, C, nb, asg, [&](int i) { return pidx[i]; });
-          __syncthreads();
-          for (int j = warp; j < C; j += kKmWarps) {
-            float* cj = c + size_t(j) * db;
-            int n = cnt[j];
-            bool touched = false;
-            for (int r0 = 0; r0 < nb; r0 += 32) {
-              unsigned bal = __ballot_sync(0xffffffffu, r0 + lane < nb && asg[r0 + lane] == j);
-              while (bal) {
-                const int k = __ffs(bal) - 1;
-                bal &= bal - 1;
-                const float* x = P + size_t(pidx[r0 + k]) * db;
-                const float eta = float(1.0 / double(++n));
-                for (int i = lane; i < db; i += 32) cj[i] = (1.f - eta) * cj[i] + eta * x[i];
-                touched = true;
-              }
-            }
-            if (touched) {
-              if (lane == 0) cnt[j] = n;
-              warp_normalise(cj, db, lane);
-            }
-          }
-          __syncthreads();
-        }
       }
     }
   }
   __syncthreads();
-  if (a.smem_cent)
+  if (a.in_smem)
     for (int e = tid; e < C * db; e += kKmThreads) cout[e] = c[e];
 }
 
@@ -627,7 +630,7 @@ __global__ void out_kernel(const unsigned long long* keys, int64_t total, KeyFmt
 
 // ---- host side -----------------------------------------------------------------------------------
 struct Layout {
-  size_t P = 0, d2 = 0, asg = 0, pidx = 0, cnt = 0, S = 0, tidx = 0, kA = 0, kB = 0, offs = 0, cub = 0, topk = 0;
+  size_t P = 0, d2 = 0, cnt = 0, sums = 0, bcnt = 0, S = 0, tidx = 0, kA = 0, kB = 0, offs = 0, cub = 0, topk = 0;
   size_t cub_bytes = 0, topk_bytes = 0, total = 0;
 };
 
@@ -676,9 +679,9 @@ Layout layout(const CsaBuildShape& s, int32_t S) {
   };
   l.P = take(4 * rows * s.table_heads * s.head_dim);
   l.d2 = take(4 * rows * probs);
-  l.asg = take(4 * rows * probs);
-  l.pidx = take(4 * rows * probs);
   l.cnt = take(4 * size_t(s.C) * probs);
+  l.sums = take(8 * size_t(s.C) * s.head_dim * s.table_heads);
+  l.bcnt = take(4 * size_t(s.C) * probs);
   l.S = take(4 * lists * size_t(s.tokens));
   l.tidx = take(4 * items);
   if (s.L > kSortSmem) {  // lists sorted by CUB in global memory
@@ -745,9 +748,9 @@ Status csa_build(const CsaBuildShape& s, const CsaKmeans& km, const float* q_sam
   a.q = q_sample;
   a.P = reinterpret_cast<float*>(w + l.P);
   a.d2 = reinterpret_cast<float*>(w + l.d2);
-  a.asg = reinterpret_cast<int32_t*>(w + l.asg);
-  a.pidx = reinterpret_cast<int32_t*>(w + l.pidx);
   a.cnt = reinterpret_cast<int32_t*>(w + l.cnt);
+  a.sums = reinterpret_cast<unsigned long long*>(w + l.sums);
+  a.bcnt = reinterpret_cast<int32_t*>(w + l.bcnt);
   a.cent = cent;
   a.gq = s.per_query_head ? 1 : G;
   a.rows = int64_t(sample_rows) * a.gq;
@@ -760,12 +763,13 @@ Status csa_build(const CsaBuildShape& s, const CsaKmeans& km, const float* q_sam
     maxdb = std::max(maxdb, s.db[b]);
     alldiv4 &= s.db[b] % 4 == 0;
   }
-  const size_t cent_smem = 4 * size_t(s.C) * maxdb;
-  a.smem_cent = cent_smem <= kCentSmemMax;
-  const size_t smem = a.smem_cent ? cent_smem : 0;
+  // Shared memory: centroids (padded to 16 bytes), fixed-point batch sums, batch counts.
+  const size_t km_smem = 16 * ((size_t(s.C) * maxdb + 3) / 4) + 8 * size_t(s.C) * maxdb + 4 * size_t(s.C);
+  a.in_smem = km_smem <= kKmSmemMax;
+  const size_t smem = a.in_smem ? km_smem : 0;
   const int grid = s.table_heads * s.m;
   Status st_km;
-  if (!a.smem_cent || !alldiv4 || maxdb > 64) st_km = launch_kmeans<0>(a, grid, smem, st);
+  if (!a.in_smem || !alldiv4 || maxdb > 64) st_km = launch_kmeans<0>(a, grid, smem, st);
   else if (maxdb <= 16) st_km = launch_kmeans<16>(a, grid, smem, st);
   else if (maxdb <= 32) st_km = launch_kmeans<32>(a, grid, smem, st);
   else st_km = launch_kmeans<64>(a, grid, smem, st);

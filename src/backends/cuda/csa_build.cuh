@@ -12,11 +12,13 @@
 //     per-KV-head mode, gq = 1 with per_query_head reading query head h). Zero sub-vectors stay
 //     zero and take no part. Seeding is k-means++ over the non-zero rows (D^2 = 2 - 2 max_j x.c_j),
 //     then `iters` epochs of Sculley's mini-batch updates (per-centroid rate 1/count, touched
-//     centroids projected back to the sphere after each batch) over a fresh pseudo-random
-//     permutation of the rows, or `iters` full-batch Lloyd iterations (c_j = normalised sum of its
-//     rows, empty clusters keep their centroid) when full_batch. The algorithm is kmeans.cpp's; the
-//     random stream is not (a counter-based hash keyed by seed + h * 8191 + b, as the CPU keys its
-//     mt19937_64, so results depend on (seed, h, b) only, never on the launch).
+//     centroids projected back to the sphere after each batch; the K sequential updates of a
+//     centroid within a batch are applied in their exact closed form (n0 c + sum x) / (n0 + K))
+//     over a fresh pseudo-random permutation of the rows, or `iters` full-batch Lloyd iterations
+//     (c_j = normalised sum of its rows, empty clusters keep their centroid) when full_batch. The
+//     algorithm is kmeans.cpp's; the random stream is not (a counter-based hash keyed by
+//     seed + h * 8191 + b, as the CPU keys its mt19937_64). Sums are accumulated in fixed point,
+//     so the whole build is deterministic.
 //  2. For every centroid j: s_t = c_j^(b) . k_t^(b) over the raw key sub-vectors of tokens t < N,
 //     fp32 products summed in dimension order without FMA contraction, stored as fp16
 //     (round-to-nearest-even) when f16_scores; the list is the top L tokens by (stored score desc,
@@ -29,10 +31,10 @@
 //   idx  [TH][m][C][L] int32, val [TH][m][C][L] (uint16 fp16 bits when f16_scores, else fp32).
 //
 // Launches (no host sync, no allocation; graph-capturable): one k-means kernel (a CTA per (h, b)
-// problem: compaction + normalisation of the rows, seeding, updates; the centroids live in shared
-// memory when C * db fits in 160 KiB, else in `cent` itself), then per table head: the score kernel
-// ([m*C][N] fp32 scores in the workspace), topk_rows (topk.cuh) with k = L, and the ordering of
-// the lists: a CTA per list sorting 64-bit keys (ordered score bits, then the complemented token)
+// problem: compaction + normalisation of the rows, seeding, updates; the centroids and batch sums
+// live in shared memory when they fit in 200 KiB, else in `cent` and the workspace), then per
+// table head: the score kernel ([m*C][N] fp32 scores in the workspace), topk_rows (topk.cuh) with
+// k = L, and the ordering of the lists: a CTA per list sorting 64-bit keys (ordered score bits, then the complemented token)
 // in shared memory (bitonic, L <= 16384), or for longer lists the keys in global memory through
 // CUB's segmented radix sort (DeviceSegmentedRadixSort: one pass sequence, no host round trip;
 // DeviceSegmentedSort is avoided because above 500 segments it copies group sizes to the host and
@@ -73,7 +75,8 @@ struct CsaKmeans {
 
 // Workspace of csa_build for this shape and sample size (0 on an invalid shape). Holds, 256-byte
 // aligned each: the normalised query rows (4 * sample_rows * Hq * d bytes in either mode), per
-// (h, b) problem three 4-byte values per pooled row (sample_rows * gq) and one per centroid, the
+// (h, b) problem 4 bytes per pooled row (sample_rows * gq) and 8 per centroid, fixed-point
+// centroid sums (8 * TH * C * d; used only when the k-means state overflows shared memory), the
 // scores of one table head (4 * m * C * N bytes: 256 MiB at N = 128K, m * C = 512) and its lists'
 // top-L tokens (4 * m * C * L); lists longer than 16384 add two arrays of 64-bit sort keys
 // (16 * m * C * L), the segment offsets and CUB's scratch. Same device current as the call.
