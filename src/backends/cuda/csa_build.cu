@@ -59,7 +59,7 @@ namespace kvs::cuda {
 namespace {
 
 constexpr int kMaxM = 256;             // subspaces per head
-constexpr int kMaxDb = 512;            // dims per subspace (Lloyd's per-lane float64 sums: 16 per lane)
+constexpr int kMaxDb = 512;            // dims per subspace (a limit of this code, not of the method)
 constexpr int kKmThreads = 512;        // k-means CTA
 constexpr int kKmWarps = kKmThreads / 32;
 constexpr size_t kKmSmemMax = 200 * 1024;    // k-means state in shared memory up to this size
