@@ -19,7 +19,8 @@
 //    L = N and L = 1; N not a multiple of the page size; mini-batch and Lloyd; iters = 0; a C too
 //    large for shared memory (centroids in global memory); lists longer than 16384 (CUB's sort).
 //  - timing (not in small mode, printed only): N = 131072, Hkv = 8, G = 4, d = 128, m = 8, C = 64,
-//    L = 13107, 8192 sampled query rows.
+//    L = 13107, 8192 sampled query rows (32768 pooled rows per problem); again with iters = 0, and
+//    with 2048 sampled rows (the CPU method's default sample of 8192 / G per KV head).
 // Keys and queries are random (never zero, except the deliberately zeroed query sub-vectors);
 // outputs are poisoned before every call. Entry points (main is in test_cuda_attention.cu):
 // run_csa_build_tests(small) returns the failures, run_csa_build_passed() the passes.
@@ -600,6 +601,13 @@ int run_csa_build_tests(bool small) {
     c.L = 13107;
     c.batch = 1024;
     c.timing = true;
+    run_case(c);
+    c.name = "timing_seeding_only";  // the same without the mini-batch epochs (where the time goes)
+    c.iters = 0;
+    run_case(c);
+    c.name = "timing_sample2048";  // the CPU method's default: 8192 / G prompt queries kept per KV head
+    c.iters = 10;
+    c.S = 2048;
     run_case(c);
   }
   return g_fail - before;
