@@ -21,6 +21,7 @@
 //  - timing (not in small mode, printed only): N = 131072, Hkv = 8, G = 4, d = 128, m = 8, C = 64,
 //    L = 13107, 8192 sampled query rows (32768 pooled rows per problem); again with iters = 0, and
 //    with 2048 sampled rows (the CPU method's default sample of 8192 / G per KV head).
+//  - determinism: a second build into poisoned outputs gives the same bytes; refused shapes.
 // Keys and queries are random (never zero, except the deliberately zeroed query sub-vectors);
 // outputs are poisoned before every call. Entry points (main is in test_cuda_attention.cu):
 // run_csa_build_tests(small) returns the failures, run_csa_build_passed() the passes.
@@ -83,6 +84,13 @@ struct DevBuf {
   template <typename T>
   T* as() const { return static_cast<T*>(p); }
 };
+
+template <typename T>
+std::vector<T> download(const void* p, size_t count) {
+  std::vector<T> h(count);
+  if (count) CCK(cudaMemcpy(h.data(), p, count * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
 
 uint16_t enc(float x, Scalar t) {
   uint16_t u;
@@ -263,6 +271,22 @@ void run_case(const CsaCase& c) {
   if (c.f16) CCK(cudaMemcpy(v16.data(), dval.p, v16.size() * 2, cudaMemcpyDeviceToHost));
   else CCK(cudaMemcpy(v32.data(), dval.p, v32.size() * 4, cudaMemcpyDeviceToHost));
   auto gval = [&](size_t e) { return c.f16 ? kvs::csa::score_f(v16[e]) : v32[e]; };
+
+  // ---- determinism: a second build into poisoned outputs gives the same bytes ----
+  {
+    CCK(cudaMemset(dcent.p, 0xFF, size_t(TH) * c.C * d * 4));
+    CCK(cudaMemset(didx.p, 0xFF, TH * per_head * 4));
+    CCK(cudaMemset(dval.p, 0xFF, TH * per_head * vb));
+    const kvs::cuda::Status s2 = call();
+    CCK(cudaStreamSynchronize(st));
+    bool same = s2.ok();
+    if (same) {
+      same = download<float>(dcent.p, cent.size()) == cent && download<int32_t>(didx.p, idx.size()) == idx;
+      if (c.f16) same = same && download<uint16_t>(dval.p, v16.size()) == v16;
+      else same = same && std::memcmp(download<float>(dval.p, v32.size()).data(), v32.data(), v32.size() * 4) == 0;
+    }
+    report(same, name + " deterministic", "");
+  }
 
   if (c.timing) {
     cudaEvent_t e0, e1;
@@ -479,12 +503,61 @@ void run_case(const CsaCase& c) {
 
 }  // namespace
 
+// Refused shapes: workspace size 0 and INVALID_ARGUMENT, nothing launched.
+void run_invalid() {
+  std::vector<int32_t> off = {0, 32}, db = {32, 32};
+  kvs::cuda::CsaBuildShape sh;
+  sh.tokens = 100;
+  sh.num_q_heads = 8;
+  sh.num_kv_heads = 2;
+  sh.head_dim = 64;
+  sh.table_heads = 2;
+  sh.m = 2;
+  sh.off = off.data();
+  sh.db = db.data();
+  sh.C = 8;
+  sh.L = 10;
+  bool ok = kvs::cuda::csa_build_workspace_bytes(sh, 16) > 0;  // the valid shape
+  auto refused = [&](kvs::cuda::CsaBuildShape bad, int S) { return kvs::cuda::csa_build_workspace_bytes(bad, S) == 0; };
+  kvs::cuda::CsaBuildShape b = sh;
+  b.L = 101;  // L > N
+  ok &= refused(b, 16);
+  b = sh;
+  b.C = 65;  // C > sample rows * G = 64
+  ok &= refused(b, 16);
+  b = sh;
+  b.table_heads = 8;  // per-KV-head tables are Hkv
+  ok &= refused(b, 16);
+  std::vector<int32_t> db_bad = {32, 31};
+  b = sh;
+  b.db = db_bad.data();  // sizes not summing to d
+  ok &= refused(b, 16);
+  // csa_build itself: a workspace too small is refused before any launch.
+  DevBuf small(256);
+  kvs::cuda::PagedKv kv;
+  kv.pages = reinterpret_cast<const void* const*>(small.p);
+  kv.max_pages = 1;
+  kv.page_tokens = 128;
+  kv.page_shift = 7;
+  kvs::cuda::CsaKmeans km;
+  const kvs::cuda::Status st = kvs::cuda::csa_build(sh, km, small.as<float>(), 16, kv, Scalar::BF16, small.as<float>(),
+                                                    small.as<int32_t>(), small.p, kvs::cuda::Workspace{small.p, 256},
+                                                    nullptr);
+  ok &= st.code == KVS_STATUS_INVALID_ARGUMENT;
+  const kvs::cuda::Status st2 = kvs::cuda::csa_build(sh, km, small.as<float>(), 16, kv, Scalar::F32, small.as<float>(),
+                                                     small.as<int32_t>(), small.p, kvs::cuda::Workspace{small.p, 256},
+                                                     nullptr);
+  ok &= st2.code == KVS_STATUS_UNSUPPORTED;
+  report(ok, "csa_build refused shapes", "");
+}
+
 int run_csa_build_passed() { return g_pass; }
 
 int run_csa_build_tests(bool small) {
   g_small = small;
   const int before = g_fail;
   auto sz = [&](int big, int tiny) { return small ? tiny : big; };
+  run_invalid();
   {
     CsaCase c;  // d=128, m=8 x 16 dims, per KV head, bf16 keys, f16 scores; N not a page multiple
     c.name = "base";
