@@ -36,7 +36,8 @@
 //       "worse" order (lower score first, equal scores: larger token first), and the key decodes
 //       back to (token, stored value). Lists of L <= 16384: list_sort_kernel, a CTA per list, the
 //       keys gathered from S by the top-k's tokens and bitonic-sorted in shared memory, then idx/val
-//       written. Longer lists: key_kernel to global memory, cub::DeviceSegmentedRadixSort over the
+//       written; with fp16 scores the key is 32 bits, (score bits << 14) | (16383 - list position),
+//       the position standing for the token (the top-k lists tokens ascending). Longer lists: key_kernel to global memory, cub::DeviceSegmentedRadixSort over the
 //       m * C segments (only the 16 + tb or 32 + tb key bits), out_kernel.
 #include "backends/cuda/csa_build.cuh"
 #include "backends/cuda/launch.cuh"
@@ -581,17 +582,34 @@ __device__ __forceinline__ void store_entry(unsigned long long key, const KeyFmt
 }
 
 // One CTA per list (L <= kSortSmem): the L keys (scores gathered from S by the top-k's tokens) in
-// shared memory, padded to P2 = 2^ceil(log2 L) with ~0, a bitonic sort, then idx/val written.
+// shared memory, padded to P2 = 2^ceil(log2 L) with ~0 (above every real key), a bitonic sort,
+// then idx/val written. K = uint32 (fp16 scores only): the key holds the list position i instead
+// of the token -- (ord16 << 14) | (16383 - i) -- since the top-k lists tokens ascending, position
+// order is token order; the token is read back from the top-k output. Half the shared-memory
+// traffic and footprint of the 64-bit keys (K = uint64: make_key's format).
+template <typename K>
 __global__ void __launch_bounds__(1024) list_sort_kernel(const float* S, int32_t N, const int32_t* tidx, int32_t L,
                                                          int32_t P2, KeyFmt f, int32_t* idx, void* val) {
-  extern __shared__ unsigned long long keys[];
+  extern __shared__ float4 sort_smem4[];
+  K* keys = reinterpret_cast<K*>(sort_smem4);
+  constexpr bool k32 = sizeof(K) == 4;
+  constexpr uint32_t kPosMask = kSortSmem - 1;  // 14 bits of list position
   const int64_t row = blockIdx.x;
   const int nt = blockDim.x;
+  const int32_t* trow = tidx + row * L;
   for (int i = threadIdx.x; i < P2; i += nt) {
-    unsigned long long k = ~0ull;
+    K k = K(~K(0));
     if (i < L) {
-      const uint32_t t = uint32_t(tidx[row * L + i]);
-      k = make_key(S[size_t(row) * N + t], t, f);
+      const uint32_t t = uint32_t(trow[i]);
+      float s = S[size_t(row) * N + t];
+      if constexpr (k32) {
+        if (s == 0.f) s = 0.f;  // -0 orders as +0
+        const uint32_t h = __half_as_ushort(__float2half_rn(s));
+        const uint32_t ord = (h & 0x8000u) ? (~h & 0xFFFFu) : (h | 0x8000u);
+        k = K((ord << 14) | (kPosMask - uint32_t(i)));
+      } else {
+        k = K(make_key(s, t, f));
+      }
     }
     keys[i] = k;
   }
@@ -601,12 +619,21 @@ __global__ void __launch_bounds__(1024) list_sort_kernel(const float* S, int32_t
       for (int i = threadIdx.x; i < P2 / 2; i += nt) {
         const int lo = ((i & ~(j - 1)) << 1) | (i & (j - 1)), hi = lo + j;
         const bool up = (lo & k) == 0;
-        const unsigned long long a = keys[lo], b = keys[hi];
+        const K a = keys[lo], b = keys[hi];
         if ((a > b) == up) keys[lo] = b, keys[hi] = a;
       }
       __syncthreads();
     }
-  for (int i = threadIdx.x; i < L; i += nt) store_entry(keys[i], f, idx, val, row * L + i);
+  for (int i = threadIdx.x; i < L; i += nt) {
+    if constexpr (k32) {
+      const uint32_t key = uint32_t(keys[i]);
+      const uint32_t pos = kPosMask - (key & kPosMask), ord = key >> 14;
+      idx[row * L + i] = trow[pos];
+      static_cast<uint16_t*>(val)[row * L + i] = uint16_t((ord & 0x8000u) ? (ord & 0x7FFFu) : (~ord & 0xFFFFu));
+    } else {
+      store_entry(keys[i], f, idx, val, row * L + i);
+    }
+  }
 }
 
 // Longer lists: keys to global memory, CUB's segmented radix sort, then idx/val.
@@ -785,11 +812,19 @@ Status csa_build(const CsaBuildShape& s, const CsaKmeans& km, const float* q_sam
   int32_t P2 = 1;
   while (P2 < s.L) P2 <<= 1;
   const int sort_threads = std::min(1024, std::max(32, P2 / 2));
-  const size_t sort_smem = size_t(P2) * 8;
+  const bool sort32 = s.f16_scores;  // 32-bit keys (score, list position) for fp16 scores
+  const size_t sort_smem = size_t(P2) * (sort32 ? 4 : 8);
   if (smem_sort) {
-    if (sort_smem > 48 * 1024)
-      KVS_CUDA_TRY(cudaFuncSetAttribute(list_sort_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sort_smem)),
-                   "csa_build: cudaFuncSetAttribute (list sort)");
+    if (sort_smem > 48 * 1024) {
+      if (sort32)
+        KVS_CUDA_TRY(cudaFuncSetAttribute(list_sort_kernel<uint32_t>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          int(sort_smem)),
+                     "csa_build: cudaFuncSetAttribute (list sort)");
+      else
+        KVS_CUDA_TRY(cudaFuncSetAttribute(list_sort_kernel<unsigned long long>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, int(sort_smem)),
+                     "csa_build: cudaFuncSetAttribute (list sort)");
+    }
   } else {
     offsets_kernel<<<(lists + 256) / 256, 256, 0, st>>>(reinterpret_cast<int32_t*>(w + l.offs), lists, s.L);
     KVS_LAUNCH_CHECK("csa_build: offsets launch");
@@ -812,7 +847,11 @@ Status csa_build(const CsaBuildShape& s, const CsaKmeans& km, const float* q_sam
     int32_t* idx_h = idx + size_t(h) * items;
     void* val_h = static_cast<char*>(val) + size_t(h) * items * vb;
     if (smem_sort) {
-      list_sort_kernel<<<lists, sort_threads, sort_smem, st>>>(S, s.tokens, tidx, s.L, P2, kf, idx_h, val_h);
+      if (sort32)
+        list_sort_kernel<uint32_t><<<lists, sort_threads, sort_smem, st>>>(S, s.tokens, tidx, s.L, P2, kf, idx_h, val_h);
+      else
+        list_sort_kernel<unsigned long long>
+            <<<lists, sort_threads, sort_smem, st>>>(S, s.tokens, tidx, s.L, P2, kf, idx_h, val_h);
       KVS_LAUNCH_CHECK("csa_build: list sort launch");
     } else {
       auto* kA = reinterpret_cast<unsigned long long*>(w + l.kA);
