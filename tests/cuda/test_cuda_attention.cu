@@ -4,7 +4,8 @@
 // shuffled pool order, NaN wherever no valid token lives). Prints "N passed, M failed"; exit 0 iff
 // all pass. Exits 77 with "SKIPPED: no CUDA device" where no device is usable. Also runs the
 // session tests (unless KVS_NO_SESSION_TESTS) and, where the build defines KVS_HAVE_TOPK_TESTS /
-// KVS_HAVE_QUEST_TESTS, the top-k and quest kernel tests, counting them in the final line.
+// KVS_HAVE_QUEST_TESTS / KVS_HAVE_CSA_BUILD_TESTS, the top-k, quest and CSAttention index-build
+// kernel tests, counting them in the final line.
 // Usage: test_cuda_attention [--small]   (--small: short contexts only, for compute-sanitizer)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -651,6 +652,10 @@ int run_topk_passed();
 int run_quest_tests(bool small);  // quest kernels' tests; returns failures
 int run_quest_passed();
 #endif
+#ifdef KVS_HAVE_CSA_BUILD_TESTS
+int run_csa_build_tests(bool small);  // CSAttention index build (test_cuda_csa_build.cu); returns failures
+int run_csa_build_passed();
+#endif
 
 int main(int argc, char** argv) {
   install_crash_report();
@@ -845,6 +850,10 @@ int main(int argc, char** argv) {
 #ifdef KVS_HAVE_QUEST_TESTS
   other_failures += run_quest_tests(g_small);
   other_passed += run_quest_passed();
+#endif
+#ifdef KVS_HAVE_CSA_BUILD_TESTS
+  other_failures += run_csa_build_tests(g_small);
+  other_passed += run_csa_build_passed();
 #endif
   std::printf("%d passed, %d failed\n", g_pass + other_passed, g_fail + other_failures);
   return g_fail == 0 && other_failures == 0 ? 0 : 1;
