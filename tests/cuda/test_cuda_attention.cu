@@ -660,11 +660,12 @@ int run_csa_build_passed();
 int main(int argc, char** argv) {
   install_crash_report();
   int stress = 0;
-  bool only_csa = false;
+  bool only_csa = false, only_csa_build = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--small") g_small = true;
     if (a == "--only-csattention") only_csa = true;  // the csattention session tests alone
+    if (a == "--only-csa-build") only_csa_build = true;  // the csattention index build tests alone
     if (a == "--pdl-stress" && i + 1 < argc) stress = std::atoi(argv[++i]);
     if (a == "--pdl-wait-first") kvs::cuda::detail::set_pdl_wait_first(true);
   }
@@ -675,6 +676,9 @@ int main(int argc, char** argv) {
   }
 #ifndef KVS_NO_SESSION_TESTS
   if (only_csa) return run_csattention_tests(g_small) ? 1 : 0;
+#endif
+#ifdef KVS_HAVE_CSA_BUILD_TESTS
+  if (only_csa_build) return run_csa_build_tests(g_small) ? 1 : 0;
 #endif
   const Scalar BF = Scalar::BF16, F16 = Scalar::F16, F32 = Scalar::F32;
   const int L = g_small ? 1000 : 70000;  // long context

@@ -21,16 +21,13 @@
 #include <memory>
 #include <vector>
 
+#include "backends/cuda/csa_build.cuh"
 #include "backends/cuda/csattention.cuh"
 #include "backends/cuda/cuda_util.hpp"
 #include "backends/cuda/device_method.hpp"
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "methods/csattention/csattention.hpp"
-#if __has_include("backends/cuda/csa_build.cuh")
-#include "backends/cuda/csa_build.cuh"
-#define KVS_HAVE_CSA_BUILD 1
-#endif
 
 namespace kvs {
 namespace {
@@ -123,7 +120,6 @@ class CsaCuda final : public DeviceMethod {
     const int64_t N = v.tokens;
     if (L.sampled <= 0)
       fail(KVS_STATUS_INVALID_STATE, "csattention: layer " + std::to_string(layer) + " has no prompt queries to cluster");
-#ifdef KVS_HAVE_CSA_BUILD
     if (P_.km.init_queries)
       fail(KVS_STATUS_UNSUPPORTED, "method_params: csattention init=queries is not supported by the GPU index build; "
                                    "build on the cpu backend and load the tables");
@@ -164,10 +160,6 @@ class CsaCuda final : public DeviceMethod {
     if (double(L.t.bytes()) > kvb)
       logf(LogLevel::Warn, "csattention: layer %u tables (%.1f MiB) exceed its KV cache (%.1f MiB); lower centroids or list_frac",
            layer, double(L.t.bytes()) / 1048576.0, kvb / 1048576.0);
-#else
-    (void)N;
-    fail(KVS_STATUS_UNSUPPORTED, "csattention: this build has no GPU index build; build the index on the cpu backend and load the tables");
-#endif
   }
 
   void reserve(uint32_t layer, int64_t tokens, void* stream) override {
