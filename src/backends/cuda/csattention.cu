@@ -61,6 +61,12 @@ __device__ void sift_down(int32_t* idx, void* val, int64_t L, int64_t i) {
   for (;;) {
     int64_t c = 2 * i + 1;
     if (c >= L) break;
+    // The node's descendants three levels down (8 consecutive entries) into L2 now, so a path
+    // through a cold heap waits for memory once every three levels (csattention.hpp does the same).
+    if (const int64_t g = 8 * i + 7; g < L) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(idx + g));
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(v + g));
+    }
     float cf = val_at<F16>(val, c);
     if (c + 1 < L) {
       const float rf = val_at<F16>(val, c + 1);
@@ -175,29 +181,32 @@ __device__ __forceinline__ float load_q(const void* q, bool f32, int64_t i) {
 }
 
 // One launch for the work that precedes the scatter and is independent: per row, fill_y CTAs reset
-// the accumulator (the first also picks the lists), then the streaming update's CTAs.
+// the accumulator and one picks the lists; then the streaming update's CTAs.
 template <typename KT, bool F16>
 __global__ void __launch_bounds__(kThreads) pick_kernel(PickArgs a, InsertArgs ia) {
   extern __shared__ float qv[];  // [gq][d]
   __shared__ int32_t pid[512];
   __shared__ float pw[512];
-  const int fy = a.fill_y, nrow_ctas = a.rows * fy;
+  const int fy = a.fill_y, nrow_ctas = a.rows * (fy + 1);
   if (int(blockIdx.x) >= nrow_ctas) {
     const int i = int(blockIdx.x) - nrow_ctas;
     insert_block<KT, F16>(ia, i / kInsertCtas, i % kInsertCtas);
     return;
   }
-  const int row = int(blockIdx.x) / fy, yb = int(blockIdx.x) % fy, TH = a.cfg.TH;
+  const int row = int(blockIdx.x) / (fy + 1), yb = int(blockIdx.x) % (fy + 1), TH = a.cfg.TH;
   const int b = row / TH, h = row % TH;
   const CsaSession s = a.ss[b];
   const bool search = s.search == 1;
   float* acc = a.acc + int64_t(row) * a.stride;
-  if (search) {  // this CTA's slice of [0, w_begin) becomes untouched
-    const int64_t n = s.w_begin, per = (n + fy - 1) / fy;
-    const int64_t beg = int64_t(yb) * per, end = min(n, beg + per);
-    for (int64_t t = beg + threadIdx.x; t < end; t += blockDim.x) acc[t] = __uint_as_float(kUntouched);
+  if (yb < fy) {  // this CTA's slice of [0, w_begin) becomes untouched
+    if (search) {
+      const int64_t n = s.w_begin, per = (n + fy - 1) / fy;
+      const int64_t beg = int64_t(yb) * per, end = min(n, beg + per);
+      for (int64_t t = beg + threadIdx.x; t < end; t += blockDim.x) acc[t] = __uint_as_float(kUntouched);
+    }
+    return;
   }
-  if (yb != 0) return;
+  // The row's last CTA: the picks.
   if (threadIdx.x == 0) {
     a.row_len[row] = search ? s.w_begin : 0;
     a.row_k[row] = search ? s.rest : 0;
@@ -266,35 +275,33 @@ __global__ void __launch_bounds__(kThreads) pick_kernel(PickArgs a, InsertArgs i
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    const int np = gq * m;
-    for (int i = 1; i < np; ++i) {  // insertion sort by list (stable)
-      const int32_t k = pid[i];
-      const float wv = pw[i];
-      int j = i - 1;
-      for (; j >= 0 && pid[j] > k; --j) {
-        pid[j + 1] = pid[j];
-        pw[j + 1] = pw[j];
-      }
-      pid[j + 1] = k;
-      pw[j + 1] = wv;
-    }
-    int cnt = 0;
-    for (int i = 0; i < np;) {
-      float wsum = 0.f;
-      int j = i;
-      for (; j < np && pid[j] == pid[i]; ++j) wsum = __fadd_rn(wsum, pw[j]);
-      const int sub = pid[i] / s.C, cj = pid[i] % s.C;
-      const int64_t base = ((int64_t(h) * m + sub) * s.C + cj) * s.L;
-      const int64_t slot = int64_t(row) * a.P + cnt;
-      a.pk_base[slot] = base;
-      a.pk_w[slot] = wsum;
-      a.pk_off[slot] = a.cfg.missing_min ? -__fmul_rn(wsum, val_at<F16>(s.val, base)) : 0.f;
-      ++cnt;
-      i = j;
-    }
-    a.pk_n[row] = cnt;
+  // The distinct lists, each with the summed weight of the picks naming it (in pick order), in
+  // parallel: a thread per pick (one thread doing it all took 20 us of dependent shared-memory
+  // accesses). The lists' order is free: the scatter's atomics add in any order anyway.
+  __shared__ int first[512];
+  __shared__ int cnt;
+  const int np = gq * m;
+  if (threadIdx.x == 0) cnt = 0;
+  for (int i = threadIdx.x; i < np; i += blockDim.x) {
+    int f = 1;
+    for (int j = 0; j < i; ++j) f &= pid[j] != pid[i];
+    first[i] = f;
   }
+  __syncthreads();
+  for (int i = threadIdx.x; i < np; i += blockDim.x) {
+    if (!first[i]) continue;
+    float wsum = 0.f;
+    for (int j = i; j < np; ++j)
+      if (pid[j] == pid[i]) wsum = __fadd_rn(wsum, pw[j]);
+    const int sub = pid[i] / s.C, cj = pid[i] % s.C;
+    const int64_t base = ((int64_t(h) * m + sub) * s.C + cj) * s.L;
+    const int64_t slot = int64_t(row) * a.P + atomicAdd(&cnt, 1);
+    a.pk_base[slot] = base;
+    a.pk_w[slot] = wsum;
+    a.pk_off[slot] = a.cfg.missing_min ? -__fmul_rn(wsum, val_at<F16>(s.val, base)) : 0.f;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) a.pk_n[row] = cnt;
 }
 
 struct ScatterArgs {
@@ -327,14 +334,31 @@ __global__ void __launch_bounds__(kThreads) scatter_kernel(ScatterArgs a) {
   const int64_t beg = int64_t(blockIdx.y) * per, end = min(total, beg + per);
   float* acc = a.acc + int64_t(row) * a.stride;
   const int32_t lo = s.s_end, hi = s.w_begin;
-  for (int64_t e = beg + threadIdx.x; e < end; e += blockDim.x) {
-    const int p = int(e / L);
-    const int64_t i = sb[p] + (e - int64_t(p) * L);
-    const int32_t tok = s.idx[i];
-    if (tok < lo || tok >= hi) continue;  // forced keys (sinks, window) are not searched
-    // csattention.cpp: acc[t] += (w * V + off) + 0.0f (never -0.0, so "touched" stays exact)
-    const float v = __fadd_rn(__fadd_rn(__fmul_rn(sw[p], val_at<F16>(s.val, i)), so[p]), 0.f);
-    atomicAdd(acc + tok, v);
+  // kU entries per thread per round, their loads issued before any atomic (memory-level parallelism).
+  constexpr int kU = 8;
+  for (int64_t e0 = beg + threadIdx.x; e0 < end; e0 += int64_t(blockDim.x) * kU) {
+    int32_t tok[kU];
+    float v[kU];
+    int pk[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int64_t e = e0 + int64_t(u) * blockDim.x;
+      tok[u] = -1;
+      if (e < end) {
+        const int p = int(e / L);
+        const int64_t i = sb[p] + (e - int64_t(p) * L);
+        pk[u] = p;
+        tok[u] = s.idx[i];
+        v[u] = val_at<F16>(s.val, i);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      if (tok[u] < lo || tok[u] >= hi) continue;  // forced keys (sinks, window) are not searched
+      // csattention.cpp: acc[t] += (w * V + off) + 0.0f (never -0.0, so "touched" stays exact)
+      const int p = pk[u];
+      atomicAdd(acc + tok[u], __fadd_rn(__fadd_rn(__fmul_rn(sw[p], v[u]), so[p]), 0.f));
+    }
   }
 }
 
@@ -390,9 +414,21 @@ __global__ void __launch_bounds__(kThreads) emit_kernel(EmitArgs a) {
     // search holds keys that left [s_end, w_begin) only when the window moved past them. Without
     // either, the candidates are copied in parallel; else compacted by block-wide ranks.
     bool drop = false;
-    for (int i = threadIdx.x; i < nc; i += blockDim.x) {
-      const int32_t tok = cand[i];
-      drop |= search ? __float_as_uint(acc[tok]) == kUntouched : (tok < s.s_end || tok >= s.w_begin);
+    constexpr int kU = 8;
+    for (int i0 = threadIdx.x; i0 < nc; i0 += blockDim.x * kU) {
+      int32_t tok[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) tok[u] = i0 + u * int(blockDim.x) < nc ? cand[i0 + u * blockDim.x] : -1;
+      if (search) {
+        uint32_t bits[kU];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) bits[u] = tok[u] >= 0 ? __float_as_uint(acc[tok[u]]) : 0u;
+#pragma unroll
+        for (int u = 0; u < kU; ++u) drop |= bits[u] == kUntouched;
+      } else {
+#pragma unroll
+        for (int u = 0; u < kU; ++u) drop |= tok[u] >= 0 && (tok[u] < s.s_end || tok[u] >= s.w_begin);
+      }
     }
     int kept = 0;
     if (!__syncthreads_or(drop)) {
@@ -541,7 +577,7 @@ Status csa_select(const CsaConfig& cfg, const CsaSession* sessions, int32_t B, i
     pa.row_k = row_k;
     pa.rows = L.rows;
     pa.fill_y = int32_t(std::clamp<int64_t>((int64_t(max_length) + 16383) / 16384, 1, 64));
-    const unsigned ctas = unsigned(L.rows * pa.fill_y + B * kInsertCtas);
+    const unsigned ctas = unsigned(L.rows * (pa.fill_y + 1) + B * kInsertCtas);
     pick_kernel<KT, F16><<<ctas, kThreads, qsmem, st>>>(pa, ia);
     KVS_LAUNCH_CHECK("csattention pick kernel launch");
     // 3. reduce by key
