@@ -9,7 +9,8 @@
 //   scatter  CTAs per row over the picked lists' entries: acc[token] += w * score + off (fp32
 //            atomics; the CPU adds in list order, so sums may differ in the last bits)
 //   top-k    topk_rows over the accumulator rows with -0.0 ranked absent, per-row k = rest
-//   emit     a CTA per row: sinks, the searched keys (untouched ones dropped; stored as the cached
+//   emit     CTAs per row over slices of the candidates, two passes (count kept, then write at the
+//            slice's offset): sinks, the searched keys (untouched ones dropped; stored as the cached
 //            search) or the cached keys, then the window, written ascending
 //
 // Every per-step value comes from the uploaded CsaSession array, so a captured step replays for
@@ -30,7 +31,8 @@ namespace kvs::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kInsertCtas = 16;  // per session: a thread per list, grid-stride
+constexpr int kInsertCtas = 16;
+constexpr int kMaxEmitCtas = 32;  // per row  // per session: a thread per list, grid-stride
 constexpr uint32_t kUntouched = 0x80000000u;  // -0.0f: no picked list holds the key
 
 __device__ __forceinline__ float to_f32(float x) { return x; }
@@ -306,7 +308,7 @@ __global__ void __launch_bounds__(kThreads) pick_kernel(PickArgs a, InsertArgs i
 
 struct ScatterArgs {
   const CsaSession* ss;
-  int32_t TH, P;
+  int32_t TH, P, rows, chunks;  // chunks: of each row's entries
   float* acc;
   int64_t stride;
   const int64_t* pk_base;
@@ -319,45 +321,55 @@ template <bool F16>
 __global__ void __launch_bounds__(kThreads) scatter_kernel(ScatterArgs a) {
   __shared__ int64_t sb[512];
   __shared__ float sw[512], so[512];
-  const int row = blockIdx.x;
-  const CsaSession s = a.ss[row / a.TH];
-  if (s.search != 1) return;
-  const int np = a.pk_n[row];
-  for (int i = threadIdx.x; i < np; i += blockDim.x) {
-    sb[i] = a.pk_base[int64_t(row) * a.P + i];
-    sw[i] = a.pk_w[int64_t(row) * a.P + i];
-    so[i] = a.pk_off[int64_t(row) * a.P + i];
-  }
-  __syncthreads();
-  const int64_t L = s.L, total = int64_t(np) * L;
-  const int64_t per = (total + gridDim.y - 1) / gridDim.y;
-  const int64_t beg = int64_t(blockIdx.y) * per, end = min(total, beg + per);
-  float* acc = a.acc + int64_t(row) * a.stride;
-  const int32_t lo = s.s_end, hi = s.w_begin;
-  // kU entries per thread per round, their loads issued before any atomic (memory-level parallelism).
-  constexpr int kU = 8;
-  for (int64_t e0 = beg + threadIdx.x; e0 < end; e0 += int64_t(blockDim.x) * kU) {
-    int32_t tok[kU];
-    float v[kU];
-    int pk[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int64_t e = e0 + int64_t(u) * blockDim.x;
-      tok[u] = -1;
-      if (e < end) {
-        const int p = int(e / L);
-        const int64_t i = sb[p] + (e - int64_t(p) * L);
-        pk[u] = p;
-        tok[u] = s.idx[i];
-        v[u] = val_at<F16>(s.val, i);
-      }
+  // A persistent grid over (row, chunk) pairs in row order: the CTAs work on about a grid's worth
+  // of pairs at a time, so only a few rows' accumulators are written at once and they stay in L2
+  // (at B = 8 all 64 rows at once, 32 MiB, ran at 60% of the atomic rate of one session).
+  const int64_t pairs = int64_t(a.rows) * a.chunks;
+  for (int64_t pr = blockIdx.x; pr < pairs; pr += gridDim.x) {
+    const int row = int(pr / a.chunks), chunk = int(pr % a.chunks);
+    const CsaSession s = a.ss[row / a.TH];
+    if (s.search != 1) continue;
+    const int np = a.pk_n[row];
+    __syncthreads();  // the previous pair's reads of sb/sw/so are done
+    for (int i = threadIdx.x; i < np; i += blockDim.x) {
+      sb[i] = a.pk_base[int64_t(row) * a.P + i];
+      sw[i] = a.pk_w[int64_t(row) * a.P + i];
+      so[i] = a.pk_off[int64_t(row) * a.P + i];
     }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      if (tok[u] < lo || tok[u] >= hi) continue;  // forced keys (sinks, window) are not searched
-      // csattention.cpp: acc[t] += (w * V + off) + 0.0f (never -0.0, so "touched" stays exact)
-      const int p = pk[u];
-      atomicAdd(acc + tok[u], __fadd_rn(__fadd_rn(__fmul_rn(sw[p], v[u]), so[p]), 0.f));
+    __syncthreads();
+    const int64_t L = s.L, total = int64_t(np) * L;
+    const int64_t per = (total + a.chunks - 1) / a.chunks;
+    const int64_t beg = int64_t(chunk) * per, end = min(total, beg + per);
+    float* acc = a.acc + int64_t(row) * a.stride;
+    const int32_t lo = s.s_end, hi = s.w_begin;
+    // kU entries per thread per round, their loads issued before any atomic (memory-level parallelism).
+    constexpr int kU = 8;
+    for (int64_t e0 = beg + threadIdx.x; e0 < end; e0 += int64_t(blockDim.x) * kU) {
+      int32_t tok[kU];
+      float v[kU];
+      int pk[kU];
+  #pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int64_t e = e0 + int64_t(u) * blockDim.x;
+        tok[u] = -1;
+        if (e < end) {
+          const int p = int(e / L);
+          const int64_t i = sb[p] + (e - int64_t(p) * L);
+          pk[u] = p;
+          // Streaming loads (evict first): the lists pass through once, the accumulators must stay
+          // in L2 (at B = 8 they are 32 MiB and the lists 160 MiB).
+          tok[u] = __ldcs(s.idx + i);
+          if constexpr (F16) v[u] = __half2float(__ushort_as_half(__ldcs(static_cast<const unsigned short*>(s.val) + i)));
+          else v[u] = __ldcs(static_cast<const float*>(s.val) + i);
+        }
+      }
+  #pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        if (tok[u] < lo || tok[u] >= hi) continue;  // forced keys (sinks, window) are not searched
+        // csattention.cpp: acc[t] += (w * V + off) + 0.0f (never -0.0, so "touched" stays exact)
+        const int p = pk[u];
+        atomicAdd(acc + tok[u], __fadd_rn(__fadd_rn(__fmul_rn(sw[p], v[u]), so[p]), 0.f));
+      }
     }
   }
 }
@@ -373,6 +385,8 @@ struct EmitArgs {
   int32_t* out_idx;
   int32_t* out_cnt;
   int32_t max_sel;
+  int32_t* slice_cnt;  // [rows][EY]: keys each slice keeps
+  int32_t EY;          // CTAs per row
 };
 
 // Block-wide exclusive scan of one flag per thread (kThreads threads); returns this thread's rank,
@@ -393,78 +407,114 @@ __device__ __forceinline__ int block_rank(bool flag, int* total) {
   return before + __popc(bal & ((1u << lane) - 1u));
 }
 
+// The searched keys of a row: the top-k's output with untouched keys dropped (they reach it only
+// when fewer than `rest` keys were touched), or the cached search within [s_end, w_begin).
+struct Cands {
+  const int32_t* cand;
+  int nc;
+  bool search;
+};
+__device__ __forceinline__ Cands row_cands(const EmitArgs& a, const CsaSession& s, int row, int h) {
+  const bool search = s.search == 1;
+  if (search) return {a.tk_idx + int64_t(row) * a.kcap, a.tk_cnt[row], true};
+  return {s.cached + int64_t(h) * s.cached_cap, min(s.cached_cnt[h], s.cached_cap), false};
+}
+__device__ __forceinline__ bool kept(const EmitArgs& a, const CsaSession& s, int row, bool search, int32_t tok) {
+  return search ? __float_as_uint(a.acc[int64_t(row) * a.stride + tok]) != kUntouched
+                : (tok >= s.s_end && tok < s.w_begin);
+}
+
+// Pass 1: per (row, slice of the candidates), how many are kept (8 loads in flight per thread).
+__global__ void __launch_bounds__(kThreads) emit_count_kernel(EmitArgs a) {
+  const int row = blockIdx.x, ey = blockIdx.y, h = row % a.TH;
+  const CsaSession s = a.ss[row / a.TH];
+  int n = 0;
+  if (s.search != 2) {
+    const Cands c = row_cands(a, s, row, h);
+    const int per = (c.nc + a.EY - 1) / a.EY, beg = ey * per, end = min(c.nc, beg + per);
+    constexpr int kU = 8;
+    for (int i0 = beg + threadIdx.x; i0 < end; i0 += blockDim.x * kU) {
+      int32_t tok[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) tok[u] = i0 + u * int(blockDim.x) < end ? c.cand[i0 + u * blockDim.x] : -1;
+#pragma unroll
+      for (int u = 0; u < kU; ++u) n += tok[u] >= 0 && kept(a, s, row, c.search, tok[u]);
+    }
+  }
+  __shared__ int red[kThreads / 32];
+  for (int o = 16; o; o >>= 1) n += __shfl_xor_sync(0xffffffffu, n, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = n;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int t = 0;
+    for (int w = 0; w < kThreads / 32; ++w) t += red[w];
+    a.slice_cnt[row * a.EY + ey] = t;
+  }
+}
+
+// Pass 2: each slice writes its kept keys at its offset (a plain copy when it drops none); the
+// first slice writes the sinks, the last the window, the padding and the count.
 __global__ void __launch_bounds__(kThreads) emit_kernel(EmitArgs a) {
-  const int row = blockIdx.x;
-  const int h = row % a.TH;
+  const int row = blockIdx.x, ey = blockIdx.y, h = row % a.TH;
   const CsaSession s = a.ss[row / a.TH];
   int32_t* out = a.out_idx + int64_t(row) * a.max_sel;
   const int cap = a.max_sel;
-  int pos = 0;
   if (s.search == 2) {  // no index: every key
-    for (int t = threadIdx.x; t < s.n && t < cap; t += blockDim.x) out[t] = t;
-    pos = min(s.n, cap);
-  } else {
-    for (int t = threadIdx.x; t < s.s_emit && t < cap; t += blockDim.x) out[t] = t;
-    pos = min(s.s_emit, cap);
-    const bool search = s.search == 1;
-    const int32_t* cand = search ? a.tk_idx + int64_t(row) * a.kcap : s.cached + int64_t(h) * s.cached_cap;
-    const int nc = search ? a.tk_cnt[row] : min(s.cached_cnt[h], s.cached_cap);
-    const float* acc = a.acc + int64_t(row) * a.stride;
-    // Untouched keys reach the top-k only when fewer than `rest` keys were touched; the cached
-    // search holds keys that left [s_end, w_begin) only when the window moved past them. Without
-    // either, the candidates are copied in parallel; else compacted by block-wide ranks.
-    bool drop = false;
-    constexpr int kU = 8;
-    for (int i0 = threadIdx.x; i0 < nc; i0 += blockDim.x * kU) {
-      int32_t tok[kU];
-#pragma unroll
-      for (int u = 0; u < kU; ++u) tok[u] = i0 + u * int(blockDim.x) < nc ? cand[i0 + u * blockDim.x] : -1;
-      if (search) {
-        uint32_t bits[kU];
-#pragma unroll
-        for (int u = 0; u < kU; ++u) bits[u] = tok[u] >= 0 ? __float_as_uint(acc[tok[u]]) : 0u;
-#pragma unroll
-        for (int u = 0; u < kU; ++u) drop |= bits[u] == kUntouched;
-      } else {
-#pragma unroll
-        for (int u = 0; u < kU; ++u) drop |= tok[u] >= 0 && (tok[u] < s.s_end || tok[u] >= s.w_begin);
-      }
-    }
-    int kept = 0;
-    if (!__syncthreads_or(drop)) {
-      for (int i = threadIdx.x; i < nc; i += blockDim.x) {
-        const int32_t tok = cand[i];
-        if (pos + i < cap) out[pos + i] = tok;
-        if (search && i < s.cached_cap) s.cached[int64_t(h) * s.cached_cap + i] = tok;
-      }
-      kept = nc;
-    } else {
-      for (int c0 = 0; c0 < nc; c0 += blockDim.x) {
-        const int i = c0 + threadIdx.x;
-        int32_t tok = -1;
-        bool keep = false;
-        if (i < nc) {
-          tok = cand[i];
-          keep = search ? __float_as_uint(acc[tok]) != kUntouched : (tok >= s.s_end && tok < s.w_begin);
-        }
-        int total;
-        const int r = block_rank(keep, &total);
-        if (keep) {
-          if (pos + kept + r < cap) out[pos + kept + r] = tok;
-          if (search && kept + r < s.cached_cap) s.cached[int64_t(h) * s.cached_cap + kept + r] = tok;
-        }
-        kept += total;
-      }
-    }
-    if (search && threadIdx.x == 0) s.cached_cnt[h] = min(kept, s.cached_cap);
-    pos = min(pos + kept, cap);
-    const int nw = max(s.n - s.w_emit, 0);
-    for (int t = threadIdx.x; t < nw; t += blockDim.x)
-      if (pos + t < cap) out[pos + t] = s.w_emit + t;
-    pos = min(pos + nw, cap);
+    if (ey != 0) return;
+    for (int t = threadIdx.x; t < cap; t += blockDim.x) out[t] = t < s.n ? t : -1;
+    if (threadIdx.x == 0) a.out_cnt[row] = min(s.n, cap);
+    return;
   }
+  const int pos0 = min(s.s_emit, cap);
+  if (ey == 0)
+    for (int t = threadIdx.x; t < pos0; t += blockDim.x) out[t] = t;
+  int off = 0, total = 0;
+  for (int e = 0; e < a.EY; ++e) {
+    const int c = a.slice_cnt[row * a.EY + e];
+    off += e < ey ? c : 0;
+    total += c;
+  }
+  const Cands c = row_cands(a, s, row, h);
+  const int per = (c.nc + a.EY - 1) / a.EY, beg = ey * per, end = min(c.nc, beg + per);
+  const int mine = a.slice_cnt[row * a.EY + ey];
+  int32_t* cached = s.cached + int64_t(h) * s.cached_cap;
+  if (mine == end - beg) {
+    for (int i = beg + threadIdx.x; i < end; i += blockDim.x) {
+      const int32_t tok = c.cand[i];
+      const int r = off + (i - beg);
+      if (pos0 + r < cap) out[pos0 + r] = tok;
+      if (c.search && r < s.cached_cap) cached[r] = tok;
+    }
+  } else {
+    int done = 0;
+    for (int c0 = beg; c0 < end; c0 += blockDim.x) {
+      const int i = c0 + threadIdx.x;
+      int32_t tok = -1;
+      bool keep = false;
+      if (i < end) {
+        tok = c.cand[i];
+        keep = kept(a, s, row, c.search, tok);
+      }
+      int t;
+      const int r = off + done + block_rank(keep, &t);
+      if (keep) {
+        if (pos0 + r < cap) out[pos0 + r] = tok;
+        if (c.search && r < s.cached_cap) cached[r] = tok;
+      }
+      done += t;
+    }
+  }
+  if (ey != a.EY - 1) return;
+  int pos = min(pos0 + total, cap);
+  const int nw = max(s.n - s.w_emit, 0);
+  for (int t = threadIdx.x; t < nw; t += blockDim.x)
+    if (pos + t < cap) out[pos + t] = s.w_emit + t;
+  pos = min(pos + nw, cap);
   for (int t = pos + threadIdx.x; t < cap; t += blockDim.x) out[t] = -1;
-  if (threadIdx.x == 0) a.out_cnt[row] = pos;
+  if (threadIdx.x == 0) {
+    a.out_cnt[row] = pos;
+    if (c.search) s.cached_cnt[h] = min(total, s.cached_cap);
+  }
 }
 
 // ---- the prompt-query sample ----
@@ -477,9 +527,9 @@ __global__ void sample_kernel(const T* q, int32_t row_elems, int64_t i0, int64_t
 }
 
 struct Layout {
-  size_t acc, pk_base, pk_w, pk_off, pk_n, row_len, row_k, tk_idx, tk_cnt, topk, total;
+  size_t acc, pk_base, pk_w, pk_off, pk_n, row_len, row_k, tk_idx, tk_cnt, slice_cnt, topk, total;
   int64_t stride;
-  int32_t rows, P;
+  int32_t rows, P, EY;
 };
 
 Layout make_layout(const CsaConfig& cfg, int32_t B, int32_t hq, int32_t hkv, int32_t max_length, int32_t max_rest) {
@@ -503,6 +553,8 @@ Layout make_layout(const CsaConfig& cfg, int32_t B, int32_t hq, int32_t hkv, int
   L.row_k = take(size_t(L.rows) * 4);
   L.tk_idx = take(size_t(L.rows) * size_t(std::max(max_rest, 1)) * 4);
   L.tk_cnt = take(size_t(L.rows) * 4);
+  L.EY = int32_t(std::clamp<int64_t>((int64_t(max_rest) + 2047) / 2048, 1, kMaxEmitCtas));
+  L.slice_cnt = take(size_t(L.rows) * size_t(L.EY) * 4);
   const size_t tb = topk_rows_workspace_bytes(L.rows, max_length, std::max(max_rest, 1));
   L.topk = take(tb);
   L.total = o;
@@ -581,15 +633,16 @@ Status csa_select(const CsaConfig& cfg, const CsaSession* sessions, int32_t B, i
     pick_kernel<KT, F16><<<ctas, kThreads, qsmem, st>>>(pa, ia);
     KVS_LAUNCH_CHECK("csattention pick kernel launch");
     // 3. reduce by key
-    ScatterArgs sa{sessions, cfg.TH, L.P, acc, L.stride, pk_base, pk_w, pk_off, pk_n};
-    // About four CTAs per SM in all, each taking an equal share of its row's picked entries (the
+    // About four CTAs per SM, each row's picked entries in chunks so that eight rows fill them (the
     // list length is the session's, read at run time: a captured step's grid cannot depend on it).
     int dev = 0, sms = 132;
     KVS_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
     KVS_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
-    const unsigned sy = unsigned(std::clamp<int64_t>((int64_t(4) * sms + L.rows - 1) / L.rows, 1,
-                                                     std::max<int64_t>(1, int64_t(L.P) * max_length / kThreads)));
-    scatter_kernel<F16><<<dim3(unsigned(L.rows), sy), kThreads, 0, st>>>(sa);
+    const int32_t chunks = int32_t(std::clamp<int64_t>((int64_t(4) * sms + 7) / 8, 1,
+                                                       std::max<int64_t>(1, int64_t(L.P) * max_length / kThreads)));
+    ScatterArgs sa{sessions, cfg.TH, L.P, L.rows, chunks, acc, L.stride, pk_base, pk_w, pk_off, pk_n};
+    const unsigned grid = unsigned(std::min<int64_t>(int64_t(L.rows) * chunks, int64_t(4) * sms));
+    scatter_kernel<F16><<<grid, kThreads, 0, st>>>(sa);
     KVS_LAUNCH_CHECK("csattention scatter kernel launch");
     // 4. the best `rest` of each row (untouched keys absent)
     if (max_rest > 0) {
@@ -601,8 +654,11 @@ Status csa_select(const CsaConfig& cfg, const CsaSession* sessions, int32_t B, i
       KVS_CUDA_TRY(cudaMemsetAsync(tk_cnt, 0, size_t(L.rows) * 4, st), "cudaMemsetAsync(csattention counts)");
     }
     // 5. the selection rows
-    EmitArgs ea{sessions, cfg.TH, acc, L.stride, tk_idx, tk_cnt, std::max(max_rest, 1), out_idx, out_cnt, max_selected};
-    emit_kernel<<<unsigned(L.rows), kThreads, 0, st>>>(ea);
+    EmitArgs ea{sessions, cfg.TH, acc, L.stride, tk_idx, tk_cnt, std::max(max_rest, 1), out_idx, out_cnt, max_selected,
+                reinterpret_cast<int32_t*>(w + L.slice_cnt), L.EY};
+    emit_count_kernel<<<dim3(unsigned(L.rows), unsigned(L.EY)), kThreads, 0, st>>>(ea);
+    KVS_LAUNCH_CHECK("csattention emit count kernel launch");
+    emit_kernel<<<dim3(unsigned(L.rows), unsigned(L.EY)), kThreads, 0, st>>>(ea);
     KVS_LAUNCH_CHECK("csattention emit kernel launch");
     return {};
   });
