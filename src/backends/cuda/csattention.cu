@@ -171,7 +171,6 @@ struct PickArgs {
   int64_t stride;
   int64_t* pk_base;
   float* pk_w;
-  float* pk_off;
   int32_t* pk_n;
   int32_t* row_len;
   int32_t* row_k;
@@ -300,7 +299,6 @@ __global__ void __launch_bounds__(kThreads) pick_kernel(PickArgs a, InsertArgs i
     const int64_t slot = int64_t(row) * a.P + atomicAdd(&cnt, 1);
     a.pk_base[slot] = base;
     a.pk_w[slot] = wsum;
-    a.pk_off[slot] = a.cfg.missing_min ? -__fmul_rn(wsum, val_at<F16>(s.val, base)) : 0.f;
   }
   __syncthreads();
   if (threadIdx.x == 0) a.pk_n[row] = cnt;
@@ -309,11 +307,11 @@ __global__ void __launch_bounds__(kThreads) pick_kernel(PickArgs a, InsertArgs i
 struct ScatterArgs {
   const CsaSession* ss;
   int32_t TH, P, rows, chunks;  // chunks: of each row's entries
+  bool missing_min;
   float* acc;
   int64_t stride;
   const int64_t* pk_base;
   const float* pk_w;
-  const float* pk_off;
   const int32_t* pk_n;
 };
 
@@ -331,10 +329,14 @@ __global__ void __launch_bounds__(kThreads) scatter_kernel(ScatterArgs a) {
     if (s.search != 1) continue;
     const int np = a.pk_n[row];
     __syncthreads();  // the previous pair's reads of sb/sw/so are done
+    // missing=list_min: the list's minimum (its root) read here, after the pick kernel's streaming
+    // update has run (the CPU inserts the new key before it searches).
     for (int i = threadIdx.x; i < np; i += blockDim.x) {
-      sb[i] = a.pk_base[int64_t(row) * a.P + i];
-      sw[i] = a.pk_w[int64_t(row) * a.P + i];
-      so[i] = a.pk_off[int64_t(row) * a.P + i];
+      const int64_t base = a.pk_base[int64_t(row) * a.P + i];
+      const float wsum = a.pk_w[int64_t(row) * a.P + i];
+      sb[i] = base;
+      sw[i] = wsum;
+      so[i] = a.missing_min ? -__fmul_rn(wsum, val_at<F16>(s.val, base)) : 0.f;
     }
     __syncthreads();
     const int64_t L = s.L, total = int64_t(np) * L;
@@ -527,7 +529,7 @@ __global__ void sample_kernel(const T* q, int32_t row_elems, int64_t i0, int64_t
 }
 
 struct Layout {
-  size_t acc, pk_base, pk_w, pk_off, pk_n, row_len, row_k, tk_idx, tk_cnt, slice_cnt, topk, total;
+  size_t acc, pk_base, pk_w, pk_n, row_len, row_k, tk_idx, tk_cnt, slice_cnt, topk, total;
   int64_t stride;
   int32_t rows, P, EY;
 };
@@ -547,7 +549,6 @@ Layout make_layout(const CsaConfig& cfg, int32_t B, int32_t hq, int32_t hkv, int
   L.acc = take(size_t(L.rows) * size_t(L.stride) * 4);
   L.pk_base = take(size_t(L.rows) * L.P * 8);
   L.pk_w = take(size_t(L.rows) * L.P * 4);
-  L.pk_off = take(size_t(L.rows) * L.P * 4);
   L.pk_n = take(size_t(L.rows) * 4);
   L.row_len = take(size_t(L.rows) * 4);
   L.row_k = take(size_t(L.rows) * 4);
@@ -589,7 +590,6 @@ Status csa_select(const CsaConfig& cfg, const CsaSession* sessions, int32_t B, i
   float* acc = reinterpret_cast<float*>(w + L.acc);
   auto* pk_base = reinterpret_cast<int64_t*>(w + L.pk_base);
   auto* pk_w = reinterpret_cast<float*>(w + L.pk_w);
-  auto* pk_off = reinterpret_cast<float*>(w + L.pk_off);
   auto* pk_n = reinterpret_cast<int32_t*>(w + L.pk_n);
   auto* row_len = reinterpret_cast<int32_t*>(w + L.row_len);
   auto* row_k = reinterpret_cast<int32_t*>(w + L.row_k);
@@ -623,7 +623,6 @@ Status csa_select(const CsaConfig& cfg, const CsaSession* sessions, int32_t B, i
     pa.stride = L.stride;
     pa.pk_base = pk_base;
     pa.pk_w = pk_w;
-    pa.pk_off = pk_off;
     pa.pk_n = pk_n;
     pa.row_len = row_len;
     pa.row_k = row_k;
@@ -640,7 +639,7 @@ Status csa_select(const CsaConfig& cfg, const CsaSession* sessions, int32_t B, i
     KVS_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
     const int32_t chunks = int32_t(std::clamp<int64_t>((int64_t(4) * sms + 7) / 8, 1,
                                                        std::max<int64_t>(1, int64_t(L.P) * max_length / kThreads)));
-    ScatterArgs sa{sessions, cfg.TH, L.P, L.rows, chunks, acc, L.stride, pk_base, pk_w, pk_off, pk_n};
+    ScatterArgs sa{sessions, cfg.TH, L.P, L.rows, chunks, cfg.missing_min, acc, L.stride, pk_base, pk_w, pk_n};
     const unsigned grid = unsigned(std::min<int64_t>(int64_t(L.rows) * chunks, int64_t(4) * sms));
     scatter_kernel<F16><<<grid, kThreads, 0, st>>>(sa);
     KVS_LAUNCH_CHECK("csattention scatter kernel launch");
