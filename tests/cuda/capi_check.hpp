@@ -6,6 +6,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <initializer_list>
 #include <vector>
@@ -71,6 +73,55 @@ T* upload(const std::vector<T>& h) {
   cudaMalloc(&d, h.size() * sizeof(T));
   cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
   return d;
+}
+
+// One kvs_decode_batch of the B GPU sessions from host rows (q [B][Hq][d] fp32, k16/v16 [B][Hkv][d]
+// in the KV dtype); out [B][Hq][d] and lse [B][Hq] come back to the host (out poisoned with NaN
+// first, so an unwritten row shows).
+[[maybe_unused]] void gpu_decode_batch(std::vector<kvs_session_t>& gpu, const std::vector<float>& q,
+                                       const std::vector<uint16_t>& k16, const std::vector<uint16_t>& v16, int hq,
+                                       int hkv, int d, kvs_scalar_type kvdt, cudaStream_t stream,
+                                       std::vector<float>& out, std::vector<float>& lse) {
+  const int64_t B = int64_t(gpu.size());
+  float* dq = upload(q);
+  uint16_t* dk = upload(k16);
+  uint16_t* dv = upload(v16);
+  float *dout = nullptr, *dlse = nullptr;
+  out.assign(size_t(B) * hq * d, 0.f);
+  lse.assign(size_t(B) * hq, 0.f);
+  cudaMalloc(&dout, out.size() * 4);
+  cudaMalloc(&dlse, lse.size() * 4);
+  cudaMemset(dout, 0xff, out.size() * 4);
+  Tensor gq(dq, KVS_DEVICE_CUDA, F32, {B, hq, d}), gk(dk, KVS_DEVICE_CUDA, dt16(kvdt), {B, hkv, d}),
+      gv(dv, KVS_DEVICE_CUDA, dt16(kvdt), {B, hkv, d}), go(dout, KVS_DEVICE_CUDA, F32, {B, hq, d}),
+      gl(dlse, KVS_DEVICE_CUDA, F32, {B, hq});
+  ok(kvs_decode_batch(gpu.data(), size_t(B), 0, &gq.t, &gk.t, &gv.t, &go.t, &gl.t, stream), "decode_batch cuda");
+  cudaStreamSynchronize(stream);
+  cudaMemcpy(out.data(), dout, out.size() * 4, cudaMemcpyDeviceToHost);
+  cudaMemcpy(lse.data(), dlse, lse.size() * 4, cudaMemcpyDeviceToHost);
+  cudaFree(dq);
+  cudaFree(dk);
+  cudaFree(dv);
+  cudaFree(dout);
+  cudaFree(dlse);
+}
+
+// Folds the worst per-row relative L2 error of out against ref (rows of d; NaN counts as 1e9) into
+// err, and the worst |lse - rlse| into lse_err.
+[[maybe_unused]] void fold_errors(const std::vector<float>& out, const std::vector<float>& ref,
+                                  const std::vector<float>& lse, const std::vector<float>& rlse, int d, double& err,
+                                  double& lse_err) {
+  for (size_t r = 0; r < rlse.size(); ++r) {
+    double num = 0, den = 0;
+    for (int i = 0; i < d; ++i) {
+      const double a = out[r * d + i], b = ref[r * d + i];
+      num += (a - b) * (a - b);
+      den += b * b;
+    }
+    const double e = std::sqrt(num / std::max(den, 1e-30));
+    err = std::isnan(e) ? 1e9 : std::max(err, e);
+    lse_err = std::max(lse_err, double(std::fabs(lse[r] - rlse[r])));
+  }
 }
 
 }  // namespace

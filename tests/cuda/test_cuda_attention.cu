@@ -28,6 +28,7 @@
 #include "backends/cuda/cuda_attention.cuh"
 #include "crash_report.hpp"
 #include "late_copy.cuh"
+#include "kernel_test_util.cuh"
 
 using kvs::cuda::Scalar;
 
@@ -46,72 +47,10 @@ void report(bool ok, const std::string& name, const std::string& detail) {
   std::fflush(stdout);
 }
 
-#define CK(call)                                                                         \
-  do {                                                                                   \
-    cudaError_t e_ = (call);                                                             \
-    if (e_ != cudaSuccess) {                                                             \
-      std::printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #call); \
-      std::exit(2);                                                                      \
-    }                                                                                    \
-  } while (0)
 
-struct DevBuf {
-  void* p = nullptr;
-  size_t n = 0;
-  explicit DevBuf(size_t bytes = 0) { alloc(bytes); }
-  void alloc(size_t bytes) {
-    free();
-    n = bytes;
-    if (bytes) CK(cudaMalloc(&p, bytes));
-  }
-  void free() {
-    if (p) cudaFree(p);
-    p = nullptr;
-  }
-  ~DevBuf() { free(); }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  template <typename T>
-  T* as() const { return static_cast<T*>(p); }
-};
 
-template <typename T>
-void upload(DevBuf& d, const std::vector<T>& h) {
-  d.alloc(h.size() * sizeof(T));
-  if (!h.empty()) CK(cudaMemcpy(d.p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-}
-template <typename T>
-std::vector<T> download(const DevBuf& d, size_t count) {
-  std::vector<T> h(count);
-  if (count) CK(cudaMemcpy(h.data(), d.p, count * sizeof(T), cudaMemcpyDeviceToHost));
-  return h;
-}
 
 // 16-bit encode/decode on the host.
-uint16_t enc(float x, Scalar t) {
-  if (t == Scalar::BF16) {
-    __nv_bfloat16 b = __float2bfloat16_rn(x);
-    uint16_t u;
-    std::memcpy(&u, &b, 2);
-    return u;
-  }
-  __half h = __float2half_rn(x);
-  uint16_t u;
-  std::memcpy(&u, &h, 2);
-  return u;
-}
-float dec(uint16_t u, Scalar t) {
-  if (t == Scalar::BF16) {
-    uint32_t w = uint32_t(u) << 16;
-    float f;
-    std::memcpy(&f, &w, 4);
-    return f;
-  }
-  __half h;
-  std::memcpy(&h, &u, 2);
-  return __half2float(h);
-}
-const char* sname(Scalar t) { return t == Scalar::F32 ? "f32" : t == Scalar::F16 ? "f16" : "bf16"; }
 
 std::mt19937_64 g_rng(12345);
 uint64_t g_x = 0x9e3779b97f4a7c15ull;  // xorshift64* for the bulk values (fast)
@@ -221,7 +160,7 @@ void build(Problem& P, float qamp, const std::vector<int>& stored,
         }
       }
   }
-  CK(cudaMemcpy(P.dpool.p, pool.data(), pool.size() * 2, cudaMemcpyHostToDevice));
+  KVS_TEST_CK(cudaMemcpy(P.dpool.p, pool.data(), pool.size() * 2, cudaMemcpyHostToDevice));
   upload(P.dtable, table);
   upload(P.dlens, P.lens);
 }
@@ -344,14 +283,14 @@ struct LateInputs {
     int r = 0;
     for (DevBuf* b : bufs) {
       stage.push_back(std::make_unique<DevBuf>(b->n));
-      CK(cudaMemcpy(stage.back()->p, b->p, b->n, cudaMemcpyDeviceToDevice));
+      KVS_TEST_CK(cudaMemcpy(stage.back()->p, b->p, b->n, cudaMemcpyDeviceToDevice));
       copy.dst[r] = b->p;
       copy.src[r] = stage.back()->p;
       copy.bytes[r] = b->n;
       ++r;
     }
   }
-  void enqueue(cudaStream_t st) const { CK(enqueue_late_copy(copy, st)); }
+  void enqueue(cudaStream_t st) const { KVS_TEST_CK(enqueue_late_copy(copy, st)); }
 };
 
 std::string lens_str(const std::vector<int>& lens) {
@@ -364,35 +303,35 @@ std::string lens_str(const std::vector<int>& lens) {
 template <typename C>
 kvs::cuda::Status run_call(const Opt& opt, DevBuf& dout, DevBuf& dlse, C call) {
   cudaStream_t st;
-  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  KVS_TEST_CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   kvs::cuda::Status r;
   if (opt.graph) {
     r = call(st);  // warm-up: one-time kernel set-up happens outside the capture
-    CK(cudaStreamSynchronize(st));
+    KVS_TEST_CK(cudaStreamSynchronize(st));
     if (r.ok()) {
-      CK(cudaMemsetAsync(dout.p, 0xff, dout.n, st));
-      CK(cudaMemsetAsync(dlse.p, 0xff, dlse.n, st));
+      KVS_TEST_CK(cudaMemsetAsync(dout.p, 0xff, dout.n, st));
+      KVS_TEST_CK(cudaMemsetAsync(dlse.p, 0xff, dlse.n, st));
       cudaGraph_t g;
       cudaGraphExec_t ge;
-      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+      KVS_TEST_CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
       r = call(st);
-      CK(cudaStreamEndCapture(st, &g));
-      CK(cudaGraphInstantiate(&ge, g, 0));
-      CK(cudaGraphLaunch(ge, st));
-      CK(cudaStreamSynchronize(st));
-      CK(cudaGraphExecDestroy(ge));
-      CK(cudaGraphDestroy(g));
+      KVS_TEST_CK(cudaStreamEndCapture(st, &g));
+      KVS_TEST_CK(cudaGraphInstantiate(&ge, g, 0));
+      KVS_TEST_CK(cudaGraphLaunch(ge, st));
+      KVS_TEST_CK(cudaStreamSynchronize(st));
+      KVS_TEST_CK(cudaGraphExecDestroy(ge));
+      KVS_TEST_CK(cudaGraphDestroy(g));
     }
   } else {
     // NaN poison, on the call's stream: st does not synchronise with the legacy default stream
     // (cudaStreamNonBlocking), so a cudaMemset there could land after the kernel's writes.
-    CK(cudaMemsetAsync(dout.p, 0xff, dout.n, st));
-    CK(cudaMemsetAsync(dlse.p, 0xff, dlse.n, st));
+    KVS_TEST_CK(cudaMemsetAsync(dout.p, 0xff, dout.n, st));
+    KVS_TEST_CK(cudaMemsetAsync(dlse.p, 0xff, dlse.n, st));
     r = call(st);
   }
-  CK(cudaStreamSynchronize(st));
-  CK(cudaGetLastError());
-  CK(cudaStreamDestroy(st));
+  KVS_TEST_CK(cudaStreamSynchronize(st));
+  KVS_TEST_CK(cudaGetLastError());
+  KVS_TEST_CK(cudaStreamDestroy(st));
   return r;
 }
 
@@ -541,14 +480,14 @@ void run_merge(int rows, int D, bool in_place) {
   upload(dob, ob);
   upload(dla, la);
   upload(dlb, lb);
-  CK(cudaMemset(doo.p, 0xff, doo.n));
-  CK(cudaMemset(dlo.p, 0xff, dlo.n));
+  KVS_TEST_CK(cudaMemset(doo.p, 0xff, doo.n));
+  KVS_TEST_CK(cudaMemset(dlo.p, 0xff, dlo.n));
   float* o_out = in_place ? doa.as<float>() : doo.as<float>();
   float* l_out = in_place ? dla.as<float>() : dlo.as<float>();
   auto r = kvs::cuda::merge_states(doa.as<float>(), dla.as<float>(), dob.as<float>(), dlb.as<float>(),
                                    o_out, l_out, rows, D, nullptr);
-  CK(cudaDeviceSynchronize());
-  CK(cudaGetLastError());
+  KVS_TEST_CK(cudaDeviceSynchronize());
+  KVS_TEST_CK(cudaGetLastError());
   char name[128];
   std::snprintf(name, sizeof name, "merge rows=%d d=%d%s", rows, D, in_place ? " in-place" : "");
   if (!r.ok()) {

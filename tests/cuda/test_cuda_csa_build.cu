@@ -44,6 +44,7 @@
 #include "backends/cuda/csa_build.cuh"
 #include "kvsieve/kvsieve.h"
 #include "methods/csattention/csattention.hpp"
+#include "kernel_test_util.cuh"
 
 namespace {
 
@@ -59,61 +60,9 @@ void report(bool ok, const std::string& name, const std::string& detail) {
   std::fflush(stdout);
 }
 
-#define CCK(call)                                                                                  \
-  do {                                                                                             \
-    cudaError_t e_ = (call);                                                                       \
-    if (e_ != cudaSuccess) {                                                                       \
-      std::printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #call); \
-      std::exit(2);                                                                                \
-    }                                                                                              \
-  } while (0)
 
-struct DevBuf {
-  void* p = nullptr;
-  explicit DevBuf(size_t bytes = 0) { alloc(bytes); }
-  void alloc(size_t bytes) {
-    if (p) cudaFree(p);
-    p = nullptr;
-    if (bytes) CCK(cudaMalloc(&p, bytes));
-  }
-  ~DevBuf() {
-    if (p) cudaFree(p);
-  }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  template <typename T>
-  T* as() const { return static_cast<T*>(p); }
-};
 
-template <typename T>
-std::vector<T> download(const void* p, size_t count) {
-  std::vector<T> h(count);
-  if (count) CCK(cudaMemcpy(h.data(), p, count * sizeof(T), cudaMemcpyDeviceToHost));
-  return h;
-}
 
-uint16_t enc(float x, Scalar t) {
-  uint16_t u;
-  if (t == Scalar::BF16) {
-    const __nv_bfloat16 b = __float2bfloat16_rn(x);
-    std::memcpy(&u, &b, 2);
-  } else {
-    const __half h = __float2half_rn(x);
-    std::memcpy(&u, &h, 2);
-  }
-  return u;
-}
-float dec(uint16_t u, Scalar t) {
-  if (t == Scalar::BF16) {
-    const uint32_t w = uint32_t(u) << 16;
-    float f;
-    std::memcpy(&f, &w, 4);
-    return f;
-  }
-  __half h;
-  std::memcpy(&h, &u, 2);
-  return __half2float(h);
-}
 
 std::mt19937_64 g_rng(20261126);
 uint64_t g_x = 0x2545f4914f6cdd1dull;  // xorshift64* for the bulk values
@@ -165,11 +114,11 @@ void build_cache(Cache& c, Scalar t, int Hkv, int D, int P, int N) {
     }
   }
   c.pool.alloc(pool.size() * 2);
-  CCK(cudaMemcpy(c.pool.p, pool.data(), pool.size() * 2, cudaMemcpyHostToDevice));
+  KVS_TEST_CK(cudaMemcpy(c.pool.p, pool.data(), pool.size() * 2, cudaMemcpyHostToDevice));
   std::vector<const void*> table(size_t(c.max_pages), nullptr);
   for (int i = 0; i < npages; ++i) table[size_t(i)] = c.pool.as<char>() + size_t(slot[i]) * page_elems * 2;
   c.table.alloc(table.size() * sizeof(void*));
-  CCK(cudaMemcpy(c.table.p, table.data(), table.size() * sizeof(void*), cudaMemcpyHostToDevice));
+  KVS_TEST_CK(cudaMemcpy(c.table.p, table.data(), table.size() * sizeof(void*), cudaMemcpyHostToDevice));
 }
 
 struct CsaCase {
@@ -217,7 +166,7 @@ void run_case(const CsaCase& c) {
         for (int i = 0; i < db[0]; ++i) q[(size_t(s) * Hq + 0) * d + i] = 0.f;
     }
   DevBuf dq(q.size() * 4);
-  CCK(cudaMemcpy(dq.p, q.data(), q.size() * 4, cudaMemcpyHostToDevice));
+  KVS_TEST_CK(cudaMemcpy(dq.p, q.data(), q.size() * 4, cudaMemcpyHostToDevice));
 
   kvs::cuda::CsaBuildShape sh;
   sh.tokens = c.N;
@@ -245,40 +194,40 @@ void run_case(const CsaCase& c) {
   }
   const size_t per_head = size_t(m) * c.C * c.L, vb = c.f16 ? 2 : 4;
   DevBuf ws(wsb), dcent(size_t(TH) * c.C * d * 4), didx(TH * per_head * 4), dval(TH * per_head * vb);
-  CCK(cudaMemset(dcent.p, 0xFF, size_t(TH) * c.C * d * 4));
-  CCK(cudaMemset(didx.p, 0xFF, TH * per_head * 4));
-  CCK(cudaMemset(dval.p, 0xFF, TH * per_head * vb));
-  CCK(cudaMemset(ws.p, 0xFF, wsb));
+  KVS_TEST_CK(cudaMemset(dcent.p, 0xFF, size_t(TH) * c.C * d * 4));
+  KVS_TEST_CK(cudaMemset(didx.p, 0xFF, TH * per_head * 4));
+  KVS_TEST_CK(cudaMemset(dval.p, 0xFF, TH * per_head * vb));
+  KVS_TEST_CK(cudaMemset(ws.p, 0xFF, wsb));
   cudaStream_t st;
-  CCK(cudaStreamCreate(&st));
+  KVS_TEST_CK(cudaStreamCreate(&st));
   auto call = [&]() {
     return kvs::cuda::csa_build(sh, km, dq.as<float>(), c.S, kvc.paged(), c.t, dcent.as<float>(), didx.as<int32_t>(),
                                 dval.p, kvs::cuda::Workspace{ws.p, wsb}, st);
   };
   const kvs::cuda::Status s = call();
-  CCK(cudaStreamSynchronize(st));
+  KVS_TEST_CK(cudaStreamSynchronize(st));
   if (!s.ok()) {
     report(false, name, std::string("status ") + std::to_string(s.code) + ": " + s.message);
-    CCK(cudaStreamDestroy(st));
+    KVS_TEST_CK(cudaStreamDestroy(st));
     return;
   }
   std::vector<float> cent(size_t(TH) * c.C * d);
   std::vector<int32_t> idx(TH * per_head);
   std::vector<uint16_t> v16(c.f16 ? TH * per_head : 0);
   std::vector<float> v32(c.f16 ? 0 : TH * per_head);
-  CCK(cudaMemcpy(cent.data(), dcent.p, cent.size() * 4, cudaMemcpyDeviceToHost));
-  CCK(cudaMemcpy(idx.data(), didx.p, idx.size() * 4, cudaMemcpyDeviceToHost));
-  if (c.f16) CCK(cudaMemcpy(v16.data(), dval.p, v16.size() * 2, cudaMemcpyDeviceToHost));
-  else CCK(cudaMemcpy(v32.data(), dval.p, v32.size() * 4, cudaMemcpyDeviceToHost));
+  KVS_TEST_CK(cudaMemcpy(cent.data(), dcent.p, cent.size() * 4, cudaMemcpyDeviceToHost));
+  KVS_TEST_CK(cudaMemcpy(idx.data(), didx.p, idx.size() * 4, cudaMemcpyDeviceToHost));
+  if (c.f16) KVS_TEST_CK(cudaMemcpy(v16.data(), dval.p, v16.size() * 2, cudaMemcpyDeviceToHost));
+  else KVS_TEST_CK(cudaMemcpy(v32.data(), dval.p, v32.size() * 4, cudaMemcpyDeviceToHost));
   auto gval = [&](size_t e) { return c.f16 ? kvs::csa::score_f(v16[e]) : v32[e]; };
 
   // ---- determinism: a second build into poisoned outputs gives the same bytes ----
   {
-    CCK(cudaMemset(dcent.p, 0xFF, size_t(TH) * c.C * d * 4));
-    CCK(cudaMemset(didx.p, 0xFF, TH * per_head * 4));
-    CCK(cudaMemset(dval.p, 0xFF, TH * per_head * vb));
+    KVS_TEST_CK(cudaMemset(dcent.p, 0xFF, size_t(TH) * c.C * d * 4));
+    KVS_TEST_CK(cudaMemset(didx.p, 0xFF, TH * per_head * 4));
+    KVS_TEST_CK(cudaMemset(dval.p, 0xFF, TH * per_head * vb));
     const kvs::cuda::Status s2 = call();
-    CCK(cudaStreamSynchronize(st));
+    KVS_TEST_CK(cudaStreamSynchronize(st));
     bool same = s2.ok();
     if (same) {
       same = download<float>(dcent.p, cent.size()) == cent && download<int32_t>(didx.p, idx.size()) == idx;
@@ -290,20 +239,20 @@ void run_case(const CsaCase& c) {
 
   if (c.timing) {
     cudaEvent_t e0, e1;
-    CCK(cudaEventCreate(&e0));
-    CCK(cudaEventCreate(&e1));
+    KVS_TEST_CK(cudaEventCreate(&e0));
+    KVS_TEST_CK(cudaEventCreate(&e1));
     const int reps = 3;
-    CCK(cudaEventRecord(e0, st));
+    KVS_TEST_CK(cudaEventRecord(e0, st));
     for (int r = 0; r < reps; ++r) (void)call();
-    CCK(cudaEventRecord(e1, st));
-    CCK(cudaEventSynchronize(e1));
+    KVS_TEST_CK(cudaEventRecord(e1, st));
+    KVS_TEST_CK(cudaEventSynchronize(e1));
     float ms = 0;
-    CCK(cudaEventElapsedTime(&ms, e0, e1));
+    KVS_TEST_CK(cudaEventElapsedTime(&ms, e0, e1));
     std::printf("TIME %s: %.3f ms per build (workspace %.1f MiB)\n", name.c_str(), ms / reps, double(wsb) / 1048576.0);
-    CCK(cudaEventDestroy(e0));
-    CCK(cudaEventDestroy(e1));
+    KVS_TEST_CK(cudaEventDestroy(e0));
+    KVS_TEST_CK(cudaEventDestroy(e1));
   }
-  CCK(cudaStreamDestroy(st));
+  KVS_TEST_CK(cudaStreamDestroy(st));
 
   // ---- centroids: unit norm ----
   {

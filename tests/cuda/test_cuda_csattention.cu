@@ -106,32 +106,9 @@ void step(std::vector<kvs_session_t>& cpu, std::vector<kvs_session_t>& gpu, cons
         tl(rlse.data() + size_t(b) * hq, KVS_DEVICE_CPU, F32, {hq});
     ok(kvs_session_decode(cpu[size_t(b)], 0, &tq.t, &tk.t, &tv.t, &to.t, &tl.t, nullptr), "decode cpu");
   }
-  float* dq = upload(hq_);
-  uint16_t* dk = upload(to16(hk, kvdt));
-  uint16_t* dv = upload(to16(hv, kvdt));
-  float *dout = nullptr, *dlse = nullptr;
-  cudaMalloc(&dout, ref.size() * 4);
-  cudaMalloc(&dlse, rlse.size() * 4);
-  cudaMemset(dout, 0xff, ref.size() * 4);  // poison: NaN
-  Tensor gq(dq, KVS_DEVICE_CUDA, F32, {B, hq, d}), gk(dk, KVS_DEVICE_CUDA, dt16(kvdt), {B, hkv, d}),
-      gv(dv, KVS_DEVICE_CUDA, dt16(kvdt), {B, hkv, d}), go(dout, KVS_DEVICE_CUDA, F32, {B, hq, d}),
-      gl(dlse, KVS_DEVICE_CUDA, F32, {B, hq});
-  ok(kvs_decode_batch(gpu.data(), size_t(B), 0, &gq.t, &gk.t, &gv.t, &go.t, &gl.t, stream), "decode_batch cuda");
-  cudaStreamSynchronize(stream);
-  std::vector<float> out(ref.size()), lse(rlse.size());
-  cudaMemcpy(out.data(), dout, out.size() * 4, cudaMemcpyDeviceToHost);
-  cudaMemcpy(lse.data(), dlse, lse.size() * 4, cudaMemcpyDeviceToHost);
-  for (int r = 0; r < B * hq; ++r) {
-    double num = 0, den = 0;
-    for (int i = 0; i < d; ++i) {
-      const double a = out[size_t(r) * d + i], b = ref[size_t(r) * d + i];
-      num += (a - b) * (a - b);
-      den += b * b;
-    }
-    const double e = std::sqrt(num / std::max(den, 1e-30));
-    c.err = std::isnan(e) ? 1e9 : std::max(c.err, e);
-    c.lse = std::max(c.lse, double(std::fabs(lse[size_t(r)] - rlse[size_t(r)])));
-  }
+  std::vector<float> out, lse;
+  gpu_decode_batch(gpu, hq_, to16(hk, kvdt), to16(hv, kvdt), hq, hkv, d, kvdt, stream, out, lse);
+  fold_errors(out, ref, lse, rlse, d, c.err, c.lse);
   for (int b = 0; b < B; ++b)
     for (uint32_t h = 0; h < uint32_t(hkv); ++h) {
       size_t nc = 0, ng = 0;
@@ -145,11 +122,6 @@ void step(std::vector<kvs_session_t>& cpu, std::vector<kvs_session_t>& gpu, cons
       c.count_equal &= nc == ng;
       c.min_overlap = std::min(c.min_overlap, nc ? double(common) / double(nc) : 1.0);
     }
-  cudaFree(dq);
-  cudaFree(dk);
-  cudaFree(dv);
-  cudaFree(dout);
-  cudaFree(dlse);
 }
 
 // B sessions of n0 + 37 b prompt tokens, `steps` decode steps, a 60-token turn appended, 3 steps.

@@ -32,6 +32,7 @@
 #include "backends/cuda/quest.cuh"
 #include "backends/cuda/selection.cuh"
 #include "late_copy.cuh"
+#include "kernel_test_util.cuh"
 
 namespace {
 
@@ -47,14 +48,6 @@ void report(bool ok, const std::string& name, const std::string& detail) {
   std::fflush(stdout);
 }
 
-#define QCK(call)                                                                                  \
-  do {                                                                                             \
-    cudaError_t e_ = (call);                                                                       \
-    if (e_ != cudaSuccess) {                                                                       \
-      std::printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #call); \
-      std::exit(2);                                                                                \
-    }                                                                                              \
-  } while (0)
 
 // A kvs Status that is not OK fails the named test.
 bool status_ok(const kvs::cuda::Status& s, const std::string& name) {
@@ -63,63 +56,8 @@ bool status_ok(const kvs::cuda::Status& s, const std::string& name) {
   return false;
 }
 
-struct DevBuf {
-  void* p = nullptr;
-  size_t n = 0;
-  explicit DevBuf(size_t bytes = 0) { alloc(bytes); }
-  void alloc(size_t bytes) {
-    free();
-    n = bytes;
-    if (bytes) QCK(cudaMalloc(&p, bytes));
-  }
-  void free() {
-    if (p) cudaFree(p);
-    p = nullptr;
-    n = 0;
-  }
-  ~DevBuf() { free(); }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  DevBuf(DevBuf&& o) noexcept : p(o.p), n(o.n) { o.p = nullptr, o.n = 0; }
-  template <typename T>
-  T* as() const { return static_cast<T*>(p); }
-};
 
-template <typename T>
-void upload(DevBuf& d, const std::vector<T>& h) {
-  d.alloc(h.size() * sizeof(T));
-  if (!h.empty()) QCK(cudaMemcpy(d.p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-}
-template <typename T>
-std::vector<T> download(const void* p, size_t count) {
-  std::vector<T> h(count);
-  if (count) QCK(cudaMemcpy(h.data(), p, count * sizeof(T), cudaMemcpyDeviceToHost));
-  return h;
-}
 
-uint16_t enc(float x, Scalar t) {
-  uint16_t u;
-  if (t == Scalar::BF16) {
-    const __nv_bfloat16 b = __float2bfloat16_rn(x);
-    std::memcpy(&u, &b, 2);
-  } else {
-    const __half h = __float2half_rn(x);
-    std::memcpy(&u, &h, 2);
-  }
-  return u;
-}
-float dec(uint16_t u, Scalar t) {
-  if (t == Scalar::BF16) {
-    const uint32_t w = uint32_t(u) << 16;
-    float f;
-    std::memcpy(&f, &w, 4);
-    return f;
-  }
-  __half h;
-  std::memcpy(&h, &u, 2);
-  return __half2float(h);
-}
-const char* sname(Scalar t) { return t == Scalar::F32 ? "f32" : t == Scalar::F16 ? "f16" : "bf16"; }
 
 std::mt19937_64 g_rng(20261113);
 uint64_t g_x = 0x9e3779b97f4a7c15ull;  // xorshift64* for the bulk values (fast)
@@ -198,7 +136,7 @@ void build_cache(Cache& c, Scalar t, int Hkv, int D, int P, const std::vector<in
       }
     }
   }
-  QCK(cudaMemcpy(c.pool.p, pool.data(), pool.size() * 2, cudaMemcpyHostToDevice));
+  KVS_TEST_CK(cudaMemcpy(c.pool.p, pool.data(), pool.size() * 2, cudaMemcpyHostToDevice));
   upload(c.table, table);
 }
 
@@ -249,12 +187,12 @@ void run_bounds(Scalar t, int D, int Hkv, int P, int ps, const std::vector<int>&
     const int n = lens[b], pages = (n + ps - 1) / ps;
     const size_t bytes = size_t(pages + 1) * per_page * 2;
     DevBuf full(bytes), inc(bytes);
-    QCK(cudaMemset(full.p, 0xFF, bytes));
-    QCK(cudaMemset(inc.p, 0xFF, bytes));
+    KVS_TEST_CK(cudaMemset(full.p, 0xFF, bytes));
+    KVS_TEST_CK(cudaMemset(inc.p, 0xFF, bytes));
     std::string detail = "b=" + std::to_string(b) + " n=" + std::to_string(n), why;
     if (!status_ok(kvs::cuda::quest_update_bounds(shape, c.paged(), t, b, 0, n, ps, full.p, nullptr), name)) return;
-    QCK(cudaGetLastError());
-    QCK(cudaDeviceSynchronize());
+    KVS_TEST_CK(cudaGetLastError());
+    KVS_TEST_CK(cudaDeviceSynchronize());
     auto dfull = download<uint16_t>(full.p, size_t(pages + 1) * per_page);
     bool ok = same_bounds(dfull, host_bounds(c, b, n, ps), pages, per_page, t, why);
     report(ok, name + " rebuild", detail + " " + why);
@@ -262,15 +200,15 @@ void run_bounds(Scalar t, int D, int Hkv, int P, int ps, const std::vector<int>&
     const int n0 = std::max(1, std::min(n, n / 3 + 5));
     const int pages0 = (n0 + ps - 1) / ps;
     if (!status_ok(kvs::cuda::quest_update_bounds(shape, c.paged(), t, b, 0, n0, ps, inc.p, nullptr), name)) return;
-    QCK(cudaDeviceSynchronize());
+    KVS_TEST_CK(cudaDeviceSynchronize());
     auto dinc0 = download<uint16_t>(inc.p, size_t(pages0 + 1) * per_page);
     ok = same_bounds(dinc0, host_bounds(c, b, n0, ps), pages0, per_page, t, why);
     report(ok, name + " prefill", detail + " n0=" + std::to_string(n0) + " " + why);
     for (int tok = n0; tok < n; ++tok)
       if (!status_ok(kvs::cuda::quest_update_bounds(shape, c.paged(), t, b, tok, tok + 1, ps, inc.p, nullptr), name))
         return;
-    QCK(cudaGetLastError());
-    QCK(cudaDeviceSynchronize());
+    KVS_TEST_CK(cudaGetLastError());
+    KVS_TEST_CK(cudaDeviceSynchronize());
     auto dinc = download<uint16_t>(inc.p, size_t(pages + 1) * per_page);
     ok = std::memcmp(dinc.data(), dfull.data(), dinc.size() * 2) == 0;
     report(ok, name + " appends", detail + " appends=" + std::to_string(n - n0));
@@ -311,7 +249,7 @@ void run_select(const SelCase& sc) {
   for (int b = 0; b < B; ++b) {
     const int pages = std::max(1, (sc.lens[b] + ps - 1) / ps);
     bounds[b].alloc(size_t(pages) * Hkv * 2 * D * 2);
-    QCK(cudaMemset(bounds[b].p, 0xFF, bounds[b].n));
+    KVS_TEST_CK(cudaMemset(bounds[b].p, 0xFF, bounds[b].n));
     if (sc.lens[b] > 0 &&
         !status_ok(kvs::cuda::quest_update_bounds(shape, c.paged(), sc.t, b, 0, sc.lens[b], ps, bounds[b].p, nullptr), name))
       return;
@@ -340,36 +278,36 @@ void run_select(const SelCase& sc) {
   max_want += sc.want_extra;
   const int max_sel = max_want * ps;
   DevBuf oidx(size_t(B) * H * max_sel * 4), ocnt(size_t(B) * H * 4);
-  QCK(cudaMemset(oidx.p, 0x7B, oidx.n));
-  QCK(cudaMemset(ocnt.p, 0x7B, ocnt.n));
+  KVS_TEST_CK(cudaMemset(oidx.p, 0x7B, oidx.n));
+  KVS_TEST_CK(cudaMemset(ocnt.p, 0x7B, ocnt.n));
   DevBuf ws(kvs::cuda::quest_select_workspace_bytes(shape, max_len, ps, max_want));
-  QCK(cudaMemset(ws.p, 0x7B, ws.n));
+  KVS_TEST_CK(cudaMemset(ws.p, 0x7B, ws.n));
   kvs::cuda::Query qq{dq.p, sc.qt};
-  QCK(cudaDeviceSynchronize());
+  KVS_TEST_CK(cudaDeviceSynchronize());
   cudaStream_t st = nullptr;
   DevBuf staged;
   if (sc.pdl) {
     name += " pdl";
-    QCK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    KVS_TEST_CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     staged.alloc(bounds[0].n);
-    QCK(cudaMemcpy(staged.p, bounds[0].p, bounds[0].n, cudaMemcpyDeviceToDevice));
+    KVS_TEST_CK(cudaMemcpy(staged.p, bounds[0].p, bounds[0].n, cudaMemcpyDeviceToDevice));
     LateCopy lc;
     lc.dst[0] = bounds[0].p;
     lc.src[0] = staged.p;
     lc.bytes[0] = bounds[0].n;
-    QCK(enqueue_late_copy(lc, st));
+    KVS_TEST_CK(enqueue_late_copy(lc, st));
   }
   const auto rs = kvs::cuda::quest_select(shape, qq, sc.t, dbp.as<const void* const>(), dlen.as<int32_t>(),
                                           dbud.as<int32_t>(), max_len, ps, max_want, sc.per_query,
                                           oidx.as<int32_t>(), ocnt.as<int32_t>(), max_sel,
                                           kvs::cuda::Workspace{ws.p, ws.n}, st, sc.pdl);
   if (st) {
-    QCK(cudaStreamSynchronize(st));
-    QCK(cudaStreamDestroy(st));
+    KVS_TEST_CK(cudaStreamSynchronize(st));
+    KVS_TEST_CK(cudaStreamDestroy(st));
   }
   if (!status_ok(rs, name)) return;
-  QCK(cudaGetLastError());
-  QCK(cudaDeviceSynchronize());
+  KVS_TEST_CK(cudaGetLastError());
+  KVS_TEST_CK(cudaDeviceSynchronize());
   const auto idx = download<int32_t>(oidx.p, size_t(B) * H * max_sel);
   const auto cnt = download<int32_t>(ocnt.p, size_t(B) * H);
   int ties = 0, bad = 0;
@@ -451,16 +389,16 @@ void run_select(const SelCase& sc) {
     };
     if (!call().ok()) continue;
     cudaEvent_t e0, e1;
-    QCK(cudaEventCreate(&e0));
-    QCK(cudaEventCreate(&e1));
-    QCK(cudaEventRecord(e0, nullptr));
+    KVS_TEST_CK(cudaEventCreate(&e0));
+    KVS_TEST_CK(cudaEventCreate(&e1));
+    KVS_TEST_CK(cudaEventRecord(e0, nullptr));
     for (int i = 0; i < 200; ++i) (void)call();
-    QCK(cudaEventRecord(e1, nullptr));
-    QCK(cudaEventSynchronize(e1));
+    KVS_TEST_CK(cudaEventRecord(e1, nullptr));
+    KVS_TEST_CK(cudaEventSynchronize(e1));
     float ms = 0.f;
-    QCK(cudaEventElapsedTime(&ms, e0, e1));
-    QCK(cudaEventDestroy(e0));
-    QCK(cudaEventDestroy(e1));
+    KVS_TEST_CK(cudaEventElapsedTime(&ms, e0, e1));
+    KVS_TEST_CK(cudaEventDestroy(e0));
+    KVS_TEST_CK(cudaEventDestroy(e1));
     char buf[48];
     std::snprintf(buf, sizeof buf, " tiles=%d %.1f us", tiles, ms * 1e3f / 200.f);
     line += buf;
@@ -476,14 +414,14 @@ void run_window(int B, int H, int sinks, int window, const std::vector<int>& len
   DevBuf dl, db, oidx(size_t(B) * H * max_sel * 4), ocnt(size_t(B) * H * 4);
   upload(dl, lens);
   upload(db, budgets);
-  QCK(cudaMemset(oidx.p, 0x7B, oidx.n));
-  QCK(cudaMemset(ocnt.p, 0x7B, ocnt.n));
+  KVS_TEST_CK(cudaMemset(oidx.p, 0x7B, oidx.n));
+  KVS_TEST_CK(cudaMemset(ocnt.p, 0x7B, ocnt.n));
   if (!status_ok(kvs::cuda::window_select(B, H, dl.as<int32_t>(), db.as<int32_t>(), sinks, window, oidx.as<int32_t>(),
                                           ocnt.as<int32_t>(), max_sel, nullptr),
                  name))
     return;
-  QCK(cudaGetLastError());
-  QCK(cudaDeviceSynchronize());
+  KVS_TEST_CK(cudaGetLastError());
+  KVS_TEST_CK(cudaDeviceSynchronize());
   const auto idx = download<int32_t>(oidx.p, size_t(B) * H * max_sel);
   const auto cnt = download<int32_t>(ocnt.p, size_t(B) * H);
   std::string why;

@@ -96,32 +96,9 @@ void run_case(const char* method, kvs_scalar_type kvdt, int hq, int hkv, int d, 
       Tensor to(ref.data() + size_t(b) * hq * d, KVS_DEVICE_CPU, F32, {hq, d}), tl(rlse.data() + size_t(b) * hq, KVS_DEVICE_CPU, F32, {hq});
       ok(kvs_session_decode(cpu[b], 0, &tq.t, &tk.t, &tv.t, &to.t, &tl.t, nullptr), "decode cpu");
     }
-    float* dq = upload(hq_);
-    uint16_t* dk = upload(hk);
-    uint16_t* dv = upload(hv);
-    float *dout = nullptr, *dlse = nullptr;
-    cudaMalloc(&dout, ref.size() * 4);
-    cudaMalloc(&dlse, rlse.size() * 4);
-    cudaMemset(dout, 0xff, ref.size() * 4);  // poison: NaN
-    Tensor gq(dq, KVS_DEVICE_CUDA, F32, {B, hq, d}), gk(dk, KVS_DEVICE_CUDA, dt16(kvdt), {B, hkv, d}),
-        gv(dv, KVS_DEVICE_CUDA, dt16(kvdt), {B, hkv, d}), go(dout, KVS_DEVICE_CUDA, F32, {B, hq, d}),
-        gl(dlse, KVS_DEVICE_CUDA, F32, {B, hq});
-    ok(kvs_decode_batch(gpu.data(), size_t(B), 0, &gq.t, &gk.t, &gv.t, &go.t, &gl.t, stream), "decode_batch cuda");
-    cudaStreamSynchronize(stream);
-    std::vector<float> out(ref.size()), lse(rlse.size());
-    cudaMemcpy(out.data(), dout, out.size() * 4, cudaMemcpyDeviceToHost);
-    cudaMemcpy(lse.data(), dlse, lse.size() * 4, cudaMemcpyDeviceToHost);
-    for (int r = 0; r < B * hq; ++r) {
-      double num = 0, den = 0;
-      for (int i = 0; i < d; ++i) {
-        const double a = out[size_t(r) * d + i], b = ref[size_t(r) * d + i];
-        num += (a - b) * (a - b);
-        den += b * b;
-      }
-      const double e = std::sqrt(num / den);
-      worst = std::isnan(e) ? 1e9 : std::max(worst, e);
-      worst_lse = std::max(worst_lse, double(std::fabs(lse[size_t(r)] - rlse[size_t(r)])));
-    }
+    std::vector<float> out, lse;
+    gpu_decode_batch(gpu, hq_, hk, hv, hq, hkv, d, kvdt, stream, out, lse);
+    fold_errors(out, ref, lse, rlse, d, worst, worst_lse);
     if (std::string(method) == "exact_topk" || std::string(method) == "quest")
       for (int b = 0; b < B; ++b)
         for (uint32_t h = 0; h < uint32_t(hkv); ++h) {
@@ -136,11 +113,6 @@ void run_case(const char* method, kvs_scalar_type kvdt, int hq, int hkv, int d, 
           for (int32_t x : sg) common += std::binary_search(sc.begin(), sc.end(), x);
           if (nc != ng || common < size_t(0.95 * double(nc))) sel_equal = false;
         }
-    cudaFree(dq);
-    cudaFree(dk);
-    cudaFree(dv);
-    cudaFree(dout);
-    cudaFree(dlse);
   }
   const char* mem = kv_memory == KVS_DEVICE_CUDA_HOST ? " kv_memory=cuda_host" : "";
   const char* ks = per_session_k ? " k per session" : lse_base == KVS_LSE_BASE_2 ? " lse_base=2" : "";

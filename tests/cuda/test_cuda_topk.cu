@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "backends/cuda/topk.cuh"
+#include "kernel_test_util.cuh"
 
 using kvs::cuda::Scalar;
 
@@ -35,70 +36,13 @@ void report(bool ok, const std::string& name, const std::string& detail) {
   std::fflush(stdout);
 }
 
-#define TCK(call)                                                                              \
-  do {                                                                                         \
-    cudaError_t e_ = (call);                                                                   \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #call); \
-      std::exit(2);                                                                            \
-    }                                                                                          \
-  } while (0)
-
-struct Buf {
-  void* p = nullptr;
-  size_t n = 0;
-  explicit Buf(size_t bytes = 0) { alloc(bytes); }
-  void alloc(size_t bytes) {
-    free();
-    n = bytes;
-    if (bytes) TCK(cudaMalloc(&p, bytes));
-  }
-  void free() {
-    if (p) cudaFree(p);
-    p = nullptr;
-  }
-  ~Buf() { free(); }
-  Buf(const Buf&) = delete;
-  Buf& operator=(const Buf&) = delete;
-  template <typename T>
-  T* as() const { return static_cast<T*>(p); }
-};
-
+// At least 16 bytes, so an empty row set still passes a valid pointer.
 template <typename T>
-void upload(Buf& d, const std::vector<T>& h) {
+void upload16(DevBuf& d, const std::vector<T>& h) {
   d.alloc(std::max<size_t>(h.size() * sizeof(T), 16));
-  if (!h.empty()) TCK(cudaMemcpy(d.p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-}
-template <typename T>
-std::vector<T> download(const void* d, size_t count) {
-  std::vector<T> h(count);
-  if (count) TCK(cudaMemcpy(h.data(), d, count * sizeof(T), cudaMemcpyDeviceToHost));
-  return h;
+  if (!h.empty()) KVS_TEST_CK(cudaMemcpy(d.p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
 }
 
-uint16_t enc(float x, Scalar t) {
-  uint16_t u;
-  if (t == Scalar::BF16) {
-    const __nv_bfloat16 b = __float2bfloat16_rn(x);
-    std::memcpy(&u, &b, 2);
-  } else {
-    const __half h = __float2half_rn(x);
-    std::memcpy(&u, &h, 2);
-  }
-  return u;
-}
-float dec(uint16_t u, Scalar t) {
-  if (t == Scalar::BF16) {
-    const uint32_t w = uint32_t(u) << 16;
-    float f;
-    std::memcpy(&f, &w, 4);
-    return f;
-  }
-  __half_raw r;
-  r.x = u;
-  return __half2float(__half(r));
-}
-const char* sname(Scalar t) { return t == Scalar::F32 ? "f32" : t == Scalar::F16 ? "f16" : "bf16"; }
 
 std::mt19937_64 g_rng(20240611);
 uint64_t g_x = 0x243f6a8885a308d3ull;
@@ -185,12 +129,12 @@ void run_rows(const std::string& tag, const std::vector<int>& lens, int max_len,
   }
   std::vector<int> lclamp(static_cast<size_t>(rows));
   for (int r = 0; r < rows; ++r) lclamp[r] = pass_lengths ? std::min(std::max(lens[r], 0), max_len) : max_len;
-  Buf d_sc, d_len, d_rk, d_idx(size_t(rows) * k * 4 + 4), d_cnt(size_t(rows) * 4 + 4);
-  upload(d_sc, h);
-  upload(d_len, lens);
-  if (!row_k.empty()) upload(d_rk, row_k);
-  TCK(cudaMemset(d_idx.p, 0x7f, d_idx.n));
-  TCK(cudaMemset(d_cnt.p, 0x7f, d_cnt.n));
+  DevBuf d_sc, d_len, d_rk, d_idx(size_t(rows) * k * 4 + 4), d_cnt(size_t(rows) * 4 + 4);
+  upload16(d_sc, h);
+  upload16(d_len, lens);
+  if (!row_k.empty()) upload16(d_rk, row_k);
+  KVS_TEST_CK(cudaMemset(d_idx.p, 0x7f, d_idx.n));
+  KVS_TEST_CK(cudaMemset(d_cnt.p, 0x7f, d_cnt.n));
   const kvs::cuda::Status st = kvs::cuda::topk_rows(
       d_sc.as<float>() + offset, stride, pass_lengths ? d_len.as<int32_t>() : nullptr, rows, max_len, k,
       d_idx.as<int32_t>(), d_cnt.as<int32_t>(), {}, nullptr, row_k.empty() ? nullptr : d_rk.as<int32_t>());
@@ -275,7 +219,7 @@ struct Paged {
   std::vector<int> lens;
   std::vector<float> k;  // host, rounded: [B][Hkv][max_len][D] (t < lens[b])
   std::vector<float> q;  // host, rounded to qt: [B][Hq][D]
-  Buf d_pool, d_pages, d_q, d_len;
+  DevBuf d_pool, d_pages, d_q, d_len;
   kvs::cuda::PagedKv kv{};
 
   float kval(int b, int h, int t, int j) const { return k[((size_t(b) * Hkv + h) * max_len + t) * D + j]; }
@@ -318,21 +262,21 @@ void build_paged(Paged& p, float qscale) {
       for (size_t e = size_t(p.Hkv) * P * p.D; e < page_elems; ++e) pg[e] = enc(urand(-1.f, 1.f), p.kvt);
     }
   }
-  TCK(cudaMemcpy(p.d_pool.p, pool.data(), pool.size() * es, cudaMemcpyHostToDevice));
-  upload(p.d_pages, table);
+  KVS_TEST_CK(cudaMemcpy(p.d_pool.p, pool.data(), pool.size() * es, cudaMemcpyHostToDevice));
+  upload16(p.d_pages, table);
   p.q.resize(size_t(p.B) * p.Hq * p.D);
   if (p.qt == Scalar::F32) {
     for (auto& x : p.q) x = urand(-1.f, 1.f) * qscale;
-    upload(p.d_q, p.q);
+    upload16(p.d_q, p.q);
   } else {
     std::vector<uint16_t> qh(p.q.size());
     for (size_t i = 0; i < qh.size(); ++i) {
       qh[i] = enc(urand(-1.f, 1.f) * qscale, p.qt);
       p.q[i] = dec(qh[i], p.qt);
     }
-    upload(p.d_q, qh);
+    upload16(p.d_q, qh);
   }
-  upload(p.d_len, p.lens);
+  upload16(p.d_len, p.lens);
   p.kv.pages = p.d_pages.as<const void* const>();
   p.kv.max_pages = max_pages;
   p.kv.page_tokens = P;
@@ -423,11 +367,11 @@ void run_scores(Scalar kvt, Scalar qt, int D, int G, int Hkv, int P, std::vector
   s.scale = p.scale;
   const int H = per_head ? p.Hq : Hkv;
   const size_t n = size_t(p.B) * H * max_len;
-  Buf d_sc(n * 4 + 4);
-  TCK(cudaMemset(d_sc.p, 0x7f, d_sc.n));
+  DevBuf d_sc(n * 4 + 4);
+  KVS_TEST_CK(cudaMemset(d_sc.p, 0x7f, d_sc.n));
   const size_t wsb = kvs::cuda::topk_scores_workspace_bytes(s, max_len);
-  Buf d_ws(wsb);
-  TCK(cudaMemset(d_ws.p ? d_ws.p : d_sc.p, 0x7f, d_ws.p ? wsb : 0));
+  DevBuf d_ws(wsb);
+  KVS_TEST_CK(cudaMemset(d_ws.p ? d_ws.p : d_sc.p, 0x7f, d_ws.p ? wsb : 0));
   std::string lens_s;
   for (int l : lens) lens_s += (lens_s.empty() ? "" : ",") + std::to_string(l);
   char nm[256];
@@ -479,9 +423,9 @@ void run_scores(Scalar kvt, Scalar qt, int D, int G, int Hkv, int P, std::vector
   const int k = std::max(1, max_len / 20);
   std::vector<int> rlen(static_cast<size_t>(rows));
   for (int r = 0; r < rows; ++r) rlen[r] = std::min(std::max(lens[r / H], 0), max_len);
-  Buf d_rlen, d_idx(size_t(rows) * k * 4), d_cnt(size_t(rows) * 4);
-  upload(d_rlen, rlen);
-  TCK(cudaMemset(d_idx.p, 0x7f, d_idx.n));
+  DevBuf d_rlen, d_idx(size_t(rows) * k * 4), d_cnt(size_t(rows) * 4);
+  upload16(d_rlen, rlen);
+  KVS_TEST_CK(cudaMemset(d_idx.p, 0x7f, d_idx.n));
   const kvs::cuda::Status st2 = kvs::cuda::topk_rows(d_sc.as<float>(), max_len, d_rlen.as<int32_t>(), rows, max_len,
                                                      k, d_idx.as<int32_t>(), d_cnt.as<int32_t>(), {}, nullptr);
   const cudaError_t le2 = cudaDeviceSynchronize();
@@ -566,13 +510,13 @@ void run_graph_test() {
   kvs::cuda::AttnShape s{2, 8, 2, 128, p.scale};
   const int rows = 4, k = 200;
   std::vector<int> rlen = {4000, 4000, 2500, 2500};
-  Buf d_rlen;
-  upload(d_rlen, rlen);
-  Buf d_sc(size_t(rows) * p.max_len * 4), d_idx(size_t(rows) * k * 4), d_idx2(size_t(rows) * k * 4);
+  DevBuf d_rlen;
+  upload16(d_rlen, rlen);
+  DevBuf d_sc(size_t(rows) * p.max_len * 4), d_idx(size_t(rows) * k * 4), d_idx2(size_t(rows) * k * 4);
   const size_t wsb = kvs::cuda::topk_scores_workspace_bytes(s, p.max_len);
-  Buf d_ws(wsb);
+  DevBuf d_ws(wsb);
   cudaStream_t st;
-  TCK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  KVS_TEST_CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   auto enqueue = [&](void* idx) {
     kvs::cuda::Status a = kvs::cuda::topk_scores(s, {p.d_q.p, Scalar::F32}, p.kv, Scalar::BF16, p.d_len.as<int32_t>(),
                                                  p.max_len, false, 2, 32, d_sc.as<float>(), {d_ws.p, wsb}, st);
@@ -581,18 +525,18 @@ void run_graph_test() {
     return a.ok() && b.ok();
   };
   bool ok = enqueue(d_idx.p);
-  TCK(cudaStreamSynchronize(st));
-  TCK(cudaMemsetAsync(d_idx2.p, 0x7f, d_idx2.n, st));  // on st: it does not wait for the legacy stream
-  TCK(cudaStreamSynchronize(st));
+  KVS_TEST_CK(cudaStreamSynchronize(st));
+  KVS_TEST_CK(cudaMemsetAsync(d_idx2.p, 0x7f, d_idx2.n, st));  // on st: it does not wait for the legacy stream
+  KVS_TEST_CK(cudaStreamSynchronize(st));
   cudaGraph_t g;
   cudaGraphExec_t ge;
-  TCK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+  KVS_TEST_CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
   ok = enqueue(d_idx2.p) && ok;
-  TCK(cudaStreamEndCapture(st, &g));
-  TCK(cudaGraphInstantiate(&ge, g, 0));
-  TCK(cudaGraphLaunch(ge, st));
-  TCK(cudaGraphLaunch(ge, st));
-  TCK(cudaStreamSynchronize(st));
+  KVS_TEST_CK(cudaStreamEndCapture(st, &g));
+  KVS_TEST_CK(cudaGraphInstantiate(&ge, g, 0));
+  KVS_TEST_CK(cudaGraphLaunch(ge, st));
+  KVS_TEST_CK(cudaGraphLaunch(ge, st));
+  KVS_TEST_CK(cudaStreamSynchronize(st));
   const auto a = download<int32_t>(d_idx.p, size_t(rows) * k), b = download<int32_t>(d_idx2.p, size_t(rows) * k);
   report(ok && a == b, "graph capture topk_scores+topk_rows", ok ? (a == b ? "same indices" : "differ") : "call failed");
   cudaGraphExecDestroy(ge);
@@ -602,15 +546,15 @@ void run_graph_test() {
 
 void run_error_tests() {
   using kvs::cuda::Status;
-  Buf d(1024);
+  DevBuf d(1024);
   Status r = kvs::cuda::topk_rows(d.as<float>(), 16, nullptr, 0, 16, 4, d.as<int32_t>(), nullptr, {}, nullptr);
   report(r.code == 1, "error: topk_rows rows=0 -> INVALID_ARGUMENT", r.message);
   r = kvs::cuda::topk_rows(d.as<float>(), 16, nullptr, 1, 16, -1, d.as<int32_t>(), nullptr, {}, nullptr);
   report(r.code == 1, "error: topk_rows k=-1 -> INVALID_ARGUMENT", r.message);
   {  // k = 0: only the counts are written
-    TCK(cudaMemset(d.p, 0x7f, d.n));
+    KVS_TEST_CK(cudaMemset(d.p, 0x7f, d.n));
     r = kvs::cuda::topk_rows(d.as<float>(), 16, nullptr, 2, 16, 0, d.as<int32_t>() + 64, d.as<int32_t>() + 128, {}, nullptr);
-    TCK(cudaDeviceSynchronize());
+    KVS_TEST_CK(cudaDeviceSynchronize());
     const auto c = download<int32_t>(d.as<int32_t>() + 128, 2);
     const auto o = download<int32_t>(d.as<int32_t>() + 64, 1);
     report(r.ok() && c[0] == 0 && c[1] == 0 && o[0] == kPoison, "topk_rows k=0 writes counts 0 only", r.message);
@@ -656,8 +600,8 @@ void run_rows_timing() {
     for (auto& x : h) x = nd(gen);
     if (sorted)
       for (int r = 0; r < sh.rows; ++r) std::sort(h.begin() + size_t(r) * sh.len, h.begin() + size_t(r + 1) * sh.len);
-    Buf d_sc, d_idx(size_t(sh.rows) * sh.k * 4);
-    upload(d_sc, h);
+    DevBuf d_sc, d_idx(size_t(sh.rows) * sh.k * 4);
+    upload16(d_sc, h);
     std::string line = "topk_rows timing rows=" + std::to_string(sh.rows) + " len=" + std::to_string(sh.len) +
                        " k=" + std::to_string(sh.k) + (sorted ? " sorted" : "") + ":";
     for (int force : {0, 1, 2, 4, 8, 16}) {
@@ -668,16 +612,16 @@ void run_rows_timing() {
       };
       if (!call().ok()) continue;
       cudaEvent_t e0, e1;
-      TCK(cudaEventCreate(&e0));
-      TCK(cudaEventCreate(&e1));
-      TCK(cudaEventRecord(e0, nullptr));
+      KVS_TEST_CK(cudaEventCreate(&e0));
+      KVS_TEST_CK(cudaEventCreate(&e1));
+      KVS_TEST_CK(cudaEventRecord(e0, nullptr));
       for (int i = 0; i < 200; ++i) (void)call();
-      TCK(cudaEventRecord(e1, nullptr));
-      TCK(cudaEventSynchronize(e1));
+      KVS_TEST_CK(cudaEventRecord(e1, nullptr));
+      KVS_TEST_CK(cudaEventSynchronize(e1));
       float ms = 0.f;
-      TCK(cudaEventElapsedTime(&ms, e0, e1));
-      TCK(cudaEventDestroy(e0));
-      TCK(cudaEventDestroy(e1));
+      KVS_TEST_CK(cudaEventElapsedTime(&ms, e0, e1));
+      KVS_TEST_CK(cudaEventDestroy(e0));
+      KVS_TEST_CK(cudaEventDestroy(e1));
       char buf[64];
       std::snprintf(buf, sizeof buf, " %s %.1f us", force == 0 ? "auto" : ("C=" + std::to_string(force)).c_str(),
                     ms * 1e3f / 200.f);
