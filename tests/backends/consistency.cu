@@ -583,6 +583,7 @@ int main(int argc, char** argv) {
       {"csattention", "", 0.05, 0, false, true},
       {"csattention", "group_pick=sum,schedule=0.15-step-4", 0.05, 0, false, true},
       {"csattention", "gqa=per_query_head,missing=list_min", 0, 100, false, true},
+      {"csattention", "rerank=2,sinks=4", 0.05, 0, false, true},
   };
   const int big = g_small ? 700 : 5000;
   const Shape shapes[] = {

@@ -210,7 +210,8 @@ __global__ void __launch_bounds__(kThreads) pick_kernel(PickArgs a, InsertArgs i
   // The row's last CTA: the picks.
   if (threadIdx.x == 0) {
     a.row_len[row] = search ? s.w_begin : 0;
-    a.row_k[row] = search ? s.rest : 0;
+    // rerank: the best llround(rerank * rest) candidates go to the exact scores (csattention.cpp)
+    a.row_k[row] = !search ? 0 : a.cfg.rerank > 0 ? int(llround(a.cfg.rerank * s.rest)) : s.rest;
   }
   if (!search) {
     if (threadIdx.x == 0) a.pk_n[row] = 0;
@@ -389,6 +390,11 @@ struct EmitArgs {
   int32_t max_sel;
   int32_t* slice_cnt;  // [rows][EY]: keys each slice keeps
   int32_t EY;          // CTAs per row
+  // rerank: rows with rr_k[row] > 0 emit tk_idx[rr_idx[j]], j < rr_cnt[row] (all kept)
+  const int32_t* rr_idx;
+  const int32_t* rr_cnt;
+  const int32_t* rr_k;
+  int32_t rr_cap;
 };
 
 // Block-wide exclusive scan of one flag per thread (kThreads threads); returns this thread's rank,
@@ -454,6 +460,21 @@ __global__ void __launch_bounds__(kThreads) emit_count_kernel(EmitArgs a) {
   }
 }
 
+// The last slice's part: the window after the `total` searched keys, the padding, the counts.
+__device__ void emit_tail(const EmitArgs& a, const CsaSession& s, int row, int h, int32_t* out, int cap, int pos0,
+                          int total, bool search) {
+  int pos = min(pos0 + total, cap);
+  const int nw = max(s.n - s.w_emit, 0);
+  for (int t = threadIdx.x; t < nw; t += blockDim.x)
+    if (pos + t < cap) out[pos + t] = s.w_emit + t;
+  pos = min(pos + nw, cap);
+  for (int t = pos + threadIdx.x; t < cap; t += blockDim.x) out[t] = -1;
+  if (threadIdx.x == 0) {
+    a.out_cnt[row] = pos;
+    if (search) s.cached_cnt[h] = min(total, s.cached_cap);
+  }
+}
+
 // Pass 2: each slice writes its kept keys at its offset (a plain copy when it drops none); the
 // first slice writes the sinks, the last the window, the padding and the count.
 __global__ void __launch_bounds__(kThreads) emit_kernel(EmitArgs a) {
@@ -470,6 +491,19 @@ __global__ void __launch_bounds__(kThreads) emit_kernel(EmitArgs a) {
   const int pos0 = min(s.s_emit, cap);
   if (ey == 0)
     for (int t = threadIdx.x; t < pos0; t += blockDim.x) out[t] = t;
+  int32_t* cached = s.cached + int64_t(h) * s.cached_cap;
+  if (a.rr_k && s.search == 1 && a.rr_k[row] > 0) {  // reranked: rr_idx indexes the candidates
+    const int nr = a.rr_cnt[row], per = (nr + a.EY - 1) / a.EY, beg = ey * per, end = min(nr, beg + per);
+    const int32_t* cand = a.tk_idx + int64_t(row) * a.kcap;
+    const int32_t* ri = a.rr_idx + int64_t(row) * a.rr_cap;
+    for (int i = beg + threadIdx.x; i < end; i += blockDim.x) {
+      const int32_t tok = cand[ri[i]];
+      if (pos0 + i < cap) out[pos0 + i] = tok;
+      if (i < s.cached_cap) cached[i] = tok;
+    }
+    if (ey == a.EY - 1) emit_tail(a, s, row, h, out, cap, pos0, nr, true);
+    return;
+  }
   int off = 0, total = 0;
   for (int e = 0; e < a.EY; ++e) {
     const int c = a.slice_cnt[row * a.EY + e];
@@ -479,7 +513,6 @@ __global__ void __launch_bounds__(kThreads) emit_kernel(EmitArgs a) {
   const Cands c = row_cands(a, s, row, h);
   const int per = (c.nc + a.EY - 1) / a.EY, beg = ey * per, end = min(c.nc, beg + per);
   const int mine = a.slice_cnt[row * a.EY + ey];
-  int32_t* cached = s.cached + int64_t(h) * s.cached_cap;
   if (mine == end - beg) {
     for (int i = beg + threadIdx.x; i < end; i += blockDim.x) {
       const int32_t tok = c.cand[i];
@@ -506,16 +539,120 @@ __global__ void __launch_bounds__(kThreads) emit_kernel(EmitArgs a) {
       done += t;
     }
   }
-  if (ey != a.EY - 1) return;
-  int pos = min(pos0 + total, cap);
-  const int nw = max(s.n - s.w_emit, 0);
-  for (int t = threadIdx.x; t < nw; t += blockDim.x)
-    if (pos + t < cap) out[pos + t] = s.w_emit + t;
-  pos = min(pos + nw, cap);
-  for (int t = pos + threadIdx.x; t < cap; t += blockDim.x) out[t] = -1;
+  if (ey == a.EY - 1) emit_tail(a, s, row, h, out, cap, pos0, total, c.search);
+}
+
+// ---- the exact rerank (rerank > 0; csattention.cpp rerank_exact) ----
+// Rows whose top-k kept more than `rest` touched candidates score them exactly: per query head g of
+// the row (the table head's own, or the group's G), l_g = scale * q_g . k_t; each head's softmax
+// over the candidates; agg = the sum over heads; the best `rest` by agg (ties: lower token) stay.
+struct RerankArgs {
+  CsaConfig cfg;
+  const CsaSession* ss;
+  int32_t hq, hkv, G, GR, d, kcap, EY;
+  const void* q;
+  const void* const* q_at;
+  bool q_f32;
+  PagedKv kv;
+  const float* acc;
+  int64_t stride;
+  const int32_t* tk_idx;
+  const int32_t* tk_cnt;
+  const int32_t* slice_cnt;
+  float* lg;     // [rows][GR][kcap]
+  float* stat;   // [rows][GR][2]: max, 1 / sum
+  float* agg;    // [rows][kcap]
+  int32_t* rr_k; // [rows]: rest when the row is reranked, else 0
+};
+
+// Whether the row reranks: a search step whose top-k kept more than `rest` touched keys.
+__device__ __forceinline__ bool reranks(const RerankArgs& a, const CsaSession& s, int row) {
+  if (s.search != 1 || s.rest <= 0) return false;
+  int kept = 0;
+  for (int e = 0; e < a.EY; ++e) kept += a.slice_cnt[row * a.EY + e];
+  return kept > s.rest;
+}
+
+// A warp per candidate: its K row read once for the row's GR query heads.
+template <typename KT>
+__global__ void __launch_bounds__(kThreads) rerank_logits_kernel(RerankArgs a) {
+  extern __shared__ float qs[];  // [GR][d]
+  const int row = blockIdx.x, TH = a.cfg.TH, b = row / TH, h = row % TH;
+  const CsaSession s = a.ss[b];
+  if (!reranks(a, s, row)) return;
+  const int d = a.d, GR = a.GR;
+  const void* qb = a.q_at ? *a.q_at : a.q;
+  const int qh0 = a.cfg.per_query_head ? h : h * a.G;
+  for (int i = threadIdx.x; i < GR * d; i += blockDim.x)
+    qs[i] = load_q<KT>(qb, a.q_f32, (int64_t(b) * a.hq + qh0 + i / d) * d + i % d);
+  __syncthreads();
+  const int kvh = a.cfg.per_query_head ? h / a.G : h;
+  const int nc = a.tk_cnt[row];
+  const int32_t* cand = a.tk_idx + int64_t(row) * a.kcap;
+  const float* acc = a.acc + int64_t(row) * a.stride;
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  for (int i = blockIdx.y * warps + (threadIdx.x >> 5); i < nc; i += gridDim.y * warps) {
+    const int32_t tok = cand[i];
+    const bool absent = __float_as_uint(acc[tok]) == kUntouched;
+    const KT* k = kv_row<KT>(a.kv, a.hkv, d, b, kvh, tok, 0);
+    for (int g = 0; g < GR; ++g) {
+      float x = 0.f;
+      if (!absent)
+        for (int e = lane; e < d; e += 32) x = fmaf(qs[g * d + e], to_f32(k[e]), x);
+      for (int o = 16; o; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+      if (lane == 0) a.lg[(int64_t(row) * GR + g) * a.kcap + i] = absent ? -INFINITY : a.cfg.scale * x;
+    }
+  }
+}
+
+// A CTA per (row, head): the head's max and softmax denominator over the candidates.
+__global__ void __launch_bounds__(kThreads) rerank_stats_kernel(RerankArgs a) {
+  const int row = blockIdx.x, g = blockIdx.y;
+  const CsaSession s = a.ss[row / a.cfg.TH];
+  if (!reranks(a, s, row)) return;
+  const int nc = a.tk_cnt[row];
+  const float* l = a.lg + (int64_t(row) * a.GR + g) * a.kcap;
+  __shared__ float smax[kThreads / 32];
+  __shared__ double ssum[kThreads / 32];
+  float mx = -INFINITY;
+  for (int i = threadIdx.x; i < nc; i += blockDim.x) mx = fmaxf(mx, l[i]);
+  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if ((threadIdx.x & 31) == 0) smax[threadIdx.x >> 5] = mx;
+  __syncthreads();
+  mx = -INFINITY;
+  for (int w = 0; w < kThreads / 32; ++w) mx = fmaxf(mx, smax[w]);
+  double z = 0;
+  for (int i = threadIdx.x; i < nc; i += blockDim.x) z += double(expf(l[i] - mx));
+  for (int o = 16; o; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
+  if ((threadIdx.x & 31) == 0) ssum[threadIdx.x >> 5] = z;
+  __syncthreads();
   if (threadIdx.x == 0) {
-    a.out_cnt[row] = pos;
-    if (c.search) s.cached_cnt[h] = min(total, s.cached_cap);
+    z = 0;
+    for (int w = 0; w < kThreads / 32; ++w) z += ssum[w];
+    a.stat[(int64_t(row) * a.GR + g) * 2] = mx;
+    a.stat[(int64_t(row) * a.GR + g) * 2 + 1] = float(1.0 / z);
+  }
+}
+
+// CTAs per row: agg[i] = sum over heads of the candidate's softmax weight (an untouched candidate
+// -1, below every weight); the row's rr_k.
+__global__ void __launch_bounds__(kThreads) rerank_agg_kernel(RerankArgs a) {
+  const int row = blockIdx.x;
+  const CsaSession s = a.ss[row / a.cfg.TH];
+  const bool rr = reranks(a, s, row);
+  if (blockIdx.y == 0 && threadIdx.x == 0) a.rr_k[row] = rr ? s.rest : 0;
+  if (!rr) return;
+  const int nc = a.tk_cnt[row];
+  for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < nc; i += gridDim.y * blockDim.x) {
+    float v = 0.f;
+    bool absent = false;
+    for (int g = 0; g < a.GR; ++g) {
+      const float l = a.lg[(int64_t(row) * a.GR + g) * a.kcap + i];
+      absent |= l == -INFINITY;
+      const float* st = a.stat + (int64_t(row) * a.GR + g) * 2;
+      v = __fadd_rn(v, __fmul_rn(expf(l - st[0]), st[1]));
+    }
+    a.agg[int64_t(row) * a.kcap + i] = absent ? -1.f : v;
   }
 }
 
@@ -530,8 +667,11 @@ __global__ void sample_kernel(const T* q, int32_t row_elems, int64_t i0, int64_t
 
 struct Layout {
   size_t acc, pk_base, pk_w, pk_n, row_len, row_k, tk_idx, tk_cnt, slice_cnt, topk, total;
+  size_t rr_lg, rr_stat, rr_agg, rr_idx, rr_cnt, rr_k;  // the rerank's (rerank > 0)
   int64_t stride;
   int32_t rows, P, EY;
+  int32_t kcap;  // the top-k's k: the candidates (rerank * rest, else rest)
+  int32_t GR;    // heads scored per row by the rerank: 1 per query head, else G
 };
 
 Layout make_layout(const CsaConfig& cfg, int32_t B, int32_t hq, int32_t hkv, int32_t max_length, int32_t max_rest) {
@@ -552,11 +692,23 @@ Layout make_layout(const CsaConfig& cfg, int32_t B, int32_t hq, int32_t hkv, int
   L.pk_n = take(size_t(L.rows) * 4);
   L.row_len = take(size_t(L.rows) * 4);
   L.row_k = take(size_t(L.rows) * 4);
-  L.tk_idx = take(size_t(L.rows) * size_t(std::max(max_rest, 1)) * 4);
+  // Candidates: llround(rerank * rest) <= ceil(rerank * max_rest) for every row.
+  L.kcap = int32_t(std::max<int64_t>(1, cfg.rerank > 0 ? int64_t(std::ceil(cfg.rerank * max_rest)) : max_rest));
+  L.GR = cfg.per_query_head ? 1 : G;
+  L.tk_idx = take(size_t(L.rows) * size_t(L.kcap) * 4);
   L.tk_cnt = take(size_t(L.rows) * 4);
-  L.EY = int32_t(std::clamp<int64_t>((int64_t(max_rest) + 2047) / 2048, 1, kMaxEmitCtas));
+  L.EY = int32_t(std::clamp<int64_t>((int64_t(L.kcap) + 2047) / 2048, 1, kMaxEmitCtas));
   L.slice_cnt = take(size_t(L.rows) * size_t(L.EY) * 4);
-  const size_t tb = topk_rows_workspace_bytes(L.rows, max_length, std::max(max_rest, 1));
+  if (cfg.rerank > 0) {
+    L.rr_lg = take(size_t(L.rows) * L.GR * size_t(L.kcap) * 4);
+    L.rr_stat = take(size_t(L.rows) * L.GR * 8);
+    L.rr_agg = take(size_t(L.rows) * size_t(L.kcap) * 4);
+    L.rr_idx = take(size_t(L.rows) * size_t(std::max(max_rest, 1)) * 4);
+    L.rr_cnt = take(size_t(L.rows) * 4);
+    L.rr_k = take(size_t(L.rows) * 4);
+  }
+  const size_t tb = std::max(topk_rows_workspace_bytes(L.rows, max_length, L.kcap),
+                             topk_rows_workspace_bytes(L.rows, L.kcap, std::max(max_rest, 1)));
   L.topk = take(tb);
   L.total = o;
   return L;
@@ -643,20 +795,66 @@ Status csa_select(const CsaConfig& cfg, const CsaSession* sessions, int32_t B, i
     const unsigned grid = unsigned(std::min<int64_t>(int64_t(L.rows) * chunks, int64_t(4) * sms));
     scatter_kernel<F16><<<grid, kThreads, 0, st>>>(sa);
     KVS_LAUNCH_CHECK("csattention scatter kernel launch");
-    // 4. the best `rest` of each row (untouched keys absent)
+    // 4. the best `rest` of each row, or its rerank * rest candidates (untouched keys absent)
     if (max_rest > 0) {
-      if (Status s = topk_rows(acc, L.stride, row_len, L.rows, max_length, max_rest, tk_idx, tk_cnt,
+      if (Status s = topk_rows(acc, L.stride, row_len, L.rows, max_length, L.kcap, tk_idx, tk_cnt,
                                Workspace{w + L.topk, L.total - L.topk}, stream, row_k, /*neg_zero_absent=*/true);
           !s.ok())
         return s;
     } else {
       KVS_CUDA_TRY(cudaMemsetAsync(tk_cnt, 0, size_t(L.rows) * 4, st), "cudaMemsetAsync(csattention counts)");
     }
-    // 5. the selection rows
-    EmitArgs ea{sessions, cfg.TH, acc, L.stride, tk_idx, tk_cnt, std::max(max_rest, 1), out_idx, out_cnt, max_selected,
-                reinterpret_cast<int32_t*>(w + L.slice_cnt), L.EY};
+    auto* slice_cnt = reinterpret_cast<int32_t*>(w + L.slice_cnt);
+    EmitArgs ea{sessions, cfg.TH, acc, L.stride, tk_idx, tk_cnt, L.kcap, out_idx, out_cnt, max_selected,
+                slice_cnt, L.EY, nullptr, nullptr, nullptr, std::max(max_rest, 1)};
     emit_count_kernel<<<dim3(unsigned(L.rows), unsigned(L.EY)), kThreads, 0, st>>>(ea);
     KVS_LAUNCH_CHECK("csattention emit count kernel launch");
+    // 5. the exact rerank of the candidates
+    if (cfg.rerank > 0 && max_rest > 0) {
+      RerankArgs ra{};
+      ra.cfg = cfg;
+      ra.ss = sessions;
+      ra.hq = hq;
+      ra.hkv = hkv;
+      ra.G = G;
+      ra.GR = L.GR;
+      ra.d = d;
+      ra.kcap = L.kcap;
+      ra.EY = L.EY;
+      ra.q = q.data;
+      ra.q_at = q.at;
+      ra.q_f32 = q.dtype == Scalar::F32;
+      ra.kv = kv;
+      ra.acc = acc;
+      ra.stride = L.stride;
+      ra.tk_idx = tk_idx;
+      ra.tk_cnt = tk_cnt;
+      ra.slice_cnt = slice_cnt;
+      ra.lg = reinterpret_cast<float*>(w + L.rr_lg);
+      ra.stat = reinterpret_cast<float*>(w + L.rr_stat);
+      ra.agg = reinterpret_cast<float*>(w + L.rr_agg);
+      ra.rr_k = reinterpret_cast<int32_t*>(w + L.rr_k);
+      const size_t qs = size_t(L.GR) * d * 4;
+      if (qs > 48 * 1024) return unsupported("csa_select: rerank query group too large (G * head_dim * 4 > 48 KiB)");
+      const unsigned ry = unsigned(std::clamp<int64_t>((int64_t(L.kcap) + 255) / 256, 1, 128));
+      rerank_logits_kernel<KT><<<dim3(unsigned(L.rows), ry), kThreads, qs, st>>>(ra);
+      KVS_LAUNCH_CHECK("csattention rerank logits kernel launch");
+      rerank_stats_kernel<<<dim3(unsigned(L.rows), unsigned(L.GR)), kThreads, 0, st>>>(ra);
+      KVS_LAUNCH_CHECK("csattention rerank stats kernel launch");
+      rerank_agg_kernel<<<dim3(unsigned(L.rows), unsigned(std::clamp<int64_t>((int64_t(L.kcap) + 4095) / 4096, 1, 64))),
+                          kThreads, 0, st>>>(ra);
+      KVS_LAUNCH_CHECK("csattention rerank agg kernel launch");
+      auto* rr_idx = reinterpret_cast<int32_t*>(w + L.rr_idx);
+      auto* rr_cnt = reinterpret_cast<int32_t*>(w + L.rr_cnt);
+      if (Status s = topk_rows(ra.agg, L.kcap, tk_cnt, L.rows, L.kcap, std::max(max_rest, 1), rr_idx, rr_cnt,
+                               Workspace{w + L.topk, L.total - L.topk}, stream, ra.rr_k);
+          !s.ok())
+        return s;
+      ea.rr_idx = rr_idx;
+      ea.rr_cnt = rr_cnt;
+      ea.rr_k = ra.rr_k;
+    }
+    // 6. the selection rows
     emit_kernel<<<dim3(unsigned(L.rows), unsigned(L.EY)), kThreads, 0, st>>>(ea);
     KVS_LAUNCH_CHECK("csattention emit kernel launch");
     return {};

@@ -38,6 +38,8 @@ struct CsaConfig {
   bool qnorm = false;                 // weight ||q^(b)||
   bool missing_min = false;           // a key absent from a picked list scores the list's minimum
   bool f16_scores = true;             // list scores fp16 (else fp32)
+  double rerank = 0;                   // r > 0: exact rerank of the r * rest best candidates
+  float scale = 1.f;                  // softmax scale of the rerank's logits
 };
 
 // One session's tables and step (device memory, uploaded per step: csa_select reads it at run time,

@@ -10,8 +10,8 @@
 // The prompt's queries are sampled on the device as the CPU method samples them (every stride-th
 // token, the stride doubling while the sample exceeds its cap) and the index is built on the GPU
 // (cuda::csa_build). Keys appended outside a decode step enter the lists at the next step (as on
-// the CPU, whose select catches up on keys it has not seen). Not on this placement yet: the exact
-// rerank (rerank > 0) and rolling back below the indexed tokens (the lists keep no undo log here).
+// the CPU, whose select catches up on keys it has not seen). Not on this placement yet: rolling back
+// below the indexed tokens (the lists keep no undo log here).
 #ifdef KVS_HAVE_CUDA
 #include <cuda_runtime.h>
 
@@ -64,8 +64,6 @@ class CsaCuda final : public DeviceMethod {
   CsaCuda(const MethodContext& ctx, const ParamSet& ps)
       : shape_(ctx.shape), budget_(ctx.budget), cpu_(find_method("csattention")->create(ctx, ps)),
         P_(csa::params_of(*cpu_)), layers_(ctx.shape.num_layers) {
-    if (P_.rerank > 0)
-      fail(KVS_STATUS_UNSUPPORTED, "method_params: csattention rerank is not supported on the cuda backend yet (cpu only); use rerank=0");
     if (P_.m > cuda::kCsaMaxSubspaces)
       fail(KVS_STATUS_UNSUPPORTED, "method_params: csattention subspaces above 64 are not supported on the cuda backend");
     check(cudaGetDevice(&device_), "cudaGetDevice");
@@ -81,6 +79,8 @@ class CsaCuda final : public DeviceMethod {
     cfg_.qnorm = P_.qnorm;
     cfg_.missing_min = P_.missing_min;
     cfg_.f16_scores = P_.f16;
+    cfg_.rerank = P_.rerank;
+    cfg_.scale = float(ctx.shape.softmax_scale);
   }
 
   // ---- prompt: the query sample ----
@@ -464,7 +464,8 @@ class CsaCuda final : public DeviceMethod {
   bool same_config(const CsaCuda& o) const {
     const auto &a = cfg_, &b = o.cfg_;
     if (a.m != b.m || a.TH != b.TH || a.per_query_head != b.per_query_head || a.group_sum != b.group_sum ||
-        a.qnorm != b.qnorm || a.missing_min != b.missing_min || a.f16_scores != b.f16_scores)
+        a.qnorm != b.qnorm || a.missing_min != b.missing_min || a.f16_scores != b.f16_scores ||
+        a.rerank != b.rerank || a.scale != b.scale)
       return false;
     for (int i = 0; i < a.m; ++i)
       if (a.off[i] != b.off[i] || a.db[i] != b.db[i] || a.w[i] != b.w[i]) return false;
