@@ -1,14 +1,19 @@
 // SPDX-License-Identifier: Apache-2.0
-// CSAttention's decode step on CUDA (csattention.cuh). Per step, for B sessions of TH table heads:
+// CSAttention's decode step on CUDA (csattention.cuh). Per step, for B sessions of TH table heads
+// (a row = one session's table head):
 //
-//   insert   a thread per list (session, head, subspace, centroid): tokens [ins_from, n) scored
-//            against the centroid, try-inserted into the min-heap (csa::heap_try_insert)
-//   pick     a CTA per row (session, table head): the nearest centroid per (query head, subspace)
-//            by a warp each, the distinct lists with their summed weights; the other CTAs of the
-//            row's grid column set the row's accumulator to -0.0 ("untouched")
-//   scatter  CTAs per row over the picked lists' entries: acc[token] += w * score + off (fp32
-//            atomics; the CPU adds in list order, so sums may differ in the last bits)
-//   top-k    topk_rows over the accumulator rows with -0.0 ranked absent, per-row k = rest
+//   pick     one launch: per row, CTAs set the row's accumulator to -0.0 ("untouched") and one CTA
+//            finds the nearest centroid per (query head, subspace) by a warp each and the distinct
+//            lists with their summed weights; the last CTAs run the streaming update, a thread per
+//            list: tokens [ins_from, n) scored against the centroid and try-inserted into the
+//            min-heap (csa::heap_try_insert)
+//   scatter  a persistent grid over (row, chunk) pairs: acc[token] += w * score + off over the
+//            picked lists' entries (fp32 atomics; the CPU adds in list order, so sums may differ in
+//            the last bits); `off` is the list minimum's term with missing=list_min
+//   top-k    topk_rows over the accumulator rows with -0.0 ranked absent, per-row k = rest (or
+//            the rerank's rerank * rest candidates)
+//   rerank   (rerank > 0) exact logits of the candidates per query head, each head's softmax, the
+//            summed weights, topk_rows of those
 //   emit     CTAs per row over slices of the candidates, two passes (count kept, then write at the
 //            slice's offset): sinks, the searched keys (untouched ones dropped; stored as the cached
 //            search) or the cached keys, then the window, written ascending
@@ -31,8 +36,8 @@ namespace kvs::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kInsertCtas = 16;
-constexpr int kMaxEmitCtas = 32;  // per row  // per session: a thread per list, grid-stride
+constexpr int kInsertCtas = 16;  // per session: a thread per list, grid-stride
+constexpr int kMaxEmitCtas = 32;  // per row
 constexpr uint32_t kUntouched = 0x80000000u;  // -0.0f: no picked list holds the key
 
 __device__ __forceinline__ float to_f32(float x) { return x; }

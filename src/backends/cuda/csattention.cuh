@@ -38,7 +38,7 @@ struct CsaConfig {
   bool qnorm = false;                 // weight ||q^(b)||
   bool missing_min = false;           // a key absent from a picked list scores the list's minimum
   bool f16_scores = true;             // list scores fp16 (else fp32)
-  double rerank = 0;                   // r > 0: exact rerank of the r * rest best candidates
+  double rerank = 0;                  // r > 0: exact rerank of the r * rest best candidates
   float scale = 1.f;                  // softmax scale of the rerank's logits
 };
 
@@ -66,6 +66,10 @@ struct CsaSession {
 // w * stored score (+ the list-minimum offset) per key over the distinct picked lists, and keeps
 // the `rest` best keys of [s_end, w_begin) that any picked list holds (ties: lower token), storing
 // them as the session's cached search; search = 0 emits the cached keys within [s_end, w_begin).
+// With cfg.rerank = r > 0 the llround(r * rest) best are kept first and, when more than `rest` of
+// them were touched, scored exactly (scale * q . k per query head of the row: the table head's own,
+// or the group's G), each head's softmax taken over them, and the `rest` best by the summed weights
+// kept (csattention.cpp rerank_exact).
 // Host capacities: max_rest >= every rest (the top-k's k), max_length >= every n, max_selected >=
 // every row's count (a longer row is cut, never written out of bounds); the launch shapes depend on
 // these, B and the config only (a captured step replays while they hold).
