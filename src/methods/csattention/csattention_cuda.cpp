@@ -213,13 +213,14 @@ class CsaCuda final : public DeviceMethod {
       const auto* m = static_cast<const CsaCuda*>(batch[b]);
       if (b > 0 && !same_config(*m))
         invalid("kvs_decode_batch: sessions[" + std::to_string(b) +
-                "]: the sessions of one batch must share csattention's parameters on the cuda backend");
+                "]: on the cuda backend the sessions of one batch must share csattention's subspaces, splits, "
+                "weights, weight_list, score_dtype, gqa, group_pick, missing and rerank parameters");
       const auto& L = m->layers_[layer];
       const int64_t n = st.host_lengths[b];
       int64_t cnt = n;
       if (L.built && !L.dense_fallback) {
         any_index = true;
-        const auto sk = csa::step_keys(P_, m->budget_, n);
+        const auto sk = csa::step_keys(m->P_, m->budget_, n);
         cnt = sk.s_emit + sk.rest + (n - sk.w_emit);
       }
       p.selected.push_back(double(cnt));
@@ -250,7 +251,7 @@ class CsaCuda final : public DeviceMethod {
         s.search = 2;
         s.ins_from = s.n;
       } else {
-        const auto sk = csa::step_keys(P_, m->budget_, n);
+        const auto sk = csa::step_keys(m->P_, m->budget_, n);
         s.cent = L.t.cent.as<float>();
         s.idx = L.t.idx.as<int32_t>();
         s.val = L.t.val.p;
@@ -265,7 +266,7 @@ class CsaCuda final : public DeviceMethod {
         s.s_emit = int32_t(sk.s_emit);
         s.w_emit = int32_t(sk.w_emit);
         s.rest = int32_t(sk.rest);
-        s.search = !L.have_cached || L.step % P_.period == 0 ? 1 : 0;
+        s.search = !L.have_cached || L.step % m->P_.period == 0 ? 1 : 0;
         L.pending_n = n;
         L.pending_search = s.search == 1;
       }
