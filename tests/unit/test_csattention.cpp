@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // csattention: the degenerate exact case (m = 1, C = prompt queries as centroids, L = N), the
 // streaming lists against a float64 brute-force Top-L over every key seen, save/load bit-exactness,
-// the k-means objective, the search period, and parameter errors.
+// the k-means objective, the search period, parameter errors, and the step's forced keys (step_keys).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -600,3 +600,47 @@ TEST_CASE("cpu::kth_largest (radix select) equals nth_element's k-th largest val
   CHECK(kvs::cpu::kth_largest(x.data(), 3, 4, tmp) == -std::numeric_limits<float>::infinity());
 }
 
+
+// csa::step_keys (shared by the cpu method and its cuda implementation) against the rule written
+// out as a list: sinks [0, s) and the window [n - R, n) forced; when they exceed K, the first sinks
+// then the newest keys; the search gets K minus the forced keys (or K with window_in_budget=false).
+TEST_CASE("csattention: step_keys gives the forced keys and the search budget of the rule") {
+  int cases = 0;
+  for (int64_t n : {1, 2, 5, 17, 64, 100, 1000})
+    for (int64_t budget_tokens : {1, 2, 3, 8, 40, 120})
+      for (int64_t sinks : {0, 1, 4, 30})
+        for (int64_t recent : {-1, 0, 3, 16, 80})
+          for (bool in_budget : {true, false}) {
+            kvs::csa::Params p;
+            p.sinks = sinks;
+            p.recent = recent;
+            p.recent_frac = 0.5;
+            p.window_in_budget = in_budget;
+            kvs::Budget b;
+            b.tokens = budget_tokens;
+            const int64_t k = std::clamp<int64_t>(budget_tokens, 1, n);
+            const int64_t R = recent >= 0 ? recent : std::min<int64_t>(64, std::llround(0.5 * double(k)));
+            const int64_t s_end = std::min(sinks, n), w_begin = std::max(s_end, n - R);
+            std::vector<int64_t> forced;
+            for (int64_t t = 0; t < s_end; ++t) forced.push_back(t);
+            for (int64_t t = w_begin; t < n; ++t) forced.push_back(t);
+            if (int64_t(forced.size()) > k) {
+              std::vector<int64_t> f(forced.begin(), forced.begin() + std::min<int64_t>(s_end, k));
+              const int64_t kept_sinks = int64_t(f.size());
+              for (int64_t t = n - (k - kept_sinks); t < n; ++t)
+                if (t >= s_end) f.push_back(t);
+              forced.swap(f);
+            }
+            const auto sk = kvs::csa::step_keys(p, b, n);
+            std::vector<int64_t> got;
+            for (int64_t t = 0; t < sk.s_emit; ++t) got.push_back(t);
+            for (int64_t t = sk.w_emit; t < n; ++t) got.push_back(t);
+            CHECK(sk.k == k);
+            CHECK(sk.s_end == s_end);
+            CHECK(sk.w_begin == w_begin);
+            CHECK(got == forced);
+            CHECK(sk.rest == (in_budget ? std::max<int64_t>(0, k - int64_t(forced.size())) : k));
+            ++cases;
+          }
+  CHECK(cases == 7 * 6 * 4 * 5 * 2);
+}
