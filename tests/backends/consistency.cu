@@ -27,6 +27,7 @@
 
 #include "kvsieve/kvsieve.h"
 #include "../cuda/crash_report.hpp"
+#include "../cuda/cuda_check.hpp"
 
 namespace {
 
@@ -46,14 +47,6 @@ bool ok(kvs_error_t e, const std::string& what) {
   return false;
 }
 
-#define CK(call)                                                                                     \
-  do {                                                                                               \
-    cudaError_t e_ = (call);                                                                         \
-    if (e_ != cudaSuccess) {                                                                         \
-      std::printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #call); \
-      std::exit(2);                                                                                  \
-    }                                                                                                \
-  } while (0)
 
 const kvs_dtype F32{KVS_DTYPE_CODE_FLOAT, 32, 1};
 kvs_dtype dt16(kvs_scalar_type s) {
@@ -99,10 +92,10 @@ struct Tensor {
 
 struct Dev {
   void* p = nullptr;
-  explicit Dev(size_t bytes) { CK(cudaMalloc(&p, bytes ? bytes : 16)); }
+  explicit Dev(size_t bytes) { KVS_TEST_CK(cudaMalloc(&p, bytes ? bytes : 16)); }
   template <class T>
   Dev(const std::vector<T>& h) : Dev(h.size() * sizeof(T)) {
-    CK(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+    KVS_TEST_CK(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
   }
   ~Dev() { cudaFree(p); }
   Dev(const Dev&) = delete;
@@ -212,7 +205,7 @@ bool add(kvs_session_t s, bool dev, const Shape& sh, const Seq& q, int64_t t0, i
           tv(dv.p, true, dt16(sh.kv), {n, sh.hkv, sh.d});
       e = append ? kvs_session_append(s, uint32_t(l), &tq.t, &tk.t, &tv.t, nullptr, nullptr)
                  : kvs_session_prefill(s, uint32_t(l), &tq.t, &tk.t, &tv.t, nullptr, nullptr);
-      CK(cudaDeviceSynchronize());
+      KVS_TEST_CK(cudaDeviceSynchronize());
     }
     if (!ok(e, what)) return false;
   }
@@ -293,8 +286,8 @@ void step(std::vector<kvs_session_t>& cpu, std::vector<kvs_session_t>& gpu, kvs_
       if (!ok(kvs_session_decode(cpu[size_t(b)], uint32_t(l), &tq.t, &tk.t, &tv.t, &to.t, &tl.t, nullptr), name + " cpu decode")) return;
     }
     Dev dq(hq), dk(hk), dv(hv), dout(hq.size() * 4), dlse(rl.size() * 4);
-    CK(cudaMemsetAsync(dout.p, 0xff, hq.size() * 4, stream));  // NaN poison
-    CK(cudaMemsetAsync(dlse.p, 0xff, rl.size() * 4, stream));
+    KVS_TEST_CK(cudaMemsetAsync(dout.p, 0xff, hq.size() * 4, stream));  // NaN poison
+    KVS_TEST_CK(cudaMemsetAsync(dlse.p, 0xff, rl.size() * 4, stream));
     kvs_error_t e = nullptr;
     if (mode == 0) {
       for (int b = 0; b < B && !e; ++b) {
@@ -313,10 +306,10 @@ void step(std::vector<kvs_session_t>& cpu, std::vector<kvs_session_t>& gpu, kvs_
                     : kvs_batch_decode(batch, uint32_t(l), &gq.t, &gk.t, &gv.t, &go.t, &gl.t, stream);
     }
     if (!ok(e, name + " device decode")) return;
-    CK(cudaStreamSynchronize(stream));
+    KVS_TEST_CK(cudaStreamSynchronize(stream));
     std::vector<float> o(hq.size()), lse(rl.size());
-    CK(cudaMemcpy(o.data(), dout.p, o.size() * 4, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(lse.data(), dlse.p, lse.size() * 4, cudaMemcpyDeviceToHost));
+    KVS_TEST_CK(cudaMemcpy(o.data(), dout.p, o.size() * 4, cudaMemcpyDeviceToHost));
+    KVS_TEST_CK(cudaMemcpy(lse.data(), dlse.p, lse.size() * 4, cudaMemcpyDeviceToHost));
     compare_out(o, lse, ro, rl, sh.d, c);
   }
 }
@@ -367,7 +360,7 @@ void run_case(const Case& m, const Shape& sh, std::vector<int64_t> n0, int steps
   kvs_batch_t batch = nullptr;
   if (!ok(kvs_batch_create(gpu.data(), size_t(B), &batch), name + " kvs_batch_create")) return;
   cudaStream_t stream;
-  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  KVS_TEST_CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   Cmp c;
   std::vector<int64_t> pos = n0;
   for (int s = 0; s < steps; ++s) {
@@ -467,7 +460,7 @@ void run_case(const Case& m, const Shape& sh, std::vector<int64_t> n0, int steps
     kvs_session_destroy(cfork);
   }
   kvs_batch_destroy(batch);
-  CK(cudaStreamDestroy(stream));
+  KVS_TEST_CK(cudaStreamDestroy(stream));
   for (int b = 0; b < B; ++b) {
     kvs_session_destroy(cpu[size_t(b)]);
     kvs_session_destroy(gpu[size_t(b)]);
@@ -531,7 +524,7 @@ void run_trace(const char* path) {
       kvs_session_build_index(gpu[0], nullptr);
     }
     cudaStream_t stream;
-    CK(cudaStreamCreate(&stream));
+    KVS_TEST_CK(cudaStreamCreate(&stream));
     Cmp c;
     std::vector<int64_t> pos{n0};
     const std::vector<Seq> seqs{s};
@@ -541,7 +534,7 @@ void run_trace(const char* path) {
     }
     report(c.err <= 1e-2 && c.lse <= 1e-3 && c.sel, name + " " + std::to_string(steps) + " steps",
            "rel err " + std::to_string(c.err) + ", lse err " + std::to_string(c.lse) + " " + c.sel_detail);
-    CK(cudaStreamDestroy(stream));
+    KVS_TEST_CK(cudaStreamDestroy(stream));
     kvs_session_destroy(cpu[0]);
     kvs_session_destroy(gpu[0]);
   }

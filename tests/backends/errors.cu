@@ -37,6 +37,7 @@
 
 #include "kvsieve/kvsieve.h"
 #include "../cuda/crash_report.hpp"
+#include "../cuda/cuda_check.hpp"
 
 namespace {
 
@@ -49,14 +50,6 @@ void report(bool ok, const std::string& name, const std::string& detail = "") {
   std::fflush(stdout);
 }
 
-#define CK(call)                                                                                     \
-  do {                                                                                               \
-    cudaError_t e_ = (call);                                                                         \
-    if (e_ != cudaSuccess) {                                                                         \
-      std::printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #call); \
-      std::exit(2);                                                                                  \
-    }                                                                                                \
-  } while (0)
 
 // A call that must succeed; false (and a FAIL line) otherwise.
 bool ok(kvs_error_t e, const std::string& what) {
@@ -99,12 +92,12 @@ struct Dev {
   void* p = nullptr;
   Dev(size_t bytes, int dev = 0) {
     int prev = 0;
-    CK(cudaGetDevice(&prev));
-    CK(cudaSetDevice(dev));
-    CK(cudaMalloc(&p, 2 * bytes + 256));
-    CK(cudaMemset(p, 0, 2 * bytes + 256));
-    CK(cudaDeviceSynchronize());  // the sessions' stream does not wait for the legacy one
-    CK(cudaSetDevice(prev));
+    KVS_TEST_CK(cudaGetDevice(&prev));
+    KVS_TEST_CK(cudaSetDevice(dev));
+    KVS_TEST_CK(cudaMalloc(&p, 2 * bytes + 256));
+    KVS_TEST_CK(cudaMemset(p, 0, 2 * bytes + 256));
+    KVS_TEST_CK(cudaDeviceSynchronize());  // the sessions' stream does not wait for the legacy one
+    KVS_TEST_CK(cudaSetDevice(prev));
   }
   ~Dev() { cudaFree(p); }
   Dev(const Dev&) = delete;
@@ -302,12 +295,12 @@ struct DevChunk {
   DevChunk(const Seq& s, int l, int64_t t0, int64_t n)
       : q(size_t(n) * SH.hq * SH.d * 4), k(size_t(n) * SH.hkv * SH.d * 2), v(size_t(n) * SH.hkv * SH.d * 2) {
     const size_t qs = size_t(SH.hq) * SH.d, ks = size_t(SH.hkv) * SH.d;
-    CK(cudaMemcpy(q.p, s.q[size_t(l)].data() + t0 * qs, size_t(n) * qs * 4, cudaMemcpyHostToDevice));
+    KVS_TEST_CK(cudaMemcpy(q.p, s.q[size_t(l)].data() + t0 * qs, size_t(n) * qs * 4, cudaMemcpyHostToDevice));
     auto kb = to_bf16(s.k[size_t(l)].data() + t0 * ks, size_t(n) * ks);
     auto vb = to_bf16(s.v[size_t(l)].data() + t0 * ks, size_t(n) * ks);
-    CK(cudaMemcpy(k.p, kb.data(), kb.size() * 2, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(v.p, vb.data(), vb.size() * 2, cudaMemcpyHostToDevice));
-    CK(cudaDeviceSynchronize());  // g_stream is non-blocking: the copies must be complete first
+    KVS_TEST_CK(cudaMemcpy(k.p, kb.data(), kb.size() * 2, cudaMemcpyHostToDevice));
+    KVS_TEST_CK(cudaMemcpy(v.p, vb.data(), vb.size() * 2, cudaMemcpyHostToDevice));
+    KVS_TEST_CK(cudaDeviceSynchronize());  // g_stream is non-blocking: the copies must be complete first
   }
 };
 
@@ -325,7 +318,7 @@ bool add_tokens(Pair& p, int64_t t0, int64_t t1, bool append, const std::string&
     auto fn = append ? kvs_session_append : kvs_session_prefill;
     if (!ok(fn(p.cpu, uint32_t(l), &hq.t, &hk.t, &hv.t, nullptr, nullptr), what + " (cpu)")) return false;
     if (!ok(fn(p.gpu, uint32_t(l), &dq.t, &dk.t, &dv.t, nullptr, g_stream), what + " (cuda)")) return false;
-    CK(cudaStreamSynchronize(g_stream));
+    KVS_TEST_CK(cudaStreamSynchronize(g_stream));
   }
   return true;
 }
@@ -355,12 +348,12 @@ struct Step {
       std::memcpy(hk.data() + size_t(b) * ks, kb.data(), ks * 2);
       std::memcpy(hv.data() + size_t(b) * ks, vb.data(), ks * 2);
     }
-    CK(cudaMemcpy(q.p, hq.data(), hq.size() * 4, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(k.p, hk.data(), hk.size() * 2, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(v.p, hv.data(), hv.size() * 2, cudaMemcpyHostToDevice));
-    CK(cudaMemset(o.p, 0xff, size_t(B) * qs * 4));
-    CK(cudaMemset(lse.p, 0xff, size_t(B) * SH.hq * 4));
-    CK(cudaDeviceSynchronize());  // g_stream is non-blocking: copies and poison must be complete first
+    KVS_TEST_CK(cudaMemcpy(q.p, hq.data(), hq.size() * 4, cudaMemcpyHostToDevice));
+    KVS_TEST_CK(cudaMemcpy(k.p, hk.data(), hk.size() * 2, cudaMemcpyHostToDevice));
+    KVS_TEST_CK(cudaMemcpy(v.p, hv.data(), hv.size() * 2, cudaMemcpyHostToDevice));
+    KVS_TEST_CK(cudaMemset(o.p, 0xff, size_t(B) * qs * 4));
+    KVS_TEST_CK(cudaMemset(lse.p, 0xff, size_t(B) * SH.hq * 4));
+    KVS_TEST_CK(cudaDeviceSynchronize());  // g_stream is non-blocking: copies and poison must be complete first
     if (single) {
       tq = Tn(q.p, KVS_DEVICE_CUDA, F32, {SH.hq, SH.d});
       tk = Tn(k.p, KVS_DEVICE_CUDA, BF16, {SH.hkv, SH.d});
@@ -408,10 +401,10 @@ bool valid_step(Mode mode, const std::vector<Pair*>& pairs, kvs_batch_t batch, c
     Step s(pairs, l, mode == kSingle);
     kvs_error_t e = call(mode, pairs, batch, uint32_t(l), &s.tq.t, &s.tk.t, &s.tv.t, &s.to.t, &s.tl.t);
     if (!ok(e, label + ": valid " + kModeName[mode] + " of layer " + std::to_string(l))) return false;
-    CK(cudaStreamSynchronize(g_stream));
+    KVS_TEST_CK(cudaStreamSynchronize(g_stream));
     std::vector<float> o(size_t(B) * qs), lse(size_t(B) * SH.hq);
-    CK(cudaMemcpy(o.data(), s.o.p, o.size() * 4, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(lse.data(), s.lse.p, lse.size() * 4, cudaMemcpyDeviceToHost));
+    KVS_TEST_CK(cudaMemcpy(o.data(), s.o.p, o.size() * 4, cudaMemcpyDeviceToHost));
+    KVS_TEST_CK(cudaMemcpy(lse.data(), s.lse.p, lse.size() * 4, cudaMemcpyDeviceToHost));
     for (int b = 0; b < B; ++b) {
       Pair& p = *pairs[size_t(b)];
       std::vector<float> ro(qs), rl(size_t(SH.hq));
@@ -479,7 +472,7 @@ void chunk_matrix(Pair& p, bool append, const std::string& m) {
       const int64_t before = tokens(p.gpu, l);
       const std::string what = m + ": " + fn + " " + names[slot] + ": " + x.label;
       refused(call_chunk(p.gpu, l, a[0], a[1], a[2], nullptr, g_stream), KVS_STATUS_INVALID_ARGUMENT, x.words, what);
-      CK(cudaStreamSynchronize(g_stream));
+      KVS_TEST_CK(cudaStreamSynchronize(g_stream));
       after(what, before);
     }
   }
@@ -492,7 +485,7 @@ void chunk_matrix(Pair& p, bool append, const std::string& m) {
     const std::string what = m + ": " + fn + " o: " + (dev ? "a device tensor" : "host pointer (KVS_DEVICE_CPU)");
     const int64_t before = tokens(p.gpu, l);
     refused(call_chunk(p.gpu, l, &q.t, &k.t, &v.t, &o.t, g_stream), -1, {"o:"}, what);
-    CK(cudaStreamSynchronize(g_stream));
+    KVS_TEST_CK(cudaStreamSynchronize(g_stream));
     after(what, before);
   }
 }
@@ -512,7 +505,7 @@ void decode_matrix(Mode mode, const std::vector<Pair*>& pairs, kvs_batch_t batch
       a[slot] = x.null ? nullptr : &x.t.t;
       const std::string what = m + ": " + kModeName[mode] + " " + kSlots[slot] + ": " + x.label;
       refused(call(mode, pairs, batch, 0, a[0], a[1], a[2], a[3], a[4]), KVS_STATUS_INVALID_ARGUMENT, x.words, what);
-      CK(cudaStreamSynchronize(g_stream));
+      KVS_TEST_CK(cudaStreamSynchronize(g_stream));
       valid_step(mode, pairs, batch, m + ": after " + what, /*plan_done=*/mode == kBatchDecode);
     }
 }
@@ -528,7 +521,7 @@ bool make_pair(Pair& p, const char* method, int64_t n0, int64_t total, uint32_t 
   if (!build) return true;
   const bool good = ok(kvs_session_build_index(p.gpu, g_stream), m + ": build_index (cuda)") &&
                     ok(kvs_session_build_index(p.cpu, nullptr), m + ": build_index (cpu)");
-  CK(cudaStreamSynchronize(g_stream));
+  KVS_TEST_CK(cudaStreamSynchronize(g_stream));
   return good;
 }
 
@@ -564,7 +557,7 @@ void run_method(const char* method) {
       refused(kvs_batch_plan(early, g_stream), KVS_STATUS_INVALID_STATE, {"build_index"},
               m + ": kvs_batch_plan before build_index");
     kvs_batch_destroy(early);
-    CK(cudaStreamSynchronize(g_stream));
+    KVS_TEST_CK(cudaStreamSynchronize(g_stream));
     bool same = true;
     for (int l = 0; l < SH.layers; ++l) same = same && tokens(P[0].gpu, uint32_t(l)) == n0 && tokens(P[1].gpu, uint32_t(l)) == n0;
     report(same, m + ": layer tokens unchanged by the calls before build_index");
@@ -573,7 +566,7 @@ void run_method(const char* method) {
     if (!ok(kvs_session_build_index(p.gpu, g_stream), m + ": build_index (cuda)") ||
         !ok(kvs_session_build_index(p.cpu, nullptr), m + ": build_index (cpu)"))
       return cleanup();
-  CK(cudaStreamSynchronize(g_stream));
+  KVS_TEST_CK(cudaStreamSynchronize(g_stream));
   if (!valid_step(kSingle, one, nullptr, m + ": first step") || !valid_step(kDecodeBatch, both, nullptr, m + ": first batch step"))
     return cleanup();
 
@@ -598,7 +591,7 @@ void run_method(const char* method) {
         Step s(both, 0, false);
         refused(kvs_batch_decode(batch, 0, &s.tq.t, &s.tk.t, &s.tv.t, &s.to.t, &s.tl.t, g_stream), KVS_STATUS_INVALID_STATE,
                 {"already decoded"}, m + ": kvs_batch_decode of layer 0 twice under one plan");
-        CK(cudaStreamSynchronize(g_stream));
+        KVS_TEST_CK(cudaStreamSynchronize(g_stream));
         valid_step(kBatchDecode, both, batch, m + ": after a layer decoded twice under one plan");
       }
     }
@@ -634,7 +627,7 @@ void run_method(const char* method) {
       Step s(both, 0, false);
       refused(kvs_decode_batch(x.s, 2, 0, &s.tq.t, &s.tk.t, &s.tv.t, &s.to.t, &s.tl.t, g_stream), KVS_STATUS_INVALID_ARGUMENT,
               {x.word}, m + ": kvs_decode_batch of " + x.label);
-      CK(cudaStreamSynchronize(g_stream));
+      KVS_TEST_CK(cudaStreamSynchronize(g_stream));
       valid_step(kDecodeBatch, both, nullptr, m + ": after a batch of " + x.label);
     }
     kvs_session_destroy(other);
@@ -660,11 +653,11 @@ int main() {
     return 77;
   }
   Scratch scratch;
-  CK(cudaMallocHost(&scratch.pinned, kScratchBytes));
+  KVS_TEST_CK(cudaMallocHost(&scratch.pinned, kScratchBytes));
   std::memset(scratch.pinned, 0, kScratchBytes);
   if (g_devices > 1) scratch.dev1 = new Dev(kScratchBytes / 2, 1);
   g_scratch = &scratch;
-  CK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
+  KVS_TEST_CK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
   std::printf("%d CUDA device(s)\n", g_devices);
 
   // A device that does not exist, and a method without a cuda implementation.

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Shared by the CUDA kernel test files (test_cuda_attention.cu, test_cuda_topk.cu,
-// test_cuda_quest.cu, test_cuda_csa_build.cu): a CUDA error check that ends the program, a device
+// test_cuda_quest.cu, test_cuda_csa_build.cu): the CUDA error check (cuda_check.hpp), a device
 // buffer, host <-> device copies and the 16-bit encodings. Each file includes it once (the
 // anonymous namespace gives every file its own copy) and keeps its own pass/fail counters.
 #pragma once
@@ -15,15 +15,7 @@
 #include <vector>
 
 #include "backends/cuda/cuda_attention.cuh"
-
-#define KVS_TEST_CK(call)                                                                          \
-  do {                                                                                             \
-    cudaError_t e_ = (call);                                                                       \
-    if (e_ != cudaSuccess) {                                                                       \
-      std::printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #call); \
-      std::exit(2);                                                                                \
-    }                                                                                              \
-  } while (0)
+#include "cuda_check.hpp"
 
 namespace {
 

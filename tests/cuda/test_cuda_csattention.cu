@@ -124,6 +124,21 @@ void step(std::vector<kvs_session_t>& cpu, std::vector<kvs_session_t>& gpu, cons
     }
 }
 
+// One layer of csattention with these parameters (backend: the cpu until set).
+kvs_session_params csa_params(const char* params, kvs_scalar_type kvdt, int hq, int hkv, int d, double budget) {
+  kvs_session_params p;
+  kvs_session_params_init(&p);
+  p.num_layers = 1;
+  p.num_q_heads = uint32_t(hq);
+  p.num_kv_heads = uint32_t(hkv);
+  p.head_dim = uint32_t(d);
+  p.kv_dtype = kvdt;
+  p.method = "csattention";
+  p.method_params = params;
+  p.budget = budget;
+  return p;
+}
+
 // B sessions of n0 + 37 b prompt tokens, `steps` decode steps, a 60-token turn appended, 3 steps.
 void run_case(const char* params, kvs_scalar_type kvdt, int hq, int hkv, int d, int64_t n0, int B, int steps,
               double budget, bool gpu_build = false) {
@@ -135,16 +150,7 @@ void run_case(const char* params, kvs_scalar_type kvdt, int hq, int hkv, int d, 
   std::vector<Seq> seqs;
   for (int b = 0; b < B; ++b)
     seqs.push_back(make_seq(n0 + 37 * b + steps + turn + 4, hq, hkv, d, uint32_t(1000 + 17 * b + d + hq)));
-  kvs_session_params p;
-  kvs_session_params_init(&p);
-  p.num_layers = 1;
-  p.num_q_heads = uint32_t(hq);
-  p.num_kv_heads = uint32_t(hkv);
-  p.head_dim = uint32_t(d);
-  p.kv_dtype = kvdt;
-  p.method = "csattention";
-  p.method_params = params;
-  p.budget = budget;
+  kvs_session_params p = csa_params(params, kvdt, hq, hkv, d, budget);
   std::vector<kvs_session_t> cpu(size_t(B), nullptr), gpu(size_t(B), nullptr);
   for (int b = 0; b < B; ++b) {
     const int64_t n = n0 + 37 * b;
@@ -203,16 +209,7 @@ void run_roundtrip() {
   const int64_t n0 = 1500;
   const kvs_scalar_type kvdt = KVS_SCALAR_BF16;
   Seq x = make_seq(n0 + 80, hq, hkv, d, 7);
-  kvs_session_params p;
-  kvs_session_params_init(&p);
-  p.num_layers = 1;
-  p.num_q_heads = hq;
-  p.num_kv_heads = hkv;
-  p.head_dim = d;
-  p.kv_dtype = kvdt;
-  p.method = "csattention";
-  p.method_params = "period=4,sinks=4";
-  p.budget = 0.1;
+  kvs_session_params p = csa_params("period=4,sinks=4", kvdt, hq, hkv, d, 0.1);
   kvs_session_t cpu = nullptr, gpu = nullptr, back = nullptr;
   if (!ok(kvs_session_create(&p, &cpu), "create")) return;
   add(cpu, false, x, hq, hkv, d, kvdt, 0, n0, false, "prefill");

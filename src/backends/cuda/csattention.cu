@@ -791,9 +791,8 @@ Status csa_select(const CsaConfig& cfg, const CsaSession* sessions, int32_t B, i
     // 3. reduce by key
     // About four CTAs per SM, each row's picked entries in chunks so that eight rows fill them (the
     // list length is the session's, read at run time: a captured step's grid cannot depend on it).
-    int dev = 0, sms = 132;
-    KVS_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
-    KVS_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+    int sms = 0;
+    if (Status e = sm_count(&sms); !e.ok()) return e;
     const int32_t chunks = int32_t(std::clamp<int64_t>((int64_t(4) * sms + 7) / 8, 1,
                                                        std::max<int64_t>(1, int64_t(L.P) * max_length / kThreads)));
     ScatterArgs sa{sessions, cfg.TH, L.P, L.rows, chunks, cfg.missing_min, acc, L.stride, pk_base, pk_w, pk_n};

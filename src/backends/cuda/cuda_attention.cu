@@ -977,14 +977,6 @@ Status with_kernel(F&& f) {
   }
 }
 
-Status sm_count(int* sms) {
-  int dev = 0;
-  KVS_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
-  KVS_CUDA_TRY(cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev),
-               "cudaDeviceGetAttribute(MultiProcessorCount)");
-  return {};
-}
-
 int group_tile(int G) { return G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8; }
 
 struct Plan {

@@ -5,8 +5,10 @@
 #ifdef KVS_HAVE_CUDA
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "backends/cuda/cuda_attention.cuh"
 #include "core/error.hpp"
@@ -39,6 +41,51 @@ struct DeviceGuard {
   }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
+};
+
+// A device buffer that frees itself (on its device).
+struct DevBuf {
+  void* p = nullptr;
+  size_t bytes = 0;
+  int device = 0;
+  DevBuf() = default;
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  DevBuf(DevBuf&& o) noexcept : p(std::exchange(o.p, nullptr)), bytes(std::exchange(o.bytes, 0)), device(o.device) {}
+  DevBuf& operator=(DevBuf&& o) noexcept {
+    if (this != &o) {
+      release();
+      p = std::exchange(o.p, nullptr);
+      bytes = std::exchange(o.bytes, 0);
+      device = o.device;
+    }
+    return *this;
+  }
+  ~DevBuf() { release(); }
+  void release() noexcept {
+    if (p) {
+      int prev = -1;
+      cudaGetDevice(&prev);
+      if (prev != device) cudaSetDevice(device);
+      cudaFree(p);
+      if (prev >= 0 && prev != device) cudaSetDevice(prev);
+    }
+    p = nullptr;
+    bytes = 0;
+  }
+  // Grows to at least n bytes (contents not kept), by at least a quarter each time: the step's
+  // sizes creep up with the context, and a reallocation synchronises the device. An empty buffer
+  // gets exactly n bytes.
+  void reserve(size_t n, int dev, const char* what = "cudaMalloc(workspace)") {
+    if (n <= bytes && p) return;
+    n = std::max(n, bytes + bytes / 4);  // before release(), which zeroes `bytes`
+    release();
+    device = dev;
+    check(cudaMalloc(&p, n ? n : 1), what);
+    bytes = n;
+  }
+  template <class T>
+  T* as() const { return static_cast<T*>(p); }
 };
 
 // A contiguous CUDA tensor of the given shape, on `device`, of one of the allowed dtypes, its data

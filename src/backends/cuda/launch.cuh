@@ -11,7 +11,10 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <utility>
+
+#include "backends/cuda/status.cuh"
 
 namespace kvs::cuda {
 
@@ -47,6 +50,19 @@ cudaError_t launch_kernel(void (*kern)(P...), dim3 grid, dim3 block, size_t smem
   cfg.attrs = attr;
   cfg.numAttrs = n;
   return cudaLaunchKernelEx(&cfg, kern, std::forward<A>(args)...);
+}
+
+// The current device's multiprocessor count, asked once per device (the query costs host time on
+// every step otherwise).
+inline Status sm_count(int* sms) {
+  static std::atomic<int> cache[64] = {};
+  int dev = 0;
+  KVS_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
+  if (dev >= 0 && dev < 64 && (*sms = cache[dev].load(std::memory_order_relaxed)) > 0) return {};
+  KVS_CUDA_TRY(cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev),
+               "cudaDeviceGetAttribute(MultiProcessorCount)");
+  if (dev >= 0 && dev < 64) cache[dev].store(*sms, std::memory_order_relaxed);
+  return {};
 }
 
 }  // namespace kvs::cuda

@@ -36,6 +36,7 @@ namespace kvs {
 
 using cudautil::check;
 using cudautil::cuda_view;
+using cudautil::DevBuf;
 using cudautil::DeviceGuard;
 using cudautil::S;
 
@@ -97,37 +98,6 @@ int log2i(int64_t x) {
   return s;
 }
 
-// A device buffer that frees itself (on its device).
-struct DevBuf {
-  void* p = nullptr;
-  size_t bytes = 0;
-  int device = 0;
-  DevBuf() = default;
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  ~DevBuf() { release(); }
-  void release() noexcept {
-    if (p) {
-      int prev = -1;
-      cudaGetDevice(&prev);
-      if (prev != device) cudaSetDevice(device);
-      cudaFree(p);
-      if (prev >= 0 && prev != device) cudaSetDevice(prev);
-    }
-    p = nullptr;
-    bytes = 0;
-  }
-  // Grows to at least n bytes (contents not kept), by at least a quarter each time: the step's
-  // sizes creep up with the context, and a reallocation synchronises the device.
-  void reserve(size_t n, int dev) {
-    if (n <= bytes && p) return;
-    n = std::max(n, bytes + bytes / 4);  // before release(), which zeroes `bytes`
-    release();
-    device = dev;
-    check(cudaMalloc(&p, n ? n : 1), "cudaMalloc(workspace)");
-    bytes = n;
-  }
-};
 
 // One layer of one sequence: its pages (host list) and the device copy of the page table.
 struct DevLayer {

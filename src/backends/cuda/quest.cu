@@ -481,10 +481,8 @@ Status launch_score(ScoreArgs a, int B, int max_cand, cudaStream_t st) {
   int tiles = g_tiles.load(std::memory_order_relaxed);
   if (tiles <= 0) {
     // About one resident wave of warps over all (sequence, KV head, tile) work.
-    int dev = 0, sms = 0, occ = 0;
-    KVS_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
-    KVS_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
-             "cudaDeviceGetAttribute(MultiProcessorCount)");
+    int sms = 0, occ = 0;
+    if (Status e = sm_count(&sms); !e.ok()) return e;
     // Occupancy per (kernel, shared memory size), cached: (smem << 32) | occ of the last query.
     static std::atomic<uint64_t> cached{0};
     const uint64_t c = cached.load(std::memory_order_relaxed);

@@ -948,10 +948,8 @@ Status check_score_shape(const AttnShape& s) {
 template <typename T, int D, int GT>
 Status launch_scores(ScoreArgs a, bool per_head, const Workspace& ws, const ScoreLayout& L,
                      cudaStream_t st) {
-  int dev = 0, sms = 0, occ = 0;
-  KVS_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
-  KVS_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
-               "cudaDeviceGetAttribute(MultiProcessorCount)");
+  int sms = 0, occ = 0;
+  if (Status e = sm_count(&sms); !e.ok()) return e;
   auto kern = per_head ? topk_logits_kernel<T, D, GT, false> : topk_logits_kernel<T, D, GT, true>;
   // Asked once per kernel (the query costs host time on every step otherwise); 0 = not asked yet.
   static std::atomic<int> occ_cache[2];

@@ -33,31 +33,9 @@ namespace kvs {
 namespace {
 
 using cudautil::check;
+using cudautil::DevBuf;
 using cudautil::S;
 
-// A device allocation (freed on its device).
-struct Dev {
-  void* p = nullptr;
-  size_t bytes = 0;
-  Dev() = default;
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  Dev(Dev&& o) noexcept : p(o.p), bytes(o.bytes) { o.p = nullptr, o.bytes = 0; }
-  Dev& operator=(Dev&& o) noexcept {
-    std::swap(p, o.p);
-    std::swap(bytes, o.bytes);
-    return *this;
-  }
-  ~Dev() { cudaFree(p); }
-  void alloc(size_t n, const char* what) {
-    Dev d;
-    check(cudaMalloc(&d.p, n ? n : 1), what);
-    d.bytes = n;
-    *this = std::move(d);
-  }
-  template <class T>
-  T* as() const { return static_cast<T*>(p); }
-};
 
 class CsaCuda final : public DeviceMethod {
  public:
@@ -89,7 +67,7 @@ class CsaCuda final : public DeviceMethod {
     if (L.built || n <= 0) return;  // a tables-only load gets its prompt again: the index is there
     const int64_t cap = std::max<int64_t>(1, P_.per_query ? P_.sample : P_.sample / P_.G);
     const int64_t row = int64_t(shape_.num_q_heads) * shape_.head_dim;
-    if (!L.sample.p) L.sample.alloc(size_t(cap) * size_t(row) * 4, "cudaMalloc(csattention query sample)");
+    if (!L.sample.p) L.sample.reserve(size_t(cap) * size_t(row) * 4, device_, "cudaMalloc(csattention query sample)");
     // The CPU's sample is every stride-th token from 0, the stride the least power of two that
     // keeps it within the cap (csattention.cpp on_prefill/thin).
     const int64_t end = t0 + n;
@@ -97,8 +75,8 @@ class CsaCuda final : public DeviceMethod {
     while ((end + stride - 1) / stride > cap) stride *= 2;
     if (stride != L.stride) {  // thin the rows kept so far: every (stride / old)-th row
       const int64_t ratio = stride / L.stride, kept = (t0 + stride - 1) / stride;
-      Dev fresh;
-      fresh.alloc(L.sample.bytes, "cudaMalloc(csattention query sample)");
+      DevBuf fresh;
+      fresh.reserve(L.sample.bytes, device_, "cudaMalloc(csattention query sample)");
       if (kept > 0)
         check(cudaMemcpy2DAsync(fresh.p, size_t(row) * 4, L.sample.p, size_t(row * ratio) * 4, size_t(row) * 4,
                                 size_t(kept), cudaMemcpyDeviceToDevice, S(v.stream)),
@@ -142,8 +120,8 @@ class CsaCuda final : public DeviceMethod {
     bs.f16_scores = P_.f16;
     cuda::CsaKmeans km{P_.km.iters, P_.km.batch, P_.km.full_batch,
                        P_.seed * 0x9E3779B97F4A7C15ull + uint64_t(layer) * 1000003ull};
-    Dev ws;
-    ws.alloc(cuda::csa_build_workspace_bytes(bs, int32_t(L.sampled)), "cudaMalloc(csattention build workspace)");
+    DevBuf ws;
+    ws.reserve(cuda::csa_build_workspace_bytes(bs, int32_t(L.sampled)), device_, "cudaMalloc(csattention build workspace)");
     check(cuda::csa_build(bs, km, L.sample.as<float>(), int32_t(L.sampled), v.kv, cuda::Scalar(int32_t(shape_.kv_dtype)),
                           t.cent.as<float>(), t.idx.as<int32_t>(), t.val.p, cuda::Workspace{ws.p, ws.bytes}, v.stream),
           "csa_build");
@@ -154,7 +132,7 @@ class CsaCuda final : public DeviceMethod {
     L.indexed = N;
     L.step = 0;
     L.have_cached = false;
-    L.sample = Dev();
+    L.sample.release();
     L.sampled = 0;
     const double kvb = double(N) * double(shape_.num_kv_heads) * shape_.head_dim * 2 * dtype_size(shape_.kv_dtype);
     if (double(L.t.bytes()) > kvb)
@@ -373,9 +351,9 @@ class CsaCuda final : public DeviceMethod {
       B.indexed = A.indexed;
       B.step = A.step;
       B.have_cached = A.have_cached;
-      auto copy = [&](const Dev& from, Dev& to, const char* what) {
+      auto copy = [&](const DevBuf& from, DevBuf& to, const char* what) {
         if (!from.p) return;
-        to.alloc(from.bytes, what);
+        to.reserve(from.bytes, device_, what);
         check(cudaMemcpyAsync(to.p, from.p, from.bytes, cudaMemcpyDeviceToDevice, S(stream)), what);
       };
       copy(A.sample, B.sample, "csattention fork: query sample");
@@ -428,27 +406,27 @@ class CsaCuda final : public DeviceMethod {
 
  private:
   struct Tables {
-    Dev cent, idx, val;
+    DevBuf cent, idx, val;
     int64_t C = 0, L = 0;
     uint64_t bytes() const { return cent.bytes + idx.bytes + val.bytes; }
     void alloc(const CsaCuda& m, int64_t c, int64_t l) {
       C = c;
       L = l;
       const size_t lists = size_t(m.P_.TH) * size_t(m.P_.m) * size_t(c) * size_t(l);
-      cent.alloc(size_t(m.P_.TH) * size_t(c) * size_t(m.P_.d) * 4, "cudaMalloc(csattention centroids)");
-      idx.alloc(lists * 4, "cudaMalloc(csattention lists)");
-      val.alloc(lists * (m.P_.f16 ? 2 : 4), "cudaMalloc(csattention scores)");
+      cent.reserve(size_t(m.P_.TH) * size_t(c) * size_t(m.P_.d) * 4, m.device_, "cudaMalloc(csattention centroids)");
+      idx.reserve(lists * 4, m.device_, "cudaMalloc(csattention lists)");
+      val.reserve(lists * (m.P_.f16 ? 2 : 4), m.device_, "cudaMalloc(csattention scores)");
     }
   };
   struct Layer {
     // Before the build: the prompt-query sample, fp32 [cap][Hq][d], tokens 0, stride, 2 stride, ...
-    Dev sample;
+    DevBuf sample;
     int64_t stride = 1, sampled = 0;
     // The index.
     bool built = false, dense_fallback = false;
     Tables t;
     int64_t indexed = 0, step = 0;
-    Dev cached, cached_cnt;  // the period's search [TH][cached_cap], counts [TH]
+    DevBuf cached, cached_cnt;  // the period's search [TH][cached_cap], counts [TH]
     int64_t cached_cap = 0;
     bool have_cached = false;
     // The step planned by fill_args, committed by on_tokens of its token.
@@ -476,9 +454,9 @@ class CsaCuda final : public DeviceMethod {
   void reserve_cached(Layer& L, int64_t k, void* stream) {
     if (k <= L.cached_cap) return;
     const int64_t cap = std::max<int64_t>({256, k + k / 4, L.cached_cap * 2});
-    Dev c, n;
-    c.alloc(size_t(P_.TH) * size_t(cap) * 4, "cudaMalloc(csattention cached search)");
-    n.alloc(size_t(P_.TH) * 4, "cudaMalloc(csattention cached counts)");
+    DevBuf c, n;
+    c.reserve(size_t(P_.TH) * size_t(cap) * 4, device_, "cudaMalloc(csattention cached search)");
+    n.reserve(size_t(P_.TH) * 4, device_, "cudaMalloc(csattention cached counts)");
     if (L.cached.p) {
       check(cudaMemcpy2DAsync(c.p, size_t(cap) * 4, L.cached.p, size_t(L.cached_cap) * 4, size_t(L.cached_cap) * 4,
                               size_t(P_.TH), cudaMemcpyDeviceToDevice, S(stream)),
