@@ -187,6 +187,8 @@ def make_row(case, placement, **fields):
         row["params"] = case.params
     row.update(fields)
     row["speedup_vs_peer"] = speedup(row["peer_us"], row["step_us"])
+    if row.get("peer_pinned_us"):
+        row["speedup_vs_pinned"] = speedup(row["peer_pinned_us"], row["step_us"])
     return row
 
 
@@ -452,7 +454,7 @@ def run_case(env, args, case):
         kv_bytes = 2 * B * (N + 1) * hkv * d * es
         bhnd = not args.no_peer_bhnd
         rep_bytes = 0 if env.gqa or G == 1 else kv_bytes * G
-        need = 3 * kv_bytes + rep_bytes + min(N, args.prefill_chunk) * hq * d * es + GIB
+        need = (4 if args.placement == "hybrid" else 3) * kv_bytes + rep_bytes + min(N, args.prefill_chunk) * hq * d * es + GIB
         mem = env.free_memory()
         if mem is not None:
             free, total = mem
@@ -507,6 +509,20 @@ def run_case(env, args, case):
 
         # The peer over the same storage ([B, Hkv, N, d] views), and optionally a contiguous copy.
         peer = Peer(env, K[:, :N].transpose(1, 2), V[:, :N].transpose(1, 2), G, q4[0], "shared storage")
+        # --placement hybrid: also the floor of any offloaded dense method, full attention over the
+        # same KV held in pinned host memory: copy it to the GPU (pinned, async), then SDPA over it.
+        peer_pin = None
+        if args.placement == "hybrid":
+            Kh, Vh = K[:, :N].cpu().pin_memory(), V[:, :N].cpu().pin_memory()
+            Kd, Vd = torch.empty_like(K[:, :N]), torch.empty_like(V[:, :N])
+            pin_sdpa = Peer(env, Kd.transpose(1, 2), Vd.transpose(1, 2), G, q4[0], "pinned host KV")
+
+            def peer_pin(j):
+                Kd.copy_(Kh, non_blocking=True)
+                Vd.copy_(Vh, non_blocking=True)
+                return pin_sdpa(q4[j])
+            peer_pin.ctx = pin_sdpa.ctx
+            peer_pin.name = "copy pinned KV + " + pin_sdpa.name
         peer_b = None
         if bhnd:
             peer_b = Peer(env, K[:, :N].transpose(1, 2).contiguous(), V[:, :N].transpose(1, 2).contiguous(),
@@ -552,6 +568,8 @@ def run_case(env, args, case):
         calls = [("kvsieve", None, kvs_step), ("peer", peer, lambda j: peer(q4[j]))]
         if peer_b is not None:
             calls.append(("peer_bhnd", peer_b, lambda j: peer_b(q4[j])))
+        if peer_pin is not None:
+            calls.append(("peer_pinned", peer_pin, peer_pin))
         pairs = {name: [env.pair() for _ in range(args.reps)] for name, _, _ in calls}
         env.case_spin_us = args.hide_us if env.spin_cycles else 0.0
         warm_host = []
@@ -608,6 +626,8 @@ def run_case(env, args, case):
         ctx_end = sessions[0].layer_tokens(0)
         print(f"    kvsieve {med['kvsieve']:.1f} us, {peer.name} {med['peer']:.1f} us"
               + (f" ({peer_b.name} on a [B, Hkv, N, d] copy {med['peer_bhnd']:.1f} us)" if peer_b else "")
+              + (f"; {peer_pin.name} {med['peer_pinned']:.1f} us ({med['peer_pinned'] / med['kvsieve']:.2f}x)"
+                 if peer_pin else "")
               + f", host {host_us:.1f} us per kvsieve call ({peer_host_us:.1f} us per SDPA call); "
               f"prefill {prefill_ms:.0f} ms, index {index_ms:.0f} ms; kvsieve context {N + 1}..{ctx_end}",
               flush=True)
@@ -617,6 +637,8 @@ def run_case(env, args, case):
                         peer_host_us=peer_host_us, host_hidden=hidden,
                         peer_bhnd=peer_b.name if peer_b else None,
                         peer_bhnd_us=med.get("peer_bhnd"),
+                        peer_pinned=peer_pin.name if peer_pin else None,
+                        peer_pinned_us=med.get("peer_pinned"),
                         selected_keys=st.last_selected_keys, kvsieve_context_end=ctx_end,
                         prefill_ms=prefill_ms, index_build_ms=index_ms, causal_prefill_ms=causal_ms)
 

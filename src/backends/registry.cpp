@@ -18,11 +18,16 @@ std::unique_ptr<Placement> make_cpu_placement(const SessionConfig&, const Method
 const Backend& cuda_backend();
 std::unique_ptr<Placement> make_cuda_placement(const SessionConfig&, const MethodSpec&, const ParamSet&,
                                                std::shared_ptr<ThreadPool>);
+const Backend& hybrid_backend();
+std::unique_ptr<Placement> make_hybrid_placement(const SessionConfig&, const MethodSpec&, const ParamSet&,
+                                                 std::shared_ptr<ThreadPool>);
 constexpr const char* kNoCuda = nullptr;
 #else
 constexpr const char* kNoCuda = "this build of kvsieve has no CUDA backend (configure with KVS_WITH_CUDA=ON where nvcc is installed)";
 #endif
-constexpr const char* kNoHybrid = "the hybrid CPU+GPU placement is not available in this version";
+constexpr const char* kNoHybrid =
+    "this build of kvsieve has no CUDA backend, which the hybrid CPU+GPU placement needs (configure with "
+    "KVS_WITH_CUDA=ON where nvcc is installed)";
 
 // Called once by method_registry() (src/methods/registry.cpp) on the assembled list.
 void attach_placements(std::vector<MethodSpec>& specs) {
@@ -57,7 +62,15 @@ const Backend* find_backend(int32_t id, const char** why_not) {
     return nullptr;
 #endif
   }
-  if (why_not) *why_not = id == KVS_BACKEND_HYBRID ? kNoHybrid : "unknown backend";
+  if (id == KVS_BACKEND_HYBRID) {
+#ifdef KVS_HAVE_CUDA
+    return &hybrid_backend();
+#else
+    if (why_not) *why_not = kNoHybrid;
+    return nullptr;
+#endif
+  }
+  if (why_not) *why_not = "unknown backend";
   return nullptr;
 }
 
@@ -84,6 +97,7 @@ std::unique_ptr<Placement> make_placement(const SessionConfig& cfg, const Method
                                      " backend: " + why);
 #ifdef KVS_HAVE_CUDA
   if (cfg.backend == KVS_BACKEND_CUDA) return make_cuda_placement(cfg, spec, ps, std::move(pool));
+  if (cfg.backend == KVS_BACKEND_HYBRID) return make_hybrid_placement(cfg, spec, ps, std::move(pool));
 #endif
   if (cfg.kv_memory != 0 && cfg.kv_memory != KVS_DEVICE_CPU)
     fail(KVS_STATUS_UNSUPPORTED, "params->kv_memory: the cpu backend keeps its KV cache in host memory "

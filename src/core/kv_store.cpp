@@ -29,7 +29,10 @@ struct Extent {
   size_t len, page_bytes;
   std::vector<bool> in_use;  // per slot
   uint32_t capacity, used = 0;
+  bool pinned = false;
 };
+
+thread_local int t_no_pin = 0;  // NoPinScope depth on this thread
 
 class PagePool {
  public:
@@ -38,12 +41,16 @@ class PagePool {
     return *pool;
   }
 
-  std::byte* allocate(size_t bytes, Extent** out) {
+  std::byte* allocate(size_t bytes, bool pinned, Extent** out) {
     std::lock_guard<std::mutex> lock(mu_);
     Extent* e = nullptr;
     for (Extent* x : extents_)
-      if (x->page_bytes == bytes && x->used < x->capacity && (!e || x->used > e->used)) e = x;  // fullest first
-    if (!e) e = map_extent(bytes);
+      if (x->page_bytes == bytes && x->pinned == pinned && x->used < x->capacity && (!e || x->used > e->used))
+        e = x;  // fullest first
+    if (!e && pinned && t_no_pin)
+      fail(KVS_STATUS_OUT_OF_MEMORY, "KV pages: no reserved pinned page left for this step (another thread took it; "
+                                     "decode hybrid sessions of one process from one thread at a time)");
+    if (!e) e = map_extent(bytes, pinned);
     if (!e) return nullptr;
     const uint32_t slot = uint32_t(std::find(e->in_use.begin(), e->in_use.end(), false) - e->in_use.begin());
     e->in_use[slot] = true;
@@ -63,18 +70,38 @@ class PagePool {
       // Keep one empty extent per page size, so a session that frees and takes one page at an
       // extent boundary does not map and unmap 32 MiB each time.
       for (Extent* x : extents_)
-        if (x != e && x->page_bytes == e->page_bytes && x->used == 0) {
+        if (x != e && x->page_bytes == e->page_bytes && x->pinned == e->pinned && x->used == 0) {
           unmap(e);
           return;
         }
     }
-    give_back(e, slot);
+    if (!e->pinned) give_back(e, slot);  // pinned memory stays resident while pinned
+  }
+
+  void set_hooks(const PinHooks& h) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!hooks_.pin) hooks_ = h;
+  }
+
+  void reserve_pinned(size_t bytes, uint32_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    uint64_t free = 0;
+    for (Extent* x : extents_)
+      if (x->pinned && x->page_bytes == bytes) free += x->capacity - x->used;
+    while (free < n) {
+      Extent* e = map_extent(bytes, true);
+      if (!e) fail(KVS_STATUS_OUT_OF_MEMORY, "KV pages: could not map and pin " + std::to_string(bytes) + "-byte pages");
+      free += e->capacity;
+    }
   }
 
   PagePoolStats stats() {
     std::lock_guard<std::mutex> lock(mu_);
     PagePoolStats s;
-    for (Extent* x : extents_) s.mapped_bytes += x->len;
+    for (Extent* x : extents_) {
+      s.mapped_bytes += x->len;
+      if (x->pinned) s.pinned_bytes += x->len;
+    }
     s.live_pages = live_;
     s.extents = extents_.size();
     s.huge_hint = huge_;
@@ -100,7 +127,11 @@ class PagePool {
     }
   }
 
-  Extent* map_extent(size_t bytes) {
+  // Called with mu_ held. A pinned extent is pinned by the hook before it is handed out; null if
+  // the mapping or the pinning fails (a pinned extent without hooks throws, saying why).
+  Extent* map_extent(size_t bytes, bool pinned) {
+    if (pinned && !hooks_.pin)
+      fail(KVS_STATUS_OUT_OF_MEMORY, "KV pages: pinned pages were asked for, but no backend that pins host memory is loaded");
     const size_t per = std::max<size_t>(1, kExtentTarget / bytes);
     const size_t len = (per * bytes + kHuge - 1) / kHuge * kHuge;
     // Everything that can throw first, so a failure leaks no mapping.
@@ -117,11 +148,19 @@ class PagePool {
     if (huge_) madvise(reinterpret_cast<void*>(a), len, MADV_HUGEPAGE);  // advice: failure is harmless
 #endif
     e->base = reinterpret_cast<std::byte*>(a);
+    if (pinned) {
+      if (!hooks_.pin(e->base, len)) {
+        munmap(e->base, len);
+        return nullptr;
+      }
+      e->pinned = true;
+    }
     extents_.push_back(e.get());
     return e.release();
   }
 
   void unmap(Extent* e) {
+    if (e->pinned) hooks_.unpin(e->base);
     munmap(e->base, e->len);
     extents_.erase(std::find(extents_.begin(), extents_.end(), e));
     delete e;
@@ -131,16 +170,21 @@ class PagePool {
   std::vector<Extent*> extents_;
   uint64_t live_ = 0;
   bool huge_ = true;
+  PinHooks hooks_;
 };
 
 }  // namespace
 
 PagePoolStats page_pool_stats() { return PagePool::get().stats(); }
+void set_pin_hooks(const PinHooks& hooks) { PagePool::get().set_hooks(hooks); }
+void reserve_pinned_pages(size_t bytes, uint32_t n) { PagePool::get().reserve_pinned(bytes, n); }
+NoPinScope::NoPinScope() { ++t_no_pin; }
+NoPinScope::~NoPinScope() { --t_no_pin; }
 
-Page::Page(size_t bytes) : bytes_(bytes) {
-  if (bytes >= kPoolMinBytes) {
+Page::Page(size_t bytes, bool pinned) : bytes_(bytes), pinned_(pinned) {
+  if (bytes >= kPoolMinBytes || pinned) {
     Extent* e = nullptr;
-    data_ = PagePool::get().allocate(bytes, &e);
+    data_ = PagePool::get().allocate(bytes, pinned, &e);
     extent_ = e;
   } else {
     data_ = static_cast<std::byte*>(mi_malloc_aligned(bytes, 64));
@@ -166,8 +210,8 @@ KVLayer::KVLayer(DType dtype, int num_kv_heads, int head_dim)
 
 Page& KVLayer::writable_last_page() {
   auto& last = pages_.back();
-  if (last.use_count() > 1 || !last->owned()) {
-    auto copy = std::make_shared<Page>(page_bytes_);
+  if (last.use_count() > 1 || !last->owned() || last->pinned() != pinned_) {
+    auto copy = std::make_shared<Page>(page_bytes_, pinned_);
     std::memcpy(copy->data(), last->data(), page_bytes_);
     last = std::move(copy);
   }
@@ -179,7 +223,7 @@ void KVLayer::append(const float* k, const float* v, int64_t n) {
     const int64_t t = n_ + i;
     const int64_t slot = t % kPageTokens;
     if (slot == 0 && t / kPageTokens == num_pages()) {
-      auto p = std::make_shared<Page>(page_bytes_);
+      auto p = std::make_shared<Page>(page_bytes_, pinned_);
       // Zero-fill so whole pages can be written to files deterministically.
       std::memset(p->data(), 0, page_bytes_);
       pages_.push_back(std::move(p));
@@ -228,6 +272,17 @@ void KVLayer::adopt(std::vector<std::shared_ptr<Page>> pages, int64_t n) {
     if (p->bytes() != page_bytes_) fail(KVS_STATUS_FORMAT_INVALID, "KV page size mismatch");
   pages_ = std::move(pages);
   n_ = n;
+}
+
+void KVLayer::set_pinned(bool on, bool now) {
+  pinned_ = on;
+  if (!now) return;
+  for (auto& p : pages_)
+    if (p->pinned() != on) {
+      auto copy = std::make_shared<Page>(page_bytes_, on);
+      std::memcpy(copy->data(), p->data(), page_bytes_);
+      p = std::move(copy);
+    }
 }
 
 uint64_t KVLayer::shared_bytes() const {

@@ -21,8 +21,29 @@ struct PagePoolStats {
   uint64_t live_pages = 0;    // pages handed out from extents
   uint64_t extents = 0;
   bool huge_hint = false;     // extents are advised for transparent huge pages
+  uint64_t pinned_bytes = 0;  // extents pinned for a GPU to read in place (the hybrid placement)
 };
 PagePoolStats page_pool_stats();
+
+// Page-locked ("pinned") KV pages, which a GPU reads in place over the bus (the hybrid placement).
+// The pool keeps them in extents of their own, locked by `pin` when mapped and released by `unpin`
+// before they are unmapped. The hooks are set once per process by the backend that knows how to
+// pin (cuda: cudaHostRegister); until then a pinned page cannot be made (OUT_OF_MEMORY naming why).
+struct PinHooks {
+  bool (*pin)(void* p, size_t bytes) = nullptr;  // false: not pinned (the mapping is dropped)
+  void (*unpin)(void* p) = nullptr;
+};
+void set_pin_hooks(const PinHooks& hooks);
+// Makes sure at least n pinned pages of `bytes` are free, mapping and pinning extents as needed
+// (call where the pin hook may run: never inside a CUDA host function). A thread inside a
+// NoPinScope then takes its pinned pages from those and fails (OUT_OF_MEMORY) rather than pin.
+void reserve_pinned_pages(size_t bytes, uint32_t n);
+struct NoPinScope {
+  NoPinScope();
+  ~NoPinScope();
+  NoPinScope(const NoPinScope&) = delete;
+  NoPinScope& operator=(const NoPinScope&) = delete;
+};
 
 class Page {
  public:
@@ -32,7 +53,7 @@ class Page {
   // live page overlaps goes back to the OS; an extent is unmapped when its last page is freed (one
   // empty extent per page size is kept). KVS_HUGE_PAGES=0 in the
   // environment leaves out the advice. Smaller pages come from mimalloc (64-byte aligned).
-  explicit Page(size_t bytes);
+  explicit Page(size_t bytes, bool pinned = false);  // pinned: page-locked, from the pool whatever its size
   static constexpr size_t kPoolMinBytes = size_t(256) << 10;
   // Wraps external read-only memory kept alive by `owner` (e.g. a mapped file).
   Page(const std::byte* external, size_t bytes, std::shared_ptr<const void> owner);
@@ -44,12 +65,14 @@ class Page {
   const std::byte* data() const { return data_; }
   size_t bytes() const { return bytes_; }
   bool owned() const { return owner_ == nullptr; }
+  bool pinned() const { return pinned_; }
 
  private:
   std::byte* data_;
   size_t bytes_;
   std::shared_ptr<const void> owner_;
   void* extent_ = nullptr;  // the pool extent holding an owned page, or null (mimalloc)
+  bool pinned_ = false;
 };
 
 class KVLayer {
@@ -63,6 +86,10 @@ class KVLayer {
   int64_t num_pages() const { return int64_t(pages_.size()); }
   size_t page_bytes() const { return page_bytes_; }
   size_t elem_size() const { return dtype_size(dtype_); }
+  // Pages this layer allocates from now on (appends, copies on write) are pinned (see PinHooks);
+  // with `now`, the pages it holds that are not are replaced by pinned copies too.
+  void set_pinned(bool on, bool now);
+  bool pinned() const { return pinned_; }
 
   // Base of key / value block [P][d] of head h in page p.
   const std::byte* k_block(int64_t p, int h) const {
@@ -104,6 +131,7 @@ class KVLayer {
   int hkv_, d_;
   size_t row_bytes_, block_bytes_, page_bytes_;
   int64_t n_ = 0;
+  bool pinned_ = false;
   std::vector<std::shared_ptr<Page>> pages_;
 };
 

@@ -43,6 +43,7 @@ struct StepTensors {
 struct StepReport {
   double selected = 0;
   int64_t tokens = 0;  // the layer's tokens after the step
+  bool deferred = false;  // not known yet: the placement hands it over later (settled_reports)
 };
 
 class Placement {
@@ -81,7 +82,10 @@ class Placement {
   // The keys the last decode step of the layer attended for a KV head (sorted; union over the
   // group for per-query-head methods). May synchronise with the device.
   virtual std::vector<int32_t> last_selection(uint32_t layer, uint32_t kv_head) const = 0;
-  virtual void stats(kvs_session_stats& st) const = 0;  // kv_bytes, kv_shared_bytes, index_bytes, workspace_bytes
+  virtual void stats(kvs_session_stats& st) const = 0;
+  // The reports of steps that returned deferred (their selection is made after decode returns, in
+  // stream order), in step order, each once; waits for the steps in flight. The default: none.
+  virtual std::vector<StepReport> settled_reports() const { return {}; }  // kv_bytes, kv_shared_bytes, index_bytes, workspace_bytes
   virtual bool stat(std::string_view name, double* out) const = 0;
 
   // Tables: the method's header entries and sections, and the KV pages when with_kv.

@@ -261,6 +261,10 @@ void Session::check_compatible(Session* const* sessions, size_t count, const cha
 
 void Session::note_step(const StepReport& r) {
   ++decode_steps_;
+  if (!r.deferred) note_selected(r);
+}
+
+void Session::note_selected(const StepReport& r) const {
   last_selected_ = r.selected;
   last_fraction_ = r.tokens > 0 ? r.selected / double(r.tokens) : 0.0;
   sum_selected_ += r.selected;
@@ -293,6 +297,7 @@ void Session::stats(kvs_session_stats* out) const {
             ", got " + std::to_string(out->struct_size));
   kvs_session_stats st{};
   st.struct_size = sizeof(st);
+  for (const auto& r : placement_->settled_reports()) note_selected(r);
   for (uint32_t l = 0; l < cfg_.shape.num_layers; ++l) st.tokens = std::max(st.tokens, placement_->tokens(l));
   st.decode_steps = decode_steps_;
   placement_->stats(st);
@@ -364,8 +369,8 @@ std::unique_ptr<io::TablesWriter> Session::tables_writer(bool with_kv, const cha
 }
 
 std::unique_ptr<Session> Session::to(int32_t backend, int32_t device_id) const {
-  if (backend != KVS_BACKEND_CPU && backend != KVS_BACKEND_CUDA)
-    invalid("kvs_session_to: backend: expected KVS_BACKEND_CPU (1) or KVS_BACKEND_CUDA (2), got " +
+  if (backend != KVS_BACKEND_CPU && backend != KVS_BACKEND_CUDA && backend != KVS_BACKEND_HYBRID)
+    invalid("kvs_session_to: backend: expected KVS_BACKEND_CPU (1), KVS_BACKEND_CUDA (2) or KVS_BACKEND_HYBRID (3), got " +
             std::to_string(backend));
   if (device_id < 0) invalid("kvs_session_to: device_id: expected >= 0, got " + std::to_string(device_id));
   // The KV of every layer goes along (a layer loaded without KV and not prefilled again cannot move).
@@ -379,6 +384,7 @@ std::unique_ptr<Session> Session::to(int32_t backend, int32_t device_id) const {
   lp.gemm = cfg_.gemm;
   lp.flags = KVS_LOAD_MMAP;  // cpu: the pages stay in the image (one copy in all); cuda copies them up
   auto s = load_from(file, lp, "kvs_session_to", &cfg_);
+  for (const auto& r : placement_->settled_reports()) note_selected(r);
   s->decode_steps_ = decode_steps_;
   s->sum_selected_ = sum_selected_;
   s->last_selected_ = last_selected_;

@@ -89,6 +89,7 @@ class Session {
   void check_layer(uint32_t layer, const char* fn) const;
   void check_decodable(uint32_t layer, const char* fn) const;
   void note_step(const StepReport& r);
+  void note_selected(const StepReport& r) const;
 
   SessionConfig cfg_;
   const MethodSpec* spec_;
@@ -97,7 +98,8 @@ class Session {
   std::vector<uint8_t> built_;          // index built for the layer's current prompt
   std::vector<int64_t> expected_len_;   // tables-only load: prompt lengths to re-supply (-1 = none)
   int64_t decode_steps_ = 0;
-  double last_selected_ = 0, sum_selected_ = 0, last_fraction_ = 0;
+  // Selection statistics; a placement may settle a step's after it returned (settled_reports).
+  mutable double last_selected_ = 0, sum_selected_ = 0, last_fraction_ = 0;
 };
 
 }  // namespace kvs

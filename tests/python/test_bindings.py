@@ -572,7 +572,9 @@ def test_method_unsupported_reason():
             # a reason exactly when the registry does not list the backend
             assert (why is None) == (backend in infos[name].backends), (name, backend, why)
             assert why is None or (isinstance(why, str) and len(why) > 10)
-        assert kvsieve.method_unsupported_reason(name, "HYBRID")  # not available in this version
+        # hybrid runs every method exactly where the build has CUDA
+        assert (kvsieve.method_unsupported_reason(name, "HYBRID") is None) == (
+            kvsieve.method_unsupported_reason("full", "cuda") is None)
     assert kvsieve.method_unsupported_reason("no_such_method", "cpu") is None
     assert kvsieve.method_unsupported_reason("no_such_method", "hybrid") is None
     for bad in (0, 7, -1):

@@ -12,6 +12,7 @@
 #include "backends/backend.hpp"
 #include "backends/cpu/attention.hpp"
 #include "backends/cpu/gemm.hpp"
+#include "backends/cpu/host_part.hpp"
 #include "core/error.hpp"
 #include "core/placement.hpp"
 #include "core/session.hpp"
@@ -87,7 +88,7 @@ const Backend& cpu_backend() {
 // ---- the placement ---------------------------------------------------------------------------
 namespace {
 
-class CpuPlacement final : public Placement {
+class CpuPlacement final : public Placement, public HostPart {
  public:
   CpuPlacement(const SessionConfig& cfg, const MethodSpec& spec, const ParamSet& ps, std::shared_ptr<ThreadPool> pool)
       : cfg_(cfg), spec_(spec), params_(ps), pool_(std::move(pool)) {
@@ -382,10 +383,10 @@ class CpuPlacement final : public Placement {
       pages.reserve(size_t(np));
       for (int64_t i = 0; i < np; ++i) {
         const std::byte* src = sec.data + size_t(i) * lay.page_bytes();
-        if (map) {
+        if (map && !lay.pinned()) {
           pages.push_back(std::make_shared<Page>(src, lay.page_bytes(), keep));
         } else {
-          auto p = std::make_shared<Page>(lay.page_bytes());
+          auto p = std::make_shared<Page>(lay.page_bytes(), lay.pinned());
           std::memcpy(p->data(), src, lay.page_bytes());
           pages.push_back(std::move(p));
         }
@@ -429,16 +430,40 @@ class CpuPlacement final : public Placement {
                                               std::to_string(n) + " tokens: its tables do not match the layer");
   }
 
-  void undo_step(uint32_t layer) {
-    const int64_t n = layers_[layer].size() - 1;
-    layers_[layer].truncate(n);
-    method_->truncate(layer, n);
-  }
-
   // One session's step on fp32 host buffers: q [Hq][d], k, v [Hkv][d] -> o [Hq][d], lse [Hq].
   StepReport decode_f32(uint32_t layer, const float* q, const float* k, const float* v, float* o, float* lse) {
     const auto& s = cfg_.shape;
-    const int G = s.group();
+    std::vector<float> eo(size_t(s.num_q_heads) * s.head_dim), el(s.num_q_heads);
+    const Step st = select_step(layer, q, k, v, eo.data(), el.data());
+    const auto& lay = layers_[layer];
+    try {
+      const auto t2 = std::chrono::steady_clock::now();
+      const Selection& sel = *st.sel;
+      const int G = s.group();
+      if (!sel.attend) {  // reported only: the method's extra() is the whole state
+        std::fill(o, o + size_t(s.num_q_heads) * s.head_dim, 0.f);
+        std::fill(lse, lse + s.num_q_heads, -std::numeric_limits<float>::infinity());
+      } else if (sel.kind == Selection::Kind::All) {
+        cpu::attend_dense(lay, q, G, lay.size(), s.softmax_scale, o, lse, *pool_);
+      } else if (sel.kind == Selection::Kind::PerKvHead) {
+        cpu::attend_gather_kv(lay, q, G, sel.lists, s.softmax_scale, o, lse, *pool_);
+      } else {
+        cpu::attend_gather_q(lay, q, G, sel.lists, s.softmax_scale, o, lse, *pool_);
+      }
+      if (st.has_extra) cpu::merge_states(o, lse, eo.data(), el.data(), int(s.num_q_heads), int(s.head_dim));
+      phase_seconds_[2] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t2).count();
+      return st.report;
+    } catch (...) {
+      undo_step(layer);
+      throw;
+    }
+  }
+
+ public:
+  // ---- HostPart: the hybrid placement's host half ----
+  Step select_step(uint32_t layer, const float* q, const float* k, const float* v, float* extra_o,
+                   float* extra_lse) override {
+    const auto& s = cfg_.shape;
     auto& lay = layers_[layer];
     const int64_t n0 = lay.size();
     checkpoint();
@@ -450,40 +475,35 @@ class CpuPlacement final : public Placement {
       const auto t1 = Clock::now();
       Selection& sel = last_sel_[layer];
       method_->select(layer, q, lay, sel);
-      const auto t2 = Clock::now();
       const int64_t n = lay.size();
       check_selection(sel, n);
-      double selected = 0;
-      if (!sel.attend) {  // reported only: the method's extra() is the whole state
-        std::fill(o, o + size_t(s.num_q_heads) * s.head_dim, 0.f);
-        std::fill(lse, lse + s.num_q_heads, -std::numeric_limits<float>::infinity());
-      }
       last_n_[layer] = n;
+      const size_t lists = sel.kind == Selection::Kind::PerKvHead ? s.num_kv_heads : s.num_q_heads;
+      if (sel.kind != Selection::Kind::All && sel.lists.size() != lists)
+        fail(KVS_STATUS_INTERNAL, "method returned a selection of the wrong size");
+      double selected = 0;
       switch (sel.kind) {
         case Selection::Kind::All:
-          if (sel.attend) cpu::attend_dense(lay, q, G, n, s.softmax_scale, o, lse, *pool_);
           selected = double(n);
           break;
         case Selection::Kind::PerKvHead:
-          if (sel.lists.size() != s.num_kv_heads) fail(KVS_STATUS_INTERNAL, "method returned a selection of the wrong size");
-          if (sel.attend) cpu::attend_gather_kv(lay, q, G, sel.lists, s.softmax_scale, o, lse, *pool_);
           for (auto& l : sel.lists) selected += double(l.size());
           selected /= double(s.num_kv_heads);
           break;
         case Selection::Kind::PerQueryHead:
-          if (sel.lists.size() != s.num_q_heads) fail(KVS_STATUS_INTERNAL, "method returned a selection of the wrong size");
-          if (sel.attend) cpu::attend_gather_q(lay, q, G, sel.lists, s.softmax_scale, o, lse, *pool_);
           for (uint32_t h = 0; h < s.num_kv_heads; ++h) selected += double(last_selection(layer, h).size());
           selected /= double(s.num_kv_heads);
           break;
       }
-      std::vector<float> eo(size_t(s.num_q_heads) * s.head_dim), el(s.num_q_heads);
-      if (method_->extra(layer, q, lay, eo.data(), el.data()))
-        cpu::merge_states(o, lse, eo.data(), el.data(), int(s.num_q_heads), int(s.head_dim));
+      const auto t2 = Clock::now();
+      Step st;
+      st.sel = &sel;
+      st.has_extra = method_->extra(layer, q, lay, extra_o, extra_lse);  // timed as attention
+      st.report = StepReport{selected, n};
       phase_seconds_[0] += std::chrono::duration<double>(t1 - t0).count();
       phase_seconds_[1] += std::chrono::duration<double>(t2 - t1).count();
       phase_seconds_[2] += std::chrono::duration<double>(Clock::now() - t2).count();
-      return StepReport{selected, n};
+      return st;
     } catch (...) {
       lay.truncate(n0);
       method_->truncate(layer, n0);
@@ -491,6 +511,21 @@ class CpuPlacement final : public Placement {
     }
   }
 
+  void undo_step(uint32_t layer) override {
+    const int64_t n = layers_[layer].size() - 1;
+    layers_[layer].truncate(n);
+    method_->truncate(layer, n);
+  }
+
+  void log_decode(uint32_t layer, const float* q) override {
+    if (!logging()) return;
+    const size_t qs = size_t(cfg_.shape.num_q_heads) * cfg_.shape.head_dim;
+    log_call(layer, layers_[layer].size() - 1, 1, true, std::vector<float>(q, q + qs));
+  }
+
+  KVLayer& kv_layer(uint32_t layer) override { return layers_[layer]; }
+
+ private:
   // ---- rollback history (kvs_session_truncate) ----
   // For a method whose truncate only undoes its latest call (exact_truncate() false): copies of
   // the method taken at most every max_rollback tokens (the two newest kept) and, per layer, the
@@ -579,6 +614,8 @@ class CpuPlacement final : public Placement {
 };
 
 }  // namespace
+
+HostPart* host_part(Placement* p) { return dynamic_cast<CpuPlacement*>(p); }
 
 std::unique_ptr<Placement> make_cpu_placement(const SessionConfig& cfg, const MethodSpec& spec, const ParamSet& ps,
                                               std::shared_ptr<ThreadPool> pool) {

@@ -1,0 +1,597 @@
+// SPDX-License-Identifier: Apache-2.0
+// The hybrid placement: the KV cache and the method's index in host memory (the KV in pinned
+// pages the GPU reads in place), the method's search on the CPU, the exact attention over what it
+// selected on the GPU. It is a composition, not a third backend: the host part is the cpu
+// placement itself (src/backends/cpu/host_part.hpp), so prefill, index build, append, rollback,
+// save/load, fork and every method's selection are the reference code; the GPU part is the cuda
+// backend's attention kernels pointed at pinned host pages, and one merge kernel.
+//
+// A decode step, all on the caller's stream (nothing blocks the caller's thread on the device):
+//
+//   device -> pinned   q, k_new, v_new of the batch (async copies)
+//   host function      for every session: append the token, the method's update and select (its
+//                      extra state too) on the thread pool; the selection, the lengths and the page
+//                      table written to pinned buffers
+//   pinned -> device   the page table (a few KB)
+//   device             dense attention (sessions whose selection is every key), gathered attention
+//                      per KV head and per query head (rows of the other kinds have count 0: those
+//                      CTAs return at once), each reading only the selected K/V rows over the bus;
+//                      the merge of those states with the host part's extra state (read in place)
+//                      into o and lse in the caller's dtype
+//
+// The step's selection is decided on the CPU while the GPU waits for it, so only the selected rows
+// cross the bus (2 * Hkv * d * 2 bytes per key); the query and the outputs never leave the GPU
+// otherwise. Host-side calls that read the host part (statistics, selections, save, fork, truncate,
+// prefill) first wait for the steps in flight; an error of the host part inside a step (out of
+// memory, a selection that names a token the layer does not hold) is reported by the session's
+// next call, with the failed step taken back on every session of its batch.
+#ifdef KVS_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "backends/backend.hpp"
+#include "backends/cpu/host_part.hpp"
+#include "backends/cuda/cuda_attention.cuh"
+#include "backends/cuda/cuda_util.hpp"
+#include "core/error.hpp"
+#include "core/kv_store.hpp"
+#include "core/placement.hpp"
+#include "core/session.hpp"
+#include "core/tensor.hpp"
+#include "hybrid/hybrid_ops.cuh"
+
+namespace kvs {
+
+const Backend& cuda_backend();
+std::unique_ptr<Placement> make_cpu_placement(const SessionConfig&, const MethodSpec&, const ParamSet&,
+                                              std::shared_ptr<ThreadPool>);
+
+using cudautil::check;
+using cudautil::cuda_view;
+using cudautil::DevBuf;
+using cudautil::DeviceGuard;
+using cudautil::S;
+
+namespace {
+
+constexpr int64_t kMaxLayerTokens = (int64_t(1) << 31) - 1;
+
+// The cuda backend's operations under the hybrid placement's name.
+class HybridBackendOps final : public Backend {
+ public:
+  int32_t id() const override { return KVS_BACKEND_HYBRID; }
+  const char* name() const override { return "hybrid"; }
+  void* alloc(size_t bytes, Mem where) const override { return cuda_backend().alloc(bytes, where); }
+  void free(void* p, Mem where) const noexcept override { cuda_backend().free(p, where); }
+  void copy(void* dst, Mem dm, const void* src, Mem sm, size_t bytes, void* stream) const override {
+    cuda_backend().copy(dst, dm, src, sm, bytes, stream);
+  }
+  void host_fn(void* stream, std::function<void()> fn) const override { cuda_backend().host_fn(stream, std::move(fn)); }
+  void sync(void* stream) const override { cuda_backend().sync(stream); }
+  void merge(const AttnState& dst, const AttnState& src, int64_t rows, int32_t d, void* stream) const override {
+    cuda_backend().merge(dst, src, rows, d, stream);
+  }
+};
+
+// Page-locked host memory that grows (contents not kept).
+struct PinnedBuf {
+  void* p = nullptr;
+  size_t bytes = 0;
+  PinnedBuf() = default;
+  PinnedBuf(const PinnedBuf&) = delete;
+  PinnedBuf& operator=(const PinnedBuf&) = delete;
+  ~PinnedBuf() {
+    if (p) cudaFreeHost(p);
+  }
+  void reserve(size_t n) {
+    if (n <= bytes && p) return;
+    n = std::max(n, bytes + bytes / 4);
+    if (p) cudaFreeHost(p);
+    p = nullptr;
+    bytes = 0;
+    check(cudaMallocHost(&p, n ? n : 1), "cudaMallocHost(hybrid step buffers)");
+    bytes = n;
+  }
+  template <class T>
+  T* at(size_t byte_offset) const {
+    return reinterpret_cast<T*>(static_cast<char*>(p) + byte_offset);
+  }
+};
+
+}  // namespace
+
+const Backend& hybrid_backend() {
+  static const HybridBackendOps b;
+  return b;
+}
+
+namespace {
+
+size_t al(size_t x) { return (x + 255) / 256 * 256; }
+
+bool pin_extent(void* p, size_t bytes) {
+  return cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped) == cudaSuccess;
+}
+void unpin_extent(void* p) { cudaHostUnregister(p); }
+
+// A host copy of a caller tensor given on the device (prefill and append accept either): the
+// bytes, and a kvs_tensor describing them on the host.
+struct HostTensor {
+  std::vector<char> bytes;
+  std::vector<int64_t> shape;
+  kvs_tensor t{};
+  const kvs_tensor* from(const kvs_tensor* src, const char* name, int device, void* stream) {
+    if (!src || src->device.device_type != KVS_DEVICE_CUDA) return src;
+    View v = cuda_view(src, name, {-1, -1, -1}, device, {DType::F32, DType::BF16, DType::F16}, 1);
+    bytes.resize(size_t(v.numel()) * dtype_size(v.dtype));
+    check(cudaMemcpyAsync(bytes.data(), v.base, bytes.size(), cudaMemcpyDeviceToHost, S(stream)), "cudaMemcpyAsync(to host)");
+    check(cudaStreamSynchronize(S(stream)), "cudaStreamSynchronize");
+    shape.assign(src->shape, src->shape + src->ndim);
+    t = *src;
+    t.data = bytes.data();
+    t.byte_offset = 0;
+    t.strides = nullptr;
+    t.shape = shape.data();
+    t.device = kvs_device{KVS_DEVICE_CPU, 0};
+    return &t;
+  }
+};
+
+class HybridPlacement final : public Placement {
+ public:
+  HybridPlacement(const SessionConfig& cfg, std::unique_ptr<Placement> host_owner)
+      : cfg_(cfg), device_(cfg.device_id), owner_(std::move(host_owner)), host_(host_part(owner_.get())) {
+    if (!host_) fail(KVS_STATUS_INTERNAL, "hybrid placement: the host part is not a cpu placement");
+    const auto& sh = cfg_.shape;
+    for (uint32_t l = 0; l < sh.num_layers; ++l) host_->kv_layer(l).set_pinned(true, true);
+    tokens_.resize(sh.num_layers);
+    sync_tokens();
+    DeviceGuard g(device_);
+    check(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreate");
+  }
+
+  static std::unique_ptr<Placement> create(const SessionConfig& cfg, const MethodSpec& spec, const ParamSet& ps,
+                                           std::shared_ptr<ThreadPool> pool) {
+    const auto& sh = cfg.shape;
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0)
+      fail(KVS_STATUS_UNSUPPORTED, "params->backend: the hybrid backend needs a CUDA device, none was found");
+    if (cfg.device_id < 0 || cfg.device_id >= count)
+      invalid("params->device_id: expected 0.." + std::to_string(count - 1) + ", got " + std::to_string(cfg.device_id));
+    if (cfg.kv_memory != 0 && cfg.kv_memory != KVS_DEVICE_CUDA_HOST)
+      fail(KVS_STATUS_UNSUPPORTED, "params->kv_memory: the hybrid backend keeps its KV cache in pinned host memory "
+                                   "(KVS_DEVICE_CUDA_HOST or 0), got " + std::to_string(cfg.kv_memory));
+    if (sh.kv_dtype == DType::F32)
+      fail(KVS_STATUS_UNSUPPORTED, "params->kv_dtype: the hybrid backend stores KV in bf16 or fp16, not f32");
+    if (sh.head_dim != 64 && sh.head_dim != 128 && sh.head_dim != 256)
+      fail(KVS_STATUS_UNSUPPORTED, "params->head_dim: the hybrid backend supports head dims 64, 128 and 256, got " +
+                                       std::to_string(sh.head_dim));
+    int same_ptr = 0;
+    cudaDeviceGetAttribute(&same_ptr, cudaDevAttrCanUseHostPointerForRegisteredMem, cfg.device_id);
+    if (!same_ptr)
+      fail(KVS_STATUS_UNSUPPORTED, "params->backend: the hybrid backend reads pinned host pages in place, and CUDA device " +
+                                       std::to_string(cfg.device_id) + " cannot use host pointers to registered memory");
+    {
+      DeviceGuard g(cfg.device_id);
+      set_pin_hooks(PinHooks{&pin_extent, &unpin_extent});
+    }
+    SessionConfig hc = cfg;
+    hc.backend = KVS_BACKEND_CPU;
+    hc.kv_memory = 0;
+    return std::make_unique<HybridPlacement>(cfg, make_cpu_placement(hc, spec, ps, std::move(pool)));
+  }
+
+  ~HybridPlacement() override {
+    int prev = -1;
+    cudaGetDevice(&prev);
+    cudaSetDevice(device_);
+    if (pending_) cudaEventSynchronize(done_);
+    cudaEventDestroy(done_);
+    ws_ = DevBuf();
+    if (prev >= 0) cudaSetDevice(prev);
+  }
+
+  int32_t backend() const override { return KVS_BACKEND_HYBRID; }
+  const Backend& ops() const override { return hybrid_backend(); }
+  int64_t tokens(uint32_t layer) const override { return tokens_[layer]; }
+
+  // ---- prefill, append, build: the host part's, after the steps in flight ----
+
+  void add_tokens(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, const kvs_tensor* v, const kvs_tensor* o,
+                  const char* fn, bool prompt, int64_t max_tokens, void* stream) override {
+    drain();
+    DeviceGuard g(device_);
+    // Tensors on the device are copied to the host (the prompt is not the hot path); the host
+    // part validates shapes and values as on the cpu backend.
+    HostTensor hq, hk, hv, ho;
+    const kvs_tensor* oh = ho.from(o, "o", device_, stream);
+    owner_->add_tokens(layer, hq.from(q, "q", device_, stream), hk.from(k, "k", device_, stream),
+                       hv.from(v, "v", device_, stream), oh, fn, prompt, max_tokens, stream);
+    if (o && oh != o) {
+      View ov = cuda_view(o, "o", {-1, -1, -1}, device_, {DType::F32, DType::BF16, DType::F16}, 1);
+      check(cudaMemcpyAsync(ov.mutable_base(), ho.bytes.data(), ho.bytes.size(), cudaMemcpyHostToDevice, S(stream)),
+            "cudaMemcpyAsync(o)");
+      check(cudaStreamSynchronize(S(stream)), "cudaStreamSynchronize");
+    }
+    sync_tokens();
+  }
+
+  void build_index(uint32_t layer, void* stream) override {
+    drain();
+    owner_->build_index(layer, stream);
+  }
+
+  // ---- a batch step ----
+
+  void decode(std::span<Placement* const> batch, uint32_t layer, const StepTensors& t,
+              std::span<StepReport> reports) override {
+    const auto& sh = cfg_.shape;
+    const int64_t B = int64_t(batch.size()), hq = sh.num_q_heads, hkv = sh.num_kv_heads, d = sh.head_dim;
+    DeviceGuard g(device_);
+    std::vector<HybridPlacement*> ps(static_cast<size_t>(B));
+    for (int64_t b = 0; b < B; ++b) {
+      ps[size_t(b)] = static_cast<HybridPlacement*>(batch[size_t(b)]);
+      ps[size_t(b)]->raise_deferred();
+    }
+    const std::initializer_list<DType> qdt = {DType::F32, sh.kv_dtype};
+    View qv, kv, vv, ov, lv;
+    if (t.single) {
+      qv = cuda_view(t.q, "q", {hq, d}, device_, qdt);
+      kv = cuda_view(t.k_new, "k_new", {hkv, d}, device_, {sh.kv_dtype});
+      vv = cuda_view(t.v_new, "v_new", {hkv, d}, device_, {sh.kv_dtype});
+      ov = cuda_view(t.o, "o", {hq, d}, device_, qdt);
+      if (t.lse) lv = cuda_view(t.lse, "lse", {hq}, device_, {DType::F32}, 4);
+    } else {
+      qv = cuda_view(t.q, "q", {B, hq, d}, device_, qdt);
+      kv = cuda_view(t.k_new, "k_new", {B, hkv, d}, device_, {sh.kv_dtype});
+      vv = cuda_view(t.v_new, "v_new", {B, hkv, d}, device_, {sh.kv_dtype});
+      ov = cuda_view(t.o, "o", {B, hq, d}, device_, qdt);
+      if (t.lse) lv = cuda_view(t.lse, "lse", {B, hq}, device_, {DType::F32}, 4);
+    }
+    int64_t cap = 1;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = ps[size_t(b)]->tokens_[layer];
+      if (n >= kMaxLayerTokens)
+        invalid(std::string(t.fn) + ": layer " + std::to_string(layer) + " of sessions[" + std::to_string(b) +
+                "] is full (" + std::to_string(kMaxLayerTokens) + " tokens)");
+      cap = std::max(cap, n + 1);
+    }
+    const int64_t max_pages = (cap + kPageTokens - 1) / kPageTokens;
+
+    // The step's buffers (this session's: the batch's leader). A buffer that must grow waits for
+    // the steps that still read it.
+    const size_t qb = size_t(hq * d) * dtype_size(qv.dtype), kb = size_t(hkv * d) * dtype_size(sh.kv_dtype);
+    Layout L;
+    size_t off = 0;
+    auto put = [&](size_t& at, size_t bytes) {
+      at = off;
+      off += al(bytes);
+    };
+    put(L.q, size_t(B) * qb);
+    put(L.k, size_t(B) * kb);
+    put(L.v, size_t(B) * kb);
+    put(L.extra_o, size_t(B * hq * d) * 4);
+    put(L.extra_lse, size_t(B * hq) * 4);
+    put(L.lens, size_t(B) * 4);
+    put(L.cnt_kv, size_t(B * hkv) * 4);
+    put(L.cnt_q, size_t(B * hq) * 4);
+    put(L.flags, size_t(B) * 2);
+    put(L.table, size_t(B * max_pages) * sizeof(void*));
+    put(L.idx_kv, size_t(B * hkv * cap) * 4);
+    put(L.idx_q, size_t(B * hq * cap) * 4);
+    const cuda::AttnShape shape{int32_t(B), int32_t(hq), int32_t(hkv), int32_t(d), sh.softmax_scale};
+    const size_t ws = std::max({cuda::dense_decode_workspace_bytes(shape, int32_t(cap)),
+                                cuda::gathered_decode_workspace_bytes(shape, int32_t(cap), false),
+                                cuda::gathered_decode_workspace_bytes(shape, int32_t(cap), true)});
+    const size_t states = al(size_t(3 * B * hq * d) * 4) + al(size_t(3 * B * hq) * 4);
+    if (off > host_buf_.bytes || !host_buf_.p || states + ws > ws_.bytes || !ws_.p ||
+        size_t(B * max_pages) * sizeof(void*) > table_.bytes || !table_.p) {
+      drain_all(ps);
+      host_buf_.reserve(off);
+      ws_.reserve(states + ws, device_, "cudaMalloc(hybrid workspace)");
+      table_.reserve(std::max<size_t>(size_t(B * max_pages) * sizeof(void*), 4096), device_, "cudaMalloc(hybrid page table)");
+    }
+    // Room for the pages the host part may take during the step (a new page or a copy on write,
+    // one per session): pinned memory cannot be pinned inside a host function.
+    const size_t page_bytes = host_->kv_layer(layer).page_bytes();
+    reserve_pinned_pages(page_bytes, uint32_t(B));
+
+    cudaStream_t st = S(t.stream);
+    if (leader_pending_) check(cudaStreamWaitEvent(st, done_, 0), "cudaStreamWaitEvent");
+    check(cudaMemcpyAsync(host_buf_.at<char>(L.q), qv.base, size_t(B) * qb, cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync(q)");
+    check(cudaMemcpyAsync(host_buf_.at<char>(L.k), kv.base, size_t(B) * kb, cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync(k_new)");
+    check(cudaMemcpyAsync(host_buf_.at<char>(L.v), vv.base, size_t(B) * kb, cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync(v_new)");
+
+    auto job = std::make_shared<Job>();
+    job->ps = ps;
+    job->layer = layer;
+    job->L = L;
+    job->buf = host_buf_.p;
+    job->qdtype = qv.dtype;
+    job->cap = cap;
+    job->max_pages = max_pages;
+    cuda_backend().host_fn(t.stream, [job] { job->run(); });
+    check(cudaMemcpyAsync(table_.p, host_buf_.at<char>(L.table), size_t(B * max_pages) * sizeof(void*),
+                          cudaMemcpyHostToDevice, st),
+          "cudaMemcpyAsync(page table)");
+
+    // The GPU part: three attention kinds (only the rows the host part filled have keys), merged.
+    float* so = ws_.as<float>();
+    float* sl = reinterpret_cast<float*>(ws_.as<char>() + al(size_t(3 * B * hq * d) * 4));
+    const cuda::Workspace w{ws_.as<char>() + states, ws};
+    const cuda::PagedKv pk{static_cast<const void* const*>(table_.p), int32_t(max_pages), int32_t(kPageTokens),
+                           log2_page()};
+    const cuda::Scalar kdt = cuda::Scalar(int32_t(sh.kv_dtype));
+    const cuda::Query qq{qv.base, cuda::Scalar(int32_t(qv.dtype))};
+    const size_t rows = size_t(B * hq);
+    auto out = [&](int i) { return cuda::Output{so + size_t(i) * rows * d, cuda::Scalar::F32, sl + size_t(i) * rows}; };
+    check(cuda::dense_decode(shape, qq, pk, kdt, host_buf_.at<int32_t>(L.lens), int32_t(cap), out(0), w, st),
+          "dense_decode (hybrid)");
+    check(cuda::gathered_decode(shape, qq, pk, kdt, host_buf_.at<int32_t>(L.idx_kv), host_buf_.at<int32_t>(L.cnt_kv),
+                                int32_t(cap), out(1), w, st, false),
+          "gathered_decode (hybrid, per KV head)");
+    check(cuda::gathered_decode(shape, qq, pk, kdt, host_buf_.at<int32_t>(L.idx_q), host_buf_.at<int32_t>(L.cnt_q),
+                                int32_t(cap), out(2), w, st, true),
+          "gathered_decode (hybrid, per query head)");
+    cuda::CombineArgs ca;
+    for (int i = 0; i < 3; ++i) {
+      ca.dev_o[i] = so + size_t(i) * rows * d;
+      ca.dev_lse[i] = sl + size_t(i) * rows;
+    }
+    ca.num_dev = 3;
+    ca.host_o = host_buf_.at<float>(L.extra_o);
+    ca.host_lse = host_buf_.at<float>(L.extra_lse);
+    ca.host_on = host_buf_.at<uint8_t>(L.flags);
+    ca.lse_base2 = host_buf_.at<uint8_t>(L.flags) + B;
+    ca.batch = int32_t(B);
+    ca.heads = int32_t(hq);
+    ca.head_dim = int32_t(d);
+    ca.o = ov.mutable_base();
+    ca.o_dtype = cuda::Scalar(int32_t(ov.dtype));
+    ca.lse = t.lse ? static_cast<float*>(lv.mutable_base()) : nullptr;
+    check(cuda::combine_states(ca, st), "combine_states (hybrid)");
+
+    for (int64_t b = 0; b < B; ++b) {
+      HybridPlacement* p = ps[size_t(b)];
+      check(cudaEventRecord(p->done_, st), "cudaEventRecord");
+      p->pending_ = true;
+      ++p->tokens_[layer];
+      reports[size_t(b)] = StepReport{0, p->tokens_[layer], true};  // settled by the host function
+    }
+    leader_pending_ = true;
+  }
+
+  bool lse_base2() const override { return true; }
+
+  // ---- everything else: the host part's, after the steps in flight ----
+
+  int64_t truncate_floor(uint32_t layer, std::string* why) const override {
+    drain();
+    return owner_->truncate_floor(layer, why);
+  }
+  void truncate(int64_t n) override {
+    drain();
+    owner_->truncate(n);
+    sync_tokens();
+  }
+  std::vector<int32_t> last_selection(uint32_t layer, uint32_t kv_head) const override {
+    drain();
+    return owner_->last_selection(layer, kv_head);
+  }
+  void stats(kvs_session_stats& st) const override {
+    drain();
+    owner_->stats(st);
+    st.workspace_bytes = ws_.bytes + table_.bytes + host_buf_.bytes;
+  }
+  std::vector<StepReport> settled_reports() const override {
+    drain();
+    std::lock_guard<std::mutex> lock(mu_);
+    return std::exchange(settled_, {});
+  }
+  bool stat(std::string_view name, double* out) const override {
+    drain();
+    return owner_->stat(name, out);
+  }
+  nlohmann::json save_meta() const override {
+    drain();
+    return owner_->save_meta();
+  }
+  void save(io::TablesWriter& w, bool with_kv) const override {
+    drain();
+    owner_->save(w, with_kv);
+  }
+  void load(const std::shared_ptr<const io::TablesFile>& f, const nlohmann::json& meta, const std::vector<int64_t>& tokens,
+            bool with_kv, const std::string& path, bool) override {
+    owner_->load(f, meta, tokens, with_kv, path, false);  // pinned copies, never the file's mapping
+    sync_tokens();
+  }
+  bool index_fits(uint32_t layer, int64_t tokens, std::string* why) const override {
+    return owner_->index_fits(layer, tokens, why);
+  }
+  std::unique_ptr<Placement> fork() const override {
+    drain();
+    return std::make_unique<HybridPlacement>(cfg_, owner_->fork());
+  }
+
+ private:
+  struct Layout {
+    size_t q, k, v, extra_o, extra_lse, lens, cnt_kv, cnt_q, flags, table, idx_kv, idx_q;
+  };
+
+  // The host function of one step: runs on CUDA's callback thread once the copies of q, k_new and
+  // v_new have landed; must not call CUDA. Never throws (an error is kept for the next call).
+  struct Job {
+    std::vector<HybridPlacement*> ps;
+    uint32_t layer = 0;
+    Layout L{};
+    void* buf = nullptr;
+    DType qdtype = DType::F32;
+    int64_t cap = 0, max_pages = 0;
+
+    template <class T>
+    T* at(size_t o) const {
+      return reinterpret_cast<T*>(static_cast<char*>(buf) + o);
+    }
+
+    void run() noexcept {
+      const auto& sh = ps[0]->cfg_.shape;
+      const int64_t B = int64_t(ps.size()), hq = sh.num_q_heads, hkv = sh.num_kv_heads, d = sh.head_dim;
+      int32_t* lens = at<int32_t>(L.lens);
+      int32_t* cnt_kv = at<int32_t>(L.cnt_kv);
+      int32_t* cnt_q = at<int32_t>(L.cnt_q);
+      uint8_t* on = at<uint8_t>(L.flags);
+      std::fill(lens, lens + B, 0);
+      std::fill(cnt_kv, cnt_kv + B * hkv, 0);
+      std::fill(cnt_q, cnt_q + B * hq, 0);
+      std::fill(on, on + 2 * B, uint8_t(0));
+      int64_t done = 0;
+      std::string err;
+      kvs_status code = KVS_STATUS_INTERNAL;
+      try {
+        NoPinScope no_pin;
+        std::vector<float> q(size_t(B * hq * d)), k(size_t(B * hkv * d)), v(size_t(B * hkv * d));
+        convert_to_f32(at<char>(L.q), qdtype, q.data(), q.size());
+        convert_to_f32(at<char>(L.k), sh.kv_dtype, k.data(), k.size());
+        convert_to_f32(at<char>(L.v), sh.kv_dtype, v.data(), v.size());
+        for (float x : q)
+          if (!std::isfinite(x)) invalid("q: expected finite values, got NaN or inf");
+        std::vector<HostPart::Step> steps(static_cast<size_t>(B));
+        for (; done < B; ++done)
+          steps[size_t(done)] = ps[size_t(done)]->host_->select_step(
+              layer, q.data() + done * hq * d, k.data() + done * hkv * d, v.data() + done * hkv * d,
+              at<float>(L.extra_o) + done * hq * d, at<float>(L.extra_lse) + done * hq);
+        for (int64_t b = 0; b < B; ++b) ps[size_t(b)]->host_->log_decode(layer, q.data() + b * hq * d);
+        const void** table = at<const void*>(L.table);
+        for (int64_t b = 0; b < B; ++b) {
+          const HostPart::Step& s = steps[size_t(b)];
+          const Selection& sel = *s.sel;
+          const KVLayer& lay = ps[size_t(b)]->host_->kv_layer(layer);
+          on[b] = s.has_extra;
+          on[B + b] = ps[size_t(b)]->cfg_.lse_base == KVS_LSE_BASE_2;
+          if (sel.attend) {
+            if (sel.kind == Selection::Kind::All) {
+              lens[b] = int32_t(lay.size());
+            } else {
+              const bool kvh = sel.kind == Selection::Kind::PerKvHead;
+              const int64_t H = kvh ? hkv : hq;
+              int32_t* cnt = kvh ? cnt_kv : cnt_q;
+              int32_t* idx = at<int32_t>(kvh ? L.idx_kv : L.idx_q);
+              for (int64_t h = 0; h < H; ++h) {
+                const auto& list = sel.lists[size_t(h)];
+                std::memcpy(idx + (b * H + h) * cap, list.data(), list.size() * 4);
+                cnt[b * H + h] = int32_t(list.size());
+              }
+            }
+          }
+          const auto& pages = lay.pages();
+          for (size_t i = 0; i < pages.size(); ++i) table[b * max_pages + int64_t(i)] = pages[i]->data();
+          std::lock_guard<std::mutex> lock(ps[size_t(b)]->mu_);
+          ps[size_t(b)]->settled_.push_back(s.report);
+        }
+        return;
+      } catch (const Error& e) {
+        err = e.what();
+        code = e.code();
+      } catch (const std::bad_alloc&) {
+        err = "out of host memory";
+        code = KVS_STATUS_OUT_OF_MEMORY;
+      } catch (const std::exception& e) {
+        err = e.what();
+      } catch (...) {
+        err = "unknown error";
+      }
+      // All or nothing: the sessions that advanced take their token back; the step attends nothing.
+      for (int64_t a = 0; a < done; ++a) {
+        try {
+          ps[size_t(a)]->host_->undo_step(layer);
+        } catch (...) {
+        }
+      }
+      std::fill(lens, lens + B, 0);
+      std::fill(cnt_kv, cnt_kv + B * hkv, 0);
+      std::fill(cnt_q, cnt_q + B * hq, 0);
+      std::fill(on, on + B, uint8_t(0));
+      for (auto* p : ps) {
+        std::lock_guard<std::mutex> lock(p->mu_);
+        if (p->deferred_.empty()) {
+          p->deferred_ = "a decode step of layer " + std::to_string(layer) + " failed in the hybrid backend's host part "
+                         "and was taken back (its outputs are zeros): " + err;
+          p->deferred_code_ = code;
+        }
+      }
+    }
+  };
+
+  int32_t log2_page() const {
+    int s = 0;
+    while ((int64_t(1) << s) < kPageTokens) ++s;
+    return s;
+  }
+
+  // Waits for this session's steps in flight, then reports an error one of them left.
+  void drain() const {
+    if (pending_) {
+      DeviceGuard g(device_);
+      check(cudaEventSynchronize(done_), "cudaEventSynchronize");
+      pending_ = false;
+      leader_pending_ = false;
+    }
+    raise_deferred();
+  }
+  static void drain_all(const std::vector<HybridPlacement*>& ps) {
+    for (auto* p : ps) p->drain();
+  }
+  void raise_deferred() const {
+    std::string msg;
+    kvs_status code;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      msg.swap(deferred_);
+      code = deferred_code_;
+    }
+    if (msg.empty()) return;
+    if (pending_) {
+      DeviceGuard g(device_);
+      cudaEventSynchronize(done_);
+      pending_ = leader_pending_ = false;
+    }
+    const_cast<HybridPlacement*>(this)->sync_tokens();
+    fail(code, msg);
+  }
+  void sync_tokens() {
+    for (uint32_t l = 0; l < tokens_.size(); ++l) tokens_[l] = host_->kv_layer(l).size();
+  }
+
+  SessionConfig cfg_;
+  int device_;
+  std::unique_ptr<Placement> owner_;  // the cpu placement
+  HostPart* host_;                    // the same object
+  std::vector<int64_t> tokens_;       // per layer, counting the steps in flight
+  cudaEvent_t done_ = nullptr;        // recorded after this session's latest step
+  mutable bool pending_ = false;
+  mutable bool leader_pending_ = false;  // a step this session led may still read its buffers
+  PinnedBuf host_buf_;
+  DevBuf ws_, table_;
+  mutable std::mutex mu_;             // deferred_ and settled_, written by the host function
+  mutable std::string deferred_;
+  mutable kvs_status deferred_code_ = KVS_STATUS_INTERNAL;
+  mutable std::vector<StepReport> settled_;  // completed steps' reports not yet taken
+};
+
+}  // namespace
+
+std::unique_ptr<Placement> make_hybrid_placement(const SessionConfig& cfg, const MethodSpec& spec, const ParamSet& ps,
+                                                 std::shared_ptr<ThreadPool> pool) {
+  return HybridPlacement::create(cfg, spec, ps, std::move(pool));
+}
+
+}  // namespace kvs
+#endif
