@@ -571,6 +571,11 @@ def run_case(env, args, case):
         if peer_pin is not None:
             calls.append(("peer_pinned", peer_pin, peer_pin))
         pairs = {name: [env.pair() for _ in range(args.reps)] for name, _, _ in calls}
+        phases = ("decode_update_seconds", "decode_select_seconds", "decode_attend_seconds")
+
+        def host_part_s():  # the hybrid placement's CPU time so far (update, search, extra state)
+            return sum(s.method_stat(n) for s in sessions for n in phases) if args.placement == "hybrid" else 0.0
+        host_part0 = None
         env.case_spin_us = args.hide_us if env.spin_cycles else 0.0
         warm_host = []
         for i in range(args.warmup + args.reps):
@@ -582,6 +587,9 @@ def run_case(env, args, case):
                 # the first call, which sets things up once, left out).
                 slowest = max(warm_host[1:] or warm_host)
                 env.case_spin_us = max(args.hide_us, 1.5 * slowest - (env.flush_us or 0.0))
+            if i == args.warmup:
+                env.sync()
+                host_part0 = host_part_s()
             for name, p, fn in calls[r:] + calls[:r]:
                 env.flush()
                 with (p.ctx() if p is not None else contextlib.nullcontext()):
@@ -597,6 +605,7 @@ def run_case(env, args, case):
                             warm_host.append((time.perf_counter() - t0) * 1e6)
         env.sync()
         med = {name: statistics.median(pr.us() for pr in prs) for name, prs in pairs.items()}
+        host_part_us = (host_part_s() - host_part0) / args.reps * 1e6 if args.placement == "hybrid" else None
 
         # Host time of one call, the stream idle before it.
         def host_times(fn, rows):
@@ -624,6 +633,9 @@ def run_case(env, args, case):
                       "(raise --hide-us)")
         st = sessions[0].stats
         ctx_end = sessions[0].layer_tokens(0)
+        if host_part_us is not None:
+            print(f"    host part (update, search, extra state; all sessions) {host_part_us:.1f} us per timed step "
+                  "(mean)")
         print(f"    kvsieve {med['kvsieve']:.1f} us, {peer.name} {med['peer']:.1f} us"
               + (f" ({peer_b.name} on a [B, Hkv, N, d] copy {med['peer_bhnd']:.1f} us)" if peer_b else "")
               + (f"; {peer_pin.name} {med['peer_pinned']:.1f} us ({med['peer_pinned'] / med['kvsieve']:.2f}x)"
@@ -638,7 +650,7 @@ def run_case(env, args, case):
                         peer_bhnd=peer_b.name if peer_b else None,
                         peer_bhnd_us=med.get("peer_bhnd"),
                         peer_pinned=peer_pin.name if peer_pin else None,
-                        peer_pinned_us=med.get("peer_pinned"),
+                        peer_pinned_us=med.get("peer_pinned"), host_part_us=host_part_us,
                         selected_keys=st.last_selected_keys, kvsieve_context_end=ctx_end,
                         prefill_ms=prefill_ms, index_build_ms=index_ms, causal_prefill_ms=causal_ms)
 

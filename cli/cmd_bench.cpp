@@ -39,7 +39,7 @@ void validate_options(const BenchOptions& o) {
 
 #ifdef KVS_HAVE_CUDA
 namespace {
-int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads);
+int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t backend);
 }
 #endif
 
@@ -146,12 +146,14 @@ int run_bench(const BenchOptions& o) {
   const unsigned threads = resolve_threads(o.threads);
   if (backend != KVS_BACKEND_CUDA && o.kv_memory != "cuda")
     throw UsageError("--kv-memory applies to --backend cuda (the cpu backend keeps its KV in host memory)");
-  if (backend == KVS_BACKEND_CUDA) {
+  if (backend == KVS_BACKEND_CUDA || backend == KVS_BACKEND_HYBRID) {
+    // hybrid: the same driver (device tensors, CUDA events); its `full` reads the KV in pinned
+    // host memory over the bus, the floor of any offloaded dense method.
 #ifdef KVS_HAVE_CUDA
-    return run_bench_cuda(o, dtype, threads);
+    return run_bench_cuda(o, dtype, threads, backend);
 #else
     throw CliError(
-        "bench: --backend cuda needs a kvsieve built with CUDA (this CLI was built without the CUDA "
+        "bench: --backend " + o.backend + " needs a kvsieve built with CUDA (this CLI was built without the CUDA "
         "runtime, so it cannot allocate device tensors); benchmark CUDA against PyTorch with the drivers "
         "in bench/ (bench/gpu_bench.py; see docs/cli.md)",
         kExitUsage);
@@ -383,11 +385,11 @@ double measure_copy_bandwidth(size_t bytes, cudaStream_t stream, int reps) {
   return best;
 }
 
-int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads) {
+int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t backend) {
   int count = 0;
   const cudaError_t ce = cudaGetDeviceCount(&count);
   if (ce != cudaSuccess || count == 0)
-    throw CliError(strfmt("bench: --backend cuda: no CUDA device is visible (%s)",
+    throw CliError(strfmt("bench: --backend %s: no CUDA device is visible (%s)", o.backend.c_str(),
                           ce != cudaSuccess ? cudaGetErrorString(ce) : "0 devices"));
   if (o.device >= count) throw UsageError(strfmt("--device must be < %d (the visible CUDA devices)", count));
   cuda_check(cudaSetDevice(o.device), "cudaSetDevice");
@@ -404,9 +406,10 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads) {
   p.num_kv_heads = o.kv_heads;
   p.head_dim = o.head_dim;
   p.kv_dtype = int32_t(dtype);
-  p.backend = KVS_BACKEND_CUDA;
+  p.backend = backend;
   p.device_id = o.device;
-  if (o.kv_memory == "cuda_host") p.kv_memory = KVS_DEVICE_CUDA_HOST;
+  if (backend == KVS_BACKEND_HYBRID) p.kv_memory = 0;  // pinned host memory, the hybrid backend's own
+  else if (o.kv_memory == "cuda_host") p.kv_memory = KVS_DEVICE_CUDA_HOST;
   else if (o.kv_memory == "cuda") p.kv_memory = KVS_DEVICE_CUDA;
   else throw CliError("bench: --kv-memory: expected cuda or cuda_host, got '" + o.kv_memory + "'");
   p.num_threads = o.threads;
@@ -652,7 +655,7 @@ Command add_bench_command(CLI::App& root) {
   cmd->add_option("--head-dim", o->head_dim, "head dimension");
   cmd->add_option("--dtype", o->dtype, "KV dtype: f32, f16 or bf16");
   cmd->add_option("--budget", o->budget, "exact keys per step, as a fraction of the context, (0, 1]");
-  cmd->add_option("--backend", o->backend, "cpu, cuda (CUDA builds: device memory, CUDA events) or hybrid");
+  cmd->add_option("--backend", o->backend, "cpu, cuda or hybrid (CUDA builds: device tensors, CUDA events; hybrid: the KV in pinned host memory, the search on the CPU)");
   cmd->add_option("--device", o->device, "CUDA device of --backend cuda");
   cmd->add_option("--kv-memory", o->kv_memory,
                   "--backend cuda: where both sessions keep the KV cache: cuda (GPU memory) or cuda_host (pinned "

@@ -77,9 +77,10 @@ int run_demo(DemoOptions o) {
   if (o.context < 64) throw UsageError("--context must be >= 64");
   if (o.steps < 1) throw UsageError("--steps must be >= 1");
   const int32_t backend = parse_backend(o.backend);
-  // Accuracy and CPU timing run on the cpu backend (hybrid when asked); --backend cuda adds GPU timing.
-  const int32_t host_backend = backend == KVS_BACKEND_HYBRID ? backend : KVS_BACKEND_CPU;
-  const std::string host_backend_name = backend == KVS_BACKEND_HYBRID ? "hybrid" : "cpu";
+  // Accuracy and CPU timing run on the cpu backend (the replay feeds host tensors, which the cuda
+  // and hybrid backends do not decode); --backend cuda or hybrid adds GPU timing.
+  const int32_t host_backend = KVS_BACKEND_CPU;
+  const std::string host_backend_name = "cpu";
   const std::string trace = find_trace(o.trace);
   std::error_code ec;
   std::filesystem::create_directories(o.out_dir, ec);
@@ -200,13 +201,14 @@ int run_demo(DemoOptions o) {
     std::printf("  => no method beat full at %s on this machine: try a longer --context\n", ctx.c_str());
 
   // GPU timing: only in CUDA builds with a visible device (bench --backend cuda, method by method).
-  if (backend == KVS_BACKEND_CUDA) {
+  if (backend == KVS_BACKEND_CUDA || backend == KVS_BACKEND_HYBRID) {
+    const char* bn = backend == KVS_BACKEND_CUDA ? "cuda" : "hybrid";
     if (cuda_device_visible()) {
-      std::printf("\n4. speed on the GPU (kvsieve bench --backend cuda, one method at a time):\n");
+      std::printf("\n4. speed on the GPU (kvsieve bench --backend %s, one method at a time):\n", bn);
       std::fflush(stdout);
       BenchOptions g = b;
-      g.backend = "cuda";
-      for (const auto& m : resolve_methods("all", KVS_BACKEND_CUDA)) {
+      g.backend = bn;
+      for (const auto& m : resolve_methods("all", backend)) {
         if (m == "full") continue;
         g.method = m;
         run_bench(g);

@@ -108,7 +108,7 @@ static int kvsb_format(const char* fmt, Py_ssize_t itemsize, kvs_dtype* out, con
 typedef struct kvsb_expect {
   int64_t shape[KVSB_MAXDIM];
   int ndim;
-  int device_type; /* 0: host (CPU or CUDA_HOST); KVS_DEVICE_CUDA: CUDA */
+  int device_type; /* 0: host (CPU or CUDA_HOST); KVS_DEVICE_CUDA: CUDA; -1: either (hybrid) */
   int device_id;
   int contiguous;
 } kvsb_expect;
@@ -443,7 +443,7 @@ static int kvsb_tensor(PyObject* obj, const char* name, int kind, int ndim, unsi
         kvsb_release(a);
         return 0;
       }
-    } else if (devt == KVS_DEVICE_CUDA) {
+    } else if (ex->device_type == 0 && devt == KVS_DEVICE_CUDA) { /* -1 (hybrid): the library checks */
       PyErr_Format(PyExc_ValueError,
                    "%s: expected host memory (CPU or CUDA-host) for the cpu backend, got a CUDA tensor; move it with "
                    ".cpu() (kvsieve never copies between devices)", name);

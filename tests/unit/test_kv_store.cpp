@@ -7,8 +7,11 @@
 #include <cstring>
 #include <memory>
 #include <set>
+#include <string>
+#include <utility>
 #include <vector>
 
+#include "core/error.hpp"
 #include "core/kv_store.hpp"
 #include "reference.hpp"
 
@@ -119,4 +122,119 @@ TEST_CASE("KV layer on pooled pages: rows read back, truncate frees pages, copy-
   a.truncate(kvs::kPageTokens + 1);
   b.truncate(kvs::kPageTokens + 1);
   CHECK(kvs::page_pool_stats().live_pages == live - 2);
+}
+
+// Pinned pages (the hybrid placement's KV, read in place by a GPU): extents of their own, locked by
+// the pin hook when mapped and released by the unpin hook before they are unmapped. Fake hooks
+// here (the cuda backend installs cudaHostRegister/cudaHostUnregister): they record what is pinned.
+namespace {
+std::set<std::pair<uintptr_t, size_t>> g_pinned;
+bool g_pin_fails = false;
+bool fake_pin(void* p, size_t n) {
+  if (g_pin_fails) return false;
+  g_pinned.insert({reinterpret_cast<uintptr_t>(p), n});
+  return true;
+}
+void fake_unpin(void* p) {
+  for (auto it = g_pinned.begin(); it != g_pinned.end(); ++it)
+    if (it->first == reinterpret_cast<uintptr_t>(p)) {
+      g_pinned.erase(it);
+      return;
+    }
+  FAIL("unpin of memory that was not pinned");
+}
+bool in_pinned(const std::byte* p, size_t bytes) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  for (const auto& [b, n] : g_pinned)
+    if (a >= b && a + bytes <= b + n) return true;
+  return false;
+}
+}  // namespace
+
+TEST_CASE("page pool: pinned pages come from pinned extents, reserved ahead, unpinned before unmapping") {
+  const size_t bytes = size_t(8) << 20;  // 4 pages per 32 MiB extent
+  // No backend installed the hooks yet: a pinned page is refused with a reason.
+  try {
+    kvs::Page p(bytes, true);
+    FAIL("a pinned page without pin hooks");
+  } catch (const kvs::Error& e) {
+    CHECK(e.code() == KVS_STATUS_OUT_OF_MEMORY);
+    CHECK(std::string(e.what()).find("pins host memory") != std::string::npos);
+  }
+  kvs::set_pin_hooks(kvs::PinHooks{&fake_pin, &fake_unpin});
+  const kvs::PagePoolStats base = kvs::page_pool_stats();
+  {
+    kvs::Page a(bytes, true), b(bytes, false);
+    CHECK(a.pinned());
+    CHECK(!b.pinned());
+    CHECK(in_pinned(a.data(), bytes));
+    CHECK(!in_pinned(b.data(), bytes));  // an ordinary page never lands in a pinned extent
+    CHECK(kvs::page_pool_stats().pinned_bytes >= base.pinned_bytes + bytes);
+    // Small pinned pages come from the pool too (pinned), not from the allocator.
+    kvs::Page s(4096, true);
+    CHECK(s.pinned());
+    CHECK(in_pinned(s.data(), 4096));
+  }
+  // Reserved pages can be taken where pinning is not allowed (a CUDA host function); one more fails.
+  kvs::reserve_pinned_pages(bytes, 3);
+  {
+    std::vector<std::unique_ptr<kvs::Page>> taken;
+    kvs::NoPinScope no_pin;
+    size_t free_slots = 0;
+    try {
+      for (;; ++free_slots) taken.push_back(std::make_unique<kvs::Page>(bytes, true));
+    } catch (const kvs::Error& e) {
+      CHECK(e.code() == KVS_STATUS_OUT_OF_MEMORY);
+      CHECK(std::string(e.what()).find("reserved pinned page") != std::string::npos);
+    }
+    CHECK(free_slots >= 3);
+    for (auto& p : taken) CHECK(in_pinned(p->data(), bytes));
+  }
+  // A pin that fails: the page is not made (the mapping is dropped), nothing stays pinned for it.
+  {
+    const size_t pinned_before = g_pinned.size();
+    std::vector<std::unique_ptr<kvs::Page>> fill;
+    for (int i = 0; i < 8; ++i) fill.push_back(std::make_unique<kvs::Page>(bytes, true));  // use the free slots
+    g_pin_fails = true;
+    bool threw = false;
+    std::vector<std::unique_ptr<kvs::Page>> more;
+    try {
+      for (int i = 0; i < 8; ++i) more.push_back(std::make_unique<kvs::Page>(bytes, true));
+    } catch (const std::bad_alloc&) {
+      threw = true;
+    }
+    g_pin_fails = false;
+    CHECK(threw);
+    CHECK(g_pinned.size() >= pinned_before);
+  }
+  // Everything freed: at most one empty pinned extent per page size (8 MiB, 4 KiB) stays pinned,
+  // and the pool's figure is what the hooks pinned.
+  CHECK(g_pinned.size() <= 2);
+  size_t pinned = 0;
+  for (const auto& [b, n] : g_pinned) pinned += n;
+  CHECK(kvs::page_pool_stats().pinned_bytes == pinned);
+
+  // A KV layer switched to pinned pages copies the pages it holds (contents kept) and appends into
+  // pinned pages; its copies on write stay pinned.
+  kvs::KVLayer lay(kvs::DType::BF16, 8, 128);  // 1 MiB pages
+  const int64_t n = 300;                       // two pages
+  std::vector<float> k(size_t(n) * 8 * 128), v(k.size());
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = float(i % 97) * 0.25f;
+    v[i] = -float(i % 89) * 0.5f;
+  }
+  lay.append(k.data(), v.data(), n);
+  CHECK(!lay.pages()[0]->pinned());
+  std::vector<std::byte> before(lay.page_bytes());
+  std::memcpy(before.data(), lay.pages()[1]->data(), before.size());
+  lay.set_pinned(true, true);
+  for (const auto& p : lay.pages()) CHECK(p->pinned());
+  CHECK(std::memcmp(before.data(), lay.pages()[1]->data(), before.size()) == 0);
+  kvs::KVLayer fork = lay;  // shares the pages; the next append copies the last one, pinned
+  fork.append(k.data(), v.data(), 1);
+  CHECK(fork.pages().back()->pinned());
+  CHECK(fork.pages().back() != lay.pages().back());
+  lay.append(k.data(), v.data(), kvs::kPageTokens);  // a third page
+  CHECK(lay.pages().size() == 3);
+  CHECK(lay.pages()[2]->pinned());
 }

@@ -29,6 +29,8 @@ def main(argv):
     ap.add_argument("--batch-api", action="store_true", help="kvs_batch_plan + kvs_batch_decode per step")
     ap.add_argument("--timeline", action="store_true", help="print the median-span step's kernels with start/end")
     ap.add_argument("--ncu", action="store_true", help="no profiler: the steps inside an NVTX range kvs_steps")
+    ap.add_argument("--placement", default="cuda", choices=("cuda", "hybrid"),
+                    help="hybrid: the gaps of a step's span are its host part (the CPU's search)")
     a = ap.parse_args(argv)
     import torch
     import kvsieve as kvs
@@ -40,7 +42,7 @@ def main(argv):
     for case in a.cases:
         m, n, b, f, *params = case.split(":")
         N, B, F = int(n), int(b), float(f)
-        ss = [kvs.Session(1, hq, hkv, d, method=m, budget=F or None, kv_dtype="bf16", backend="cuda",
+        ss = [kvs.Session(1, hq, hkv, d, method=m, budget=F or None, kv_dtype="bf16", backend=a.placement,
                           method_params=params[0] if params else None)
               for _ in range(B)]
         g = torch.Generator(device=dev).manual_seed(1)

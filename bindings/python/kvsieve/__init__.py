@@ -337,7 +337,10 @@ class Session:
         self.backend = _BACKEND_NAMES.get(backend, str(backend))
         self.device_id = int(device_id)
         cuda = backend == _native.KVS_BACKEND_CUDA
-        self._spec = (self.num_q_heads, self.num_kv_heads, self.head_dim, 2 if cuda else 0,
+        # Where tensors must live: cuda: on the session's device; hybrid: either (prompt chunks may
+        # come from the host, decode tensors from the device; the library says which it needs).
+        where = 2 if cuda else -1 if backend == _native.KVS_BACKEND_HYBRID else 0
+        self._spec = (self.num_q_heads, self.num_kv_heads, self.head_dim, where,
                       self.device_id, 1 if cuda else 0)
 
     @classmethod
