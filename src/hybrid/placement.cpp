@@ -241,21 +241,7 @@ class HybridPlacement final : public Placement {
       ps[size_t(b)] = static_cast<HybridPlacement*>(batch[size_t(b)]);
       ps[size_t(b)]->raise_deferred();
     }
-    const std::initializer_list<DType> qdt = {DType::F32, sh.kv_dtype};
-    View qv, kv, vv, ov, lv;
-    if (t.single) {
-      qv = cuda_view(t.q, "q", {hq, d}, device_, qdt);
-      kv = cuda_view(t.k_new, "k_new", {hkv, d}, device_, {sh.kv_dtype});
-      vv = cuda_view(t.v_new, "v_new", {hkv, d}, device_, {sh.kv_dtype});
-      ov = cuda_view(t.o, "o", {hq, d}, device_, qdt);
-      if (t.lse) lv = cuda_view(t.lse, "lse", {hq}, device_, {DType::F32}, 4);
-    } else {
-      qv = cuda_view(t.q, "q", {B, hq, d}, device_, qdt);
-      kv = cuda_view(t.k_new, "k_new", {B, hkv, d}, device_, {sh.kv_dtype});
-      vv = cuda_view(t.v_new, "v_new", {B, hkv, d}, device_, {sh.kv_dtype});
-      ov = cuda_view(t.o, "o", {B, hq, d}, device_, qdt);
-      if (t.lse) lv = cuda_view(t.lse, "lse", {B, hq}, device_, {DType::F32}, 4);
-    }
+    const auto [qv, kv, vv, ov, lv] = cudautil::cuda_step_views(t, B, sh, device_);
     int64_t cap = 1;
     for (int64_t b = 0; b < B; ++b) {
       const int64_t n = ps[size_t(b)]->tokens_[layer];

@@ -12,6 +12,8 @@
 
 #include "backends/cuda/cuda_attention.cuh"
 #include "core/error.hpp"
+#include "core/method.hpp"
+#include "core/placement.hpp"
 #include "core/tensor.hpp"
 
 namespace kvs::cudautil {
@@ -107,6 +109,32 @@ inline View cuda_view(const kvs_tensor* t, const char* name, std::initializer_li
   }
   if (!ok) invalid(std::string(name) + ": expected dtype " + names + " on the cuda backend, got " + dtype_name(v.dtype));
   return v;
+}
+
+// The tensors of a decode step on the GPU (the cuda and hybrid placements): q [B, Hq, d] (rank 2
+// without B for a single session) in fp32 or the KV dtype, k_new and v_new [B, Hkv, d] in the KV
+// dtype, o like q, lse [B, Hq] fp32 (optional), all on `device`, contiguous.
+struct StepViews {
+  View q, k, v, o, lse;
+};
+inline StepViews cuda_step_views(const StepTensors& t, int64_t B, const ModelShape& sh, int device) {
+  const int64_t hq = sh.num_q_heads, hkv = sh.num_kv_heads, d = sh.head_dim;
+  const std::initializer_list<DType> qdt = {DType::F32, sh.kv_dtype};
+  StepViews s;
+  if (t.single) {
+    s.q = cuda_view(t.q, "q", {hq, d}, device, qdt);
+    s.k = cuda_view(t.k_new, "k_new", {hkv, d}, device, {sh.kv_dtype});
+    s.v = cuda_view(t.v_new, "v_new", {hkv, d}, device, {sh.kv_dtype});
+    s.o = cuda_view(t.o, "o", {hq, d}, device, qdt);
+    if (t.lse) s.lse = cuda_view(t.lse, "lse", {hq}, device, {DType::F32}, 4);
+  } else {
+    s.q = cuda_view(t.q, "q", {B, hq, d}, device, qdt);
+    s.k = cuda_view(t.k_new, "k_new", {B, hkv, d}, device, {sh.kv_dtype});
+    s.v = cuda_view(t.v_new, "v_new", {B, hkv, d}, device, {sh.kv_dtype});
+    s.o = cuda_view(t.o, "o", {B, hq, d}, device, qdt);
+    if (t.lse) s.lse = cuda_view(t.lse, "lse", {B, hq}, device, {DType::F32}, 4);
+  }
+  return s;
 }
 
 }  // namespace kvs::cudautil

@@ -234,21 +234,7 @@ class CudaPlacement final : public Placement {
     const auto& sh = cfg_.shape;
     const int64_t B = int64_t(batch.size()), hq = sh.num_q_heads, hkv = sh.num_kv_heads, d = sh.head_dim;
     DeviceGuard g(device_);
-    View qv, kv, vv, ov, lv;
-    const std::initializer_list<DType> qdt = {DType::F32, sh.kv_dtype};
-    if (t.single) {
-      qv = cuda_view(t.q, "q", {hq, d}, device_, qdt);
-      kv = cuda_view(t.k_new, "k_new", {hkv, d}, device_, {sh.kv_dtype});
-      vv = cuda_view(t.v_new, "v_new", {hkv, d}, device_, {sh.kv_dtype});
-      ov = cuda_view(t.o, "o", {hq, d}, device_, qdt);
-      if (t.lse) lv = cuda_view(t.lse, "lse", {hq}, device_, {DType::F32}, 4);
-    } else {
-      qv = cuda_view(t.q, "q", {B, hq, d}, device_, qdt);
-      kv = cuda_view(t.k_new, "k_new", {B, hkv, d}, device_, {sh.kv_dtype});
-      vv = cuda_view(t.v_new, "v_new", {B, hkv, d}, device_, {sh.kv_dtype});
-      ov = cuda_view(t.o, "o", {B, hq, d}, device_, qdt);
-      if (t.lse) lv = cuda_view(t.lse, "lse", {B, hq}, device_, {DType::F32}, 4);
-    }
+    const auto [qv, kv, vv, ov, lv] = cudautil::cuda_step_views(t, B, sh, device_);
     // One lse base per launch: the batch's sessions must agree (checked before anything changes).
     for (int64_t b = 1; b < B; ++b)
       if (static_cast<CudaPlacement*>(batch[size_t(b)])->cfg_.lse_base != cfg_.lse_base)
