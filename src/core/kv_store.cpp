@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -30,6 +31,7 @@ struct Extent {
   std::vector<bool> in_use;  // per slot
   uint32_t capacity, used = 0;
   bool pinned = false;
+  void (*unpin)(void*) = nullptr;
 };
 
 thread_local int t_no_pin = 0;  // NoPinScope depth on this thread
@@ -42,36 +44,48 @@ class PagePool {
   }
 
   std::byte* allocate(size_t bytes, bool pinned, Extent** out) {
-    std::lock_guard<std::mutex> lock(mu_);
-    Extent* e = nullptr;
-    for (Extent* x : extents_)
-      if (x->page_bytes == bytes && x->pinned == pinned && x->used < x->capacity && (!e || x->used > e->used))
-        e = x;  // fullest first
-    if (!e && pinned && t_no_pin)
-      fail(KVS_STATUS_OUT_OF_MEMORY, "KV pages: no reserved pinned page left for this step (another thread took it; "
-                                     "decode hybrid sessions of one process from one thread at a time)");
-    if (!e) e = map_extent(bytes, pinned);
-    if (!e) return nullptr;
-    const uint32_t slot = uint32_t(std::find(e->in_use.begin(), e->in_use.end(), false) - e->in_use.begin());
-    e->in_use[slot] = true;
-    ++e->used;
-    ++live_;
-    *out = e;
-    return e->base + size_t(slot) * bytes;
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      Extent* e = nullptr;
+      for (Extent* x : extents_)
+        if (x->page_bytes == bytes && x->pinned == pinned && x->used < x->capacity && (!e || x->used > e->used))
+          e = x;  // fullest first
+      // Outside a step's host function, the pinned pages queued steps reserved are not taken.
+      if (e && pinned && !t_no_pin && free_pinned(bytes) <= reserved(bytes)) e = nullptr;
+      if (e) {
+        const uint32_t slot = uint32_t(std::find(e->in_use.begin(), e->in_use.end(), false) - e->in_use.begin());
+        e->in_use[slot] = true;
+        ++e->used;
+        ++live_;
+        *out = e;
+        return e->base + size_t(slot) * bytes;
+      }
+      if (pinned && t_no_pin)
+        fail(KVS_STATUS_OUT_OF_MEMORY, "KV pages: no pinned page was reserved for this step (hybrid backend)");
+      lock.unlock();
+      Extent* fresh = map_extent(bytes, pinned);  // mapping and pinning outside the lock
+      lock.lock();
+      if (!fresh) return nullptr;
+      insert(fresh);
+    }
   }
 
   void release(std::byte* p, Extent* e) {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     const uint32_t slot = uint32_t(size_t(p - e->base) / e->page_bytes);
     e->in_use[slot] = false;
     --e->used;
     --live_;
     if (e->used == 0) {
       // Keep one empty extent per page size, so a session that frees and takes one page at an
-      // extent boundary does not map and unmap 32 MiB each time.
+      // extent boundary does not map and unmap 32 MiB each time. A pinned one stays while steps
+      // in flight count on its pages, and inside a step's host function (no CUDA call there).
+      bool keep = e->pinned && (t_no_pin || free_pinned(e->page_bytes) < reserved(e->page_bytes) + e->capacity);
       for (Extent* x : extents_)
-        if (x != e && x->page_bytes == e->page_bytes && x->pinned == e->pinned && x->used == 0) {
-          unmap(e);
+        if (!keep && x != e && x->page_bytes == e->page_bytes && x->pinned == e->pinned && x->used == 0) {
+          extents_.erase(std::find(extents_.begin(), extents_.end(), e));
+          lock.unlock();
+          unmap(e);  // unpinning may wait for the device: never under the lock
           return;
         }
     }
@@ -84,15 +98,21 @@ class PagePool {
   }
 
   void reserve_pinned(size_t bytes, uint32_t n) {
-    std::lock_guard<std::mutex> lock(mu_);
-    uint64_t free = 0;
-    for (Extent* x : extents_)
-      if (x->pinned && x->page_bytes == bytes) free += x->capacity - x->used;
-    while (free < n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (free_pinned(bytes) < reserved(bytes) + n) {
+      lock.unlock();
       Extent* e = map_extent(bytes, true);
+      lock.lock();
       if (!e) fail(KVS_STATUS_OUT_OF_MEMORY, "KV pages: could not map and pin " + std::to_string(bytes) + "-byte pages");
-      free += e->capacity;
+      insert(e);
     }
+    reserved_[bytes] += n;
+  }
+
+  void unreserve_pinned(size_t bytes, uint32_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& r = reserved_[bytes];
+    r -= std::min<uint64_t>(r, n);
   }
 
   PagePoolStats stats() {
@@ -127,17 +147,22 @@ class PagePool {
     }
   }
 
-  // Called with mu_ held. A pinned extent is pinned by the hook before it is handed out; null if
-  // the mapping or the pinning fails (a pinned extent without hooks throws, saying why).
+  // Called without mu_ (pinning may take a while). A pinned extent is pinned by the hook before it
+  // is handed out; null if the mapping or the pinning fails (a pinned extent without hooks throws,
+  // saying why). Not yet in extents_: see insert.
   Extent* map_extent(size_t bytes, bool pinned) {
-    if (pinned && !hooks_.pin)
+    PinHooks hooks;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      hooks = hooks_;
+    }
+    if (pinned && !hooks.pin)
       fail(KVS_STATUS_OUT_OF_MEMORY, "KV pages: pinned pages were asked for, but no backend that pins host memory is loaded");
     const size_t per = std::max<size_t>(1, kExtentTarget / bytes);
     const size_t len = (per * bytes + kHuge - 1) / kHuge * kHuge;
     // Everything that can throw first, so a failure leaks no mapping.
     auto e = std::make_unique<Extent>(Extent{nullptr, len, bytes, {}, uint32_t(len / bytes)});
     e->in_use.assign(e->capacity, false);
-    extents_.reserve(extents_.size() + 1);
     // Over-map by 2 MiB and trim, so the extent starts on a huge-page boundary.
     void* raw = mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (raw == MAP_FAILED) return nullptr;
@@ -149,21 +174,43 @@ class PagePool {
 #endif
     e->base = reinterpret_cast<std::byte*>(a);
     if (pinned) {
-      if (!hooks_.pin(e->base, len)) {
+      if (!hooks.pin(e->base, len)) {
         munmap(e->base, len);
         return nullptr;
       }
       e->pinned = true;
+      e->unpin = hooks.unpin;
     }
-    extents_.push_back(e.get());
     return e.release();
   }
 
-  void unmap(Extent* e) {
-    if (e->pinned) hooks_.unpin(e->base);
+  // Called with mu_ held: a mapped extent joins the pool (unmapped again if that fails).
+  void insert(Extent* e) {
+    try {
+      extents_.push_back(e);
+    } catch (...) {
+      unmap(e);
+      throw;
+    }
+  }
+
+  // Called without mu_, on an extent no longer in extents_.
+  static void unmap(Extent* e) {
+    if (e->pinned) e->unpin(e->base);
     munmap(e->base, e->len);
-    extents_.erase(std::find(extents_.begin(), extents_.end(), e));
     delete e;
+  }
+
+  // Called with mu_ held.
+  uint64_t free_pinned(size_t bytes) const {
+    uint64_t f = 0;
+    for (const Extent* x : extents_)
+      if (x->pinned && x->page_bytes == bytes) f += x->capacity - x->used;
+    return f;
+  }
+  uint64_t reserved(size_t bytes) const {
+    const auto it = reserved_.find(bytes);
+    return it == reserved_.end() ? 0 : it->second;
   }
 
   std::mutex mu_;
@@ -171,6 +218,7 @@ class PagePool {
   uint64_t live_ = 0;
   bool huge_ = true;
   PinHooks hooks_;
+  std::map<size_t, uint64_t> reserved_;  // pinned pages per page size promised to steps in flight
 };
 
 }  // namespace
@@ -178,6 +226,7 @@ class PagePool {
 PagePoolStats page_pool_stats() { return PagePool::get().stats(); }
 void set_pin_hooks(const PinHooks& hooks) { PagePool::get().set_hooks(hooks); }
 void reserve_pinned_pages(size_t bytes, uint32_t n) { PagePool::get().reserve_pinned(bytes, n); }
+void unreserve_pinned_pages(size_t bytes, uint32_t n) { PagePool::get().unreserve_pinned(bytes, n); }
 NoPinScope::NoPinScope() { ++t_no_pin; }
 NoPinScope::~NoPinScope() { --t_no_pin; }
 

@@ -34,10 +34,13 @@ struct PinHooks {
   void (*unpin)(void* p) = nullptr;
 };
 void set_pin_hooks(const PinHooks& hooks);
-// Makes sure at least n pinned pages of `bytes` are free, mapping and pinning extents as needed
-// (call where the pin hook may run: never inside a CUDA host function). A thread inside a
-// NoPinScope then takes its pinned pages from those and fails (OUT_OF_MEMORY) rather than pin.
+// Reserves n free pinned pages of `bytes` for work queued to run later where pinning is not
+// allowed (a CUDA host function), mapping and pinning extents as needed (call where the pin hook
+// may run). Reservations add up until unreserve_pinned_pages gives them back (when that work has
+// run); pinned pages allocated outside a NoPinScope never take reserved ones. A thread inside a
+// NoPinScope takes free pinned pages and fails (OUT_OF_MEMORY) rather than pin, and never unpins.
 void reserve_pinned_pages(size_t bytes, uint32_t n);
+void unreserve_pinned_pages(size_t bytes, uint32_t n);
 struct NoPinScope {
   NoPinScope();
   ~NoPinScope();

@@ -46,6 +46,18 @@ struct StepReport {
   bool deferred = false;  // not known yet: the placement hands it over later (settled_reports)
 };
 
+// The reports of deferred steps that have completed: how many, their selected keys summed, the latest.
+struct Settled {
+  int64_t steps = 0;
+  double sum_selected = 0;
+  StepReport last;
+  void add(const StepReport& r) {
+    ++steps;
+    sum_selected += r.selected;
+    last = r;
+  }
+};
+
 class Placement {
  public:
   virtual ~Placement() = default;
@@ -82,10 +94,11 @@ class Placement {
   // The keys the last decode step of the layer attended for a KV head (sorted; union over the
   // group for per-query-head methods). May synchronise with the device.
   virtual std::vector<int32_t> last_selection(uint32_t layer, uint32_t kv_head) const = 0;
-  virtual void stats(kvs_session_stats& st) const = 0;
-  // The reports of steps that returned deferred (their selection is made after decode returns, in
-  // stream order), in step order, each once; waits for the steps in flight. The default: none.
-  virtual std::vector<StepReport> settled_reports() const { return {}; }  // kv_bytes, kv_shared_bytes, index_bytes, workspace_bytes
+  virtual void stats(kvs_session_stats& st) const = 0;  // kv_bytes, kv_shared_bytes, index_bytes, workspace_bytes
+  // The steps that returned deferred (their selection is made after decode returns, in stream
+  // order) and have completed since the last call, each counted once (a step that failed and was
+  // taken back is not); waits for the steps in flight. The default: none.
+  virtual Settled settled_reports() const { return {}; }
   virtual bool stat(std::string_view name, double* out) const = 0;
 
   // Tables: the method's header entries and sections, and the KV pages when with_kv.

@@ -260,14 +260,22 @@ void Session::check_compatible(Session* const* sessions, size_t count, const cha
 }
 
 void Session::note_step(const StepReport& r) {
+  if (r.deferred) return;  // counted once settled (settle_steps)
+  std::lock_guard<std::mutex> lock(stats_mu_);
   ++decode_steps_;
-  if (!r.deferred) note_selected(r);
-}
-
-void Session::note_selected(const StepReport& r) const {
   last_selected_ = r.selected;
   last_fraction_ = r.tokens > 0 ? r.selected / double(r.tokens) : 0.0;
   sum_selected_ += r.selected;
+}
+
+void Session::settle_steps() const {
+  const Settled s = placement_->settled_reports();
+  if (s.steps == 0) return;
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  decode_steps_ += s.steps;
+  sum_selected_ += s.sum_selected;
+  last_selected_ = s.last.selected;
+  last_fraction_ = s.last.tokens > 0 ? s.last.selected / double(s.last.tokens) : 0.0;
 }
 
 void Session::run_step(Session* const* sessions, size_t count, uint32_t layer, const StepTensors& t) {
@@ -297,7 +305,8 @@ void Session::stats(kvs_session_stats* out) const {
             ", got " + std::to_string(out->struct_size));
   kvs_session_stats st{};
   st.struct_size = sizeof(st);
-  for (const auto& r : placement_->settled_reports()) note_selected(r);
+  settle_steps();
+  std::lock_guard<std::mutex> lock(stats_mu_);
   for (uint32_t l = 0; l < cfg_.shape.num_layers; ++l) st.tokens = std::max(st.tokens, placement_->tokens(l));
   st.decode_steps = decode_steps_;
   placement_->stats(st);
@@ -384,7 +393,8 @@ std::unique_ptr<Session> Session::to(int32_t backend, int32_t device_id) const {
   lp.gemm = cfg_.gemm;
   lp.flags = KVS_LOAD_MMAP;  // cpu: the pages stay in the image (one copy in all); cuda copies them up
   auto s = load_from(file, lp, "kvs_session_to", &cfg_);
-  for (const auto& r : placement_->settled_reports()) note_selected(r);
+  settle_steps();
+  std::lock_guard<std::mutex> lock(stats_mu_);
   s->decode_steps_ = decode_steps_;
   s->sum_selected_ = sum_selected_;
   s->last_selected_ = last_selected_;

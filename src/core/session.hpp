@@ -7,6 +7,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -89,7 +90,7 @@ class Session {
   void check_layer(uint32_t layer, const char* fn) const;
   void check_decodable(uint32_t layer, const char* fn) const;
   void note_step(const StepReport& r);
-  void note_selected(const StepReport& r) const;
+  void settle_steps() const;  // the placement's settled steps into the statistics
 
   SessionConfig cfg_;
   const MethodSpec* spec_;
@@ -97,9 +98,10 @@ class Session {
   std::unique_ptr<Placement> placement_;
   std::vector<uint8_t> built_;          // index built for the layer's current prompt
   std::vector<int64_t> expected_len_;   // tables-only load: prompt lengths to re-supply (-1 = none)
-  int64_t decode_steps_ = 0;
+  mutable int64_t decode_steps_ = 0;
   // Selection statistics; a placement may settle a step's after it returned (settled_reports).
   mutable double last_selected_ = 0, sum_selected_ = 0, last_fraction_ = 0;
+  mutable std::mutex stats_mu_;  // the statistics above and decode_steps_ (concurrent const calls)
 };
 
 }  // namespace kvs

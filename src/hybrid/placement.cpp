@@ -34,6 +34,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
+#include <atomic>
 #include <utility>
 #include <vector>
 
@@ -193,7 +195,7 @@ class HybridPlacement final : public Placement {
     int prev = -1;
     cudaGetDevice(&prev);
     cudaSetDevice(device_);
-    if (pending_) cudaEventSynchronize(done_);
+    cudaEventSynchronize(done_);  // (an event never recorded is complete)
     cudaEventDestroy(done_);
     ws_ = DevBuf();
     if (prev >= 0) cudaSetDevice(prev);
@@ -201,7 +203,6 @@ class HybridPlacement final : public Placement {
 
   int32_t backend() const override { return KVS_BACKEND_HYBRID; }
   const Backend& ops() const override { return hybrid_backend(); }
-  int64_t tokens(uint32_t layer) const override { return tokens_[layer]; }
 
   // ---- prefill, append, build: the host part's, after the steps in flight ----
 
@@ -242,9 +243,10 @@ class HybridPlacement final : public Placement {
       ps[size_t(b)]->raise_deferred();
     }
     const auto [qv, kv, vv, ov, lv] = cudautil::cuda_step_views(t, B, sh, device_);
+    if (B > 65535) invalid(std::string(t.fn) + ": the hybrid backend decodes at most 65535 sessions per call");
     int64_t cap = 1;
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t n = ps[size_t(b)]->tokens_[layer];
+      const int64_t n = ps[size_t(b)]->tokens(layer);
       if (n >= kMaxLayerTokens)
         invalid(std::string(t.fn) + ": layer " + std::to_string(layer) + " of sessions[" + std::to_string(b) +
                 "] is full (" + std::to_string(kMaxLayerTokens) + " tokens)");
@@ -280,21 +282,16 @@ class HybridPlacement final : public Placement {
     const size_t states = al(size_t(3 * B * hq * d) * 4) + al(size_t(3 * B * hq) * 4);
     if (off > host_buf_.bytes || !host_buf_.p || states + ws > ws_.bytes || !ws_.p ||
         size_t(B * max_pages) * sizeof(void*) > table_.bytes || !table_.p) {
-      drain_all(ps);
+      for (auto* p : ps) p->drain();
       host_buf_.reserve(off);
       ws_.reserve(states + ws, device_, "cudaMalloc(hybrid workspace)");
       table_.reserve(std::max<size_t>(size_t(B * max_pages) * sizeof(void*), 4096), device_, "cudaMalloc(hybrid page table)");
     }
-    // Room for the pages the host part may take during the step (a new page or a copy on write,
-    // one per session): pinned memory cannot be pinned inside a host function.
+    // The pages the host part may take during the step (a new page or a copy on write, one per
+    // session): pinning is not allowed inside a host function, so they are pinned and set aside
+    // now, and given back to the pool by the step.
     const size_t page_bytes = host_->kv_layer(layer).page_bytes();
     reserve_pinned_pages(page_bytes, uint32_t(B));
-
-    cudaStream_t st = S(t.stream);
-    if (leader_pending_) check(cudaStreamWaitEvent(st, done_, 0), "cudaStreamWaitEvent");
-    check(cudaMemcpyAsync(host_buf_.at<char>(L.q), qv.base, size_t(B) * qb, cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync(q)");
-    check(cudaMemcpyAsync(host_buf_.at<char>(L.k), kv.base, size_t(B) * kb, cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync(k_new)");
-    check(cudaMemcpyAsync(host_buf_.at<char>(L.v), vv.base, size_t(B) * kb, cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync(v_new)");
 
     auto job = std::make_shared<Job>();
     job->ps = ps;
@@ -304,18 +301,121 @@ class HybridPlacement final : public Placement {
     job->qdtype = qv.dtype;
     job->cap = cap;
     job->max_pages = max_pages;
-    cuda_backend().host_fn(t.stream, [job] { job->run(); });
-    check(cudaMemcpyAsync(table_.p, host_buf_.at<char>(L.table), size_t(B * max_pages) * sizeof(void*),
-                          cudaMemcpyHostToDevice, st),
-          "cudaMemcpyAsync(page table)");
+    job->page_bytes = page_bytes;
+    cudaStream_t st = S(t.stream);
+    bool queued = false;
+    try {
+      // After every earlier step of every session of the batch, whatever stream it ran on: each
+      // session's done_ event then covers all of its steps, and the leader's buffers are free.
+      for (auto* p : ps)
+        if (p->pending_) check(cudaStreamWaitEvent(st, p->done_, 0), "cudaStreamWaitEvent");
+      check(cudaMemcpyAsync(host_buf_.at<char>(L.q), qv.base, size_t(B) * qb, cudaMemcpyDeviceToHost, st),
+            "cudaMemcpyAsync(q)");
+      check(cudaMemcpyAsync(host_buf_.at<char>(L.k), kv.base, size_t(B) * kb, cudaMemcpyDeviceToHost, st),
+            "cudaMemcpyAsync(k_new)");
+      check(cudaMemcpyAsync(host_buf_.at<char>(L.v), vv.base, size_t(B) * kb, cudaMemcpyDeviceToHost, st),
+            "cudaMemcpyAsync(v_new)");
+      cuda_backend().host_fn(t.stream, [job] { job->run(); });
+      queued = true;
+      for (auto* p : ps) p->tokens_add(layer, 1);
+      check(cudaMemcpyAsync(table_.p, host_buf_.at<char>(L.table), size_t(B * max_pages) * sizeof(void*),
+                            cudaMemcpyHostToDevice, st),
+            "cudaMemcpyAsync(page table)");
+      launch_attention(shape, qv, ov, lv, t.lse != nullptr, L, cap, max_pages, ws, states, st);
+      for (auto* p : ps) p->record_step(st);
+    } catch (...) {
+      if (!queued) {
+        unreserve_pinned_pages(page_bytes, uint32_t(B));
+        throw;
+      }
+      // The host function is queued: cancel it, or, if it runs already, wait for it and take its
+      // step back, so the failed call leaves every session as it was.
+      if (!job->cancel()) {
+        job->wait();
+        if (job->ok)
+          for (auto* p : ps) p->host_->undo_step(layer);
+      }
+      for (auto* p : ps) {
+        p->tokens_add(layer, -1);
+        try {
+          p->record_step(st);  // later steps still wait for what was launched
+        } catch (...) {
+        }
+      }
+      throw;
+    }
+    for (int64_t b = 0; b < B; ++b) reports[size_t(b)] = StepReport{0, ps[size_t(b)]->tokens(layer), true};
+  }
 
-    // The GPU part: three attention kinds (only the rows the host part filled have keys), merged.
+  bool lse_base2() const override { return true; }
+
+  // ---- everything else: the host part's, after the steps in flight ----
+
+  int64_t truncate_floor(uint32_t layer, std::string* why) const override {
+    drain();
+    return owner_->truncate_floor(layer, why);
+  }
+  void truncate(int64_t n) override {
+    drain();
+    owner_->truncate(n);
+    sync_tokens();
+  }
+  std::vector<int32_t> last_selection(uint32_t layer, uint32_t kv_head) const override {
+    drain();
+    return owner_->last_selection(layer, kv_head);
+  }
+  void stats(kvs_session_stats& st) const override {
+    drain();
+    owner_->stats(st);
+    st.workspace_bytes = ws_.bytes + table_.bytes + host_buf_.bytes;
+  }
+  Settled settled_reports() const override {
+    drain();
+    std::lock_guard<std::mutex> lock(mu_);
+    return std::exchange(settled_, Settled{});
+  }
+  bool stat(std::string_view name, double* out) const override {
+    drain();
+    return owner_->stat(name, out);
+  }
+  nlohmann::json save_meta() const override {
+    drain();
+    return owner_->save_meta();
+  }
+  void save(io::TablesWriter& w, bool with_kv) const override {
+    drain();
+    owner_->save(w, with_kv);
+  }
+  void load(const std::shared_ptr<const io::TablesFile>& f, const nlohmann::json& meta, const std::vector<int64_t>& tokens,
+            bool with_kv, const std::string& path, bool) override {
+    owner_->load(f, meta, tokens, with_kv, path, false);  // pinned copies, never the file's mapping
+    sync_tokens();
+  }
+  bool index_fits(uint32_t layer, int64_t tokens, std::string* why) const override {
+    drain();
+    return owner_->index_fits(layer, tokens, why);
+  }
+  std::unique_ptr<Placement> fork() const override {
+    drain();
+    return std::make_unique<HybridPlacement>(cfg_, owner_->fork());
+  }
+
+ private:
+  struct Layout {
+    size_t q, k, v, extra_o, extra_lse, lens, cnt_kv, cnt_q, flags, table, idx_kv, idx_q;
+  };
+
+  // The GPU part of a step: the three kinds of selection attended (rows of the other kinds have no
+  // keys and return at once), merged with the host part's extra state into o and lse.
+  void launch_attention(const cuda::AttnShape& shape, const View& qv, const View& ov, const View& lv, bool with_lse,
+                        const Layout& L, int64_t cap, int64_t max_pages, size_t ws, size_t states, cudaStream_t st) {
+    const int64_t B = shape.batch, hq = shape.num_q_heads, d = shape.head_dim;
     float* so = ws_.as<float>();
     float* sl = reinterpret_cast<float*>(ws_.as<char>() + al(size_t(3 * B * hq * d) * 4));
     const cuda::Workspace w{ws_.as<char>() + states, ws};
     const cuda::PagedKv pk{static_cast<const void* const*>(table_.p), int32_t(max_pages), int32_t(kPageTokens),
                            log2_page()};
-    const cuda::Scalar kdt = cuda::Scalar(int32_t(sh.kv_dtype));
+    const cuda::Scalar kdt = cuda::Scalar(int32_t(cfg_.shape.kv_dtype));
     const cuda::Query qq{qv.base, cuda::Scalar(int32_t(qv.dtype))};
     const size_t rows = size_t(B * hq);
     auto out = [&](int i) { return cuda::Output{so + size_t(i) * rows * d, cuda::Scalar::F32, sl + size_t(i) * rows}; };
@@ -342,75 +442,9 @@ class HybridPlacement final : public Placement {
     ca.head_dim = int32_t(d);
     ca.o = ov.mutable_base();
     ca.o_dtype = cuda::Scalar(int32_t(ov.dtype));
-    ca.lse = t.lse ? static_cast<float*>(lv.mutable_base()) : nullptr;
+    ca.lse = with_lse ? static_cast<float*>(lv.mutable_base()) : nullptr;
     check(cuda::combine_states(ca, st), "combine_states (hybrid)");
-
-    for (int64_t b = 0; b < B; ++b) {
-      HybridPlacement* p = ps[size_t(b)];
-      check(cudaEventRecord(p->done_, st), "cudaEventRecord");
-      p->pending_ = true;
-      ++p->tokens_[layer];
-      reports[size_t(b)] = StepReport{0, p->tokens_[layer], true};  // settled by the host function
-    }
-    leader_pending_ = true;
   }
-
-  bool lse_base2() const override { return true; }
-
-  // ---- everything else: the host part's, after the steps in flight ----
-
-  int64_t truncate_floor(uint32_t layer, std::string* why) const override {
-    drain();
-    return owner_->truncate_floor(layer, why);
-  }
-  void truncate(int64_t n) override {
-    drain();
-    owner_->truncate(n);
-    sync_tokens();
-  }
-  std::vector<int32_t> last_selection(uint32_t layer, uint32_t kv_head) const override {
-    drain();
-    return owner_->last_selection(layer, kv_head);
-  }
-  void stats(kvs_session_stats& st) const override {
-    drain();
-    owner_->stats(st);
-    st.workspace_bytes = ws_.bytes + table_.bytes + host_buf_.bytes;
-  }
-  std::vector<StepReport> settled_reports() const override {
-    drain();
-    std::lock_guard<std::mutex> lock(mu_);
-    return std::exchange(settled_, {});
-  }
-  bool stat(std::string_view name, double* out) const override {
-    drain();
-    return owner_->stat(name, out);
-  }
-  nlohmann::json save_meta() const override {
-    drain();
-    return owner_->save_meta();
-  }
-  void save(io::TablesWriter& w, bool with_kv) const override {
-    drain();
-    owner_->save(w, with_kv);
-  }
-  void load(const std::shared_ptr<const io::TablesFile>& f, const nlohmann::json& meta, const std::vector<int64_t>& tokens,
-            bool with_kv, const std::string& path, bool) override {
-    owner_->load(f, meta, tokens, with_kv, path, false);  // pinned copies, never the file's mapping
-    sync_tokens();
-  }
-  bool index_fits(uint32_t layer, int64_t tokens, std::string* why) const override {
-    return owner_->index_fits(layer, tokens, why);
-  }
-  std::unique_ptr<Placement> fork() const override {
-    drain();
-    return std::make_unique<HybridPlacement>(cfg_, owner_->fork());
-  }
-
- private:
-  struct Layout {
-    size_t q, k, v, extra_o, extra_lse, lens, cnt_kv, cnt_q, flags, table, idx_kv, idx_q;
-  };
 
   // The host function of one step: runs on CUDA's callback thread once the copies of q, k_new and
   // v_new have landed; must not call CUDA. Never throws (an error is kept for the next call).
@@ -421,6 +455,18 @@ class HybridPlacement final : public Placement {
     void* buf = nullptr;
     DType qdtype = DType::F32;
     int64_t cap = 0, max_pages = 0;
+    size_t page_bytes = 0;
+    bool ok = false;                 // the host part took the step (read after wait())
+    std::atomic<int> state{0};       // 0 queued, 1 running, 2 done, 3 cancelled
+
+    // Before it runs: it will do nothing (true), or it runs or ran already (false).
+    bool cancel() {
+      int expected = 0;
+      return state.compare_exchange_strong(expected, 3);
+    }
+    void wait() const {
+      while (state.load() != 2) std::this_thread::yield();
+    }
 
     template <class T>
     T* at(size_t o) const {
@@ -428,6 +474,17 @@ class HybridPlacement final : public Placement {
     }
 
     void run() noexcept {
+      int expected = 0;
+      if (!state.compare_exchange_strong(expected, 1)) {  // cancelled by a failed decode call
+        unreserve_pinned_pages(page_bytes, uint32_t(ps.size()));
+        return;
+      }
+      body();
+      unreserve_pinned_pages(page_bytes, uint32_t(ps.size()));
+      state.store(2);
+    }
+
+    void body() noexcept {
       const auto& sh = ps[0]->cfg_.shape;
       const int64_t B = int64_t(ps.size()), hq = sh.num_q_heads, hkv = sh.num_kv_heads, d = sh.head_dim;
       int32_t* lens = at<int32_t>(L.lens);
@@ -439,21 +496,38 @@ class HybridPlacement final : public Placement {
       std::fill(cnt_q, cnt_q + B * hq, 0);
       std::fill(on, on + 2 * B, uint8_t(0));
       int64_t done = 0;
-      std::string err;
+      const char* err = nullptr;
+      std::string what;
       kvs_status code = KVS_STATUS_INTERNAL;
       try {
+        // A session whose earlier step failed takes no step until its caller has seen the error
+        // (its host part is one token short of what later steps were enqueued for).
+        for (auto* p : ps) {
+          std::lock_guard<std::mutex> lock(p->mu_);
+          if (!p->deferred_.empty()) fail(KVS_STATUS_INVALID_STATE, "an earlier step of a session of this batch failed");
+        }
         NoPinScope no_pin;
         std::vector<float> q(size_t(B * hq * d)), k(size_t(B * hkv * d)), v(size_t(B * hkv * d));
         convert_to_f32(at<char>(L.q), qdtype, q.data(), q.size());
         convert_to_f32(at<char>(L.k), sh.kv_dtype, k.data(), k.size());
         convert_to_f32(at<char>(L.v), sh.kv_dtype, v.data(), v.size());
-        for (float x : q)
-          if (!std::isfinite(x)) invalid("q: expected finite values, got NaN or inf");
+        for (const auto* x : {&q, &k, &v})
+          for (float f : *x)
+            if (!std::isfinite(f))
+              invalid(std::string(x == &q ? "q" : x == &k ? "k_new" : "v_new") + ": expected finite values, got NaN or inf");
         std::vector<HostPart::Step> steps(static_cast<size_t>(B));
         for (; done < B; ++done)
           steps[size_t(done)] = ps[size_t(done)]->host_->select_step(
               layer, q.data() + done * hq * d, k.data() + done * hkv * d, v.data() + done * hkv * d,
               at<float>(L.extra_o) + done * hq * d, at<float>(L.extra_lse) + done * hq);
+        for (int64_t b = 0; b < B; ++b) {
+          const Selection& sel = *steps[size_t(b)].sel;
+          for (const auto& list : sel.lists)
+            if (int64_t(list.size()) > cap)
+              fail(KVS_STATUS_FORMAT_INVALID, "the method selected " + std::to_string(list.size()) +
+                                                  " keys for one head of a layer of at most " + std::to_string(cap) +
+                                                  " tokens: its tables do not match the layer");
+        }
         for (int64_t b = 0; b < B; ++b) ps[size_t(b)]->host_->log_decode(layer, q.data() + b * hq * d);
         const void** table = at<const void*>(L.table);
         for (int64_t b = 0; b < B; ++b) {
@@ -480,8 +554,9 @@ class HybridPlacement final : public Placement {
           const auto& pages = lay.pages();
           for (size_t i = 0; i < pages.size(); ++i) table[b * max_pages + int64_t(i)] = pages[i]->data();
           std::lock_guard<std::mutex> lock(ps[size_t(b)]->mu_);
-          ps[size_t(b)]->settled_.push_back(s.report);
+          ps[size_t(b)]->settled_.add(s.report);
         }
+        ok = true;
         return;
       } catch (const Error& e) {
         err = e.what();
@@ -506,11 +581,17 @@ class HybridPlacement final : public Placement {
       std::fill(cnt_q, cnt_q + B * hq, 0);
       std::fill(on, on + B, uint8_t(0));
       for (auto* p : ps) {
-        std::lock_guard<std::mutex> lock(p->mu_);
-        if (p->deferred_.empty()) {
-          p->deferred_ = "a decode step of layer " + std::to_string(layer) + " failed in the hybrid backend's host part "
-                         "and was taken back (its outputs are zeros): " + err;
-          p->deferred_code_ = code;
+        try {
+          std::lock_guard<std::mutex> lock(p->mu_);
+          if (p->deferred_.empty()) {
+            p->deferred_ = "a decode step of layer " + std::to_string(layer) + " failed in the hybrid backend's host "
+                           "part and was taken back (its outputs are zeros, and the steps queued after it on this "
+                           "session took no token): " + err;
+            p->deferred_code_ = code;
+          }
+        } catch (...) {  // no memory for the message: a shorter one
+          std::lock_guard<std::mutex> lock(p->mu_);
+          p->deferred_code_ = KVS_STATUS_OUT_OF_MEMORY;
         }
       }
     }
@@ -522,54 +603,80 @@ class HybridPlacement final : public Placement {
     return s;
   }
 
-  // Waits for this session's steps in flight, then reports an error one of them left.
+  // Waits for this session's steps in flight (its done_ event covers all of them), then reports an
+  // error one of them left.
   void drain() const {
-    if (pending_) {
+    bool wait;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      wait = pending_;
+    }
+    if (wait) {
       DeviceGuard g(device_);
       check(cudaEventSynchronize(done_), "cudaEventSynchronize");
+      std::lock_guard<std::mutex> lock(mu_);
       pending_ = false;
-      leader_pending_ = false;
     }
     raise_deferred();
   }
-  static void drain_all(const std::vector<HybridPlacement*>& ps) {
-    for (auto* p : ps) p->drain();
-  }
+  // An error a finished step left: the session's state is the host part's (every later step of
+  // the session refused to run), which the caller is told once.
   void raise_deferred() const {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (deferred_.empty() && deferred_code_ == KVS_STATUS_INTERNAL) return;
+    }
+    {
+      DeviceGuard g(device_);
+      cudaEventSynchronize(done_);  // the steps queued after the failed one have run (and refused)
+    }
     std::string msg;
     kvs_status code;
     {
       std::lock_guard<std::mutex> lock(mu_);
       msg.swap(deferred_);
       code = deferred_code_;
-    }
-    if (msg.empty()) return;
-    if (pending_) {
-      DeviceGuard g(device_);
-      cudaEventSynchronize(done_);
-      pending_ = leader_pending_ = false;
+      deferred_code_ = KVS_STATUS_INTERNAL;
+      pending_ = false;
     }
     const_cast<HybridPlacement*>(this)->sync_tokens();
-    fail(code, msg);
+    fail(code, msg.empty() ? "a decode step failed in the hybrid backend's host part (out of memory)" : msg);
+  }
+  void record_step(cudaStream_t st) {
+    check(cudaEventRecord(done_, st), "cudaEventRecord");
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_ = true;
   }
   void sync_tokens() {
+    std::lock_guard<std::mutex> lock(mu_);
     for (uint32_t l = 0; l < tokens_.size(); ++l) tokens_[l] = host_->kv_layer(l).size();
   }
+  void tokens_add(uint32_t layer, int64_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    tokens_[layer] += n;
+  }
 
+ public:
+  int64_t tokens(uint32_t layer) const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return tokens_[layer];
+  }
+
+ private:
   SessionConfig cfg_;
   int device_;
   std::unique_ptr<Placement> owner_;  // the cpu placement
   HostPart* host_;                    // the same object
-  std::vector<int64_t> tokens_;       // per layer, counting the steps in flight
-  cudaEvent_t done_ = nullptr;        // recorded after this session's latest step
-  mutable bool pending_ = false;
-  mutable bool leader_pending_ = false;  // a step this session led may still read its buffers
-  PinnedBuf host_buf_;
+  cudaEvent_t done_ = nullptr;        // recorded after this session's latest step (which waited for the earlier ones)
+  PinnedBuf host_buf_;                // the step buffers of the steps this session leads
   DevBuf ws_, table_;
-  mutable std::mutex mu_;             // deferred_ and settled_, written by the host function
-  mutable std::string deferred_;
-  mutable kvs_status deferred_code_ = KVS_STATUS_INTERNAL;
-  mutable std::vector<StepReport> settled_;  // completed steps' reports not yet taken
+  // Shared with the host function and with concurrent const calls (kvs_session_get_stats, ...).
+  mutable std::mutex mu_;
+  std::vector<int64_t> tokens_;       // per layer, counting the steps in flight
+  mutable bool pending_ = false;      // a step may be in flight
+  mutable std::string deferred_;      // an error a step left for the next call
+  mutable kvs_status deferred_code_ = KVS_STATUS_INTERNAL;  // != INTERNAL with an empty message: out of memory
+  mutable Settled settled_;           // completed steps' reports not yet taken
 };
 
 }  // namespace

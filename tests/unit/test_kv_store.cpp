@@ -185,11 +185,24 @@ TEST_CASE("page pool: pinned pages come from pinned extents, reserved ahead, unp
       for (;; ++free_slots) taken.push_back(std::make_unique<kvs::Page>(bytes, true));
     } catch (const kvs::Error& e) {
       CHECK(e.code() == KVS_STATUS_OUT_OF_MEMORY);
-      CHECK(std::string(e.what()).find("reserved pinned page") != std::string::npos);
+      CHECK(std::string(e.what()).find("reserved") != std::string::npos);
     }
     CHECK(free_slots >= 3);
     for (auto& p : taken) CHECK(in_pinned(p->data(), bytes));
   }
+  kvs::unreserve_pinned_pages(bytes, 3);
+  // Reservations add up: pages allocated outside a host function leave the reserved ones free.
+  kvs::reserve_pinned_pages(bytes, 2);
+  kvs::reserve_pinned_pages(bytes, 2);
+  {
+    std::vector<std::unique_ptr<kvs::Page>> outside;
+    for (int i = 0; i < 6; ++i) outside.push_back(std::make_unique<kvs::Page>(bytes, true));  // maps more
+    kvs::NoPinScope no_pin;
+    std::vector<std::unique_ptr<kvs::Page>> inside;
+    for (int i = 0; i < 4; ++i) inside.push_back(std::make_unique<kvs::Page>(bytes, true));  // all four there
+    CHECK(inside.size() == 4);
+  }
+  kvs::unreserve_pinned_pages(bytes, 4);
   // A pin that fails: the page is not made (the mapping is dropped), nothing stays pinned for it.
   {
     const size_t pinned_before = g_pinned.size();

@@ -295,7 +295,7 @@ class Session:
                 default).
             kv_dtype: how the KV cache is stored, "bfloat16" (default), "float16" or "float32";
                 float32 inputs are rounded to it when stored.
-            backend: "cpu" or "cuda" (device_id: the CUDA device).
+            backend: "cpu", "cuda" or "hybrid" (device_id: the CUDA device).
             num_threads: worker threads of the cpu backend (0: every hardware thread).
             gemm: the cpu backend's matrix library, "auto", "onednn" or "openblas".
             softmax_scale: the scale of q.k (0: 1/sqrt(head_dim)).
@@ -410,8 +410,8 @@ class Session:
         was created with ``lse_base=2``). Both are allocated unless
         given, where q lives and with q's library: torch in, torch out (same device; out in q's dtype
         when that is float16 or bfloat16, else float32), CuPy likewise, NumPy float32 otherwise; lse
-        is float32. Given outputs are filled in place (out float32, float16 or bfloat16; lse float32). On the cuda backend the call
-        may return before the work completes: read the outputs after ``stream`` has completed.
+        is float32. Given outputs are filled in place (out float32, float16 or bfloat16; lse float32). On the cuda and hybrid backends
+        the call may return before the work completes: read the outputs after ``stream`` has completed.
         """
         h = self._handle()
         hq, d = self.num_q_heads, self.head_dim
@@ -457,7 +457,7 @@ class Session:
 
     def to(self, backend: str, device_id: int = 0) -> "Session":
         """A new session with this one's state (KV, index, layer states, statistics) on another
-        backend ("cpu" or "cuda") and device; this session is unchanged (kvs_session_to)."""
+        backend ("cpu", "cuda" or "hybrid") and device; this session is unchanged (kvs_session_to)."""
         code = _enum(backend, _BACKENDS, "backend")
         s = Session(0, 0, 0, 0, _handle=self._handle().to(code, int(device_id)))
         s._set_shape(self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim, self.method,
