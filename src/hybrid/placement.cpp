@@ -473,9 +473,20 @@ class HybridPlacement final : public Placement {
       return reinterpret_cast<T*>(static_cast<char*>(buf) + o);
     }
 
+    // Nothing to attend: the kernels queued after this host function read only these.
+    void clear_selection() noexcept {
+      const auto& sh = ps[0]->cfg_.shape;
+      const int64_t B = int64_t(ps.size());
+      std::fill(at<int32_t>(L.lens), at<int32_t>(L.lens) + B, 0);
+      std::fill(at<int32_t>(L.cnt_kv), at<int32_t>(L.cnt_kv) + B * sh.num_kv_heads, 0);
+      std::fill(at<int32_t>(L.cnt_q), at<int32_t>(L.cnt_q) + B * sh.num_q_heads, 0);
+      std::fill(at<uint8_t>(L.flags), at<uint8_t>(L.flags) + 2 * B, uint8_t(0));
+    }
+
     void run() noexcept {
       int expected = 0;
       if (!state.compare_exchange_strong(expected, 1)) {  // cancelled by a failed decode call
+        clear_selection();
         unreserve_pinned_pages(page_bytes, uint32_t(ps.size()));
         return;
       }
@@ -491,10 +502,7 @@ class HybridPlacement final : public Placement {
       int32_t* cnt_kv = at<int32_t>(L.cnt_kv);
       int32_t* cnt_q = at<int32_t>(L.cnt_q);
       uint8_t* on = at<uint8_t>(L.flags);
-      std::fill(lens, lens + B, 0);
-      std::fill(cnt_kv, cnt_kv + B * hkv, 0);
-      std::fill(cnt_q, cnt_q + B * hq, 0);
-      std::fill(on, on + 2 * B, uint8_t(0));
+      clear_selection();
       int64_t done = 0;
       const char* err = nullptr;
       std::string what;
@@ -576,10 +584,7 @@ class HybridPlacement final : public Placement {
         } catch (...) {
         }
       }
-      std::fill(lens, lens + B, 0);
-      std::fill(cnt_kv, cnt_kv + B * hkv, 0);
-      std::fill(cnt_q, cnt_q + B * hq, 0);
-      std::fill(on, on + B, uint8_t(0));
+      clear_selection();
       for (auto* p : ps) {
         try {
           std::lock_guard<std::mutex> lock(p->mu_);
