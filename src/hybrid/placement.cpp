@@ -490,7 +490,10 @@ class HybridPlacement final : public Placement {
         unreserve_pinned_pages(page_bytes, uint32_t(ps.size()));
         return;
       }
-      body();
+      {
+        NoPinScope no_pin;  // the whole step, its undo included: no CUDA call from the page pool here
+        body();
+      }
       unreserve_pinned_pages(page_bytes, uint32_t(ps.size()));
       state.store(2);
     }
@@ -514,7 +517,6 @@ class HybridPlacement final : public Placement {
           std::lock_guard<std::mutex> lock(p->mu_);
           if (!p->deferred_.empty()) fail(KVS_STATUS_INVALID_STATE, "an earlier step of a session of this batch failed");
         }
-        NoPinScope no_pin;
         std::vector<float> q(size_t(B * hq * d)), k(size_t(B * hkv * d)), v(size_t(B * hkv * d));
         convert_to_f32(at<char>(L.q), qdtype, q.data(), q.size());
         convert_to_f32(at<char>(L.k), sh.kv_dtype, k.data(), k.size());
