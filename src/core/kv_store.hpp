@@ -14,6 +14,8 @@
 namespace kvs {
 
 constexpr int64_t kPageTokens = 256;
+constexpr int32_t kPageShift = 8;  // log2(kPageTokens), for the device page tables
+static_assert(int64_t(1) << kPageShift == kPageTokens);
 
 // Process-wide figures of the KV page pool (tests, diagnostics).
 struct PagePoolStats {

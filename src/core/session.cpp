@@ -261,16 +261,17 @@ void Session::check_compatible(Session* const* sessions, size_t count, const cha
 
 void Session::note_step(const StepReport& r) {
   if (r.deferred) return;  // counted once settled (settle_steps)
-  std::lock_guard<std::mutex> lock(stats_mu_);
-  ++decode_steps_;
-  last_selected_ = r.selected;
-  last_fraction_ = r.tokens > 0 ? r.selected / double(r.tokens) : 0.0;
-  sum_selected_ += r.selected;
+  Settled s;
+  s.add(r);
+  add_steps(s);
 }
 
 void Session::settle_steps() const {
   const Settled s = placement_->settled_reports();
-  if (s.steps == 0) return;
+  if (s.steps > 0) add_steps(s);
+}
+
+void Session::add_steps(const Settled& s) const {
   std::lock_guard<std::mutex> lock(stats_mu_);
   decode_steps_ += s.steps;
   sum_selected_ += s.sum_selected;

@@ -91,6 +91,7 @@ class Session {
   void check_decodable(uint32_t layer, const char* fn) const;
   void note_step(const StepReport& r);
   void settle_steps() const;  // the placement's settled steps into the statistics
+  void add_steps(const Settled& s) const;
 
   SessionConfig cfg_;
   const MethodSpec* spec_;

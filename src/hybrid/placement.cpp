@@ -130,12 +130,16 @@ struct HostTensor {
   std::vector<char> bytes;
   std::vector<int64_t> shape;
   kvs_tensor t{};
-  const kvs_tensor* from(const kvs_tensor* src, const char* name, int device, void* stream) {
+  // input: the tensor's contents are copied (an output only gets a host buffer of its size).
+  const kvs_tensor* from(const kvs_tensor* src, const char* name, int device, void* stream, bool input = true) {
     if (!src || src->device.device_type != KVS_DEVICE_CUDA) return src;
     View v = cuda_view(src, name, {-1, -1, -1}, device, {DType::F32, DType::BF16, DType::F16}, 1);
     bytes.resize(size_t(v.numel()) * dtype_size(v.dtype));
-    check(cudaMemcpyAsync(bytes.data(), v.base, bytes.size(), cudaMemcpyDeviceToHost, S(stream)), "cudaMemcpyAsync(to host)");
-    check(cudaStreamSynchronize(S(stream)), "cudaStreamSynchronize");
+    if (input) {
+      check(cudaMemcpyAsync(bytes.data(), v.base, bytes.size(), cudaMemcpyDeviceToHost, S(stream)),
+            "cudaMemcpyAsync(to host)");
+      check(cudaStreamSynchronize(S(stream)), "cudaStreamSynchronize");
+    }
     shape.assign(src->shape, src->shape + src->ndim);
     t = *src;
     t.data = bytes.data();
@@ -213,7 +217,7 @@ class HybridPlacement final : public Placement {
     // Tensors on the device are copied to the host (the prompt is not the hot path); the host
     // part validates shapes and values as on the cpu backend.
     HostTensor hq, hk, hv, ho;
-    const kvs_tensor* oh = ho.from(o, "o", device_, stream);
+    const kvs_tensor* oh = ho.from(o, "o", device_, stream, /*input=*/false);
     owner_->add_tokens(layer, hq.from(q, "q", device_, stream), hk.from(k, "k", device_, stream),
                        hv.from(v, "v", device_, stream), oh, fn, prompt, max_tokens, stream);
     if (o && oh != o) {
@@ -414,7 +418,7 @@ class HybridPlacement final : public Placement {
     float* sl = reinterpret_cast<float*>(ws_.as<char>() + al(size_t(3 * B * hq * d) * 4));
     const cuda::Workspace w{ws_.as<char>() + states, ws};
     const cuda::PagedKv pk{static_cast<const void* const*>(table_.p), int32_t(max_pages), int32_t(kPageTokens),
-                           log2_page()};
+                           kPageShift};
     const cuda::Scalar kdt = cuda::Scalar(int32_t(cfg_.shape.kv_dtype));
     const cuda::Query qq{qv.base, cuda::Scalar(int32_t(qv.dtype))};
     const size_t rows = size_t(B * hq);
@@ -603,12 +607,6 @@ class HybridPlacement final : public Placement {
       }
     }
   };
-
-  int32_t log2_page() const {
-    int s = 0;
-    while ((int64_t(1) << s) < kPageTokens) ++s;
-    return s;
-  }
 
   // Waits for this session's steps in flight (its done_ event covers all of them), then reports an
   // error one of them left.

@@ -19,6 +19,20 @@ namespace {
 
 int g_pass = 0, g_fail = 0;
 
+// A one-layer session of `method` (backend: the cpu until set).
+[[maybe_unused]] kvs_session_params one_layer_params(const char* method, kvs_scalar_type kvdt, int hq, int hkv, int d, double budget) {
+  kvs_session_params p;
+  kvs_session_params_init(&p);
+  p.num_layers = 1;
+  p.num_q_heads = uint32_t(hq);
+  p.num_kv_heads = uint32_t(hkv);
+  p.head_dim = uint32_t(d);
+  p.kv_dtype = kvdt;
+  p.method = method;
+  p.budget = budget;
+  return p;
+}
+
 #define CAPI_CHECK(cond, ...)                                    \
   do {                                                           \
     if (cond) ++g_pass;                                          \

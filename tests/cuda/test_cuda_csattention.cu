@@ -126,16 +126,8 @@ void step(std::vector<kvs_session_t>& cpu, std::vector<kvs_session_t>& gpu, cons
 
 // One layer of csattention with these parameters (backend: the cpu until set).
 kvs_session_params csa_params(const char* params, kvs_scalar_type kvdt, int hq, int hkv, int d, double budget) {
-  kvs_session_params p;
-  kvs_session_params_init(&p);
-  p.num_layers = 1;
-  p.num_q_heads = uint32_t(hq);
-  p.num_kv_heads = uint32_t(hkv);
-  p.head_dim = uint32_t(d);
-  p.kv_dtype = kvdt;
-  p.method = "csattention";
+  kvs_session_params p = one_layer_params("csattention", kvdt, hq, hkv, d, budget);
   p.method_params = params;
-  p.budget = budget;
   return p;
 }
 

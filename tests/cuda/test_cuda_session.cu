@@ -39,15 +39,7 @@ void run_case(const char* method, kvs_scalar_type kvdt, int hq, int hkv, int d, 
     for (int64_t t = 0; t < T; t += 29)
       for (int i = 0; i < hkv * d; ++i) k[b][size_t(t) * hkv * d + i] *= 3.f;
   }
-  kvs_session_params p;
-  kvs_session_params_init(&p);
-  p.num_layers = 1;
-  p.num_q_heads = uint32_t(hq);
-  p.num_kv_heads = uint32_t(hkv);
-  p.head_dim = uint32_t(d);
-  p.kv_dtype = kvdt;
-  p.method = method;
-  p.budget = budget;
+  kvs_session_params p = one_layer_params(method, kvdt, hq, hkv, d, budget);
   p.lse_base = lse_base;  // both backends: the CPU reference writes the same base
   if (B > 1 && std::string(method) == "exact_topk" && !per_session_k) p.budget_tokens = 128;  // one k for the batch
   std::vector<kvs_session_t> cpu(B), gpu(B);

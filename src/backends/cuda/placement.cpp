@@ -92,11 +92,6 @@ class CudaBackendOps final : public Backend {
 constexpr int64_t kMaxLayerTokens = (int64_t(1) << 31) - 1;
 std::string L(uint32_t layer) { return std::to_string(layer); }
 size_t align256(size_t x) { return (x + 255) / 256 * 256; }
-int log2i(int64_t x) {
-  int s = 0;
-  while ((int64_t(1) << s) < x) ++s;
-  return s;
-}
 
 
 // One layer of one sequence: its pages (host list) and the device copy of the page table.
@@ -327,7 +322,7 @@ class CudaPlacement final : public Placement {
     st.budget_keys = dpos + 2 * B;
     if (B > 1) {  // assembled by the first launch of the step (enqueue, below)
       auto** table = reinterpret_cast<const void**>(ws + arg_bytes);
-      st.kv = cuda::PagedKv{table, int32_t(max_pages), int32_t(kPageTokens), log2i(kPageTokens)};
+      st.kv = cuda::PagedKv{table, int32_t(max_pages), int32_t(kPageTokens), kPageShift};
     } else {
       st.kv = own_kv(ps[0]->layers_[layer]);
     }
@@ -582,7 +577,7 @@ class CudaPlacement final : public Placement {
 
   cuda::PagedKv own_kv(const DevLayer& lay) const {
     return cuda::PagedKv{lay.table ? static_cast<const void* const*>(lay.table->p) : nullptr, int32_t(lay.table_cap),
-                         int32_t(kPageTokens), log2i(kPageTokens)};
+                         int32_t(kPageTokens), kPageShift};
   }
   DeviceLayerView view(const DevLayer& lay, void* stream) const { return DeviceLayerView{own_kv(lay), lay.n, stream}; }
 
