@@ -19,7 +19,7 @@ namespace {
 
 int g_pass = 0, g_fail = 0;
 
-// A one-layer session of `method` (backend: the cpu until set).
+// A one-layer session of `method` (backend: the cpu until set; more layers: set num_layers).
 [[maybe_unused]] kvs_session_params one_layer_params(const char* method, kvs_scalar_type kvdt, int hq, int hkv, int d, double budget) {
   kvs_session_params p;
   kvs_session_params_init(&p);

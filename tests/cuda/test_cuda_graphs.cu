@@ -71,15 +71,8 @@ void run(const char* method, int B, int layers, int hq, int hkv, int d, int64_t 
   std::vector<float> Q(size_t(steps) * layers * B * hq * d);
   for (auto& e : Q) e = nd(rng);
 
-  kvs_session_params p;
-  kvs_session_params_init(&p);
+  kvs_session_params p = one_layer_params(method, KVS_SCALAR_BF16, hq, hkv, d, budget);
   p.num_layers = uint32_t(layers);
-  p.num_q_heads = uint32_t(hq);
-  p.num_kv_heads = uint32_t(hkv);
-  p.head_dim = uint32_t(d);
-  p.kv_dtype = KVS_SCALAR_BF16;
-  p.method = method;
-  p.budget = budget;
   p.backend = KVS_BACKEND_CUDA;
   // Two sets: captured (default) and eager (KVS_CUDA_GRAPHS=0 at creation).
   std::vector<kvs_session_t> sg(B), se(B);
