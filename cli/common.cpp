@@ -1,7 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "common.hpp"
 
+#ifdef KVS_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <cctype>
@@ -11,6 +16,7 @@
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <thread>
 
@@ -225,6 +231,45 @@ Tensor& Tensor::operator=(const Tensor& o) {
   return *this;
 }
 
+Tensor Tensor::on(void* data, kvs_device device) const {
+  Tensor r(*this);
+  r.t_.data = data;
+  r.t_.device = device;
+  r.t_.byte_offset = 0;
+  r.has_strides_ = false;
+  r.fix();
+  return r;
+}
+
+size_t Tensor::bytes() const {
+  size_t n = dtype_size(dtype_);
+  for (int i = 0; i < t_.ndim; ++i) n *= size_t(shape_[size_t(i)]);
+  return n;
+}
+
+void Tensor::copy_to_contiguous(void* dst) const {
+  const size_t es = dtype_size(dtype_);
+  const char* base = static_cast<const char*>(t_.data) + t_.byte_offset;
+  if (!has_strides_ || t_.ndim == 0) {
+    std::memcpy(dst, base, bytes());
+    return;
+  }
+  // Innermost dimension contiguous or not, element by element over an index odometer (ndim <= 4).
+  std::array<int64_t, 4> idx{};
+  const int nd = t_.ndim;
+  const size_t total = bytes() / es;
+  char* out = static_cast<char*>(dst);
+  for (size_t e = 0; e < total; ++e) {
+    int64_t off = 0;
+    for (int i = 0; i < nd; ++i) off += idx[size_t(i)] * strides_[size_t(i)];
+    std::memcpy(out + e * es, base + off * int64_t(es), es);
+    for (int i = nd - 1; i >= 0; --i) {
+      if (++idx[size_t(i)] < shape_[size_t(i)]) break;
+      idx[size_t(i)] = 0;
+    }
+  }
+}
+
 StridedArray::StridedArray(const kvs_tensor& view, std::string_view what) {
   if (view.ndim != 3)
     throw CliError(strfmt("%.*s: expected a 3-d tensor, the library returned %d dims",
@@ -311,15 +356,79 @@ double Trace::softmax_scale() const {
                                     : 1.0 / std::sqrt(double(info_.head_dim));
 }
 
+// Host tensors staged on a GPU for a session of the cuda or hybrid backend: a grow-only device
+// buffer per argument slot (q, k, v, o, lse), copied in before a call and out after it.
+struct DeviceStage {
+#ifdef KVS_HAVE_CUDA
+  explicit DeviceStage(int32_t device) : device_(device) {}
+  DeviceStage(const DeviceStage&) = delete;
+  DeviceStage& operator=(const DeviceStage&) = delete;
+  ~DeviceStage() {
+    for (auto& b : buf_)
+      if (b.ptr) cudaFree(b.ptr);
+  }
+  // Slot i's device buffer, at least `bytes` long.
+  void* buffer(size_t i, size_t bytes) {
+    cuda(cudaSetDevice(device_), "cudaSetDevice");
+    Buf& b = buf_[i];
+    if (b.bytes < bytes) {
+      if (b.ptr) cudaFree(b.ptr);
+      b.ptr = nullptr;
+      b.bytes = 0;
+      cuda(cudaMalloc(&b.ptr, bytes), "cudaMalloc");
+      b.bytes = bytes;
+    }
+    return b.ptr;
+  }
+  // A device copy of host tensor `h` in slot i.
+  Tensor put(size_t i, const Tensor& h) {
+    host_.resize(h.bytes());
+    h.copy_to_contiguous(host_.data());
+    void* d = buffer(i, h.bytes());
+    cuda(cudaMemcpy(d, host_.data(), h.bytes(), cudaMemcpyHostToDevice), "cudaMemcpy (host to device)");
+    return h.on(d, kvs_device{KVS_DEVICE_CUDA, device_});
+  }
+  // A device tensor shaped like host output `h` in slot i (not copied in).
+  Tensor out(size_t i, const Tensor& h) { return h.on(buffer(i, h.bytes()), kvs_device{KVS_DEVICE_CUDA, device_}); }
+  // Device tensor `d` back into host output `h` (C-contiguous, as the commands' outputs are).
+  void get(const Tensor& d, const Tensor& h) {
+    cuda(cudaMemcpy(h.get()->data, d.get()->data, h.bytes(), cudaMemcpyDeviceToHost), "cudaMemcpy (device to host)");
+  }
+
+ private:
+  static void cuda(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) throw CliError(strfmt("CUDA: %s: %s", what, cudaGetErrorString(e)));
+  }
+  struct Buf {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+  };
+  int32_t device_;
+  std::array<Buf, 5> buf_{};
+  std::vector<char> host_;
+#endif
+};
+
 Session::Session(const kvs_session_params& params, std::string label) : label_(std::move(label)) {
   kvs_session_t s = nullptr;
   check(kvs_session_create(&params, &s), label_ + ": creating the session");
   handle_.reset(s);
+#ifdef KVS_HAVE_CUDA
+  if (params.backend == KVS_BACKEND_CUDA || params.backend == KVS_BACKEND_HYBRID)
+    stage_ = std::make_shared<DeviceStage>(params.device_id);
+#endif
 }
 
 void Session::prefill(uint32_t layer, const Tensor& q, const Tensor& k, const Tensor& v) {
-  check(kvs_session_prefill(get(), layer, q.get(), k.get(), v.get(), nullptr, nullptr),
-        strfmt("%s: prefill of layer %u", label_.c_str(), layer));
+  const std::string what = strfmt("%s: prefill of layer %u", label_.c_str(), layer);
+#ifdef KVS_HAVE_CUDA
+  if (stage_) {
+    const Tensor dq = stage_->put(0, q), dk = stage_->put(1, k), dv = stage_->put(2, v);
+    check(kvs_session_prefill(get(), layer, dq.get(), dk.get(), dv.get(), nullptr, nullptr), what);
+    return;
+  }
+#endif
+  check(kvs_session_prefill(get(), layer, q.get(), k.get(), v.get(), nullptr, nullptr), what);
 }
 
 void Session::build_index() {
@@ -328,6 +437,19 @@ void Session::build_index() {
 
 void Session::decode(uint32_t layer, const Tensor& q, const Tensor& k, const Tensor& v,
                      const Tensor& o, const Tensor* lse) {
+#ifdef KVS_HAVE_CUDA
+  if (stage_) {  // synchronous copies: the outputs are on the host when this returns
+    const Tensor dq = stage_->put(0, q), dk = stage_->put(1, k), dv = stage_->put(2, v);
+    const Tensor d_o = stage_->out(3, o);
+    const Tensor dl = lse ? stage_->out(4, *lse) : Tensor();
+    const kvs_error_t err = kvs_session_decode(get(), layer, dq.get(), dk.get(), dv.get(), d_o.get(),
+                                               lse ? dl.get() : nullptr, nullptr);
+    if (err != nullptr) check(err, strfmt("%s: decode of layer %u", label_.c_str(), layer));
+    stage_->get(d_o, o);
+    if (lse) stage_->get(dl, *lse);
+    return;
+  }
+#endif
   const kvs_error_t err = kvs_session_decode(get(), layer, q.get(), k.get(), v.get(), o.get(),
                                              lse != nullptr ? lse->get() : nullptr, nullptr);
   if (err != nullptr) check(err, strfmt("%s: decode of layer %u", label_.c_str(), layer));

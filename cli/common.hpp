@@ -119,6 +119,11 @@ class Tensor {
   Tensor& operator=(const Tensor& o);
 
   const kvs_tensor* get() const { return &t_; }
+  // The same shape over other (C-contiguous) storage: `data` on `device`.
+  Tensor on(void* data, kvs_device device) const;
+  // Bytes of the tensor's elements; copy_to_contiguous writes them C-contiguously to `dst` (host).
+  size_t bytes() const;
+  void copy_to_contiguous(void* dst) const;
   int ndim() const { return t_.ndim; }
   int64_t dim(int i) const { return shape_[size_t(i)]; }
   DType dtype() const { return dtype_; }
@@ -199,7 +204,11 @@ class Trace {
   std::vector<uint32_t> layers_;
 };
 
-// A session; errors are prefixed with `label` (usually the method name).
+struct DeviceStage;  // host tensors staged on the GPU (common.cpp; CUDA builds)
+
+// A session; errors are prefixed with `label` (usually the method name). The commands pass it host
+// tensors; on the cuda and hybrid backends (which take device tensors) prefill and decode copy them
+// to the session's device and the outputs back.
 class Session {
  public:
   Session(const kvs_session_params& params, std::string label);
@@ -221,6 +230,7 @@ class Session {
   };
   std::unique_ptr<kvs_session_s, Deleter> handle_;
   std::string label_;
+  std::shared_ptr<DeviceStage> stage_;  // null on the cpu backend
 };
 
 // Session parameters of a trace's model shape (layers, heads, head dim, scale, KV dtype).

@@ -8,9 +8,15 @@
 #              LONG=1    also the 64K-token synthetic traces (minutes to evaluate on two cores)
 # Then:  build/kvsieve eval --suite DIR/suite.txt --half tuning  --methods all --budget 0.05
 #        build/kvsieve eval --suite DIR/suite.txt --half heldout --methods all --budget 0.05
-# Real-model traces: the stories260K trace shipped in tests/data, plus every *.safetensors in
-# DIR/real/ (make them with tools/traces/ or the commands of docs/real-traces.md, e.g. SmolLM2-135M
-# over texts of other genres): they all go to the held-out half.
+# Real-model traces (stories260K, 512 tokens: 256 prompt + 256 decode steps) over four genres of
+# text, one trace per genre in each half: a story (the model's own, sampled: seed 7 tuning; the
+# trace shipped in tests/data, seed 42, held out), scripture (KJV Genesis 3-4 tuning, Exodus 1-2
+# held out; needs Debian's bible-kjv), technical prose (this repository's docs/formats.md tuning,
+# docs/architecture.md held out) and source code (src/core/kv_store.cpp tuning,
+# src/methods/quest/quest.cpp held out; both as of commit fe9d183 when the history has it).
+# Files in DIR/real/ named tuning-*.safetensors go to the tuning half, every other one to the
+# held-out half (add your own, e.g. SmolLM2-135M traces made with docs/real-traces.md's commands).
+# DIR/real.txt lists the real-model traces alone.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 DIR=${1:-traces/suite}
@@ -34,7 +40,7 @@ fi
 
 {
   echo "# kvsieve validation suite (tools/accuracy/make_suite.sh): PATH HALF"
-  echo "# tuning: synthetic seed 1; heldout: synthetic seed 2 and every real-model trace"
+  echo "# tuning: synthetic seed 1 and real/tuning-*; heldout: synthetic seed 2 and the other real-model traces"
 } >"$LIST"
 for c in "${CASES[@]}"; do
   read -r name prefill decode retarget <<<"$c"
@@ -45,8 +51,46 @@ for c in "${CASES[@]}"; do
     echo "$f $([ "$seed" = 1 ] && echo tuning || echo heldout)" >>"$LIST"
   done
 done
-cp -f tests/data/stories260k-gen-t512.safetensors "$DIR/real/stories260k-gen-t512.safetensors"
+# The genre traces (tools/traces/stories260k.py: NumPy only).
+PY=tools/traces/stories260k.py
+cp -f tests/data/stories260k-gen-t512.safetensors "$DIR/real/story-gen-s42.safetensors"
+rm -f "$DIR/real/stories260k-gen-t512.safetensors"  # its name before the genre traces
+real_trace() {  # NAME TEXT_FILE SOURCE
+  [ -f "$DIR/real/$1.safetensors" ] || python3 "$PY" trace --out "$DIR/real/$1.safetensors" --text "$2" \
+    --length 512 --prefill-len 256 --source "$3" >/dev/null
+}
+[ -f "$DIR/real/tuning-story-gen-s7.safetensors" ] || python3 "$PY" trace --out "$DIR/real/tuning-story-gen-s7.safetensors" \
+  --generate 511 --seed 7 --temperature 1.0 --prefill-len 256 >/dev/null
+repo_text() {  # PATH: the file as of fe9d183 when the history has it, else as checked out
+  git show "fe9d183:$1" 2>/dev/null || cat "$1"
+}
+TXT=$(mktemp -d)
+trap 'rm -rf "$TXT"' EXIT
+repo_text docs/formats.md >"$TXT/formats.md"
+repo_text docs/architecture.md >"$TXT/architecture.md"
+repo_text src/core/kv_store.cpp >"$TXT/kv_store.cpp"
+repo_text src/methods/quest/quest.cpp >"$TXT/quest.cpp"
+real_trace tuning-prose-formats "$TXT/formats.md" "kvsieve docs/formats.md (technical prose)"
+real_trace prose-architecture "$TXT/architecture.md" "kvsieve docs/architecture.md (technical prose)"
+real_trace tuning-code-kv-store "$TXT/kv_store.cpp" "kvsieve src/core/kv_store.cpp (C++ source)"
+real_trace code-quest "$TXT/quest.cpp" "kvsieve src/methods/quest/quest.cpp (C++ source)"
+if command -v bible >/dev/null; then
+  kjv() {  # REF: verses as plain text (chapter headings and verse numbers removed)
+    bible "$1" | grep -vE '^[A-Z][a-z]+ [0-9]+$' | sed -E 's/^ +[0-9]+ //' | tr '\n' ' ' | tr -s ' ' | fold -s -w 100
+  }
+  kjv 'gen3:1-4:26' >"$TXT/genesis-3-4.txt"
+  kjv 'exo1:1-2:25' >"$TXT/exodus-1-2.txt"
+  real_trace tuning-scripture-genesis-3-4 "$TXT/genesis-3-4.txt" "King James Bible, Genesis 3:1-4:26 (Debian bible-kjv-text)"
+  real_trace scripture-exodus-1-2 "$TXT/exodus-1-2.txt" "King James Bible, Exodus 1:1-2:25 (Debian bible-kjv-text)"
+else
+  echo "make_suite.sh: no 'bible' program (Debian package bible-kjv): the scripture traces are left out" >&2
+fi
+REAL="$DIR/real.txt"
+echo "# the real-model traces of $LIST" >"$REAL"
 for f in "$DIR"/real/*.safetensors; do
-  echo "real/$(basename "$f") heldout" >>"$LIST"
+  b=$(basename "$f")
+  h=heldout
+  case "$b" in tuning-*) h=tuning ;; esac
+  echo "real/$b $h" | tee -a "$REAL" >>"$LIST"
 done
-echo "wrote $LIST ($(grep -vc '^#' "$LIST") traces)"
+echo "wrote $LIST ($(grep -vc '^#' "$LIST") traces) and $REAL ($(grep -vc '^#' "$REAL"))"
