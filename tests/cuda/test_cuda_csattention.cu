@@ -171,6 +171,11 @@ void run_case(const char* params, kvs_scalar_type kvdt, int hq, int hkv, int d, 
   CAPI_CHECK(c.err < 1e-2 && c.lse < 2e-2, "%s: decode rel err %.3g, lse err %.3g", name, c.err, c.lse);
   CAPI_CHECK(c.count_equal && c.min_overlap >= 0.95, "%s: selections: counts equal %d, least overlap %.4f", name,
              int(c.count_equal), c.min_overlap);
+  if (steps > 256) {  // more tokens than the token-ordered lists' room (256 here): rebuilt at least once
+    double sorts = 0;
+    CAPI_CHECK(kvs_session_method_stat(gpu[0], "list_sorts", &sorts) == nullptr && sorts >= 2,
+               "%s: the token-ordered lists were made %g times (want the load's and a rebuild)", name, sorts);
+  }
   // A turn appended outside a step (its keys enter the lists at the next step), then steps.
   Cmp a;
   for (int b = 0; b < B; ++b) {

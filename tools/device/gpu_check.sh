@@ -3,8 +3,9 @@
 # On the GPU machine, from the repository root: builds the library with CUDA, the CUDA tests, the
 # CLI and the Python binding into build-gpu (kvsieve's Debian build dependencies carried as .deb
 # files in .debs/, unpacked into a private sysroot: tests/bindings/debs_sysroot.sh), then
-#   test      kvsieve_cuda_tests (kernels: attention, radix top-k, Quest; sessions) and the
-#             backend consistency harness (tests/backends) with the stories260K trace
+#   test      kvsieve_cuda_tests (kernels: attention, radix top-k, Quest; sessions; csattention's
+#             once more with KVS_CSA_LIST_ROOM=1) and the backend consistency harness
+#             (tests/backends) with the stories260K trace
 #   sanitize  both under compute-sanitizer memcheck (--small)
 #   bench     bench/gpu_bench.py (its default table, JSON) and `kvsieve bench --backend cuda`
 #   profile   tools/device/profile_step.py $PROFILE_CASES (kernels of one step and their GPU time)
@@ -66,6 +67,9 @@ if has test; then
   if [ "${HARNESS_ONLY:-0}" != 1 ]; then  # HARNESS_ONLY=1: the consistency harness alone
     echo "== kvsieve_cuda_tests"
     timeout 300 $T/kvsieve_cuda_tests 2>&1 | tee "$OUT/cuda_tests.log" | grep -vE '^PASS' | tail -30 || rc=1
+    echo "== csattention session tests, the token-ordered lists rebuilt before every step (KVS_CSA_LIST_ROOM=1)"
+    KVS_CSA_LIST_ROOM=1 timeout 200 $T/kvsieve_cuda_tests --only-csattention 2>&1 | tee "$OUT/csa_room1.log" \
+      | grep -vE '^PASS' | tail -5 || rc=1
   fi
   echo "== backend consistency harness"
   timeout 300 $T/kvsieve_backend_tests --trace $TRACE 2>&1 | tee "$OUT/backends.log" | grep -vE '^PASS' | tail -30 || rc=1

@@ -2,11 +2,18 @@
 // CSAttention's decode step on CUDA (csattention.cuh). Per step, for B sessions of TH table heads
 // (a row = one session's table head):
 //
-//   pick     one launch: per row, CTAs set the row's accumulator to -0.0 ("untouched") and one CTA
-//            finds the nearest centroid per (query head, subspace) by a warp each and the distinct
-//            lists with their summed weights; the last CTAs run the streaming update, a thread per
-//            list: tokens [ins_from, n) scored against the centroid and try-inserted into the
-//            min-heap (csa::heap_try_insert)
+//   pick     one launch: per row, one CTA finds the nearest centroid per (query head, subspace)
+//            by a warp each and the distinct lists with their summed weights (on the scatter path
+//            other CTAs set the row's accumulator to -0.0, "untouched"); the last CTAs run the
+//            streaming update, a thread per list: tokens [ins_from, n) scored against the centroid
+//            and try-inserted into the min-heap (csa::heap_try_insert), the evicted entry marked
+//            dead in the list's token-ordered copy and the new token appended to it
+//   reduce + top-k, fused (reduce_topk_kernel): a thread-block cluster per row, CTA r owning the
+//            row's token slice r in shared memory; it reads its slice's run of every picked list
+//            from the token-ordered copies (two warp searches per list), adds w * score + off with
+//            shared-memory atomics, and the cluster selects the best `rest` (or rerank * rest)
+//            touched keys with topk_detail::rows_select (topk_select.cuh)
+//   or, when a row's slices do not fit in the cluster's shared memory (KVS_CSA_CLUSTER=0 forces it):
 //   scatter  a persistent grid over (row, chunk) pairs: acc[token] += w * score + off over the
 //            picked lists' entries (fp32 atomics; the CPU adds in list order, so sums may differ in
 //            the last bits); `off` is the list minimum's term with missing=list_min
@@ -24,13 +31,21 @@
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/status.cuh"
 #include "backends/cuda/topk.cuh"
+#include "backends/cuda/topk_select.cuh"
+
+#include <cooperative_groups.h>
+#include <cub/device/device_segmented_radix_sort.cuh>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
+
+namespace cg = cooperative_groups;
 
 namespace kvs::cuda {
 namespace {
@@ -99,6 +114,56 @@ struct InsertArgs {
   PagedKv kv;
 };
 
+// ---- the token-ordered lists ----
+template <bool F16>
+using ScoreBits = std::conditional_t<F16, uint16_t, uint32_t>;
+template <bool F16>
+constexpr ScoreBits<F16> kDead = F16 ? ScoreBits<F16>(0xFFFFu) : ScoreBits<F16>(0xFFFFFFFFu);  // a NaN
+template <bool F16>
+__device__ __forceinline__ ScoreBits<F16> score_bits(float stored) {
+  if constexpr (F16) return __half_as_ushort(__float2half_rn(stored));  // exact: `stored` is an fp16 value
+  else return __float_as_uint(stored);
+}
+template <bool F16>
+__device__ __forceinline__ float score_of(ScoreBits<F16> b) {
+  if constexpr (F16) return __half2float(__ushort_as_half(b));
+  else return __uint_as_float(b);
+}
+
+// The streaming update's change to list `list` in token order: `evicted` (the heap's former root)
+// marked dead, token t appended with its stored score; a full list is compacted first (its dead
+// entries dropped, order kept: O(Lcap), once every Lcap - L evictions).
+template <bool F16>
+__device__ void token_list_replace(const CsaSession& s, int64_t list, int32_t evicted, int32_t t, float stored) {
+  using B = ScoreBits<F16>;
+  int32_t* si = s.sidx + list * s.Lcap;
+  B* sv = static_cast<B*>(s.sval) + list * s.Lcap;
+  int c = s.scnt[list];
+  int lo = 0, hi = c;  // lower bound of `evicted` (dead entries keep their tokens)
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (si[mid] < evicted) lo = mid + 1;
+    else hi = mid;
+  }
+  if (lo < c && si[lo] == evicted) sv[lo] = kDead<F16>;
+  if (c >= s.Lcap) {
+    int w = 0;
+    for (int r = 0; r < c; ++r) {
+      const B v = sv[r];
+      if (v == kDead<F16>) continue;
+      si[w] = si[r];
+      sv[w] = v;
+      ++w;
+    }
+    c = w;
+  }
+  if (c < s.Lcap) {
+    si[c] = t;
+    sv[c] = score_bits<F16>(stored);
+    s.scnt[list] = c + 1;
+  }
+}
+
 template <typename KT, bool F16>
 __device__ void insert_list(const InsertArgs& a, const CsaSession& s, int b, int32_t from, int32_t to, int64_t id,
                             int64_t per_head) {
@@ -112,6 +177,7 @@ __device__ void insert_list(const InsertArgs& a, const CsaSession& s, int b, int
   int32_t* idx = s.idx + base;
   void* val = F16 ? static_cast<void*>(static_cast<uint16_t*>(s.val) + base)
                   : static_cast<void*>(static_cast<float*>(s.val) + base);
+  const int64_t list = id;  // (h, sub, j) in [TH][m][C] order
   for (int32_t t = from; t < to; ++t) {
     const KT* k = kv_row<KT>(a.kv, a.hkv, a.d, b, kvh, t, 0) + off;
     float sc = 0.f;
@@ -127,8 +193,10 @@ __device__ void insert_list(const InsertArgs& a, const CsaSession& s, int b, int
       if (!(stored > val_at<F16>(val, 0))) continue;
       static_cast<float*>(val)[0] = sc;
     }
+    const int32_t evicted = idx[0];
     idx[0] = t;
     sift_down<F16>(idx, val, s.L, 0);
+    if (s.sidx) token_list_replace<F16>(s, list, evicted, t, stored);
   }
 }
 
@@ -382,6 +450,134 @@ __global__ void __launch_bounds__(kThreads) scatter_kernel(ScatterArgs a) {
   }
 }
 
+// ---- the fused reduce by key and top-k: a thread-block cluster per row ----
+// CTA `rank` of the row's cluster owns the token slice [beg, end) of topk_detail::select_slice and
+// keeps its fp32 sums in shared memory. It finds, in each picked list's token-ordered copy, the run
+// of its slice's tokens (two warp searches) and adds that run's live entries with shared-memory
+// atomics, so every list entry of the row is read once, by the CTA that owns its token. The sums
+// become top-k keys in place (untouched keys absent), the cluster counts its touched keys, and the
+// row's top min(k, touched) come from topk_detail::rows_select over the slices: no accumulator row
+// in global memory, no L2 atomics, no second pass over the row.
+// The first index i in [0, n) with a[i] >= key (n if none) in an ascending array, by a warp:
+// 32-way probes narrow the range 32 times per dependent load (4 loads for 10^5 entries).
+__device__ __forceinline__ int warp_lower_bound(const int32_t* a, int n, int32_t key, int lane) {
+  int lo = 0, hi = n;  // the answer is in [lo, hi]
+  while (hi - lo > 32) {
+    const int step = (hi - lo + 31) / 32;
+    const int pos = lo + lane * step;
+    const bool less = pos < hi && __ldg(a + pos) < key;
+    const int c = __popc(__ballot_sync(0xffffffffu, less));  // probes below key: lanes 0 .. c-1
+    if (c == 0) return lo;
+    const int nlo = lo + (c - 1) * step + 1;
+    hi = min(hi, lo + c * step);
+    lo = nlo;
+  }
+  const int pos = lo + lane;
+  const bool less = pos < hi && __ldg(a + pos) < key;
+  return lo + __popc(__ballot_sync(0xffffffffu, less));
+}
+
+struct FusedArgs {
+  const CsaSession* ss;
+  int32_t TH, P;
+  bool missing_min;
+  const int64_t* pk_base;
+  const float* pk_w;
+  const int32_t* pk_n;
+  topk_detail::RowsArgs ra;  // lengths = row_len, row_k, k = kcap, out = the candidates; scores unused
+};
+
+template <bool F16>
+__global__ void __launch_bounds__(topk_detail::kRowsThreads, 1) reduce_topk_kernel(const FusedArgs a) {
+  namespace td = topk_detail;
+  extern __shared__ uint4 dyn_smem[];
+  float* sum = reinterpret_cast<float*>(dyn_smem);
+  uint32_t* keys = reinterpret_cast<uint32_t*>(dyn_smem);
+  __shared__ int64_t sb[512];
+  __shared__ float sw[512], so[512];
+  __shared__ int run[1024];  // per picked list: the first entry of token >= lo, then >= hi
+  __shared__ uint32_t touched, local_touched;
+  cg::cluster_group cl = cg::this_cluster();
+  const int C = int(cl.num_blocks()), rank = int(cl.block_rank());
+  const int row = int(blockIdx.x / unsigned(C)), tid = threadIdx.x;
+  pdl_wait();  // the pick kernel's lists, weights and streaming update
+  const CsaSession s = a.ss[row / a.TH];
+  const int len = td::row_len_of(a.ra, row);  // w_begin on a search step, else 0
+  int64_t beg, end;
+  td::select_slice(len, C, rank, &beg, &end);
+  const int n = int(end - beg);
+  for (int i = tid; i < n; i += blockDim.x) keys[i] = kUntouched;
+  const int np = s.search == 1 ? a.pk_n[row] : 0;
+  for (int i = tid; i < np; i += blockDim.x) {
+    const int64_t base = a.pk_base[int64_t(row) * a.P + i];
+    const float wsum = a.pk_w[int64_t(row) * a.P + i];
+    sb[i] = base;
+    sw[i] = wsum;
+    // missing=list_min: the list's minimum (its root), after the streaming update
+    so[i] = a.missing_min ? -__fmul_rn(wsum, val_at<F16>(s.val, base)) : 0.f;
+  }
+  if (tid == 0) {
+    touched = 0;
+    local_touched = 0;
+  }
+  __syncthreads();
+  // Searched keys only: forced ones (sinks, window) stay untouched, as in the scatter kernel.
+  const int32_t lo = int32_t(max(int64_t(s.s_end), beg)), hi = int32_t(min(int64_t(s.w_begin), end));
+  // Each picked list's run of tokens in [lo, hi) in its token-ordered copy: two searches per list
+  // (a warp each), then the runs read by every warp in parts, so a CTA reads only its slice's
+  // entries (each entry of the row is read by one CTA).
+  const int lane = tid & 31, warp = tid >> 5, nwarps = int(blockDim.x >> 5);
+  const int32_t L = s.L;
+  for (int item = warp; item < 2 * np; item += nwarps) {
+    const int p = item >> 1;
+    const int64_t list = sb[p] / L;
+    const int32_t key = (item & 1) ? hi : lo;
+    const int pos = lo < hi ? warp_lower_bound(s.sidx + list * s.Lcap, s.scnt[list], key, lane) : 0;
+    if (lane == 0) run[item] = pos;
+  }
+  __syncthreads();
+  const int parts = np > 0 ? max(1, nwarps / np) : 1;
+  using Bits = ScoreBits<F16>;
+  for (int item = warp; item < np * parts; item += nwarps) {
+    const int p = item / parts, part = item % parts;
+    const int64_t list = sb[p] / L;
+    const int r0 = run[2 * p], r1 = run[2 * p + 1], len = r1 - r0;
+    const int i0 = r0 + int(int64_t(len) * part / parts), i1 = r0 + int(int64_t(len) * (part + 1) / parts);
+    const int32_t* si = s.sidx + list * s.Lcap;
+    const Bits* sv = static_cast<const Bits*>(s.sval) + list * s.Lcap;
+    const float w = sw[p], o = so[p];
+    constexpr int kU = 8;
+    for (int i = i0 + lane; i < i1; i += 32 * kU) {
+      int32_t tk[kU];
+      Bits v[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int j = i + 32 * u;
+        tk[u] = j < i1 ? __ldg(si + j) : -1;
+        v[u] = j < i1 ? sv[j] : kDead<F16>;
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (v[u] != kDead<F16>)  // csattention.cpp: acc[t] += (w * V + off) + 0.0f (never -0.0)
+          atomicAdd(sum + (tk[u] - beg), __fadd_rn(__fadd_rn(__fmul_rn(w, score_of<F16>(v[u])), o), 0.f));
+    }
+  }
+  __syncthreads();
+  // The sums as keys (untouched: 0, below every other key), and the touched keys of the slice.
+  uint32_t t = 0;
+  for (int i = tid; i < n; i += blockDim.x) {
+    const uint32_t k = td::ord_key(sum[i], /*absent=*/true);
+    keys[i] = k;
+    t += k != 0u;
+  }
+  t = __reduce_add_sync(0xffffffffu, t);
+  if ((tid & 31) == 0 && t) atomicAdd(&local_touched, t);
+  cl.sync();  // every CTA's `touched` zeroed (and its slice converted)
+  if (tid < C && local_touched) atomicAdd(cl.map_shared_rank(&touched, unsigned(tid)), local_touched);
+  cl.sync();  // every slice's count in every CTA's `touched`
+  td::rows_select<false, true, true>(a.ra, cl, row, keys, int(touched));
+}
+
 struct EmitArgs {
   const CsaSession* ss;
   int32_t TH;
@@ -433,7 +629,8 @@ __device__ __forceinline__ Cands row_cands(const EmitArgs& a, const CsaSession& 
   return {s.cached + int64_t(h) * s.cached_cap, min(s.cached_cnt[h], s.cached_cap), false};
 }
 __device__ __forceinline__ bool kept(const EmitArgs& a, const CsaSession& s, int row, bool search, int32_t tok) {
-  return search ? __float_as_uint(a.acc[int64_t(row) * a.stride + tok]) != kUntouched
+  // acc null: the fused reduce and top-k kept touched keys only
+  return search ? (!a.acc || __float_as_uint(a.acc[int64_t(row) * a.stride + tok]) != kUntouched)
                 : (tok >= s.s_end && tok < s.w_begin);
 }
 
@@ -594,11 +791,11 @@ __global__ void __launch_bounds__(kThreads) rerank_logits_kernel(RerankArgs a) {
   const int kvh = a.cfg.per_query_head ? h / a.G : h;
   const int nc = a.tk_cnt[row];
   const int32_t* cand = a.tk_idx + int64_t(row) * a.kcap;
-  const float* acc = a.acc + int64_t(row) * a.stride;
+  const float* acc = a.acc ? a.acc + int64_t(row) * a.stride : nullptr;  // null: every candidate touched
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   for (int i = blockIdx.y * warps + (threadIdx.x >> 5); i < nc; i += gridDim.y * warps) {
     const int32_t tok = cand[i];
-    const bool absent = __float_as_uint(acc[tok]) == kUntouched;
+    const bool absent = acc && __float_as_uint(acc[tok]) == kUntouched;
     const KT* k = kv_row<KT>(a.kv, a.hkv, d, b, kvh, tok, 0);
     for (int g = 0; g < GR; ++g) {
       float x = 0.f;
@@ -719,6 +916,97 @@ Layout make_layout(const CsaConfig& cfg, int32_t B, int32_t hq, int32_t hkv, int
   return L;
 }
 
+// ---- the fused kernel's launch plan ----
+// Clusters of reduce_topk_kernel<F16> that fit on a device at once, per (device, F16, cluster size,
+// shared memory in 16 KB steps); asked once (slots hold clusters + 1, 0 = not asked yet).
+constexpr int kFusedDevices = 16, kFusedBuckets = topk_detail::kCacheBytesMax / (16 * 1024) + 2;
+std::atomic<int> g_fused_occ[kFusedDevices][2][5][kFusedBuckets];
+std::atomic<bool> g_fused_prepared[kFusedDevices][2];
+
+template <bool F16>
+Status fused_occupancy(int dev, int ci, int bucket, int* out) {
+  std::atomic<int>* slot = dev < kFusedDevices ? &g_fused_occ[dev][F16][ci][bucket] : nullptr;
+  if (slot) {
+    if (const int v = slot->load(std::memory_order_relaxed); v > 0) {
+      *out = v - 1;
+      return {};
+    }
+  }
+  auto* k = reduce_topk_kernel<F16>;
+  // Attributes once per (device, variant): no attribute call while a graph is captured later.
+  if (dev >= kFusedDevices || !g_fused_prepared[dev][F16].load(std::memory_order_acquire)) {
+    KVS_CUDA_TRY(cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
+                 "cudaFuncSetAttribute(NonPortableClusterSizeAllowed)");
+    KVS_CUDA_TRY(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, topk_detail::kCacheBytesMax),
+                 "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+    if (dev < kFusedDevices) g_fused_prepared[dev][F16].store(true, std::memory_order_release);
+  }
+  const int C = 1 << ci;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(C), 1, 1);
+  cfg.blockDim = dim3(topk_detail::kRowsThreads, 1, 1);
+  cfg.dynamicSmemBytes = size_t(bucket) * 16 * 1024;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = unsigned(C);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, k, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();  // an unsupported cluster size: not a sticky error
+    n = 0;
+  }
+  if (slot) slot->store(n + 1, std::memory_order_relaxed);
+  *out = n;
+  return {};
+}
+
+// KVS_CSA_CLUSTER (environment, read once; benchmarks): 0 = the scatter kernel and topk_rows
+// always; 1, 2, 4, 8 or 16 = the fused kernel on clusters of that size where its slices fit;
+// unset = automatic.
+int fused_override() {
+  static const int v = [] {
+    const char* e = std::getenv("KVS_CSA_CLUSTER");
+    return e && *e ? std::atoi(e) : -1;
+  }();
+  return v;
+}
+
+// The fused kernel's cluster size for `rows` rows of up to max_length keys (0: not used, the
+// slices do not fit in shared memory), with its dynamic shared memory. A CTA reads its slice's
+// share of the row's lists, so the work is the same whatever the cluster size: the fewest waves
+// of clusters, then the larger cluster (smaller slices: a faster select, more searches in flight).
+template <bool F16>
+Status fused_plan(int32_t rows, int32_t max_length, int* cluster, size_t* smem) {
+  *cluster = 0;
+  *smem = 0;
+  const int force = fused_override();
+  if (force == 0) return {};
+  int dev = 0;
+  KVS_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
+  double best = 0;
+  for (int ci = 0; ci < 5; ++ci) {
+    const int C = 1 << ci;
+    if (force > 0 && C != force) continue;
+    const int64_t chunk = (topk_detail::ceil_div(max_length, C) + 3) & ~int64_t(3);
+    const size_t bytes = size_t(chunk) * 4;
+    if (bytes > size_t(topk_detail::kCacheBytesMax)) continue;
+    const int bucket = int(topk_detail::ceil_div(int64_t(bytes), 16 * 1024));
+    int ncl = 0;
+    if (Status e = fused_occupancy<F16>(dev, ci, bucket, &ncl); !e.ok()) return e;
+    if (ncl <= 0) continue;
+    const double cost = double(topk_detail::ceil_div(rows, ncl));
+    if (*cluster == 0 || cost <= best) {
+      best = cost;
+      *cluster = C;
+      *smem = bytes;
+    }
+  }
+  return {};
+}
+
 }  // namespace
 
 size_t csa_select_workspace_bytes(const CsaConfig& cfg, int32_t B, int32_t hq, int32_t hkv, int32_t max_length,
@@ -785,31 +1073,63 @@ Status csa_select(const CsaConfig& cfg, const CsaSession* sessions, int32_t B, i
     pa.row_k = row_k;
     pa.rows = L.rows;
     pa.fill_y = int32_t(std::clamp<int64_t>((int64_t(max_length) + 16383) / 16384, 1, 64));
+    // The reduce by key and the top-k fused in one cluster kernel when the row's slices fit in
+    // shared memory (no accumulator rows to reset then), else the scatter kernel and topk_rows.
+    int fc = 0;
+    size_t fsmem = 0;
+    if (max_rest > 0)
+      if (Status e = fused_plan<F16>(L.rows, max_length, &fc, &fsmem); !e.ok()) return e;
+    if (fc > 0) pa.fill_y = 0;
     const unsigned ctas = unsigned(L.rows * (pa.fill_y + 1) + B * kInsertCtas);
     pick_kernel<KT, F16><<<ctas, kThreads, qsmem, st>>>(pa, ia);
     KVS_LAUNCH_CHECK("csattention pick kernel launch");
-    // 3. reduce by key
-    // About four CTAs per SM, each row's picked entries in chunks so that eight rows fill them (the
-    // list length is the session's, read at run time: a captured step's grid cannot depend on it).
-    int sms = 0;
-    if (Status e = sm_count(&sms); !e.ok()) return e;
-    const int32_t chunks = int32_t(std::clamp<int64_t>((int64_t(4) * sms + 7) / 8, 1,
-                                                       std::max<int64_t>(1, int64_t(L.P) * max_length / kThreads)));
-    ScatterArgs sa{sessions, cfg.TH, L.P, L.rows, chunks, cfg.missing_min, acc, L.stride, pk_base, pk_w, pk_n};
-    const unsigned grid = unsigned(std::min<int64_t>(int64_t(L.rows) * chunks, int64_t(4) * sms));
-    scatter_kernel<F16><<<grid, kThreads, 0, st>>>(sa);
-    KVS_LAUNCH_CHECK("csattention scatter kernel launch");
-    // 4. the best `rest` of each row, or its rerank * rest candidates (untouched keys absent)
-    if (max_rest > 0) {
-      if (Status s = topk_rows(acc, L.stride, row_len, L.rows, max_length, L.kcap, tk_idx, tk_cnt,
-                               Workspace{w + L.topk, L.total - L.topk}, stream, row_k, /*neg_zero_absent=*/true);
-          !s.ok())
-        return s;
+    float* const acc_used = fc > 0 ? nullptr : acc;  // the emit and the rerank check "touched" on it
+    if (fc > 0) {
+      // 3-4. the row's touched keys reduced in its cluster's shared memory and the best `rest`
+      // (or rerank * rest) of them selected there
+      FusedArgs fa{};
+      fa.ss = sessions;
+      fa.TH = cfg.TH;
+      fa.P = L.P;
+      fa.missing_min = cfg.missing_min;
+      fa.pk_base = pk_base;
+      fa.pk_w = pk_w;
+      fa.pk_n = pk_n;
+      fa.ra.lengths = row_len;
+      fa.ra.row_k = row_k;
+      fa.ra.max_len = max_length;
+      fa.ra.k = L.kcap;
+      fa.ra.out_idx = tk_idx;
+      fa.ra.out_cnt = tk_cnt;
+      fa.ra.absent = true;
+      KVS_CUDA_TRY(launch_kernel(reduce_topk_kernel<F16>, dim3(unsigned(int64_t(L.rows) * fc)),
+                                 dim3(topk_detail::kRowsThreads), fsmem, st, /*pdl=*/true, fc, fa),
+                   "csattention reduce_topk_kernel launch");
+      KVS_LAUNCH_CHECK("csattention reduce_topk_kernel launch");
     } else {
-      KVS_CUDA_TRY(cudaMemsetAsync(tk_cnt, 0, size_t(L.rows) * 4, st), "cudaMemsetAsync(csattention counts)");
+      // 3. reduce by key (L2 atomics into accumulator rows)
+      // About four CTAs per SM, each row's picked entries in chunks so that eight rows fill them (the
+      // list length is the session's, read at run time: a captured step's grid cannot depend on it).
+      int sms = 0;
+      if (Status e = sm_count(&sms); !e.ok()) return e;
+      const int32_t chunks = int32_t(std::clamp<int64_t>((int64_t(4) * sms + 7) / 8, 1,
+                                                         std::max<int64_t>(1, int64_t(L.P) * max_length / kThreads)));
+      ScatterArgs sa{sessions, cfg.TH, L.P, L.rows, chunks, cfg.missing_min, acc, L.stride, pk_base, pk_w, pk_n};
+      const unsigned grid = unsigned(std::min<int64_t>(int64_t(L.rows) * chunks, int64_t(4) * sms));
+      scatter_kernel<F16><<<grid, kThreads, 0, st>>>(sa);
+      KVS_LAUNCH_CHECK("csattention scatter kernel launch");
+      // 4. the best `rest` of each row, or its rerank * rest candidates (untouched keys absent)
+      if (max_rest > 0) {
+        if (Status s = topk_rows(acc, L.stride, row_len, L.rows, max_length, L.kcap, tk_idx, tk_cnt,
+                                 Workspace{w + L.topk, L.total - L.topk}, stream, row_k, /*neg_zero_absent=*/true);
+            !s.ok())
+          return s;
+      } else {
+        KVS_CUDA_TRY(cudaMemsetAsync(tk_cnt, 0, size_t(L.rows) * 4, st), "cudaMemsetAsync(csattention counts)");
+      }
     }
     auto* slice_cnt = reinterpret_cast<int32_t*>(w + L.slice_cnt);
-    EmitArgs ea{sessions, cfg.TH, acc, L.stride, tk_idx, tk_cnt, L.kcap, out_idx, out_cnt, max_selected,
+    EmitArgs ea{sessions, cfg.TH, acc_used, L.stride, tk_idx, tk_cnt, L.kcap, out_idx, out_cnt, max_selected,
                 slice_cnt, L.EY, nullptr, nullptr, nullptr, std::max(max_rest, 1)};
     emit_count_kernel<<<dim3(unsigned(L.rows), unsigned(L.EY)), kThreads, 0, st>>>(ea);
     KVS_LAUNCH_CHECK("csattention emit count kernel launch");
@@ -829,7 +1149,7 @@ Status csa_select(const CsaConfig& cfg, const CsaSession* sessions, int32_t B, i
       ra.q_at = q.at;
       ra.q_f32 = q.dtype == Scalar::F32;
       ra.kv = kv;
-      ra.acc = acc;
+      ra.acc = acc_used;
       ra.stride = L.stride;
       ra.tk_idx = tk_idx;
       ra.tk_cnt = tk_cnt;
@@ -863,6 +1183,99 @@ Status csa_select(const CsaConfig& cfg, const CsaSession* sessions, int32_t B, i
     KVS_LAUNCH_CHECK("csattention emit kernel launch");
     return {};
   });
+}
+
+namespace {
+// Lists sorted per call of cub: at most this many entries (bounds the workspace: about 12 or 16
+// bytes each with cub's own buffers).
+constexpr int64_t kTokenSortItems = int64_t(1) << 22;
+
+struct TokenSortLayout {
+  int64_t chunk;  // lists per sort
+  size_t keys, vals, offs, cub, cub_bytes, total;
+};
+TokenSortLayout token_sort_layout(int64_t lists, int32_t L, bool f16) {
+  TokenSortLayout t{};
+  t.chunk = std::max<int64_t>(1, std::min<int64_t>(lists, kTokenSortItems / std::max(L, 1)));
+  const size_t items = size_t(t.chunk) * size_t(L);
+  size_t o = 0;
+  auto take = [&](size_t b) {
+    const size_t at = o;
+    o += align256(b);
+    return at;
+  };
+  t.keys = take(items * 4);
+  t.vals = take(items * (f16 ? 2 : 4));
+  t.offs = take(size_t(t.chunk + 1) * 4);
+  size_t cb = 0;
+  if (f16)
+    cub::DeviceSegmentedRadixSort::SortPairs(nullptr, cb, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+                                             static_cast<const uint16_t*>(nullptr), static_cast<uint16_t*>(nullptr), int(items),
+                                             int(t.chunk), static_cast<const int32_t*>(nullptr),
+                                             static_cast<const int32_t*>(nullptr));
+  else
+    cub::DeviceSegmentedRadixSort::SortPairs(nullptr, cb, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+                                             static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr), int(items),
+                                             int(t.chunk), static_cast<const int32_t*>(nullptr),
+                                             static_cast<const int32_t*>(nullptr));
+  t.cub_bytes = cb;
+  t.cub = take(cb);
+  t.total = o;
+  return t;
+}
+
+__global__ void offsets_kernel(int32_t* offs, int64_t n, int32_t L) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i <= n; i += int64_t(gridDim.x) * blockDim.x)
+    offs[i] = int32_t(i * L);
+}
+__global__ void fill_kernel(int32_t* p, int64_t n, int32_t v) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) p[i] = v;
+}
+}  // namespace
+
+size_t csa_token_lists_workspace_bytes(int64_t lists, int32_t L, bool f16_scores) noexcept {
+  if (lists < 1 || L < 1) return 0;
+  return token_sort_layout(lists, L, f16_scores).total;
+}
+
+Status csa_token_lists(int64_t lists, int32_t L, int32_t Lcap, bool f16, const int32_t* idx, const void* val,
+                       int32_t* sidx, void* sval, int32_t* scnt, const Workspace& ws, void* stream) noexcept {
+  if (lists < 1 || L < 1 || Lcap < L) return invalid("csa_token_lists: need lists >= 1 and 1 <= L <= Lcap");
+  if (!idx || !val || !sidx || !sval || !scnt) return invalid("csa_token_lists: null pointer");
+  const TokenSortLayout t = token_sort_layout(lists, L, f16);
+  if (!ws.ptr || ws.bytes < t.total) return invalid("csa_token_lists: workspace smaller than csa_token_lists_workspace_bytes");
+  char* w = static_cast<char*>(ws.ptr);
+  auto* keys = reinterpret_cast<int32_t*>(w + t.keys);
+  void* vals = w + t.vals;
+  auto* offs = reinterpret_cast<int32_t*>(w + t.offs);
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const size_t es = f16 ? 2 : 4;
+  for (int64_t c0 = 0; c0 < lists; c0 += t.chunk) {
+    const int64_t nl = std::min(t.chunk, lists - c0);
+    const int items = int(nl * L);
+    offsets_kernel<<<unsigned(std::min<int64_t>((nl + 256) / 256, 1024)), 256, 0, st>>>(offs, nl, L);
+    KVS_LAUNCH_CHECK("csattention token lists: offsets launch");
+    size_t cb = t.cub_bytes;
+    cudaError_t e;
+    if (f16)
+      e = cub::DeviceSegmentedRadixSort::SortPairs(w + t.cub, cb, idx + c0 * L, keys,
+                                                   static_cast<const uint16_t*>(val) + c0 * L, static_cast<uint16_t*>(vals),
+                                                   items, int(nl), offs, offs + 1, 0, 32, st);
+    else
+      e = cub::DeviceSegmentedRadixSort::SortPairs(w + t.cub, cb, idx + c0 * L, keys,
+                                                   static_cast<const uint32_t*>(val) + c0 * L, static_cast<uint32_t*>(vals),
+                                                   items, int(nl), offs, offs + 1, 0, 32, st);
+    KVS_CUDA_TRY(e, "csattention token lists: cub::DeviceSegmentedRadixSort::SortPairs");
+    KVS_CUDA_TRY(cudaMemcpy2DAsync(sidx + c0 * Lcap, size_t(Lcap) * 4, keys, size_t(L) * 4, size_t(L) * 4, size_t(nl),
+                                   cudaMemcpyDeviceToDevice, st),
+                 "csattention token lists: cudaMemcpy2DAsync (tokens)");
+    KVS_CUDA_TRY(cudaMemcpy2DAsync(static_cast<char*>(sval) + size_t(c0) * Lcap * es, size_t(Lcap) * es, vals, size_t(L) * es,
+                                   size_t(L) * es, size_t(nl), cudaMemcpyDeviceToDevice, st),
+                 "csattention token lists: cudaMemcpy2DAsync (scores)");
+  }
+  fill_kernel<<<unsigned(std::min<int64_t>((lists + 255) / 256, 1024)), 256, 0, st>>>(scnt, lists, L);
+  KVS_LAUNCH_CHECK("csattention token lists: counts launch");
+  return {};
 }
 
 Status csa_sample_rows(const void* q, Scalar q_dtype, int32_t n, int32_t row_elems, int64_t t0, int64_t stride,

@@ -13,6 +13,11 @@
 //   idx  [TH][m][C][L] int32, val [TH][m][C][L] fp16 bits or fp32: per (h, b, centroid j) a list of
 //        L (token, stored score) entries kept as a binary min-heap under csa::worse (lower score,
 //        or equal score and later token, is worse; the root is the worst entry)
+//   sidx [lists][Lcap] int32, sval [lists][Lcap], scnt [lists]: the same lists in token order
+//        (the device's copy for the search, lists = TH * m * C, Lcap > L): entries [0, scnt) with
+//        ascending tokens, of which L are live; an entry evicted by the streaming update keeps its
+//        token and gets the dead score (all bits set: NaN); new tokens are appended (they are
+//        larger than every listed token), and a full list is compacted first.
 // TH = Hkv (per-KV-head tables; table head h reads KV head h) or Hq (per_query_head: h reads KV
 // head h / G).
 #pragma once
@@ -50,7 +55,10 @@ struct CsaSession {
   void* val;
   int32_t* cached;      // [TH][cached_cap]: the period's last search, ascending tokens
   int32_t* cached_cnt;  // [TH]
-  int32_t C, L, cached_cap;
+  int32_t* sidx;        // the token-ordered lists (above)
+  void* sval;
+  int32_t* scnt;
+  int32_t C, L, cached_cap, Lcap;
   int32_t n;            // tokens after the step's append
   int32_t ins_from;     // tokens [ins_from, n) enter the lists first (the streaming update)
   int32_t s_end, w_begin, s_emit, w_emit, rest;  // csa::StepKeys
@@ -70,6 +78,8 @@ struct CsaSession {
 // them were touched, scored exactly (scale * q . k per query head of the row: the table head's own,
 // or the group's G), each head's softmax taken over them, and the `rest` best by the summed weights
 // kept (csattention.cpp rerank_exact).
+// A searching session's token-ordered lists (sidx, sval, scnt, Lcap) must be current (the update
+// keeps them so when they have room for the step's new tokens: csa_token_lists makes them afresh).
 // Host capacities: max_rest >= every rest (the top-k's k), max_length >= every n, max_selected >=
 // every row's count (a longer row is cut, never written out of bounds); the launch shapes depend on
 // these, B and the config only (a captured step replays while they hold).
@@ -80,6 +90,13 @@ Status csa_select(const CsaConfig& cfg, const CsaSession* sessions, int32_t B, i
                   int32_t num_kv_heads, int32_t head_dim, const Query& q, const PagedKv& kv, Scalar kv_dtype,
                   int32_t max_length, int32_t max_rest, int32_t* out_idx,
                   int32_t* out_cnt, int32_t max_selected, const Workspace& ws, void* stream) noexcept;
+
+// The token-ordered copy of `lists` heaps idx/val [lists][L] (fp16 bits or fp32 scores):
+// sidx/sval [lists][Lcap] sorted by token, scnt[lists] = L (Lcap >= L). Sorts chunks of lists with
+// cub (not for capture: it runs at index build, load and move). Workspace: the bytes below.
+size_t csa_token_lists_workspace_bytes(int64_t lists, int32_t L, bool f16_scores) noexcept;
+Status csa_token_lists(int64_t lists, int32_t L, int32_t Lcap, bool f16_scores, const int32_t* idx, const void* val,
+                       int32_t* sidx, void* sval, int32_t* scnt, const Workspace& ws, void* stream) noexcept;
 
 // The prompt-query sample (csattention.cpp on_prefill): rows i of q [n][Hq][d] (F32, BF16 or F16)
 // whose token t0 + i is a multiple of `stride` are converted to fp32 and written to

@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -125,11 +126,11 @@ class CsaCuda final : public DeviceMethod {
     check(cuda::csa_build(bs, km, L.sample.as<float>(), int32_t(L.sampled), v.kv, cuda::Scalar(int32_t(shape_.kv_dtype)),
                           t.cent.as<float>(), t.idx.as<int32_t>(), t.val.p, cuda::Workspace{ws.p, ws.bytes}, v.stream),
           "csa_build");
-    check(cudaStreamSynchronize(S(v.stream)), "cudaStreamSynchronize(csattention build)");
     L.t = std::move(t);
+    L.indexed = N;
+    sort_lists(L, v.stream);  // waits for the build too
     L.built = true;
     L.dense_fallback = false;
-    L.indexed = N;
     L.step = 0;
     L.have_cached = false;
     L.sample.release();
@@ -142,7 +143,12 @@ class CsaCuda final : public DeviceMethod {
 
   void reserve(uint32_t layer, int64_t tokens, void* stream) override {
     auto& L = layers_[layer];
-    if (L.built) reserve_cached(L, csa::step_keys(P_, budget_, tokens).k, stream);
+    if (!L.built) return;
+    reserve_cached(L, csa::step_keys(P_, budget_, tokens).k, stream);
+    // The next step inserts tokens [indexed, tokens): each list takes at most one entry per token,
+    // so the copy made at sorted_at holds them while tokens - sorted_at <= Lcap - L. (A longer
+    // appended turn than that still works: the streaming update compacts a full list, slowly.)
+    if (!L.dense_fallback && tokens - L.t.sorted_at > L.t.Lcap - L.t.L) sort_lists(L, stream);
   }
 
   void truncate(uint32_t layer, int64_t n) override {
@@ -238,6 +244,10 @@ class CsaCuda final : public DeviceMethod {
         s.C = int32_t(L.t.C);
         s.L = int32_t(L.t.L);
         s.cached_cap = int32_t(L.cached_cap);
+        s.sidx = L.t.sidx.as<int32_t>();
+        s.sval = L.t.sval.p;
+        s.scnt = L.t.scnt.as<int32_t>();
+        s.Lcap = int32_t(L.t.Lcap);
         s.ins_from = int32_t(std::min(L.indexed, n));
         s.s_end = int32_t(sk.s_end);
         s.w_begin = int32_t(sk.w_begin);
@@ -317,6 +327,7 @@ class CsaCuda final : public DeviceMethod {
       L.built = true;
       L.dense_fallback = *t.dense_fallback;
       L.indexed = *t.indexed;
+      sort_lists(L, nullptr);
       L.step = *t.step;
       L.have_cached = false;
       if (t.cached->size() == size_t(P_.TH)) {
@@ -363,6 +374,11 @@ class CsaCuda final : public DeviceMethod {
         copy(A.t.cent, B.t.cent, "csattention fork: centroids");
         copy(A.t.idx, B.t.idx, "csattention fork: lists");
         copy(A.t.val, B.t.val, "csattention fork: scores");
+        B.t.Lcap = A.t.Lcap;
+        B.t.sorted_at = A.t.sorted_at;
+        copy(A.t.sidx, B.t.sidx, "csattention fork: token-ordered lists");
+        copy(A.t.sval, B.t.sval, "csattention fork: token-ordered scores");
+        copy(A.t.scnt, B.t.scnt, "csattention fork: list counts");
       }
       copy(A.cached, B.cached, "csattention fork: cached search");
       copy(A.cached_cnt, B.cached_cnt, "csattention fork: cached counts");
@@ -380,12 +396,14 @@ class CsaCuda final : public DeviceMethod {
   uint64_t index_bytes() const override {
     uint64_t b = 0;
     for (auto& L : layers_)
-      if (L.built) b += L.t.bytes();
+      if (L.built) b += L.t.device_bytes();
     return b;
   }
   bool stat(std::string_view name, double* out) const override {
     if (name == "searches") {
       *out = double(searches_);
+    } else if (name == "list_sorts") {
+      *out = double(list_sorts_);
     } else if (name == "list_len") {
       *out = 0;
       for (auto& L : layers_)
@@ -397,7 +415,10 @@ class CsaCuda final : public DeviceMethod {
       double kvb = 0;
       for (auto& L : layers_)
         if (L.built) kvb += double(L.indexed) * shape_.num_kv_heads * shape_.head_dim * 2 * dtype_size(shape_.kv_dtype);
-      *out = kvb > 0 ? double(index_bytes()) / kvb : 0.0;
+      double tb = 0;
+      for (auto& L : layers_)
+        if (L.built) tb += double(L.t.bytes());
+      *out = kvb > 0 ? tb / kvb : 0.0;
     } else {
       return false;
     }
@@ -407,17 +428,39 @@ class CsaCuda final : public DeviceMethod {
  private:
   struct Tables {
     DevBuf cent, idx, val;
-    int64_t C = 0, L = 0;
-    uint64_t bytes() const { return cent.bytes + idx.bytes + val.bytes; }
+    // The lists in token order for the search (csattention.cuh): Lcap = L + room entries each, so
+    // that `room` more tokens can enter every list before the copy is rebuilt from the heaps.
+    DevBuf sidx, sval, scnt;
+    int64_t C = 0, L = 0, Lcap = 0;
+    int64_t sorted_at = 0;  // the indexed tokens when the token-ordered copy was last made
+    uint64_t bytes() const { return cent.bytes + idx.bytes + val.bytes; }  // the tables (as saved)
+    uint64_t device_bytes() const { return bytes() + sidx.bytes + sval.bytes + scnt.bytes; }
+    int64_t lists(const CsaCuda& m) const { return int64_t(m.P_.TH) * m.P_.m * C; }
     void alloc(const CsaCuda& m, int64_t c, int64_t l) {
       C = c;
       L = l;
+      Lcap = l + token_list_room(l);
       const size_t lists = size_t(m.P_.TH) * size_t(m.P_.m) * size_t(c) * size_t(l);
+      const size_t slots = size_t(m.P_.TH) * size_t(m.P_.m) * size_t(c) * size_t(Lcap);
       cent.reserve(size_t(m.P_.TH) * size_t(c) * size_t(m.P_.d) * 4, m.device_, "cudaMalloc(csattention centroids)");
       idx.reserve(lists * 4, m.device_, "cudaMalloc(csattention lists)");
       val.reserve(lists * (m.P_.f16 ? 2 : 4), m.device_, "cudaMalloc(csattention scores)");
+      sidx.reserve(slots * 4, m.device_, "cudaMalloc(csattention token-ordered lists)");
+      sval.reserve(slots * (m.P_.f16 ? 2 : 4), m.device_, "cudaMalloc(csattention token-ordered scores)");
+      scnt.reserve(size_t(m.P_.TH) * size_t(m.P_.m) * size_t(c) * 4, m.device_, "cudaMalloc(csattention list counts)");
     }
   };
+  // Tokens every list can take in token order before a rebuild: a quarter of the list, at least 256.
+  // KVS_CSA_LIST_ROOM (environment, read once; tests) sets it, so that the rebuilds and the
+  // streaming update's compaction of a full list run often.
+  static int64_t token_list_room(int64_t L) {
+    static const int64_t forced = [] {
+      const char* e = std::getenv("KVS_CSA_LIST_ROOM");
+      return e && *e ? std::max<int64_t>(1, std::atoll(e)) : int64_t(0);
+    }();
+    return forced > 0 ? forced : std::max<int64_t>(256, L / 4);
+  }
+
   struct Layer {
     // Before the build: the prompt-query sample, fp32 [cap][Hq][d], tokens 0, stride, 2 stride, ...
     DevBuf sample;
@@ -433,6 +476,24 @@ class CsaCuda final : public DeviceMethod {
     int64_t pending_n = -1;
     bool pending_search = false;
   };
+
+  // The token-ordered copy of layer L's lists made from its heaps, in stream order (index build,
+  // load, and reserve() when the next step could overflow it). Its workspace (up to 4M entries of
+  // sort buffers) lives for the call only: the host waits for the sort (a rare event: at build,
+  // load, and once every `room` tokens).
+  void sort_lists(Layer& L, void* stream) {
+    const int64_t lists = L.t.lists(*this);
+    DevBuf ws;
+    ws.reserve(cuda::csa_token_lists_workspace_bytes(lists, int32_t(L.t.L), P_.f16), device_,
+               "cudaMalloc(csattention list sort workspace)");
+    check(cuda::csa_token_lists(lists, int32_t(L.t.L), int32_t(L.t.Lcap), P_.f16, L.t.idx.as<int32_t>(), L.t.val.p,
+                                L.t.sidx.as<int32_t>(), L.t.sval.p, L.t.scnt.as<int32_t>(),
+                                cuda::Workspace{ws.p, ws.bytes}, stream),
+          "csa_token_lists");
+    check(cudaStreamSynchronize(S(stream)), "cudaStreamSynchronize(csattention list sort)");
+    L.t.sorted_at = L.indexed;
+    ++list_sorts_;
+  }
 
   // For clone(): the same parameters and a copy of the CPU object, no device state.
   CsaCuda(const CsaCuda& o, int)
@@ -496,6 +557,7 @@ class CsaCuda final : public DeviceMethod {
   mutable std::vector<Layer> layers_;  // fill_args (const) records the step it plans
   bool mirrored_ = false;
   int64_t searches_ = 0;
+  int64_t list_sorts_ = 0;  // token-ordered copies made (stat "list_sorts")
 };
 
 }  // namespace
