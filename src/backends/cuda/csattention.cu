@@ -941,23 +941,7 @@ Status fused_occupancy(int dev, int ci, int bucket, int* out) {
                  "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
     if (dev < kFusedDevices) g_fused_prepared[dev][F16].store(true, std::memory_order_release);
   }
-  const int C = 1 << ci;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(C), 1, 1);
-  cfg.blockDim = dim3(topk_detail::kRowsThreads, 1, 1);
-  cfg.dynamicSmemBytes = size_t(bucket) * 16 * 1024;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = unsigned(C);
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, k, &cfg) != cudaSuccess) {
-    (void)cudaGetLastError();  // an unsupported cluster size: not a sticky error
-    n = 0;
-  }
+  const int n = max_active_clusters(k, 1 << ci, topk_detail::kRowsThreads, size_t(bucket) * 16 * 1024);
   if (slot) slot->store(n + 1, std::memory_order_relaxed);
   *out = n;
   return {};

@@ -52,6 +52,29 @@ cudaError_t launch_kernel(void (*kern)(P...), dim3 grid, dim3 block, size_t smem
   return cudaLaunchKernelEx(&cfg, kern, std::forward<A>(args)...);
 }
 
+// Clusters of C CTAs of `kern` (block threads, smem dynamic bytes) that fit on the current device
+// at once; 0 when that cluster size is not supported (the error is cleared: not sticky).
+template <typename... P>
+int max_active_clusters(void (*kern)(P...), int C, int threads, size_t smem) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(C), 1, 1);
+  cfg.blockDim = dim3(unsigned(threads), 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = unsigned(C);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kern, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    n = 0;
+  }
+  return n;
+}
+
 // The current device's multiprocessor count, asked once per device (the query costs host time on
 // every step otherwise).
 inline Status sm_count(int* sms) {

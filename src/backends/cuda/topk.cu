@@ -677,23 +677,7 @@ Status cluster_occupancy(int dev, int variant, int ci, int smem_bucket, int* out
   RowsKernel k = rows_kernel(variant);
   Status e = prepare_variant(dev, variant);
   if (!e.ok()) return e;
-  const int C = 1 << ci;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(C), 1, 1);
-  cfg.blockDim = dim3(kRowsThreads, 1, 1);
-  cfg.dynamicSmemBytes = size_t(smem_bucket) * 16 * 1024;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = unsigned(C);
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, k, &cfg) != cudaSuccess) {
-    (void)cudaGetLastError();  // an unsupported cluster size: not a sticky error
-    n = 0;
-  }
+  const int n = max_active_clusters(k, 1 << ci, kRowsThreads, size_t(smem_bucket) * 16 * 1024);
   if (slot) slot->store(n + 1, std::memory_order_relaxed);
   *out = n;
   return {};
