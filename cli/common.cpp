@@ -250,20 +250,28 @@ size_t Tensor::bytes() const {
 void Tensor::copy_to_contiguous(void* dst) const {
   const size_t es = dtype_size(dtype_);
   const char* base = static_cast<const char*>(t_.data) + t_.byte_offset;
-  if (!has_strides_ || t_.ndim == 0) {
+  const int nd = t_.ndim;
+  if (!has_strides_ || nd == 0) {
     std::memcpy(dst, base, bytes());
     return;
   }
-  // Innermost dimension contiguous or not, element by element over an index odometer (ndim <= 4).
+  // Rows of the innermost dimension (one memcpy each when it is contiguous) over an odometer of the
+  // outer indices (ndim <= 4).
+  const int64_t inner = shape_[size_t(nd - 1)], step = strides_[size_t(nd - 1)];
   std::array<int64_t, 4> idx{};
-  const int nd = t_.ndim;
-  const size_t total = bytes() / es;
   char* out = static_cast<char*>(dst);
-  for (size_t e = 0; e < total; ++e) {
+  const size_t rows = inner > 0 ? bytes() / (es * size_t(inner)) : 0;
+  for (size_t r = 0; r < rows; ++r) {
     int64_t off = 0;
-    for (int i = 0; i < nd; ++i) off += idx[size_t(i)] * strides_[size_t(i)];
-    std::memcpy(out + e * es, base + off * int64_t(es), es);
-    for (int i = nd - 1; i >= 0; --i) {
+    for (int i = 0; i < nd - 1; ++i) off += idx[size_t(i)] * strides_[size_t(i)];
+    const char* src = base + off * int64_t(es);
+    if (step == 1) {
+      std::memcpy(out, src, size_t(inner) * es);
+    } else {
+      for (int64_t j = 0; j < inner; ++j) std::memcpy(out + size_t(j) * es, src + j * step * int64_t(es), es);
+    }
+    out += size_t(inner) * es;
+    for (int i = nd - 2; i >= 0; --i) {
       if (++idx[size_t(i)] < shape_[size_t(i)]) break;
       idx[size_t(i)] = 0;
     }
@@ -390,8 +398,10 @@ struct DeviceStage {
   }
   // A device tensor shaped like host output `h` in slot i (not copied in).
   Tensor out(size_t i, const Tensor& h) { return h.on(buffer(i, h.bytes()), kvs_device{KVS_DEVICE_CUDA, device_}); }
-  // Device tensor `d` back into host output `h` (C-contiguous, as the commands' outputs are).
+  // Device tensor `d` back into host output `h` (the commands' outputs are C-contiguous buffers).
   void get(const Tensor& d, const Tensor& h) {
+    if (h.get()->strides != nullptr || h.get()->byte_offset != 0)
+      throw CliError("internal: a staged output must be a contiguous host buffer");
     cuda(cudaMemcpy(h.get()->data, d.get()->data, h.bytes(), cudaMemcpyDeviceToHost), "cudaMemcpy (device to host)");
   }
 

@@ -55,14 +55,23 @@ done
 PY=tools/traces/stories260k.py
 cp -f tests/data/stories260k-gen-t512.safetensors "$DIR/real/story-gen-s42.safetensors"
 rm -f "$DIR/real/stories260k-gen-t512.safetensors"  # its name before the genre traces
+# Each trace written to a temporary name and renamed when complete (an interrupted run leaves no
+# half-written trace that a later run would keep).
 real_trace() {  # NAME TEXT_FILE SOURCE
-  [ -f "$DIR/real/$1.safetensors" ] || python3 "$PY" trace --out "$DIR/real/$1.safetensors" --text "$2" \
-    --length 512 --prefill-len 256 --source "$3" >/dev/null
+  [ -f "$DIR/real/$1.safetensors" ] && return
+  python3 "$PY" trace --out "$DIR/real/$1.tmp.safetensors" --text "$2" --length 512 --prefill-len 256 \
+    --source "$3" >/dev/null
+  mv "$DIR/real/$1.tmp.safetensors" "$DIR/real/$1.safetensors"
 }
-[ -f "$DIR/real/tuning-story-gen-s7.safetensors" ] || python3 "$PY" trace --out "$DIR/real/tuning-story-gen-s7.safetensors" \
-  --generate 511 --seed 7 --temperature 1.0 --prefill-len 256 >/dev/null
-repo_text() {  # PATH: the file as of fe9d183 when the history has it, else as checked out
-  git show "fe9d183:$1" 2>/dev/null || cat "$1"
+if [ ! -f "$DIR/real/tuning-story-gen-s7.safetensors" ]; then
+  python3 "$PY" trace --out "$DIR/real/tuning-story-gen-s7.tmp.safetensors" --generate 511 --seed 7 \
+    --temperature 1.0 --prefill-len 256 >/dev/null
+  mv "$DIR/real/tuning-story-gen-s7.tmp.safetensors" "$DIR/real/tuning-story-gen-s7.safetensors"
+fi
+repo_text() {  # PATH: the file as of commit fe9d183 when the history has it, else as checked out
+  git show "fe9d183291b31fed226179f460f54b0f319e911e:$1" 2>/dev/null && return
+  echo "make_suite.sh: commit fe9d183 is not in this checkout's history: $1 as checked out (the trace differs from the documented one)" >&2
+  cat "$1"
 }
 TXT=$(mktemp -d)
 trap 'rm -rf "$TXT"' EXIT
@@ -89,6 +98,7 @@ REAL="$DIR/real.txt"
 echo "# the real-model traces of $LIST" >"$REAL"
 for f in "$DIR"/real/*.safetensors; do
   b=$(basename "$f")
+  case "$b" in *.tmp.safetensors) continue ;; esac
   h=heldout
   case "$b" in tuning-*) h=tuning ;; esac
   echo "real/$b $h" | tee -a "$REAL" >>"$LIST"

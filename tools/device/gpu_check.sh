@@ -67,7 +67,7 @@ if has test; then
   if [ "${HARNESS_ONLY:-0}" != 1 ]; then  # HARNESS_ONLY=1: the consistency harness alone
     echo "== kvsieve_cuda_tests"
     timeout 300 $T/kvsieve_cuda_tests 2>&1 | tee "$OUT/cuda_tests.log" | grep -vE '^PASS' | tail -30 || rc=1
-    echo "== csattention session tests, the token-ordered lists rebuilt before every step (KVS_CSA_LIST_ROOM=1)"
+    echo "== csattention session tests, the token-ordered lists re-sorted or compacted at every step (KVS_CSA_LIST_ROOM=1)"
     KVS_CSA_LIST_ROOM=1 timeout 200 $T/kvsieve_cuda_tests --only-csattention 2>&1 | tee "$OUT/csa_room1.log" \
       | grep -vE '^PASS' | tail -5 || rc=1
   fi

@@ -558,7 +558,10 @@ __global__ void __launch_bounds__(topk_detail::kRowsThreads, 1) reduce_topk_kern
       }
 #pragma unroll
       for (int u = 0; u < kU; ++u)
-        if (v[u] != kDead<F16>)  // csattention.cpp: acc[t] += (w * V + off) + 0.0f (never -0.0)
+        // Live entries of the slice only (the run is the slice's by construction; the bound check
+        // keeps a corrupt copy from writing outside shared memory).
+        if (v[u] != kDead<F16> && uint32_t(tk[u] - lo) < uint32_t(hi - lo))
+          // csattention.cpp: acc[t] += (w * V + off) + 0.0f (never -0.0)
           atomicAdd(sum + (tk[u] - beg), __fadd_rn(__fadd_rn(__fmul_rn(w, score_of<F16>(v[u])), o), 0.f));
     }
   }
@@ -933,12 +936,17 @@ Status fused_occupancy(int dev, int ci, int bucket, int* out) {
     }
   }
   auto* k = reduce_topk_kernel<F16>;
-  // Attributes once per (device, variant): no attribute call while a graph is captured later.
+  // Attributes once per (device, variant): no attribute call while a graph is captured later. A
+  // device that refuses them (less shared memory per CTA) runs the scatter path: no clusters fit.
   if (dev >= kFusedDevices || !g_fused_prepared[dev][F16].load(std::memory_order_acquire)) {
-    KVS_CUDA_TRY(cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
-                 "cudaFuncSetAttribute(NonPortableClusterSizeAllowed)");
-    KVS_CUDA_TRY(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, topk_detail::kCacheBytesMax),
-                 "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+    if (cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess ||
+        cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, topk_detail::kCacheBytesMax) !=
+            cudaSuccess) {
+      (void)cudaGetLastError();
+      if (slot) slot->store(1, std::memory_order_relaxed);  // 0 clusters, remembered
+      *out = 0;
+      return {};
+    }
     if (dev < kFusedDevices) g_fused_prepared[dev][F16].store(true, std::memory_order_release);
   }
   const int n = max_active_clusters(k, 1 << ci, topk_detail::kRowsThreads, size_t(bucket) * 16 * 1024);

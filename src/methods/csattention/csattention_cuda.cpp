@@ -148,7 +148,10 @@ class CsaCuda final : public DeviceMethod {
     // The next step inserts tokens [indexed, tokens): each list takes at most one entry per token,
     // so the copy made at sorted_at holds them while tokens - sorted_at <= Lcap - L. (A longer
     // appended turn than that still works: the streaming update compacts a full list, slowly.)
-    if (!L.dense_fallback && tokens - L.t.sorted_at > L.t.Lcap - L.t.L) sort_lists(L, stream);
+    // Only when the heaps hold tokens the copy lacks (an appended turn's chunks each reserve
+    // before any of them enters the lists: sorting again then gains nothing).
+    if (!L.dense_fallback && tokens - L.t.sorted_at > L.t.Lcap - L.t.L && L.t.sorted_at < L.indexed)
+      sort_lists(L, stream);
   }
 
   void truncate(uint32_t layer, int64_t n) override {
@@ -324,10 +327,10 @@ class CsaCuda final : public DeviceMethod {
       if (P_.f16) check(cudaMemcpy(tb.val.p, t.v16->data(), t.v16->size() * 2, cudaMemcpyHostToDevice), "cudaMemcpy(csattention scores)");
       else check(cudaMemcpy(tb.val.p, t.v32->data(), t.v32->size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy(csattention scores)");
       L.t = std::move(tb);
+      L.indexed = *t.indexed;
+      sort_lists(L, nullptr);  // before the layer counts as built: its copy is then complete
       L.built = true;
       L.dense_fallback = *t.dense_fallback;
-      L.indexed = *t.indexed;
-      sort_lists(L, nullptr);
       L.step = *t.step;
       L.have_cached = false;
       if (t.cached->size() == size_t(P_.TH)) {
@@ -450,7 +453,8 @@ class CsaCuda final : public DeviceMethod {
       scnt.reserve(size_t(m.P_.TH) * size_t(m.P_.m) * size_t(c) * 4, m.device_, "cudaMalloc(csattention list counts)");
     }
   };
-  // Tokens every list can take in token order before a rebuild: a quarter of the list, at least 256.
+  // Tokens every list can take in token order before a rebuild: a quarter of the list, at least 256
+  // (so short lists' copies are larger than 1.25x: 5x at L = 64, still small in bytes).
   // KVS_CSA_LIST_ROOM (environment, read once; tests) sets it, so that the rebuilds and the
   // streaming update's compaction of a full list run often.
   static int64_t token_list_room(int64_t L) {
