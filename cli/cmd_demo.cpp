@@ -77,8 +77,9 @@ int run_demo(DemoOptions o) {
   if (o.context < 64) throw UsageError("--context must be >= 64");
   if (o.steps < 1) throw UsageError("--steps must be >= 1");
   const int32_t backend = parse_backend(o.backend);
-  // Accuracy and CPU timing run on the cpu backend (the replay feeds host tensors, which the cuda
-  // and hybrid backends do not decode); --backend cuda or hybrid adds GPU timing.
+  // Accuracy and CPU timing run on the cpu backend (the demo's real-model trace has head dim 8,
+  // below the GPU kernels' 64; `kvsieve eval --backend cuda` replays wider traces on the GPU);
+  // --backend cuda or hybrid adds GPU timing.
   const int32_t host_backend = KVS_BACKEND_CPU;
   const std::string host_backend_name = "cpu";
   const std::string trace = find_trace(o.trace);
