@@ -259,31 +259,6 @@ namespace {
 // compares against torch's SDPA). Every CUDA runtime call is checked.
 // ------------------------------------------------------------------------------------------------
 
-void cuda_check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw CliError(strfmt("bench: CUDA: %s: %s", what, cudaGetErrorString(e)));
-}
-
-// Device memory owned for the scope (cudaMalloc / cudaFree).
-class DeviceBuffer {
- public:
-  DeviceBuffer(size_t bytes, const char* what) : bytes_(bytes) {
-    cuda_check(cudaMalloc(&p_, std::max<size_t>(bytes, 1)), what);
-  }
-  ~DeviceBuffer() { reset(); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  char* get() const { return static_cast<char*>(p_); }
-  size_t bytes() const { return bytes_; }
-  void reset() {
-    if (p_) cudaFree(p_);
-    p_ = nullptr;
-  }
-
- private:
-  void* p_ = nullptr;
-  size_t bytes_;
-};
-
 class CudaStream {
  public:
   CudaStream() { cuda_check(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking), "cudaStreamCreate"); }

@@ -1,10 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "common.hpp"
 
-#ifdef KVS_HAVE_CUDA
-#include <cuda_runtime.h>
-#endif
-
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -364,36 +360,33 @@ double Trace::softmax_scale() const {
                                     : 1.0 / std::sqrt(double(info_.head_dim));
 }
 
+#ifdef KVS_HAVE_CUDA
+void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw CliError(strfmt("CUDA: %s: %s", what, cudaGetErrorString(e)));
+}
+#endif
+
 // Host tensors staged on a GPU for a session of the cuda or hybrid backend: a grow-only device
 // buffer per argument slot (q, k, v, o, lse), copied in before a call and out after it.
 struct DeviceStage {
 #ifdef KVS_HAVE_CUDA
   explicit DeviceStage(int32_t device) : device_(device) {}
-  DeviceStage(const DeviceStage&) = delete;
-  DeviceStage& operator=(const DeviceStage&) = delete;
-  ~DeviceStage() {
-    for (auto& b : buf_)
-      if (b.ptr) cudaFree(b.ptr);
-  }
   // Slot i's device buffer, at least `bytes` long.
   void* buffer(size_t i, size_t bytes) {
-    cuda(cudaSetDevice(device_), "cudaSetDevice");
-    Buf& b = buf_[i];
-    if (b.bytes < bytes) {
-      if (b.ptr) cudaFree(b.ptr);
-      b.ptr = nullptr;
-      b.bytes = 0;
-      cuda(cudaMalloc(&b.ptr, bytes), "cudaMalloc");
-      b.bytes = bytes;
+    cuda_check(cudaSetDevice(device_), "cudaSetDevice");
+    auto& b = buf_[i];
+    if (!b || b->bytes() < bytes) {
+      b.reset();
+      b = std::make_unique<DeviceBuffer>(bytes, "cudaMalloc");
     }
-    return b.ptr;
+    return b->get();
   }
   // A device copy of host tensor `h` in slot i.
   Tensor put(size_t i, const Tensor& h) {
     host_.resize(h.bytes());
     h.copy_to_contiguous(host_.data());
     void* d = buffer(i, h.bytes());
-    cuda(cudaMemcpy(d, host_.data(), h.bytes(), cudaMemcpyHostToDevice), "cudaMemcpy (host to device)");
+    cuda_check(cudaMemcpy(d, host_.data(), h.bytes(), cudaMemcpyHostToDevice), "cudaMemcpy (host to device)");
     return h.on(d, kvs_device{KVS_DEVICE_CUDA, device_});
   }
   // A device tensor shaped like host output `h` in slot i (not copied in).
@@ -402,19 +395,12 @@ struct DeviceStage {
   void get(const Tensor& d, const Tensor& h) {
     if (h.get()->strides != nullptr || h.get()->byte_offset != 0)
       throw CliError("internal: a staged output must be a contiguous host buffer");
-    cuda(cudaMemcpy(h.get()->data, d.get()->data, h.bytes(), cudaMemcpyDeviceToHost), "cudaMemcpy (device to host)");
+    cuda_check(cudaMemcpy(h.get()->data, d.get()->data, h.bytes(), cudaMemcpyDeviceToHost), "cudaMemcpy (device to host)");
   }
 
  private:
-  static void cuda(cudaError_t e, const char* what) {
-    if (e != cudaSuccess) throw CliError(strfmt("CUDA: %s: %s", what, cudaGetErrorString(e)));
-  }
-  struct Buf {
-    void* ptr = nullptr;
-    size_t bytes = 0;
-  };
   int32_t device_;
-  std::array<Buf, 5> buf_{};
+  std::array<std::unique_ptr<DeviceBuffer>, 5> buf_;
   std::vector<char> host_;
 #endif
 };

@@ -17,6 +17,10 @@
 #include <string_view>
 #include <vector>
 
+#ifdef KVS_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
 namespace kvcli {
 
 // ------------------------------------------------------------------------------------------------
@@ -203,6 +207,32 @@ class Trace {
   kvs_trace_info info_{};
   std::vector<uint32_t> layers_;
 };
+
+#ifdef KVS_HAVE_CUDA
+// A CUDA runtime error as a CliError ("CUDA: what: message").
+void cuda_check(cudaError_t e, const char* what);
+
+// Device memory owned for the scope (cudaMalloc / cudaFree) on the current device.
+class DeviceBuffer {
+ public:
+  DeviceBuffer(size_t bytes, const char* what) : bytes_(bytes) {
+    cuda_check(cudaMalloc(&p_, bytes > 0 ? bytes : 1), what);
+  }
+  ~DeviceBuffer() { reset(); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  char* get() const { return static_cast<char*>(p_); }
+  size_t bytes() const { return bytes_; }
+  void reset() {
+    if (p_) cudaFree(p_);
+    p_ = nullptr;
+  }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_;
+};
+#endif
 
 struct DeviceStage;  // host tensors staged on the GPU (common.cpp; CUDA builds)
 

@@ -90,4 +90,11 @@ Status csa_build(const CsaBuildShape& s, const CsaKmeans& km, const float* q_sam
                  const PagedKv& kv, Scalar kv_dtype, float* cent, int32_t* idx, void* val,
                  const Workspace& ws, void* stream) noexcept;
 
+// The token-ordered copy of `lists` heaps idx/val [lists][L] (fp16 bits or fp32 scores):
+// sidx/sval [lists][Lcap] sorted by token, scnt[lists] = L (Lcap >= L). Sorts chunks of lists with
+// cub (not for capture: it runs at index build, load and move). Workspace: the bytes below.
+size_t csa_token_lists_workspace_bytes(int64_t lists, int32_t L, bool f16_scores) noexcept;
+Status csa_token_lists(int64_t lists, int32_t L, int32_t Lcap, bool f16_scores, const int32_t* idx, const void* val,
+                       int32_t* sidx, void* sval, int32_t* scnt, const Workspace& ws, void* stream) noexcept;
+
 }  // namespace kvs::cuda

@@ -34,7 +34,6 @@
 #include "backends/cuda/topk_select.cuh"
 
 #include <cooperative_groups.h>
-#include <cub/device/device_segmented_radix_sort.cuh>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -1175,99 +1174,6 @@ Status csa_select(const CsaConfig& cfg, const CsaSession* sessions, int32_t B, i
     KVS_LAUNCH_CHECK("csattention emit kernel launch");
     return {};
   });
-}
-
-namespace {
-// Lists sorted per call of cub: at most this many entries (bounds the workspace: about 12 or 16
-// bytes each with cub's own buffers).
-constexpr int64_t kTokenSortItems = int64_t(1) << 22;
-
-struct TokenSortLayout {
-  int64_t chunk;  // lists per sort
-  size_t keys, vals, offs, cub, cub_bytes, total;
-};
-TokenSortLayout token_sort_layout(int64_t lists, int32_t L, bool f16) {
-  TokenSortLayout t{};
-  t.chunk = std::max<int64_t>(1, std::min<int64_t>(lists, kTokenSortItems / std::max(L, 1)));
-  const size_t items = size_t(t.chunk) * size_t(L);
-  size_t o = 0;
-  auto take = [&](size_t b) {
-    const size_t at = o;
-    o += align256(b);
-    return at;
-  };
-  t.keys = take(items * 4);
-  t.vals = take(items * (f16 ? 2 : 4));
-  t.offs = take(size_t(t.chunk + 1) * 4);
-  size_t cb = 0;
-  if (f16)
-    cub::DeviceSegmentedRadixSort::SortPairs(nullptr, cb, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
-                                             static_cast<const uint16_t*>(nullptr), static_cast<uint16_t*>(nullptr), int(items),
-                                             int(t.chunk), static_cast<const int32_t*>(nullptr),
-                                             static_cast<const int32_t*>(nullptr));
-  else
-    cub::DeviceSegmentedRadixSort::SortPairs(nullptr, cb, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
-                                             static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr), int(items),
-                                             int(t.chunk), static_cast<const int32_t*>(nullptr),
-                                             static_cast<const int32_t*>(nullptr));
-  t.cub_bytes = cb;
-  t.cub = take(cb);
-  t.total = o;
-  return t;
-}
-
-__global__ void offsets_kernel(int32_t* offs, int64_t n, int32_t L) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i <= n; i += int64_t(gridDim.x) * blockDim.x)
-    offs[i] = int32_t(i * L);
-}
-__global__ void fill_kernel(int32_t* p, int64_t n, int32_t v) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) p[i] = v;
-}
-}  // namespace
-
-size_t csa_token_lists_workspace_bytes(int64_t lists, int32_t L, bool f16_scores) noexcept {
-  if (lists < 1 || L < 1) return 0;
-  return token_sort_layout(lists, L, f16_scores).total;
-}
-
-Status csa_token_lists(int64_t lists, int32_t L, int32_t Lcap, bool f16, const int32_t* idx, const void* val,
-                       int32_t* sidx, void* sval, int32_t* scnt, const Workspace& ws, void* stream) noexcept {
-  if (lists < 1 || L < 1 || Lcap < L) return invalid("csa_token_lists: need lists >= 1 and 1 <= L <= Lcap");
-  if (!idx || !val || !sidx || !sval || !scnt) return invalid("csa_token_lists: null pointer");
-  const TokenSortLayout t = token_sort_layout(lists, L, f16);
-  if (!ws.ptr || ws.bytes < t.total) return invalid("csa_token_lists: workspace smaller than csa_token_lists_workspace_bytes");
-  char* w = static_cast<char*>(ws.ptr);
-  auto* keys = reinterpret_cast<int32_t*>(w + t.keys);
-  void* vals = w + t.vals;
-  auto* offs = reinterpret_cast<int32_t*>(w + t.offs);
-  const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const size_t es = f16 ? 2 : 4;
-  for (int64_t c0 = 0; c0 < lists; c0 += t.chunk) {
-    const int64_t nl = std::min(t.chunk, lists - c0);
-    const int items = int(nl * L);
-    offsets_kernel<<<unsigned(std::min<int64_t>((nl + 256) / 256, 1024)), 256, 0, st>>>(offs, nl, L);
-    KVS_LAUNCH_CHECK("csattention token lists: offsets launch");
-    size_t cb = t.cub_bytes;
-    cudaError_t e;
-    if (f16)
-      e = cub::DeviceSegmentedRadixSort::SortPairs(w + t.cub, cb, idx + c0 * L, keys,
-                                                   static_cast<const uint16_t*>(val) + c0 * L, static_cast<uint16_t*>(vals),
-                                                   items, int(nl), offs, offs + 1, 0, 32, st);
-    else
-      e = cub::DeviceSegmentedRadixSort::SortPairs(w + t.cub, cb, idx + c0 * L, keys,
-                                                   static_cast<const uint32_t*>(val) + c0 * L, static_cast<uint32_t*>(vals),
-                                                   items, int(nl), offs, offs + 1, 0, 32, st);
-    KVS_CUDA_TRY(e, "csattention token lists: cub::DeviceSegmentedRadixSort::SortPairs");
-    KVS_CUDA_TRY(cudaMemcpy2DAsync(sidx + c0 * Lcap, size_t(Lcap) * 4, keys, size_t(L) * 4, size_t(L) * 4, size_t(nl),
-                                   cudaMemcpyDeviceToDevice, st),
-                 "csattention token lists: cudaMemcpy2DAsync (tokens)");
-    KVS_CUDA_TRY(cudaMemcpy2DAsync(static_cast<char*>(sval) + size_t(c0) * Lcap * es, size_t(Lcap) * es, vals, size_t(L) * es,
-                                   size_t(L) * es, size_t(nl), cudaMemcpyDeviceToDevice, st),
-                 "csattention token lists: cudaMemcpy2DAsync (scores)");
-  }
-  fill_kernel<<<unsigned(std::min<int64_t>((lists + 255) / 256, 1024)), 256, 0, st>>>(scnt, lists, L);
-  KVS_LAUNCH_CHECK("csattention token lists: counts launch");
-  return {};
 }
 
 Status csa_sample_rows(const void* q, Scalar q_dtype, int32_t n, int32_t row_elems, int64_t t0, int64_t stride,

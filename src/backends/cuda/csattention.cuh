@@ -17,7 +17,8 @@
 //        (the device's copy for the search, lists = TH * m * C, Lcap > L): entries [0, scnt) with
 //        ascending tokens, of which L are live; an entry evicted by the streaming update keeps its
 //        token and gets the dead score (all bits set: NaN); new tokens are appended (they are
-//        larger than every listed token), and a full list is compacted first.
+//        larger than every listed token), and a full list is compacted first (made by
+//        csa_token_lists, csa_build.cuh).
 // TH = Hkv (per-KV-head tables; table head h reads KV head h) or Hq (per_query_head: h reads KV
 // head h / G).
 #pragma once
@@ -90,13 +91,6 @@ Status csa_select(const CsaConfig& cfg, const CsaSession* sessions, int32_t B, i
                   int32_t num_kv_heads, int32_t head_dim, const Query& q, const PagedKv& kv, Scalar kv_dtype,
                   int32_t max_length, int32_t max_rest, int32_t* out_idx,
                   int32_t* out_cnt, int32_t max_selected, const Workspace& ws, void* stream) noexcept;
-
-// The token-ordered copy of `lists` heaps idx/val [lists][L] (fp16 bits or fp32 scores):
-// sidx/sval [lists][Lcap] sorted by token, scnt[lists] = L (Lcap >= L). Sorts chunks of lists with
-// cub (not for capture: it runs at index build, load and move). Workspace: the bytes below.
-size_t csa_token_lists_workspace_bytes(int64_t lists, int32_t L, bool f16_scores) noexcept;
-Status csa_token_lists(int64_t lists, int32_t L, int32_t Lcap, bool f16_scores, const int32_t* idx, const void* val,
-                       int32_t* sidx, void* sval, int32_t* scnt, const Workspace& ws, void* stream) noexcept;
 
 // The prompt-query sample (csattention.cpp on_prefill): rows i of q [n][Hq][d] (F32, BF16 or F16)
 // whose token t0 + i is a multiple of `stride` are converted to fp32 and written to
