@@ -599,12 +599,13 @@ int run_csa_build_passed();
 int main(int argc, char** argv) {
   install_crash_report();
   int stress = 0;
-  bool only_csa = false, only_csa_build = false;
+  bool only_csa = false, only_csa_build = false, only_quest = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--small") g_small = true;
     if (a == "--only-csattention") only_csa = true;  // the csattention session tests alone
     if (a == "--only-csa-build") only_csa_build = true;  // the csattention index build tests alone
+    if (a == "--only-quest") only_quest = true;  // the quest kernels' tests alone
     if (a == "--pdl-stress" && i + 1 < argc) stress = std::atoi(argv[++i]);
     if (a == "--pdl-wait-first") kvs::cuda::detail::set_pdl_wait_first(true);
   }
@@ -618,6 +619,13 @@ int main(int argc, char** argv) {
 #endif
 #ifdef KVS_HAVE_CSA_BUILD_TESTS
   if (only_csa_build) return run_csa_build_tests(g_small) ? 1 : 0;
+#endif
+#ifdef KVS_HAVE_QUEST_TESTS
+  if (only_quest) {
+    const int failed = run_quest_tests(g_small);
+    std::printf("quest: %d passed, %d failed\n", run_quest_passed(), failed);
+    return failed ? 1 : 0;
+  }
 #endif
   const Scalar BF = Scalar::BF16, F16 = Scalar::F16, F32 = Scalar::F32;
   const int L = g_small ? 1000 : 70000;  // long context

@@ -233,83 +233,13 @@ struct SelCase {
   bool timing = false; // afterwards, print the time of one call per score tiling (informational)
 };
 
-void run_select(const SelCase& sc) {
-  Cache c;
-  build_cache(c, sc.t, sc.Hkv, sc.D, sc.P, sc.lens);
-  const int B = c.B, Hkv = sc.Hkv, G = sc.G, Hq = Hkv * G, D = sc.D, ps = sc.ps;
-  const int V = sc.per_query ? G : 1, H = Hkv * V;
-  std::string name = std::string("quest_select ") + sname(sc.t) + "/q" + sname(sc.qt) + " d=" + std::to_string(D) +
-                     " G=" + std::to_string(G) + " Hkv=" + std::to_string(Hkv) + " P=" + std::to_string(sc.P) +
-                     " ps=" + std::to_string(ps) + (sc.per_query ? " per_query_head" : " sum") + " lens=";
-  for (int b = 0; b < B; ++b) name += (b ? "," : "") + std::to_string(sc.lens[b]) + "/" + std::to_string(sc.budgets[b]);
-  kvs::cuda::AttnShape shape{B, Hq, Hkv, D, 1.f};
-  // Bounds per sequence, built on the device (checked by run_bounds).
-  std::vector<DevBuf> bounds(B);
-  std::vector<const void*> bptr(B);
-  for (int b = 0; b < B; ++b) {
-    const int pages = std::max(1, (sc.lens[b] + ps - 1) / ps);
-    bounds[b].alloc(size_t(pages) * Hkv * 2 * D * 2);
-    KVS_TEST_CK(cudaMemset(bounds[b].p, 0xFF, bounds[b].n));
-    if (sc.lens[b] > 0 &&
-        !status_ok(kvs::cuda::quest_update_bounds(shape, c.paged(), sc.t, b, 0, sc.lens[b], ps, bounds[b].p, nullptr), name))
-      return;
-    bptr[b] = bounds[b].p;
-  }
-  // Query, as the device sees it.
-  std::vector<float> q(size_t(B) * Hq * D);
-  std::vector<uint16_t> q16(q.size());
-  for (size_t i = 0; i < q.size(); ++i) {
-    const float x = nrand();
-    q16[i] = enc(x, sc.t);
-    q[i] = sc.qt == Scalar::F32 ? x : dec(q16[i], sc.t);
-  }
-  DevBuf dq, dbp, dlen, dbud;
-  if (sc.qt == Scalar::F32) upload(dq, q);
-  else upload(dq, q16);
-  upload(dbp, bptr);
-  upload(dlen, sc.lens);
-  upload(dbud, sc.budgets);
-  int max_len = 1, max_want = 1;
-  for (int b = 0; b < B; ++b) {
-    max_len = std::max(max_len, sc.lens[b]);
-    max_want = std::max(max_want, host_want(sc.lens[b], sc.budgets[b], ps));
-  }
-  max_len += sc.len_extra;
-  max_want += sc.want_extra;
-  const int max_sel = max_want * ps;
-  DevBuf oidx(size_t(B) * H * max_sel * 4), ocnt(size_t(B) * H * 4);
-  KVS_TEST_CK(cudaMemset(oidx.p, 0x7B, oidx.n));
-  KVS_TEST_CK(cudaMemset(ocnt.p, 0x7B, ocnt.n));
-  DevBuf ws(kvs::cuda::quest_select_workspace_bytes(shape, max_len, ps, max_want));
-  KVS_TEST_CK(cudaMemset(ws.p, 0x7B, ws.n));
-  kvs::cuda::Query qq{dq.p, sc.qt};
-  KVS_TEST_CK(cudaDeviceSynchronize());
-  cudaStream_t st = nullptr;
-  DevBuf staged;
-  if (sc.pdl) {
-    name += " pdl";
-    KVS_TEST_CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    staged.alloc(bounds[0].n);
-    KVS_TEST_CK(cudaMemcpy(staged.p, bounds[0].p, bounds[0].n, cudaMemcpyDeviceToDevice));
-    LateCopy lc;
-    lc.dst[0] = bounds[0].p;
-    lc.src[0] = staged.p;
-    lc.bytes[0] = bounds[0].n;
-    KVS_TEST_CK(enqueue_late_copy(lc, st));
-  }
-  const auto rs = kvs::cuda::quest_select(shape, qq, sc.t, dbp.as<const void* const>(), dlen.as<int32_t>(),
-                                          dbud.as<int32_t>(), max_len, ps, max_want, sc.per_query,
-                                          oidx.as<int32_t>(), ocnt.as<int32_t>(), max_sel,
-                                          kvs::cuda::Workspace{ws.p, ws.n}, st, sc.pdl);
-  if (st) {
-    KVS_TEST_CK(cudaStreamSynchronize(st));
-    KVS_TEST_CK(cudaStreamDestroy(st));
-  }
-  if (!status_ok(rs, name)) return;
-  KVS_TEST_CK(cudaGetLastError());
-  KVS_TEST_CK(cudaDeviceSynchronize());
-  const auto idx = download<int32_t>(oidx.p, size_t(B) * H * max_sel);
-  const auto cnt = download<int32_t>(ocnt.p, size_t(B) * H);
+// Checks quest_select's lists (idx, cnt: [B * H] rows of max_sel) against float64 page scores:
+// counts, the layout of every row, and the page sets up to ties at the boundary score.
+bool check_select(const SelCase& sc, const Cache& c, const std::vector<float>& q, int B, int H, int V, int max_sel,
+                  const std::vector<int32_t>& idx, const std::vector<int32_t>& cnt, const std::string& name,
+                  int max_want) {
+  const int Hkv = sc.Hkv, G = sc.G, Hq = Hkv * G, D = sc.D, ps = sc.ps;
+  (void)H;
   int ties = 0, bad = 0;
   std::string why;
   for (int b = 0; b < B && !bad; ++b) {
@@ -376,12 +306,118 @@ void run_select(const SelCase& sc) {
       }
   }
   report(bad == 0, name, "max_want=" + std::to_string(max_want) + " rows_with_ties=" + std::to_string(ties) + " " + why);
+  return bad == 0;
+}
+
+void run_select(const SelCase& sc) {
+  Cache c;
+  build_cache(c, sc.t, sc.Hkv, sc.D, sc.P, sc.lens);
+  const int B = c.B, Hkv = sc.Hkv, G = sc.G, Hq = Hkv * G, D = sc.D, ps = sc.ps;
+  const int V = sc.per_query ? G : 1, H = Hkv * V;
+  std::string name = std::string("quest_select ") + sname(sc.t) + "/q" + sname(sc.qt) + " d=" + std::to_string(D) +
+                     " G=" + std::to_string(G) + " Hkv=" + std::to_string(Hkv) + " P=" + std::to_string(sc.P) +
+                     " ps=" + std::to_string(ps) + (sc.per_query ? " per_query_head" : " sum") + " lens=";
+  for (int b = 0; b < B; ++b) name += (b ? "," : "") + std::to_string(sc.lens[b]) + "/" + std::to_string(sc.budgets[b]);
+  kvs::cuda::AttnShape shape{B, Hq, Hkv, D, 1.f};
+  // Bounds per sequence, built on the device (checked by run_bounds).
+  std::vector<DevBuf> bounds(B);
+  std::vector<const void*> bptr(B);
+  for (int b = 0; b < B; ++b) {
+    const int pages = std::max(1, (sc.lens[b] + ps - 1) / ps);
+    bounds[b].alloc(size_t(pages) * Hkv * 2 * D * 2);
+    KVS_TEST_CK(cudaMemset(bounds[b].p, 0xFF, bounds[b].n));
+    if (sc.lens[b] > 0 &&
+        !status_ok(kvs::cuda::quest_update_bounds(shape, c.paged(), sc.t, b, 0, sc.lens[b], ps, bounds[b].p, nullptr), name))
+      return;
+    bptr[b] = bounds[b].p;
+  }
+  // Query, as the device sees it.
+  std::vector<float> q(size_t(B) * Hq * D);
+  std::vector<uint16_t> q16(q.size());
+  for (size_t i = 0; i < q.size(); ++i) {
+    const float x = nrand();
+    q16[i] = enc(x, sc.t);
+    q[i] = sc.qt == Scalar::F32 ? x : dec(q16[i], sc.t);
+  }
+  DevBuf dq, dbp, dlen, dbud;
+  if (sc.qt == Scalar::F32) upload(dq, q);
+  else upload(dq, q16);
+  upload(dbp, bptr);
+  upload(dlen, sc.lens);
+  upload(dbud, sc.budgets);
+  int max_len = 1, max_want = 1;
+  for (int b = 0; b < B; ++b) {
+    max_len = std::max(max_len, sc.lens[b]);
+    max_want = std::max(max_want, host_want(sc.lens[b], sc.budgets[b], ps));
+  }
+  max_len += sc.len_extra;
+  max_want += sc.want_extra;
+  const int max_sel = max_want * ps;
+  DevBuf oidx(size_t(B) * H * max_sel * 4), ocnt(size_t(B) * H * 4);
+  DevBuf ws(kvs::cuda::quest_select_workspace_bytes(shape, max_len, ps, max_want));
+  kvs::cuda::Query qq{dq.p, sc.qt};
+  DevBuf staged;
+  if (sc.pdl) {
+    name += " pdl";
+    staged.alloc(bounds[0].n);
+    KVS_TEST_CK(cudaMemcpy(staged.p, bounds[0].p, bounds[0].n, cudaMemcpyDeviceToDevice));
+  }
+  // The summed mode runs fused (automatic cluster size, and forced to 1 and 16 CTAs) and unfused
+  // (score kernel + topk_rows): each against float64, and every fused run bit for bit against the
+  // unfused one.
+  std::vector<int32_t> ref_idx, ref_cnt;
+  const std::vector<int> modes = sc.per_query ? std::vector<int>{-1} : std::vector<int>{0, -1, 1, 16};
+  for (int mode : modes) {
+    kvs::cuda::detail::set_quest_cluster(mode);
+    KVS_TEST_CK(cudaMemset(oidx.p, 0x7B, oidx.n));
+    KVS_TEST_CK(cudaMemset(ocnt.p, 0x7B, ocnt.n));
+    KVS_TEST_CK(cudaMemset(ws.p, 0x7B, ws.n));
+    KVS_TEST_CK(cudaDeviceSynchronize());
+    cudaStream_t st = nullptr;
+    if (sc.pdl) {
+      KVS_TEST_CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+      LateCopy lc;
+      lc.dst[0] = bounds[0].p;
+      lc.src[0] = staged.p;
+      lc.bytes[0] = bounds[0].n;
+      KVS_TEST_CK(enqueue_late_copy(lc, st));
+    }
+    const auto rs = kvs::cuda::quest_select(shape, qq, sc.t, dbp.as<const void* const>(), dlen.as<int32_t>(),
+                                            dbud.as<int32_t>(), max_len, ps, max_want, sc.per_query,
+                                            oidx.as<int32_t>(), ocnt.as<int32_t>(), max_sel,
+                                            kvs::cuda::Workspace{ws.p, ws.n}, st, sc.pdl);
+    const int used = kvs::cuda::detail::quest_last_cluster();
+    kvs::cuda::detail::set_quest_cluster(-1);
+    if (st) {
+      KVS_TEST_CK(cudaStreamSynchronize(st));
+      KVS_TEST_CK(cudaStreamDestroy(st));
+    }
+    const std::string mname = name + (sc.per_query ? "" : mode == 0 ? " unfused" : " cluster=" + std::to_string(used) +
+                                                              (mode < 0 ? " (auto)" : ""));
+    if (!status_ok(rs, mname)) return;
+    KVS_TEST_CK(cudaGetLastError());
+    KVS_TEST_CK(cudaDeviceSynchronize());
+    const auto idx = download<int32_t>(oidx.p, size_t(B) * H * max_sel);
+    const auto cnt = download<int32_t>(ocnt.p, size_t(B) * H);
+    if (!sc.per_query && mode != 0) {
+      // Forced: fused wherever a row has pages to score (the rows always fit). Automatic: fused for
+      // rows of more than 16384 candidate pages. Either way the same lists as the unfused kernels.
+      const int pages = (max_len + ps - 1) / ps, scored = std::min(max_want, pages) - 1;
+      const bool fused = scored > 0 && (mode > 0 || pages - 1 > 16384);
+      const bool same = (used > 0) == fused && idx == ref_idx && cnt == ref_cnt;
+      report(same, mname + " == unfused", "fused kernel used: " + std::to_string(used > 0));
+    }
+    if (!check_select(sc, c, q, B, H, V, max_sel, idx, cnt, mname, max_want)) return;
+    if (mode == 0) ref_idx = idx, ref_cnt = cnt;
+  }
   if (!sc.timing) return;
   // Informational: microseconds per quest_select (score pass, page top-k, expansion), 200 calls
   // back to back, per score tiling (tiles of 8 pages per warp; 0 = automatic).
+  // The fused kernel (automatic cluster size), then the unfused kernels per score tiling.
   std::string line = "quest_select timing " + name + ":";
-  for (int tiles : {0, 1, 2, 3, 4, 6, 8}) {
-    kvs::cuda::detail::set_quest_tiles_per_warp(tiles);
+  for (int tiles : {-16, -8, -4, -2, -1, 0, 2, 4, 8}) {
+    kvs::cuda::detail::set_quest_cluster(tiles < 0 ? (tiles == -1 ? -1 : -tiles) : 0);
+    kvs::cuda::detail::set_quest_tiles_per_warp(std::max(tiles, 0));
     auto call = [&] {
       return kvs::cuda::quest_select(shape, qq, sc.t, dbp.as<const void* const>(), dlen.as<int32_t>(), dbud.as<int32_t>(),
                                      max_len, ps, max_want, sc.per_query, oidx.as<int32_t>(), ocnt.as<int32_t>(),
@@ -399,10 +435,15 @@ void run_select(const SelCase& sc) {
     KVS_TEST_CK(cudaEventElapsedTime(&ms, e0, e1));
     KVS_TEST_CK(cudaEventDestroy(e0));
     KVS_TEST_CK(cudaEventDestroy(e1));
-    char buf[48];
-    std::snprintf(buf, sizeof buf, " tiles=%d %.1f us", tiles, ms * 1e3f / 200.f);
+    char buf[64];
+    if (tiles < 0)
+      std::snprintf(buf, sizeof buf, " fused (cluster %d) %.1f us;", kvs::cuda::detail::quest_last_cluster(),
+                    ms * 1e3f / 200.f);
+    else
+      std::snprintf(buf, sizeof buf, " tiles=%d %.1f us", tiles, ms * 1e3f / 200.f);
     line += buf;
   }
+  kvs::cuda::detail::set_quest_cluster(-1);
   kvs::cuda::detail::set_quest_tiles_per_warp(0);
   std::printf("%s\n", line.c_str());
 }
@@ -538,6 +579,15 @@ int run_quest_tests(bool small) {
     run_select(c);
     c.lens = {n, 700, 40};
     c.budgets = {n / 20, 64, 30};
+    run_select(c);
+  }
+  if (!small) {
+    SelCase c;  // rows past 16384 candidate pages: fused by default
+    c.D = 64;
+    c.Hkv = 1;
+    c.P = 256;
+    c.lens = {300000, 5000};
+    c.budgets = {15000, 256};
     run_select(c);
   }
   {

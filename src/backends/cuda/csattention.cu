@@ -919,39 +919,15 @@ Layout make_layout(const CsaConfig& cfg, int32_t B, int32_t hq, int32_t hkv, int
 }
 
 // ---- the fused kernel's launch plan ----
-// Clusters of reduce_topk_kernel<F16> that fit on a device at once, per (device, F16, cluster size,
-// shared memory in 16 KB steps); asked once (slots hold clusters + 1, 0 = not asked yet).
-constexpr int kFusedDevices = 16, kFusedBuckets = topk_detail::kCacheBytesMax / (16 * 1024) + 2;
-std::atomic<int> g_fused_occ[kFusedDevices][2][5][kFusedBuckets];
-std::atomic<bool> g_fused_prepared[kFusedDevices][2];
+// Clusters of reduce_topk_kernel<F16> that fit on a device at once (asked once per device, cluster
+// size and shared memory in 16 KB steps). A device that refuses the kernel's attributes (less
+// shared memory per CTA) runs the scatter path: no clusters fit.
+ClusterOccupancy g_fused_occ[2];
 
 template <bool F16>
-Status fused_occupancy(int dev, int ci, int bucket, int* out) {
-  std::atomic<int>* slot = dev < kFusedDevices ? &g_fused_occ[dev][F16][ci][bucket] : nullptr;
-  if (slot) {
-    if (const int v = slot->load(std::memory_order_relaxed); v > 0) {
-      *out = v - 1;
-      return {};
-    }
-  }
-  auto* k = reduce_topk_kernel<F16>;
-  // Attributes once per (device, variant): no attribute call while a graph is captured later. A
-  // device that refuses them (less shared memory per CTA) runs the scatter path: no clusters fit.
-  if (dev >= kFusedDevices || !g_fused_prepared[dev][F16].load(std::memory_order_acquire)) {
-    if (cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess ||
-        cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, topk_detail::kCacheBytesMax) !=
-            cudaSuccess) {
-      (void)cudaGetLastError();
-      if (slot) slot->store(1, std::memory_order_relaxed);  // 0 clusters, remembered
-      *out = 0;
-      return {};
-    }
-    if (dev < kFusedDevices) g_fused_prepared[dev][F16].store(true, std::memory_order_release);
-  }
-  const int n = max_active_clusters(k, 1 << ci, topk_detail::kRowsThreads, size_t(bucket) * 16 * 1024);
-  if (slot) slot->store(n + 1, std::memory_order_relaxed);
-  *out = n;
-  return {};
+int fused_occupancy(int dev, int ci, size_t smem) {
+  return std::max(0, g_fused_occ[F16].clusters(reduce_topk_kernel<F16>, dev, ci, smem, topk_detail::kRowsThreads,
+                                               topk_detail::kCacheBytesMax));
 }
 
 // KVS_CSA_CLUSTER (environment, read once; benchmarks): 0 = the scatter kernel and topk_rows
@@ -984,9 +960,7 @@ Status fused_plan(int32_t rows, int32_t max_length, int* cluster, size_t* smem) 
     const int64_t chunk = (topk_detail::ceil_div(max_length, C) + 3) & ~int64_t(3);
     const size_t bytes = size_t(chunk) * 4;
     if (bytes > size_t(topk_detail::kCacheBytesMax)) continue;
-    const int bucket = int(topk_detail::ceil_div(int64_t(bytes), 16 * 1024));
-    int ncl = 0;
-    if (Status e = fused_occupancy<F16>(dev, ci, bucket, &ncl); !e.ok()) return e;
+    const int ncl = fused_occupancy<F16>(dev, ci, bytes);
     if (ncl <= 0) continue;
     const double cost = double(topk_detail::ceil_div(rows, ncl));
     if (*cluster == 0 || cost <= best) {

@@ -75,6 +75,45 @@ int max_active_clusters(void (*kern)(P...), int C, int threads, size_t smem) {
   return n;
 }
 
+// The clusters of one kernel that fit on a device at once (max_active_clusters), asked once per
+// (device, cluster size 2^ci with ci in [0, 4], dynamic shared memory rounded up to 16 KB) and
+// remembered, so that later calls make no CUDA call (e.g. while a graph is captured). Before the
+// first question on a device the kernel's attributes are set once: non-portable cluster sizes (16)
+// and `max_smem` bytes of dynamic shared memory. One instance per kernel, a static of the caller.
+class ClusterOccupancy {
+ public:
+  static constexpr int kDevices = 16, kSizes = 5, kBuckets = 16;  // 16 x 16 KB: past any GPU's 227 KB
+
+  // Clusters of 2^ci CTAs of `threads` threads and `smem` dynamic bytes that fit at once (0: that
+  // size does not fit); -1 when the device refused the attributes (the error is cleared).
+  template <typename... P>
+  int clusters(void (*kern)(P...), int dev, int ci, size_t smem, int threads, size_t max_smem) noexcept {
+    const int bucket = int((smem + 16 * 1024 - 1) / (16 * 1024));
+    if (ci < 0 || ci >= kSizes || bucket >= kBuckets) return 0;
+    const bool cached = dev >= 0 && dev < kDevices;
+    if (cached) {  // slots hold clusters + 1; 0 = not asked yet
+      if (const int v = occ_[dev][ci][bucket].load(std::memory_order_relaxed); v > 0) return v - 1;
+      if (prepared_[dev].load(std::memory_order_acquire) == 2) return -1;
+    }
+    if (!cached || prepared_[dev].load(std::memory_order_acquire) == 0) {
+      if (cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess ||
+          cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(max_smem)) != cudaSuccess) {
+        (void)cudaGetLastError();
+        if (cached) prepared_[dev].store(2, std::memory_order_release);
+        return -1;
+      }
+      if (cached) prepared_[dev].store(1, std::memory_order_release);
+    }
+    const int n = max_active_clusters(kern, 1 << ci, threads, size_t(bucket) * 16 * 1024);
+    if (cached) occ_[dev][ci][bucket].store(n + 1, std::memory_order_relaxed);
+    return n;
+  }
+
+ private:
+  std::atomic<int> occ_[kDevices][kSizes][kBuckets] = {};
+  std::atomic<int> prepared_[kDevices] = {};  // 0: not yet, 1: attributes set, 2: refused
+};
+
 // The current device's multiprocessor count, asked once per device (the query costs host time on
 // every step otherwise).
 inline Status sm_count(int* sms) {

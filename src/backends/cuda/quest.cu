@@ -26,6 +26,7 @@
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/status.cuh"
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -33,22 +34,14 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
 #include "kvsieve/kvsieve.h"
 
-#if __has_include("backends/cuda/topk.cuh")
 #include "backends/cuda/topk.cuh"
-#else
-namespace kvs::cuda {
-// Row top-k (topk.cuh, written separately): the min(k, len_r) largest of each row, indices ascending.
-size_t topk_rows_workspace_bytes(int32_t rows, int32_t max_len, int32_t k) noexcept;
-Status topk_rows(const float* scores, int64_t row_stride, const int32_t* lengths, int32_t rows,
-                 int32_t max_len, int32_t k, int32_t* out_idx, int32_t* out_cnt,
-                 const Workspace& ws, void* stream) noexcept;
-}  // namespace kvs::cuda
-#endif
+#include "backends/cuda/topk_select.cuh"
 
 namespace kvs::cuda {
 namespace {
@@ -58,6 +51,7 @@ namespace {
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 std::atomic<int> g_tiles{0};  // detail::set_quest_tiles_per_warp
+std::atomic<int> g_last_cluster{0};  // detail::quest_last_cluster
 
 constexpr int kThreads = 128;  // 4 warps per CTA, both kernels
 
@@ -248,6 +242,71 @@ __device__ __forceinline__ float load_q(const void* q, bool f32, size_t i) {
   return f32 ? static_cast<const float*>(q)[i] : to_f32(static_cast<const T*>(q)[i]);
 }
 
+// The bound's query vectors of KV head h of sequence b, vec[V][2D] = [P | N] (see the top), by
+// the CTA's NT threads. Reads only the query.
+template <typename T, int D, int NT>
+__device__ __forceinline__ void query_vectors(const ScoreArgs& a, int b, int h, float* vec) {
+  const bool f32 = a.q_f32 != 0;
+  const void* qbase = a.q_at ? *a.q_at : a.q;
+  const size_t q0 = (size_t(b) * a.hkv * a.G + size_t(h) * a.G) * D;
+  // (Loops kept rolled: the first tile's loads hold their registers meanwhile.)
+#pragma unroll 1
+  for (int idx = threadIdx.x; idx < a.V * D; idx += NT) {
+    const int v = idx / D, i = idx % D;
+    const int g0 = a.V == 1 ? 0 : v, g1 = a.V == 1 ? a.G : v + 1;
+    float P = 0.f, N = 0.f;
+#pragma unroll 1
+    for (int g = g0; g < g1; ++g) {
+      const float x = load_q<T>(qbase, f32, q0 + size_t(g) * D + i);
+      P += fmaxf(x, 0.f);
+      N += fminf(x, 0.f);
+    }
+    vec[v * 2 * D + i] = P;
+    vec[v * 2 * D + D + i] = N;
+  }
+}
+
+// The A fragments of the query vectors, frag[RG][NM][32] (vec written and the CTA synchronised).
+// Register r of lane l for k-step m holds row (l/4) + 8*(r&1) (row & 7 = vector, row >> 3 = hi/lo
+// part) and elements e, e+1 with e = 32*(m/2) + 8*(l%4) + 4*(m%2) + 2*(r/2): the elements the B
+// lanes with the same l%4 load for those k slots.
+template <typename T, int D, int NT>
+__device__ __forceinline__ void query_frags(const ScoreArgs& a, const float* vec, uint4* frag) {
+  constexpr int NM = 2 * D / 16;
+  uint32_t* fw = reinterpret_cast<uint32_t*>(frag);
+#pragma unroll 1
+  for (int w = threadIdx.x; w < a.RG * NM * 128; w += NT) {
+    const int r = w & 3, l = (w >> 2) & 31, m = (w >> 7) % NM, rg = (w >> 7) / NM;
+    const int row = (l >> 2) + 8 * (r & 1);
+    const int v = rg * 8 + (row & 7);
+    const int e = 32 * (m >> 1) + 8 * (l & 3) + 4 * (m & 1) + 2 * (r >> 1);
+    float x0 = 0.f, x1 = 0.f;
+    if (v < a.V) {
+      x0 = vec[v * 2 * D + e];
+      x1 = vec[v * 2 * D + e + 1];
+    }
+    const bool lo = row >= 8;
+    fw[w] = split_part<T>(x0, lo) | (split_part<T>(x1, lo) << 16);
+  }
+}
+
+// acc0 / acc1 += the products of N 32-element blocks of a tile (u: this lane's loads of blocks c0..
+// c0+N-1) with the A fragments fr (frag + rg * NM * 32 + lane). The page scores of the vector group
+// are then (acc0 + acc1) of rows gid (hi) and gid + 8 (lo): tile_scores.
+template <typename T, int N>
+__device__ __forceinline__ void tile_mma(const uint4* fr, int c0, const uint4 (&u)[N], float (&acc0)[4],
+                                         float (&acc1)[4]) {
+#pragma unroll
+  for (int c = 0; c < N; ++c) {
+    mma16816<T>(acc0, fr[(2 * (c0 + c)) * 32], u[c].x, u[c].y);
+    mma16816<T>(acc1, fr[(2 * (c0 + c) + 1) * 32], u[c].z, u[c].w);
+  }
+}
+// Vector gid's scores of the tile's pages 2*tig and 2*tig + 1.
+__device__ __forceinline__ float2 tile_scores(const float (&acc0)[4], const float (&acc1)[4]) {
+  return make_float2((acc0[0] + acc1[0]) + (acc0[2] + acc1[2]), (acc0[1] + acc1[1]) + (acc0[3] + acc1[3]));
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) score_kernel(ScoreArgs a) {
   constexpr int NM = 2 * D / 16;  // mma k-steps over the 2d-long [M | m]
@@ -289,24 +348,7 @@ __global__ void __launch_bounds__(kThreads) score_kernel(ScoreArgs a) {
   if (!a.pdl) load_tile(0, cur);
 
   // Query vectors of this KV head's group.
-  const bool f32 = a.q_f32 != 0;
-  const void* qbase = a.q_at ? *a.q_at : a.q;
-  const size_t q0 = (size_t(b) * a.hkv * a.G + size_t(h) * a.G) * D;
-  // (Loops kept rolled: the first tile's loads hold their registers meanwhile.)
-#pragma unroll 1
-  for (int idx = threadIdx.x; idx < a.V * D; idx += kThreads) {
-    const int v = idx / D, i = idx % D;
-    const int g0 = a.V == 1 ? 0 : v, g1 = a.V == 1 ? a.G : v + 1;
-    float P = 0.f, N = 0.f;
-#pragma unroll 1
-    for (int g = g0; g < g1; ++g) {
-      const float x = load_q<T>(qbase, f32, q0 + size_t(g) * D + i);
-      P += fmaxf(x, 0.f);
-      N += fminf(x, 0.f);
-    }
-    vec[v * 2 * D + i] = P;
-    vec[v * 2 * D + D + i] = N;
-  }
+  query_vectors<T, D, kThreads>(a, b, h, vec);
   pdl_wait();
   if (a.pdl) load_tile(0, cur);
   if (blockIdx.x == 0) {
@@ -319,24 +361,7 @@ __global__ void __launch_bounds__(kThreads) score_kernel(ScoreArgs a) {
     }
   }
   __syncthreads();
-  // A fragments: register r of lane l for k-step m holds row (l/4) + 8*(r&1) (row & 7 = vector,
-  // row >> 3 = hi/lo part) and elements e, e+1 with e = 32*(m/2) + 8*(l%4) + 4*(m%2) + 2*(r/2):
-  // the elements the B lanes with the same l%4 load for those k slots.
-  uint32_t* fw = reinterpret_cast<uint32_t*>(frag);
-#pragma unroll 1
-  for (int w = threadIdx.x; w < a.RG * NM * 128; w += kThreads) {
-    const int r = w & 3, l = (w >> 2) & 31, m = (w >> 7) % NM, rg = (w >> 7) / NM;
-    const int row = (l >> 2) + 8 * (r & 1);
-    const int v = rg * 8 + (row & 7);
-    const int e = 32 * (m >> 1) + 8 * (l & 3) + 4 * (m & 1) + 2 * (r >> 1);
-    float x0 = 0.f, x1 = 0.f;
-    if (v < a.V) {
-      x0 = vec[v * 2 * D + e];
-      x1 = vec[v * 2 * D + e + 1];
-    }
-    const bool lo = row >= 8;
-    fw[w] = split_part<T>(x0, lo) | (split_part<T>(x1, lo) << 16);
-  }
+  query_frags<T, D, kThreads>(a, vec, frag);
   __syncthreads();
 
   for (int t = 0; t < a.tiles; ++t) {
@@ -351,21 +376,15 @@ __global__ void __launch_bounds__(kThreads) score_kernel(ScoreArgs a) {
     }
     for (int rg = 0; rg < a.RG; ++rg) {
       float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
-      const uint4* fr = frag + size_t(rg) * NM * 32 + lane;
-#pragma unroll
-      for (int c = 0; c < NC; ++c) {
-        mma16816<T>(acc0, fr[(2 * c) * 32], cur[c].x, cur[c].y);
-        mma16816<T>(acc1, fr[(2 * c + 1) * 32], cur[c].z, cur[c].w);
-      }
+      tile_mma<T>(frag + size_t(rg) * NM * 32 + lane, 0, cur, acc0, acc1);
       const int v = rg * 8 + gid;
       if (v < a.V) {
         // Rows gid (hi) and gid + 8 (lo) of columns 2*tig, 2*tig + 1: pages page0 + 2*tig + {0, 1}.
-        const float s0 = (acc0[0] + acc1[0]) + (acc0[2] + acc1[2]);
-        const float s1 = (acc0[1] + acc1[1]) + (acc0[3] + acc1[3]);
+        const float2 sc = tile_scores(acc0, acc1);
         const int pc = page0 + 2 * tig;
         float* dst = a.scores + size_t(row0 + v) * a.S + pc;
-        if (pc + 1 < ncand) *reinterpret_cast<float2*>(dst) = make_float2(s0, s1);
-        else if (pc < ncand) dst[0] = s0;
+        if (pc + 1 < ncand) *reinterpret_cast<float2*>(dst) = sc;
+        else if (pc < ncand) dst[0] = sc.x;
       }
     }
     if (t + 1 < a.tiles) {
@@ -377,6 +396,73 @@ __global__ void __launch_bounds__(kThreads) score_kernel(ScoreArgs a) {
       }
     }
   }
+}
+
+// ---- 2'. page scores and top-k fused (summed mode) ----------------------------------------------
+// A thread-block cluster of C CTAs per (sequence, KV head) row. CTA r scores slice r of the row's
+// candidate pages (topk_detail::select_slice) with the score kernel's arithmetic (same products,
+// same order: bit-identical scores), keeps them in shared memory as top-k keys, and the cluster
+// selects the row's want - 1 best pages there (topk_detail::rows_select, the same selection as
+// topk_rows: ties to the lower page). The scores never reach global memory, and the row's padding
+// with +inf is not needed: the select is told the row's count. Writes picked[row][k_host] like the
+// top-k of the unfused path, for expand_kernel.
+namespace td = topk_detail;
+namespace cg = cooperative_groups;
+
+template <typename T, int D>
+__global__ void __launch_bounds__(td::kRowsThreads, 1) score_select_kernel(const ScoreArgs a, int32_t* picked) {
+  constexpr int NT = td::kRowsThreads, NW = NT / 32;
+  constexpr int NM = 2 * D / 16, NC = 2 * D / 32;
+  constexpr int NCH = NC < 8 ? NC : 8;  // loads per lane in flight: 32 registers at most (1024 threads)
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint4* frag = reinterpret_cast<uint4*>(smem);                                 // [NM][32]
+  float* vec = reinterpret_cast<float*>(smem + NM * 512);                        // [2D]
+  uint32_t* keys = reinterpret_cast<uint32_t*>(smem + NM * 512 + 2 * D * 4);    // the slice's keys
+  cg::cluster_group cl = cg::this_cluster();
+  const int C = int(cl.num_blocks()), rank = int(cl.block_rank());
+  const int row = int(blockIdx.x / unsigned(C)), b = row / a.hkv, h = row % a.hkv;
+  const SeqPlan sp = seq_plan(a.lengths, a.budget, b, a.max_length, a.ps, a.max_want);
+  const int ncand = max(sp.pages - 1, 0), want = sp.pages > 0 ? sp.want - 1 : 0;
+  int64_t beg, end;
+  td::select_slice(ncand, C, rank, &beg, &end);
+  const bool score = want > 0 && want < ncand;  // else the select takes all or nothing, no scores
+
+  // Query setup before the wait: it reads only the query (see the score kernel).
+  if (score) query_vectors<T, D, NT>(a, b, h, vec);
+  __syncthreads();
+  if (score) query_frags<T, D, NT>(a, vec, frag);
+  pdl_wait();  // the bounds (a fold or an append may write them just before)
+  __syncthreads();
+  if (score) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+    const uint4* bb = static_cast<const uint4*>(a.bounds[b]);
+    const int ntiles = int((end - beg + 7) / 8);
+    for (int t = warp; t < ntiles; t += NW) {
+      const int page0 = int(beg) + 8 * t, p = page0 + gid;
+      const uint4* src = bb + (size_t(p) * a.hkv + h) * (D / 4) + tig;
+      float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int c0 = 0; c0 < NC; c0 += NCH) {
+        uint4 u[NCH];
+#pragma unroll
+        for (int c = 0; c < NCH; ++c) u[c] = p < end ? __ldg(src + 4 * (c0 + c)) : make_uint4(0u, 0u, 0u, 0u);
+        tile_mma<T>(frag + lane, c0, u, acc0, acc1);
+      }
+      if (gid == 0) {  // vector 0 (the group's sum): pages page0 + 2*tig + {0, 1}
+        const float2 sc = tile_scores(acc0, acc1);
+        const int pc = page0 + 2 * tig;
+        if (pc < end) keys[pc - beg] = td::ord_key(sc.x);
+        if (pc + 1 < end) keys[pc + 1 - beg] = td::ord_key(sc.y);
+      }
+    }
+  }
+  pdl_launch_dependents();  // the expansion may launch (it waits for this kernel's end)
+  __syncthreads();
+  td::RowsArgs ra{};
+  ra.max_len = ncand;  // no lengths array: the row's length is its candidate count
+  ra.k = a.k_host;
+  ra.out_idx = picked;
+  td::rows_select<false, true, true>(ra, cl, row, keys, want);
 }
 
 // ---- 3. pages to tokens ----------------------------------------------------------------------
@@ -504,9 +590,69 @@ Status launch_score(ScoreArgs a, int B, int max_cand, cudaStream_t st) {
   return {};
 }
 
+// The fused kernel's cluster size for `rows` rows of up to max_cand candidate pages (0: not used),
+// with its dynamic shared memory. Automatic: fused only for rows longer than the one-CTA top-k
+// takes (above 16384 pages: 256K tokens in pages of 16), where the unfused path's top-k runs on
+// clusters too and reads the scores back from global memory; shorter rows keep the score kernel,
+// which spreads over every SM (the fused kernel runs a row on one cluster, 64 SMs for 8 rows:
+// slower at 128K, docs/perf.md). Cluster size: waves of clusters times the pages a CTA scores, plus
+// a per-pass synchronisation cost growing with the cluster size. KVS_QUEST_CLUSTER (environment,
+// read once) or detail::set_quest_cluster: 0 = the unfused kernels, 1-16 = that cluster size.
+std::atomic<int> g_cluster{-2};  // -2: not read from the environment yet; -1: automatic
+
+int cluster_override() {
+  int v = g_cluster.load(std::memory_order_relaxed);
+  if (v == -2) {
+    const char* e = std::getenv("KVS_QUEST_CLUSTER");
+    v = e && *e ? std::atoi(e) : -1;
+    int expected = -2;
+    if (!g_cluster.compare_exchange_strong(expected, v, std::memory_order_relaxed)) v = expected;
+  }
+  return v;
+}
+
+template <typename T, int D>
+Status fused_plan(int rows, int max_cand, int* cluster, size_t* smem) {
+  static ClusterOccupancy occ;
+  *cluster = 0;
+  *smem = 0;
+  const int force = cluster_override();
+  if (force == 0 || max_cand < 1 || (force < 0 && max_cand <= td::kSmallMaxLen)) return {};
+  int dev = 0;
+  KVS_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
+  const size_t fixed = size_t(2 * D / 16) * 512 + size_t(2 * D) * 4;  // fragments + vector
+  // The key cache's limit less 16 KB: at d = 256 the fragments and the select's own 33 KB of static
+  // shared memory would pass the 227 KB a CTA may have.
+  const size_t max_bytes = fixed + td::kCacheBytesMax - 16 * 1024;
+  int64_t best = 0;
+  for (int ci = 0; ci < 5; ++ci) {
+    const int C = 1 << ci;
+    if (force > 0 && C != force) continue;
+    const int64_t chunk = (td::ceil_div(max_cand, C) + 3) & ~int64_t(3);
+    const size_t bytes = fixed + size_t(chunk) * 4;
+    if (bytes > max_bytes) continue;
+    const int n = occ.clusters(score_select_kernel<T, D>, dev, ci, bytes, td::kRowsThreads, max_bytes);
+    if (n <= 0) continue;
+    const int64_t cost = td::ceil_div(rows, n) * (chunk + 32 * C);
+    if (*cluster == 0 || cost < best) {
+      best = cost;
+      *cluster = C;
+      *smem = bytes;
+    }
+  }
+  return {};
+}
+
 }  // namespace
 
 namespace detail {
+bool set_quest_cluster(int cluster) noexcept {
+  if (cluster < -1 || cluster > 16 || (cluster > 0 && (cluster & (cluster - 1)) != 0)) return false;
+  g_cluster.store(cluster, std::memory_order_relaxed);
+  return true;
+}
+int quest_last_cluster() noexcept { return g_last_cluster.load(std::memory_order_relaxed); }
+
 bool set_quest_tiles_per_warp(int tiles) noexcept {
   if (tiles < 0 || tiles > 64) return false;
   g_tiles.store(tiles, std::memory_order_relaxed);
@@ -587,6 +733,7 @@ Status quest_select(const AttnShape& shape, const Query& q, Scalar kv_dtype, con
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   char* w = static_cast<char*>(ws.ptr);
   int32_t* picked = L.k_host > 0 ? reinterpret_cast<int32_t*>(w + L.picked) : nullptr;
+  int last_cluster = 0;
   if (L.k_host > 0) {
     ScoreArgs a{};
     a.q = q.data;
@@ -607,14 +754,29 @@ Status quest_select(const AttnShape& shape, const Query& q, Scalar kv_dtype, con
     a.scores = reinterpret_cast<float*>(w + L.scores);
     a.S = L.S;
     a.lens = reinterpret_cast<int32_t*>(w + L.lens);
+    // Summed mode: scores and top-k fused in one cluster kernel when the row's slices fit in
+    // shared memory; else (and per query head) the score kernel, then topk_rows.
     Status s = with_type_dim(kv_dtype, shape.head_dim, [&](auto tag, auto dim) -> Status {
-      return launch_score<decltype(tag), decltype(dim)::value>(a, shape.batch, L.max_pages - 1, st);
+      using T = decltype(tag);
+      constexpr int D = decltype(dim)::value;
+      int C = 0;
+      size_t smem = 0;
+      if (V == 1)
+        if (Status e = fused_plan<T, D>(rows, L.max_pages - 1, &C, &smem); !e.ok()) return e;
+      if (C > 0 && int64_t(rows) * C <= 0x7fffffffLL) {
+        last_cluster = C;
+        KVS_CUDA_TRY(launch_kernel(score_select_kernel<T, D>, dim3(unsigned(rows * C)), dim3(td::kRowsThreads), smem,
+                                   st, pdl, C, a, picked),
+                     "quest score_select kernel launch");
+        return {};
+      }
+      if (Status e = launch_score<T, D>(a, shape.batch, L.max_pages - 1, st); !e.ok()) return e;
+      return topk_rows(a.scores, L.S, a.lens, rows, L.max_len, L.k_host, picked, nullptr,
+                       Workspace{w + L.topk, L.topk_bytes}, stream);
     });
     if (!s.ok()) return s;
-    s = topk_rows(a.scores, L.S, a.lens, rows, L.max_len, L.k_host, picked, nullptr,
-                  Workspace{w + L.topk, L.topk_bytes}, stream);
-    if (!s.ok()) return s;
   }
+  g_last_cluster.store(last_cluster, std::memory_order_relaxed);
   ExpandArgs e{};
   e.lengths = lengths;
   e.budget = budget_keys;

@@ -49,11 +49,14 @@ Status quest_update_bounds(const AttnShape& shape, const PagedKv& kv, Scalar kv_
 // (equal to the sum of the per-head bounds since M >= m), on tensor cores: P|N split into two
 // 16-bit parts (hi + lo, relative error <= 2^-18 per term for bf16, 2^-22 for fp16) against the
 // exact bounds, fp32 accumulation. With fp16 KV, |P_i| and |N_i| must stay below 65504.
-// Steps: 1 launch scoring (each bound read once for the whole group, 16-byte loads), the row top-k
-// of topk.cuh over the page scores (rows padded with +inf past each sequence's candidates so one
-// host-side k = max_want - 1 serves every budget), 1 launch expanding pages to tokens. The top-k
-// is a programmatic dependent launch of the scoring; with pdl (see cuda_attention.cuh) the scoring
-// and the expansion are too, the scoring reading q before the stream's previous kernel ends.
+// Steps (summed mode, rows whose scores fit in 16 CTAs' shared memory): 1 launch scoring and
+// selecting in a thread-block cluster per row (the same scores and picks as the steps below), 1
+// launch expanding pages to tokens. Otherwise: 1 launch scoring (each bound read once for the
+// whole group, 16-byte loads), the row top-k of topk.cuh over the page scores (rows padded with
+// +inf past each sequence's candidates so one host-side k = max_want - 1 serves every budget), 1
+// launch expanding pages to tokens. The top-k is a programmatic dependent launch of the scoring;
+// with pdl (see cuda_attention.cuh) the scoring (fused or not) and the expansion are too, the
+// scoring reading q before the stream's previous kernel ends.
 size_t quest_select_workspace_bytes(const AttnShape& shape, int32_t max_length, int32_t page_size,
                                     int32_t max_want) noexcept;
 Status quest_select(const AttnShape& shape, const Query& q, Scalar kv_dtype, const void* const* bounds,
@@ -65,6 +68,12 @@ Status quest_select(const AttnShape& shape, const Query& q, Scalar kv_dtype, con
 namespace detail {
 // Tiles of 8 pages each warp of the scoring kernel walks (0 = automatic). Benchmarking only.
 bool set_quest_tiles_per_warp(int tiles) noexcept;
+// The summed mode's fused scoring and top-k (one thread-block cluster per row): -1 = automatic
+// (the default; the environment's KVS_QUEST_CLUSTER when set), 0 = never (score kernel + topk_rows),
+// 1, 2, 4, 8 or 16 = that cluster size where the row's slices fit. Tests and benchmarks.
+bool set_quest_cluster(int cluster) noexcept;
+// The cluster size of the last quest_select call's fused kernel (0: the unfused kernels).
+int quest_last_cluster() noexcept;
 }  // namespace detail
 
 }  // namespace kvs::cuda

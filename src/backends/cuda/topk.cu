@@ -76,8 +76,7 @@ __global__ void __launch_bounds__(kRowsThreads, 1) topk_rows_kernel(const RowsAr
 // (256 bins: one warp finds the digit with a suffix scan over lanes); the write is one block scan of
 // each thread's (greater, equal) counts, which are in index order because the keys are.
 constexpr int kSmallThreads = kRowsThreads;  // block_excl_scan is written for 32 warps
-constexpr int kSmallMaxKpt = 16;  // 8 rows of 32768: 20.1 us here against 15.0 us on clusters of 8 (H100)
-constexpr int kSmallMaxLen = kSmallThreads * kSmallMaxKpt;
+constexpr int kSmallMaxKpt = kSmallMaxLen / kSmallThreads;
 
 template <int KPT, bool VEC>
 __global__ void __launch_bounds__(kSmallThreads, 1) topk_small_kernel(const RowsArgs a) {
@@ -629,11 +628,6 @@ Status dispatch_scores(const ScoreArgs& a, int D, int GT, bool per_head, const W
 }
 
 // ---- top-k launch planning ------------------------------------------------------------------------
-// Clusters of a kernel variant that fit on the device at once, per (device, variant, cluster size,
-// shared memory rounded up to 16 KB). Asked once, then read from here.
-constexpr int kOccDevices = 16, kSmemBuckets = kCacheBytesMax / (16 * 1024) + 2;
-std::atomic<int> g_cluster_occ[kOccDevices][kRowsVariants][5][kSmemBuckets];
-
 using RowsKernel = void (*)(const RowsArgs);
 RowsKernel rows_kernel(int variant) {
   switch (variant) {
@@ -644,42 +638,13 @@ RowsKernel rows_kernel(int variant) {
   }
 }
 
-Status prepare_rows_kernel(RowsKernel k) {
-  KVS_CUDA_TRY(cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
-               "cudaFuncSetAttribute(NonPortableClusterSizeAllowed)");
-  KVS_CUDA_TRY(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kCacheBytesMax),
-               "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
-  return {};
-}
+// Clusters of a kernel variant that fit on the device at once, per (device, variant, cluster size,
+// shared memory rounded up to 16 KB): asked once (attributes set then), then read from here.
+ClusterOccupancy g_occupancy[kRowsVariants];
 
-// Kernel attributes (cluster size 16, dynamic shared memory) are set once per (device, variant),
-// so that calls after the first one make no attribute call (e.g. while a graph is captured).
-std::atomic<bool> g_prepared[kOccDevices][kRowsVariants];
-
-Status prepare_variant(int dev, int variant) {
-  if (dev < kOccDevices && g_prepared[dev][variant].load(std::memory_order_acquire)) return {};
-  Status e = prepare_rows_kernel(rows_kernel(variant));
-  if (!e.ok()) return e;
-  if (dev < kOccDevices) g_prepared[dev][variant].store(true, std::memory_order_release);
-  return {};
-}
-
-Status cluster_occupancy(int dev, int variant, int ci, int smem_bucket, int* out) {
-  // Slots hold clusters + 1; 0 = not asked yet (zero-initialised statics).
-  std::atomic<int>* slot = dev < kOccDevices ? &g_cluster_occ[dev][variant][ci][smem_bucket] : nullptr;
-  if (slot) {
-    const int v = slot->load(std::memory_order_relaxed);
-    if (v > 0) {
-      *out = v - 1;
-      return {};
-    }
-  }
-  RowsKernel k = rows_kernel(variant);
-  Status e = prepare_variant(dev, variant);
-  if (!e.ok()) return e;
-  const int n = max_active_clusters(k, 1 << ci, kRowsThreads, size_t(smem_bucket) * 16 * 1024);
-  if (slot) slot->store(n + 1, std::memory_order_relaxed);
-  *out = n;
+Status cluster_occupancy(int dev, int variant, int ci, size_t smem, int* out) {
+  *out = g_occupancy[variant].clusters(rows_kernel(variant), dev, ci, smem, kRowsThreads, kCacheBytesMax);
+  if (*out < 0) return unsupported("topk_rows: the device refused the cluster kernel's attributes");
   return {};
 }
 
@@ -753,10 +718,9 @@ Status topk_rows(const float* scores, int64_t row_stride, const int32_t* lengths
     if (force <= 0 && C > 1 && chunk < 1024) break;  // slices too small to be worth a cluster barrier
     const bool cache = chunk * 4 <= kCacheBytesMax;
     const size_t smem = cache ? size_t(chunk) * 4 : 0;
-    const int bucket = int(ceil_div(int64_t(smem), 16 * 1024));
     const int variant = (vec ? 2 : 0) + (cache ? 1 : 0);
     int nclusters = 0;
-    Status e = cluster_occupancy(dev, variant, ci, bucket, &nclusters);
+    Status e = cluster_occupancy(dev, variant, ci, smem, &nclusters);
     if (!e.ok()) return e;
     if (nclusters <= 0) continue;
     const int64_t waves = ceil_div(rows, nclusters);
@@ -769,10 +733,7 @@ Status topk_rows(const float* scores, int64_t row_stride, const int32_t* lengths
   const int C = 1 << best_ci;
   g_last_cluster.store(C, std::memory_order_relaxed);
   if (int64_t(rows) * C > 0x7fffffffLL) return unsupported("topk_rows: too many rows");
-  RowsKernel kern = rows_kernel(best_var);
-  Status e = prepare_variant(dev, best_var);
-  if (!e.ok()) return e;
-
+  RowsKernel kern = rows_kernel(best_var);  // attributes set by cluster_occupancy
   KVS_CUDA_TRY(launch_kernel(kern, dim3(unsigned(int64_t(rows) * C)), dim3(kRowsThreads), best_smem, st, /*pdl=*/true,
                              C, a),
                "topk_rows_kernel launch");
