@@ -71,38 +71,65 @@ __device__ __forceinline__ bool worse(float va, int32_t ia, float vb, int32_t ib
   return va < vb || (va == vb && ia > ib);
 }
 
-// csa::heap_sift_down on one list (root = worst entry) from position i.
+// csa::heap_sift_down on one list (root = worst entry) from the root, interleaved with the lower
+// bound of `key` among the n ascending tokens of si (none when si is null): the two chains of
+// dependent loads advance one step each per iteration, so the search's latency hides under the
+// sift's. Returns the lower bound (0 without si).
 template <bool F16>
-__device__ void sift_down(int32_t* idx, void* val, int64_t L, int64_t i) {
+__device__ int sift_root_and_find(int32_t* idx, void* val, int64_t L, const int32_t* si, int n, int32_t key) {
   using S = std::conditional_t<F16, uint16_t, float>;
   S* v = static_cast<S*>(val);
-  const int32_t xi = idx[i];
-  const S xv = v[i];
-  const float xf = val_at<F16>(val, i);
-  for (;;) {
-    int64_t c = 2 * i + 1;
-    if (c >= L) break;
-    // The node's descendants three levels down (8 consecutive entries) into L2 now, so a path
-    // through a cold heap waits for memory once every three levels (csattention.hpp does the same).
-    if (const int64_t g = 8 * i + 7; g < L) {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(idx + g));
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(v + g));
+  const int32_t xi = idx[0];
+  const S xv = v[0];
+  const float xf = val_at<F16>(val, 0);
+  int64_t i = 0;
+  bool sifting = L > 1;
+  int lo = 0, hi = si ? n : 0;
+  while (sifting || lo < hi) {
+    // One step of the search: its load is issued beside the sift's.
+    int mid = 0;
+    int32_t at = 0;
+    const bool searching = lo < hi;
+    if (searching) {
+      mid = (lo + hi) >> 1;
+      at = si[mid];
     }
-    float cf = val_at<F16>(val, c);
-    if (c + 1 < L) {
-      const float rf = val_at<F16>(val, c + 1);
-      if (worse(rf, idx[c + 1], cf, idx[c])) {
-        ++c;
-        cf = rf;
+    if (sifting) {  // one level of the sift
+      int64_t c = 2 * i + 1;
+      if (c >= L) {
+        sifting = false;
+      } else {
+        // The node's descendants three levels down (8 consecutive entries) into L2 now, so a path
+        // through a cold heap waits for memory once every three levels (csattention.hpp does the same).
+        if (const int64_t g = 8 * i + 7; g < L) {
+          asm volatile("prefetch.global.L2 [%0];" ::"l"(idx + g));
+          asm volatile("prefetch.global.L2 [%0];" ::"l"(v + g));
+        }
+        float cf = val_at<F16>(val, c);
+        if (c + 1 < L) {
+          const float rf = val_at<F16>(val, c + 1);
+          if (worse(rf, idx[c + 1], cf, idx[c])) {
+            ++c;
+            cf = rf;
+          }
+        }
+        if (!worse(cf, idx[c], xf, xi)) {
+          sifting = false;
+        } else {
+          idx[i] = idx[c];
+          v[i] = v[c];
+          i = c;
+        }
       }
     }
-    if (!worse(cf, idx[c], xf, xi)) break;
-    idx[i] = idx[c];
-    v[i] = v[c];
-    i = c;
+    if (searching) {
+      if (at < key) lo = mid + 1;
+      else hi = mid;
+    }
   }
   idx[i] = xi;
   v[i] = xv;
+  return lo;
 }
 
 // ---- streaming update ----
@@ -129,21 +156,17 @@ __device__ __forceinline__ float score_of(ScoreBits<F16> b) {
   else return __uint_as_float(b);
 }
 
-// The streaming update's change to list `list` in token order: `evicted` (the heap's former root)
-// marked dead, token t appended with its stored score; a full list is compacted first (its dead
-// entries dropped, order kept: O(Lcap), once every Lcap - L evictions).
+// The streaming update's change to list `list` in token order: `evicted` (the heap's former root,
+// at position lo, its lower bound among the list's c = scnt[list] tokens: dead entries keep their
+// tokens) marked dead, token t appended with its stored score; a full list is compacted first (its
+// dead entries dropped, order kept: O(Lcap), once every Lcap - L evictions).
 template <bool F16>
-__device__ void token_list_replace(const CsaSession& s, int64_t list, int32_t evicted, int32_t t, float stored) {
+__device__ void token_list_replace(const CsaSession& s, int64_t list, int32_t evicted, int lo, int32_t t,
+                                   float stored) {
   using B = ScoreBits<F16>;
   int32_t* si = s.sidx + list * s.Lcap;
   B* sv = static_cast<B*>(s.sval) + list * s.Lcap;
   int c = s.scnt[list];
-  int lo = 0, hi = c;  // lower bound of `evicted` (dead entries keep their tokens)
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (si[mid] < evicted) lo = mid + 1;
-    else hi = mid;
-  }
   if (lo < c && si[lo] == evicted) sv[lo] = kDead<F16>;
   if (c >= s.Lcap) {
     int w = 0;
@@ -194,8 +217,10 @@ __device__ void insert_list(const InsertArgs& a, const CsaSession& s, int b, int
     }
     const int32_t evicted = idx[0];
     idx[0] = t;
-    sift_down<F16>(idx, val, s.L, 0);
-    if (s.sidx) token_list_replace<F16>(s, list, evicted, t, stored);
+    // The sift and the evicted token's search in the token-ordered copy, side by side.
+    const int32_t* si = s.sidx ? s.sidx + list * s.Lcap : nullptr;
+    const int at = sift_root_and_find<F16>(idx, val, s.L, si, si ? s.scnt[list] : 0, evicted);
+    if (s.sidx) token_list_replace<F16>(s, list, evicted, at, t, stored);
   }
 }
 
