@@ -345,14 +345,121 @@ def test_unsupported_layer_types_are_refused():
         kt.KvsieveCache(cfg)
 
 
-def test_cuda_backend_refuses_beam_reorder_without_gpu_work():
-    """The cuda backend cannot fork: a reorder of a non-empty cache is refused before any GPU call."""
-    cache = kt.KvsieveCache(tiny_llama().config, backend="cuda")
-    cache.sessions = [object(), object()]   # stand-ins: the refusal comes first
-    cache._held = [[1], [1]]
-    with pytest.raises(NotImplementedError, match="cuda backend"):
-        cache.reorder_cache(torch.tensor([1, 0]))
-    cache.sessions, cache._held = [], []
+# ---- the cuda backend (skipped without a GPU and a CUDA build of kvsieve) ----
+def _cuda_ready():
+    if not torch.cuda.is_available():
+        return False
+    return any(m.name == "full" and "cuda" in m.backends for m in kvsieve.methods())
+
+
+cuda_only = pytest.mark.skipif(not _cuda_ready(), reason="needs a GPU and kvsieve built with CUDA")
+CUDA_TOL = 3e-3   # fp16 KV (the cuda backend stores bf16/fp16): K/V rounding sets the tolerance
+
+
+def tiny_llama_cuda(num_heads=4, num_kv_heads=2, seed=0, layers=3):
+    """tiny_llama with head dim 64 (the cuda kernels take 64, 128 and 256) on the GPU, float32; the
+    weights' std shrinks with the width so that the logits' spread does not grow with it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=101, hidden_size=num_heads * 64, intermediate_size=96,
+                      num_hidden_layers=layers, num_attention_heads=num_heads,
+                      num_key_value_heads=num_kv_heads, head_dim=64, max_position_embeddings=256,
+                      rope_theta=10000.0, attn_implementation="eager", pad_token_id=PAD)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    std = 0.15 * (64.0 / cfg.hidden_size) ** 0.5
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "proj" in name:
+                p.normal_(0.0, std)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = PAD
+    return model.to("cuda")
+
+
+def _close(got, want, tol=CUDA_TOL):
+    err = (got - want).abs().max().item()
+    scale = want.abs().max().item()
+    assert err <= tol * scale, f"max |logit diff| {err} (logit scale {scale})"
+
+
+@cuda_only
+@pytest.mark.parametrize("lengths", [[23], [23, 9, 16]], ids=["b1", "b3_leftpad"])
+def test_cuda_generate_full_matches_eager(lengths):
+    """generate() with the cache on the cuda backend (tensors stay on the GPU): the same tokens as
+    eager attention, logits within fp16 KV rounding; one session per row, every layer holding that
+    row's real tokens."""
+    model = tiny_llama_cuda()
+    ids, mask = prompts(lengths)
+    ids, mask = ids.cuda(), mask.cuda()
+    want_tok, want_logits = generate(model, ids, mask, "eager")
+    with kt.KvsieveCache(model.config, method="full", kv_dtype="float16", backend="cuda") as cache:
+        got_tok, got_logits = generate(model, ids, mask, kt.NAME, cache)
+        assert torch.equal(got_tok, want_tok), (got_tok, want_tok)
+        _close(got_logits, want_logits)
+        for b, n in enumerate(lengths):
+            assert cache.sessions[b].layer_tokens(model.config.num_hidden_layers - 1) == n + NEW - 1
+
+
+@cuda_only
+def test_cuda_beam_search_matches_eager():
+    """Beam search on the cuda backend: every step's reorder forks the sessions on the GPU (KV pages
+    shared copy-on-write); the same beams as eager attention."""
+    model = tiny_llama_cuda()
+    ids, mask = prompts([23, 9])
+    ids, mask = ids.cuda(), mask.cuda()
+    kw = dict(max_new_tokens=NEW, do_sample=False, num_beams=3, num_return_sequences=2)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, **kw)
+    with kt.KvsieveCache(model.config, method="full", kv_dtype="float16", backend="cuda") as cache:
+        model.set_attn_implementation(kt.NAME)
+        with torch.no_grad():
+            got = model.generate(ids, attention_mask=mask, past_key_values=cache, **kw)
+        assert len(cache.sessions) == 6
+    assert torch.equal(got, want), (got, want)
+
+
+@cuda_only
+@pytest.mark.parametrize("method,kw", [("full", {}), ("quest", {"budget": 0.5})])
+def test_cuda_crop_continues_as_a_cache_that_never_saw_the_tokens(method, kw):
+    """cache.crop(-k) on the cuda backend (Session.truncate on the GPU): the next steps give
+    bit-identical logits to a cache fed only the kept tokens."""
+    model = tiny_llama_cuda()
+    model.set_attn_implementation(kt.NAME)
+    ids, _ = prompts([40], seed=5)
+    g = torch.Generator().manual_seed(6)
+    drafts, after = torch.randint(1, 101, (1, 6), generator=g), torch.randint(1, 101, (1, 4), generator=g)
+    ids, drafts, after = ids.cuda(), drafts.cuda(), after.cuda()
+    a = kt.KvsieveCache(model.config, method=method, kv_dtype="float16", backend="cuda", **kw)
+    b = kt.KvsieveCache(model.config, method=method, kv_dtype="float16", backend="cuda", **kw)
+    with a, b, torch.no_grad():
+        model(ids, past_key_values=a)
+        for t in range(6):
+            model(drafts[:, t:t + 1], past_key_values=a)
+        a.crop(-4)
+        assert a.get_seq_length() == 42 and a.session.layer_tokens(2) == 42
+        model(ids, past_key_values=b)
+        for t in range(2):
+            model(drafts[:, t:t + 1], past_key_values=b)
+        for t in range(4):
+            la = model(after[:, t:t + 1], past_key_values=a).logits
+            lb = model(after[:, t:t + 1], past_key_values=b).logits
+            assert torch.equal(la, lb)
+
+
+@cuda_only
+def test_cuda_sparse_quest_runs_through_generate():
+    """quest at 25% on the cuda backend through generate() (left-padded batch of 2): the first step
+    comes from the exact prompt pass (fp16 KV rounding), the decode steps select a subset of pages."""
+    model = tiny_llama_cuda()
+    ids, mask = prompts([64, 50])
+    ids, mask = ids.cuda(), mask.cuda()
+    with kt.KvsieveCache(model.config, method="quest", budget=0.25, kv_dtype="float16", backend="cuda") as cache:
+        tok, logits = generate(model, ids, mask, kt.NAME, cache)
+        frac = [s.stats.last_selected_fraction for s in cache.sessions]
+    ref = teacher_forced_eager_logits(model, ids, mask, tok)
+    _close(logits[:, 0], ref[:, 0])
+    assert all(0.0 < f < 0.5 for f in frac), frac
 
 
 def test_missing_dependency_message(monkeypatch):

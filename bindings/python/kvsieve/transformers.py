@@ -26,18 +26,21 @@ Batches: row b of the batch is ``cache.sessions[b]``. Left padding (``tokenizer.
 stored in its session, and generate's position ids (counted over the mask) give its real tokens the
 positions an unpadded run would. Padding after a real token (right padding, holes) is refused.
 
-Beam search, ``num_return_sequences`` and other row reorderings fork the sessions (copy-on-write KV,
-cpu backend only). Removing tokens (``crop``: assisted / speculative decoding) truncates every row's
-session (``Session.truncate``, cpu backend): full, exact_topk, streaming and quest roll back to any
-length; the methods whose index keeps history (csattention, ctkvr, lfps, hgca, retroinfer) as far back
-as ``max_rollback`` tokens (a ``KvsieveCache`` argument, 0 by default: give the most tokens one
-crop removes), never below the prompt their index was built on (so not with ``assistant_model``,
-whose first drafts come with the prompt).
+Beam search, ``num_return_sequences`` and other row reorderings fork the sessions (copy-on-write KV
+pages, on either backend). Removing tokens (``crop``: assisted / speculative decoding) truncates every
+row's session (``Session.truncate``): full, exact_topk, streaming and quest roll back to any length;
+on the cpu backend the methods whose index keeps history (csattention, ctkvr, lfps, hgca, retroinfer)
+as far back as ``max_rollback`` tokens (a ``KvsieveCache`` argument, 0 by default: give the most
+tokens one crop removes), never below the prompt their index was built on (so not with
+``assistant_model``, whose first drafts come with the prompt); on the cuda backend csattention not
+below its indexed tokens.
 
 Not supported (a clear error each): sliding-window, chunked, linear-attention or shared-KV layers,
 attention logit softcapping, dropout (call ``model.eval()``), packed sequences or custom mask
 overlays, dtypes other than float32/float16/bfloat16, several new tokens after the prompt on the cuda
-backend. The cuda backend runs full and exact_topk only, head dims 64 and 128, and cannot fork.
+backend (its append computes no attention output; so no ``assistant_model`` there either). The cuda
+backend runs the methods that have CUDA kernels (``kvsieve.methods()``: full, exact_topk, streaming,
+quest, csattention), head dims 64, 128 and 256.
 """
 
 from __future__ import annotations
@@ -155,7 +158,7 @@ class KvsieveCache(Cache):
         self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // self.num_q_heads)
         super().__init__(layers=[_KvsieveLayer(i) for i in range(self.num_layers)])
         for layer in self.layers:
-            layer.is_croppable = backend == "cpu"
+            layer.is_croppable = True   # Session.truncate says which methods and lengths it takes
         self.max_rollback = int(max_rollback)
         self._config = config
         self.method, self.budget, self.budget_tokens = method, budget, budget_tokens
@@ -260,9 +263,6 @@ class KvsieveCache(Cache):
             return
         if rows == list(range(len(self.sessions))):
             return
-        if self.backend == "cuda":
-            raise NotImplementedError(f"KvsieveCache: {what} needs Session.fork, which the cuda backend does not "
-                                      "have (use the cpu backend, or greedy/sampling without beams)")
         new = [self.sessions[i].fork() for i in rows]
         held = [list(self._held[i]) for i in rows]
         for s in self.sessions:
@@ -270,7 +270,7 @@ class KvsieveCache(Cache):
         self.sessions, self._held = new, held
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: row i becomes a fork of row ``beam_idx[i]`` (cpu backend)."""
+        """Beam search: row i becomes a fork of row ``beam_idx[i]``."""
         self._select_rows([int(i) for i in beam_idx.tolist()], "beam search (reorder_cache)")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -306,7 +306,7 @@ class KvsieveCache(Cache):
 
     def fork(self) -> "KvsieveCache":
         """A new cache at this cache's current state (every session forked: KV shared copy-on-write,
-        the method's index copied). Both evolve independently. cpu backend."""
+        the method's index copied). Both evolve independently."""
         if not self.sessions:
             raise ValueError("fork: the cache holds no session yet (run the prompt first)")
         c = KvsieveCache.__new__(KvsieveCache)
