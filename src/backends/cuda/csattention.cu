@@ -295,8 +295,8 @@ __global__ void __launch_bounds__(kThreads) pick_kernel(PickArgs a, InsertArgs i
   const int b = row / TH, h = row % TH;
   const CsaSession s = a.ss[b];
   const bool search = s.search == 1;
-  float* acc = a.acc + int64_t(row) * a.stride;
-  if (yb < fy) {  // this CTA's slice of [0, w_begin) becomes untouched
+  if (yb < fy) {  // this CTA's slice of [0, w_begin) becomes untouched (fy = 0: no accumulators)
+    float* acc = a.acc + int64_t(row) * a.stride;
     if (search) {
       const int64_t n = s.w_begin, per = (n + fy - 1) / fy;
       const int64_t beg = int64_t(yb) * per, end = min(n, beg + per);
@@ -903,7 +903,10 @@ struct Layout {
   int32_t GR;    // heads scored per row by the rerank: 1 per query head, else G
 };
 
-Layout make_layout(const CsaConfig& cfg, int32_t B, int32_t hq, int32_t hkv, int32_t max_length, int32_t max_rest) {
+// with_acc: the scatter path's accumulator rows (rows x max_length floats; not needed when the
+// fused kernel reduces in shared memory: reduce_plan).
+Layout make_layout(const CsaConfig& cfg, int32_t B, int32_t hq, int32_t hkv, int32_t max_length, int32_t max_rest,
+                   bool with_acc) {
   Layout L{};
   const int G = hq / hkv;
   L.rows = B * cfg.TH;
@@ -915,7 +918,7 @@ Layout make_layout(const CsaConfig& cfg, int32_t B, int32_t hq, int32_t hkv, int
     o += align256(bytes);
     return at;
   };
-  L.acc = take(size_t(L.rows) * size_t(L.stride) * 4);
+  L.acc = take(with_acc ? size_t(L.rows) * size_t(L.stride) * 4 : 0);
   L.pk_base = take(size_t(L.rows) * L.P * 8);
   L.pk_w = take(size_t(L.rows) * L.P * 4);
   L.pk_n = take(size_t(L.rows) * 4);
@@ -997,12 +1000,25 @@ Status fused_plan(int32_t rows, int32_t max_length, int* cluster, size_t* smem) 
   return {};
 }
 
+// The step's reduce: the fused kernel's cluster size and dynamic shared memory, or 0 for the
+// scatter kernel and topk_rows (which need the accumulator rows). The workspace size and the step
+// ask it alike (same arguments, cached answers), so they agree on the layout.
+Status reduce_plan(const CsaConfig& cfg, int32_t rows, int32_t max_length, int32_t max_rest, int* fc, size_t* fsmem) {
+  *fc = 0;
+  *fsmem = 0;
+  if (max_rest <= 0) return {};
+  return cfg.f16_scores ? fused_plan<true>(rows, max_length, fc, fsmem) : fused_plan<false>(rows, max_length, fc, fsmem);
+}
+
 }  // namespace
 
 size_t csa_select_workspace_bytes(const CsaConfig& cfg, int32_t B, int32_t hq, int32_t hkv, int32_t max_length,
                                   int32_t max_rest) noexcept {
   if (B < 1 || hq < 1 || hkv < 1 || hq % hkv || cfg.m < 1 || cfg.TH < 1 || max_length < 1) return 0;
-  return make_layout(cfg, B, hq, hkv, max_length, max_rest).total;
+  int fc = 0;
+  size_t fsmem = 0;
+  if (!reduce_plan(cfg, B * cfg.TH, max_length, max_rest, &fc, &fsmem).ok()) fc = 0;  // the larger layout
+  return make_layout(cfg, B, hq, hkv, max_length, max_rest, fc == 0).total;
 }
 
 Status csa_select(const CsaConfig& cfg, const CsaSession* sessions, int32_t B, int32_t hq, int32_t hkv, int32_t d,
@@ -1013,7 +1029,12 @@ Status csa_select(const CsaConfig& cfg, const CsaSession* sessions, int32_t B, i
   if (q.dtype != Scalar::F32 && q.dtype != kv_dtype) return invalid("csa_select: query must be F32 or the KV dtype");
   if (B < 1 || max_length < 1 || max_rest < 0 || max_selected < 1)
     return invalid("csa_select: capacities must be >= 1");
-  const Layout L = make_layout(cfg, B, hq, hkv, max_length, max_rest);
+  // The reduce by key and the top-k fused in one cluster kernel when the row's slices fit in
+  // shared memory (no accumulator rows then), else the scatter kernel and topk_rows.
+  int fc = 0;
+  size_t fsmem = 0;
+  if (Status e = reduce_plan(cfg, B * cfg.TH, max_length, max_rest, &fc, &fsmem); !e.ok()) return e;
+  const Layout L = make_layout(cfg, B, hq, hkv, max_length, max_rest, fc == 0);
   if (L.P > 512) return unsupported("csa_select: at most 512 picks (query heads per table head x subspaces)");
   const int G = hq / hkv;
   const int gq = cfg.per_query_head || cfg.group_sum ? 1 : G;
@@ -1022,7 +1043,7 @@ Status csa_select(const CsaConfig& cfg, const CsaSession* sessions, int32_t B, i
   if (ws.bytes < L.total || !ws.ptr) return invalid("csa_select: workspace smaller than csa_select_workspace_bytes");
   char* w = static_cast<char*>(ws.ptr);
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  float* acc = reinterpret_cast<float*>(w + L.acc);
+  float* acc = fc == 0 ? reinterpret_cast<float*>(w + L.acc) : nullptr;
   auto* pk_base = reinterpret_cast<int64_t*>(w + L.pk_base);
   auto* pk_w = reinterpret_cast<float*>(w + L.pk_w);
   auto* pk_n = reinterpret_cast<int32_t*>(w + L.pk_n);
@@ -1063,17 +1084,11 @@ Status csa_select(const CsaConfig& cfg, const CsaSession* sessions, int32_t B, i
     pa.row_k = row_k;
     pa.rows = L.rows;
     pa.fill_y = int32_t(std::clamp<int64_t>((int64_t(max_length) + 16383) / 16384, 1, 64));
-    // The reduce by key and the top-k fused in one cluster kernel when the row's slices fit in
-    // shared memory (no accumulator rows to reset then), else the scatter kernel and topk_rows.
-    int fc = 0;
-    size_t fsmem = 0;
-    if (max_rest > 0)
-      if (Status e = fused_plan<F16>(L.rows, max_length, &fc, &fsmem); !e.ok()) return e;
-    if (fc > 0) pa.fill_y = 0;
+    if (fc > 0) pa.fill_y = 0;  // no accumulator rows to reset
     const unsigned ctas = unsigned(L.rows * (pa.fill_y + 1) + B * kInsertCtas);
     pick_kernel<KT, F16><<<ctas, kThreads, qsmem, st>>>(pa, ia);
     KVS_LAUNCH_CHECK("csattention pick kernel launch");
-    float* const acc_used = fc > 0 ? nullptr : acc;  // the emit and the rerank check "touched" on it
+    float* const acc_used = acc;  // the emit and the rerank check "touched" on it (null: fused)
     if (fc > 0) {
       // 3-4. the row's touched keys reduced in its cluster's shared memory and the best `rest`
       // (or rerank * rest) of them selected there
