@@ -33,7 +33,7 @@ NEW = 8
 TOL = 2e-5   # f32 KV on the cpu backend: float rounding only (relative to the logits' scale)
 
 
-def tiny_llama(num_heads=4, num_kv_heads=2, head_dim=16, layers=3, seed=0, qk_std=None):
+def tiny_llama(num_heads=4, num_kv_heads=2, head_dim=16, layers=3, seed=0, qk_std=None, std=0.15):
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=101, hidden_size=num_heads * head_dim, intermediate_size=96,
                       num_hidden_layers=layers, num_attention_heads=num_heads,
@@ -46,7 +46,7 @@ def tiny_llama(num_heads=4, num_kv_heads=2, head_dim=16, layers=3, seed=0, qk_st
         for name, p in model.named_parameters():
             if "proj" in name:
                 sharp = qk_std is not None and ("q_proj" in name or "k_proj" in name)
-                p.normal_(0.0, qk_std if sharp else 0.15)
+                p.normal_(0.0, qk_std if sharp else std)
     model.generation_config.eos_token_id = None   # always NEW tokens, whatever comes out
     model.generation_config.pad_token_id = PAD
     return model
@@ -212,6 +212,29 @@ def test_full_cache_reports_seq_length_and_can_continue():
     assert_logits_close(got_logits, want_logits)
 
 
+def crop_then_compare(model, a, b, prompt, device="cpu"):
+    """Cache a: the prompt, 6 drafts, crop(-4). Cache b: the prompt and the 2 kept drafts. Then 4
+    more tokens into each: bit-identical logits. Returns (ids, drafts, after) for more checks."""
+    model.set_attn_implementation(kt.NAME)
+    ids, _ = prompts([prompt], seed=5)
+    g = torch.Generator().manual_seed(6)
+    drafts, after = torch.randint(1, 101, (1, 6), generator=g), torch.randint(1, 101, (1, 4), generator=g)
+    ids, drafts, after = ids.to(device), drafts.to(device), after.to(device)
+    model(ids, past_key_values=a)
+    for t in range(6):
+        model(drafts[:, t:t + 1], past_key_values=a)
+    a.crop(-4)
+    assert a.get_seq_length() == prompt + 2 and a.session.layer_tokens(2) == prompt + 2
+    model(ids, past_key_values=b)
+    for t in range(2):
+        model(drafts[:, t:t + 1], past_key_values=b)
+    for t in range(4):
+        la = model(after[:, t:t + 1], past_key_values=a).logits
+        lb = model(after[:, t:t + 1], past_key_values=b).logits
+        assert torch.equal(la, lb)
+    return ids, drafts, after
+
+
 @pytest.mark.parametrize("method,kw", [("full", {}), ("quest", {"budget": 0.5}),
                                        ("csattention", {"budget": 0.5, "max_rollback": 8}),
                                        ("hgca", {"budget": 0.5, "max_rollback": 8})])
@@ -220,25 +243,10 @@ def test_crop_continues_as_a_cache_that_never_saw_the_tokens(method, kw):
     fed only the kept tokens (the independent reference: a fresh cache, same calls up to the kept
     point)."""
     model = tiny_llama()
-    model.set_attn_implementation(kt.NAME)
-    ids, _ = prompts([20], seed=5)
-    g = torch.Generator().manual_seed(6)
-    drafts, after = torch.randint(1, 101, (1, 6), generator=g), torch.randint(1, 101, (1, 4), generator=g)
     a = kt.KvsieveCache(model.config, method=method, kv_dtype="float32", **kw)
     b = kt.KvsieveCache(model.config, method=method, kv_dtype="float32", **kw)
     with a, b, torch.no_grad():
-        model(ids, past_key_values=a)
-        for t in range(6):
-            model(drafts[:, t:t + 1], past_key_values=a)
-        a.crop(-4)
-        assert a.get_seq_length() == 22 and a.session.layer_tokens(2) == 22
-        model(ids, past_key_values=b)
-        for t in range(2):
-            model(drafts[:, t:t + 1], past_key_values=b)
-        for t in range(4):
-            la = model(after[:, t:t + 1], past_key_values=a).logits
-            lb = model(after[:, t:t + 1], past_key_values=b).logits
-            assert torch.equal(la, lb)
+        ids, drafts, after = crop_then_compare(model, a, b, prompt=20)
         # A verification pass of several tokens (append), then its rejected tail dropped. The kept
         # token's K/V come from a 3-token forward here and a 1-token forward in the reference, which
         # torch's matrix products round differently: float tolerance, and only where attention
@@ -359,21 +367,8 @@ CUDA_TOL = 3e-3   # fp16 KV (the cuda backend stores bf16/fp16): K/V rounding se
 def tiny_llama_cuda(num_heads=4, num_kv_heads=2, seed=0, layers=3):
     """tiny_llama with head dim 64 (the cuda kernels take 64, 128 and 256) on the GPU, float32; the
     weights' std shrinks with the width so that the logits' spread does not grow with it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=101, hidden_size=num_heads * 64, intermediate_size=96,
-                      num_hidden_layers=layers, num_attention_heads=num_heads,
-                      num_key_value_heads=num_kv_heads, head_dim=64, max_position_embeddings=256,
-                      rope_theta=10000.0, attn_implementation="eager", pad_token_id=PAD)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).eval()
-    std = 0.15 * (64.0 / cfg.hidden_size) ** 0.5
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "proj" in name:
-                p.normal_(0.0, std)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = PAD
-    return model.to("cuda")
+    return tiny_llama(num_heads, num_kv_heads, head_dim=64, layers=layers, seed=seed,
+                      std=0.15 * (1.0 / num_heads) ** 0.5).to("cuda")
 
 
 def _close(got, want, tol=CUDA_TOL):
@@ -425,26 +420,10 @@ def test_cuda_crop_continues_as_a_cache_that_never_saw_the_tokens(method, kw):
     """cache.crop(-k) on the cuda backend (Session.truncate on the GPU): the next steps give
     bit-identical logits to a cache fed only the kept tokens."""
     model = tiny_llama_cuda()
-    model.set_attn_implementation(kt.NAME)
-    ids, _ = prompts([40], seed=5)
-    g = torch.Generator().manual_seed(6)
-    drafts, after = torch.randint(1, 101, (1, 6), generator=g), torch.randint(1, 101, (1, 4), generator=g)
-    ids, drafts, after = ids.cuda(), drafts.cuda(), after.cuda()
     a = kt.KvsieveCache(model.config, method=method, kv_dtype="float16", backend="cuda", **kw)
     b = kt.KvsieveCache(model.config, method=method, kv_dtype="float16", backend="cuda", **kw)
     with a, b, torch.no_grad():
-        model(ids, past_key_values=a)
-        for t in range(6):
-            model(drafts[:, t:t + 1], past_key_values=a)
-        a.crop(-4)
-        assert a.get_seq_length() == 42 and a.session.layer_tokens(2) == 42
-        model(ids, past_key_values=b)
-        for t in range(2):
-            model(drafts[:, t:t + 1], past_key_values=b)
-        for t in range(4):
-            la = model(after[:, t:t + 1], past_key_values=a).logits
-            lb = model(after[:, t:t + 1], past_key_values=b).logits
-            assert torch.equal(la, lb)
+        crop_then_compare(model, a, b, prompt=40, device="cuda")
 
 
 @cuda_only
