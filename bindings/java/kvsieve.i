@@ -52,9 +52,11 @@ typedef struct kvsj_tensor {
 static const kvs_tensor* kvsj_t(kvsj_tensor* t) { return t ? &t->t : NULL; }
 %}
 
+/* $cleanup: the freearg typemaps (the UTF-8 copies of String arguments, pinned long[] elements) run
+ * on the error path too, as they do after a successful call. */
 %exception {
   $action
-  if (kvsj_pending) { kvsj_throw(jenv); return $null; }
+  if (kvsj_pending) { $cleanup kvsj_throw(jenv); return $null; }
 }
 
 %include <stdint.i>
