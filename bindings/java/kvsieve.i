@@ -5,7 +5,10 @@
  *    is idempotent (SWIG's delete() zeroes the pointer), and %newobject marks every function that
  *    returns an owned object so the proxy frees it. A Batch keeps its Session objects reachable (the
  *    C ABI wants the sessions to outlive the batch) and checks before each call that none was closed.
- *  - A kvs_error_t becomes org.kvsieve.KvsException(code, message, backendCode).
+ *  - A kvs_error_t becomes org.kvsieve.KvsException(code, message, backendCode, details); details is
+ *    null except where the failed call still described something (tablesDescribe of a corrupt file).
+ *  - Owned C strings (kvs_tables_describe's JSON) are %newobject with kvs_string_free as newfree; the
+ *    wrapper frees them on the error path too.
  *  - Tensors are direct NIO buffers; Tensor.of(...) (bindings/java/src) checks direct, byte order,
  *    dtype against the buffer class and capacity before the native side takes the address.
  */
@@ -24,22 +27,33 @@ typedef struct kvs_batch_s kvs_batch_s;
 /* The error of the call that just returned on this thread, thrown by the %exception block right
  * after it (never visible outside one wrapper call). */
 static __thread kvs_error_t kvsj_pending = NULL;
+/* What the failed call could still report (kvs_tables_describe's JSON of a corrupt file), owned
+ * (kvs_string_free); thrown with kvsj_pending as KvsException.details(). */
+static __thread char* kvsj_pending_details = NULL;
 static int kvsj_check(kvs_error_t e) {
   if (!e) return 0;
   kvs_error_destroy(kvsj_pending);
+  kvs_string_free(kvsj_pending_details);
   kvsj_pending = e;
+  kvsj_pending_details = NULL;
   return 1;
 }
 static void kvsj_throw(JNIEnv* jenv) {
   kvs_error_t e = kvsj_pending;
+  char* details = kvsj_pending_details;
   kvsj_pending = NULL;
+  kvsj_pending_details = NULL;
   jclass cls = (*jenv)->FindClass(jenv, "org/kvsieve/KvsException");
-  if (!cls) { kvs_error_destroy(e); return; }
-  jmethodID ctor = (*jenv)->GetMethodID(jenv, cls, "<init>", "(ILjava/lang/String;J)V");
+  if (!cls) { kvs_error_destroy(e); kvs_string_free(details); return; }
+  jmethodID ctor = (*jenv)->GetMethodID(jenv, cls, "<init>", "(ILjava/lang/String;JLjava/lang/String;)V");
   jstring msg = (*jenv)->NewStringUTF(jenv, kvs_error_message(e));
-  jobject ex = ctor && msg ? (*jenv)->NewObject(jenv, cls, ctor, (jint)kvs_error_code(e), msg,
-                                                (jlong)kvs_error_backend_code(e)) : NULL;
+  jstring det = details ? (*jenv)->NewStringUTF(jenv, details) : NULL;
+  jobject ex = ctor && msg && (det || !details)
+                   ? (*jenv)->NewObject(jenv, cls, ctor, (jint)kvs_error_code(e), msg,
+                                        (jlong)kvs_error_backend_code(e), det)
+                   : NULL;
   kvs_error_destroy(e);
+  kvs_string_free(details);
   if (ex) (*jenv)->Throw(jenv, (jthrowable)ex);
 }
 
@@ -126,6 +140,12 @@ static const kvs_tensor* kvsj_t(kvsj_tensor* t) { return t ? &t->t : NULL; }
 %javamethodmodifiers kvs_batch_s::decodeNative "private";
 %javamethodmodifiers kvs_batch_s::sizeNative "private";
 %javamethodmodifiers kvs_session_s::toBackend "private";
+%javamethodmodifiers kvsj_tables_describe "
+  /** Verifies a tables file (Session.save) and describes it as JSON text: header, parameters,
+   *  sections with sizes and checksum status, memory by part (kvs_tables_describe). Throws
+   *  KvsException naming the path for a missing or corrupt file; for a corrupt one, its details()
+   *  holds the JSON of what was readable (\"ok\": false). */
+  public";
 
 %newobject kvs_session_s::fork;
 %newobject kvs_session_s::toBackend;
@@ -441,24 +461,101 @@ struct kvs_session_s {};
 struct kvs_trace_s {};
 struct kvs_batch_s {};
 
-/* Registry and versions. */
+/* Registry, versions and tables files. */
 %rename(version) kvs_version;
+%rename(versionNumber) kvs_version_number;
 %rename(abiVersion) kvs_abi_version;
 %rename(methodCount) kvs_method_count;
 %rename(methodName) kvs_method_name;
 %rename(methodDoc) kvs_method_doc;
 %rename(methodBackends) kvs_method_backends;
 %rename(methodUnsupportedReason) kvs_method_unsupported_reason;
+%rename(methodParamCount) kvsj_method_param_count;
+%rename(methodParamField) kvsj_method_param_field;
+%rename(tablesDescribe) kvsj_tables_describe;
+%javamethodmodifiers kvsj_method_param_field "private";
+/* The JSON is owned: the proxy's string is a copy, the C string is freed after it. */
+%newobject kvsj_tables_describe;
+%typemap(newfree) char* kvsj_tables_describe "kvs_string_free($1);"
 %inline %{
 const char* kvs_version(void);
+uint32_t kvs_version_number(void);
 uint32_t kvs_abi_version(void);
 size_t kvs_method_count(void);
 const char* kvs_method_name(size_t i);
 const char* kvs_method_doc(const char* method);
 uint32_t kvs_method_backends(const char* method);
 const char* kvs_method_unsupported_reason(const char* method, int32_t backend);
+
+/* The number of parameters of a method (kvs_method_param_count); KvsException for an unknown one. */
+int64_t kvsj_method_param_count(const char* method) {
+  size_t n = 0;
+  kvsj_check(kvs_method_param_count(method, &n));
+  return (int64_t)n;
+}
+/* One field of parameter i of a method (0 name, 1 type, 2 default_value, 3 doc): static strings. */
+const char* kvsj_method_param_field(const char* method, int64_t i, int32_t field) {
+  kvs_param_info info;
+  memset(&info, 0, sizeof info);
+  info.struct_size = sizeof info;
+  if (kvsj_check(kvs_method_param(method, (size_t)i, &info))) return NULL;
+  switch (field) {
+    case 0: return info.name;
+    case 1: return info.type;
+    case 2: return info.default_value;
+    default: return info.doc;
+  }
+}
+/* Verifies a tables file and describes it as JSON text (kvs_tables_describe). On error the library
+ * may still have described what was readable: that JSON goes with the exception (details()). */
+char* kvsj_tables_describe(const char* path) {
+  char* json = NULL;
+  if (kvsj_check(kvs_tables_describe(path, &json))) {
+    kvsj_pending_details = json;
+    return NULL;
+  }
+  return json;
+}
 %}
 %pragma(java) modulecode=%{
+  /** The names of every registered method, in registry order (methodCount / methodName). */
+  public static java.util.List<String> methodNames() {
+    long n = methodCount();
+    java.util.List<String> out = new java.util.ArrayList<>((int) n);
+    for (long i = 0; i < n; ++i) out.add(methodName(i));
+    return java.util.Collections.unmodifiableList(out);
+  }
+
+  /** The parameters of a method, in registry order (kvs_method_param); throws KvsException
+   *  (INVALID_ARGUMENT, naming it) for an unknown method. */
+  public static java.util.List<ParamInfo> methodParams(String method) {
+    long n = methodParamCount(method);
+    java.util.List<ParamInfo> out = new java.util.ArrayList<>((int) n);
+    for (long i = 0; i < n; ++i)
+      out.add(new ParamInfo(field(method, i, 0), field(method, i, 1), field(method, i, 2), field(method, i, 3)));
+    return java.util.Collections.unmodifiableList(out);
+  }
+
+  private static String field(String method, long i, int f) {
+    String s = methodParamField(method, i, f);
+    return s == null ? "" : s;
+  }
+
+  /** Every registered method with its description, backends and parameters, in registry order
+   *  (Python's kvsieve.methods()). */
+  public static java.util.List<MethodInfo> methods() {
+    java.util.List<MethodInfo> out = new java.util.ArrayList<>();
+    for (String name : methodNames()) {
+      long mask = methodBackends(name);
+      java.util.EnumSet<Backend> backends = java.util.EnumSet.noneOf(Backend.class);
+      for (Backend b : Backend.values())
+        if ((mask & (1L << b.value)) != 0) backends.add(b);
+      String doc = methodDoc(name);
+      out.add(new MethodInfo(name, doc == null ? "" : doc, backends, methodParams(name)));
+    }
+    return java.util.Collections.unmodifiableList(out);
+  }
+
   /** Why a method cannot run on a backend in this build (a sentence), or null when it can (or the
    *  method is unknown: see methodDoc). */
   public static String methodUnsupportedReason(String method, Backend backend) {
