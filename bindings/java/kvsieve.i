@@ -140,6 +140,7 @@ static const kvs_tensor* kvsj_t(kvsj_tensor* t) { return t ? &t->t : NULL; }
 %javamethodmodifiers kvs_batch_s::decodeNative "private";
 %javamethodmodifiers kvs_batch_s::sizeNative "private";
 %javamethodmodifiers kvs_session_s::toBackend "private";
+%javamethodmodifiers kvs_session_s::decodeBatchNative "private";
 %javamethodmodifiers kvsj_tables_describe "
   /** Verifies a tables file (Session.save) and describes it as JSON text: header, parameters,
    *  sections with sizes and checksum status, memory by part (kvs_tables_describe). Throws
@@ -226,6 +227,31 @@ typedef struct kvs_session_stats {
   /** A copy of this session's state (KV, index, layer states, statistics) on another backend and
    *  device (kvs_session_to); this session is unchanged. */
   public Session to(Backend backend, int deviceId) { return toBackend(backend.value, deviceId); }
+
+  /** One layer's decode step for several sessions of one shape, method and backend in one call
+   *  (kvs_decode_batch; Python's kvsieve.decode_batch): q [B, Hq, d], kNew, vNew [B, Hkv, d], o
+   *  [B, Hq, d], lse [B, Hq] F32 or null, row b belonging to sessions[b]. All or nothing: the
+   *  library checks every session's inputs before any state changes. A null array or session
+   *  (NullPointerException), an empty array (IllegalArgumentException) or a closed session
+   *  (IllegalStateException) is refused before any native call; the library's errors are
+   *  KvsException. For many tokens, Batch plans once per token instead. */
+  public static void decodeBatch(Session[] sessions, long layer, Tensor q, Tensor kNew, Tensor vNew, Tensor o,
+                                 Tensor lse, long stream) {
+    if (sessions == null) throw new NullPointerException("sessions: expected an array, got null");
+    if (sessions.length == 0) throw new IllegalArgumentException("sessions: expected at least one session");
+    long[] handles = new long[sessions.length];
+    for (int i = 0; i < sessions.length; ++i) {
+      if (sessions[i] == null) throw new NullPointerException("sessions[" + i + "]: expected a session, got null");
+      handles[i] = getCPtr(sessions[i]);
+      if (handles[i] == 0)
+        throw new IllegalStateException("sessions[" + i + "]: expected an open session, got a closed one");
+    }
+    try {
+      decodeBatchNative(handles, layer, q, kNew, vNew, o, lse, stream);
+    } finally {
+      java.lang.ref.Reference.reachabilityFence(sessions); // no finalizer frees one during the call
+    }
+  }
 
   public static final class Builder {
     private final int numLayers, numQHeads, numKvHeads, headDim;
@@ -358,6 +384,16 @@ typedef struct kvs_session_stats {
     size_t n = 0;
     kvsj_check(kvs_session_last_selection($self, layer, kv_head, NULL, 0, &n));
     return (int64_t)n;
+  }
+  static void decodeBatchNative(const long long* HANDLES, int COUNT, uint32_t layer, kvsj_tensor* q,
+                                kvsj_tensor* k_new, kvsj_tensor* v_new, kvsj_tensor* o, kvsj_tensor* lse,
+                                int64_t stream) {
+    kvs_session_t* hs = (kvs_session_t*)calloc(COUNT > 0 ? (size_t)COUNT : 1, sizeof *hs);
+    if (!hs) { kvsj_check(kvs_abi_check(~0u)); return; } /* as Tensor: an error object to throw */
+    for (int i = 0; i < COUNT; ++i) hs[i] = (kvs_session_t)(uintptr_t)HANDLES[i];
+    kvsj_check(kvs_decode_batch(hs, (size_t)COUNT, layer, kvsj_t(q), kvsj_t(k_new), kvsj_t(v_new), kvsj_t(o),
+                                kvsj_t(lse), (void*)(intptr_t)stream));
+    free(hs);
   }
   void selectionInto(uint32_t layer, uint32_t kv_head, void* DIRECT_BUFFER, int64_t capacity) {
     size_t n = 0;
