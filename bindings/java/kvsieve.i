@@ -5,7 +5,10 @@
  *    is idempotent (SWIG's delete() zeroes the pointer), and %newobject marks every function that
  *    returns an owned object so the proxy frees it. A Batch keeps its Session objects reachable (the
  *    C ABI wants the sessions to outlive the batch) and checks before each call that none was closed.
- *  - A kvs_error_t becomes org.kvsieve.KvsException(code, message, backendCode).
+ *  - A kvs_error_t becomes org.kvsieve.KvsException(code, message, backendCode, details); details is
+ *    null except where the failed call still described something (tablesDescribe of a corrupt file).
+ *  - Owned C strings (kvs_tables_describe's JSON) are %newobject with kvs_string_free as newfree; the
+ *    wrapper frees them on the error path too.
  *  - Tensors are direct NIO buffers; Tensor.of(...) (bindings/java/src) checks direct, byte order,
  *    dtype against the buffer class and capacity before the native side takes the address.
  */
@@ -24,22 +27,33 @@ typedef struct kvs_batch_s kvs_batch_s;
 /* The error of the call that just returned on this thread, thrown by the %exception block right
  * after it (never visible outside one wrapper call). */
 static __thread kvs_error_t kvsj_pending = NULL;
+/* What the failed call could still report (kvs_tables_describe's JSON of a corrupt file), owned
+ * (kvs_string_free); thrown with kvsj_pending as KvsException.details(). */
+static __thread char* kvsj_pending_details = NULL;
 static int kvsj_check(kvs_error_t e) {
   if (!e) return 0;
   kvs_error_destroy(kvsj_pending);
+  kvs_string_free(kvsj_pending_details);
   kvsj_pending = e;
+  kvsj_pending_details = NULL;
   return 1;
 }
 static void kvsj_throw(JNIEnv* jenv) {
   kvs_error_t e = kvsj_pending;
+  char* details = kvsj_pending_details;
   kvsj_pending = NULL;
+  kvsj_pending_details = NULL;
   jclass cls = (*jenv)->FindClass(jenv, "org/kvsieve/KvsException");
-  if (!cls) { kvs_error_destroy(e); return; }
-  jmethodID ctor = (*jenv)->GetMethodID(jenv, cls, "<init>", "(ILjava/lang/String;J)V");
+  if (!cls) { kvs_error_destroy(e); kvs_string_free(details); return; }
+  jmethodID ctor = (*jenv)->GetMethodID(jenv, cls, "<init>", "(ILjava/lang/String;JLjava/lang/String;)V");
   jstring msg = (*jenv)->NewStringUTF(jenv, kvs_error_message(e));
-  jobject ex = ctor && msg ? (*jenv)->NewObject(jenv, cls, ctor, (jint)kvs_error_code(e), msg,
-                                                (jlong)kvs_error_backend_code(e)) : NULL;
+  jstring det = details ? (*jenv)->NewStringUTF(jenv, details) : NULL;
+  jobject ex = ctor && msg && (det || !details)
+                   ? (*jenv)->NewObject(jenv, cls, ctor, (jint)kvs_error_code(e), msg,
+                                        (jlong)kvs_error_backend_code(e), det)
+                   : NULL;
   kvs_error_destroy(e);
+  kvs_string_free(details);
   if (ex) (*jenv)->Throw(jenv, (jthrowable)ex);
 }
 
@@ -52,9 +66,11 @@ typedef struct kvsj_tensor {
 static const kvs_tensor* kvsj_t(kvsj_tensor* t) { return t ? &t->t : NULL; }
 %}
 
+/* $cleanup: the freearg typemaps (the UTF-8 copies of String arguments, pinned long[] elements) run
+ * on the error path too, as they do after a successful call. */
 %exception {
   $action
-  if (kvsj_pending) { kvsj_throw(jenv); return $null; }
+  if (kvsj_pending) { $cleanup kvsj_throw(jenv); return $null; }
 }
 
 %include <stdint.i>
@@ -124,6 +140,13 @@ static const kvs_tensor* kvsj_t(kvsj_tensor* t) { return t ? &t->t : NULL; }
 %javamethodmodifiers kvs_batch_s::decodeNative "private";
 %javamethodmodifiers kvs_batch_s::sizeNative "private";
 %javamethodmodifiers kvs_session_s::toBackend "private";
+%javamethodmodifiers kvs_session_s::decodeBatchNative "private";
+%javamethodmodifiers kvsj_tables_describe "
+  /** Verifies a tables file (Session.save) and describes it as JSON text: header, parameters,
+   *  sections with sizes and checksum status, memory by part (kvs_tables_describe). Throws
+   *  KvsException naming the path for a missing or corrupt file; for a corrupt one, its details()
+   *  holds the JSON of what was readable (\"ok\": false). */
+  public";
 
 %newobject kvs_session_s::fork;
 %newobject kvs_session_s::toBackend;
@@ -204,6 +227,31 @@ typedef struct kvs_session_stats {
   /** A copy of this session's state (KV, index, layer states, statistics) on another backend and
    *  device (kvs_session_to); this session is unchanged. */
   public Session to(Backend backend, int deviceId) { return toBackend(backend.value, deviceId); }
+
+  /** One layer's decode step for several sessions of one shape, method and backend in one call
+   *  (kvs_decode_batch; Python's kvsieve.decode_batch): q [B, Hq, d], kNew, vNew [B, Hkv, d], o
+   *  [B, Hq, d], lse [B, Hq] F32 or null, row b belonging to sessions[b]. All or nothing: the
+   *  library checks every session's inputs before any state changes. A null array or session
+   *  (NullPointerException), an empty array (IllegalArgumentException) or a closed session
+   *  (IllegalStateException) is refused before any native call; the library's errors are
+   *  KvsException. For many tokens, Batch plans once per token instead. */
+  public static void decodeBatch(Session[] sessions, long layer, Tensor q, Tensor kNew, Tensor vNew, Tensor o,
+                                 Tensor lse, long stream) {
+    if (sessions == null) throw new NullPointerException("sessions: expected an array, got null");
+    if (sessions.length == 0) throw new IllegalArgumentException("sessions: expected at least one session");
+    long[] handles = new long[sessions.length];
+    for (int i = 0; i < sessions.length; ++i) {
+      if (sessions[i] == null) throw new NullPointerException("sessions[" + i + "]: expected a session, got null");
+      handles[i] = getCPtr(sessions[i]);
+      if (handles[i] == 0)
+        throw new IllegalStateException("sessions[" + i + "]: expected an open session, got a closed one");
+    }
+    try {
+      decodeBatchNative(handles, layer, q, kNew, vNew, o, lse, stream);
+    } finally {
+      java.lang.ref.Reference.reachabilityFence(sessions); // no finalizer frees one during the call
+    }
+  }
 
   public static final class Builder {
     private final int numLayers, numQHeads, numKvHeads, headDim;
@@ -337,6 +385,16 @@ typedef struct kvs_session_stats {
     kvsj_check(kvs_session_last_selection($self, layer, kv_head, NULL, 0, &n));
     return (int64_t)n;
   }
+  static void decodeBatchNative(const long long* HANDLES, int COUNT, uint32_t layer, kvsj_tensor* q,
+                                kvsj_tensor* k_new, kvsj_tensor* v_new, kvsj_tensor* o, kvsj_tensor* lse,
+                                int64_t stream) {
+    kvs_session_t* hs = (kvs_session_t*)calloc(COUNT > 0 ? (size_t)COUNT : 1, sizeof *hs);
+    if (!hs) { kvsj_check(kvs_abi_check(~0u)); return; } /* as Tensor: an error object to throw */
+    for (int i = 0; i < COUNT; ++i) hs[i] = (kvs_session_t)(uintptr_t)HANDLES[i];
+    kvsj_check(kvs_decode_batch(hs, (size_t)COUNT, layer, kvsj_t(q), kvsj_t(k_new), kvsj_t(v_new), kvsj_t(o),
+                                kvsj_t(lse), (void*)(intptr_t)stream));
+    free(hs);
+  }
   void selectionInto(uint32_t layer, uint32_t kv_head, void* DIRECT_BUFFER, int64_t capacity) {
     size_t n = 0;
     kvsj_check(kvs_session_last_selection($self, layer, kv_head, (int32_t*)DIRECT_BUFFER, (size_t)capacity, &n));
@@ -439,24 +497,101 @@ struct kvs_session_s {};
 struct kvs_trace_s {};
 struct kvs_batch_s {};
 
-/* Registry and versions. */
+/* Registry, versions and tables files. */
 %rename(version) kvs_version;
+%rename(versionNumber) kvs_version_number;
 %rename(abiVersion) kvs_abi_version;
 %rename(methodCount) kvs_method_count;
 %rename(methodName) kvs_method_name;
 %rename(methodDoc) kvs_method_doc;
 %rename(methodBackends) kvs_method_backends;
 %rename(methodUnsupportedReason) kvs_method_unsupported_reason;
+%rename(methodParamCount) kvsj_method_param_count;
+%rename(methodParamField) kvsj_method_param_field;
+%rename(tablesDescribe) kvsj_tables_describe;
+%javamethodmodifiers kvsj_method_param_field "private";
+/* The JSON is owned: the proxy's string is a copy, the C string is freed after it. */
+%newobject kvsj_tables_describe;
+%typemap(newfree) char* kvsj_tables_describe "kvs_string_free($1);"
 %inline %{
 const char* kvs_version(void);
+uint32_t kvs_version_number(void);
 uint32_t kvs_abi_version(void);
 size_t kvs_method_count(void);
 const char* kvs_method_name(size_t i);
 const char* kvs_method_doc(const char* method);
 uint32_t kvs_method_backends(const char* method);
 const char* kvs_method_unsupported_reason(const char* method, int32_t backend);
+
+/* The number of parameters of a method (kvs_method_param_count); KvsException for an unknown one. */
+int64_t kvsj_method_param_count(const char* method) {
+  size_t n = 0;
+  kvsj_check(kvs_method_param_count(method, &n));
+  return (int64_t)n;
+}
+/* One field of parameter i of a method (0 name, 1 type, 2 default_value, 3 doc): static strings. */
+const char* kvsj_method_param_field(const char* method, int64_t i, int32_t field) {
+  kvs_param_info info;
+  memset(&info, 0, sizeof info);
+  info.struct_size = sizeof info;
+  if (kvsj_check(kvs_method_param(method, (size_t)i, &info))) return NULL;
+  switch (field) {
+    case 0: return info.name;
+    case 1: return info.type;
+    case 2: return info.default_value;
+    default: return info.doc;
+  }
+}
+/* Verifies a tables file and describes it as JSON text (kvs_tables_describe). On error the library
+ * may still have described what was readable: that JSON goes with the exception (details()). */
+char* kvsj_tables_describe(const char* path) {
+  char* json = NULL;
+  if (kvsj_check(kvs_tables_describe(path, &json))) {
+    kvsj_pending_details = json;
+    return NULL;
+  }
+  return json;
+}
 %}
 %pragma(java) modulecode=%{
+  /** The names of every registered method, in registry order (methodCount / methodName). */
+  public static java.util.List<String> methodNames() {
+    long n = methodCount();
+    java.util.List<String> out = new java.util.ArrayList<>((int) n);
+    for (long i = 0; i < n; ++i) out.add(methodName(i));
+    return java.util.Collections.unmodifiableList(out);
+  }
+
+  /** The parameters of a method, in registry order (kvs_method_param); throws KvsException
+   *  (INVALID_ARGUMENT, naming it) for an unknown method. */
+  public static java.util.List<ParamInfo> methodParams(String method) {
+    long n = methodParamCount(method);
+    java.util.List<ParamInfo> out = new java.util.ArrayList<>((int) n);
+    for (long i = 0; i < n; ++i)
+      out.add(new ParamInfo(field(method, i, 0), field(method, i, 1), field(method, i, 2), field(method, i, 3)));
+    return java.util.Collections.unmodifiableList(out);
+  }
+
+  private static String field(String method, long i, int f) {
+    String s = methodParamField(method, i, f);
+    return s == null ? "" : s;
+  }
+
+  /** Every registered method with its description, backends and parameters, in registry order
+   *  (Python's kvsieve.methods()). */
+  public static java.util.List<MethodInfo> methods() {
+    java.util.List<MethodInfo> out = new java.util.ArrayList<>();
+    for (String name : methodNames()) {
+      long mask = methodBackends(name);
+      java.util.EnumSet<Backend> backends = java.util.EnumSet.noneOf(Backend.class);
+      for (Backend b : Backend.values())
+        if ((mask & (1L << b.value)) != 0) backends.add(b);
+      String doc = methodDoc(name);
+      out.add(new MethodInfo(name, doc == null ? "" : doc, backends, methodParams(name)));
+    }
+    return java.util.Collections.unmodifiableList(out);
+  }
+
   /** Why a method cannot run on a backend in this build (a sentence), or null when it can (or the
    *  method is unknown: see methodDoc). */
   public static String methodUnsupportedReason(String method, Backend backend) {

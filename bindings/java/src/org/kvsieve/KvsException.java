@@ -10,15 +10,25 @@ public class KvsException extends RuntimeException {
 
   private final int code;
   private final long backendCode;
+  private final String details;
 
-  public KvsException(int code, String message, long backendCode) {
+  public KvsException(int code, String message, long backendCode) { this(code, message, backendCode, null); }
+
+  /** details: what the failed call could still report (see {@link #details()}), or null. */
+  public KvsException(int code, String message, long backendCode, String details) {
     super("[" + code + "] " + message);
     this.code = code;
     this.backendCode = backendCode;
+    this.details = details;
   }
 
   /** The kvs_status value (INVALID_ARGUMENT, ...). */
   public int code() { return code; }
 
   public long backendCode() { return backendCode; }
+
+  /** What the failed call could still report, or null: for {@link KvsNative#tablesDescribe} of a
+   *  corrupt file, the JSON description of what was readable ("ok": false, "error": ...), as
+   *  Python's Error.details. */
+  public String details() { return details; }
 }

@@ -362,6 +362,135 @@ class KvsieveTest {
     a.close();
   }
 
+  // ---- Session.decodeBatch: kvs_decode_batch, one call per layer and token ------------------------
+
+  static float[] floats(FloatBuffer b) {
+    float[] out = new float[b.capacity()];
+    for (int i = 0; i < out.length; ++i) out[i] = b.get(i);
+    return out;
+  }
+
+  /** decodeBatch against per-session decodes of twin sessions: bit for bit on full, every method to
+   *  the tolerance of the Batch test; two tokens over every layer, with and without lse. */
+  @Test
+  void decodeBatchEqualsPerSessionDecodes() {
+    final int B = 3;
+    Random r = new Random(33);
+    for (long mi = 0; mi < KvsNative.methodCount(); ++mi) {
+      String method = KvsNative.methodName(mi);
+      Session[] batched = new Session[B], single = new Session[B];
+      for (int b = 0; b < B; ++b) {
+        FloatBuffer q = random(r, N * HQ * D), k = random(r, N * HKV * D), v = random(r, N * HKV * D);
+        batched[b] = prefilled(method, q, k, v);
+        single[b] = prefilled(method, q, k, v);
+      }
+      try {
+        for (int step = 0; step < 2; ++step) {
+          for (int layer = 0; layer < L; ++layer) {
+            boolean withLse = (step + layer) % 2 == 0;
+            FloatBuffer q = random(r, B * HQ * D), k = random(r, B * HKV * D), v = random(r, B * HKV * D);
+            FloatBuffer o = direct(B * HQ * D), lse = direct(B * HQ);
+            try (Tensor tq = Tensor.of(q, DType.F32, B, HQ, D); Tensor tk = Tensor.of(k, DType.F32, B, HKV, D);
+                 Tensor tv = Tensor.of(v, DType.F32, B, HKV, D); Tensor to = Tensor.of(o, DType.F32, B, HQ, D);
+                 Tensor tl = Tensor.of(lse, DType.F32, B, HQ)) {
+              Session.decodeBatch(batched, layer, tq, tk, tv, to, withLse ? tl : null, 0);
+            }
+            for (int b = 0; b < B; ++b) {
+              FloatBuffer so = direct(HQ * D), sl = direct(HQ);
+              try (Tensor tq = Tensor.of(row(q, b, HQ * D), DType.F32, HQ, D);
+                   Tensor tk = Tensor.of(row(k, b, HKV * D), DType.F32, HKV, D);
+                   Tensor tv = Tensor.of(row(v, b, HKV * D), DType.F32, HKV, D);
+                   Tensor to = Tensor.of(so, DType.F32, HQ, D); Tensor tl = Tensor.of(sl, DType.F32, HQ)) {
+                single[b].decode(layer, tq, tk, tv, to, tl, 0);
+              }
+              float[] got = floats(row(o, b, HQ * D)), want = floats(so);
+              if (method.equals("full")) {
+                assertArrayEquals(want, got, method + " o, step " + step + ", layer " + layer + ", row " + b);
+              } else {
+                for (int i = 0; i < HQ * D; ++i) assertEquals(want[i], got[i], 1e-6 + 1e-6 * Math.abs(want[i]), method);
+              }
+              float[] gotLse = floats(row(lse, b, HQ)), wantLse = floats(sl);
+              if (!withLse) continue;
+              if (method.equals("full")) assertArrayEquals(wantLse, gotLse, method + " lse");
+              else for (int h = 0; h < HQ; ++h) assertEquals(wantLse[h], gotLse[h], 1e-6, method);
+            }
+          }
+        }
+        for (int b = 0; b < B; ++b) {
+          assertEquals(N + 2, batched[b].layerTokens(L - 1), method);
+          assertEquals(single[b].stats().getDecodeSteps(), batched[b].stats().getDecodeSteps(), method);
+          assertArrayEquals(single[b].lastSelection(L - 1, 0), batched[b].lastSelection(L - 1, 0), method);
+        }
+      } finally {
+        for (int b = 0; b < B; ++b) { batched[b].close(); single[b].close(); }
+      }
+    }
+  }
+
+  @Test
+  void decodeBatchErrors() {
+    Random r = new Random(12);
+    FloatBuffer q = random(r, N * HQ * D), k = random(r, N * HKV * D);
+    Session a = prefilled("full", q, k, k), c = prefilled("full", q, k, k);
+    FloatBuffer o = direct(2 * HQ * D);
+    try (Tensor tq = Tensor.of(random(r, 2 * HQ * D), DType.F32, 2, HQ, D);
+         Tensor tk = Tensor.of(random(r, 2 * HKV * D), DType.F32, 2, HKV, D);
+         Tensor to = Tensor.of(o, DType.F32, 2, HQ, D);
+         Tensor shortQ = Tensor.of(random(r, HQ * D), DType.F32, 1, HQ, D)) {
+      // refused on the Java side, before any native call
+      NullPointerException npe =
+          assertThrows(NullPointerException.class, () -> Session.decodeBatch(null, 0, tq, tk, tk, to, null, 0));
+      assertTrue(npe.getMessage().contains("sessions"));
+      IllegalArgumentException iae = assertThrows(IllegalArgumentException.class,
+          () -> Session.decodeBatch(new Session[0], 0, tq, tk, tk, to, null, 0));
+      assertTrue(iae.getMessage().contains("at least one"));
+      npe = assertThrows(NullPointerException.class,
+          () -> Session.decodeBatch(new Session[] {a, null}, 0, tq, tk, tk, to, null, 0));
+      assertTrue(npe.getMessage().contains("sessions[1]"), npe.getMessage());
+      // the library's checks
+      KvsException e = assertThrows(KvsException.class,
+          () -> Session.decodeBatch(new Session[] {a, a}, 0, tq, tk, tk, to, null, 0));
+      assertEquals(KvsException.INVALID_ARGUMENT, e.code());
+      assertTrue(e.getMessage().contains("twice"), e.getMessage());
+      e = assertThrows(KvsException.class,
+          () -> Session.decodeBatch(new Session[] {a, c}, L, tq, tk, tk, to, null, 0));
+      assertEquals(KvsException.INVALID_ARGUMENT, e.code());
+      assertTrue(e.getMessage().contains("layer"), e.getMessage());
+      e = assertThrows(KvsException.class,
+          () -> Session.decodeBatch(new Session[] {a, c}, 0, shortQ, tk, tk, to, null, 0)); // B = 1, not 2
+      assertEquals(KvsException.INVALID_ARGUMENT, e.code());
+      assertTrue(e.getMessage().contains("q"), e.getMessage());
+      e = assertThrows(KvsException.class,
+          () -> Session.decodeBatch(new Session[] {a, c}, 0, tq, tk, tk, null, null, 0));
+      assertEquals(KvsException.INVALID_ARGUMENT, e.code());
+      try (Session other = Session.builder(L, HQ, HKV, D).method("streaming").create()) {
+        e = assertThrows(KvsException.class,
+            () -> Session.decodeBatch(new Session[] {a, other}, 0, tq, tk, tk, to, null, 0));
+        assertEquals(KvsException.INVALID_ARGUMENT, e.code());
+        assertTrue(e.getMessage().contains("sessions[1]"), e.getMessage());
+      }
+      try (Session fresh = Session.builder(L, HQ, HKV, D).kvDtype(ScalarType.F32).create()) { // not prefilled
+        e = assertThrows(KvsException.class,
+            () -> Session.decodeBatch(new Session[] {a, fresh}, 0, tq, tk, tk, to, null, 0));
+        assertEquals(KvsException.INVALID_STATE, e.code(), e.getMessage());
+      }
+      // all or nothing: none of the failed calls appended a token
+      assertEquals(N, a.layerTokens(0));
+      assertEquals(N, c.layerTokens(0));
+      Session.decodeBatch(new Session[] {a, c}, 0, tq, tk, tk, to, null, 0);
+      assertEquals(N + 1, a.layerTokens(0));
+      assertEquals(N + 1, c.layerTokens(0));
+      c.close();
+      IllegalStateException ise = assertThrows(IllegalStateException.class,
+          () -> Session.decodeBatch(new Session[] {a, c}, 1, tq, tk, tk, to, null, 0));
+      assertTrue(ise.getMessage().contains("sessions[1]"), ise.getMessage());
+      assertEquals(N, a.layerTokens(1)); // refused before any native call
+    } finally {
+      a.close();
+      c.close();
+    }
+  }
+
   /** The only reference to the sessions is the batch's own. */
   static Batch unreferencedSessions(Random r) {
     FloatBuffer q = random(r, N * HQ * D), k = random(r, N * HKV * D);
