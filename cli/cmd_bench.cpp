@@ -407,6 +407,14 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
   constexpr int64_t kChunk = 16384;
   const int64_t chunk = std::min(P, kChunk);
 
+  // Device memory the method's session takes (cudaMemGetInfo deltas: what its allocations reserve on
+  // the GPU, the caching of the page pool included): by its prefill and index build, and by its first
+  // decode step (workspace, selection buffers, graphs). Only this process allocates meanwhile.
+  auto device_free = [] {
+    size_t f = 0, t = 0;
+    return cudaMemGetInfo(&f, &t) == cudaSuccess ? int64_t(f) : int64_t(-1);
+  };
+  int64_t dev_prompt = 0, dev_step = 0;
   double prefill_ms = 0, index_ms = 0;
   {
     Activity busy("uploading random K/V, prefill and index build");
@@ -418,6 +426,7 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
     upload_random(qp.get(), size_t(chunk) * hq * d, dtype, o.seed, 3, threads, st);
     for (int which = 0; which < 2; ++which) {
       Session& s = which == 0 ? method : full;
+      const int64_t free0 = which == 0 ? device_free() : 0;
       auto t0 = Clock::now();
       for (int64_t c0 = 0; c0 < P; c0 += chunk) {
         const int64_t n = std::min(chunk, P - c0);
@@ -433,7 +442,10 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
       t0 = Clock::now();
       check(kvs_session_build_index(s.get(), st), s.label() + ": building the index");
       stream.sync();
-      if (which == 0) index_ms = seconds_since(t0) * 1e3;
+      if (which == 0) {
+        index_ms = seconds_since(t0) * 1e3;
+        dev_prompt = free0 - device_free();
+      }
     }
   }  // the sessions hold their own copies: the prompt buffers go (stream synchronised above)
 
@@ -469,10 +481,12 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
         const DeviceTensor lt(lse.get() + size_t(m) * hq * sizeof(float), DType::F32, dev, {hq});
         cuda_check(cudaMemsetAsync(flush.get(), int(i & 0xff), flush_bytes, st), "cudaMemsetAsync(L2 flush)");
         cuda_check(cudaEventRecord(event(m, 0, i), st), "cudaEventRecord");
+        const int64_t free0 = i == 0 && m == 0 ? device_free() : 0;
         const auto t0 = Clock::now();
         const kvs_error_t err = kvs_session_decode(s.get(), 0, qt.get(), kt.get(), vt.get(), ot.get(), lt.get(), st);
         const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
         if (err != nullptr) check(err, s.label() + ": decode of layer 0");
+        if (i == 0 && m == 0) dev_step = free0 - device_free();
         cuda_check(cudaEventRecord(event(m, 1, i), st), "cudaEventRecord");
         if (i >= o.warmup) host_us[m].push_back(us);
       }
@@ -556,6 +570,10 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
               static_cast<long long>(o.steps), static_cast<long long>(o.warmup), human_bytes(double(flush_bytes)).c_str());
   std::printf("  prefill %.1f ms, index build %.1f ms; index %s, KV %s\n", prefill_ms, index_ms,
               human_bytes(double(stt.index_bytes)).c_str(), human_bytes(double(stt.kv_bytes)).c_str());
+  std::printf("  GPU memory of the %s session: %s after prefill and index build, %s more at its first decode "
+              "step (cudaMemGetInfo)\n",
+              o.method.c_str(), human_bytes(double(std::max<int64_t>(dev_prompt, 0))).c_str(),
+              human_bytes(double(std::max<int64_t>(dev_step, 0))).c_str());
   std::printf("  full     %10.1f us/step  reads %s  -> %.1f GB/s", full_step_us, human_bytes(full_bytes).c_str(),
               achieved);
   if (measured > 0)
@@ -598,6 +616,8 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
                  {"steps", o.steps},
                  {"step_us", step_us},
                  {"full_step_us", full_step_us},
+                 {"device_bytes_prompt", std::max<int64_t>(dev_prompt, 0)},
+                 {"device_bytes_first_step", std::max<int64_t>(dev_step, 0)},
                  {"speedup_vs_full", speedup},
                  {"update_us", J(nullptr)},  // CPU phase timings only
                  {"select_us", J(nullptr)},
