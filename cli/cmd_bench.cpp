@@ -414,6 +414,7 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
     size_t f = 0, t = 0;
     return cudaMemGetInfo(&f, &t) == cudaSuccess ? int64_t(f) : int64_t(-1);
   };
+  auto taken = [](int64_t before, int64_t after) { return before >= 0 && after >= 0 ? before - after : int64_t(0); };
   int64_t dev_prompt = 0, dev_step = 0;
   double prefill_ms = 0, index_ms = 0;
   {
@@ -444,7 +445,7 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
       stream.sync();
       if (which == 0) {
         index_ms = seconds_since(t0) * 1e3;
-        dev_prompt = free0 - device_free();
+        dev_prompt = taken(free0, device_free());
       }
     }
   }  // the sessions hold their own copies: the prompt buffers go (stream synchronised above)
@@ -486,7 +487,7 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
         const kvs_error_t err = kvs_session_decode(s.get(), 0, qt.get(), kt.get(), vt.get(), ot.get(), lt.get(), st);
         const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
         if (err != nullptr) check(err, s.label() + ": decode of layer 0");
-        if (i == 0 && m == 0) dev_step = free0 - device_free();
+        if (i == 0 && m == 0) dev_step = taken(free0, device_free());
         cuda_check(cudaEventRecord(event(m, 1, i), st), "cudaEventRecord");
         if (i >= o.warmup) host_us[m].push_back(us);
       }
