@@ -235,11 +235,10 @@ struct SelCase {
 
 // Checks quest_select's lists (idx, cnt: [B * H] rows of max_sel) against float64 page scores:
 // counts, the layout of every row, and the page sets up to ties at the boundary score.
-bool check_select(const SelCase& sc, const Cache& c, const std::vector<float>& q, int B, int H, int V, int max_sel,
+bool check_select(const SelCase& sc, const Cache& c, const std::vector<float>& q, int B, int V, int max_sel,
                   const std::vector<int32_t>& idx, const std::vector<int32_t>& cnt, const std::string& name,
                   int max_want) {
   const int Hkv = sc.Hkv, G = sc.G, Hq = Hkv * G, D = sc.D, ps = sc.ps;
-  (void)H;
   int ties = 0, bad = 0;
   std::string why;
   for (int b = 0; b < B && !bad; ++b) {
@@ -407,7 +406,7 @@ void run_select(const SelCase& sc) {
       const bool same = (used > 0) == fused && idx == ref_idx && cnt == ref_cnt;
       report(same, mname + " == unfused", "fused kernel used: " + std::to_string(used > 0));
     }
-    if (!check_select(sc, c, q, B, H, V, max_sel, idx, cnt, mname, max_want)) return;
+    if (!check_select(sc, c, q, B, V, max_sel, idx, cnt, mname, max_want)) return;
     if (mode == 0) ref_idx = idx, ref_cnt = cnt;
   }
   if (!sc.timing) return;
