@@ -583,6 +583,8 @@ int run_graph_tests(bool small);  // CUDA graphs of batched steps (test_cuda_gra
 int run_graph_passed();
 int run_csattention_tests(bool small);  // csattention sessions against the cpu (test_cuda_csattention.cu)
 int run_csattention_passed();
+int run_retroinfer_tests(bool small);  // retroinfer sessions against the cpu (test_cuda_retroinfer.cu)
+int run_retroinfer_passed();
 #ifdef KVS_HAVE_TOPK_TESTS
 int run_topk_tests(bool small);  // radix top-k (topk.cu's tests); returns failures
 int run_topk_passed();
@@ -599,13 +601,14 @@ int run_csa_build_passed();
 int main(int argc, char** argv) {
   install_crash_report();
   int stress = 0;
-  bool only_csa = false, only_csa_build = false, only_quest = false;
+  bool only_csa = false, only_csa_build = false, only_quest = false, only_retro = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--small") g_small = true;
     if (a == "--only-csattention") only_csa = true;  // the csattention session tests alone
     if (a == "--only-csa-build") only_csa_build = true;  // the csattention index build tests alone
     if (a == "--only-quest") only_quest = true;  // the quest kernels' tests alone
+    if (a == "--only-retroinfer") only_retro = true;  // the retroinfer session tests alone
     if (a == "--pdl-stress" && i + 1 < argc) stress = std::atoi(argv[++i]);
     if (a == "--pdl-wait-first") kvs::cuda::detail::set_pdl_wait_first(true);
   }
@@ -616,6 +619,7 @@ int main(int argc, char** argv) {
   }
 #ifndef KVS_NO_SESSION_TESTS
   if (only_csa) return run_csattention_tests(g_small) ? 1 : 0;
+  if (only_retro) return run_retroinfer_tests(g_small) ? 1 : 0;
 #endif
 #ifdef KVS_HAVE_CSA_BUILD_TESTS
   if (only_csa_build) return run_csa_build_tests(g_small) ? 1 : 0;
@@ -793,6 +797,8 @@ int main(int argc, char** argv) {
   other_passed += run_graph_passed();
   other_failures += run_csattention_tests(g_small);
   other_passed += run_csattention_passed();
+  other_failures += run_retroinfer_tests(g_small);
+  other_passed += run_retroinfer_passed();
 #endif  // KVS_NO_SESSION_TESTS: the kernels-only build of tools/device/cuda_check.sh
 #ifdef KVS_HAVE_TOPK_TESTS
   other_failures += run_topk_tests(g_small);

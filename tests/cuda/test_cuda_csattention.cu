@@ -19,110 +19,10 @@
 #include <vector>
 
 #include "capi_check.hpp"
+#include "session_pair.hpp"
 #include "kvsieve/kvsieve.h"
 
 namespace {
-
-struct Seq {
-  std::vector<float> q, k, v;
-};
-
-// Random tokens with structure the centroids can find: queries and keys drawn around a few shared
-// directions (so lists differ in quality), every 29th key louder.
-Seq make_seq(int64_t T, int hq, int hkv, int d, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd;
-  std::vector<float> dirs(size_t(6) * d);
-  for (auto& x : dirs) x = nd(rng);
-  Seq s;
-  s.q.resize(size_t(T) * hq * d);
-  s.k.resize(size_t(T) * hkv * d);
-  s.v.resize(size_t(T) * hkv * d);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int h = 0; h < hq; ++h) {
-      const float* u = &dirs[size_t((t + h) % 6) * d];
-      for (int i = 0; i < d; ++i) s.q[(size_t(t) * hq + h) * d + i] = 0.8f * u[i] + nd(rng);
-    }
-    for (int h = 0; h < hkv; ++h) {
-      const float* u = &dirs[size_t((t * 7 + h) % 6) * d];
-      const float g = t % 29 == 0 ? 3.f : 1.f;
-      for (int i = 0; i < d; ++i) s.k[(size_t(t) * hkv + h) * d + i] = g * (0.5f * u[i] + nd(rng));
-    }
-  }
-  for (auto& x : s.v) x = nd(rng);
-  return s;
-}
-
-struct Cmp {
-  double err = 0, lse = 0, min_overlap = 1;
-  bool count_equal = true;
-};
-
-// Appends tokens [t0, t1) of seq: on the CPU from host fp32, on the GPU from device tensors.
-bool add(kvs_session_t s, bool gpu, const Seq& x, int hq, int hkv, int d, kvs_scalar_type kvdt, int64_t t0, int64_t t1,
-         bool append, const char* what) {
-  const int64_t n = t1 - t0;
-  std::vector<float> q(x.q.begin() + t0 * hq * d, x.q.begin() + t1 * hq * d);
-  std::vector<float> k(x.k.begin() + t0 * hkv * d, x.k.begin() + t1 * hkv * d);
-  std::vector<float> v(x.v.begin() + t0 * hkv * d, x.v.begin() + t1 * hkv * d);
-  kvs_error_t e;
-  if (!gpu) {
-    Tensor tq(q.data(), KVS_DEVICE_CPU, F32, {n, hq, d}), tk(k.data(), KVS_DEVICE_CPU, F32, {n, hkv, d}),
-        tv(v.data(), KVS_DEVICE_CPU, F32, {n, hkv, d});
-    e = append ? kvs_session_append(s, 0, &tq.t, &tk.t, &tv.t, nullptr, nullptr)
-               : kvs_session_prefill(s, 0, &tq.t, &tk.t, &tv.t, nullptr, nullptr);
-  } else {
-    float* dq = upload(q);
-    uint16_t* dk = upload(to16(k, kvdt));
-    uint16_t* dv = upload(to16(v, kvdt));
-    Tensor tq(dq, KVS_DEVICE_CUDA, F32, {n, hq, d}), tk(dk, KVS_DEVICE_CUDA, dt16(kvdt), {n, hkv, d}),
-        tv(dv, KVS_DEVICE_CUDA, dt16(kvdt), {n, hkv, d});
-    e = append ? kvs_session_append(s, 0, &tq.t, &tk.t, &tv.t, nullptr, nullptr)
-               : kvs_session_prefill(s, 0, &tq.t, &tk.t, &tv.t, nullptr, nullptr);
-    cudaDeviceSynchronize();
-    cudaFree(dq);
-    cudaFree(dk);
-    cudaFree(dv);
-  }
-  return ok(e, what);
-}
-
-// One decode step of token pos[b] for every session: the CPU one by one, the GPU as one batch.
-void step(std::vector<kvs_session_t>& cpu, std::vector<kvs_session_t>& gpu, const std::vector<Seq>& seqs,
-          const std::vector<int64_t>& pos, int hq, int hkv, int d, kvs_scalar_type kvdt, cudaStream_t stream, Cmp& c) {
-  const int B = int(cpu.size());
-  std::vector<float> hq_(size_t(B) * hq * d), ref(size_t(B) * hq * d), rlse(size_t(B) * hq);
-  std::vector<float> hk(size_t(B) * hkv * d), hv(size_t(B) * hkv * d);
-  for (int b = 0; b < B; ++b) {
-    const auto& x = seqs[size_t(b)];
-    const int64_t t = pos[size_t(b)];
-    std::copy(x.q.begin() + t * hq * d, x.q.begin() + (t + 1) * hq * d, hq_.begin() + size_t(b) * hq * d);
-    std::copy(x.k.begin() + t * hkv * d, x.k.begin() + (t + 1) * hkv * d, hk.begin() + size_t(b) * hkv * d);
-    std::copy(x.v.begin() + t * hkv * d, x.v.begin() + (t + 1) * hkv * d, hv.begin() + size_t(b) * hkv * d);
-    Tensor tq(hq_.data() + size_t(b) * hq * d, KVS_DEVICE_CPU, F32, {hq, d});
-    Tensor tk(hk.data() + size_t(b) * hkv * d, KVS_DEVICE_CPU, F32, {hkv, d}),
-        tv(hv.data() + size_t(b) * hkv * d, KVS_DEVICE_CPU, F32, {hkv, d});
-    Tensor to(ref.data() + size_t(b) * hq * d, KVS_DEVICE_CPU, F32, {hq, d}),
-        tl(rlse.data() + size_t(b) * hq, KVS_DEVICE_CPU, F32, {hq});
-    ok(kvs_session_decode(cpu[size_t(b)], 0, &tq.t, &tk.t, &tv.t, &to.t, &tl.t, nullptr), "decode cpu");
-  }
-  std::vector<float> out, lse;
-  gpu_decode_batch(gpu, hq_, to16(hk, kvdt), to16(hv, kvdt), hq, hkv, d, kvdt, stream, out, lse);
-  fold_errors(out, ref, lse, rlse, d, c.err, c.lse);
-  for (int b = 0; b < B; ++b)
-    for (uint32_t h = 0; h < uint32_t(hkv); ++h) {
-      size_t nc = 0, ng = 0;
-      kvs_session_last_selection(cpu[size_t(b)], 0, h, nullptr, 0, &nc);
-      kvs_session_last_selection(gpu[size_t(b)], 0, h, nullptr, 0, &ng);
-      std::vector<int32_t> sc(nc), sg(ng);
-      kvs_session_last_selection(cpu[size_t(b)], 0, h, sc.data(), nc, &nc);
-      kvs_session_last_selection(gpu[size_t(b)], 0, h, sg.data(), ng, &ng);
-      size_t common = 0;
-      for (int32_t x : sg) common += std::binary_search(sc.begin(), sc.end(), x);
-      c.count_equal &= nc == ng;
-      c.min_overlap = std::min(c.min_overlap, nc ? double(common) / double(nc) : 1.0);
-    }
-}
 
 // One layer of csattention with these parameters (backend: the cpu until set).
 kvs_session_params csa_params(const char* params, kvs_scalar_type kvdt, int hq, int hkv, int d, double budget) {
@@ -224,26 +124,7 @@ void run_roundtrip() {
   for (int s = 0; s < 10; ++s, ++pos[0]) {
     step(c1, g1, {x}, pos, hq, hkv, d, kvdt, stream, c);
     // `back` decodes the same token on the cpu: it must select as the cpu session does.
-    std::vector<float> q(x.q.begin() + pos[0] * hq * d, x.q.begin() + (pos[0] + 1) * hq * d);
-    std::vector<float> k(x.k.begin() + pos[0] * hkv * d, x.k.begin() + (pos[0] + 1) * hkv * d);
-    std::vector<float> v(x.v.begin() + pos[0] * hkv * d, x.v.begin() + (pos[0] + 1) * hkv * d);
-    std::vector<float> o(size_t(hq) * d), l(hq);
-    Tensor tq(q.data(), KVS_DEVICE_CPU, F32, {hq, d}), tk(k.data(), KVS_DEVICE_CPU, F32, {hkv, d}),
-        tv(v.data(), KVS_DEVICE_CPU, F32, {hkv, d}), to(o.data(), KVS_DEVICE_CPU, F32, {hq, d}),
-        tl(l.data(), KVS_DEVICE_CPU, F32, {hq});
-    ok(kvs_session_decode(back, 0, &tq.t, &tk.t, &tv.t, &to.t, &tl.t, nullptr), "decode back");
-    for (uint32_t h = 0; h < uint32_t(hkv); ++h) {
-      size_t n1 = 0, n2 = 0;
-      kvs_session_last_selection(back, 0, h, nullptr, 0, &n1);
-      kvs_session_last_selection(cpu, 0, h, nullptr, 0, &n2);
-      std::vector<int32_t> s1(n1), s2(n2);
-      kvs_session_last_selection(back, 0, h, s1.data(), n1, &n1);
-      kvs_session_last_selection(cpu, 0, h, s2.data(), n2, &n2);
-      size_t common = 0;
-      for (int32_t t : s1) common += std::binary_search(s2.begin(), s2.end(), t);
-      r.count_equal &= n1 == n2;
-      r.min_overlap = std::min(r.min_overlap, n2 ? double(common) / double(n2) : 1.0);
-    }
+    follow(back, cpu, x, pos[0], hq, hkv, d, r);
   }
   CAPI_CHECK(c.err < 1e-2 && c.count_equal && c.min_overlap >= 0.95, "roundtrip: gpu vs cpu: err %.3g, overlap %.4f",
              c.err, c.min_overlap);

@@ -132,7 +132,10 @@ struct DecodeArgs {
   float qmul;  // scale * log2(e)
   int32_t lse_base2;  // the final lse in base 2 (the partials of a split stay natural)
   int32_t nsplit, chunk;
-  void* o;  // final output (nsplit == 1)
+  int32_t direct;  // chunks write the final output (nsplit == 1 and no prior), else partials
+  const float* prior_o;    // optional prior state merged by the merge kernel (Output::prior_*)
+  const float* prior_lse;
+  void* o;  // final output (direct)
   int32_t o_f32;
   float* lse;
   float* o_part;    // [B * Hq, nsplit, D]
@@ -183,7 +186,7 @@ constexpr int decode_smem_bytes() {
 
 // Final step of a chunk CTA: red_m/red_l [NW*GT] and red_acc [NW*GT, D] (at the start of shared
 // memory, filled by every warp, barrier done) are merged over the warps and written out, either
-// as the final output (nsplit == 1) or as this chunk's normalized partial. Heads past the group
+// as the final output (direct) or as this chunk's normalized partial. Heads past the group
 // are skipped.
 template <typename T, int D, int GT, int NW>
 __device__ __forceinline__ void cta_epilogue(const DecodeArgs& a, const float* red_m,
@@ -209,7 +212,7 @@ __device__ __forceinline__ void cta_epilogue(const DecodeArgs& a, const float* r
     const float lv2 = empty ? -INFINITY : M + log2f(L);  // base 2
     const float lv = lv2 * kLn2;
     const int64_t row = int64_t(b) * a.Hq + kvh * a.G + g0 + g;
-    if (a.nsplit == 1) {
+    if (a.direct) {
       if (a.o_f32) static_cast<float*>(o_of(a))[row * D + dim] = ov;
       else static_cast<T*>(o_of(a))[row * D + dim] = Cvt<T>::from(ov);
       if (dim == 0) lse_of(a)[row] = a.lse_base2 ? lv2 : lv;
@@ -223,7 +226,7 @@ __device__ __forceinline__ void cta_epilogue(const DecodeArgs& a, const float* r
 // A CTA whose chunk is empty (start >= end): in direct mode it still owns the final output.
 template <typename T, int D, int GT, int NW>
 __device__ __forceinline__ void cta_write_empty(const DecodeArgs& a, int b, int kvh, int g0) {
-  if (a.nsplit != 1) return;  // split mode: the merge kernel ignores chunks past the length
+  if (!a.direct) return;  // split mode: the merge kernel ignores chunks past the length
   for (int e = threadIdx.x; e < GT * D; e += NW * 32) {
     const int g = e / D, dim = e % D;
     if (g0 + g >= a.G) continue;
@@ -843,6 +846,9 @@ __global__ void __launch_bounds__(128) decode_merge_kernel(const DecodeArgs a, i
   l = red[0].y;
 #pragma unroll
   for (int w = 1; w < 4; ++w) lse_combine(m, l, red[w].x, red[w].y);
+  // The prior state (Output::prior_*) is one more part of the softmax.
+  const float prior = a.prior_lse ? a.prior_lse[row] : -INFINITY;
+  if (prior != -INFINITY) lse_combine(m, l, prior, 1.f);
   const bool empty = !(l > 0.f);
   const float lse = empty ? -INFINITY : m + logf(l);
 
@@ -859,6 +865,7 @@ __global__ void __launch_bounds__(128) decode_merge_kernel(const DecodeArgs a, i
     for (int i = 0; i < U; ++i)
       if (pr + P * i < ns) add(ls[i], x[i]);
     for (int s = pr + P * U; s < ns; s += P) add(lp[s], op[s * TPRm + cc]);  // more than U * P splits
+    if (pr == 0 && prior != -INFINITY) add(prior, reinterpret_cast<const float4*>(a.prior_o + row * D)[cc]);
   }
   part[tid] = acc;
   __syncthreads();
@@ -994,8 +1001,10 @@ Plan make_plan(int heads_ctas, int max_tokens, int sms, int occ, int tile_tokens
   return {ns, chunk};
 }
 
-size_t split_bytes(const AttnShape& s, int nsplit) {
-  if (nsplit <= 1) return 0;
+// Partials of nsplit splits (none when one split writes the output directly: nsplit 1, no prior).
+size_t split_bytes(const AttnShape& s, int nsplit, bool prior = false) {
+  if (nsplit <= 1 && !prior) return 0;
+  nsplit = std::max(nsplit, 1);
   const size_t rows = size_t(s.batch) * s.num_q_heads;
   return align_up(rows * nsplit * s.head_dim * 4, 256) + align_up(rows * nsplit * 4, 256);
 }
@@ -1026,8 +1035,9 @@ Status launch_decode(DecodeArgs a, const AttnShape& s, const Workspace& ws, cuda
   const Plan p = make_plan(heads_ctas, a.max_tokens, sms, occ, K::kTileTokens);
   a.nsplit = p.nsplit;
   a.chunk = p.chunk;
-  if (p.nsplit > 1) {
-    const size_t need = split_bytes(s, p.nsplit);
+  a.direct = p.nsplit == 1 && !a.prior_lse;
+  if (!a.direct) {
+    const size_t need = split_bytes(s, p.nsplit, a.prior_lse != nullptr);
     if (ws.ptr == nullptr || ws.bytes < need) return invalid("workspace too small (ask *_workspace_bytes)");
     const size_t rows = size_t(s.batch) * s.num_q_heads;
     a.o_part = static_cast<float*>(ws.ptr);
@@ -1038,7 +1048,7 @@ Status launch_decode(DecodeArgs a, const AttnShape& s, const Workspace& ws, cuda
   KVS_CUDA_TRY(launch_kernel(K::kernel, dim3(p.nsplit, s.num_kv_heads * a.ngroups, s.batch), dim3(K::kThreads),
                              K::kSmem, st, a.pdl != 0, 1, a),
                K::kName);
-  if (p.nsplit > 1) {
+  if (!a.direct) {
     const unsigned rows = unsigned(s.batch) * unsigned(s.num_q_heads);
     // A programmatic dependent launch (unless detail::set_merge_pdl(false)): the merge grid is
     // launched while the chunk grid drains.
@@ -1084,6 +1094,8 @@ Status decode_common(const AttnShape& s, const Query& q, const PagedKv& kv, Scal
   if (reinterpret_cast<uintptr_t>(out.o) % 16 != 0) return invalid("o must be 16-byte aligned");
   if (max_tokens < 0) return invalid("max length / max selected must be >= 0");
   if (!lens) return invalid("lengths/counts must be non-null");
+  if (!out.prior_o != !out.prior_lse) return invalid("prior_o and prior_lse must be both set or both null");
+  if (reinterpret_cast<uintptr_t>(out.prior_o) % 16 != 0) return invalid("prior_o must be 16-byte aligned");
   if (max_tokens > 0) {
     if (!kv.pages) return invalid("kv.pages must be non-null");
     if (gather && !indices) return invalid("indices must be non-null");
@@ -1118,6 +1130,8 @@ Status decode_common(const AttnShape& s, const Query& q, const PagedKv& kv, Scal
   a.o_f32 = out.dtype == Scalar::F32;
   a.lse = out.lse;
   a.lse_base2 = out.lse_base2;
+  a.prior_o = out.prior_o;
+  a.prior_lse = out.prior_lse;
   a.q_at = q.at;
   a.o_at = out.at;
   a.pdl = pdl;
@@ -1132,14 +1146,14 @@ Status decode_common(const AttnShape& s, const Query& q, const PagedKv& kv, Scal
 // Upper bound of split_bytes over every kernel choice: the most splits come with the fewest CTAs
 // per head (ceil(G/8) query groups, or Hq lists) and the highest occupancy; rounding a chunk up
 // to a tile only lowers the count, so the unrounded plan (tile 1) bounds it.
-size_t decode_ws_bound(const AttnShape& s, int32_t max_tokens, bool per_q) {
+size_t decode_ws_bound(const AttnShape& s, int32_t max_tokens, bool per_q, bool prior = false) {
   if (!check_shape(s).ok() || max_tokens <= 0) return 0;
   int sms = 0;
   if (!sm_count(&sms).ok()) return 0;
   const int G = s.num_q_heads / s.num_kv_heads;
   const int heads_ctas = per_q ? s.batch * s.num_q_heads : s.batch * s.num_kv_heads * ((G + 7) / 8);
   const Plan p = make_plan(heads_ctas, max_tokens, sms, kMaxCtasPerSm, 1);
-  return split_bytes(s, p.nsplit);
+  return split_bytes(s, p.nsplit, prior);
 }
 
 // ---- merge of two states ---------------------------------------------------------------------
@@ -1197,13 +1211,14 @@ size_t dense_decode_workspace_bytes(const AttnShape& shape, int32_t max_length) 
 Status dense_decode(const AttnShape& shape, const Query& q, const PagedKv& kv, Scalar kv_dtype,
                     const int32_t* lengths, int32_t max_length, const Output& out,
                     const Workspace& ws, void* stream, bool pdl) noexcept {
+  if (out.prior_lse || out.prior_o) return invalid("dense_decode takes no prior state (gathered_decode does)");
   return decode_common(shape, q, kv, kv_dtype, lengths, nullptr, max_length, out, ws, stream,
                        false, false, pdl);
 }
 
 size_t gathered_decode_workspace_bytes(const AttnShape& shape, int32_t max_selected,
-                                       bool per_query_head) noexcept {
-  return decode_ws_bound(shape, max_selected, per_query_head);
+                                       bool per_query_head, bool with_prior) noexcept {
+  return decode_ws_bound(shape, max_selected, per_query_head, with_prior);
 }
 
 Status gathered_decode(const AttnShape& shape, const Query& q, const PagedKv& kv, Scalar kv_dtype,

@@ -84,6 +84,13 @@ struct Output {
   float* lse = nullptr;        // [B, Hq] fp32, natural log (base 2 with lse_base2); every element is written
   void* const* at = nullptr;   // optional: device [2] holding `o` then `lse`
   bool lse_base2 = false;      // write log2 of the softmax denominator instead of ln
+  // Optional (gathered decode only): a prior attention state over keys outside the lists, merged
+  // into the result as one more part of the softmax (RetroInfer's estimation zone): o [B, Hq, d]
+  // fp32, lse [B, Hq] fp32 natural log (-inf: none for that row; its o is then not read). The
+  // result is then the attention over the listed keys and the prior together. Size the workspace
+  // with gathered_decode_workspace_bytes(..., with_prior = true).
+  const float* prior_o = nullptr;
+  const float* prior_lse = nullptr;
 };
 
 struct Workspace {
@@ -120,7 +127,7 @@ Status dense_decode(const AttnShape& shape, const Query& q, const PagedKv& kv, S
 // clamped to [0, max_selected]; a count of 0 gives lse = -inf, o = 0 for the heads of that list.
 // Slots at or past a count may hold anything (they may be loaded, never used as tokens).
 size_t gathered_decode_workspace_bytes(const AttnShape& shape, int32_t max_selected,
-                                       bool per_query_head = false) noexcept;
+                                       bool per_query_head = false, bool with_prior = false) noexcept;
 Status gathered_decode(const AttnShape& shape, const Query& q, const PagedKv& kv, Scalar kv_dtype,
                        const int32_t* indices, const int32_t* counts, int32_t max_selected,
                        const Output& out, const Workspace& ws, void* stream,

@@ -47,6 +47,10 @@ struct DeviceStep {
   // The stream's last launch is the step's own (the KV append, which writes no query): select()'s
   // first kernel may be a programmatic dependent launch (the `pdl` of cuda_attention.cuh).
   bool pdl = false;
+  // With DevicePlan::prior: where select() writes the attention state over keys outside its lists
+  // (o [B, Hq, d] fp32, lse [B, Hq] natural log; -inf for none), merged into the step's output.
+  float* prior_o = nullptr;
+  float* prior_lse = nullptr;
 };
 
 // What a step needs, decided on the host before any launch.
@@ -56,6 +60,7 @@ struct DevicePlan {
   int32_t max_selected = 0;     // capacity of a selection row
   size_t workspace = 0;         // the method's own scratch for select()
   size_t arg_bytes = 0;         // bytes of per-step arguments the method uploads (see select)
+  bool prior = false;           // select() also writes a prior state (DeviceStep::prior_o, _lse)
   std::vector<double> selected; // per session: the exact keys each KV head attends (statistics)
 };
 
@@ -73,6 +78,10 @@ class DeviceMethod {
   // nothing (called before every step, by a batch plan and by each direct decode, before
   // fill_args: device buffers may move here, never during a step).
   virtual void reserve(uint32_t layer, int64_t tokens, void* stream) {}
+  // Host side of a decode step, after reserve and before plan: v holds the tokens stored before the
+  // step, `tokens` counts the step's own (v.tokens + 1). A method whose index changes on the host
+  // as the context grows (retroinfer's update) does it here, so that the step sees it.
+  virtual void before_step(uint32_t layer, const DeviceLayerView& v, int64_t tokens) {}
   virtual void truncate(uint32_t layer, int64_t n) {}
   // The least length kvs_session_truncate may roll the layer back to (0: any; else why not below).
   virtual int64_t truncate_floor(uint32_t layer, std::string* why) const { return 0; }

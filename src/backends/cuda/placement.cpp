@@ -255,6 +255,7 @@ class CudaPlacement final : public Placement {
     for (int64_t b = 0; b < B; ++b) {
       auto& lay = ps[size_t(b)]->layers_[layer];
       ps[size_t(b)]->reserve(layer, lay.n + 1, t.stream);
+      ps[size_t(b)]->method_->before_step(layer, ps[size_t(b)]->view(lay, t.stream), lay.n + 1);
       max_pages = std::max(max_pages, lay.table_cap);
     }
 
@@ -297,9 +298,14 @@ class CudaPlacement final : public Placement {
     const int32_t H = pl.per_query_head ? int32_t(hq) : int32_t(hkv);
     const size_t table_bytes = B > 1 ? align256(size_t(B) * size_t(max_pages) * sizeof(void*)) : 0;
     const size_t lse_bytes = t.lse ? 0 : align256(size_t(B) * hq * sizeof(float));
+    const bool prior = pl.prior && !pl.dense;
     const size_t attn_ws = pl.dense ? cuda::dense_decode_workspace_bytes(st.shape, st.max_length)
-                                    : cuda::gathered_decode_workspace_bytes(st.shape, pl.max_selected, pl.per_query_head);
-    const size_t kern_ws = align256(std::max(attn_ws, pl.workspace));
+                                    : cuda::gathered_decode_workspace_bytes(st.shape, pl.max_selected, pl.per_query_head,
+                                                                            prior);
+    // The prior state (select writes it, the attention reads it) sits apart from the kernels'
+    // scratch, which select and the attention each use in turn.
+    const size_t prior_bytes = prior ? align256(size_t(B) * hq * d * sizeof(float)) + align256(size_t(B) * hq * sizeof(float)) : 0;
+    const size_t kern_ws = align256(std::max(attn_ws, pl.workspace)) + prior_bytes;
     if (!ws_) ws_ = std::make_shared<DevBuf>();
     const void* ws_before = ws_->p;
     ws_->reserve(arg_bytes + table_bytes + lse_bytes + kern_ws, device_);
@@ -326,7 +332,12 @@ class CudaPlacement final : public Placement {
     } else {
       st.kv = own_kv(ps[0]->layers_[layer]);
     }
-    cuda::Workspace kw{ws + arg_bytes + table_bytes + lse_bytes, kern_ws};
+    cuda::Workspace kw{ws + arg_bytes + table_bytes + lse_bytes, kern_ws - prior_bytes};
+    if (prior) {
+      char* pb = ws + arg_bytes + table_bytes + lse_bytes + (kern_ws - prior_bytes);
+      st.prior_o = reinterpret_cast<float*>(pb);
+      st.prior_lse = reinterpret_cast<float*>(pb + align256(size_t(B) * hq * d * sizeof(float)));
+    }
     if (graph) st.q.at = dtens;  // the caller's tensors by reference: one graph serves tensors that move
 
     // Selection buffer of this layer (kept for last_selection): reused when only this batch's
@@ -357,7 +368,8 @@ class CudaPlacement final : public Placement {
             "append_kv_batch");
       if (!graph) advance(ps, layer, s, advanced);  // eager: the method's update in stream order
       cuda::Output out{ov.mutable_base(), cuda::Scalar(int32_t(ov.dtype)), dlse,
-                       graph ? const_cast<void* const*>(dtens + 1) : nullptr, cfg_.lse_base == KVS_LSE_BASE_2};
+                       graph ? const_cast<void* const*>(dtens + 1) : nullptr, cfg_.lse_base == KVS_LSE_BASE_2,
+                       st.prior_o, st.prior_lse};
       // The launches before each of these are the step's own and write no query: each may start
       // (reading the query) while the one before it ends.
       sst.pdl = pdl_;

@@ -27,6 +27,7 @@
 #include "backends/cpu/attention.hpp"
 #include "backends/cpu/topk.hpp"
 #include "methods/param_bounds.hpp"
+#include "methods/retroinfer/retroinfer.hpp"
 #include "methods/retroinfer/wave_index.hpp"
 
 namespace kvs {
@@ -47,6 +48,7 @@ struct LayerIndex {
   std::vector<Chunk> chunks;
   int64_t indexed_end = 0;      // tokens [sinks, indexed_end) are clustered
   int64_t r = 0, e = 0;         // retrieval / estimation zone sizes in clusters
+  uint64_t generation = 0;      // a new value after every change (retro::IndexView)
   int64_t clusters() const { return heads.empty() ? 0 : heads[0].clusters(); }
 };
 
@@ -191,6 +193,7 @@ class RetroInfer final : public Method {
   void build_index(uint32_t layer, const KVLayer& kv) override {
     auto& L = layers_[layer];
     L = LayerIndex{};
+    L.generation = ++generation_;
     L.indexed_end = sinks_;
     const int64_t n_idx = kv.size() - local_ - sinks_;
     // Short prompts (n < sinks + local + update_segment) stay in the steady zone until enough
@@ -216,6 +219,7 @@ class RetroInfer final : public Method {
 
   void truncate(uint32_t layer, int64_t n) override {
     auto& L = layers_[layer];
+    L.generation = ++generation_;
     const size_t rb = size_t(ctx_.shape.head_dim) * dtype_size(ctx_.shape.kv_dtype);
     // A chunk exists only while its tokens are outside the local window; drop those that are not.
     while (!L.chunks.empty() && L.chunks.back().tok_end > n - local_) {
@@ -236,39 +240,70 @@ class RetroInfer final : public Method {
   // ------------------------------------------------------------------------------------------
   // Decode
 
+  // The step's zones before any cluster is ranked: the steady zone, the room left for clusters
+  // (budget=session), or nothing indexed yet (retroinfer.hpp, shared with the cuda placement).
+  //
+  // budget=session with steady_share > 0 (the default): the steady zone scales with the budget
+  // (sinks [0, sk) and a local window [lb, n) within steady_share of it, as ctkvr's static set),
+  // and the exact keys are filled up to the budget (whole clusters, then part of the next one,
+  // then unclustered tokens, most recent first). Otherwise the steady zone is [0, sinks) and
+  // every token from indexed_end on.
+  retro::StepLayout layout(uint32_t layer, int64_t n, int64_t budget_keys) const {
+    using SL = retro::StepLayout;
+    const auto& L = layers_[layer];
+    SL s;
+    const bool scaled = session_budget_ && steady_share_ > 0;
+    s.sinks_end = std::min(sinks_, n);
+    s.sk = s.sinks_end;
+    s.lb = L.indexed_end;
+    if (scaled) {
+      // Sinks by streaming's rule (at most an eighth of the budget, at least 1 where k >= 2; not an
+      // eighth of the steady share, which dropped heavy sinks below k = 64), within the share.
+      const int64_t share = int64_t(std::floor(steady_share_ * double(budget_keys)));
+      s.sk = std::min(streaming_sinks(sinks_, budget_keys, n), share);
+      s.lb = n - std::min(local_, std::max<int64_t>(0, share - s.sk));
+    }
+    if (L.clusters() == 0) {
+      // Nothing indexed (a prompt below the indexing threshold): the whole context, or (scaled)
+      // streaming's selection, the sinks (streaming's rule, not capped by the steady share) and
+      // the most recent tokens, the whole budget.
+      if (!scaled) {
+        s.mode = SL::All;
+        s.sk = n;
+        s.lb = n;
+        return s;
+      }
+      s.mode = SL::Streaming;
+      s.sk = streaming_sinks(sinks_, budget_keys, n);
+      s.lw = std::min(n - s.sk, budget_keys - s.sk);
+      return s;
+    }
+    s.mode = !session_budget_ ? SL::Paper : scaled ? SL::Scaled : SL::Session;
+    if (session_budget_) {
+      s.room = budget_keys - (s.sk + (n - s.lb));
+      if (s.room < 0) s.overrun = -s.room, s.room = 0;
+    }
+    return s;
+  }
+
   void select(uint32_t layer, const float* q, const KVLayer& kv, Selection& out) override {
     auto& L = layers_[layer];
     const int64_t n = kv.size();
     est_layer_ = -1;
     const int hkv = int(ctx_.shape.num_kv_heads);
     const int64_t budget_keys = session_budget_ ? ctx_.budget.keys(n, 0.05) : 0;
-    // budget=session with steady_share > 0 (the default): the steady zone scales with the budget
-    // (sinks [0, sk) and a local window [lb, n) within steady_share of it, as ctkvr's static set),
-    // and the exact keys are filled up to the budget (whole clusters, then part of the next one,
-    // then unclustered tokens, most recent first). Otherwise the steady zone is [0, sinks) and
-    // every token from indexed_end on.
-    const bool scaled = session_budget_ && steady_share_ > 0;
-    int64_t sk = std::min(sinks_, n), lb = L.indexed_end;
-    if (scaled) {
-      // Sinks by streaming's rule (at most an eighth of the budget, at least 1 where k >= 2; not an
-      // eighth of the steady share, which dropped heavy sinks below k = 64), within the share.
-      const int64_t share = int64_t(std::floor(steady_share_ * double(budget_keys)));
-      sk = std::min(streaming_sinks(sinks_, budget_keys, n), share);
-      lb = n - std::min(local_, std::max<int64_t>(0, share - sk));
-    }
-    if (L.clusters() == 0) {
+    const retro::StepLayout lay = layout(layer, n, budget_keys);
+    const bool scaled = lay.mode == retro::StepLayout::Scaled;
+    const int64_t sk = lay.sk, lb = lay.lb;
+    if (lay.mode == retro::StepLayout::All || lay.mode == retro::StepLayout::Streaming) {
       last_ = StepStats{};
-      if (!scaled) {  // nothing indexed: the steady zone is the whole context
+      if (lay.mode == retro::StepLayout::All) {  // nothing indexed: the steady zone is the whole context
         out.kind = Selection::Kind::All;
         out.lists.clear();
         last_.steady_tokens = double(n);
         return;
       }
-      // Nothing indexed (a prompt below the indexing threshold): streaming's selection, the
-      // sinks (streaming's rule, not capped by the steady share) and the most recent tokens, the
-      // whole budget.
-      sk = streaming_sinks(sinks_, budget_keys, n);
-      const int64_t lw = std::min(n - sk, budget_keys - sk);
+      const int64_t lw = lay.lw;
       out.kind = Selection::Kind::PerKvHead;
       out.lists.resize(size_t(hkv));
       for (auto& list : out.lists) {
@@ -398,8 +433,8 @@ class RetroInfer final : public Method {
         // Whole clusters in rank order while they fit the exact budget left after the steady zone;
         // the first that does not fit ends the retrieval zone (budget_unused_tokens says how much
         // of the budget stayed unused, budget_overrun_tokens how far the steady zone exceeds it).
-        int64_t room = budget_keys - steady;
-        if (room < 0) st.budget_overrun = double(-room), room = 0;
+        const int64_t room = lay.room;
+        st.budget_overrun = double(lay.overrun);
         int64_t sorted = 0, i = 0, used = 0;
         while (i < nc) {
           if (i >= sorted) {
@@ -626,6 +661,7 @@ class RetroInfer final : public Method {
     for (uint32_t l = 0; l < layers_.size(); ++l) {
       auto& L = layers_[l];
       L = LayerIndex{};
+      L.generation = ++generation_;
       L.indexed_end = sinks_;
       const auto key = std::to_string(l);
       if (!layers.contains(key)) continue;
@@ -775,6 +811,7 @@ class RetroInfer final : public Method {
     L.r += r_add;
     L.e += e_add;
     L.indexed_end = e;
+    L.generation = ++generation_;
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     L.chunks.push_back(Chunk{b, e, c0, c0 + C, s, r_add, e_add, ms});
   }
@@ -851,7 +888,13 @@ class RetroInfer final : public Method {
     clusters = double(used);
   }
 
+  friend retro::IndexView retro::index_view(const Method&, uint32_t);
+  friend retro::StepLayout retro::step_layout(const Method&, uint32_t, int64_t, int64_t);
+  friend retro::Rules retro::rules(const Method&);
+  friend void retro::record_step(Method&, const retro::StepFigures&);
+
   MethodContext ctx_;
+  uint64_t generation_ = 0;
   int64_t sinks_, local_, cluster_size_, segment_size_, iterations_, align_;
   double retrieval_, estimation_;
   int64_t update_;
@@ -875,6 +918,38 @@ class RetroInfer final : public Method {
 };
 
 }  // namespace
+
+namespace retro {
+namespace {
+const RetroInfer& as_retro(const Method& m) {
+  const auto* r = dynamic_cast<const RetroInfer*>(&m);
+  if (!r) fail(KVS_STATUS_INTERNAL, "retroinfer: the host index is not the retroinfer method");
+  return *r;
+}
+}  // namespace
+
+IndexView index_view(const Method& m, uint32_t layer) {
+  const auto& L = as_retro(m).layers_[layer];
+  return IndexView{&L.heads, L.indexed_end, L.r, L.e, L.generation};
+}
+StepLayout step_layout(const Method& m, uint32_t layer, int64_t n, int64_t budget_keys) {
+  return as_retro(m).layout(layer, n, budget_keys);
+}
+Rules rules(const Method& m) {
+  const auto& r = as_retro(m);
+  return Rules{r.sinks_, r.local_, r.update_, r.mask_after_, r.rank_model_};
+}
+void record_step(Method& m, const StepFigures& f) {
+  auto& r = const_cast<RetroInfer&>(as_retro(m));
+  r.last_ = StepStats{f.retrieval_clusters, f.retrieval_tokens, f.estimation_clusters, f.estimation_tokens,
+                      f.steady_tokens,      f.fill_tokens,      f.budget_unused,       f.budget_overrun};
+  r.sum_budget_unused_ += f.budget_unused;
+  r.sum_budget_overrun_ += f.budget_overrun;
+  ++r.steps_;
+}
+}  // namespace retro
+
+std::unique_ptr<DeviceMethod> make_retroinfer_cuda(const MethodContext&, const ParamSet&);  // retroinfer_cuda.cpp
 
 MethodSpec retroinfer_spec() {
   return MethodSpec{
@@ -924,7 +999,8 @@ MethodSpec retroinfer_spec() {
         "torch.sum): logits, each head's softmax outputs and the group's sum rounded to it (f32 KV: the same as f32)",
         "model"},
        {"recall_probe", "int", "0", "k > 0: measure the clustering's recall@k each step (stat probe_recall; slow, exact scores)"}},
-      [](const MethodContext& c, const ParamSet& p) { return std::make_unique<RetroInfer>(c, p); }};
+      [](const MethodContext& c, const ParamSet& p) { return std::make_unique<RetroInfer>(c, p); },
+      KVS_CUDA_IMPL(make_retroinfer_cuda)};
 }
 
 }  // namespace kvs

@@ -1,0 +1,605 @@
+// SPDX-License-Identifier: Apache-2.0
+// RetroInfer's decode step (retro.cuh). Four launches per step:
+//   1. logits   grid (chunks of 256 clusters, Hkv, B): scale * q_g . centroid for the group's G
+//               query heads (a warp per cluster), and per chunk and head the softmax's running
+//               (max, sum) pair.
+//   2. zones    grid (Hkv, B), 1024 threads: the chunk pairs combined into each head's softmax; the
+//               distance of each cluster (the group's summed softmax, as an fp32 key ordered as
+//               its bits); the retrieval zone by a radix select on the keys (counted: the top r;
+//               or weighted by cluster size: the longest rank-order prefix that fits the room),
+//               the estimation zone by a counted radix select; ties at a threshold go to the lower
+//               cluster id (a block scan in id order), so the zones are the CPU's rank-order zones;
+//               then the exact list: steady zone, the retrieval clusters' positions, the best rows
+//               of the next cluster by exact score (scaled mode), the unclustered tail and sinks.
+//   3. estimate grid (chunks, Hkv, B): per chunk, the estimation clusters' weighted value means
+//               (eqs. 2-4: e^(logit - M) * size * mean) and weights, as partial sums.
+//   4. merge    grid (Hkv, B): the partial sums into the zone's state (o, lse) per query head.
+// The CPU reference computes the same quantities in another order (distances and sums round
+// differently), so near-ties may rank differently; tests compare within that.
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "backends/cuda/launch.cuh"
+#include "backends/cuda/retro.cuh"
+#include "backends/cuda/status.cuh"
+
+namespace kvs::cuda {
+namespace {
+
+constexpr int kChunk = 256;           // clusters per CTA of the logits and estimate kernels
+constexpr int kChunkThreads = 256;
+constexpr int kZoneThreads = 1024;
+constexpr int kMaxGD = 2048;          // G * d: the query group held in shared memory
+constexpr uint32_t kNoKey = 0xffffffffu;  // an empty cluster: never ranked
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+__device__ __forceinline__ float load_q(const Query& q, const void* base, int64_t i) {
+  if (q.dtype == Scalar::F32) return static_cast<const float*>(base)[i];
+  if (q.dtype == Scalar::F16) return __half2float(static_cast<const __half*>(base)[i]);
+  return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+}
+
+__device__ __forceinline__ long long lmin(long long x, long long y) { return x < y ? x : y; }
+
+// Online log-sum-exp pair (max, sum of e^(x - max)); -inf, 0 is empty.
+__device__ __forceinline__ void lse_add(float& m, float& l, float m2, float l2) {
+  const float M = fmaxf(m, m2);
+  if (M == -INFINITY) return;
+  l = l * __expf(m - M) + l2 * __expf(m2 - M);
+  m = M;
+}
+
+struct Args {
+  const RetroSession* sessions;
+  Query q;
+  PagedKv kv;
+  int32_t B, Hq, Hkv, G, d;
+  float scale;
+  int32_t mask_before;
+  int32_t Cc, Pm, nch;  // capacities: clusters, part rows, chunks
+  int32_t* idx;
+  int32_t* cnt;
+  int32_t max_sel;
+  float* est_o;
+  float* est_lse;
+  // workspace
+  float* logits;    // [rows][G][Cc]
+  float2* cstats;   // [rows][nch][G] (max, sum)
+  float* gmax;      // [rows][G]: the softmax max M_g
+  uint32_t* keys;   // [rows][Cc]
+  uint8_t* zone;    // [rows][Cc]: 0 none, 1 retrieval, 2 part, 3 estimation
+  float* estp;      // [rows][nch][G][d + 1]: numerators, then the weight sum
+  uint32_t* pkeys;  // [rows][Pm]: exact scores of the part cluster's rows (ordered bits)
+};
+
+__device__ __forceinline__ bool indexed(const RetroSession& s) { return s.mode >= kRetroPaper && s.C > 0; }
+
+// ---- 1. logits -------------------------------------------------------------------------------
+template <typename M, int D>
+__global__ void __launch_bounds__(kChunkThreads) logits_kernel(const Args a) {
+  constexpr int E = D / 32, NW = kChunkThreads / 32;
+  __shared__ float qs[kMaxGD];
+  __shared__ float wm[NW][64], wl[NW][64];
+  const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const RetroSession& s = a.sessions[b];
+  const int c0 = chunk * kChunk;
+  if (!indexed(s) || c0 >= s.C) return;
+  const int G = a.G, row = b * a.Hkv + h;
+  const void* qb = a.q.at ? *a.q.at : a.q.data;
+  for (int i = threadIdx.x; i < G * D; i += kChunkThreads)
+    qs[i] = load_q(a.q, qb, (int64_t(b) * a.Hq + int64_t(h) * G) * D + i) * a.scale;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int g = lane; g < G; g += 32) wm[warp][g] = -INFINITY, wl[warp][g] = 0.f;
+  __syncthreads();
+  const M* cent = static_cast<const M*>(s.cent) + int64_t(h) * s.C * D;
+  const int32_t* size = s.size + int64_t(h) * s.C;
+  float* out = a.logits + int64_t(row) * G * a.Cc;
+  const int c1 = min(c0 + kChunk, s.C);
+  for (int c = c0 + warp; c < c1; c += NW) {
+    float x[E];
+#pragma unroll
+    for (int i = 0; i < E; ++i) x[i] = to_f32(cent[int64_t(c) * D + lane * E + i]);
+    const bool counted = !a.mask_before || size[c] > 0;
+    for (int g = 0; g < G; ++g) {
+      float p = 0.f;
+#pragma unroll
+      for (int i = 0; i < E; ++i) p = fmaf(qs[g * D + lane * E + i], x[i], p);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) p += __shfl_xor_sync(0xffffffffu, p, o);
+      if (lane == 0) {
+        out[int64_t(g) * a.Cc + c] = p;
+        if (counted) lse_add(wm[warp][g], wl[warp][g], p, 1.f);
+      }
+    }
+  }
+  __syncthreads();
+  for (int g = threadIdx.x; g < G; g += kChunkThreads) {
+    float m = -INFINITY, l = 0.f;
+    for (int w = 0; w < NW; ++w) lse_add(m, l, wm[w][g], wl[w][g]);
+    a.cstats[(int64_t(row) * a.nch + chunk) * G + g] = make_float2(m, l);
+  }
+}
+
+// ---- 2. zones and the exact list ---------------------------------------------------------------
+using Scan = cub::BlockScan<long long, kZoneThreads>;
+using Reduce = cub::BlockReduce<long long, kZoneThreads>;
+
+struct ZoneSmem {
+  union {
+    Scan::TempStorage scan;
+    Reduce::TempStorage reduce;
+  };
+  int hist[256];
+  float M[64], inv[64];
+  uint32_t T;
+  long long above, lim;
+  long long carry, carry2;
+  int part;
+};
+
+// Threshold of the top `target` (by weight, or by count when w is null) of the keys, largest
+// first: T is the largest key value with W(key >= T) > target, above = W(key > T) <= target, lim =
+// target - above (the weight of the ties at T taken, lowest index first, while their running sum
+// stays within lim). Everything fits (W(all) <= target): T = 0 and lim huge. kNoKey never counts.
+__device__ void block_select(const uint32_t* keys, int n, const int32_t* w, long long target, ZoneSmem& sm) {
+  uint32_t prefix = 0, mask = 0;
+  long long above = 0;
+  bool all = false;
+  for (int pass = 0; pass < 4 && !all; ++pass) {
+    const int shift = 24 - 8 * pass;
+    for (int i = threadIdx.x; i < 256; i += kZoneThreads) sm.hist[i] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += kZoneThreads) {
+      const uint32_t k = keys[i];
+      if (k != kNoKey && (k & mask) == prefix) atomicAdd(&sm.hist[(k >> shift) & 255], w ? w[i] : 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      long long acc = above;
+      int dg = -1;
+      for (int g = 255; g >= 0; --g) {
+        if (acc + sm.hist[g] > target) {
+          dg = g;
+          break;
+        }
+        acc += sm.hist[g];
+      }
+      sm.lim = dg < 0 ? 1 : 0;  // scratch: everything fits
+      sm.above = acc;
+      sm.T = dg < 0 ? 0u : uint32_t(dg);
+    }
+    __syncthreads();
+    all = sm.lim != 0;
+    if (!all) {
+      prefix |= sm.T << shift;
+      mask |= 255u << shift;
+      above = sm.above;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    if (all) {
+      sm.T = 0;
+      sm.above = 0;
+      sm.lim = (long long)1 << 62;
+    } else {
+      sm.T = prefix;
+      sm.above = above;
+      sm.lim = target - above;
+    }
+  }
+  __syncthreads();
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
+  __shared__ ZoneSmem sm;
+  const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
+  const int row = b * a.Hkv + h, G = a.G;
+  const RetroSession& s = a.sessions[b];
+  int32_t* out = a.idx + int64_t(row) * a.max_sel;
+  int32_t* st = s.stats ? s.stats + int64_t(h) * kRetroStats : nullptr;
+  const int64_t cap = a.max_sel;  // writes past the capacity are dropped (the host sizes it)
+  if (!indexed(s)) {
+    // Nothing indexed: [0, n), or the sinks and the most recent tokens.
+    const int sk = s.mode == kRetroStreaming ? s.sk : s.n, lw = s.mode == kRetroStreaming ? s.lw : 0;
+    for (int i = tid; i < sk + lw && i < cap; i += kZoneThreads) out[i] = i < sk ? i : s.n - lw + (i - sk);
+    if (tid == 0) {
+      a.cnt[row] = int32_t(lmin(sk + lw, cap));
+      if (st)
+        for (int i = 0; i < kRetroStats; ++i) st[i] = i == 6 ? sk + lw : 0;
+    }
+    return;
+  }
+  const int C = s.C;
+  const int32_t* size = s.size + int64_t(h) * C;
+  const int32_t* start = s.start + int64_t(h) * C;
+  const int32_t* pos = s.pos + int64_t(h) * s.R;
+  uint32_t* keys = a.keys + int64_t(row) * a.Cc;
+  uint8_t* zone = a.zone + int64_t(row) * a.Cc;
+  const float* lg = a.logits + int64_t(row) * G * a.Cc;
+
+  // Each head's softmax over the centroids from the chunk pairs.
+  const int nchs = (C + kChunk - 1) / kChunk;
+  for (int g = tid; g < G; g += kZoneThreads) {
+    float m = -INFINITY, l = 0.f;
+    for (int c = 0; c < nchs; ++c) {
+      const float2 p = a.cstats[(int64_t(row) * a.nch + c) * G + g];
+      lse_add(m, l, p.x, p.y);
+    }
+    sm.M[g] = m;
+    sm.inv[g] = l > 0.f ? 1.f / l : 0.f;
+    a.gmax[int64_t(row) * G + g] = m;
+  }
+  __syncthreads();
+  // Distances: the group's summed softmax, as ordered bits (>= +0); empty clusters never rank.
+  long long nc_part = 0;
+  for (int c = tid; c < C; c += kZoneThreads) {
+    uint32_t k = kNoKey;
+    if (size[c] > 0) {
+      float dsum = 0.f;
+      for (int g = 0; g < G; ++g) dsum += __expf(lg[int64_t(g) * a.Cc + c] - sm.M[g]) * sm.inv[g];
+      k = __float_as_uint(fmaxf(dsum, 0.f));
+      ++nc_part;
+    }
+    keys[c] = k;
+  }
+  const long long nc = Reduce(sm.reduce).Sum(nc_part);
+  __syncthreads();
+  __shared__ long long s_nc;
+  if (tid == 0) s_nc = nc;
+  __syncthreads();
+  const long long ncand = s_nc;
+
+  // Retrieval zone: the top r (paper) or the longest rank-order prefix within the room (session).
+  const bool session = s.mode >= kRetroSession, scaled = s.mode == kRetroScaled;
+  const long long r_target = session ? s.room : lmin(s.r_fixed, ncand);
+  block_select(keys, C, session ? size : nullptr, r_target, sm);
+  const uint32_t T1 = sm.T;
+  const long long lim1 = sm.lim;
+  if (tid == 0) sm.carry = 0, sm.part = -1;
+  __syncthreads();
+  long long used_part = 0, r_part = 0;
+  for (int base = 0; base < C; base += kZoneThreads) {
+    const int c = base + tid;
+    const uint32_t k = c < C ? keys[c] : kNoKey;
+    const bool tie = k != kNoKey && k == T1;
+    const long long v = tie ? (session ? size[c] : 1) : 0;
+    long long ex;
+    Scan(sm.scan).ExclusiveSum(v, ex);
+    const long long before = sm.carry + ex;
+    const bool in1 = k != kNoKey && (k > T1 || (tie && before + v <= lim1));
+    if (tie && before <= lim1 && before + v > lim1) sm.part = c;  // the first tie that does not fit
+    if (c < C) zone[c] = in1 ? 1 : 0;
+    if (in1) used_part += size[c], ++r_part;
+    __syncthreads();
+    if (tid == kZoneThreads - 1) sm.carry = before + v;
+    __syncthreads();
+  }
+  const long long used1 = Reduce(sm.reduce).Sum(used_part);
+  __syncthreads();
+  const long long r = Reduce(sm.reduce).Sum(r_part);
+  __shared__ long long s_used, s_r;
+  if (tid == 0) s_used = used1, s_r = r;
+  __syncthreads();
+  long long used = s_used;
+  const long long rr = s_r;
+  // Part of the next cluster (scaled): its rows of highest exact score fill the room.
+  int part = -1;
+  long long pm = 0;
+  if (scaled && used < s.room && rr < ncand && sm.part >= 0) {
+    part = sm.part;
+    pm = lmin(s.room - used, size[part]);
+  }
+  const long long er = rr + (part >= 0 ? 1 : 0);
+  const long long k2 = session ? lmin(ncand, er + s.e) : lmin(ncand, (long long)s.r_fixed + s.e);
+
+  // Estimation zone: ranks [er, k2) = the top k2 less the retrieval zone and the part cluster.
+  __syncthreads();
+  block_select(keys, C, nullptr, k2, sm);
+  const uint32_t T2 = sm.T;
+  const long long lim2 = sm.lim;
+  const long long sk = s.sk;
+  if (tid == 0) sm.carry = 0, sm.carry2 = 0;
+  __syncthreads();
+  long long est_c = 0, est_t = 0;
+  for (int base = 0; base < C; base += kZoneThreads) {
+    const int c = base + tid;
+    const uint32_t k = c < C ? keys[c] : kNoKey;
+    const bool tie = k != kNoKey && k == T2;
+    const long long v = tie ? 1 : 0;
+    const int z1 = c < C ? zone[c] : 0;
+    const long long sz = z1 == 1 ? size[c] : 0;
+    long long ex, ex2;
+    Scan(sm.scan).ExclusiveSum(v, ex);
+    __syncthreads();
+    Scan(sm.scan).ExclusiveSum(sz, ex2);
+    const long long before = sm.carry + ex, at = sm.carry2 + ex2;
+    const bool in2 = k != kNoKey && (k > T2 || (tie && before + v <= lim2));
+    if (c < C) {
+      const int z = z1 == 1 ? 1 : c == part ? 2 : in2 ? 3 : 0;
+      zone[c] = uint8_t(z);
+      if (z == 3) ++est_c, est_t += size[c];
+      if (z == 1)  // the cluster's positions after the steady sinks
+        for (int j = 0; j < size[c] && sk + at + j < cap; ++j) out[sk + at + j] = pos[start[c] + j];
+    }
+    __syncthreads();
+    if (tid == kZoneThreads - 1) sm.carry = before + v, sm.carry2 = at + sz;
+    __syncthreads();
+  }
+  const long long est_clusters = Reduce(sm.reduce).Sum(est_c);
+  __syncthreads();
+  const long long est_tokens = Reduce(sm.reduce).Sum(est_t);
+  __syncthreads();
+
+  // The part cluster's best pm rows by exact score (max over the group of q . k), ties to the
+  // earlier row.
+  long long at = sk + used;
+  if (part >= 0) {
+    const int m = size[part], p0 = start[part];
+    uint32_t* pk = a.pkeys + int64_t(row) * a.Pm;
+    const void* qb = a.q.at ? *a.q.at : a.q.data;
+    const int warp = tid / 32, lane = tid % 32;
+    constexpr int E = D / 32;
+    for (int j = warp; j < m; j += kZoneThreads / 32) {
+      const T* kr = kv_row<T>(a.kv, a.Hkv, D, b, h, pos[p0 + j], 0);
+      float x[E];
+#pragma unroll
+      for (int i = 0; i < E; ++i) x[i] = to_f32(kr[lane * E + i]);
+      float best = -INFINITY;
+      for (int g = 0; g < G; ++g) {
+        float p = 0.f;
+#pragma unroll
+        for (int i = 0; i < E; ++i)
+          p = fmaf(load_q(a.q, qb, (int64_t(b) * a.Hq + int64_t(h) * G + g) * D + lane * E + i), x[i], p);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) p += __shfl_xor_sync(0xffffffffu, p, o);
+        best = fmaxf(best, p);
+      }
+      if (lane == 0) {  // ordered bits: larger float, larger key
+        const uint32_t u = __float_as_uint(best);
+        pk[j] = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+      }
+    }
+    __syncthreads();
+    block_select(pk, m, nullptr, pm, sm);
+    const uint32_t T3 = sm.T;
+    const long long lim3 = sm.lim;
+    if (tid == 0) sm.carry = 0, sm.carry2 = 0;
+    __syncthreads();
+    for (int base = 0; base < m; base += kZoneThreads) {
+      const int j = base + tid;
+      const uint32_t k = j < m ? pk[j] : 0u;
+      const bool tie = j < m && k == T3;
+      const long long v = tie ? 1 : 0;
+      long long ex, ex2;
+      Scan(sm.scan).ExclusiveSum(v, ex);
+      const long long before = sm.carry + ex;
+      const bool in = j < m && (k > T3 || (tie && before + v <= lim3));
+      __syncthreads();
+      Scan(sm.scan).ExclusiveSum(in ? 1ll : 0ll, ex2);
+      if (in && at + sm.carry2 + ex2 < cap) out[at + sm.carry2 + ex2] = pos[p0 + j];
+      __syncthreads();
+      if (tid == kZoneThreads - 1) sm.carry = before + v, sm.carry2 += ex2 + (in ? 1 : 0);
+      __syncthreads();
+    }
+    used += pm;
+    at += pm;
+  }
+  // Fill (scaled): the unclustered tail before the local window, most recent first, then the
+  // sinks past the scaled ones; then the steady zone.
+  long long tb = s.lb, sb = s.sinks_end;
+  if (scaled) {
+    const long long tail = lmin(s.room - used, (long long)s.lb - s.indexed_end);
+    tb = s.lb - tail;
+    used += tail;
+    const long long head = lmin(s.room - used, (long long)s.sinks_end - s.sk);
+    sb = s.sinks_end - head;
+    used += head;
+  }
+  for (long long i = tid; i < sk && i < cap; i += kZoneThreads) out[i] = int32_t(i);
+  for (long long t = tb + tid; t < s.n && at + (t - tb) < cap; t += kZoneThreads) out[at + (t - tb)] = int32_t(t);
+  at += s.n - tb;
+  for (long long t = sb + tid; t < s.sinks_end && at + (t - sb) < cap; t += kZoneThreads) out[at + (t - sb)] = int32_t(t);
+  at += s.sinks_end - sb;
+  if (tid == 0) {
+    a.cnt[row] = int32_t(lmin(at, cap));
+    if (st) {
+      st[0] = int32_t(rr);
+      st[1] = int32_t(s_used);
+      st[2] = int32_t(est_clusters);
+      st[3] = int32_t(est_tokens);
+      st[4] = int32_t(pm + (s.lb - tb) + (s.sinks_end - sb));
+      st[5] = session ? int32_t(s.room - used) : 0;
+      st[6] = int32_t(sk + (s.n - s.lb));
+      st[7] = 0;
+    }
+  }
+}
+
+// ---- 3. estimation partial sums -------------------------------------------------------------
+template <typename M>
+__global__ void __launch_bounds__(kChunkThreads) estimate_kernel(const Args a) {
+  __shared__ int list[kChunk];
+  __shared__ float wsh[kChunk];  // weight of list entry i for head g (one g at a time)
+  __shared__ int nlist;
+  const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const RetroSession& s = a.sessions[b];
+  const int c0 = chunk * kChunk, G = a.G, D = a.d;
+  const int row = b * a.Hkv + h;
+  float* part = a.estp + (int64_t(row) * a.nch + chunk) * G * (D + 1);
+  if (!indexed(s) || c0 >= s.C) return;
+  const int c1 = min(c0 + kChunk, s.C);
+  const uint8_t* zone = a.zone + int64_t(row) * a.Cc;
+  if (threadIdx.x == 0) nlist = 0;
+  __syncthreads();
+  for (int c = c0 + threadIdx.x; c < c1; c += kChunkThreads)
+    if (zone[c] == 3) list[atomicAdd(&nlist, 1)] = c;
+  __syncthreads();
+  const int nl = nlist;
+  const int32_t* size = s.size + int64_t(h) * s.C;
+  const M* vm = static_cast<const M*>(s.vmeta) + int64_t(h) * s.C * D;
+  const float* lg = a.logits + int64_t(row) * G * a.Cc;
+  // 16-bit meta rows are value means: weight e^(logit - M) * size; fp32 rows are value sums.
+  const bool means = sizeof(M) == 2;
+  for (int g = 0; g < G; ++g) {
+    const float Mg = a.gmax[int64_t(row) * G + g];
+    __syncthreads();
+    for (int i = threadIdx.x; i < nl; i += kChunkThreads) wsh[i] = __expf(lg[int64_t(g) * a.Cc + list[i]] - Mg);
+    __syncthreads();
+    for (int e = threadIdx.x; e <= D; e += kChunkThreads) {
+      float acc = 0.f;
+      if (e < D) {
+        for (int i = 0; i < nl; ++i) {
+          const int c = list[i];
+          const float wgt = means ? wsh[i] * float(size[c]) : wsh[i];
+          acc = fmaf(wgt, to_f32(vm[int64_t(c) * D + e]), acc);
+        }
+      } else {
+        for (int i = 0; i < nl; ++i) acc = fmaf(wsh[i], float(size[list[i]]), acc);
+      }
+      part[g * (D + 1) + e] = acc;
+    }
+  }
+}
+
+// ---- 4. the estimation zone's state -----------------------------------------------------------
+__global__ void __launch_bounds__(kChunkThreads) est_merge_kernel(const Args a) {
+  const int h = blockIdx.x, b = blockIdx.y, G = a.G, D = a.d;
+  const int row = b * a.Hkv + h;
+  const RetroSession& s = a.sessions[b];
+  const int nchs = indexed(s) ? (s.C + kChunk - 1) / kChunk : 0;
+  for (int g = 0; g < G; ++g) {
+    const int64_t qrow = int64_t(b) * a.Hq + int64_t(h) * G + g;
+    float den = 0.f;
+    for (int c = 0; c < nchs; ++c) den += a.estp[((int64_t(row) * a.nch + c) * G + g) * (D + 1) + D];
+    for (int e = threadIdx.x; e < D; e += kChunkThreads) {
+      float num = 0.f;
+      if (den > 0.f)
+        for (int c = 0; c < nchs; ++c) num += a.estp[((int64_t(row) * a.nch + c) * G + g) * (D + 1) + e];
+      a.est_o[qrow * D + e] = den > 0.f ? num / den : 0.f;
+    }
+    if (threadIdx.x == 0) a.est_lse[qrow] = den > 0.f ? a.gmax[int64_t(row) * G + g] + logf(den) : -INFINITY;
+  }
+}
+
+size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+struct Carve {
+  size_t logits, cstats, gmax, keys, zone, estp, pkeys, total;
+};
+Carve carve(const AttnShape& s, int32_t Cc, int32_t Pm) {
+  const size_t rows = size_t(s.batch) * s.num_kv_heads, G = size_t(s.num_q_heads / s.num_kv_heads);
+  const size_t nch = (size_t(Cc) + kChunk - 1) / kChunk;
+  Carve c{};
+  size_t at = 0;
+  auto take = [&](size_t bytes) {
+    const size_t o = at;
+    at += align_up(bytes, 256);
+    return o;
+  };
+  c.logits = take(rows * G * size_t(Cc) * 4);
+  c.cstats = take(rows * nch * G * 8);
+  c.gmax = take(rows * G * 4);
+  c.keys = take(rows * size_t(Cc) * 4);
+  c.zone = take(rows * size_t(Cc));
+  c.estp = take(rows * nch * G * (size_t(s.head_dim) + 1) * 4);
+  c.pkeys = take(rows * size_t(Pm) * 4);
+  c.total = at;
+  return c;
+}
+
+template <typename M, typename T, int D>
+Status launch_all(const Args& a, cudaStream_t st) {
+  const dim3 chunks(unsigned(a.nch), unsigned(a.Hkv), unsigned(a.B));
+  logits_kernel<M, D><<<chunks, kChunkThreads, 0, st>>>(a);
+  KVS_LAUNCH_CHECK("retro logits_kernel launch");
+  zones_kernel<T, D><<<dim3(unsigned(a.Hkv), unsigned(a.B)), kZoneThreads, 0, st>>>(a);
+  KVS_LAUNCH_CHECK("retro zones_kernel launch");
+  estimate_kernel<M><<<chunks, kChunkThreads, 0, st>>>(a);
+  KVS_LAUNCH_CHECK("retro estimate_kernel launch");
+  est_merge_kernel<<<dim3(unsigned(a.Hkv), unsigned(a.B)), kChunkThreads, 0, st>>>(a);
+  KVS_LAUNCH_CHECK("retro est_merge_kernel launch");
+  return {};
+}
+
+template <typename M, typename T>
+Status by_dim(const Args& a, cudaStream_t st) {
+  switch (a.d) {
+    case 64: return launch_all<M, T, 64>(a, st);
+    case 128: return launch_all<M, T, 128>(a, st);
+    case 256: return launch_all<M, T, 256>(a, st);
+  }
+  return unsupported("head_dim must be 64, 128 or 256");
+}
+
+template <typename T>
+Status by_meta(const Args& a, Scalar meta, cudaStream_t st) {
+  if (meta == Scalar::F32) return by_dim<float, T>(a, st);
+  if (meta == Scalar::F16) return by_dim<__half, T>(a, st);
+  return by_dim<__nv_bfloat16, T>(a, st);
+}
+
+}  // namespace
+
+size_t retro_select_workspace_bytes(const AttnShape& shape, int32_t max_clusters, int32_t max_cluster_rows) noexcept {
+  if (shape.batch < 1 || shape.num_kv_heads < 1 || shape.num_q_heads % shape.num_kv_heads != 0) return 0;
+  return carve(shape, std::max<int32_t>(max_clusters, 1), std::max<int32_t>(max_cluster_rows, 1)).total;
+}
+
+Status retro_select(const AttnShape& shape, const Query& q, const PagedKv& kv, Scalar kv_dtype,
+                    const RetroSession* sessions, const RetroConfig& cfg, int32_t max_clusters,
+                    int32_t max_cluster_rows, int32_t* idx, int32_t* cnt, int32_t max_selected, float* est_o,
+                    float* est_lse, const Workspace& ws, void* stream) noexcept {
+  if (shape.batch < 1 || shape.num_kv_heads < 1 || shape.num_q_heads < 1 ||
+      shape.num_q_heads % shape.num_kv_heads != 0)
+    return invalid("retro_select: bad shape");
+  const int G = shape.num_q_heads / shape.num_kv_heads;
+  if (G > 64 || G * shape.head_dim > kMaxGD) return unsupported("retro_select: query group * head_dim must be <= 2048");
+  if (kv_dtype != Scalar::BF16 && kv_dtype != Scalar::F16) return unsupported("retro_select: KV dtype must be BF16 or F16");
+  if (!sessions || !idx || !cnt || !est_o || !est_lse || max_selected < 1) return invalid("retro_select: null argument");
+  if (max_clusters < 0 || max_cluster_rows < 0) return invalid("retro_select: negative capacity");
+  const int32_t Cc = std::max<int32_t>(max_clusters, 1), Pm = std::max<int32_t>(max_cluster_rows, 1);
+  const Carve c = carve(shape, Cc, Pm);
+  if (!ws.ptr || ws.bytes < c.total) return invalid("retro_select: workspace too small (ask retro_select_workspace_bytes)");
+  char* w = static_cast<char*>(ws.ptr);
+  Args a{};
+  a.sessions = sessions;
+  a.q = q;
+  a.kv = kv;
+  a.B = shape.batch;
+  a.Hq = shape.num_q_heads;
+  a.Hkv = shape.num_kv_heads;
+  a.G = G;
+  a.d = shape.head_dim;
+  a.scale = shape.scale;
+  a.mask_before = cfg.mask_before;
+  a.Cc = Cc;
+  a.Pm = Pm;
+  a.nch = (Cc + kChunk - 1) / kChunk;
+  a.idx = idx;
+  a.cnt = cnt;
+  a.max_sel = max_selected;
+  a.est_o = est_o;
+  a.est_lse = est_lse;
+  a.logits = reinterpret_cast<float*>(w + c.logits);
+  a.cstats = reinterpret_cast<float2*>(w + c.cstats);
+  a.gmax = reinterpret_cast<float*>(w + c.gmax);
+  a.keys = reinterpret_cast<uint32_t*>(w + c.keys);
+  a.zone = reinterpret_cast<uint8_t*>(w + c.zone);
+  a.estp = reinterpret_cast<float*>(w + c.estp);
+  a.pkeys = reinterpret_cast<uint32_t*>(w + c.pkeys);
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (kv_dtype == Scalar::BF16) return by_meta<__nv_bfloat16>(a, cfg.meta, st);
+  return by_meta<__half>(a, cfg.meta, st);
+}
+
+}  // namespace kvs::cuda

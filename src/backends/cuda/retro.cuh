@@ -1,0 +1,79 @@
+// SPDX-License-Identifier: Apache-2.0
+// RetroInfer's decode step on CUDA (CPU reference: src/methods/retroinfer/retroinfer.cpp; the
+// method: docs/methods/retroinfer.md): per session and KV head, the cluster ranking (the group's
+// summed softmax over the centroids), the zones (retrieval clusters attended exactly with the
+// steady zone, the estimation zone from centroids, sizes and value means), the exact selection
+// list and the estimation zone's attention state, which the gathered attention merges in
+// (Output::prior_*).
+//
+// Conventions as in cuda_attention.cuh (device pointers unless "host", enqueued on `stream`, no
+// sync, no allocation, noexcept, Status).
+//
+// Meta index of one session and layer (device; the CPU method's WaveHead, docs "Layout"), per KV
+// head h at offset h * C (rows: h * C * d; positions: h * R):
+//   cent  [Hkv][C][d]  centroids in the meta dtype (F32, F16 or BF16)
+//   vmeta [Hkv][C][d]  value means (16-bit meta dtype) or value sums (F32)
+//   size  [Hkv][C] int32, start [Hkv][C] int32 (first row of the cluster), pos [Hkv][R] int32
+//   (original token positions, cluster by cluster, ascending inside a cluster).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "backends/cuda/cuda_attention.cuh"
+#include "backends/cuda/kv_layout.cuh"
+
+namespace kvs::cuda {
+
+// How a session's step is laid out (RetroSession::mode).
+enum RetroMode : int32_t {
+  kRetroAll = 0,        // nothing indexed, no budget scaling: attend [0, n)
+  kRetroStreaming = 1,  // nothing indexed, budget=session scaled: [0, sk) and [n - lw, n)
+  kRetroPaper = 2,      // budget=paper: the top r_fixed clusters, fixed steady zone
+  kRetroSession = 3,    // budget=session, steady_share = 0: whole clusters within room
+  kRetroScaled = 4,     // budget=session scaled: whole clusters, part of the next, then fill
+};
+
+// Figures of a step per KV head (RetroSession::stats): retrieval clusters, retrieval tokens,
+// estimation clusters, estimation tokens, fill tokens (part rows, tail, extra sinks), budget
+// unused (session modes), steady tokens, 0.
+constexpr int kRetroStats = 8;
+
+// One session's step (device memory, uploaded per step).
+struct RetroSession {
+  const void* cent;
+  const void* vmeta;
+  const int32_t* size;
+  const int32_t* start;
+  const int32_t* pos;
+  int32_t C, R;          // clusters and rows per KV head (0: nothing indexed)
+  int32_t mode;          // RetroMode
+  int32_t n;             // tokens after the step's append
+  int32_t sk, lb;        // steady zone: [0, sk) and [lb, n)
+  int32_t sinks_end;     // min(sinks, n): the fill may add sinks [sb, sinks_end)
+  int32_t indexed_end;   // tokens [sinks, indexed_end) are clustered
+  int32_t room;          // session modes: exact keys for clusters and fill (>= 0)
+  int32_t r_fixed, e;    // paper: retrieval clusters; every indexed mode: estimation clusters
+  int32_t lw;            // kRetroStreaming: the recent window
+  int32_t* stats;        // optional [Hkv][kRetroStats]: the step's figures per KV head (above)
+};
+
+struct RetroConfig {
+  Scalar meta = Scalar::F32;  // dtype of cent and vmeta
+  bool mask_before = false;   // empty clusters left out of the softmax (else dropped after the sum)
+};
+
+// Workspace for a batch whose sessions have at most max_clusters clusters per head and clusters of
+// at most max_cluster_rows rows.
+size_t retro_select_workspace_bytes(const AttnShape& shape, int32_t max_clusters, int32_t max_cluster_rows) noexcept;
+
+// The step for B sessions (sessions: device [B]): selection rows idx[(b * Hkv + h) * max_selected
+// + i], i < cnt[b * Hkv + h] (any order; -1 past the count is not written), and the estimation
+// zone's state est_o [B, Hq, d] fp32, est_lse [B, Hq] (natural log; -inf, o = 0 where the zone is
+// empty). max_clusters / max_cluster_rows: host bounds over the batch (as for the workspace). A
+// list longer than max_selected is cut there (the host sizes it so that none is).
+Status retro_select(const AttnShape& shape, const Query& q, const PagedKv& kv, Scalar kv_dtype,
+                    const RetroSession* sessions, const RetroConfig& cfg, int32_t max_clusters,
+                    int32_t max_cluster_rows, int32_t* idx, int32_t* cnt, int32_t max_selected, float* est_o,
+                    float* est_lse, const Workspace& ws, void* stream) noexcept;
+
+}  // namespace kvs::cuda

@@ -1,0 +1,50 @@
+// SPDX-License-Identifier: Apache-2.0
+// The CPU retroinfer method's index and step rules as another placement reads them: the cuda
+// placement (retroinfer_cuda.cpp) keeps the CPU method as its host index (built and updated by
+// the same code, saved in the same tables sections) and mirrors its meta index on the device.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "core/method.hpp"
+#include "methods/retroinfer/wave_index.hpp"
+
+namespace kvs::retro {
+
+// One layer's index (the CPU method's, read only while the method is not changed).
+struct IndexView {
+  const std::vector<WaveHead>* heads = nullptr;  // Hkv heads; empty: nothing indexed
+  int64_t indexed_end = 0;                       // tokens [sinks, indexed_end) are clustered
+  int64_t r = 0, e = 0;                          // budget=paper retrieval clusters; estimation clusters
+  uint64_t generation = 0;                       // differs after any change to the layer's index
+};
+
+// How one step of a session lays out its zones before any cluster is ranked (the CPU method's
+// select prologue).
+struct StepLayout {
+  enum Mode { All, Streaming, Paper, Session, Scaled } mode = All;
+  int64_t sk = 0, lb = 0;    // steady zone [0, sk) and [lb, n)
+  int64_t sinks_end = 0;     // min(sinks, n)
+  int64_t room = 0;          // session modes: exact keys left for clusters and fill
+  int64_t overrun = 0;       // session modes: how far the steady zone exceeds the budget
+  int64_t lw = 0;            // Streaming: the recent window
+};
+
+struct Rules {
+  int64_t sinks = 0, local = 0, update_segment = 0;
+  bool mask_after = true;    // mask_empty=after_softmax
+  bool rank_model = false;   // rank_dtype=model
+};
+
+// m must be the CPU retroinfer method (retroinfer_spec().create): anything else is an internal error.
+IndexView index_view(const Method& m, uint32_t layer);
+StepLayout step_layout(const Method& m, uint32_t layer, int64_t n, int64_t budget_keys);
+Rules rules(const Method& m);
+// The CPU method's per-step statistics are replaced by these (KV head averages) for stat().
+struct StepFigures {
+  double retrieval_clusters = 0, retrieval_tokens = 0, estimation_clusters = 0, estimation_tokens = 0,
+         steady_tokens = 0, fill_tokens = 0, budget_unused = 0, budget_overrun = 0;
+};
+void record_step(Method& m, const StepFigures& f);
+
+}  // namespace kvs::retro

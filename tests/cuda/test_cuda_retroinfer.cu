@@ -1,0 +1,188 @@
+// SPDX-License-Identifier: Apache-2.0
+// retroinfer on the cuda placement through the public C API against the CPU backend (the
+// reference). The index is built on one backend and moved to the other with kvs_session_to (the
+// tables format, in memory), so both decode with the same clusters: the GPU step (the group's
+// summed softmax over the centroids, the zones by rank, the exact list, the estimation zone merged
+// into the attention) must give the CPU's selections up to near-ties (its sums add in another
+// order) and the same outputs. Covered: budget=session scaled (the default: whole clusters, part
+// of the next, the fill), steady_share=0, budget=paper, mask_empty=before_softmax, the meta index
+// in fp32 / bf16, prompts below the indexing threshold, the incremental index update while
+// decoding, an appended turn, batches of sessions of different lengths, the index built on the
+// GPU session, and a GPU session moved back to the CPU after updates.
+// Built into kvsieve_cuda_tests (main in test_cuda_attention.cu calls run_retroinfer_tests()).
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "capi_check.hpp"
+#include "session_pair.hpp"
+#include "kvsieve/kvsieve.h"
+
+namespace {
+
+// B sessions of n0 + 37 b prompt tokens, `steps` decode steps, a 60-token turn appended, 3 steps.
+// min_overlap: the least share of the CPU's selected keys the GPU selects too (per step, head).
+void run_case(const char* params, kvs_scalar_type kvdt, int hq, int hkv, int d, int64_t n0, int B, int steps,
+              double budget, bool gpu_build = false, bool counts_equal = true) {
+  char name[320];
+  std::snprintf(name, sizeof name, "retroinfer(%s) %s hq=%d hkv=%d d=%d n0=%lld B=%d steps=%d budget=%g%s", params,
+                kvdt == KVS_SCALAR_BF16 ? "bf16" : "f16", hq, hkv, d, (long long)n0, B, steps, budget,
+                gpu_build ? " gpu-built" : "");
+  const int64_t turn = 60;
+  std::vector<Seq> seqs;
+  for (int b = 0; b < B; ++b)
+    seqs.push_back(make_seq(n0 + 37 * b + steps + turn + 4, hq, hkv, d, uint32_t(2000 + 17 * b + d + hq)));
+  kvs_session_params p = one_layer_params("retroinfer", kvdt, hq, hkv, d, budget);
+  p.method_params = params;
+  std::vector<kvs_session_t> cpu(size_t(B), nullptr), gpu(size_t(B), nullptr);
+  for (int b = 0; b < B; ++b) {
+    const int64_t n = n0 + 37 * b;
+    kvs_session_t src = nullptr;
+    p.backend = gpu_build ? KVS_BACKEND_CUDA : KVS_BACKEND_CPU;
+    if (!ok(kvs_session_create(&p, &src), "create")) return;
+    if (!add(src, gpu_build, seqs[size_t(b)], hq, hkv, d, kvdt, 0, n / 3, false, "prefill") ||
+        !add(src, gpu_build, seqs[size_t(b)], hq, hkv, d, kvdt, n / 3, n, false, "prefill"))
+      return;
+    if (!ok(kvs_session_build_index(src, nullptr), "build")) return;
+    kvs_session_t other = nullptr;
+    if (!ok(kvs_session_to(src, gpu_build ? KVS_BACKEND_CPU : KVS_BACKEND_CUDA, 0, &other), "kvs_session_to")) return;
+    cpu[size_t(b)] = gpu_build ? other : src;
+    gpu[size_t(b)] = gpu_build ? src : other;
+  }
+  cudaStream_t stream;
+  cudaStreamCreate(&stream);
+  std::vector<int64_t> pos(static_cast<size_t>(B), 0);
+  for (int b = 0; b < B; ++b) pos[size_t(b)] = n0 + 37 * b;
+  Cmp c;
+  for (int s = 0; s < steps; ++s) {
+    step(cpu, gpu, seqs, pos, hq, hkv, d, kvdt, stream, c);
+    for (auto& x : pos) ++x;
+  }
+  CAPI_CHECK(c.err < 1e-2 && c.lse < 2e-2, "%s: decode rel err %.3g, lse err %.3g", name, c.err, c.lse);
+  CAPI_CHECK((c.count_equal || !counts_equal) && c.min_overlap >= 0.95,
+             "%s: selections: counts equal %d, least overlap %.4f", name, int(c.count_equal), c.min_overlap);
+  // The step's figures as the CPU reports them (estimation zone, retrieval tokens).
+  for (const char* stat : {"estimation_clusters", "retrieval_tokens", "steady_tokens", "fill_tokens"}) {
+    double x = -1, y = -2;
+    kvs_error_t e1 = kvs_session_method_stat(cpu[0], stat, &x), e2 = kvs_session_method_stat(gpu[0], stat, &y);
+    CAPI_CHECK(!e1 && !e2 && std::fabs(x - y) <= 0.05 * std::max(1.0, std::fabs(x)) + 1, "%s: stat %s: cpu %g, cuda %g",
+               name, stat, x, y);
+    kvs_error_destroy(e1);
+    kvs_error_destroy(e2);
+  }
+  // A turn appended outside a step (the update rule sees it), then steps.
+  Cmp a;
+  for (int b = 0; b < B; ++b) {
+    add(cpu[size_t(b)], false, seqs[size_t(b)], hq, hkv, d, kvdt, pos[size_t(b)], pos[size_t(b)] + turn, true, "append cpu");
+    add(gpu[size_t(b)], true, seqs[size_t(b)], hq, hkv, d, kvdt, pos[size_t(b)], pos[size_t(b)] + turn, true, "append cuda");
+    pos[size_t(b)] += turn;
+  }
+  for (int s = 0; s < 3; ++s) {
+    step(cpu, gpu, seqs, pos, hq, hkv, d, kvdt, stream, a);
+    for (auto& x : pos) ++x;
+  }
+  CAPI_CHECK(a.err < 1e-2 && a.lse < 2e-2 && (a.count_equal || !counts_equal) && a.min_overlap >= 0.95,
+             "%s: after an appended turn: rel err %.3g, lse err %.3g, counts equal %d, least overlap %.4f", name, a.err,
+             a.lse, int(a.count_equal), a.min_overlap);
+  double updates_c = 0, updates_g = 0;
+  kvs_session_method_stat(cpu[0], "index_updates", &updates_c);
+  kvs_session_method_stat(gpu[0], "index_updates", &updates_g);
+  CAPI_CHECK(updates_c == updates_g, "%s: index updates: cpu %g, cuda %g", name, updates_c, updates_g);
+  std::printf("session %s: rel err %.2e, lse err %.2e, least overlap %.4f; after the turn %.2e / %.4f; %g updates\n",
+              name, c.err, c.lse, c.min_overlap, a.err, a.min_overlap, updates_g);
+  cudaStreamDestroy(stream);
+  for (int b = 0; b < B; ++b) {
+    kvs_session_destroy(cpu[size_t(b)]);
+    kvs_session_destroy(gpu[size_t(b)]);
+  }
+}
+
+// The GPU session moved back to the CPU after decoding through index updates decodes like the CPU
+// session that saw the same tokens (same clusters, same zones).
+void run_roundtrip() {
+  const int hq = 8, hkv = 2, d = 64;
+  const int64_t n0 = 1500;
+  const kvs_scalar_type kvdt = KVS_SCALAR_BF16;
+  Seq x = make_seq(n0 + 200, hq, hkv, d, 7);
+  kvs_session_params p = one_layer_params("retroinfer", kvdt, hq, hkv, d, 0.1);
+  p.method_params = "update_segment=64,segment_size=512";
+  kvs_session_t cpu = nullptr, gpu = nullptr, back = nullptr;
+  if (!ok(kvs_session_create(&p, &cpu), "create")) return;
+  add(cpu, false, x, hq, hkv, d, kvdt, 0, n0, false, "prefill");
+  ok(kvs_session_build_index(cpu, nullptr), "build");
+  if (!ok(kvs_session_to(cpu, KVS_BACKEND_CUDA, 0, &gpu), "to cuda")) return;
+  std::vector<kvs_session_t> c1{cpu}, g1{gpu};
+  cudaStream_t stream;
+  cudaStreamCreate(&stream);
+  Cmp c;
+  std::vector<int64_t> pos{n0};
+  for (int s = 0; s < 150; ++s, ++pos[0]) step(c1, g1, {x}, pos, hq, hkv, d, kvdt, stream, c);
+  if (!ok(kvs_session_to(gpu, KVS_BACKEND_CPU, 0, &back), "to cpu")) return;
+  Cmp r;
+  for (int s = 0; s < 10; ++s, ++pos[0]) {
+    step(c1, g1, {x}, pos, hq, hkv, d, kvdt, stream, c);
+    follow(back, cpu, x, pos[0], hq, hkv, d, r);  // the moved index selects as the CPU's does
+  }
+  CAPI_CHECK(c.err < 1e-2 && c.min_overlap >= 0.95, "roundtrip: gpu vs cpu over updates: err %.3g, overlap %.4f",
+             c.err, c.min_overlap);
+  CAPI_CHECK(r.count_equal && r.min_overlap >= 0.999, "roundtrip: gpu index moved to the cpu: counts equal %d, overlap %.4f",
+             int(r.count_equal), r.min_overlap);
+  double u = 0;
+  kvs_session_method_stat(back, "index_updates", &u);
+  CAPI_CHECK(u >= 2, "roundtrip: the moved session carries the GPU session's index updates (%g)", u);
+  double indexed_c = 0, indexed_b = 0;
+  kvs_session_method_stat(cpu, "indexed_tokens", &indexed_c);
+  kvs_session_method_stat(back, "indexed_tokens", &indexed_b);
+  CAPI_CHECK(indexed_b > 0 && indexed_b == indexed_c, "roundtrip: indexed tokens: moved %g, cpu %g", indexed_b, indexed_c);
+  cudaStreamDestroy(stream);
+  kvs_session_destroy(cpu);
+  kvs_session_destroy(gpu);
+  kvs_session_destroy(back);
+}
+
+// rank_dtype=model is the CPU's alone: refused on the cuda backend, naming the parameter.
+void run_errors() {
+  kvs_session_params p = one_layer_params("retroinfer", KVS_SCALAR_BF16, 8, 2, 64, 0.05);
+  p.method_params = "rank_dtype=model";
+  p.backend = KVS_BACKEND_CUDA;
+  kvs_session_t s = nullptr;
+  kvs_error_t e = kvs_session_create(&p, &s);
+  CAPI_CHECK(e && kvs_error_code(e) == KVS_STATUS_UNSUPPORTED &&
+                 std::string(kvs_error_message(e)).find("rank_dtype") != std::string::npos,
+             "retroinfer rank_dtype=model on cuda: %s", e ? kvs_error_message(e) : "accepted");
+  kvs_error_destroy(e);
+  kvs_session_destroy(s);
+}
+
+}  // namespace
+
+int run_retroinfer_passed() { return g_pass; }
+
+// Returns the number of failures.
+int run_retroinfer_tests(bool small) {
+  const int64_t n = small ? 1400 : 5000;
+  const int steps = small ? 6 : 30;
+  run_errors();
+  for (auto kv : {KVS_SCALAR_BF16, KVS_SCALAR_F16}) {
+    run_case("", kv, 32, 8, 128, n, 1, steps, 0.05);
+    run_case("segment_size=1024", kv, 16, 2, 64, n, 3, steps, 0.1);
+  }
+  run_case("steady_share=0", KVS_SCALAR_BF16, 32, 8, 128, n, 2, steps, 0.05, false, false);
+  run_case("budget=paper", KVS_SCALAR_BF16, 32, 8, 128, n, 2, steps, 0.05, false, false);
+  run_case("budget=paper,mask_empty=before_softmax,meta_dtype=f32", KVS_SCALAR_F16, 16, 4, 64, n, 1, steps, 0.05,
+           false, false);
+  run_case("meta_dtype=bf16,cluster_size=8", KVS_SCALAR_BF16, 16, 4, 256, n, 2, steps, 0.05);
+  run_case("", KVS_SCALAR_BF16, 8, 8, 64, n, 1, steps, 0.2);  // G = 1
+  // Below the indexing threshold (sinks + local + update_segment): streaming's list, or everything.
+  run_case("", KVS_SCALAR_BF16, 16, 4, 128, 600, 2, steps, 0.05);
+  run_case("steady_share=0", KVS_SCALAR_BF16, 16, 4, 128, 600, 1, steps, 0.05);
+  // Index updates while decoding (every 64 tokens past the index).
+  run_case("update_segment=64,segment_size=512", KVS_SCALAR_BF16, 32, 8, 128, 1500, 2, small ? 140 : 300, 0.05);
+  // The index built on the GPU session (its KV read back and clustered on the host).
+  run_case("", KVS_SCALAR_BF16, 32, 8, 128, n, 2, steps, 0.05, /*gpu_build=*/true);
+  run_roundtrip();
+  std::printf("retroinfer session tests: %d passed, %d failed\n", g_pass, g_fail);
+  return g_fail;
+}
