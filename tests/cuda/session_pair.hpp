@@ -115,9 +115,8 @@ void step(std::vector<kvs_session_t>& cpu, std::vector<kvs_session_t>& gpu, cons
     }
 }
 
-// Token t decoded by `back`, a CPU session (e.g. a GPU session moved back), after `ref`, the CPU
-// session that saw the same tokens, decoded it: back's selections against ref's, into r.
-void follow(kvs_session_t back, kvs_session_t ref, const Seq& x, int64_t t, int hq, int hkv, int d, Cmp& r) {
+// Token t of x decoded by a CPU session from host fp32 tensors.
+bool decode_cpu(kvs_session_t s, const Seq& x, int64_t t, int hq, int hkv, int d) {
   std::vector<float> q(x.q.begin() + t * hq * d, x.q.begin() + (t + 1) * hq * d);
   std::vector<float> k(x.k.begin() + t * hkv * d, x.k.begin() + (t + 1) * hkv * d);
   std::vector<float> v(x.v.begin() + t * hkv * d, x.v.begin() + (t + 1) * hkv * d);
@@ -125,7 +124,13 @@ void follow(kvs_session_t back, kvs_session_t ref, const Seq& x, int64_t t, int 
   Tensor tq(q.data(), KVS_DEVICE_CPU, F32, {hq, d}), tk(k.data(), KVS_DEVICE_CPU, F32, {hkv, d}),
       tv(v.data(), KVS_DEVICE_CPU, F32, {hkv, d}), to(o.data(), KVS_DEVICE_CPU, F32, {hq, d}),
       tl(l.data(), KVS_DEVICE_CPU, F32, {hq});
-  ok(kvs_session_decode(back, 0, &tq.t, &tk.t, &tv.t, &to.t, &tl.t, nullptr), "decode back");
+  return ok(kvs_session_decode(s, 0, &tq.t, &tk.t, &tv.t, &to.t, &tl.t, nullptr), "decode cpu");
+}
+
+// Token t decoded by `back`, a CPU session (e.g. a GPU session moved back), after `ref`, the CPU
+// session that saw the same tokens, decoded it: back's selections against ref's, into r.
+void follow(kvs_session_t back, kvs_session_t ref, const Seq& x, int64_t t, int hq, int hkv, int d, Cmp& r) {
+  decode_cpu(back, x, t, hq, hkv, d);
   for (uint32_t h = 0; h < uint32_t(hkv); ++h) {
     size_t n1 = 0, n2 = 0;
     kvs_session_last_selection(back, 0, h, nullptr, 0, &n1);

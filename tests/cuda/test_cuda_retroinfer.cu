@@ -142,6 +142,49 @@ void run_roundtrip() {
   kvs_session_destroy(back);
 }
 
+// The index built on the GPU (its k-means there) against the CPU's build of the same prompt: the
+// clusterings round differently, so they may differ at near-ties, but the zones they give must
+// mostly agree (a wrong k-means, e.g. assignments to the wrong centroids, would not).
+void run_build_agreement(int64_t n0) {
+  const int hq = 32, hkv = 8, d = 128;
+  const kvs_scalar_type kvdt = KVS_SCALAR_BF16;
+  Seq x = make_seq(n0 + 40, hq, hkv, d, 11);
+  kvs_session_params p = one_layer_params("retroinfer", kvdt, hq, hkv, d, 0.05);
+  p.method_params = "segment_size=2048";
+  kvs_session_t cpu = nullptr, gpu = nullptr, moved = nullptr;
+  p.backend = KVS_BACKEND_CPU;
+  if (!ok(kvs_session_create(&p, &cpu), "create cpu")) return;
+  p.backend = KVS_BACKEND_CUDA;
+  if (!ok(kvs_session_create(&p, &gpu), "create cuda")) return;
+  add(cpu, false, x, hq, hkv, d, kvdt, 0, n0, false, "prefill cpu");
+  add(gpu, true, x, hq, hkv, d, kvdt, 0, n0, false, "prefill cuda");
+  ok(kvs_session_build_index(cpu, nullptr), "build cpu");
+  ok(kvs_session_build_index(gpu, nullptr), "build cuda");
+  if (!ok(kvs_session_to(gpu, KVS_BACKEND_CPU, 0, &moved), "to cpu")) return;
+  double c1 = 0, c2 = 0;
+  kvs_session_method_stat(cpu, "clusters", &c1);
+  kvs_session_method_stat(moved, "clusters", &c2);
+  CAPI_CHECK(c1 == c2 && c1 > 0, "gpu k-means: clusters %g, cpu %g", c2, c1);
+  Cmp r;
+  double mean_overlap = 0;
+  int rows = 0;
+  for (int64_t t = n0; t < n0 + 20; ++t) {
+    // The cpu-built session decodes t (the reference), then the gpu-built one, compared.
+    decode_cpu(cpu, x, t, hq, hkv, d);
+    Cmp one;
+    follow(moved, cpu, x, t, hq, hkv, d, one);
+    mean_overlap += one.min_overlap;
+    ++rows;
+    r.min_overlap = std::min(r.min_overlap, one.min_overlap);
+  }
+  mean_overlap /= std::max(rows, 1);
+  CAPI_CHECK(mean_overlap >= 0.9, "gpu k-means vs cpu k-means: mean least overlap of the zones %.4f (worst %.4f)",
+             mean_overlap, r.min_overlap);
+  std::printf("gpu k-means vs cpu k-means (n=%lld): %g clusters, selections overlap mean %.4f, worst %.4f\n",
+              (long long)n0, c1, mean_overlap, r.min_overlap);
+  for (kvs_session_t s : {cpu, gpu, moved}) kvs_session_destroy(s);
+}
+
 // rank_dtype=model is the CPU's alone: refused on the cuda backend, naming the parameter.
 void run_errors() {
   kvs_session_params p = one_layer_params("retroinfer", KVS_SCALAR_BF16, 8, 2, 64, 0.05);
@@ -183,6 +226,7 @@ int run_retroinfer_tests(bool small) {
   // The index built on the GPU session (its KV read back and clustered on the host).
   run_case("", KVS_SCALAR_BF16, 32, 8, 128, n, 2, steps, 0.05, /*gpu_build=*/true);
   run_roundtrip();
+  run_build_agreement(small ? 3000 : 12000);
   std::printf("retroinfer session tests: %d passed, %d failed\n", g_pass, g_fail);
   return g_fail;
 }

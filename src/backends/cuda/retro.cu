@@ -1,19 +1,20 @@
 // SPDX-License-Identifier: Apache-2.0
-// RetroInfer's decode step (retro.cuh). Four launches per step:
+// RetroInfer's decode step (retro.cuh). Five launches per step:
 //   1. logits   grid (chunks of 256 clusters, Hkv, B): scale * q_g . centroid for the group's G
-//               query heads (a warp per cluster), and per chunk and head the softmax's running
+//               query heads (a thread per cluster), and per chunk and head the softmax's running
 //               (max, sum) pair.
-//   2. zones    grid (Hkv, B), 1024 threads: the chunk pairs combined into each head's softmax; the
-//               distance of each cluster (the group's summed softmax, as an fp32 key ordered as
-//               its bits); the retrieval zone by a radix select on the keys (counted: the top r;
-//               or weighted by cluster size: the longest rank-order prefix that fits the room),
+//   2. dist     the same grid: the chunk pairs combined into each head's softmax; the distance of
+//               each cluster (the group's summed softmax, as an fp32 key ordered as its bits).
+//   3. zones    grid (Hkv, B), 1024 threads: the retrieval zone by a radix select on the keys
+//               (counted: the top r; or weighted by cluster size: the longest rank-order prefix
+//               that fits the room),
 //               the estimation zone by a counted radix select; ties at a threshold go to the lower
 //               cluster id (a block scan in id order), so the zones are the CPU's rank-order zones;
 //               then the exact list: steady zone, the retrieval clusters' positions, the best rows
 //               of the next cluster by exact score (scaled mode), the unclustered tail and sinks.
-//   3. estimate grid (chunks, Hkv, B): per chunk, the estimation clusters' weighted value means
+//   4. estimate grid (chunks, Hkv, B): per chunk, the estimation clusters' weighted value means
 //               (eqs. 2-4: e^(logit - M) * size * mean) and weights, as partial sums.
-//   4. merge    grid (Hkv, B): the partial sums into the zone's state (o, lse) per query head.
+//   5. merge    grid (G, Hkv, B): the partial sums into the zone's state (o, lse) per query head.
 // The CPU reference computes the same quantities in another order (distances and sums round
 // differently), so near-ties may rank differently; tests compare within that.
 #include <cub/block/block_reduce.cuh>
@@ -34,6 +35,7 @@ namespace {
 constexpr int kChunk = 256;           // clusters per CTA of the logits and estimate kernels
 constexpr int kChunkThreads = 256;
 constexpr int kZoneThreads = 1024;
+constexpr int kZoneWarps = kZoneThreads / 32;
 constexpr int kMaxGD = 2048;          // G * d: the query group held in shared memory
 constexpr uint32_t kNoKey = 0xffffffffu;  // an empty cluster: never ranked
 
@@ -82,12 +84,28 @@ struct Args {
 
 __device__ __forceinline__ bool indexed(const RetroSession& s) { return s.mode >= kRetroPaper && s.C > 0; }
 
-// ---- 1. logits -------------------------------------------------------------------------------
+// ---- 1. logits and 2. distances ----------------------------------------------------------------
+// Row elements [8i, 8i + 8) of a d-vector as floats.
+template <typename M>
+__device__ __forceinline__ void load8(const M* row, int i, float (&x)[8]) {
+  if constexpr (sizeof(M) == 4) {
+    const float4 u = reinterpret_cast<const float4*>(row)[2 * i], v = reinterpret_cast<const float4*>(row)[2 * i + 1];
+    x[0] = u.x, x[1] = u.y, x[2] = u.z, x[3] = u.w, x[4] = v.x, x[5] = v.y, x[6] = v.z, x[7] = v.w;
+  } else {
+    const uint4 u = reinterpret_cast<const uint4*>(row)[i];
+    const M* e = reinterpret_cast<const M*>(&u);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = to_f32(e[j]);
+  }
+}
+
+// A thread per cluster: its logits for the G query heads (in groups of 8 heads, the row re-read
+// from L1 per group), then per warp and head the softmax pair, combined per chunk.
 template <typename M, int D>
 __global__ void __launch_bounds__(kChunkThreads) logits_kernel(const Args a) {
-  constexpr int E = D / 32, NW = kChunkThreads / 32;
-  __shared__ float qs[kMaxGD];
-  __shared__ float wm[NW][64], wl[NW][64];
+  constexpr int NW = kChunkThreads / 32;
+  __shared__ __align__(16) float qs[kMaxGD];
+  __shared__ float2 red[NW][64];
   const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const RetroSession& s = a.sessions[b];
   const int c0 = chunk * kChunk;
@@ -96,36 +114,80 @@ __global__ void __launch_bounds__(kChunkThreads) logits_kernel(const Args a) {
   const void* qb = a.q.at ? *a.q.at : a.q.data;
   for (int i = threadIdx.x; i < G * D; i += kChunkThreads)
     qs[i] = load_q(a.q, qb, (int64_t(b) * a.Hq + int64_t(h) * G) * D + i) * a.scale;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int g = lane; g < G; g += 32) wm[warp][g] = -INFINITY, wl[warp][g] = 0.f;
   __syncthreads();
-  const M* cent = static_cast<const M*>(s.cent) + int64_t(h) * s.C * D;
-  const int32_t* size = s.size + int64_t(h) * s.C;
+  const int c = c0 + threadIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const bool valid = c < s.C;
+  const bool counted = valid && (!a.mask_before || s.size[int64_t(h) * s.C + c] > 0);
+  const M* cent = static_cast<const M*>(s.cent) + (int64_t(h) * s.C + (valid ? c : 0)) * D;
   float* out = a.logits + int64_t(row) * G * a.Cc;
-  const int c1 = min(c0 + kChunk, s.C);
-  for (int c = c0 + warp; c < c1; c += NW) {
-    float x[E];
+  for (int g0 = 0; g0 < G; g0 += 8) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll 8
+    for (int i = 0; i < D / 8; ++i) {
+      float x[8];
+      load8(cent, i, x);
 #pragma unroll
-    for (int i = 0; i < E; ++i) x[i] = to_f32(cent[int64_t(c) * D + lane * E + i]);
-    const bool counted = !a.mask_before || size[c] > 0;
-    for (int g = 0; g < G; ++g) {
-      float p = 0.f;
+      for (int gg = 0; gg < 8; ++gg)
+        if (g0 + gg < G) {
+          const float4 qa = reinterpret_cast<const float4*>(qs + (g0 + gg) * D + 8 * i)[0];
+          const float4 qb4 = reinterpret_cast<const float4*>(qs + (g0 + gg) * D + 8 * i)[1];
+          acc[gg] = fmaf(qa.x, x[0], fmaf(qa.y, x[1], fmaf(qa.z, x[2], fmaf(qa.w, x[3], acc[gg]))));
+          acc[gg] = fmaf(qb4.x, x[4], fmaf(qb4.y, x[5], fmaf(qb4.z, x[6], fmaf(qb4.w, x[7], acc[gg]))));
+        }
+    }
 #pragma unroll
-      for (int i = 0; i < E; ++i) p = fmaf(qs[g * D + lane * E + i], x[i], p);
+    for (int gg = 0; gg < 8; ++gg) {
+      const int g = g0 + gg;
+      if (g >= G) break;
+      if (valid) out[int64_t(g) * a.Cc + c] = acc[gg];
+      float m = counted ? acc[gg] : -INFINITY;
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) p += __shfl_xor_sync(0xffffffffu, p, o);
-      if (lane == 0) {
-        out[int64_t(g) * a.Cc + c] = p;
-        if (counted) lse_add(wm[warp][g], wl[warp][g], p, 1.f);
-      }
+      for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+      float l = counted ? __expf(acc[gg] - m) : 0.f;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+      if (lane == 0) red[warp][g] = make_float2(m, l);
     }
   }
   __syncthreads();
   for (int g = threadIdx.x; g < G; g += kChunkThreads) {
     float m = -INFINITY, l = 0.f;
-    for (int w = 0; w < NW; ++w) lse_add(m, l, wm[w][g], wl[w][g]);
+    for (int w = 0; w < NW; ++w) lse_add(m, l, red[w][g].x, red[w][g].y);
     a.cstats[(int64_t(row) * a.nch + chunk) * G + g] = make_float2(m, l);
   }
+}
+
+// Each head's softmax from the chunk pairs, then a thread per cluster: its distance (the group's
+// summed softmax) as ordered bits (>= +0); empty clusters never rank.
+__global__ void __launch_bounds__(kChunkThreads) dist_kernel(const Args a) {
+  __shared__ float M[64], inv[64];
+  const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const RetroSession& s = a.sessions[b];
+  const int c0 = chunk * kChunk;
+  if (!indexed(s) || c0 >= s.C) return;
+  const int G = a.G, row = b * a.Hkv + h;
+  const int nchs = (s.C + kChunk - 1) / kChunk;
+  for (int g = threadIdx.x; g < G; g += kChunkThreads) {
+    float m = -INFINITY, l = 0.f;
+    for (int k = 0; k < nchs; ++k) {
+      const float2 p = a.cstats[(int64_t(row) * a.nch + k) * G + g];
+      lse_add(m, l, p.x, p.y);
+    }
+    M[g] = m;
+    inv[g] = l > 0.f ? 1.f / l : 0.f;
+    if (chunk == 0) a.gmax[int64_t(row) * G + g] = m;
+  }
+  __syncthreads();
+  const int c = c0 + threadIdx.x;
+  if (c >= s.C) return;
+  const float* lg = a.logits + int64_t(row) * G * a.Cc;
+  uint32_t k = kNoKey;
+  if (s.size[int64_t(h) * s.C + c] > 0) {
+    float dsum = 0.f;
+    for (int g = 0; g < G; ++g) dsum += __expf(lg[int64_t(g) * a.Cc + c] - M[g]) * inv[g];
+    k = __float_as_uint(fmaxf(dsum, 0.f));
+  }
+  a.keys[int64_t(row) * a.Cc + c] = k;
 }
 
 // ---- 2. zones and the exact list ---------------------------------------------------------------
@@ -135,10 +197,11 @@ using Reduce = cub::BlockReduce<long long, kZoneThreads>;
 struct ZoneSmem {
   union {
     Scan::TempStorage scan;
+    cub::BlockScan<unsigned long long, kZoneThreads>::TempStorage scan_u;
     Reduce::TempStorage reduce;
   };
   int hist[256];
-  float M[64], inv[64];
+  int whist[kZoneWarps][256];
   uint32_t T;
   long long above, lim;
   long long carry, carry2;
@@ -155,26 +218,51 @@ __device__ void block_select(const uint32_t* keys, int n, const int32_t* w, long
   bool all = false;
   for (int pass = 0; pass < 4 && !all; ++pass) {
     const int shift = 24 - 8 * pass;
-    for (int i = threadIdx.x; i < 256; i += kZoneThreads) sm.hist[i] = 0;
+    // Keys share their top digits (distances are small positive floats), so each warp counts into
+    // its own histogram (same-address atomics stay within a warp), summed per digit after.
+    for (int i = threadIdx.x; i < kZoneWarps * 256; i += kZoneThreads) (&sm.whist[0][0])[i] = 0;
     __syncthreads();
+    int* wh = sm.whist[threadIdx.x / 32];
     for (int i = threadIdx.x; i < n; i += kZoneThreads) {
       const uint32_t k = keys[i];
-      if (k != kNoKey && (k & mask) == prefix) atomicAdd(&sm.hist[(k >> shift) & 255], w ? w[i] : 1);
+      if (k != kNoKey && (k & mask) == prefix) atomicAdd(&wh[(k >> shift) & 255], w ? w[i] : 1);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      long long acc = above;
-      int dg = -1;
-      for (int g = 255; g >= 0; --g) {
-        if (acc + sm.hist[g] > target) {
-          dg = g;
-          break;
-        }
-        acc += sm.hist[g];
+    if (threadIdx.x < 256) {
+      int t = 0;
+      for (int j = 0; j < kZoneWarps; ++j) t += sm.whist[j][threadIdx.x];
+      sm.hist[threadIdx.x] = t;
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      // Warp 0 finds the first digit from the top where the running weight passes the target:
+      // lane l holds digits 255 - 8l down to 248 - 8l.
+      const int lane = threadIdx.x;
+      long long v[8], sum = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) sum += (v[j] = sm.hist[255 - 8 * lane - j]);
+      long long pre = sum;  // inclusive prefix over lanes (higher digits first)
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const long long y = __shfl_up_sync(0xffffffffu, pre, o);
+        if (lane >= o) pre += y;
       }
-      sm.lim = dg < 0 ? 1 : 0;  // scratch: everything fits
-      sm.above = acc;
-      sm.T = dg < 0 ? 0u : uint32_t(dg);
+      long long acc = above + pre - sum;
+      int dg = -1;
+      long long at = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (dg < 0 && acc + v[j] > target) dg = 255 - 8 * lane - j, at = acc;
+        acc += v[j];
+      }
+      const unsigned hit = __ballot_sync(0xffffffffu, dg >= 0);
+      if (hit == 0) {
+        if (lane == 0) sm.lim = 1;  // scratch: everything fits
+      } else if (lane == __ffs(hit) - 1) {
+        sm.lim = 0;
+        sm.above = at;
+        sm.T = uint32_t(dg);
+      }
     }
     __syncthreads();
     all = sm.lim != 0;
@@ -225,33 +313,9 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
   const int32_t* pos = s.pos + int64_t(h) * s.R;
   uint32_t* keys = a.keys + int64_t(row) * a.Cc;
   uint8_t* zone = a.zone + int64_t(row) * a.Cc;
-  const float* lg = a.logits + int64_t(row) * G * a.Cc;
 
-  // Each head's softmax over the centroids from the chunk pairs.
-  const int nchs = (C + kChunk - 1) / kChunk;
-  for (int g = tid; g < G; g += kZoneThreads) {
-    float m = -INFINITY, l = 0.f;
-    for (int c = 0; c < nchs; ++c) {
-      const float2 p = a.cstats[(int64_t(row) * a.nch + c) * G + g];
-      lse_add(m, l, p.x, p.y);
-    }
-    sm.M[g] = m;
-    sm.inv[g] = l > 0.f ? 1.f / l : 0.f;
-    a.gmax[int64_t(row) * G + g] = m;
-  }
-  __syncthreads();
-  // Distances: the group's summed softmax, as ordered bits (>= +0); empty clusters never rank.
   long long nc_part = 0;
-  for (int c = tid; c < C; c += kZoneThreads) {
-    uint32_t k = kNoKey;
-    if (size[c] > 0) {
-      float dsum = 0.f;
-      for (int g = 0; g < G; ++g) dsum += __expf(lg[int64_t(g) * a.Cc + c] - sm.M[g]) * sm.inv[g];
-      k = __float_as_uint(fmaxf(dsum, 0.f));
-      ++nc_part;
-    }
-    keys[c] = k;
-  }
+  for (int c = tid; c < C; c += kZoneThreads) nc_part += keys[c] != kNoKey;
   const long long nc = Reduce(sm.reduce).Sum(nc_part);
   __syncthreads();
   __shared__ long long s_nc;
@@ -265,25 +329,28 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
   block_select(keys, C, session ? size : nullptr, r_target, sm);
   const uint32_t T1 = sm.T;
   const long long lim1 = sm.lim;
-  if (tid == 0) sm.carry = 0, sm.part = -1;
-  __syncthreads();
+  // Each thread walks a contiguous range of cluster ids; one scan over the threads gives the ties
+  // before its range (in id order).
+  const int per = (C + kZoneThreads - 1) / kZoneThreads, cb = min(C, tid * per), ce = min(C, cb + per);
+  if (tid == 0) sm.part = -1;
   long long used_part = 0, r_part = 0;
-  for (int base = 0; base < C; base += kZoneThreads) {
-    const int c = base + tid;
-    const uint32_t k = c < C ? keys[c] : kNoKey;
-    const bool tie = k != kNoKey && k == T1;
-    const long long v = tie ? (session ? size[c] : 1) : 0;
-    long long ex;
-    Scan(sm.scan).ExclusiveSum(v, ex);
-    const long long before = sm.carry + ex;
-    const bool in1 = k != kNoKey && (k > T1 || (tie && before + v <= lim1));
-    if (tie && before <= lim1 && before + v > lim1) sm.part = c;  // the first tie that does not fit
-    if (c < C) zone[c] = in1 ? 1 : 0;
-    if (in1) used_part += size[c], ++r_part;
-    __syncthreads();
-    if (tid == kZoneThreads - 1) sm.carry = before + v;
-    __syncthreads();
+  {
+    long long v = 0, before;
+    for (int c = cb; c < ce; ++c)
+      if (keys[c] == T1) v += session ? size[c] : 1;
+    Scan(sm.scan).ExclusiveSum(v, before);
+    for (int c = cb; c < ce; ++c) {
+      const uint32_t k = keys[c];
+      const bool tie = k != kNoKey && k == T1;
+      const long long w = tie ? (session ? size[c] : 1) : 0;
+      const bool in1 = k != kNoKey && (k > T1 || (tie && before + w <= lim1));
+      if (tie && before <= lim1 && before + w > lim1) sm.part = c;  // the first tie that does not fit
+      zone[c] = in1 ? 1 : 0;
+      if (in1) used_part += size[c], ++r_part;
+      before += w;
+    }
   }
+  __syncthreads();
   const long long used1 = Reduce(sm.reduce).Sum(used_part);
   __syncthreads();
   const long long r = Reduce(sm.reduce).Sum(r_part);
@@ -308,33 +375,41 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
   const uint32_t T2 = sm.T;
   const long long lim2 = sm.lim;
   const long long sk = s.sk;
-  if (tid == 0) sm.carry = 0, sm.carry2 = 0;
-  __syncthreads();
   long long est_c = 0, est_t = 0;
-  for (int base = 0; base < C; base += kZoneThreads) {
-    const int c = base + tid;
-    const uint32_t k = c < C ? keys[c] : kNoKey;
-    const bool tie = k != kNoKey && k == T2;
-    const long long v = tie ? 1 : 0;
-    const int z1 = c < C ? zone[c] : 0;
-    const long long sz = z1 == 1 ? size[c] : 0;
-    long long ex, ex2;
-    Scan(sm.scan).ExclusiveSum(v, ex);
+  {
+    // Ties at T2 (low 32 bits) and retrieval rows (high) before this thread's range, in one scan.
+    unsigned long long v = 0, before;
+    for (int c = cb; c < ce; ++c)
+      v += (keys[c] == T2 ? 1ull : 0ull) + (zone[c] == 1 ? (unsigned long long)size[c] << 32 : 0ull);
     __syncthreads();
-    Scan(sm.scan).ExclusiveSum(sz, ex2);
-    const long long before = sm.carry + ex, at = sm.carry2 + ex2;
-    const bool in2 = k != kNoKey && (k > T2 || (tie && before + v <= lim2));
-    if (c < C) {
-      const int z = z1 == 1 ? 1 : c == part ? 2 : in2 ? 3 : 0;
+    cub::BlockScan<unsigned long long, kZoneThreads>(sm.scan_u).ExclusiveSum(v, before);
+    long long ties = (long long)(before & 0xffffffffull), at = (long long)(before >> 32);
+    for (int c = cb; c < ce; ++c) {
+      const uint32_t k = keys[c];
+      const bool tie = k != kNoKey && k == T2;
+      const bool in2 = k != kNoKey && (k > T2 || (tie && ties + 1 <= lim2));
+      ties += tie;
+      const int z = zone[c] == 1 ? 1 : c == part ? 2 : in2 ? 3 : 0;
       zone[c] = uint8_t(z);
       if (z == 3) ++est_c, est_t += size[c];
-      if (z == 1)  // the cluster's positions after the steady sinks
-        for (int j = 0; j < size[c] && sk + at + j < cap; ++j) out[sk + at + j] = pos[start[c] + j];
+      if (z == 1) {  // the cluster's positions after the steady sinks, eight loads in flight
+        const int m = size[c];
+        const int32_t* src = pos + start[c];
+        int32_t* dst = out + sk + at;
+        const long long room_left = cap - sk - at;
+        for (int j0 = 0; j0 < m; j0 += 8) {
+          int32_t t[8];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) t[j] = j0 + j < m ? src[j0 + j] : 0;
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            if (j0 + j < m && j0 + j < room_left) dst[j0 + j] = t[j];
+        }
+        at += m;
+      }
     }
-    __syncthreads();
-    if (tid == kZoneThreads - 1) sm.carry = before + v, sm.carry2 = at + sz;
-    __syncthreads();
   }
+  __syncthreads();
   const long long est_clusters = Reduce(sm.reduce).Sum(est_c);
   __syncthreads();
   const long long est_tokens = Reduce(sm.reduce).Sum(est_t);
@@ -426,10 +501,15 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
 }
 
 // ---- 3. estimation partial sums -------------------------------------------------------------
+// Per chunk: the estimation clusters listed, their weights e^(logit - M_g) for 8 heads at a time
+// in shared memory, then a thread per dimension accumulates the 8 heads' numerators (each meta
+// element read once per 8 heads) and the first 8 threads the weight sums.
+constexpr int kEstThreads = 128;
 template <typename M>
-__global__ void __launch_bounds__(kChunkThreads) estimate_kernel(const Args a) {
+__global__ void __launch_bounds__(kEstThreads) estimate_kernel(const Args a) {
   __shared__ int list[kChunk];
-  __shared__ float wsh[kChunk];  // weight of list entry i for head g (one g at a time)
+  __shared__ float wsh[kChunk][8];
+  __shared__ float csz[kChunk];
   __shared__ int nlist;
   const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const RetroSession& s = a.sessions[b];
@@ -441,54 +521,69 @@ __global__ void __launch_bounds__(kChunkThreads) estimate_kernel(const Args a) {
   const uint8_t* zone = a.zone + int64_t(row) * a.Cc;
   if (threadIdx.x == 0) nlist = 0;
   __syncthreads();
-  for (int c = c0 + threadIdx.x; c < c1; c += kChunkThreads)
+  for (int c = c0 + threadIdx.x; c < c1; c += kEstThreads)
     if (zone[c] == 3) list[atomicAdd(&nlist, 1)] = c;
   __syncthreads();
   const int nl = nlist;
   const int32_t* size = s.size + int64_t(h) * s.C;
+  for (int i = threadIdx.x; i < nl; i += kEstThreads) csz[i] = float(size[list[i]]);
   const M* vm = static_cast<const M*>(s.vmeta) + int64_t(h) * s.C * D;
   const float* lg = a.logits + int64_t(row) * G * a.Cc;
+  const float* gm = a.gmax + int64_t(row) * G;
   // 16-bit meta rows are value means: weight e^(logit - M) * size; fp32 rows are value sums.
-  const bool means = sizeof(M) == 2;
-  for (int g = 0; g < G; ++g) {
-    const float Mg = a.gmax[int64_t(row) * G + g];
+  constexpr bool kMeans = sizeof(M) == 2;
+  for (int g0 = 0; g0 < G; g0 += 8) {
+    const int ng = min(8, G - g0);
     __syncthreads();
-    for (int i = threadIdx.x; i < nl; i += kChunkThreads) wsh[i] = __expf(lg[int64_t(g) * a.Cc + list[i]] - Mg);
+    for (int i = threadIdx.x; i < nl * 8; i += kEstThreads) {
+      const int li = i / 8, gg = i % 8;
+      wsh[li][gg] = gg < ng ? __expf(lg[int64_t(g0 + gg) * a.Cc + list[li]] - gm[g0 + gg]) : 0.f;
+    }
     __syncthreads();
-    for (int e = threadIdx.x; e <= D; e += kChunkThreads) {
-      float acc = 0.f;
-      if (e < D) {
-        for (int i = 0; i < nl; ++i) {
-          const int c = list[i];
-          const float wgt = means ? wsh[i] * float(size[c]) : wsh[i];
-          acc = fmaf(wgt, to_f32(vm[int64_t(c) * D + e]), acc);
+    for (int e = threadIdx.x; e < D; e += kEstThreads) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int i0 = 0; i0 < nl; i0 += 8) {
+        float x[8];  // eight rows' loads in flight at once
+#pragma unroll
+        for (int j = 0; j < 8; ++j) x[j] = i0 + j < nl ? to_f32(vm[int64_t(list[i0 + j]) * D + e]) : 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if (i0 + j >= nl) break;
+          const float xv = kMeans ? x[j] * csz[i0 + j] : x[j];
+#pragma unroll
+          for (int gg = 0; gg < 8; ++gg) acc[gg] = fmaf(wsh[i0 + j][gg], xv, acc[gg]);
         }
-      } else {
-        for (int i = 0; i < nl; ++i) acc = fmaf(wsh[i], float(size[list[i]]), acc);
       }
-      part[g * (D + 1) + e] = acc;
+      for (int gg = 0; gg < ng; ++gg) part[(g0 + gg) * (D + 1) + e] = acc[gg];
+    }
+    if (threadIdx.x < ng) {
+      float den = 0.f;
+      for (int i = 0; i < nl; ++i) den = fmaf(wsh[i][threadIdx.x], csz[i], den);
+      part[(g0 + threadIdx.x) * (D + 1) + D] = den;
     }
   }
 }
 
 // ---- 4. the estimation zone's state -----------------------------------------------------------
-__global__ void __launch_bounds__(kChunkThreads) est_merge_kernel(const Args a) {
-  const int h = blockIdx.x, b = blockIdx.y, G = a.G, D = a.d;
+// grid (G, Hkv, B), a thread per dimension: the chunks' partial sums (eight loads in flight).
+__global__ void __launch_bounds__(kEstThreads) est_merge_kernel(const Args a) {
+  const int g = blockIdx.x, h = blockIdx.y, b = blockIdx.z, G = a.G, D = a.d;
   const int row = b * a.Hkv + h;
   const RetroSession& s = a.sessions[b];
   const int nchs = indexed(s) ? (s.C + kChunk - 1) / kChunk : 0;
-  for (int g = 0; g < G; ++g) {
-    const int64_t qrow = int64_t(b) * a.Hq + int64_t(h) * G + g;
-    float den = 0.f;
-    for (int c = 0; c < nchs; ++c) den += a.estp[((int64_t(row) * a.nch + c) * G + g) * (D + 1) + D];
-    for (int e = threadIdx.x; e < D; e += kChunkThreads) {
-      float num = 0.f;
-      if (den > 0.f)
-        for (int c = 0; c < nchs; ++c) num += a.estp[((int64_t(row) * a.nch + c) * G + g) * (D + 1) + e];
-      a.est_o[qrow * D + e] = den > 0.f ? num / den : 0.f;
-    }
-    if (threadIdx.x == 0) a.est_lse[qrow] = den > 0.f ? a.gmax[int64_t(row) * G + g] + logf(den) : -INFINITY;
+  const float* base = a.estp + int64_t(row) * a.nch * G * (D + 1) + int64_t(g) * (D + 1);
+  const int64_t stride = int64_t(G) * (D + 1);
+  const int64_t qrow = int64_t(b) * a.Hq + int64_t(h) * G + g;
+  float den = 0.f;
+#pragma unroll 8
+  for (int c = 0; c < nchs; ++c) den += base[c * stride + D];
+  for (int e = threadIdx.x; e < D; e += kEstThreads) {
+    float num = 0.f;
+#pragma unroll 8
+    for (int c = 0; c < nchs; ++c) num += base[c * stride + e];
+    a.est_o[qrow * D + e] = den > 0.f ? num / den : 0.f;
   }
+  if (threadIdx.x == 0) a.est_lse[qrow] = den > 0.f ? a.gmax[int64_t(row) * G + g] + logf(den) : -INFINITY;
 }
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -522,11 +617,13 @@ Status launch_all(const Args& a, cudaStream_t st) {
   const dim3 chunks(unsigned(a.nch), unsigned(a.Hkv), unsigned(a.B));
   logits_kernel<M, D><<<chunks, kChunkThreads, 0, st>>>(a);
   KVS_LAUNCH_CHECK("retro logits_kernel launch");
+  dist_kernel<<<chunks, kChunkThreads, 0, st>>>(a);
+  KVS_LAUNCH_CHECK("retro dist_kernel launch");
   zones_kernel<T, D><<<dim3(unsigned(a.Hkv), unsigned(a.B)), kZoneThreads, 0, st>>>(a);
   KVS_LAUNCH_CHECK("retro zones_kernel launch");
-  estimate_kernel<M><<<chunks, kChunkThreads, 0, st>>>(a);
+  estimate_kernel<M><<<chunks, kEstThreads, 0, st>>>(a);
   KVS_LAUNCH_CHECK("retro estimate_kernel launch");
-  est_merge_kernel<<<dim3(unsigned(a.Hkv), unsigned(a.B)), kChunkThreads, 0, st>>>(a);
+  est_merge_kernel<<<dim3(unsigned(a.G), unsigned(a.Hkv), unsigned(a.B)), kEstThreads, 0, st>>>(a);
   KVS_LAUNCH_CHECK("retro est_merge_kernel launch");
   return {};
 }

@@ -77,3 +77,27 @@ Status retro_select(const AttnShape& shape, const Query& q, const PagedKv& kv, S
                     float* est_lse, const Workspace& ws, void* stream) noexcept;
 
 }  // namespace kvs::cuda
+
+namespace kvs::cuda {
+
+// ---- the index build: segmented spherical k-means (the CPU's retro::segmented_kmeans) ----------
+// Over the keys of tokens [t0, t0 + n) of every KV head of one sequence (kv: B = 1), in fp32 from
+// the stored keys: centred by their mean (centre), C centroids, `segments` segments of
+// m = n / segments rows and C / segments centroids, iterations - 1 spherical passes inside each
+// segment (assign to the largest inner product, lowest index on ties; centroids the normalised
+// member means, an empty cluster keeps its centroid; the n mod segments remainder rows take no
+// part), then one global assignment of every row against all C centroids and the un-normalised
+// member means plus the mean. Initial centroids: the (centred) rows floor(c n / C + n / (2 C)) of
+// the whole run (raw_init), or per segment the rows floor(c m / Cs + m / (2 Cs)) normalised.
+// Outputs: assign [Hkv][n] int32 in [0, C), centroids [Hkv][C][d] fp32. Member sums in fp32
+// atomics (the CPU sums in fp64): near-ties may assign differently.
+struct RetroKMeans {
+  int32_t n = 0, clusters = 0, segments = 1, iterations = 10;
+  bool centre = true, raw_init = true;
+};
+size_t retro_kmeans_workspace_bytes(int32_t num_kv_heads, int32_t head_dim, const RetroKMeans& k) noexcept;
+Status retro_kmeans(const PagedKv& kv, Scalar kv_dtype, int32_t num_kv_heads, int32_t head_dim, int32_t t0,
+                    const RetroKMeans& k, int32_t* assign, float* centroids, const Workspace& ws,
+                    void* stream) noexcept;
+
+}  // namespace kvs::cuda

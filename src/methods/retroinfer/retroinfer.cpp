@@ -790,18 +790,21 @@ class RetroInfer final : public Method {
     auto& L = layers_[layer];
     const int d = int(ctx_.shape.head_dim), hkv = int(ctx_.shape.num_kv_heads);
     const int64_t m = e - b;
-    std::vector<std::vector<float>> X(size_t(hkv), std::vector<float>(size_t(m) * d));
-    ctx_.pool->parallel_for(hkv, [&](int64_t h) {
-      for (int64_t t = 0; t < m; ++t)
-        convert_to_f32(kv.k_row(int(h), b + t), kv.dtype(), X[size_t(h)].data() + size_t(t) * d, size_t(d));
-    });
-    std::vector<float*> xp;
-    for (auto& x : X) xp.push_back(x.data());
     retro::KMeansConfig cfg{C, s, int(iterations_), centre_, raw_init_};
     std::vector<std::vector<int32_t>> assign;
     std::vector<std::vector<float>> cent;
-    retro::segmented_kmeans(xp, m, d, cfg, *ctx_.pool, cpu::GemmProvider(ctx_.gemm), assign, cent);
-    X.clear();
+    if (clusterer_) {
+      clusterer_(layer, b, m, cfg, assign, cent);
+    } else {
+      std::vector<std::vector<float>> X(size_t(hkv), std::vector<float>(size_t(m) * d));
+      ctx_.pool->parallel_for(hkv, [&](int64_t h) {
+        for (int64_t t = 0; t < m; ++t)
+          convert_to_f32(kv.k_row(int(h), b + t), kv.dtype(), X[size_t(h)].data() + size_t(t) * d, size_t(d));
+      });
+      std::vector<float*> xp;
+      for (auto& x : X) xp.push_back(x.data());
+      retro::segmented_kmeans(xp, m, d, cfg, *ctx_.pool, cpu::GemmProvider(ctx_.gemm), assign, cent);
+    }
     if (L.heads.empty()) L.heads.resize(size_t(hkv));
     const int64_t c0 = L.clusters();
     ctx_.pool->parallel_for(hkv, [&](int64_t h) {
@@ -892,6 +895,8 @@ class RetroInfer final : public Method {
   friend retro::StepLayout retro::step_layout(const Method&, uint32_t, int64_t, int64_t);
   friend retro::Rules retro::rules(const Method&);
   friend void retro::record_step(Method&, const retro::StepFigures&);
+  friend void retro::set_clusterer(Method&, retro::Clusterer);
+  retro::Clusterer clusterer_;  // null: the CPU k-means (retro::set_clusterer)
 
   MethodContext ctx_;
   uint64_t generation_ = 0;
@@ -939,6 +944,7 @@ Rules rules(const Method& m) {
   const auto& r = as_retro(m);
   return Rules{r.sinks_, r.local_, r.update_, r.mask_after_, r.rank_model_};
 }
+void set_clusterer(Method& m, Clusterer c) { const_cast<RetroInfer&>(as_retro(m)).clusterer_ = std::move(c); }
 void record_step(Method& m, const StepFigures& f) {
   auto& r = const_cast<RetroInfer&>(as_retro(m));
   r.last_ = StepStats{f.retrieval_clusters, f.retrieval_tokens, f.estimation_clusters, f.estimation_tokens,

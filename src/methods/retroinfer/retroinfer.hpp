@@ -4,6 +4,7 @@
 // the same code, saved in the same tables sections) and mirrors its meta index on the device.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "core/method.hpp"
@@ -46,5 +47,13 @@ struct StepFigures {
          steady_tokens = 0, fill_tokens = 0, budget_unused = 0, budget_overrun = 0;
 };
 void record_step(Method& m, const StepFigures& f);
+
+// Replaces the CPU k-means of m's index builds and updates (another placement clusters where its
+// keys are): clusters tokens [b, b + n) of every KV head of the layer with cfg's clusters and
+// segments, filling assign [Hkv][n] and centroids [Hkv][C * d] as retro::segmented_kmeans does.
+// The rest of the build (lists, value sums, zones) stays the CPU method's. Null: the CPU k-means.
+using Clusterer = std::function<void(uint32_t layer, int64_t b, int64_t n, const KMeansConfig& cfg,
+                                     std::vector<std::vector<int32_t>>& assign, std::vector<std::vector<float>>& centroids)>;
+void set_clusterer(Method& m, Clusterer c);
 
 }  // namespace kvs::retro

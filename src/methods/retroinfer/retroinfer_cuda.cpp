@@ -4,13 +4,13 @@
 // in), over a device copy of the meta index (centroids and value means in the decode dtype,
 // sizes, starts, positions; the KV itself stays in the placement's pages).
 //
-// The index is the CPU method's (retroinfer.cpp), kept on the host: the prompt's indexed keys and
-// values are read back from the GPU and clustered by the same k-means, and the incremental update
-// (every update_segment tokens past the index) does the same for its tokens. So the tables file is
-// the CPU's, a tables file moves between the placements as it is, and a step ranks the very same
-// clusters as the CPU would (up to the order of fp32 sums). The host index holds the clustered
-// keys and values too (the CPU layout): host memory of about the indexed KV, and a build that
-// copies those tokens from the GPU once. Not graph-capturable (an update reads back and changes
+// The index is the CPU method's (retroinfer.cpp), kept on the host, with its k-means run on the GPU
+// (retro_kmeans, over the stored keys in place); the host lays out the clusters from a copy of the
+// indexed tokens read back once, and the incremental update (every update_segment tokens past the
+// index) does the same for its tokens. So the tables file is the CPU's, a tables file moves
+// between the placements as it is, and a step ranks the very same clusters as the CPU would (up
+// to the order of fp32 sums). The host index holds the clustered keys and values too (the CPU
+// layout, the wave buffer's host side): host memory of about the indexed KV. Not graph-capturable (an update reads back and changes
 // the index outside the stream), as the authors' code disables CUDA graphs with index updates.
 #ifdef KVS_HAVE_CUDA
 #include <algorithm>
@@ -45,6 +45,7 @@ class RetroCuda final : public DeviceMethod {
       fail(KVS_STATUS_UNSUPPORTED, "retroinfer on the cuda backend: query heads per KV head x head_dim must be <= 2048, got " +
                                        std::to_string(G * shape_.head_dim));
     check(cudaGetDevice(&device_), "cudaGetDevice");
+    install_clusterer();
   }
 
   // ---- index: the host method's, mirrored ----
@@ -63,7 +64,9 @@ class RetroCuda final : public DeviceMethod {
   }
   void build_index(uint32_t layer, const DeviceLayerView& v) override {
     KVLayer kv = download(v, v.tokens, std::min<int64_t>(rules_.sinks, v.tokens), v.tokens);
+    cur_ = &v;
     host_->build_index(layer, kv);
+    cur_ = nullptr;
     layers_[layer].built = true;
   }
   void reserve(uint32_t layer, int64_t, void* stream) override {
@@ -218,6 +221,7 @@ class RetroCuda final : public DeviceMethod {
   RetroCuda(const RetroCuda& o)
       : shape_(o.shape_), host_(o.host_->clone()), rules_(o.rules_), layers_(o.layers_.size()), device_(o.device_) {
     for (size_t l = 0; l < layers_.size(); ++l) layers_[l].built = o.layers_[l].built;
+    install_clusterer();  // the copied host method's points at `o`
   }
 
   // A host KV layer holding tokens [t0, t1) of the device layer (n tokens stored): the pages
@@ -309,7 +313,47 @@ class RetroCuda final : public DeviceMethod {
     const int64_t lo = retro::index_view(*host_, layer).indexed_end;
     if (n - rules_.local - lo <= rules_.update_segment) return;
     KVLayer kv = download(v, n, lo, n - rules_.local);
+    cur_ = &v;
     host_->on_append(layer, nullptr, added, kv, decode);
+    cur_ = nullptr;
+  }
+
+  // The host method's k-means runs here, on the GPU, over the layer's stored keys (retro_kmeans);
+  // the host then lays out the clusters (lists, value sums) from its copy of the tokens.
+  void install_clusterer() {
+    retro::set_clusterer(*host_, [this](uint32_t, int64_t b, int64_t n, const retro::KMeansConfig& cfg,
+                                        std::vector<std::vector<int32_t>>& assign,
+                                        std::vector<std::vector<float>>& cent) { cluster(b, n, cfg, assign, cent); });
+  }
+  void cluster(int64_t b, int64_t n, const retro::KMeansConfig& cfg, std::vector<std::vector<int32_t>>& assign,
+               std::vector<std::vector<float>>& cent) const {
+    if (!cur_) fail(KVS_STATUS_INTERNAL, "retroinfer (cuda): a clustering outside a build or an update");
+    const int hkv = int(shape_.num_kv_heads), d = int(shape_.head_dim);
+    cuda::RetroKMeans k;
+    k.n = int32_t(n);
+    k.clusters = int32_t(cfg.clusters);
+    k.segments = int32_t(cfg.segments);
+    k.iterations = cfg.iterations;
+    k.centre = cfg.centre;
+    k.raw_init = cfg.raw_init;
+    // Scratch for this run only (the build's, not the steps'): freed on return.
+    DevBuf ws, da, dc;
+    ws.reserve(cuda::retro_kmeans_workspace_bytes(hkv, d, k), device_, "cudaMalloc(retroinfer k-means)");
+    da.reserve(size_t(hkv) * size_t(n) * 4, device_, "cudaMalloc(retroinfer k-means)");
+    dc.reserve(size_t(hkv) * size_t(k.clusters) * d * 4, device_, "cudaMalloc(retroinfer k-means)");
+    check(cuda::retro_kmeans(cur_->kv, cuda::Scalar(int32_t(shape_.kv_dtype)), hkv, d, int32_t(b), k, da.as<int32_t>(),
+                             dc.as<float>(), cuda::Workspace{ws.p, ws.bytes}, cur_->stream),
+          "retro_kmeans");
+    assign.assign(size_t(hkv), std::vector<int32_t>(size_t(n)));
+    cent.assign(size_t(hkv), std::vector<float>(size_t(k.clusters) * d));
+    check(cudaStreamSynchronize(S(cur_->stream)), "cudaStreamSynchronize(retroinfer k-means)");
+    for (int h = 0; h < hkv; ++h) {
+      check(cudaMemcpy(assign[size_t(h)].data(), da.as<int32_t>() + size_t(h) * n, size_t(n) * 4, cudaMemcpyDeviceToHost),
+            "cudaMemcpy(retroinfer assignments)");
+      check(cudaMemcpy(cent[size_t(h)].data(), dc.as<float>() + size_t(h) * k.clusters * d, size_t(k.clusters) * d * 4,
+                       cudaMemcpyDeviceToHost),
+            "cudaMemcpy(retroinfer centroids)");
+    }
   }
 
   // The last step's figures (device, per KV head) into the host method's statistics.
@@ -345,6 +389,7 @@ class RetroCuda final : public DeviceMethod {
   mutable bool stats_fresh_ = true;
   mutable int64_t last_overrun_ = 0;
   mutable int32_t max_clusters_ = 1, max_rows_ = 1;
+  const DeviceLayerView* cur_ = nullptr;  // the layer a build or an update is clustering
 };
 
 }  // namespace

@@ -1,0 +1,290 @@
+// SPDX-License-Identifier: Apache-2.0
+// RetroInfer's index build on the GPU (retro.cuh, retro_kmeans): segmented spherical k-means over
+// the stored keys, read from the paged KV in place (centred on the fly, never copied).
+//   mean     grid (row blocks, Hkv): the keys' mean per head (fp64 partial sums, atomics)
+//   init     the initial centroids from the (centred) keys at the authors' positions
+//   assign   grid (segments x row tiles, Hkv), 256 threads: a 64-row tile against the segment's
+//            centroids in tiles of 64 (fp32, shared memory, 4 x 4 outputs per thread), keeping
+//            per row the largest inner product (lowest index on ties)
+//   update   the members' sums and counts (fp32 / int atomics), then the centroids: normalised
+//            means (spherical passes) or means plus the keys' mean (the final pass)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "backends/cuda/retro.cuh"
+#include "backends/cuda/status.cuh"
+
+namespace kvs::cuda {
+namespace {
+
+constexpr int kTile = 64;       // rows and centroids per tile of the assignment
+constexpr int kThreads = 256;   // 16 x 16 threads, 4 x 4 outputs each
+
+__device__ __forceinline__ float f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+struct KArgs {
+  PagedKv kv;
+  int32_t hkv, d, t0, n, C;
+  const float* mu;  // [hkv][d]: the mean subtracted (zeros when not centring)
+};
+
+// Centred key element i of row r (token t0 + r) of head h.
+template <typename T>
+__device__ __forceinline__ float xval(const KArgs& a, int h, int r, int i) {
+  return f32(kv_row<T>(a.kv, a.hkv, a.d, 0, h, a.t0 + r, 0)[i]) - a.mu[h * a.d + i];
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) mean_kernel(const KArgs a, double* acc) {
+  const int h = blockIdx.y;
+  for (int i = threadIdx.x; i < a.d; i += kThreads) {
+    double s = 0;
+    for (int r = blockIdx.x; r < a.n; r += gridDim.x) s += f32(kv_row<T>(a.kv, a.hkv, a.d, 0, h, a.t0 + r, 0)[i]);
+    atomicAdd(acc + h * a.d + i, s);
+  }
+}
+
+__global__ void mean_finish_kernel(const double* acc, float* mu, int total, double n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < total) mu[i] = float(acc[i] / n);
+}
+
+// Initial centroid c of head h: the row the authors' rule names, centred (and normalised per
+// segment unless raw_init).
+template <typename T>
+__global__ void init_kernel(const KArgs a, int segments, int raw_init, float* cent) {
+  const int h = blockIdx.y, c = blockIdx.x;
+  const int64_t n = a.n, C = a.C, m = n / segments, Cs = C / segments;
+  int64_t idx;
+  if (raw_init) {
+    idx = int64_t(floor(double(c) * double(n) / double(C) + double(n) / (2.0 * double(C))));
+    idx = idx < 0 ? 0 : idx > n - 1 ? n - 1 : idx;
+  } else {
+    const int64_t seg = c / Cs, cc = c % Cs;
+    idx = int64_t(floor(double(cc) * double(m) / double(Cs) + double(m) / (2.0 * double(Cs))));
+    idx = (idx < 0 ? 0 : idx > m - 1 ? m - 1 : idx) + seg * m;
+  }
+  __shared__ double red[kThreads / 32];
+  float* out = cent + (int64_t(h) * C + c) * a.d;
+  double ss = 0;
+  for (int i = threadIdx.x; i < a.d; i += blockDim.x) {
+    const float v = xval<T>(a, h, int(idx), i);
+    out[i] = v;
+    ss += double(v) * v;
+  }
+  if (raw_init) return;
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
+  __syncthreads();
+  double s = 0;
+  for (int w = 0; w < int(blockDim.x) / 32; ++w) s += red[w];
+  if (s <= 0) return;
+  const float inv = float(1.0 / sqrt(s));
+  for (int i = threadIdx.x; i < a.d; i += blockDim.x) out[i] *= inv;
+}
+
+// Rows [seg * m + tile * 64, ...) within the segment (m rows; global: seg = 0, m = n) against the
+// centroids [seg * Cs, (seg + 1) * Cs).
+template <typename T>
+__global__ void __launch_bounds__(kThreads) assign_kernel(const KArgs a, int m, int Cs, int tiles, const float* cent,
+                                                          int32_t* assign) {
+  extern __shared__ float sh[];
+  float* Xs = sh;                   // [d][64]
+  float* Cm = sh + a.d * kTile;     // [d][64]
+  __shared__ float bv[kTile][16];
+  __shared__ int bi[kTile][16];
+  const int h = blockIdx.y, seg = blockIdx.x / tiles, tile = blockIdx.x % tiles;
+  const int r0 = tile * kTile, rows = min(kTile, m - r0);
+  if (rows <= 0) return;
+  const int base = seg * m + r0, cb = seg * Cs;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  for (int e = threadIdx.x; e < kTile * a.d; e += kThreads) {
+    const int r = e / a.d, i = e % a.d;
+    Xs[i * kTile + r] = r < rows ? xval<T>(a, h, base + r, i) : 0.f;
+  }
+  float best[4];
+  int bidx[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) best[i] = -INFINITY, bidx[i] = 0x7fffffff;
+  const float* cg = cent + (int64_t(h) * a.C + cb) * a.d;
+  for (int c0 = 0; c0 < Cs; c0 += kTile) {
+    const int nc = min(kTile, Cs - c0);
+    __syncthreads();
+    for (int e = threadIdx.x; e < kTile * a.d; e += kThreads) {
+      const int c = e / a.d, i = e % a.d;
+      Cm[i * kTile + c] = c < nc ? cg[int64_t(c0 + c) * a.d + i] : 0.f;
+    }
+    __syncthreads();
+    float acc[4][4] = {};
+    for (int k = 0; k < a.d; ++k) {
+      const float4 x = reinterpret_cast<const float4*>(Xs + k * kTile)[ty];
+      const float4 y = reinterpret_cast<const float4*>(Cm + k * kTile)[tx];
+      const float xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(xs[i], ys[j], acc[i][j]);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int c = c0 + tx * 4 + j;
+      if (c - c0 >= nc) break;
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (acc[i][j] > best[i]) best[i] = acc[i][j], bidx[i] = c;  // increasing c: ties keep the lower
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) bv[ty * 4 + i][tx] = best[i], bi[ty * 4 + i][tx] = bidx[i];
+  __syncthreads();
+  if (threadIdx.x < rows) {
+    const int r = threadIdx.x;
+    float v = bv[r][0];
+    int b = bi[r][0];
+    for (int j = 1; j < 16; ++j)
+      if (bv[r][j] > v || (bv[r][j] == v && bi[r][j] < b)) v = bv[r][j], b = bi[r][j];
+    // Nothing compares above -inf (a NaN row): the segment's first centroid, as the CPU's loop.
+    assign[int64_t(h) * a.n + base + r] = cb + (b == 0x7fffffff ? 0 : b);
+  }
+}
+
+// Members' sums and counts of rows [0, rows).
+template <typename T>
+__global__ void __launch_bounds__(kThreads) sum_kernel(const KArgs a, int rows, const int32_t* assign, float* sum,
+                                                       int* cnt) {
+  const int h = blockIdx.y;
+  const int64_t e = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  const int r = int(e / a.d), i = int(e % a.d);
+  if (r >= rows) return;
+  const int c = assign[int64_t(h) * a.n + r];
+  atomicAdd(sum + (int64_t(h) * a.C + c) * a.d + i, xval<T>(a, h, r, i));
+  if (i == 0) atomicAdd(cnt + int64_t(h) * a.C + c, 1);
+}
+
+// Centroid (h, c) from its members: the normalised mean (final = 0; empty: unchanged), or the
+// mean plus mu (final = 1; empty: the centroid plus mu).
+__global__ void centroid_kernel(const KArgs a, const float* sum, const int* cnt, float* cent, int final_pass) {
+  const int h = blockIdx.y, c = blockIdx.x;
+  const int64_t at = (int64_t(h) * a.C + c) * a.d;
+  const int k = cnt[int64_t(h) * a.C + c];
+  __shared__ double red[kThreads / 32];
+  if (final_pass) {
+    for (int i = threadIdx.x; i < a.d; i += blockDim.x)
+      cent[at + i] = (k > 0 ? float(double(sum[at + i]) / double(k)) : cent[at + i]) + a.mu[h * a.d + i];
+    return;
+  }
+  if (k == 0) return;
+  double ss = 0;
+  for (int i = threadIdx.x; i < a.d; i += blockDim.x) {
+    const float v = float(double(sum[at + i]) / double(k));
+    cent[at + i] = v;
+    ss += double(v) * v;
+  }
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
+  __syncthreads();
+  double s = 0;
+  for (int w = 0; w < int(blockDim.x) / 32; ++w) s += red[w];
+  if (s <= 0) return;
+  const float inv = float(1.0 / sqrt(s));
+  for (int i = threadIdx.x; i < a.d; i += blockDim.x) cent[at + i] *= inv;
+}
+
+size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
+
+struct Carve {
+  size_t acc, mu, sum, cnt, total;
+};
+Carve carve(int32_t hkv, int32_t d, const RetroKMeans& k) {
+  Carve c{};
+  c.acc = 0;
+  c.mu = c.acc + align_up(size_t(hkv) * d * 8);
+  c.sum = c.mu + align_up(size_t(hkv) * d * 4);
+  c.cnt = c.sum + align_up(size_t(hkv) * k.clusters * d * 4);
+  c.total = c.cnt + align_up(size_t(hkv) * k.clusters * 4);
+  return c;
+}
+
+template <typename T>
+Status run(const KArgs& a0, const RetroKMeans& k, int32_t* assign, float* cent, char* w, const Carve& cv,
+           cudaStream_t st) {
+  KArgs a = a0;
+  double* acc = reinterpret_cast<double*>(w + cv.acc);
+  float* mu = reinterpret_cast<float*>(w + cv.mu);
+  float* sum = reinterpret_cast<float*>(w + cv.sum);
+  int* cnt = reinterpret_cast<int*>(w + cv.cnt);
+  const size_t hd = size_t(a.hkv) * a.d;
+  KVS_CUDA_TRY(cudaMemsetAsync(acc, 0, hd * 8, st), "retro kmeans memset");
+  KVS_CUDA_TRY(cudaMemsetAsync(mu, 0, hd * 4, st), "retro kmeans memset");
+  a.mu = mu;
+  if (k.centre) {
+    mean_kernel<T><<<dim3(unsigned(std::min(a.n, 512)), unsigned(a.hkv)), kThreads, 0, st>>>(a, acc);
+    KVS_LAUNCH_CHECK("retro mean_kernel launch");
+    mean_finish_kernel<<<unsigned((hd + 255) / 256), 256, 0, st>>>(acc, mu, int(hd), double(a.n));
+    KVS_LAUNCH_CHECK("retro mean_finish_kernel launch");
+  }
+  init_kernel<T><<<dim3(unsigned(a.C), unsigned(a.hkv)), 128, 0, st>>>(a, k.segments, k.raw_init, cent);
+  KVS_LAUNCH_CHECK("retro init_kernel launch");
+  const size_t smem = size_t(2) * a.d * kTile * sizeof(float);
+  KVS_CUDA_TRY(cudaFuncSetAttribute(assign_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+               "retro assign_kernel attribute");
+  const int m = a.n / k.segments, Cs = a.C / k.segments;
+  auto pass = [&](int rows_per_seg, int cents, int segs, int rows, int final_pass) -> Status {
+    const int tiles = (rows_per_seg + kTile - 1) / kTile;
+    assign_kernel<T><<<dim3(unsigned(segs * tiles), unsigned(a.hkv)), kThreads, smem, st>>>(a, rows_per_seg, cents,
+                                                                                           tiles, cent, assign);
+    KVS_LAUNCH_CHECK("retro assign_kernel launch");
+    KVS_CUDA_TRY(cudaMemsetAsync(sum, 0, size_t(a.hkv) * a.C * a.d * 4, st), "retro kmeans memset");
+    KVS_CUDA_TRY(cudaMemsetAsync(cnt, 0, size_t(a.hkv) * a.C * 4, st), "retro kmeans memset");
+    const int64_t elems = int64_t(rows) * a.d;
+    sum_kernel<T><<<dim3(unsigned((elems + kThreads - 1) / kThreads), unsigned(a.hkv)), kThreads, 0, st>>>(
+        a, rows, assign, sum, cnt);
+    KVS_LAUNCH_CHECK("retro sum_kernel launch");
+    centroid_kernel<<<dim3(unsigned(a.C), unsigned(a.hkv)), 128, 0, st>>>(a, sum, cnt, cent, final_pass);
+    KVS_LAUNCH_CHECK("retro centroid_kernel launch");
+    return {};
+  };
+  for (int it = 0; it + 1 < k.iterations; ++it) {
+    Status e = pass(m, Cs, k.segments, k.segments * m, 0);
+    if (!e.ok()) return e;
+  }
+  return pass(a.n, a.C, 1, a.n, 1);
+}
+
+}  // namespace
+
+size_t retro_kmeans_workspace_bytes(int32_t num_kv_heads, int32_t head_dim, const RetroKMeans& k) noexcept {
+  if (num_kv_heads < 1 || head_dim < 1 || k.clusters < 1) return 0;
+  return carve(num_kv_heads, head_dim, k).total;
+}
+
+Status retro_kmeans(const PagedKv& kv, Scalar kv_dtype, int32_t num_kv_heads, int32_t head_dim, int32_t t0,
+                    const RetroKMeans& k, int32_t* assign, float* centroids, const Workspace& ws,
+                    void* stream) noexcept {
+  if (num_kv_heads < 1 || num_kv_heads > 65535) return invalid("retro_kmeans: num_kv_heads out of range");
+  if (head_dim != 64 && head_dim != 128 && head_dim != 256) return unsupported("retro_kmeans: head_dim must be 64, 128 or 256");
+  if (k.n < 1 || k.clusters < 1 || k.segments < 1 || k.clusters % k.segments != 0 || k.iterations < 1 ||
+      k.n / k.segments < 1)
+    return invalid("retro_kmeans: expected n >= segments >= 1, clusters a positive multiple of segments, iterations >= 1");
+  if (kv_dtype != Scalar::BF16 && kv_dtype != Scalar::F16) return unsupported("retro_kmeans: KV dtype must be BF16 or F16");
+  if (!assign || !centroids || !kv.pages || t0 < 0) return invalid("retro_kmeans: null argument");
+  const Carve cv = carve(num_kv_heads, head_dim, k);
+  if (!ws.ptr || ws.bytes < cv.total) return invalid("retro_kmeans: workspace too small (ask retro_kmeans_workspace_bytes)");
+  KArgs a{};
+  a.kv = kv;
+  a.hkv = num_kv_heads;
+  a.d = head_dim;
+  a.t0 = t0;
+  a.n = k.n;
+  a.C = k.clusters;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  char* w = static_cast<char*>(ws.ptr);
+  if (kv_dtype == Scalar::BF16) return run<__nv_bfloat16>(a, k, assign, centroids, w, cv, st);
+  return run<__half>(a, k, assign, centroids, w, cv, st);
+}
+
+}  // namespace kvs::cuda
