@@ -136,6 +136,17 @@ void run_roundtrip() {
   kvs_session_method_stat(cpu, "indexed_tokens", &indexed_c);
   kvs_session_method_stat(back, "indexed_tokens", &indexed_b);
   CAPI_CHECK(indexed_b > 0 && indexed_b == indexed_c, "roundtrip: indexed tokens: moved %g, cpu %g", indexed_b, indexed_c);
+  // The rollback floor on cuda: the clustered tokens (after the 4 sinks) and the 64-token local
+  // window stay; one token below is refused, naming the method; the floor itself is accepted.
+  double idx_g = 0;
+  kvs_session_method_stat(gpu, "indexed_tokens", &idx_g);
+  const int64_t floor = int64_t(idx_g) + 4 + 64;
+  kvs_error_t e = kvs_session_truncate(gpu, floor - 1);
+  CAPI_CHECK(e && kvs_error_code(e) == KVS_STATUS_INVALID_ARGUMENT &&
+                 std::string(kvs_error_message(e)).find("retroinfer") != std::string::npos,
+             "truncate below the clustered tokens on cuda: %s", e ? kvs_error_message(e) : "accepted");
+  kvs_error_destroy(e);
+  CAPI_CHECK(ok(kvs_session_truncate(gpu, floor), "truncate to the floor"), "truncate to the floor %lld", (long long)floor);
   cudaStreamDestroy(stream);
   kvs_session_destroy(cpu);
   kvs_session_destroy(gpu);

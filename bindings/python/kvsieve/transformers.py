@@ -33,14 +33,14 @@ on the cpu backend the methods whose index keeps history (csattention, ctkvr, lf
 as far back as ``max_rollback`` tokens (a ``KvsieveCache`` argument, 0 by default: give the most
 tokens one crop removes), never below the prompt their index was built on (so not with
 ``assistant_model``, whose first drafts come with the prompt); on the cuda backend csattention not
-below its indexed tokens.
+below its indexed tokens, retroinfer not below its clustered tokens and local window.
 
 Not supported (a clear error each): sliding-window, chunked, linear-attention or shared-KV layers,
 attention logit softcapping, dropout (call ``model.eval()``), packed sequences or custom mask
 overlays, dtypes other than float32/float16/bfloat16, several new tokens after the prompt on the cuda
 backend (its append computes no attention output; so no ``assistant_model`` there either). The cuda
 backend runs the methods that have CUDA kernels (``kvsieve.methods()``: full, exact_topk, streaming,
-quest, csattention), head dims 64, 128 and 256.
+quest, csattention, retroinfer), head dims 64, 128 and 256.
 """
 
 from __future__ import annotations

@@ -74,6 +74,18 @@ class RetroCuda final : public DeviceMethod {
     sync_mirror(layer, stream);
   }
   void truncate(uint32_t layer, int64_t n) override { host_->truncate(layer, n); }
+  // A rollback keeps every clustered token and the local window after them: the clusters are not
+  // undone here (the cpu backend's max_rollback keeps copies of the index for that).
+  int64_t truncate_floor(uint32_t layer, std::string* why) const override {
+    if (!layers_[layer].built) return 0;
+    const auto ix = retro::index_view(*host_, layer);
+    if (ix.heads->empty()) return 0;
+    const int64_t floor = ix.indexed_end + rules_.local;
+    *why = "retroinfer on the cuda backend keeps no undo log of its clusters: it rolls back to its clustered tokens "
+           "and local window (" + std::to_string(floor) + " tokens) at most (truncate on the cpu backend with "
+           "max_rollback, or move the session there with kvs_session_to)";
+    return floor;
+  }
   void finish(uint32_t, const DeviceLayerView&) override {}
 
   // ---- step ----
