@@ -145,4 +145,41 @@ void follow(kvs_session_t back, kvs_session_t ref, const Seq& x, int64_t t, int 
   }
 }
 
+// B pairs of one-layer sessions of `method` (params p, backend set here) over seqs[b]'s first
+// n0 + 37 b tokens: the prompt in two chunks on one backend (the cuda backend when gpu_build),
+// the index built there, and the other made from it by kvs_session_to (the tables format), so both
+// decode with the same index. False (reported) when a call fails.
+bool make_pairs(kvs_session_params p, const std::vector<Seq>& seqs, int hq, int hkv, int d, kvs_scalar_type kvdt,
+                int64_t n0, bool gpu_build, std::vector<kvs_session_t>& cpu, std::vector<kvs_session_t>& gpu) {
+  const size_t B = seqs.size();
+  cpu.assign(B, nullptr);
+  gpu.assign(B, nullptr);
+  for (size_t b = 0; b < B; ++b) {
+    const int64_t n = n0 + 37 * int64_t(b);
+    kvs_session_t src = nullptr;
+    p.backend = gpu_build ? KVS_BACKEND_CUDA : KVS_BACKEND_CPU;
+    if (!ok(kvs_session_create(&p, &src), "create")) return false;
+    if (!add(src, gpu_build, seqs[b], hq, hkv, d, kvdt, 0, n / 3, false, "prefill") ||
+        !add(src, gpu_build, seqs[b], hq, hkv, d, kvdt, n / 3, n, false, "prefill"))
+      return false;
+    if (!ok(kvs_session_build_index(src, nullptr), "build")) return false;
+    kvs_session_t other = nullptr;
+    if (!ok(kvs_session_to(src, gpu_build ? KVS_BACKEND_CPU : KVS_BACKEND_CUDA, 0, &other), "kvs_session_to"))
+      return false;
+    cpu[b] = gpu_build ? other : src;
+    gpu[b] = gpu_build ? src : other;
+  }
+  return true;
+}
+
+// `turn` tokens of every sequence appended outside a step on both sides (pos[b] advances).
+void append_turn(std::vector<kvs_session_t>& cpu, std::vector<kvs_session_t>& gpu, const std::vector<Seq>& seqs,
+                 std::vector<int64_t>& pos, int64_t turn, int hq, int hkv, int d, kvs_scalar_type kvdt) {
+  for (size_t b = 0; b < cpu.size(); ++b) {
+    add(cpu[b], false, seqs[b], hq, hkv, d, kvdt, pos[b], pos[b] + turn, true, "append cpu");
+    add(gpu[b], true, seqs[b], hq, hkv, d, kvdt, pos[b], pos[b] + turn, true, "append cuda");
+    pos[b] += turn;
+  }
+}
+
 }  // namespace

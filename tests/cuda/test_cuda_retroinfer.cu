@@ -36,21 +36,8 @@ void run_case(const char* params, kvs_scalar_type kvdt, int hq, int hkv, int d, 
     seqs.push_back(make_seq(n0 + 37 * b + steps + turn + 4, hq, hkv, d, uint32_t(2000 + 17 * b + d + hq)));
   kvs_session_params p = one_layer_params("retroinfer", kvdt, hq, hkv, d, budget);
   p.method_params = params;
-  std::vector<kvs_session_t> cpu(size_t(B), nullptr), gpu(size_t(B), nullptr);
-  for (int b = 0; b < B; ++b) {
-    const int64_t n = n0 + 37 * b;
-    kvs_session_t src = nullptr;
-    p.backend = gpu_build ? KVS_BACKEND_CUDA : KVS_BACKEND_CPU;
-    if (!ok(kvs_session_create(&p, &src), "create")) return;
-    if (!add(src, gpu_build, seqs[size_t(b)], hq, hkv, d, kvdt, 0, n / 3, false, "prefill") ||
-        !add(src, gpu_build, seqs[size_t(b)], hq, hkv, d, kvdt, n / 3, n, false, "prefill"))
-      return;
-    if (!ok(kvs_session_build_index(src, nullptr), "build")) return;
-    kvs_session_t other = nullptr;
-    if (!ok(kvs_session_to(src, gpu_build ? KVS_BACKEND_CPU : KVS_BACKEND_CUDA, 0, &other), "kvs_session_to")) return;
-    cpu[size_t(b)] = gpu_build ? other : src;
-    gpu[size_t(b)] = gpu_build ? src : other;
-  }
+  std::vector<kvs_session_t> cpu, gpu;
+  if (!make_pairs(p, seqs, hq, hkv, d, kvdt, n0, gpu_build, cpu, gpu)) return;
   cudaStream_t stream;
   cudaStreamCreate(&stream);
   std::vector<int64_t> pos(static_cast<size_t>(B), 0);
@@ -74,11 +61,7 @@ void run_case(const char* params, kvs_scalar_type kvdt, int hq, int hkv, int d, 
   }
   // A turn appended outside a step (the update rule sees it), then steps.
   Cmp a;
-  for (int b = 0; b < B; ++b) {
-    add(cpu[size_t(b)], false, seqs[size_t(b)], hq, hkv, d, kvdt, pos[size_t(b)], pos[size_t(b)] + turn, true, "append cpu");
-    add(gpu[size_t(b)], true, seqs[size_t(b)], hq, hkv, d, kvdt, pos[size_t(b)], pos[size_t(b)] + turn, true, "append cuda");
-    pos[size_t(b)] += turn;
-  }
+  append_turn(cpu, gpu, seqs, pos, turn, hq, hkv, d, kvdt);
   for (int s = 0; s < 3; ++s) {
     step(cpu, gpu, seqs, pos, hq, hkv, d, kvdt, stream, a);
     for (auto& x : pos) ++x;

@@ -53,6 +53,20 @@ __global__ void mean_finish_kernel(const double* acc, float* mu, int total, doub
   if (i < total) mu[i] = float(acc[i] / n);
 }
 
+// v[0, d) (written by this block, ss: each thread's part of its squared norm) scaled to unit length
+// (the CPU's normalise: unchanged when the norm is 0). Every thread of the block calls it.
+__device__ void scale_to_unit(float* v, int d, double ss) {
+  __shared__ double red[32];
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
+  __syncthreads();
+  double s = 0;
+  for (int w = 0; w < int(blockDim.x) / 32; ++w) s += red[w];
+  if (s <= 0) return;
+  const float inv = float(1.0 / sqrt(s));
+  for (int i = threadIdx.x; i < d; i += blockDim.x) v[i] *= inv;
+}
+
 // Initial centroid c of head h: the row the authors' rule names, centred (and normalised per
 // segment unless raw_init).
 template <typename T>
@@ -68,7 +82,6 @@ __global__ void init_kernel(const KArgs a, int segments, int raw_init, float* ce
     idx = int64_t(floor(double(cc) * double(m) / double(Cs) + double(m) / (2.0 * double(Cs))));
     idx = (idx < 0 ? 0 : idx > m - 1 ? m - 1 : idx) + seg * m;
   }
-  __shared__ double red[kThreads / 32];
   float* out = cent + (int64_t(h) * C + c) * a.d;
   double ss = 0;
   for (int i = threadIdx.x; i < a.d; i += blockDim.x) {
@@ -76,15 +89,7 @@ __global__ void init_kernel(const KArgs a, int segments, int raw_init, float* ce
     out[i] = v;
     ss += double(v) * v;
   }
-  if (raw_init) return;
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
-  __syncthreads();
-  double s = 0;
-  for (int w = 0; w < int(blockDim.x) / 32; ++w) s += red[w];
-  if (s <= 0) return;
-  const float inv = float(1.0 / sqrt(s));
-  for (int i = threadIdx.x; i < a.d; i += blockDim.x) out[i] *= inv;
+  if (!raw_init) scale_to_unit(out, a.d, ss);
 }
 
 // Rows [seg * m + tile * 64, ...) within the segment (m rows; global: seg = 0, m = n) against the
@@ -171,7 +176,6 @@ __global__ void centroid_kernel(const KArgs a, const float* sum, const int* cnt,
   const int h = blockIdx.y, c = blockIdx.x;
   const int64_t at = (int64_t(h) * a.C + c) * a.d;
   const int k = cnt[int64_t(h) * a.C + c];
-  __shared__ double red[kThreads / 32];
   if (final_pass) {
     for (int i = threadIdx.x; i < a.d; i += blockDim.x)
       cent[at + i] = (k > 0 ? float(double(sum[at + i]) / double(k)) : cent[at + i]) + a.mu[h * a.d + i];
@@ -184,14 +188,7 @@ __global__ void centroid_kernel(const KArgs a, const float* sum, const int* cnt,
     cent[at + i] = v;
     ss += double(v) * v;
   }
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
-  __syncthreads();
-  double s = 0;
-  for (int w = 0; w < int(blockDim.x) / 32; ++w) s += red[w];
-  if (s <= 0) return;
-  const float inv = float(1.0 / sqrt(s));
-  for (int i = threadIdx.x; i < a.d; i += blockDim.x) cent[at + i] *= inv;
+  scale_to_unit(cent + at, a.d, ss);
 }
 
 size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
