@@ -711,8 +711,9 @@ int main(int argc, char** argv) {
       {"quest", "gqa=per_query_head", 0.05, 0, false},
       {"quest", "page_size=64,dense_layers=1", 0.1, 0, false},
       {"csattention", "", 0.05, 0, false, true},
+      {"csattention", "preset=paper", 0.05, 0, false, true},
       {"csattention", "group_pick=sum,schedule=0.15-step-4", 0.05, 0, false, true},
-      {"csattention", "gqa=per_query_head,missing=list_min", 0, 100, false, true},
+      {"csattention", "gqa=per_query_head,missing=zero", 0, 100, false, true},
       {"csattention", "rerank=2,sinks=4", 0.05, 0, false, true},
   };
   if (g_other == KVS_BACKEND_HYBRID) {

@@ -426,7 +426,7 @@ TEST_CASE("csattention: the candidate collection's fallback (lists added again, 
   // pass) would change later selections.
   Rng rng(29);
   Data D(rng, 8, 2, 32, 700);
-  for (const char* mp : {"centroids=16,subspaces=4,iters=4,recent=8",
+  for (const char* mp : {"centroids=16,subspaces=4,iters=4,recent=8", "centroids=16,subspaces=4,iters=4,recent=8,preset=paper",
                          "centroids=16,subspaces=4,iters=4,sinks=2,missing=list_min,weights=qnorm,rerank=3"}) {
     INFO(mp);
     Sess A, B;
@@ -452,7 +452,8 @@ TEST_CASE("csattention: the candidate collection's fallback (lists added again, 
 TEST_CASE("csattention: save/load round trip reproduces decode outputs bit for bit, with and without KV") {
   Rng rng(13);
   Data D(rng, 8, 2, 32, 760);
-  for (const char* mp : {"centroids=16,subspaces=4,iters=4", "centroids=16,splits=8:8:16,subspaces=3,period=4,weights=qnorm,missing=list_min,rerank=3",
+  for (const char* mp : {"centroids=16,subspaces=4,iters=4", "centroids=16,subspaces=4,iters=4,preset=paper",
+                         "centroids=16,splits=8:8:16,subspaces=3,period=4,weights=qnorm,missing=list_min,rerank=3",
                          "centroids=8,gqa=per_query_head,schedule=0.15-step-4,sinks=4"}) {
     INFO(mp);
     Sess A;
