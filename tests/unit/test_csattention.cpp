@@ -313,7 +313,7 @@ TEST_CASE("csattention: the search ranks the union of the picked lists by their 
       const float* qh = D.qt(N) + size_t(h) * D.d;
       std::vector<double> score(static_cast<size_t>(n), 0.0);
       std::vector<int> hits(static_cast<size_t>(n), 0);
-      double base_sum = 0;  // the absent terms' constant (list_min): sum of the picked lists' minima
+      double base_sum = 0;  // the absent terms' scale, for the tolerance: sum of w |minimum| over the picked lists
       std::vector<std::tuple<size_t, double, double>> picked;  // list, its minimum, the subspace's weight
       for (int b = 0; b < m; ++b) {
         int best = 0;
