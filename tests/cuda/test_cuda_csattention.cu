@@ -135,15 +135,17 @@ int run_csattention_tests(bool small) {
     run_case("", kv, 32, 8, 128, n, 1, steps, 0.05);
     run_case("", kv, 16, 2, 64, n, 3, steps, 0.1);
   }
+  // The defaults are missing=list_min, weights=qnorm; preset=paper: missing=zero, weights=uniform.
+  run_case("preset=paper", KVS_SCALAR_BF16, 32, 8, 128, n, 1, steps, 0.05);
   run_case("gqa=per_query_head", KVS_SCALAR_BF16, 16, 4, 64, n, 2, steps, 0.05);
-  run_case("group_pick=sum,weights=qnorm", KVS_SCALAR_BF16, 16, 4, 128, n, 2, steps, 0.05);
-  run_case("missing=list_min,score_dtype=f32,splits=16:16:32,subspaces=3", KVS_SCALAR_F16, 8, 2, 64, n, 1, steps, 0.05);
+  run_case("group_pick=sum,weights=uniform", KVS_SCALAR_BF16, 16, 4, 128, n, 2, steps, 0.05);
+  run_case("missing=zero,score_dtype=f32,splits=16:16:32,subspaces=3", KVS_SCALAR_F16, 8, 2, 64, n, 1, steps, 0.05);
   run_case("schedule=0.15-step-4,sinks=4", KVS_SCALAR_BF16, 32, 8, 128, n, 2, small ? 9 : 40, 0.05);
   run_case("period=3,window_in_budget=false,recent=16,sinks=2", KVS_SCALAR_BF16, 8, 8, 64, n, 2, steps, 0.05);
   // The exact rerank of rerank * K' candidates (group softmax, or each query head's own).
   run_case("rerank=2", KVS_SCALAR_BF16, 32, 8, 128, n, 2, steps, 0.05);
   run_case("rerank=3,gqa=per_query_head,sinks=4", KVS_SCALAR_F16, 16, 4, 64, n, 1, steps, 0.05);
-  run_case("rerank=1.5,period=2,missing=list_min", KVS_SCALAR_BF16, 8, 2, 128, n, 2, steps, 0.1);
+  run_case("rerank=1.5,period=2,preset=paper", KVS_SCALAR_BF16, 8, 2, 128, n, 2, steps, 0.1);
   // Hundreds of decode tokens: the lists change under the streaming update.
   if (!small) run_case("list_frac=0.05", KVS_SCALAR_BF16, 16, 4, 128, 2000, 2, 300, 0.05);
 #ifdef KVS_HAVE_CSA_BUILD_TESTS

@@ -17,6 +17,8 @@
 #include <tuple>
 #include <unistd.h>
 
+#include <nlohmann/json.hpp>
+
 #include "backends/cpu/topk.hpp"
 #include "io/tables.hpp"
 #include "kvsieve/kvsieve.h"
@@ -285,32 +287,34 @@ TEST_CASE("csattention: streaming lists equal a float64 brute-force top-L over e
 TEST_CASE("csattention: the search ranks the union of the picked lists by their reduce-by-key (missing = 0 or the list minimum)") {
   // A float64 re-implementation of the search from the saved tables: nearest centroid per subspace,
   // the union of the picked lists, scores summed per key with an absent key's term 0 (paper) or the
-  // list's minimum (missing=list_min), the K best. G = 1, no window, no sinks.
+  // list's minimum (missing=list_min, the default), each subspace's terms weighted by 1 (paper) or
+  // by the query sub-vector's norm (weights=qnorm, the default), the K best. G = 1, no window, no sinks.
   Rng rng(23);
   Data D(rng, 2, 2, 32, 301);
   const int64_t N = 300, Lz = 40;
   const int m = 4, C = 8, db = D.d / m;
-  for (const char* miss : {"zero", "list_min"}) {
+  for (const auto& [miss, wts] : {std::pair<const char*, const char*>{"zero", "uniform"}, {"list_min", "uniform"},
+                                  {"zero", "qnorm"}, {"list_min", "qnorm"}}) {
     const std::string mp = std::string("subspaces=4,centroids=8,list_len=40,iters=3,batch=64,score_dtype=f32,recent=0,"
-                                       "sinks=0,missing=") + miss;
+                                       "sinks=0,missing=") + miss + ",weights=" + wts;
     Sess S;
     build(S, D, mp, 0.1, N);
     std::vector<float> o, lse;
     decode(S.s, D, 0, N, o, lse);
-    const std::string path = tmp_path(std::string("reduce_") + miss + ".kvt");
+    const std::string path = tmp_path(std::string("reduce_") + miss + "_" + wts + ".kvt");
     OK(kvs_session_save(S.s, path.c_str(), KVS_SAVE_TABLES));
     auto f = kvs::io::TablesFile::open(path);
     const float* cent = reinterpret_cast<const float*>(f->require("csa.cent", 0, -1).data);
     const int32_t* idx = reinterpret_cast<const int32_t*>(f->require("csa.idx", 0, -1).data);
     const float* val = reinterpret_cast<const float*>(f->require("csa.val", 0, -1).data);
-    const bool lmin = std::string(miss) == "list_min";
+    const bool lmin = std::string(miss) == "list_min", qnorm = std::string(wts) == "qnorm";
     const int64_t n = N + 1, K = int64_t(std::ceil(0.1 * double(n)));
     for (int h = 0; h < D.hkv; ++h) {
       const float* qh = D.qt(N) + size_t(h) * D.d;
       std::vector<double> score(static_cast<size_t>(n), 0.0);
       std::vector<int> hits(static_cast<size_t>(n), 0);
-      double base_sum = 0;  // the absent terms' constant (list_min): sum of the picked lists' minima
-      std::vector<std::pair<size_t, double>> picked;
+      double base_sum = 0;  // the absent terms' scale, for the tolerance: sum of w |minimum| over the picked lists
+      std::vector<std::tuple<size_t, double, double>> picked;  // list, its minimum, the subspace's weight
       for (int b = 0; b < m; ++b) {
         int best = 0;
         double bs = -1e300;
@@ -324,15 +328,17 @@ TEST_CASE("csattention: the search ranks the union of the picked lists by their 
           }
         }
         const size_t base = ((size_t(h) * m + b) * C + best) * size_t(Lz);
-        double mn = 1e300;
+        double mn = 1e300, nn = 0;
         for (int64_t e = 0; e < Lz; ++e) mn = std::min(mn, double(val[base + size_t(e)]));
-        picked.emplace_back(base, mn);
-        base_sum += mn;
+        for (int i = 0; i < db; ++i) nn += double(qh[b * db + i]) * qh[b * db + i];
+        const double w = qnorm ? std::sqrt(nn) : 1.0;
+        picked.emplace_back(base, mn, w);
+        base_sum += w * std::abs(mn);
       }
-      for (auto [base, mn] : picked)
+      for (auto [base, mn, w] : picked)
         for (int64_t e = 0; e < Lz; ++e) {
           const int32_t t = idx[base + size_t(e)];
-          score[size_t(t)] += double(val[base + size_t(e)]) - (lmin ? mn : 0.0);
+          score[size_t(t)] += w * (double(val[base + size_t(e)]) - (lmin ? mn : 0.0));
           ++hits[size_t(t)];
         }
       std::vector<double> cand;
@@ -342,7 +348,7 @@ TEST_CASE("csattention: the search ranks the union of the picked lists by their 
       std::sort(cand.begin(), cand.end(), std::greater<double>());
       const double kth = cand[size_t(K - 1)], eps = 1e-5 * (1.0 + std::abs(kth) + std::abs(base_sum));
       const auto got = selection(S.s, 0, uint32_t(h));
-      INFO(miss << " kv head " << h);
+      INFO(miss << " " << wts << " kv head " << h);
       CHECK(int64_t(got.size()) == K);
       std::set<int32_t> gs(got.begin(), got.end());
       for (int32_t t : got) CHECK((hits[size_t(t)] > 0 && score[size_t(t)] >= kth - eps));
@@ -353,13 +359,74 @@ TEST_CASE("csattention: the search ranks the union of the picked lists by their 
   }
 }
 
+TEST_CASE("csattention: the defaults are missing=list_min, weights=qnorm; preset=paper restores the paper's zero and uniform") {
+  // The defaults select and attend exactly as the two options given explicitly, preset=paper exactly
+  // as missing=zero,weights=uniform (the defaults before 2026-11-27); the saved tables record the
+  // resolved values, and an explicit value wins over the preset.
+  Rng rng(31);
+  Data D(rng, 4, 2, 32, 301);
+  const int64_t N = 280;
+  const std::string base = "subspaces=4,centroids=8,iters=3,batch=64";
+  const std::pair<const char*, const char*> same[] = {{"", "missing=list_min,weights=qnorm"},
+                                                      {"preset=paper", "missing=zero,weights=uniform"}};
+  for (const auto& [a, b] : same) {
+    Sess A, B;
+    build(A, D, base + (*a ? "," : "") + a, 0.1, N);
+    build(B, D, base + "," + b, 0.1, N);
+    for (int64_t t = N; t < N + 8; ++t) {
+      std::vector<float> oa, la, ob, lb;
+      decode(A.s, D, 0, t, oa, la);
+      decode(B.s, D, 0, t, ob, lb);
+      INFO(a << " vs " << b << " step " << t);
+      CHECK(std::memcmp(oa.data(), ob.data(), oa.size() * sizeof(float)) == 0);
+      CHECK(std::memcmp(la.data(), lb.data(), la.size() * sizeof(float)) == 0);
+      for (uint32_t h = 0; h < uint32_t(D.hkv); ++h) CHECK(selection(A.s, 0, h) == selection(B.s, 0, h));
+    }
+  }
+  // The two settings differ on this data (else the checks above would not tell them apart).
+  {
+    Sess A, B;
+    build(A, D, base, 0.1, N);
+    build(B, D, base + ",preset=paper", 0.1, N);
+    bool differ = false;
+    for (int64_t t = N; t < N + 8; ++t) {
+      std::vector<float> oa, la, ob, lb;
+      decode(A.s, D, 0, t, oa, la);
+      decode(B.s, D, 0, t, ob, lb);
+      for (uint32_t h = 0; h < uint32_t(D.hkv); ++h) differ |= selection(A.s, 0, h) != selection(B.s, 0, h);
+    }
+    CHECK(differ);
+  }
+  const std::tuple<const char*, const char*, const char*> recorded[] = {{"", "list_min", "qnorm"},
+                                                                        {"preset=paper", "zero", "uniform"},
+                                                                        {"preset=paper,missing=list_min", "list_min", "uniform"},
+                                                                        {"weights=uniform", "list_min", "uniform"}};
+  for (const auto& [mp, miss, wts] : recorded) {
+    Sess S;
+    build(S, D, base + (*mp ? "," : "") + mp, 0.1, N);
+    const std::string path = tmp_path("preset.kvt");
+    OK(kvs_session_save(S.s, path.c_str(), KVS_SAVE_TABLES));
+    char* js = nullptr;
+    OK(kvs_tables_describe(path.c_str(), &js));
+    const std::string text = js;
+    kvs_string_free(js);
+    std::remove(path.c_str());
+    const auto j = nlohmann::json::parse(text);
+    INFO(std::string(mp) << ": " << text.substr(0, 3000));
+    REQUIRE(j.contains("header"));
+    const auto& prm = j["header"]["method"]["params"];
+    CHECK(prm.value("missing", "") == miss);
+    CHECK(prm.value("weights", "") == wts);
+  }
+}
+
 TEST_CASE("csattention: the candidate collection's fallback (lists added again, all collected) selects the same keys") {
   // The sampled threshold normally lets enough candidates through, so the fallback is rare; the hook
   // forces it on every search of session B. A slot it failed to reset (forced ranges, the second
   // pass) would change later selections.
   Rng rng(29);
   Data D(rng, 8, 2, 32, 700);
-  for (const char* mp : {"centroids=16,subspaces=4,iters=4,recent=8",
+  for (const char* mp : {"centroids=16,subspaces=4,iters=4,recent=8", "centroids=16,subspaces=4,iters=4,recent=8,preset=paper",
                          "centroids=16,subspaces=4,iters=4,sinks=2,missing=list_min,weights=qnorm,rerank=3"}) {
     INFO(mp);
     Sess A, B;
@@ -385,7 +452,8 @@ TEST_CASE("csattention: the candidate collection's fallback (lists added again, 
 TEST_CASE("csattention: save/load round trip reproduces decode outputs bit for bit, with and without KV") {
   Rng rng(13);
   Data D(rng, 8, 2, 32, 760);
-  for (const char* mp : {"centroids=16,subspaces=4,iters=4", "centroids=16,splits=8:8:16,subspaces=3,period=4,weights=qnorm,missing=list_min,rerank=3",
+  for (const char* mp : {"centroids=16,subspaces=4,iters=4", "centroids=16,subspaces=4,iters=4,preset=paper",
+                         "centroids=16,splits=8:8:16,subspaces=3,period=4,weights=qnorm,missing=list_min,rerank=3",
                          "centroids=8,gqa=per_query_head,schedule=0.15-step-4,sinks=4"}) {
     INFO(mp);
     Sess A;

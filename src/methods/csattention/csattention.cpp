@@ -1036,7 +1036,11 @@ MethodSpec csattention_spec() {
       "centroids' lists, keeps the recent window and the Top-K",
       1u << KVS_BACKEND_CPU,
       0.05,
-      {{"subspaces", "int", "0", "m: subspaces the head dim is split into; 0 = 8 (the paper's), but at most head_dim / 8 (none narrower than 8 dims), the lists then 8/m times longer (list_frac * 8/m)"},
+      {{"preset", "enum:kvsieve|paper", "kvsieve",
+        "paper: the paper's algorithm (the defaults before 2026-11-27): missing=zero, weights=uniform; parameters "
+        "given explicitly win. kvsieve: missing=list_min, weights=qnorm (chosen on the validation suite's tuning "
+        "half, docs/methods/csattention.md)"},
+       {"subspaces", "int", "0", "m: subspaces the head dim is split into; 0 = 8 (the paper's), but at most head_dim / 8 (none narrower than 8 dims), the lists then 8/m times longer (list_frac * 8/m)"},
        {"splits", "string", "", "non-uniform subspace sizes a:b:..., summing to head_dim (empty = d/m each)"},
        {"centroids", "int", "64", "C: query centroids per subspace (paper 64/128/200; with alpha 0.1 tables are 0.6x a bf16 KV at d=128)"},
        {"list_frac", "float", "0.1", "alpha: list length L = alpha * prompt tokens (paper: typical 0.2-0.4; 0.1 measured as accurate, half the memory and gathers)"},
@@ -1052,8 +1056,9 @@ MethodSpec csattention_spec() {
         "the exactness test)"},
        {"seed", "int", "0", "k-means random seed"},
        {"score_dtype", "enum:f16|f32", "f16", "stored list scores (paper fp16; f32 orders exactly)"},
-       {"weights", "enum:uniform|qnorm", "uniform",
-        "w_b: 1 (paper) or ||q^(b)|| (reconstructed, not in the paper: restores the query norm that cosine matching drops)"},
+       {"weights", "enum:uniform|qnorm", "qnorm",
+        "w_b: ||q^(b)|| (reconstructed, not in the paper: restores the query norm that cosine matching drops) or 1 "
+        "(uniform, the paper's)", "uniform"},
        {"weight_list", "string", "", "explicit w_b as w1:w2:...:wm (multiplies weights)"},
        {"recent", "int", "-1",
         "R: recent window always attended; -1 = min(64, round(recent_frac * K)) [the paper does not say; our choice]"},
@@ -1069,8 +1074,9 @@ MethodSpec csattention_spec() {
        {"group_pick", "enum:union|sum", "union",
         "per_kv_head: every query head picks its centroids and the G*m lists are unioned [reconstructed: the paper does not say], or the group's "
         "summed query picks m lists (weight G): G times fewer gathers"},
-       {"missing", "enum:zero|list_min", "zero",
-        "reduce-by-key term of a key absent from a picked list: 0 (paper) or that list's minimum score [reconstructed: the paper does not say]"},
+       {"missing", "enum:zero|list_min", "list_min",
+        "reduce-by-key term of a key absent from a picked list: that list's minimum score [reconstructed: the paper "
+        "does not say] or 0 (zero, the paper's)", "zero"},
        {"rerank", "float", "0",
         "0 = off (paper). r >= 1: the r*K' best keys by summed list scores are scored exactly and the K' best by "
         "the group's summed softmax kept (K' = K minus forced keys) [not in the paper]"}},
