@@ -51,7 +51,8 @@ void run_case(const char* params, kvs_scalar_type kvdt, int hq, int hkv, int d, 
   CAPI_CHECK((c.count_equal || !counts_equal) && c.min_overlap >= 0.95,
              "%s: selections: counts equal %d, least overlap %.4f", name, int(c.count_equal), c.min_overlap);
   // The step's figures as the CPU reports them (estimation zone, retrieval tokens).
-  for (const char* stat : {"estimation_clusters", "retrieval_tokens", "steady_tokens", "fill_tokens"}) {
+  for (const char* stat : {"estimation_clusters", "retrieval_tokens", "steady_tokens", "fill_tokens",
+                           "budget_unused_tokens", "mean_budget_unused_tokens", "mean_budget_overrun_tokens"}) {
     double x = -1, y = -2;
     kvs_error_t e1 = kvs_session_method_stat(cpu[0], stat, &x), e2 = kvs_session_method_stat(gpu[0], stat, &y);
     CAPI_CHECK(!e1 && !e2 && std::fabs(x - y) <= 0.05 * std::max(1.0, std::fabs(x)) + 1, "%s: stat %s: cpu %g, cuda %g",

@@ -1147,7 +1147,8 @@ Status decode_common(const AttnShape& s, const Query& q, const PagedKv& kv, Scal
 // per head (ceil(G/8) query groups, or Hq lists) and the highest occupancy; rounding a chunk up
 // to a tile only lowers the count, so the unrounded plan (tile 1) bounds it.
 size_t decode_ws_bound(const AttnShape& s, int32_t max_tokens, bool per_q, bool prior = false) {
-  if (!check_shape(s).ok() || max_tokens <= 0) return 0;
+  if (!check_shape(s).ok()) return 0;
+  if (max_tokens <= 0) return split_bytes(s, 1, prior);  // one (empty) split: partials only with a prior
   int sms = 0;
   if (!sm_count(&sms).ok()) return 0;
   const int G = s.num_q_heads / s.num_kv_heads;

@@ -333,6 +333,7 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
   // before its range (in id order).
   const int per = (C + kZoneThreads - 1) / kZoneThreads, cb = min(C, tid * per), ce = min(C, cb + per);
   if (tid == 0) sm.part = -1;
+  __syncthreads();
   long long used_part = 0, r_part = 0;
   {
     long long v = 0, before;
@@ -440,7 +441,7 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
         best = fmaxf(best, p);
       }
       if (lane == 0) {  // ordered bits: larger float, larger key
-        const uint32_t u = __float_as_uint(best);
+        const uint32_t u = __float_as_uint(best + 0.f);  // -0 as +0: equal scores tie (lower row)
         pk[j] = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
       }
     }
@@ -494,6 +495,7 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
       st[3] = int32_t(est_tokens);
       st[4] = int32_t(pm + (s.lb - tb) + (s.sinks_end - sb));
       st[5] = session ? int32_t(s.room - used) : 0;
+      if (s.unused_sum && session) s.unused_sum[h] += double(s.room - used);  // across steps and layers
       st[6] = int32_t(sk + (s.n - s.lb));
       st[7] = 0;
     }
@@ -519,10 +521,16 @@ __global__ void __launch_bounds__(kEstThreads) estimate_kernel(const Args a) {
   if (!indexed(s) || c0 >= s.C) return;
   const int c1 = min(c0 + kChunk, s.C);
   const uint8_t* zone = a.zone + int64_t(row) * a.Cc;
-  if (threadIdx.x == 0) nlist = 0;
-  __syncthreads();
-  for (int c = c0 + threadIdx.x; c < c1; c += kEstThreads)
-    if (zone[c] == 3) list[atomicAdd(&nlist, 1)] = c;
+  if (threadIdx.x < 32) {  // the chunk's estimation clusters in id order (so the sums' order is fixed)
+    int at = 0;
+    for (int c = c0 + int(threadIdx.x); c - int(threadIdx.x) < c1; c += 32) {
+      const bool in = c < c1 && zone[c] == 3;
+      const unsigned bal = __ballot_sync(0xffffffffu, in);
+      if (in) list[at + __popc(bal & ((1u << threadIdx.x) - 1u))] = c;
+      at += __popc(bal);
+    }
+    if (threadIdx.x == 0) nlist = at;
+  }
   __syncthreads();
   const int nl = nlist;
   const int32_t* size = s.size + int64_t(h) * s.C;

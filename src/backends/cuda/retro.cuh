@@ -55,6 +55,7 @@ struct RetroSession {
   int32_t r_fixed, e;    // paper: retrieval clusters; every indexed mode: estimation clusters
   int32_t lw;            // kRetroStreaming: the recent window
   int32_t* stats;        // optional [Hkv][kRetroStats]: the step's figures per KV head (above)
+  double* unused_sum;    // optional [Hkv]: budget unused (session modes) added up over steps
 };
 
 struct RetroConfig {

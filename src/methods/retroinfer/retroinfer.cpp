@@ -894,7 +894,7 @@ class RetroInfer final : public Method {
   friend retro::IndexView retro::index_view(const Method&, uint32_t);
   friend retro::StepLayout retro::step_layout(const Method&, uint32_t, int64_t, int64_t);
   friend retro::Rules retro::rules(const Method&);
-  friend void retro::record_step(Method&, const retro::StepFigures&);
+  friend void retro::record_steps(Method&, const retro::StepFigures&, double, double, int64_t);
   friend void retro::set_clusterer(Method&, retro::Clusterer);
   retro::Clusterer clusterer_;  // null: the CPU k-means (retro::set_clusterer)
 
@@ -945,13 +945,13 @@ Rules rules(const Method& m) {
   return Rules{r.sinks_, r.local_, r.update_, r.mask_after_, r.rank_model_};
 }
 void set_clusterer(Method& m, Clusterer c) { const_cast<RetroInfer&>(as_retro(m)).clusterer_ = std::move(c); }
-void record_step(Method& m, const StepFigures& f) {
+void record_steps(Method& m, const StepFigures& f, double sum_unused, double sum_overrun, int64_t steps) {
   auto& r = const_cast<RetroInfer&>(as_retro(m));
   r.last_ = StepStats{f.retrieval_clusters, f.retrieval_tokens, f.estimation_clusters, f.estimation_tokens,
                       f.steady_tokens,      f.fill_tokens,      f.budget_unused,       f.budget_overrun};
-  r.sum_budget_unused_ += f.budget_unused;
-  r.sum_budget_overrun_ += f.budget_overrun;
-  ++r.steps_;
+  r.sum_budget_unused_ = sum_unused;
+  r.sum_budget_overrun_ = sum_overrun;
+  r.steps_ = steps;
 }
 }  // namespace retro
 

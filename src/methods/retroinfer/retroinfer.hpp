@@ -41,12 +41,14 @@ struct Rules {
 IndexView index_view(const Method& m, uint32_t layer);
 StepLayout step_layout(const Method& m, uint32_t layer, int64_t n, int64_t budget_keys);
 Rules rules(const Method& m);
-// The CPU method's per-step statistics are replaced by these (KV head averages) for stat().
+// The CPU method's step statistics replaced (for its stat()): the last step's figures (KV head
+// averages), and the budget unused / overrun added up over `steps` selects (every layer of every
+// step, as the CPU counts them).
 struct StepFigures {
   double retrieval_clusters = 0, retrieval_tokens = 0, estimation_clusters = 0, estimation_tokens = 0,
          steady_tokens = 0, fill_tokens = 0, budget_unused = 0, budget_overrun = 0;
 };
-void record_step(Method& m, const StepFigures& f);
+void record_steps(Method& m, const StepFigures& last, double sum_unused, double sum_overrun, int64_t steps);
 
 // Replaces the CPU k-means of m's index builds and updates (another placement clusters where its
 // keys are): clusters tokens [b, b + n) of every KV head of the layer with cfg's clusters and

@@ -64,13 +64,15 @@ class RetroCuda final : public DeviceMethod {
   }
   void build_index(uint32_t layer, const DeviceLayerView& v) override {
     KVLayer kv = download(v, v.tokens, std::min<int64_t>(rules_.sinks, v.tokens), v.tokens);
-    cur_ = &v;
+    Clustering scope(this, &v);
     host_->build_index(layer, kv);
-    cur_ = nullptr;
     layers_[layer].built = true;
   }
   void reserve(uint32_t layer, int64_t, void* stream) override {
-    if (!stats_.p) stats_.reserve(size_t(shape_.num_kv_heads) * cuda::kRetroStats * 4, device_, "retroinfer stats");
+    if (!stats_.p) {  // the last step's rows, then the running sums (zeroed once)
+      stats_.reserve(stats_bytes(), device_, "retroinfer stats");
+      check(cudaMemset(stats_.p, 0, stats_bytes()), "cudaMemset(retroinfer stats)");
+    }
     sync_mirror(layer, stream);
   }
   void truncate(uint32_t layer, int64_t n) override { host_->truncate(layer, n); }
@@ -162,8 +164,13 @@ class RetroCuda final : public DeviceMethod {
       s.e = int32_t(ix.e);
       s.lw = int32_t(lay.lw);
       s.stats = m->stats_.as<int32_t>();
+      s.unused_sum = m->unused_sums();
       ss[b] = s;
       m->last_overrun_ = lay.overrun;
+      if (lay.mode != retro::StepLayout::All && lay.mode != retro::StepLayout::Streaming) {  // as the CPU counts
+        m->sum_overrun_ += double(lay.overrun);
+        ++m->selects_;
+      }
       m->stats_fresh_ = false;
     }
   }
@@ -234,6 +241,16 @@ class RetroCuda final : public DeviceMethod {
       : shape_(o.shape_), host_(o.host_->clone()), rules_(o.rules_), layers_(o.layers_.size()), device_(o.device_) {
     for (size_t l = 0; l < layers_.size(); ++l) layers_[l].built = o.layers_[l].built;
     install_clusterer();  // the copied host method's points at `o`
+    // The step statistics so far (the device's running sums copied once the buffer exists).
+    o.read_stats();
+    sum_overrun_ = o.sum_overrun_;
+    selects_ = o.selects_;
+    last_overrun_ = o.last_overrun_;
+    if (o.stats_.p) {
+      stats_.reserve(stats_bytes(), device_, "retroinfer stats");
+      check(cudaMemcpy(stats_.p, o.stats_.p, stats_bytes(), cudaMemcpyDeviceToDevice), "cudaMemcpy(retroinfer stats)");
+      stats_fresh_ = false;  // the first stat() reads the copy
+    }
   }
 
   // A host KV layer holding tokens [t0, t1) of the device layer (n tokens stored): the pages
@@ -302,9 +319,11 @@ class RetroCuda final : public DeviceMethod {
       M.top_r_rows = std::max(M.top_r_rows, top);
       M.max_size = std::max<int64_t>(M.max_size, *std::max_element(H.size.begin(), H.size.end()));
     }
+    // A step still running (on any stream) may read the old copy: wait for the device first (an
+    // index change is rare: a build, an update every update_segment tokens, a rollback, a load).
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(retroinfer index upload)");
     auto up = [&](DevBuf& buf, const void* src, size_t bytes, const char* what) {
       buf.reserve(bytes, device_, what);
-      // The previous step may still read the old copy: the upload follows it in stream order.
       check(cudaMemcpyAsync(buf.p, src, bytes, cudaMemcpyHostToDevice, S(stream)), what);
     };
     up(M.cent, cent.data(), cent.size(), "retroinfer centroids");
@@ -325,10 +344,18 @@ class RetroCuda final : public DeviceMethod {
     const int64_t lo = retro::index_view(*host_, layer).indexed_end;
     if (n - rules_.local - lo <= rules_.update_segment) return;
     KVLayer kv = download(v, n, lo, n - rules_.local);
-    cur_ = &v;
+    Clustering scope(this, &v);
     host_->on_append(layer, nullptr, added, kv, decode);
-    cur_ = nullptr;
   }
+  // The layer the host method's k-means reads (cluster()), set for one build or update, cleared
+  // however it ends.
+  struct Clustering {
+    RetroCuda* m;
+    Clustering(RetroCuda* mm, const DeviceLayerView* v) : m(mm) { m->cur_ = v; }
+    ~Clustering() { m->cur_ = nullptr; }
+    Clustering(const Clustering&) = delete;
+    Clustering& operator=(const Clustering&) = delete;
+  };
 
   // The host method's k-means runs here, on the GPU, over the layer's stored keys (retro_kmeans);
   // the host then lays out the clusters (lists, value sums) from its copy of the tokens.
@@ -368,14 +395,27 @@ class RetroCuda final : public DeviceMethod {
     }
   }
 
-  // The last step's figures (device, per KV head) into the host method's statistics.
+  // The stats buffer: [Hkv][kRetroStats] int32 (the last step), then [Hkv] double (the budget
+  // unused, added up by every step).
+  size_t stats_rows_bytes() const { return (size_t(shape_.num_kv_heads) * cuda::kRetroStats * 4 + 7) / 8 * 8; }
+  size_t stats_bytes() const { return stats_rows_bytes() + size_t(shape_.num_kv_heads) * 8; }
+  double* unused_sums() const {
+    return stats_.p ? reinterpret_cast<double*>(static_cast<char*>(stats_.p) + stats_rows_bytes()) : nullptr;
+  }
+
+  // The last step's figures (device, per KV head) and the running sums into the host method's
+  // statistics.
   void read_stats() const {
     if (stats_fresh_ || !stats_.p) return;
     stats_fresh_ = true;
     const int hkv = int(shape_.num_kv_heads);
     std::vector<int32_t> s(size_t(hkv) * cuda::kRetroStats);
+    std::vector<double> sums(static_cast<size_t>(hkv));
+    cudautil::DeviceGuard g(device_);
     check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(retroinfer stats)");
     check(cudaMemcpy(s.data(), stats_.p, s.size() * 4, cudaMemcpyDeviceToHost), "cudaMemcpy(retroinfer stats)");
+    check(cudaMemcpy(sums.data(), unused_sums(), sums.size() * 8, cudaMemcpyDeviceToHost),
+          "cudaMemcpy(retroinfer stats)");
     retro::StepFigures f;
     for (int h = 0; h < hkv; ++h) {
       const int32_t* x = s.data() + size_t(h) * cuda::kRetroStats;
@@ -388,7 +428,9 @@ class RetroCuda final : public DeviceMethod {
       f.steady_tokens += double(x[6]) / hkv;
     }
     f.budget_overrun = double(last_overrun_);
-    retro::record_step(*host_, f);
+    double unused = 0;
+    for (double x : sums) unused += x / hkv;
+    retro::record_steps(*host_, f, unused, sum_overrun_, selects_);
   }
 
   ModelShape shape_;
@@ -400,6 +442,8 @@ class RetroCuda final : public DeviceMethod {
   mutable DevBuf stats_;  // [Hkv][kRetroStats] int32: this session's rows of the last step
   mutable bool stats_fresh_ = true;
   mutable int64_t last_overrun_ = 0;
+  mutable double sum_overrun_ = 0;  // budget overrun added up over every select (host-known)
+  mutable int64_t selects_ = 0;     // selects (layers x steps), as the CPU counts steps
   mutable int32_t max_clusters_ = 1, max_rows_ = 1;
   const DeviceLayerView* cur_ = nullptr;  // the layer a build or an update is clustering
 };
