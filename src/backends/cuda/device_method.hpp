@@ -61,6 +61,9 @@ struct DevicePlan {
   size_t workspace = 0;         // the method's own scratch for select()
   size_t arg_bytes = 0;         // bytes of per-step arguments the method uploads (see select)
   bool prior = false;           // select() also writes a prior state (DeviceStep::prior_o, _lse)
+  // False: `selected` is only a bound; the step's exact counts come later from settle_selected
+  // (the session's statistics then wait for them).
+  bool selected_exact = true;
   std::vector<double> selected; // per session: the exact keys each KV head attends (statistics)
 };
 
@@ -115,6 +118,9 @@ class DeviceMethod {
   virtual void load(const io::TablesFile& f, const nlohmann::json& meta) {}
   virtual std::unique_ptr<DeviceMethod> clone(void* stream) const = 0;
   virtual uint64_t index_bytes() const { return 0; }
+  // For plans with selected_exact = false: the exact keys attended (mean over KV heads) summed over
+  // this session's steps since the last call, and the latest step's (may synchronise).
+  virtual void settle_selected(double* sum, double* last) const {}
   virtual bool stat(std::string_view name, double* out) const { return false; }
 };
 

@@ -420,6 +420,11 @@ class CudaPlacement final : public Placement {
       rec = SelRecord{selbuf, int32_t(b), int32_t(B), H, pl.max_selected, pl.dense, pl.per_query_head,
                       c->layers_[layer].n, t.stream};
       reports[size_t(b)] = StepReport{pl.dense ? double(lens[size_t(b)]) : pl.selected[size_t(b)], lens[size_t(b)]};
+      if (!pl.dense && !pl.selected_exact) {  // the method counts on the device: settled_reports
+        reports[size_t(b)].deferred = true;
+        ++c->pending_steps_;
+        c->pending_tokens_ = lens[size_t(b)];
+      }
     }
   }
 
@@ -568,6 +573,17 @@ class CudaPlacement final : public Placement {
 
   bool index_fits(uint32_t layer, int64_t tokens, std::string* why) const override {
     return method_->index_fits(layer, tokens, why);
+  }
+
+  Settled settled_reports() const override {
+    if (pending_steps_ == 0) return {};
+    DeviceGuard g(device_);
+    Settled st;
+    double last = 0;
+    method_->settle_selected(&st.sum_selected, &last);
+    st.steps = std::exchange(pending_steps_, 0);
+    st.last = StepReport{last, pending_tokens_};
+    return st;
   }
 
   std::unique_ptr<Placement> fork() const override {
@@ -733,6 +749,10 @@ class CudaPlacement final : public Placement {
   const MethodSpec& spec_;
   ParamSet params_;
   std::shared_ptr<ThreadPool> pool_;
+  // Steps reported deferred (DevicePlan::selected_exact false) not yet settled, and the layer's
+  // tokens after the latest of them.
+  mutable int64_t pending_steps_ = 0;
+  int64_t pending_tokens_ = 0;
   int device_;
   size_t page_bytes_ = 0;
   PageMemory kv_mem_ = PageMemory::Device;  // params->kv_memory

@@ -302,6 +302,7 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
     for (int i = tid; i < sk + lw && i < cap; i += kZoneThreads) out[i] = i < sk ? i : s.n - lw + (i - sk);
     if (tid == 0) {
       a.cnt[row] = int32_t(lmin(sk + lw, cap));
+      if (s.sel_sum) atomicAdd(s.sel_sum, double(lmin(sk + lw, cap)) / a.Hkv);
       if (st)
         for (int i = 0; i < kRetroStats; ++i) st[i] = i == 6 ? sk + lw : 0;
     }
@@ -488,6 +489,7 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
   at += s.sinks_end - sb;
   if (tid == 0) {
     a.cnt[row] = int32_t(lmin(at, cap));
+    if (s.sel_sum) atomicAdd(s.sel_sum, double(lmin(at, cap)) / a.Hkv);
     if (st) {
       st[0] = int32_t(rr);
       st[1] = int32_t(s_used);

@@ -56,6 +56,7 @@ struct RetroSession {
   int32_t lw;            // kRetroStreaming: the recent window
   int32_t* stats;        // optional [Hkv][kRetroStats]: the step's figures per KV head (above)
   double* unused_sum;    // optional [Hkv]: budget unused (session modes) added up over steps
+  double* sel_sum;       // optional [1]: the exact list lengths (mean over KV heads) added up over steps
 };
 
 struct RetroConfig {

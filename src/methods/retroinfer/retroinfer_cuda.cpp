@@ -129,6 +129,9 @@ class RetroCuda final : public DeviceMethod {
       p.selected.push_back(double(std::min(exact, n)));
     }
     p.max_selected = int32_t(std::min<int64_t>(cap, (int64_t(1) << 31) - 1));
+    // The counts are exact only where the budget is filled; the device adds up the real ones
+    // (settle_selected), for every step alike.
+    p.selected_exact = false;
     max_clusters_ = int32_t(maxC);
     max_rows_ = int32_t(maxRows);
     p.workspace = cuda::retro_select_workspace_bytes(st.shape, max_clusters_, max_rows_);
@@ -165,6 +168,7 @@ class RetroCuda final : public DeviceMethod {
       s.lw = int32_t(lay.lw);
       s.stats = m->stats_.as<int32_t>();
       s.unused_sum = m->unused_sums();
+      s.sel_sum = m->unused_sums() ? m->unused_sums() + shape_.num_kv_heads : nullptr;
       ss[b] = s;
       m->last_overrun_ = lay.overrun;
       if (lay.mode != retro::StepLayout::All && lay.mode != retro::StepLayout::Streaming) {  // as the CPU counts
@@ -203,6 +207,23 @@ class RetroCuda final : public DeviceMethod {
     uint64_t b = 0;
     for (const auto& L : layers_) b += L.mirror.bytes();
     return b;
+  }
+  void settle_selected(double* sum, double* last) const override {
+    *sum = *last = 0;
+    if (!stats_.p) return;
+    const int hkv = int(shape_.num_kv_heads);
+    std::vector<int32_t> rows(size_t(hkv) * cuda::kRetroStats);
+    double total = 0;
+    cudautil::DeviceGuard g(device_);
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(retroinfer step counts)");
+    check(cudaMemcpy(rows.data(), stats_.p, rows.size() * 4, cudaMemcpyDeviceToHost), "cudaMemcpy(retroinfer stats)");
+    check(cudaMemcpy(&total, unused_sums() + hkv, 8, cudaMemcpyDeviceToHost), "cudaMemcpy(retroinfer stats)");
+    for (int h = 0; h < hkv; ++h) {  // the last list's length: retrieval + fill + steady tokens
+      const int32_t* x = rows.data() + size_t(h) * cuda::kRetroStats;
+      *last += double(x[1] + x[4] + x[6]) / hkv;
+    }
+    *sum = total - sel_read_;
+    sel_read_ = total;
   }
   bool stat(std::string_view name, double* out) const override {
     static constexpr const char* kStep[] = {"retrieval_clusters", "retrieval_tokens", "estimation_clusters",
@@ -250,6 +271,9 @@ class RetroCuda final : public DeviceMethod {
       stats_.reserve(stats_bytes(), device_, "retroinfer stats");
       check(cudaMemcpy(stats_.p, o.stats_.p, stats_bytes(), cudaMemcpyDeviceToDevice), "cudaMemcpy(retroinfer stats)");
       stats_fresh_ = false;  // the first stat() reads the copy
+      // The list lengths added up so far belong to `o`'s steps: this session counts from here.
+      check(cudaMemcpy(&sel_read_, unused_sums() + shape_.num_kv_heads, 8, cudaMemcpyDeviceToHost),
+            "cudaMemcpy(retroinfer stats)");
     }
   }
 
@@ -396,9 +420,9 @@ class RetroCuda final : public DeviceMethod {
   }
 
   // The stats buffer: [Hkv][kRetroStats] int32 (the last step), then [Hkv] double (the budget
-  // unused, added up by every step).
+  // unused, added up by every step) and one double (the list lengths, mean over heads, added up).
   size_t stats_rows_bytes() const { return (size_t(shape_.num_kv_heads) * cuda::kRetroStats * 4 + 7) / 8 * 8; }
-  size_t stats_bytes() const { return stats_rows_bytes() + size_t(shape_.num_kv_heads) * 8; }
+  size_t stats_bytes() const { return stats_rows_bytes() + size_t(shape_.num_kv_heads + 1) * 8; }
   double* unused_sums() const {
     return stats_.p ? reinterpret_cast<double*>(static_cast<char*>(stats_.p) + stats_rows_bytes()) : nullptr;
   }
@@ -444,6 +468,7 @@ class RetroCuda final : public DeviceMethod {
   mutable int64_t last_overrun_ = 0;
   mutable double sum_overrun_ = 0;  // budget overrun added up over every select (host-known)
   mutable int64_t selects_ = 0;     // selects (layers x steps), as the CPU counts steps
+  mutable double sel_read_ = 0;     // the device's list-length sum at the last settle_selected
   mutable int32_t max_clusters_ = 1, max_rows_ = 1;
   const DeviceLayerView* cur_ = nullptr;  // the layer a build or an update is clustering
 };
