@@ -991,7 +991,7 @@ MethodSpec retroinfer_spec() {
         "most steady_share of it, whole clusters in rank order the rest, then part of the next cluster and "
         "unclustered tokens up to the budget; below the indexing threshold the sinks and the most recent tokens; "
         "paper: r = retrieval x clusters, fixed steady zone (session budget ignored)", "paper"},
-       {"steady_share", "float", "0.5",
+       {"steady_share", "float", "0.75",
         "budget=session: the steady zone (sinks + local) takes at most this share of the budget, sinks at most an "
         "eighth of it, so it scales down at small budgets; 0 = the fixed sinks + local + unclustered tail, whole "
         "clusters only (the budget may be exceeded: budget_overrun_tokens)", "0"},
