@@ -182,4 +182,20 @@ void append_turn(std::vector<kvs_session_t>& cpu, std::vector<kvs_session_t>& gp
   }
 }
 
+// `count` decode steps of every session pair (pos[b] advances by one each step), compared into c.
+void run_steps(std::vector<kvs_session_t>& cpu, std::vector<kvs_session_t>& gpu, const std::vector<Seq>& seqs,
+               std::vector<int64_t>& pos, int count, int hq, int hkv, int d, kvs_scalar_type kvdt, cudaStream_t stream,
+               Cmp& c) {
+  for (int s = 0; s < count; ++s) {
+    step(cpu, gpu, seqs, pos, hq, hkv, d, kvdt, stream, c);
+    for (auto& x : pos) ++x;
+  }
+}
+
+// Destroys both sides of every pair.
+void destroy_pairs(std::vector<kvs_session_t>& cpu, std::vector<kvs_session_t>& gpu) {
+  for (kvs_session_t s : cpu) kvs_session_destroy(s);
+  for (kvs_session_t s : gpu) kvs_session_destroy(s);
+}
+
 }  // namespace

@@ -43,10 +43,7 @@ void run_case(const char* params, kvs_scalar_type kvdt, int hq, int hkv, int d, 
   std::vector<int64_t> pos(static_cast<size_t>(B), 0);
   for (int b = 0; b < B; ++b) pos[size_t(b)] = n0 + 37 * b;
   Cmp c;
-  for (int s = 0; s < steps; ++s) {
-    step(cpu, gpu, seqs, pos, hq, hkv, d, kvdt, stream, c);
-    for (auto& x : pos) ++x;
-  }
+  run_steps(cpu, gpu, seqs, pos, steps, hq, hkv, d, kvdt, stream, c);
   CAPI_CHECK(c.err < 1e-2 && c.lse < 2e-2, "%s: decode rel err %.3g, lse err %.3g", name, c.err, c.lse);
   CAPI_CHECK((c.count_equal || !counts_equal) && c.min_overlap >= 0.95,
              "%s: selections: counts equal %d, least overlap %.4f", name, int(c.count_equal), c.min_overlap);
@@ -63,10 +60,7 @@ void run_case(const char* params, kvs_scalar_type kvdt, int hq, int hkv, int d, 
   // A turn appended outside a step (the update rule sees it), then steps.
   Cmp a;
   append_turn(cpu, gpu, seqs, pos, turn, hq, hkv, d, kvdt);
-  for (int s = 0; s < 3; ++s) {
-    step(cpu, gpu, seqs, pos, hq, hkv, d, kvdt, stream, a);
-    for (auto& x : pos) ++x;
-  }
+  run_steps(cpu, gpu, seqs, pos, 3, hq, hkv, d, kvdt, stream, a);
   CAPI_CHECK(a.err < 1e-2 && a.lse < 2e-2 && (a.count_equal || !counts_equal) && a.min_overlap >= 0.95,
              "%s: after an appended turn: rel err %.3g, lse err %.3g, counts equal %d, least overlap %.4f", name, a.err,
              a.lse, int(a.count_equal), a.min_overlap);
@@ -77,10 +71,7 @@ void run_case(const char* params, kvs_scalar_type kvdt, int hq, int hkv, int d, 
   std::printf("session %s: rel err %.2e, lse err %.2e, least overlap %.4f; after the turn %.2e / %.4f; %g updates\n",
               name, c.err, c.lse, c.min_overlap, a.err, a.min_overlap, updates_g);
   cudaStreamDestroy(stream);
-  for (int b = 0; b < B; ++b) {
-    kvs_session_destroy(cpu[size_t(b)]);
-    kvs_session_destroy(gpu[size_t(b)]);
-  }
+  destroy_pairs(cpu, gpu);
 }
 
 // The GPU session moved back to the CPU after decoding through index updates decodes like the CPU

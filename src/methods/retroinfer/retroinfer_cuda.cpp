@@ -96,26 +96,20 @@ class RetroCuda final : public DeviceMethod {
     p.prior = true;
     int64_t cap = 1, maxC = 1, maxRows = 1;
     bool have_meta = false;
+    layouts_.clear();
     for (size_t b = 0; b < st.host_lengths.size(); ++b) {
       const auto* m = static_cast<const RetroCuda*>(batch[b]);
       const int64_t n = st.host_lengths[b];
       const auto lay = retro::step_layout(*m->host_, layer, n, st.host_budget[b]);
+      layouts_.push_back(lay);  // fill_args, for the same batch
       const Mirror& M = m->layers_[layer].mirror;
-      int64_t bound = 0, exact = 0;
+      // The list's capacity: the steady zone plus the r largest clusters (paper), or plus the room
+      // (session modes); the statistics' counts come from the device (settle_selected).
       using SL = retro::StepLayout;
-      switch (lay.mode) {
-        case SL::All: bound = exact = n; break;
-        case SL::Streaming: bound = exact = lay.sk + lay.lw; break;
-        case SL::Paper:  // the steady zone and the r largest clusters at most
-          bound = lay.sk + (n - lay.lb) + M.top_r_rows;
-          exact = bound;
-          break;
-        case SL::Session:  // whole clusters within the room: at most the budget (or the steady zone)
-        case SL::Scaled:
-          bound = lay.sk + (n - lay.lb) + lay.room;
-          exact = bound;
-          break;
-      }
+      int64_t bound = n;
+      if (lay.mode == SL::Streaming) bound = lay.sk + lay.lw;
+      else if (lay.mode == SL::Paper) bound = lay.sk + (n - lay.lb) + M.top_r_rows;
+      else if (lay.mode != SL::All) bound = lay.sk + (n - lay.lb) + lay.room;
       if (M.C > 0) {  // one meta dtype per launch
         if (have_meta && M.meta != meta_)
           fail(KVS_STATUS_UNSUPPORTED, "retroinfer (cuda): the sessions of a batch keep their meta index in different "
@@ -126,7 +120,7 @@ class RetroCuda final : public DeviceMethod {
       cap = std::max(cap, bound);
       maxC = std::max<int64_t>(maxC, M.C);
       maxRows = std::max<int64_t>(maxRows, M.max_size);
-      p.selected.push_back(double(std::min(exact, n)));
+      p.selected.push_back(double(std::min(bound, n)));
     }
     p.max_selected = int32_t(std::min<int64_t>(cap, (int64_t(1) << 31) - 1));
     // The counts are exact only where the budget is filled; the device adds up the real ones
@@ -143,7 +137,7 @@ class RetroCuda final : public DeviceMethod {
     for (size_t b = 0; b < batch.size(); ++b) {
       const auto* m = static_cast<const RetroCuda*>(batch[b]);
       const int64_t n = st.host_lengths[b];
-      const auto lay = retro::step_layout(*m->host_, layer, n, st.host_budget[b]);
+      const retro::StepLayout& lay = layouts_[b];  // plan()'s
       const auto ix = retro::index_view(*m->host_, layer);
       const Mirror& M = m->layers_[layer].mirror;
       if (M.generation != ix.generation)
@@ -211,31 +205,22 @@ class RetroCuda final : public DeviceMethod {
   void settle_selected(double* sum, double* last) const override {
     *sum = *last = 0;
     if (!stats_.p) return;
-    const int hkv = int(shape_.num_kv_heads);
-    std::vector<int32_t> rows(size_t(hkv) * cuda::kRetroStats);
-    double total = 0;
-    cudautil::DeviceGuard g(device_);
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(retroinfer step counts)");
-    check(cudaMemcpy(rows.data(), stats_.p, rows.size() * 4, cudaMemcpyDeviceToHost), "cudaMemcpy(retroinfer stats)");
-    check(cudaMemcpy(&total, unused_sums() + hkv, 8, cudaMemcpyDeviceToHost), "cudaMemcpy(retroinfer stats)");
-    for (int h = 0; h < hkv; ++h) {  // the last list's length: retrieval + fill + steady tokens
-      const int32_t* x = rows.data() + size_t(h) * cuda::kRetroStats;
-      *last += double(x[1] + x[4] + x[6]) / hkv;
+    const DeviceStats d = fetch_stats();
+    for (int h = 0; h < shape_.num_kv_heads; ++h) {  // the last list's length: retrieval + fill + steady tokens
+      const int32_t* x = d.rows.data() + size_t(h) * cuda::kRetroStats;
+      *last += double(x[1] + x[4] + x[6]) / shape_.num_kv_heads;
     }
-    *sum = total - sel_read_;
-    sel_read_ = total;
+    *sum = d.selected - sel_read_;
+    sel_read_ = d.selected;
   }
   bool stat(std::string_view name, double* out) const override {
-    static constexpr const char* kStep[] = {"retrieval_clusters", "retrieval_tokens", "estimation_clusters",
-                                            "estimation_tokens",  "fill_tokens",      "budget_unused_tokens",
-                                            "steady_tokens"};
-    for (size_t i = 0; i < std::size(kStep); ++i)
-      if (name == kStep[i]) {
-        read_stats();
-        return host_->stat(name, out);
-      }
-    if (name == "budget_overrun_tokens" || name == "mean_budget_unused_tokens" || name == "mean_budget_overrun_tokens")
-      read_stats();
+    static constexpr const char* kStep[] = {"retrieval_clusters",        "retrieval_tokens",
+                                            "estimation_clusters",       "estimation_tokens",
+                                            "fill_tokens",               "budget_unused_tokens",
+                                            "steady_tokens",             "budget_overrun_tokens",
+                                            "mean_budget_unused_tokens", "mean_budget_overrun_tokens"};
+    for (const char* k : kStep)
+      if (name == k) read_stats();  // the device's figures first
     if (name == "host_index_bytes") {
       *out = double(host_->index_bytes());
       return true;
@@ -272,8 +257,7 @@ class RetroCuda final : public DeviceMethod {
       check(cudaMemcpy(stats_.p, o.stats_.p, stats_bytes(), cudaMemcpyDeviceToDevice), "cudaMemcpy(retroinfer stats)");
       stats_fresh_ = false;  // the first stat() reads the copy
       // The list lengths added up so far belong to `o`'s steps: this session counts from here.
-      check(cudaMemcpy(&sel_read_, unused_sums() + shape_.num_kv_heads, 8, cudaMemcpyDeviceToHost),
-            "cudaMemcpy(retroinfer stats)");
+      sel_read_ = fetch_stats().selected;
     }
   }
 
@@ -427,19 +411,35 @@ class RetroCuda final : public DeviceMethod {
     return stats_.p ? reinterpret_cast<double*>(static_cast<char*>(stats_.p) + stats_rows_bytes()) : nullptr;
   }
 
+  // The stats buffer read back in one copy (after the device's queued work).
+  struct DeviceStats {
+    std::vector<int32_t> rows;   // [Hkv][kRetroStats]: the last step's
+    std::vector<double> unused;  // [Hkv]: the budget unused, added up
+    double selected = 0;         // the list lengths, added up
+  };
+  DeviceStats fetch_stats() const {
+    const int hkv = int(shape_.num_kv_heads);
+    std::vector<char> raw(stats_bytes());
+    cudautil::DeviceGuard g(device_);
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(retroinfer stats)");
+    check(cudaMemcpy(raw.data(), stats_.p, raw.size(), cudaMemcpyDeviceToHost), "cudaMemcpy(retroinfer stats)");
+    DeviceStats d;
+    d.rows.resize(size_t(hkv) * cuda::kRetroStats);
+    d.unused.resize(size_t(hkv));
+    std::memcpy(d.rows.data(), raw.data(), d.rows.size() * 4);
+    std::memcpy(d.unused.data(), raw.data() + stats_rows_bytes(), d.unused.size() * 8);
+    std::memcpy(&d.selected, raw.data() + stats_rows_bytes() + d.unused.size() * 8, 8);
+    return d;
+  }
+
   // The last step's figures (device, per KV head) and the running sums into the host method's
   // statistics.
   void read_stats() const {
     if (stats_fresh_ || !stats_.p) return;
     stats_fresh_ = true;
     const int hkv = int(shape_.num_kv_heads);
-    std::vector<int32_t> s(size_t(hkv) * cuda::kRetroStats);
-    std::vector<double> sums(static_cast<size_t>(hkv));
-    cudautil::DeviceGuard g(device_);
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(retroinfer stats)");
-    check(cudaMemcpy(s.data(), stats_.p, s.size() * 4, cudaMemcpyDeviceToHost), "cudaMemcpy(retroinfer stats)");
-    check(cudaMemcpy(sums.data(), unused_sums(), sums.size() * 8, cudaMemcpyDeviceToHost),
-          "cudaMemcpy(retroinfer stats)");
+    const DeviceStats d = fetch_stats();
+    const std::vector<int32_t>& s = d.rows;
     retro::StepFigures f;
     for (int h = 0; h < hkv; ++h) {
       const int32_t* x = s.data() + size_t(h) * cuda::kRetroStats;
@@ -453,7 +453,7 @@ class RetroCuda final : public DeviceMethod {
     }
     f.budget_overrun = double(last_overrun_);
     double unused = 0;
-    for (double x : sums) unused += x / hkv;
+    for (double x : d.unused) unused += x / hkv;
     retro::record_steps(*host_, f, unused, sum_overrun_, selects_);
   }
 
@@ -470,6 +470,7 @@ class RetroCuda final : public DeviceMethod {
   mutable int64_t selects_ = 0;     // selects (layers x steps), as the CPU counts steps
   mutable double sel_read_ = 0;     // the device's list-length sum at the last settle_selected
   mutable int32_t max_clusters_ = 1, max_rows_ = 1;
+  mutable std::vector<retro::StepLayout> layouts_;  // plan()'s, per session of the batch, for fill_args
   const DeviceLayerView* cur_ = nullptr;  // the layer a build or an update is clustering
 };
 
