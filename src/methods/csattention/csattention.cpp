@@ -60,7 +60,8 @@ std::vector<std::string> split_colon(const std::string& s) {
 // + 0.0f (never -0.0f), and a sum of such values is never -0.0f in round-to-nearest, so "touched"
 // is exactly "bits != 0x80000000" without a separate stamp array. Entries of a token are added in
 // list order (lists in (subspace, centroid) order), so results are deterministic and the SIMD and
-// scalar paths agree bit for bit. Tokens within one list are distinct, so the AVX-512
+// scalar paths agree bit for bit (each entry adds (w * V) + off rounded twice, as the CUDA kernels
+// do: this file is compiled with -ffp-contract=off, CMakeLists.txt). Tokens within one list are distinct, so the AVX-512
 // gather/add/scatter of 16 entries has no conflicts.
 constexpr uint32_t kUntouched = 0x80000000u;
 
