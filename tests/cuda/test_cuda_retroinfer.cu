@@ -12,6 +12,7 @@
 // Built into kvsieve_cuda_tests (main in test_cuda_attention.cu calls run_retroinfer_tests()).
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -171,6 +172,136 @@ void run_build_agreement(int64_t n0) {
   for (kvs_session_t s : {cpu, gpu, moved}) kvs_session_destroy(s);
 }
 
+// The wave buffer: a session with its KV in pinned host memory (a GPU block cache of cache_ratio of
+// the clustered rows, the steady zone's pages in GPU memory) decodes as the same session with its
+// KV in GPU memory does: the same lists in the same order, whatever the cache holds (hits read from
+// the cache, misses from the host), so the outputs agree to the bit; and the CPU's within rounding.
+// Queries repeat every 6 tokens (make_seq), so later steps hit. Then both are rolled back and
+// decode on (the cache kept or laid out again), and the pinned one moves to the CPU.
+void run_wave(const char* params, int B, int64_t n0, int steps) {
+  const int hq = 32, hkv = 8, d = 128;
+  const kvs_scalar_type kvdt = KVS_SCALAR_BF16;
+  char name[320];
+  std::snprintf(name, sizeof name, "retroinfer wave buffer (%s) n0=%lld B=%d steps=%d", params, (long long)n0, B, steps);
+  std::vector<Seq> seqs;
+  for (int b = 0; b < B; ++b) seqs.push_back(make_seq(n0 + 37 * b + 2 * steps + 4, hq, hkv, d, uint32_t(5100 + 13 * b)));
+  kvs_session_params p = one_layer_params("retroinfer", kvdt, hq, hkv, d, 0.05);
+  p.method_params = params;
+  std::vector<kvs_session_t> cpu(static_cast<size_t>(B)), dev(static_cast<size_t>(B)), host(static_cast<size_t>(B));
+  std::vector<int64_t> pos(static_cast<size_t>(B));
+  for (int b = 0; b < B; ++b) {
+    const int64_t n = n0 + 37 * b;
+    pos[size_t(b)] = n;
+    p.backend = KVS_BACKEND_CPU;
+    if (!ok(kvs_session_create(&p, &cpu[size_t(b)]), name)) return;
+    add(cpu[size_t(b)], false, seqs[size_t(b)], hq, hkv, d, kvdt, 0, n / 3, false, "prefill");
+    add(cpu[size_t(b)], false, seqs[size_t(b)], hq, hkv, d, kvdt, n / 3, n, false, "prefill");
+    if (!ok(kvs_session_build_index(cpu[size_t(b)], nullptr), "build")) return;
+    const std::string path = "/tmp/kvs_wave_test_" + std::to_string(b) + ".kvs";
+    if (!ok(kvs_session_save(cpu[size_t(b)], path.c_str(), KVS_SAVE_INCLUDE_KV), "save")) return;
+    kvs_load_params lp;
+    kvs_load_params_init(&lp);
+    lp.backend = KVS_BACKEND_CUDA;
+    if (!ok(kvs_session_load(path.c_str(), &lp, &dev[size_t(b)]), "load (kv in GPU memory)")) return;
+    lp.kv_memory = KVS_DEVICE_CUDA_HOST;
+    if (!ok(kvs_session_load(path.c_str(), &lp, &host[size_t(b)]), "load (kv in pinned host memory)")) return;
+    std::remove(path.c_str());
+  }
+  cudaStream_t stream;
+  cudaStreamCreate(&stream);
+  double diff = 0, lse_diff = 0;
+  bool same_sel = true;
+  Cmp c;
+  auto run = [&](int count) {
+    for (int s = 0; s < count; ++s) {
+      std::vector<float> q(size_t(B) * hq * d), k(size_t(B) * hkv * d), v(size_t(B) * hkv * d), ref(q.size()),
+          rlse(size_t(B) * hq);
+      for (int b = 0; b < B; ++b) {
+        const auto& x = seqs[size_t(b)];
+        const int64_t t = pos[size_t(b)];
+        std::copy(x.q.begin() + t * hq * d, x.q.begin() + (t + 1) * hq * d, q.begin() + size_t(b) * hq * d);
+        std::copy(x.k.begin() + t * hkv * d, x.k.begin() + (t + 1) * hkv * d, k.begin() + size_t(b) * hkv * d);
+        std::copy(x.v.begin() + t * hkv * d, x.v.begin() + (t + 1) * hkv * d, v.begin() + size_t(b) * hkv * d);
+        Tensor tq(q.data() + size_t(b) * hq * d, KVS_DEVICE_CPU, F32, {hq, d}),
+            tk(k.data() + size_t(b) * hkv * d, KVS_DEVICE_CPU, F32, {hkv, d}),
+            tv(v.data() + size_t(b) * hkv * d, KVS_DEVICE_CPU, F32, {hkv, d}),
+            to(ref.data() + size_t(b) * hq * d, KVS_DEVICE_CPU, F32, {hq, d}),
+            tl(rlse.data() + size_t(b) * hq, KVS_DEVICE_CPU, F32, {hq});
+        ok(kvs_session_decode(cpu[size_t(b)], 0, &tq.t, &tk.t, &tv.t, &to.t, &tl.t, nullptr), "decode cpu");
+      }
+      std::vector<float> od, ld, oh, lh;
+      gpu_decode_batch(dev, q, to16(k, kvdt), to16(v, kvdt), hq, hkv, d, kvdt, stream, od, ld);
+      gpu_decode_batch(host, q, to16(k, kvdt), to16(v, kvdt), hq, hkv, d, kvdt, stream, oh, lh);
+      for (size_t i = 0; i < od.size(); ++i) diff = std::max(diff, std::isnan(oh[i]) ? 1e9 : double(std::fabs(oh[i] - od[i])));
+      for (size_t i = 0; i < ld.size(); ++i) lse_diff = std::max(lse_diff, double(std::fabs(lh[i] - ld[i])));
+      fold_errors(oh, ref, lh, rlse, d, c.err, c.lse);
+      for (int b = 0; b < B; ++b)
+        for (uint32_t h = 0; h < uint32_t(hkv); ++h) {
+          size_t n1 = 0, n2 = 0;
+          kvs_session_last_selection(dev[size_t(b)], 0, h, nullptr, 0, &n1);
+          kvs_session_last_selection(host[size_t(b)], 0, h, nullptr, 0, &n2);
+          std::vector<int32_t> s1(n1), s2(n2);
+          kvs_session_last_selection(dev[size_t(b)], 0, h, s1.data(), n1, &n1);
+          kvs_session_last_selection(host[size_t(b)], 0, h, s2.data(), n2, &n2);
+          same_sel &= s1 == s2;
+        }
+      for (auto& x : pos) ++x;
+    }
+  };
+  // Bit for bit, unless the index updates while decoding: each session then clusters the new
+  // tokens on its own (the GPU k-means adds with fp32 atomics), so the centroids may differ in
+  // their last bits (the estimation zone's output with them; the selections stay the same).
+  const bool updates = std::string(params).find("update_segment") != std::string::npos;
+  const double tol = updates ? 1e-3 : 0;
+  run(steps);
+  CAPI_CHECK(diff <= tol && lse_diff <= tol && same_sel,
+             "%s: pinned KV + block cache vs GPU KV: max |o diff| %.3g, max |lse diff| %.3g, same selections %d", name,
+             diff, lse_diff, int(same_sel));
+  CAPI_CHECK(c.err < 1e-2 && c.lse < 2e-2, "%s: vs the CPU: rel err %.3g, lse err %.3g", name, c.err, c.lse);
+  double hit = -1, bus = -1, cache = -1;
+  kvs_session_method_stat(host[0], "wave_hit_rate", &hit);
+  kvs_session_method_stat(host[0], "wave_pcie_bytes", &bus);
+  kvs_session_method_stat(host[0], "wave_cache_bytes", &cache);
+  CAPI_CHECK(hit > 0 && hit <= 1 && bus > 0 && cache > 0, "%s: wave stats: hit rate %g, bus bytes/step %g, cache bytes %g",
+             name, hit, bus, cache);
+  // Rolled back as far as the cuda backend goes (the prompt, or the clustered tokens and the local
+  // window after an update) and on: the same again.
+  for (int b = 0; b < B; ++b) {
+    int64_t n = n0 + 37 * b;
+    for (kvs_error_t e; (e = kvs_session_truncate(dev[size_t(b)], n)) != nullptr && n < pos[size_t(b)]; ++n)
+      kvs_error_destroy(e);
+    ok(kvs_session_truncate(host[size_t(b)], n), "truncate (kv in pinned host memory)");
+    kvs_session_destroy(cpu[size_t(b)]);
+    cpu[size_t(b)] = nullptr;
+    ok(kvs_session_to(dev[size_t(b)], KVS_BACKEND_CPU, 0, &cpu[size_t(b)]), "to cpu");
+    pos[size_t(b)] = n;
+  }
+  diff = lse_diff = 0;
+  same_sel = true;
+  Cmp r;
+  c = r;
+  run(steps / 2 + 1);
+  CAPI_CHECK(diff <= tol && lse_diff <= tol && same_sel && c.err < 1e-2 && c.lse < 2e-2,
+             "%s: after a rollback: max |o diff| %.3g, same selections %d, vs the CPU rel err %.3g", name, diff,
+             int(same_sel), c.err);
+  // Moved to the CPU, the pinned one decodes as the CPU session does.
+  kvs_session_t back = nullptr;
+  if (ok(kvs_session_to(host[0], KVS_BACKEND_CPU, 0, &back), "to cpu (from pinned)")) {
+    Cmp f;
+    decode_cpu(cpu[0], seqs[0], pos[0], hq, hkv, d);
+    follow(back, cpu[0], seqs[0], pos[0], hq, hkv, d, f);
+    CAPI_CHECK((f.count_equal || updates) && f.min_overlap >= (updates ? 0.95 : 1.0),
+               "%s: moved to the cpu: counts equal %d, overlap %.4f", name,
+               int(f.count_equal), f.min_overlap);
+    kvs_session_destroy(back);
+  }
+  std::printf("session %s: hit rate %.3f, bus bytes per layer step %.0f, cache %.1f MiB, vs cpu rel err %.2e\n", name,
+              hit, bus, cache / 1048576.0, c.err);
+  cudaStreamDestroy(stream);
+  for (auto* v : {&cpu, &dev, &host})
+    for (kvs_session_t s : *v) kvs_session_destroy(s);
+}
+
 // rank_dtype=model is the CPU's alone: refused on the cuda backend, naming the parameter.
 void run_errors() {
   kvs_session_params p = one_layer_params("retroinfer", KVS_SCALAR_BF16, 8, 2, 64, 0.05);
@@ -213,6 +344,11 @@ int run_retroinfer_tests(bool small) {
   run_case("", KVS_SCALAR_BF16, 32, 8, 128, n, 2, steps, 0.05, /*gpu_build=*/true);
   run_roundtrip();
   run_build_agreement(small ? 3000 : 12000);
+  // The wave buffer: evictions (a cache of 1% of the rows), index updates while decoding, batches.
+  run_wave("cache_ratio=0.01", 1, n, small ? 14 : 40);
+  run_wave("cache_ratio=0.2,update_segment=64,segment_size=512", 2, 1500, small ? 70 : 150);
+  run_wave("cache_ratio=0.05,budget=paper", 3, n, small ? 8 : 20);
+  run_wave("cache_ratio=0.01,wave_misses=inplace", 2, n, small ? 14 : 40);
   std::printf("retroinfer session tests: %d passed, %d failed\n", g_pass, g_fail);
   return g_fail;
 }

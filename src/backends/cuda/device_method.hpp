@@ -30,6 +30,15 @@ struct DeviceLayerView {
   cuda::PagedKv kv;      // B = 1: this sequence's own page table
   int64_t tokens = 0;    // tokens stored
   void* stream = nullptr;
+  bool host_kv = false;  // the pages live in pinned host memory (kv_memory = KVS_DEVICE_CUDA_HOST), but
+                         // for those hot_tokens() keeps in GPU memory
+};
+
+// The tokens of a layer a method wants in GPU memory while the KV cache lives in pinned host
+// memory: [0, head_end) and [tail_begin, tokens), by whole pages.
+struct HotTokens {
+  int64_t head_end = 0;
+  int64_t tail_begin = INT64_MAX;
 };
 
 // One layer of one decode step for a batch, as built by the placement (after the append).
@@ -85,6 +94,12 @@ class DeviceMethod {
   // step, `tokens` counts the step's own (v.tokens + 1). A method whose index changes on the host
   // as the context grows (retroinfer's update) does it here, so that the step sees it.
   virtual void before_step(uint32_t layer, const DeviceLayerView& v, int64_t tokens) {}
+  // With the KV cache in pinned host memory: the tokens the step at `tokens` tokens (budget_keys its
+  // budget) reads most
+  // (RetroInfer's steady zone), which the placement then keeps in GPU memory (pages move between
+  // host and device in stream order after before_step; a new page starts in GPU memory while the
+  // tail is hot). The default: none, every page stays in host memory.
+  virtual HotTokens hot_tokens(uint32_t layer, int64_t tokens, int64_t budget_keys) const { return {}; }
   virtual void truncate(uint32_t layer, int64_t n) {}
   // The least length kvs_session_truncate may roll the layer back to (0: any; else why not below).
   virtual int64_t truncate_floor(uint32_t layer, std::string* why) const { return 0; }
@@ -98,6 +113,14 @@ class DeviceMethod {
   virtual void select(std::span<DeviceMethod* const> batch, uint32_t layer, const DeviceStep& step,
                       const DevicePlan& plan, const void* args, int32_t* idx, int32_t* cnt,
                       const cuda::Workspace& ws) = 0;
+  // After select() (on batch[0]'s implementation): the page table the gathered attention reads
+  // instead of the step's, when select() wrote its selection against one of its own (RetroInfer's
+  // wave buffer: block-cache pages ahead of the sequence's); false for the step's.
+  virtual bool attention_kv(cuda::PagedKv* kv) const { return false; }
+  // The keys of this session's last selection of a layer and KV head (as select() wrote them, read
+  // back after the step) as token positions, for the selections of a method with its own page table
+  // (attention_kv). May synchronise.
+  virtual void token_positions(uint32_t layer, uint32_t kv_head, std::vector<int32_t>& keys) const {}
   // True when a step can be captured in a CUDA graph and replayed for later tokens: for a decode
   // token on_tokens launches only work that reads tokens stored before that token (it runs in
   // stream order before the replay, while the token is appended by the replay), and select() launches the same kernels with the same

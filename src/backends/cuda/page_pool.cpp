@@ -27,7 +27,7 @@ class DevicePagePool : public std::enable_shared_from_this<DevicePagePool> {
       p = free_.back();
       free_.pop_back();
     }
-    return std::shared_ptr<DevicePage>(new DevicePage(p, page_bytes_, shared_from_this()));
+    return std::shared_ptr<DevicePage>(new DevicePage(p, page_bytes_, mem_, shared_from_this()));
   }
   void give(void* p) {
     std::lock_guard<std::mutex> lk(mu_);

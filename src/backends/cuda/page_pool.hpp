@@ -12,23 +12,26 @@
 
 namespace kvs {
 
+enum class PageMemory { Device, PinnedHost };
+
 class DevicePage {
  public:
   void* data() const { return data_; }
   size_t bytes() const { return bytes_; }
+  PageMemory memory() const { return mem_; }
   ~DevicePage();
   DevicePage(const DevicePage&) = delete;
   DevicePage& operator=(const DevicePage&) = delete;
 
  private:
   friend class DevicePagePool;
-  DevicePage(void* d, size_t b, std::shared_ptr<class DevicePagePool> pool) : data_(d), bytes_(b), pool_(std::move(pool)) {}
+  DevicePage(void* d, size_t b, PageMemory m, std::shared_ptr<class DevicePagePool> pool)
+      : data_(d), bytes_(b), mem_(m), pool_(std::move(pool)) {}
   void* data_;
   size_t bytes_;
+  PageMemory mem_;
   std::shared_ptr<class DevicePagePool> pool_;
 };
-
-enum class PageMemory { Device, PinnedHost };
 
 // A new page of `bytes` for `device` (the current device must be `device`), in `mem`; data() is a
 // device address either way. Throws OUT_OF_MEMORY.

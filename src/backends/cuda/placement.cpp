@@ -100,6 +100,10 @@ struct DevLayer {
   int64_t n = 0;
   std::shared_ptr<DevBuf> table;  // device [cap] page pointers
   int64_t table_cap = 0;
+  // kv_memory = pinned host: the pages the method keeps in GPU memory (DeviceMethod::hot_tokens),
+  // as placed last: pages [0, hot_head) and [hot_tail, ...); new pages start on the device while
+  // hot_tail is set.
+  int64_t hot_head = 0, hot_tail = INT64_MAX;
 };
 
 }  // namespace
@@ -161,6 +165,7 @@ class CudaPlacement final : public Placement {
     for (auto& g : graphs_of_)
       if (g.exec) cudaGraphExecDestroy(g.exec);
     if (cap_stream_) cudaStreamDestroy(cap_stream_);
+    release_retired(true);
     layers_.clear();
     sel_.clear();
     method_.reset();
@@ -256,6 +261,7 @@ class CudaPlacement final : public Placement {
       auto& lay = ps[size_t(b)]->layers_[layer];
       ps[size_t(b)]->reserve(layer, lay.n + 1, t.stream);
       ps[size_t(b)]->method_->before_step(layer, ps[size_t(b)]->view(lay, t.stream), lay.n + 1);
+      ps[size_t(b)]->place_hot(lay, layer, lay.n + 1, budget[size_t(b)], t.stream);
       max_pages = std::max(max_pages, lay.table_cap);
     }
 
@@ -378,7 +384,9 @@ class CudaPlacement final : public Placement {
               "dense_decode");
       } else {
         method_->select(ms, layer, sst, pl, dargs + ints + ptrs, idx, cnt, kw);
-        check(cuda::gathered_decode(st.shape, st.q, st.kv, kvdt(), idx, cnt, pl.max_selected, out, kw, s,
+        cuda::PagedKv akv = st.kv;
+        method_->attention_kv(&akv);
+        check(cuda::gathered_decode(st.shape, st.q, akv, kvdt(), idx, cnt, pl.max_selected, out, kw, s,
                                     pl.per_query_head, pdl_),
               "gathered_decode");
       }
@@ -454,6 +462,7 @@ class CudaPlacement final : public Placement {
           "cudaMemcpy(selection)");
     for (int i = 0; i < rows; ++i)
       for (int j = 0; j < std::clamp(cnt[size_t(i)], 0, r.max_sel); ++j) out.push_back(idx[size_t(i) * r.max_sel + j]);
+    method_->token_positions(layer, kv_head, out);
     std::sort(out.begin(), out.end());
     out.erase(std::unique(out.begin(), out.end()), out.end());
     out.erase(std::remove(out.begin(), out.end(), -1), out.end());
@@ -607,7 +616,58 @@ class CudaPlacement final : public Placement {
     return cuda::PagedKv{lay.table ? static_cast<const void* const*>(lay.table->p) : nullptr, int32_t(lay.table_cap),
                          int32_t(kPageTokens), kPageShift};
   }
-  DeviceLayerView view(const DevLayer& lay, void* stream) const { return DeviceLayerView{own_kv(lay), lay.n, stream}; }
+  DeviceLayerView view(const DevLayer& lay, void* stream) const {
+    return DeviceLayerView{own_kv(lay), lay.n, stream, kv_mem_ == PageMemory::PinnedHost};
+  }
+
+  // kv_memory = pinned host: moves the layer's pages between host and device memory so that the
+  // method's hot tokens for the step at `tokens` tokens (budget: its budget in keys) are in GPU memory and the rest in host
+  // memory (copies and table entries in stream order; a page left behind is released once the
+  // copies that read it are done).
+  void place_hot(DevLayer& lay, uint32_t layer, int64_t tokens, int64_t budget, void* stream) {
+    if (kv_mem_ != PageMemory::PinnedHost) return;
+    release_retired(false);
+    const HotTokens h = method_->hot_tokens(layer, tokens, budget);
+    const int64_t np = int64_t(lay.pages.size());
+    const int64_t head = std::min(np, (std::max<int64_t>(h.head_end, 0) + kPageTokens - 1) / kPageTokens);
+    const int64_t tail = h.tail_begin == INT64_MAX ? INT64_MAX : std::max<int64_t>(h.tail_begin, 0) / kPageTokens;
+    if (head == lay.hot_head && tail == lay.hot_tail) return;
+    lay.hot_head = head;
+    lay.hot_tail = tail;
+    std::vector<std::shared_ptr<DevicePage>> old;
+    int64_t lo = np, hi = 0;  // table entries to upload
+    for (int64_t i = 0; i < np; ++i) {
+      const PageMemory want = i < head || i >= tail ? PageMemory::Device : PageMemory::PinnedHost;
+      auto& pg = lay.pages[size_t(i)];
+      if (pg->memory() == want) continue;
+      auto moved = device_page(device_, page_bytes_, want);
+      check(cudaMemcpyAsync(moved->data(), pg->data(), page_bytes_, cudaMemcpyDefault, S(stream)),
+            "cudaMemcpyAsync(KV page between host and device)");
+      old.push_back(std::exchange(pg, std::move(moved)));
+      lo = std::min(lo, i);
+      hi = i + 1;
+    }
+    if (old.empty()) return;
+    upload_entries(lay, size_t(lo), size_t(hi), stream);
+    Retired r;
+    check(cudaEventCreateWithFlags(&r.done, cudaEventDisableTiming), "cudaEventCreate(KV page move)");
+    r.pages = std::move(old);
+    if (cudaError_t e = cudaEventRecord(r.done, S(stream)); e != cudaSuccess) {
+      cudaEventDestroy(r.done);
+      check(e, "cudaEventRecord(KV page move)");
+    }
+    retired_.push_back(std::move(r));
+  }
+  // Pages moved away from, released once the copies reading them have run (all of them: wait).
+  void release_retired(bool wait) {
+    auto it = retired_.begin();
+    for (; it != retired_.end(); ++it) {
+      if (wait) cudaEventSynchronize(it->done);
+      else if (cudaEventQuery(it->done) != cudaSuccess) break;
+      cudaEventDestroy(it->done);
+    }
+    retired_.erase(retired_.begin(), it);
+  }
 
   // Pages (and the method's index room) for `tokens` tokens, the last page private (copy-on-write),
   // the device table up to date.
@@ -630,7 +690,9 @@ class CudaPlacement final : public Placement {
         first_dirty = size_t(lay.n / kPageTokens);
       }
     }
-    while (int64_t(lay.pages.size()) < need) lay.pages.push_back(device_page(device_, page_bytes_, kv_mem_));
+    // A new page is hot while the method keeps the layer's tail on the device (place_hot).
+    const PageMemory mem = lay.hot_tail != INT64_MAX ? PageMemory::Device : kv_mem_;
+    while (int64_t(lay.pages.size()) < need) lay.pages.push_back(device_page(device_, page_bytes_, mem));
     if (first_dirty < lay.pages.size()) upload_table(lay, first_dirty, stream);
   }
 
@@ -647,8 +709,11 @@ class CudaPlacement final : public Placement {
       lay.table_cap = cap;
       from = 0;
     }
-    std::vector<const void*> host(lay.pages.size() - from);
-    for (size_t i = from; i < lay.pages.size(); ++i) host[i - from] = lay.pages[i]->data();
+    upload_entries(lay, from, lay.pages.size(), stream);
+  }
+  void upload_entries(DevLayer& lay, size_t from, size_t to, void* stream) {
+    std::vector<const void*> host(to - from);
+    for (size_t i = from; i < to; ++i) host[i - from] = lay.pages[i]->data();
     if (host.empty()) return;
     // From pageable memory: returns once the entries are staged (host vector free to go), ordered on
     // the stream. Never inside a captured step: a plan or a prefill reserves pages.
@@ -767,6 +832,11 @@ class CudaPlacement final : public Placement {
   cudaEvent_t arg_events_[kArgSlots] = {};
   size_t arg_next_ = 0;
   mutable std::vector<std::vector<std::byte>> saved_pages_;
+  struct Retired {
+    cudaEvent_t done = nullptr;
+    std::vector<std::shared_ptr<DevicePage>> pages;
+  };
+  std::vector<Retired> retired_;  // place_hot's pages moved away from, in the order moved
   // CUDA graphs of the decode step, one per layer (see decode); KVS_CUDA_GRAPHS=0 turns them off.
   struct LayerGraph {
     cudaGraphExec_t exec = nullptr;

@@ -299,8 +299,9 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
   if (!indexed(s)) {
     // Nothing indexed: [0, n), or the sinks and the most recent tokens.
     const int sk = s.mode == kRetroStreaming ? s.sk : s.n, lw = s.mode == kRetroStreaming ? s.lw : 0;
-    for (int i = tid; i < sk + lw && i < cap; i += kZoneThreads) out[i] = i < sk ? i : s.n - lw + (i - sk);
+    for (int i = tid; i < sk + lw && i < cap; i += kZoneThreads) out[i] = s.tok_base + (i < sk ? i : s.n - lw + (i - sk));
     if (tid == 0) {
+      if (s.wave_cnt) s.wave_cnt[h] = 0;
       a.cnt[row] = int32_t(lmin(sk + lw, cap));
       if (s.sel_sum) atomicAdd(s.sel_sum, double(lmin(sk + lw, cap)) / a.Hkv);
       if (st)
@@ -416,6 +417,19 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
   __syncthreads();
   const long long est_tokens = Reduce(sm.reduce).Sum(est_t);
   __syncthreads();
+  if (s.wave_ids) {  // the clusters whose rows this step reads, in id order (the wave buffer's LRU)
+    long long v = 0, before;
+    for (int c = cb; c < ce; ++c) v += zone[c] == 1 || zone[c] == 2;
+    Scan(sm.scan).ExclusiveSum(v, before);
+    int32_t* ids = s.wave_ids + int64_t(h) * s.wave_cap;
+    for (int c = cb; c < ce; ++c)
+      if (zone[c] == 1 || zone[c] == 2) {
+        if (before < s.wave_cap) ids[before] = c;
+        ++before;
+      }
+    if (tid == kZoneThreads - 1) s.wave_cnt[h] = int32_t(lmin(before, s.wave_cap));
+    __syncthreads();
+  }
 
   // The part cluster's best pm rows by exact score (max over the group of q . k), ties to the
   // earlier row.
@@ -482,10 +496,12 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
     sb = s.sinks_end - head;
     used += head;
   }
-  for (long long i = tid; i < sk && i < cap; i += kZoneThreads) out[i] = int32_t(i);
-  for (long long t = tb + tid; t < s.n && at + (t - tb) < cap; t += kZoneThreads) out[at + (t - tb)] = int32_t(t);
+  const int32_t base = s.tok_base;
+  for (long long i = tid; i < sk && i < cap; i += kZoneThreads) out[i] = base + int32_t(i);
+  for (long long t = tb + tid; t < s.n && at + (t - tb) < cap; t += kZoneThreads) out[at + (t - tb)] = base + int32_t(t);
   at += s.n - tb;
-  for (long long t = sb + tid; t < s.sinks_end && at + (t - sb) < cap; t += kZoneThreads) out[at + (t - sb)] = int32_t(t);
+  for (long long t = sb + tid; t < s.sinks_end && at + (t - sb) < cap; t += kZoneThreads)
+    out[at + (t - sb)] = base + int32_t(t);
   at += s.sinks_end - sb;
   if (tid == 0) {
     a.cnt[row] = int32_t(lmin(at, cap));
@@ -707,6 +723,94 @@ Status retro_select(const AttnShape& shape, const Query& q, const PagedKv& kv, S
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (kv_dtype == Scalar::BF16) return by_meta<__nv_bfloat16>(a, cfg.meta, st);
   return by_meta<__half>(a, cfg.meta, st);
+}
+
+
+// ---- the wave buffer ----------------------------------------------------------------------------
+namespace {
+
+__global__ void wave_table_kernel(PagedKv kv, const RetroSession* sessions, const void** table, int32_t stride) {
+  const int b = blockIdx.x;
+  const RetroSession& s = sessions[b];
+  const int32_t cp = s.cache_page_count;
+  const void** row = table + int64_t(b) * stride;
+  const bool own = s.own_table && s.own_table != row;
+  for (int j = threadIdx.x; j < stride; j += blockDim.x) {
+    const void* p = j < cp ? s.cache_pages[j] : j - cp < kv.max_pages ? kv.pages[int64_t(b) * kv.max_pages + (j - cp)] : nullptr;
+    row[j] = p;
+    if (own && j < s.own_cap) s.own_table[j] = p;
+  }
+  if (own)
+    for (int j = stride + threadIdx.x; j < s.own_cap; j += blockDim.x) s.own_table[j] = nullptr;
+}
+
+// A CTA per move at a time (grid-stride over *count): the rows' K and V copied in 16-byte pieces
+// (or 2-byte ones when a row is not a multiple of 16 bytes), then their virtual positions.
+__global__ void wave_moves_kernel(PagedKv kv, int32_t hkv, int32_t d, const int32_t* pos, int32_t R, int32_t* vpos,
+                                  int32_t* tok2v, int32_t T, int32_t tok_base, const WaveMove* moves,
+                                  const int32_t* count) {
+  const int32_t n = *count;
+  const bool wide = (d * 2) % 16 == 0;
+  const int per = wide ? d * 2 / 16 : d;  // pieces per row
+  for (int32_t m = blockIdx.x; m < n; m += gridDim.x) {
+    const WaveMove mv = moves[m];
+    const int32_t* p = pos + int64_t(mv.h) * R + mv.row0;
+    if (mv.block >= 0)
+      for (int e = threadIdx.x; e < mv.rows * 2 * per; e += blockDim.x) {
+        const int r = e / (2 * per), is_v = (e / per) & 1, i = e % per;
+        const uint16_t* src = kv_row<uint16_t>(kv, hkv, d, 0, mv.h, tok_base + p[r], is_v);
+        uint16_t* dst = const_cast<uint16_t*>(kv_row<uint16_t>(kv, hkv, d, 0, mv.h, mv.block * kWaveBlockRows + r, is_v));
+        if (wide) reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+        else dst[i] = src[i];
+      }
+    for (int r = threadIdx.x; r < mv.rows; r += blockDim.x) {
+      const int32_t v = mv.block >= 0 ? mv.block * kWaveBlockRows + r : tok_base + p[r];
+      vpos[int64_t(mv.h) * R + mv.row0 + r] = v;
+      if (tok2v && p[r] < T) tok2v[int64_t(mv.h) * T + p[r]] = v;
+    }
+  }
+}
+
+__global__ void wave_remap_kernel(int32_t row, int32_t hkv, int32_t* idx, const int32_t* cnt, int32_t max_sel,
+                                  const int32_t* tok2v, int32_t T, int32_t tok_base) {
+  const int h = blockIdx.x;
+  const int64_t r = int64_t(row) * hkv + h;
+  const int32_t n = min(max(cnt[r], 0), max_sel);
+  int32_t* l = idx + r * max_sel;
+  const int32_t* m = tok2v + int64_t(h) * T;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int32_t t = l[i] - tok_base;
+    if (t >= 0 && t < T) l[i] = m[t];
+  }
+}
+
+}  // namespace
+
+Status retro_wave_table(const PagedKv& kv, int32_t batch, const RetroSession* sessions, const void** table,
+                        int32_t stride, void* stream) noexcept {
+  if (batch < 1 || !sessions || !table || stride < 1) return invalid("retro_wave_table: bad argument");
+  wave_table_kernel<<<batch, 256, 0, static_cast<cudaStream_t>(stream)>>>(kv, sessions, table, stride);
+  return launch_status("retro_wave_table");
+}
+
+Status retro_wave_moves(const PagedKv& kv, Scalar kv_dtype, int32_t num_kv_heads, int32_t head_dim,
+                        const int32_t* pos, int32_t R, int32_t* vpos, int32_t* tok2v, int32_t T, int32_t tok_base,
+                        const WaveMove* moves, const int32_t* count, int32_t max_moves, void* stream) noexcept {
+  if (kv_dtype != Scalar::BF16 && kv_dtype != Scalar::F16) return unsupported("retro_wave_moves: KV dtype must be BF16 or F16");
+  if (!pos || !vpos || !moves || !count || num_kv_heads < 1 || head_dim < 1) return invalid("retro_wave_moves: bad argument");
+  if (max_moves < 1) return Status{};
+  const int grid = std::min<int32_t>(max_moves, 264);
+  wave_moves_kernel<<<grid, 128, 0, static_cast<cudaStream_t>(stream)>>>(kv, num_kv_heads, head_dim, pos, R, vpos,
+                                                                          tok2v, T, tok_base, moves, count);
+  return launch_status("retro_wave_moves");
+}
+
+Status retro_wave_remap(int32_t row, int32_t num_kv_heads, int32_t* idx, const int32_t* cnt, int32_t max_selected,
+                        const int32_t* tok2v, int32_t T, int32_t tok_base, void* stream) noexcept {
+  if (!idx || !cnt || !tok2v || num_kv_heads < 1 || max_selected < 1) return invalid("retro_wave_remap: bad argument");
+  wave_remap_kernel<<<num_kv_heads, 256, 0, static_cast<cudaStream_t>(stream)>>>(row, num_kv_heads, idx, cnt,
+                                                                                 max_selected, tok2v, T, tok_base);
+  return launch_status("retro_wave_remap");
 }
 
 }  // namespace kvs::cuda

@@ -57,6 +57,20 @@ struct RetroSession {
   int32_t* stats;        // optional [Hkv][kRetroStats]: the step's figures per KV head (above)
   double* unused_sum;    // optional [Hkv]: budget unused (session modes) added up over steps
   double* sel_sum;       // optional [1]: the exact list lengths (mean over KV heads) added up over steps
+  // The wave buffer (retroinfer_cuda.cpp; all zero without it). The step's page table holds the
+  // session's block-cache pages ahead of its own: token t is virtual position tok_base + t, and
+  // `pos` holds each list row's virtual position (its cache slot while cached). The zones kernel
+  // adds tok_base to every token it lists and writes the ids of the clusters it reads rows of
+  // (retrieval zone and part cluster, in id order) to wave_ids [Hkv][wave_cap], counts to
+  // wave_cnt [Hkv]; retro_wave_table writes the step's table.
+  int32_t tok_base;
+  int32_t wave_cap;
+  int32_t* wave_ids;
+  int32_t* wave_cnt;
+  const void* const* cache_pages;  // device [cache_page_count]
+  int32_t cache_page_count;
+  int32_t own_cap;                 // entries of own_table
+  const void** own_table;          // optional: the session's copy of its row of the step's table
 };
 
 struct RetroConfig {
@@ -77,6 +91,35 @@ Status retro_select(const AttnShape& shape, const Query& q, const PagedKv& kv, S
                     const RetroSession* sessions, const RetroConfig& cfg, int32_t max_clusters,
                     int32_t max_cluster_rows, int32_t* idx, int32_t* cnt, int32_t max_selected, float* est_o,
                     float* est_lse, const Workspace& ws, void* stream) noexcept;
+
+// ---- the wave buffer (KV in pinned host memory) -------------------------------------------------
+// The step's page table: row b (stride entries) = session b's cache pages, then its pages from
+// kv (max_pages entries of row b), then null; also written to the session's own_table (own_cap
+// entries) where set.
+Status retro_wave_table(const PagedKv& kv, int32_t batch, const RetroSession* sessions, const void** table,
+                        int32_t stride, void* stream) noexcept;
+
+// Block-cache moves of one session's layer, read from `moves` (host-mapped memory may do):
+// rows [row0, row0 + rows) of KV head h's lists (rows <= kWaveBlockRows) enter cache block `block`
+// (their K and V rows copied there from their token positions, their virtual positions set to
+// block * kWaveBlockRows + i), or leave the cache (block < 0: virtual positions back to
+// tok_base + position). kv: the session's own table (B = 1, cache pages first); pos: token
+// positions [Hkv][R]; vpos: virtual positions [Hkv][R]. *count moves (device or mapped memory).
+constexpr int32_t kWaveBlockRows = 8;
+struct WaveMove {
+  int32_t h, row0, rows, block;
+};
+// tok2v (optional, [Hkv][T]): each clustered token's virtual position, kept as vpos is (T tokens
+// per head: positions t < T of every row moved).
+Status retro_wave_moves(const PagedKv& kv, Scalar kv_dtype, int32_t num_kv_heads, int32_t head_dim,
+                        const int32_t* pos, int32_t R, int32_t* vpos, int32_t* tok2v, int32_t T, int32_t tok_base,
+                        const WaveMove* moves, const int32_t* count, int32_t max_moves, void* stream) noexcept;
+
+// After the moves of the step (misses admitted before the attention): each listed token t in
+// [0, T) (virtual position tok_base + t) of session row `row` (lists idx[(row * Hkv + h) *
+// max_selected + i], i < cnt) replaced by tok2v[h][t], its cache slot when admitted.
+Status retro_wave_remap(int32_t row, int32_t num_kv_heads, int32_t* idx, const int32_t* cnt, int32_t max_selected,
+                        const int32_t* tok2v, int32_t T, int32_t tok_base, void* stream) noexcept;
 
 }  // namespace kvs::cuda
 

@@ -10,15 +10,34 @@
 // index) does the same for its tokens. So the tables file is the CPU's, a tables file moves
 // between the placements as it is, and a step ranks the very same clusters as the CPU would (up
 // to the order of fp32 sums). The host index holds the clustered keys and values too (the CPU
-// layout, the wave buffer's host side): host memory of about the indexed KV. Not graph-capturable (an update reads back and changes
-// the index outside the stream), as the authors' code disables CUDA graphs with index updates.
+// layout): host memory of about the indexed KV. Not graph-capturable (an update reads back and
+// changes the index outside the stream), as the authors' code disables CUDA graphs with index updates.
+//
+// The wave buffer: with the KV cache in pinned host memory (kv_memory = KVS_DEVICE_CUDA_HOST) the
+// placement keeps the steady zone's pages (sinks, local window, unclustered tail) in GPU memory
+// (hot_tokens) and the rest on the host, and each layer gets a GPU block cache of cache_ratio of
+// its clustered rows per KV head, in blocks of kWaveBlockRows rows of one cluster. The step's page
+// table is [the cache's pages | the sequence's pages], so a list row's virtual position (vpos)
+// names its cache block while cached and its token otherwise: the zones kernel lists virtual
+// positions, and the gathered attention reads hits from the cache, the steady zone from GPU pages
+// and misses from pinned host memory in place (zero-copy, one kernel). Off the critical path, on a
+// side stream after the zones kernel: the ids of the clusters the step read (written by the zones
+// kernel into mapped host memory), a host function running the authors' LRU over clusters
+// (BufferManager::batch_update: hits to the front, misses admitted in id order while blocks can be
+// freed from clusters this step did not read), and a kernel copying the admitted rows into their
+// blocks and rewriting vpos. The next step of the layer waits for that kernel (an event).
 #ifdef KVS_HAVE_CUDA
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "backends/cuda/cuda_util.hpp"
 #include "backends/cuda/device_method.hpp"
+#include "backends/cuda/page_pool.hpp"
 #include "backends/cuda/retro.cuh"
 #include "core/dtype.hpp"
 #include "core/error.hpp"
@@ -45,7 +64,19 @@ class RetroCuda final : public DeviceMethod {
       fail(KVS_STATUS_UNSUPPORTED, "retroinfer on the cuda backend: query heads per KV head x head_dim must be <= 2048, got " +
                                        std::to_string(G * shape_.head_dim));
     check(cudaGetDevice(&device_), "cudaGetDevice");
+    cache_ratio_ = ps.get_float("cache_ratio");
+    copy_misses_ = ps.get_string("wave_misses") == "copy";
+    hot_.resize(layers_.size());
+    if (!(cache_ratio_ >= 0 && cache_ratio_ <= 1))
+      invalid("method_params: retroinfer cache_ratio must be in [0, 1], got " + std::to_string(cache_ratio_));
     install_clusterer();
+  }
+  ~RetroCuda() override {
+    if (side_) {
+      cudaStreamSynchronize(side_);
+      cudaStreamDestroy(side_);
+    }
+    for (auto& L : layers_) L.wave.release_events();
   }
 
   // ---- index: the host method's, mirrored ----
@@ -59,8 +90,22 @@ class RetroCuda final : public DeviceMethod {
   }
   void before_step(uint32_t layer, const DeviceLayerView& v, int64_t tokens) override {
     if (!layers_[layer].built) return;
+    // The last step's block-cache moves read KV pages through its table: they run before any page
+    // moves between host and device (the placement's, after this call).
+    if (layers_[layer].wave.pending)
+      check(cudaStreamWaitEvent(S(v.stream), layers_[layer].wave.admitted, 0), "cudaStreamWaitEvent(wave buffer)");
     update(layer, v, tokens, 1, true);
     sync_mirror(layer, v.stream);
+    sync_wave(layer, v);
+  }
+  // The steady zone of the step (sinks, local window, the unclustered tail the fill may take).
+  HotTokens hot_tokens(uint32_t layer, int64_t tokens, int64_t budget) const override {
+    if (!layers_[layer].built) return {};
+    const auto lay = retro::step_layout(*host_, layer, tokens, budget);
+    using SL = retro::StepLayout;
+    if (lay.mode == SL::All) return {};  // every key, every step: nothing is read more than the rest
+    if (lay.mode == SL::Streaming) return {lay.sk, tokens - lay.lw};
+    return {std::max(lay.sk, lay.sinks_end), std::min(lay.lb, retro::index_view(*host_, layer).indexed_end)};
   }
   void build_index(uint32_t layer, const DeviceLayerView& v) override {
     KVLayer kv = download(v, v.tokens, std::min<int64_t>(rules_.sinks, v.tokens), v.tokens);
@@ -160,6 +205,20 @@ class RetroCuda final : public DeviceMethod {
       s.r_fixed = int32_t(ix.r);
       s.e = int32_t(ix.e);
       s.lw = int32_t(lay.lw);
+      const Wave& W = m->layers_[layer].wave;
+      if (W.on) {
+        s.pos = W.vpos.as<int32_t>();
+        s.tok_base = W.tok_base;
+        s.wave_cap = W.C;
+        s.wave_ids = W.ids.dev<int32_t>();
+        s.wave_cnt = W.ids.dev<int32_t>() + size_t(W.C) * shape_.num_kv_heads;
+        s.cache_pages = W.page_ptrs.as<const void*>();
+        s.cache_page_count = W.cache_pages;
+        s.own_cap = int32_t(W.own_cap);
+        s.own_table = W.own_table.as<const void*>();
+        const HotTokens hot = m->hot_tokens(layer, n, st.host_budget[b]);
+        m->hot_[layer] = {hot.head_end, hot.tail_begin};
+      }
       s.stats = m->stats_.as<int32_t>();
       s.unused_sum = m->unused_sums();
       s.sel_sum = m->unused_sums() ? m->unused_sums() + shape_.num_kv_heads : nullptr;
@@ -172,15 +231,73 @@ class RetroCuda final : public DeviceMethod {
       m->stats_fresh_ = false;
     }
   }
-  void select(std::span<DeviceMethod* const>, uint32_t, const DeviceStep& st, const DevicePlan& p, const void* args,
+  void select(std::span<DeviceMethod* const> batch, uint32_t layer, const DeviceStep& st, const DevicePlan& p, const void* args,
               int32_t* idx, int32_t* cnt, const cuda::Workspace& ws) override {
     cuda::RetroConfig cfg;
     cfg.meta = meta_;
     cfg.mask_before = !rules_.mask_after;
-    check(cuda::retro_select(st.shape, st.q, st.kv, st.kv_dtype, static_cast<const cuda::RetroSession*>(args), cfg,
-                             max_clusters_, max_rows_, idx, cnt, p.max_selected, st.prior_o, st.prior_lse, ws,
-                             st.stream),
+    const auto* ss = static_cast<const cuda::RetroSession*>(args);
+    // The wave buffer: the step's page table with the block caches ahead, once the admissions of
+    // the layer's last step are in.
+    const int64_t B = int64_t(batch.size());
+    int32_t cp = -1;
+    for (int64_t b = 0; b < B; ++b) {
+      const Wave& W = static_cast<const RetroCuda*>(batch[size_t(b)])->layers_[layer].wave;
+      if (!W.on) continue;
+      cp = std::max(cp, W.cache_pages);
+      if (W.pending) check(cudaStreamWaitEvent(S(st.stream), W.admitted, 0), "cudaStreamWaitEvent(wave buffer)");
+    }
+    cuda::PagedKv kv = st.kv;
+    attn_wave_ = cp >= 0;
+    if (attn_wave_) {
+      const int32_t stride = cp + st.kv.max_pages;
+      const void** table;
+      if (B == 1) {
+        table = layers_[layer].wave.own_table.as<const void*>();
+      } else {
+        batch_table_.reserve(size_t(B) * size_t(stride) * sizeof(void*), device_, "retroinfer wave buffer table");
+        table = batch_table_.as<const void*>();
+      }
+      check(cuda::retro_wave_table(st.kv, int32_t(B), ss, table, stride, st.stream), "retro_wave_table");
+      kv = cuda::PagedKv{table, stride, st.kv.page_tokens, st.kv.page_shift};
+      attn_kv_ = kv;
+    }
+    check(cuda::retro_select(st.shape, st.q, kv, st.kv_dtype, ss, cfg, max_clusters_, max_rows_, idx, cnt,
+                             p.max_selected, st.prior_o, st.prior_lse, ws, st.stream),
           "retro_select");
+    for (int64_t b = 0; b < B; ++b) {
+      auto* m = static_cast<RetroCuda*>(batch[size_t(b)]);
+      Wave& W = m->layers_[layer].wave;
+      if (!W.on) continue;
+      m->enqueue_moves(layer, st.kv, st.stream);
+      if (!m->copy_misses_) continue;
+      // wave_misses=copy: the attention waits for the admissions and reads the admitted rows from
+      // the cache (each missed row crosses the bus once).
+      check(cudaStreamWaitEvent(S(st.stream), W.admitted, 0), "cudaStreamWaitEvent(wave buffer)");
+      check(cuda::retro_wave_remap(int32_t(b), int32_t(shape_.num_kv_heads), idx, cnt, p.max_selected,
+                                   W.tok2v.as<int32_t>(), W.T, W.tok_base, st.stream),
+            "retro_wave_remap");
+    }
+  }
+  bool attention_kv(cuda::PagedKv* kv) const override {
+    if (attn_wave_) *kv = attn_kv_;
+    return attn_wave_;
+  }
+  void token_positions(uint32_t layer, uint32_t kv_head, std::vector<int32_t>& keys) const override {
+    const Wave& W = layers_[layer].wave;
+    if (!W.on) return;
+    quiesce();
+    const int32_t* pos = W.pos[kv_head].data();
+    const auto& HC = W.heads[kv_head];
+    for (int32_t& k : keys) {
+      if (k < 0) continue;
+      if (k >= W.tok_base) {
+        k -= W.tok_base;
+      } else {
+        const int32_t row0 = HC.owner[size_t(k / cuda::kWaveBlockRows)];
+        k = row0 < 0 ? -1 : pos[row0 + k % cuda::kWaveBlockRows];
+      }
+    }
   }
 
   // ---- tables: the host method's ----
@@ -225,6 +342,17 @@ class RetroCuda final : public DeviceMethod {
       *out = double(host_->index_bytes());
       return true;
     }
+    if (name == "wave_hit_rate" || name == "wave_pcie_bytes" || name == "wave_cache_bytes") {
+      quiesce();
+      if (name == "wave_hit_rate") *out = wave_hit_rows_ + wave_miss_rows_ > 0 ? wave_hit_rows_ / (wave_hit_rows_ + wave_miss_rows_) : 0;
+      else if (name == "wave_pcie_bytes") *out = wave_steps_ > 0 ? wave_pcie_ / double(wave_steps_) : 0;
+      else {
+        double b = 0;
+        for (const auto& L : layers_) b += double(L.wave.pages.size()) * double(page_bytes());
+        *out = b;
+      }
+      return true;
+    }
     return host_->stat(name, out);
   }
 
@@ -238,14 +366,87 @@ class RetroCuda final : public DeviceMethod {
     uint64_t generation = 0;
     uint64_t bytes() const { return cent.bytes + vmeta.bytes + size.bytes + start.bytes + pos.bytes; }
   };
+  // Pinned host memory mapped into the device's address space (contents not kept on growth).
+  struct Mapped {
+    void* p = nullptr;
+    size_t bytes = 0;
+    Mapped() = default;
+    Mapped(const Mapped&) = delete;
+    Mapped& operator=(const Mapped&) = delete;
+    ~Mapped() {
+      if (p) cudaFreeHost(p);
+    }
+    void reserve(size_t n, const char* what) {
+      if (n <= bytes && p) return;
+      if (p) cudaFreeHost(p);
+      p = nullptr;
+      bytes = 0;
+      check(cudaHostAlloc(&p, n, cudaHostAllocMapped | cudaHostAllocPortable), what);
+      bytes = n;
+    }
+    template <class T>
+    T* host() const { return static_cast<T*>(p); }
+    template <class T>
+    T* dev() const {
+      void* d = nullptr;
+      check(cudaHostGetDevicePointer(&d, p, 0), "cudaHostGetDevicePointer(retroinfer wave buffer)");
+      return static_cast<T*>(d);
+    }
+  };
+  // One KV head's block cache on the host (the authors' ClusterDescriptor and LRU list).
+  struct HeadCache {
+    std::vector<std::vector<int32_t>> blocks;  // per cluster: its cache blocks (empty: not cached)
+    std::vector<int32_t> prev, next;           // the LRU list of cached clusters, most recent first
+    int32_t first = -1, last = -1;
+    std::vector<int64_t> stamp;                // per cluster: the last step that read it
+    std::vector<int32_t> free;                 // free blocks
+    std::vector<int32_t> owner;                // per block: the first list row it holds (-1: free)
+    void unlink(int32_t c) {
+      (prev[size_t(c)] >= 0 ? next[size_t(prev[size_t(c)])] : first) = next[size_t(c)];
+      (next[size_t(c)] >= 0 ? prev[size_t(next[size_t(c)])] : last) = prev[size_t(c)];
+      prev[size_t(c)] = next[size_t(c)] = -1;
+    }
+    void push_front(int32_t c) {
+      prev[size_t(c)] = -1;
+      next[size_t(c)] = first;
+      (first >= 0 ? prev[size_t(first)] : last) = c;
+      first = c;
+    }
+  };
+  // One layer's wave buffer (off: the KV is in GPU memory, cache_ratio = 0, or nothing indexed).
+  struct Wave {
+    bool on = false, pending = false;  // pending: admitted is recorded for the last step
+    int32_t blocks = 0;                // cache blocks per KV head
+    int32_t cache_pages = 0, tok_base = 0, C = 0, R = 0;
+    uint64_t generation = 0;           // of the mirror it was laid out for
+    std::vector<std::shared_ptr<DevicePage>> pages;
+    DevBuf page_ptrs, own_table, vpos, tok2v;  // tok2v [Hkv][T]: each clustered token's virtual position
+    int32_t T = 0;                             // tokens [0, T) in tok2v (the clustered ones and the sinks)
+    int64_t own_cap = 0;
+    Mapped ids;    // [Hkv][C] cluster ids, then [Hkv] counts (the zones kernel writes them)
+    Mapped moves;  // [max_moves] cuda::WaveMove, then the count
+    int32_t max_moves = 0;
+    std::vector<HeadCache> heads;
+    std::vector<std::vector<int32_t>> start, size, pos;  // the host index's, per KV head
+    int64_t step = 0;
+    cudaEvent_t zones_done = nullptr, admitted = nullptr;
+    void release_events() {
+      if (zones_done) cudaEventDestroy(zones_done);
+      if (admitted) cudaEventDestroy(admitted);
+      zones_done = admitted = nullptr;
+    }
+  };
   struct Layer {
     Mirror mirror;
+    Wave wave;
     bool built = false, prompt_chunk = false;
   };
 
   RetroCuda(const RetroCuda& o)
-      : shape_(o.shape_), host_(o.host_->clone()), rules_(o.rules_), layers_(o.layers_.size()), device_(o.device_) {
+      : shape_(o.shape_), host_(o.host_->clone()), rules_(o.rules_), layers_(o.layers_.size()), device_(o.device_),
+        cache_ratio_(o.cache_ratio_), copy_misses_(o.copy_misses_) {
     for (size_t l = 0; l < layers_.size(); ++l) layers_[l].built = o.layers_[l].built;
+    hot_.resize(layers_.size());
     install_clusterer();  // the copied host method's points at `o`
     // The step statistics so far (the device's running sums copied once the buffer exists).
     o.read_stats();
@@ -343,6 +544,244 @@ class RetroCuda final : public DeviceMethod {
     check(cudaStreamSynchronize(S(stream)), "cudaStreamSynchronize(retroinfer index upload)");
     M.C = int32_t(C);
     M.R = int32_t(R);
+  }
+
+  // ---- the wave buffer ----
+  size_t page_bytes() const {
+    return cuda::paged_kv_page_bytes(int32_t(shape_.num_kv_heads), int32_t(kPageTokens), int32_t(shape_.head_dim),
+                                     int32_t(dtype_size(shape_.kv_dtype)));
+  }
+  // Waits for the host functions and moves in flight (before the host reads or changes a wave
+  // buffer), and reports a failure of one of them.
+  void quiesce() const {
+    if (side_) check(cudaStreamSynchronize(side_), "cudaStreamSynchronize(retroinfer wave buffer)");
+    if (!wave_error_.empty()) fail(KVS_STATUS_INTERNAL, "retroinfer (cuda) wave buffer: " + wave_error_);
+  }
+
+  // Lays out the layer's wave buffer for its index (after a build, an update, a rollback, a load),
+  // keeping what is cached where the index only grew; the own page table's room for v's pages.
+  void sync_wave(uint32_t layer, const DeviceLayerView& v) {
+    Wave& W = layers_[layer].wave;
+    const Mirror& M = layers_[layer].mirror;
+    const bool want = v.host_kv && cache_ratio_ > 0 && M.C > 0;
+    if (want == W.on && (!want || (W.generation == M.generation && W.own_cap >= W.cache_pages + int64_t(v.kv.max_pages))))
+      return;
+    quiesce();
+    W.pending = false;
+    if (!want) {
+      W.on = false;
+      return;
+    }
+    const auto& heads = *retro::index_view(*host_, layer).heads;
+    const int hkv = int(shape_.num_kv_heads);
+    const int32_t C = M.C, R = M.R;
+    constexpr int32_t kRows = cuda::kWaveBlockRows, kPerPage = int32_t(kPageTokens) / kRows;
+    // The cache stays where the index only grew (an update appends clusters; a rollback or a
+    // rebuild does not).
+    bool keep = W.on && W.C <= C && W.R <= R;
+    for (int h = 0; keep && h < hkv; ++h)
+      for (int32_t c = 0; keep && c < W.C; ++c)
+        keep = W.start[size_t(h)][size_t(c)] == heads[size_t(h)].start[size_t(c)] &&
+               W.size[size_t(h)][size_t(c)] == heads[size_t(h)].size[size_t(c)];
+    if (!keep) {
+      const int64_t want_blocks = std::max<int64_t>(1, int64_t(std::ceil(cache_ratio_ * double(R) / kRows)));
+      W.blocks = int32_t((want_blocks + kPerPage - 1) / kPerPage * kPerPage);
+      W.cache_pages = W.blocks / kPerPage;
+      W.tok_base = int32_t(int64_t(W.cache_pages) * kPageTokens);
+      if (int64_t(W.tok_base) + int64_t(v.kv.max_pages) * kPageTokens >= (int64_t(1) << 31))
+        fail(KVS_STATUS_UNSUPPORTED, "retroinfer (cuda) wave buffer: the block cache and the context exceed 2^31 positions; "
+                                     "lower cache_ratio");
+      W.pages.clear();
+      std::vector<const void*> ptrs;
+      for (int32_t i = 0; i < W.cache_pages; ++i) {
+        W.pages.push_back(device_page(device_, page_bytes(), PageMemory::Device));
+        ptrs.push_back(W.pages.back()->data());
+      }
+      W.page_ptrs.reserve(ptrs.size() * sizeof(void*), device_, "retroinfer wave buffer pages");
+      check(cudaMemcpy(W.page_ptrs.p, ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice),
+            "cudaMemcpy(retroinfer wave buffer pages)");
+      W.heads.assign(size_t(hkv), HeadCache{});
+      for (auto& HC : W.heads) {
+        for (int32_t b = W.blocks; b-- > 0;) HC.free.push_back(b);
+        HC.owner.assign(size_t(W.blocks), -1);
+      }
+      W.step = 0;
+    }
+    W.start.resize(size_t(hkv));
+    W.size.resize(size_t(hkv));
+    W.pos.resize(size_t(hkv));
+    std::vector<int32_t> vp(size_t(hkv) * size_t(R));
+    for (int h = 0; h < hkv; ++h) {
+      const auto& H = heads[size_t(h)];
+      auto& HC = W.heads[size_t(h)];
+      HC.blocks.resize(size_t(C));
+      HC.prev.resize(size_t(C), -1);
+      HC.next.resize(size_t(C), -1);
+      HC.stamp.resize(size_t(C), -1);
+      W.start[size_t(h)].assign(H.start.begin(), H.start.end());
+      W.size[size_t(h)] = H.size;
+      W.pos[size_t(h)] = H.pos;
+      int32_t* row = vp.data() + size_t(h) * R;
+      for (int32_t r = 0; r < R; ++r) row[r] = W.tok_base + H.pos[size_t(r)];
+      for (int32_t c = 0; c < C; ++c)
+        for (size_t k = 0; k < HC.blocks[size_t(c)].size(); ++k)
+          for (int32_t i = 0; i < kRows && int32_t(k) * kRows + i < H.size[size_t(c)]; ++i)
+            row[H.start[size_t(c)] + int64_t(k) * kRows + i] = HC.blocks[size_t(c)][k] * kRows + i;
+    }
+    W.vpos.reserve(vp.size() * 4, device_, "retroinfer wave buffer positions");
+    check(cudaMemcpyAsync(W.vpos.p, vp.data(), vp.size() * 4, cudaMemcpyHostToDevice, S(v.stream)),
+          "cudaMemcpyAsync(retroinfer wave buffer positions)");
+    // The same by token (the list's remap after the admissions, wave_misses=copy).
+    const int32_t T = int32_t(retro::index_view(*host_, layer).indexed_end);
+    std::vector<int32_t> tv(size_t(hkv) * size_t(T));
+    for (int h = 0; h < hkv; ++h) {
+      int32_t* row = tv.data() + size_t(h) * T;
+      for (int32_t t = 0; t < T; ++t) row[t] = W.tok_base + t;
+      const int32_t* vr = vp.data() + size_t(h) * R;
+      const auto& pos = heads[size_t(h)].pos;
+      for (int32_t r = 0; r < R; ++r)
+        if (pos[size_t(r)] < T) row[pos[size_t(r)]] = vr[r];
+    }
+    W.tok2v.reserve(std::max<size_t>(tv.size() * 4, 4), device_, "retroinfer wave buffer positions");
+    check(cudaMemcpyAsync(W.tok2v.p, tv.data(), tv.size() * 4, cudaMemcpyHostToDevice, S(v.stream)),
+          "cudaMemcpyAsync(retroinfer wave buffer positions)");
+    W.T = T;
+    W.ids.reserve((size_t(hkv) * size_t(C) + size_t(hkv)) * 4, "cudaHostAlloc(retroinfer wave buffer ids)");
+    W.max_moves = 2 * W.blocks * hkv;
+    W.moves.reserve(size_t(W.max_moves) * sizeof(cuda::WaveMove) + 16, "cudaHostAlloc(retroinfer wave buffer moves)");
+    const int64_t need = W.cache_pages + int64_t(v.kv.max_pages);
+    if (W.own_cap < need) {
+      const int64_t cap = std::max(need, 2 * W.own_cap);
+      W.own_table.reserve(size_t(cap) * sizeof(void*), device_, "retroinfer wave buffer table");
+      W.own_cap = cap;
+    }
+    if (!W.zones_done) {
+      check(cudaEventCreateWithFlags(&W.zones_done, cudaEventDisableTiming), "cudaEventCreate(retroinfer wave buffer)");
+      check(cudaEventCreateWithFlags(&W.admitted, cudaEventDisableTiming), "cudaEventCreate(retroinfer wave buffer)");
+    }
+    W.C = C;
+    W.R = R;
+    W.generation = M.generation;
+    W.on = true;
+    check(cudaStreamSynchronize(S(v.stream)), "cudaStreamSynchronize(retroinfer wave buffer)");  // vp is freed next
+  }
+
+  // After the zones kernel of a step (stream order): the LRU decision on the host, then the moves,
+  // on the side stream.
+  struct MoveCtx {
+    RetroCuda* m;
+    uint32_t layer;
+    int64_t hot_head, hot_tail;
+  };
+  void enqueue_moves(uint32_t layer, const cuda::PagedKv& like, void* stream) {
+    Wave& W = layers_[layer].wave;
+    if (!side_) check(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "cudaStreamCreate(retroinfer wave buffer)");
+    check(cudaEventRecord(W.zones_done, S(stream)), "cudaEventRecord(retroinfer wave buffer)");
+    check(cudaStreamWaitEvent(side_, W.zones_done, 0), "cudaStreamWaitEvent(retroinfer wave buffer)");
+    auto* ctx = new MoveCtx{this, layer, hot_[layer].first, hot_[layer].second};
+    if (cudaError_t e = cudaLaunchHostFunc(side_, &RetroCuda::decide_cb, ctx); e != cudaSuccess) {
+      delete ctx;
+      check(e, "cudaLaunchHostFunc(retroinfer wave buffer)");
+    }
+    const cuda::PagedKv own{W.own_table.as<const void*>(), int32_t(W.own_cap), like.page_tokens, like.page_shift};
+    auto* mv = W.moves.dev<cuda::WaveMove>();
+    check(cuda::retro_wave_moves(own, cuda::Scalar(int32_t(shape_.kv_dtype)), int32_t(shape_.num_kv_heads),
+                                 int32_t(shape_.head_dim), layers_[layer].mirror.pos.as<int32_t>(), W.R,
+                                 W.vpos.as<int32_t>(), W.tok2v.as<int32_t>(), W.T, W.tok_base, mv,
+                                 reinterpret_cast<const int32_t*>(mv + W.max_moves), W.max_moves, side_),
+          "retro_wave_moves");
+    check(cudaEventRecord(W.admitted, side_), "cudaEventRecord(retroinfer wave buffer)");
+    W.pending = true;
+  }
+  static void CUDART_CB decide_cb(void* p) {
+    std::unique_ptr<MoveCtx> c(static_cast<MoveCtx*>(p));
+    try {
+      c->m->decide(c->layer, c->hot_head, c->hot_tail);
+    } catch (const std::exception& e) {
+      c->m->wave_error_ = e.what();
+      *reinterpret_cast<int32_t*>(c->m->layers_[c->layer].wave.moves.host<cuda::WaveMove>() +
+                                  c->m->layers_[c->layer].wave.max_moves) = 0;
+    }
+  }
+  // The authors' BufferManager::batch_update for one step of a layer, per KV head: the clusters the
+  // step read (hits to the front of the LRU list), the misses admitted in id order while enough
+  // blocks are free or can be freed from the list's tail (clusters this step did not read); the
+  // moves for the kernel; hits, misses and bus bytes counted (rows outside the GPU's hot pages that
+  // the attention read in place and the admissions read again).
+  void decide(uint32_t layer, int64_t hot_head, int64_t hot_tail) {
+    Wave& W = layers_[layer].wave;
+    const int hkv = int(shape_.num_kv_heads);
+    constexpr int32_t kRows = cuda::kWaveBlockRows;
+    const int32_t* ids = W.ids.host<int32_t>();
+    const int32_t* cnt = ids + size_t(W.C) * hkv;
+    auto* mv = W.moves.host<cuda::WaveMove>();
+    int32_t nm = 0;
+    const int64_t hh = (hot_head + kPageTokens - 1) / kPageTokens * kPageTokens;
+    const int64_t ht = hot_tail == INT64_MAX ? INT64_MAX : hot_tail / kPageTokens * kPageTokens;
+    double cold_rows = 0;
+    ++W.step;
+    for (int h = 0; h < hkv; ++h) {
+      HeadCache& HC = W.heads[size_t(h)];
+      const auto& start = W.start[size_t(h)];
+      const auto& size = W.size[size_t(h)];
+      const auto& pos = W.pos[size_t(h)];
+      auto cold = [&](int32_t c) {
+        int64_t k = 0;
+        for (int32_t i = 0; i < size[size_t(c)]; ++i) {
+          const int64_t t = pos[size_t(start[size_t(c)] + i)];
+          k += t >= hh && t < ht;
+        }
+        return double(k);
+      };
+      misses_.clear();
+      const int32_t n = std::clamp(cnt[h], 0, W.C);
+      for (int32_t k = 0; k < n; ++k) {
+        const int32_t c = ids[size_t(h) * W.C + k];
+        if (c < 0 || c >= W.C) continue;
+        HC.stamp[size_t(c)] = W.step;
+        if (!HC.blocks[size_t(c)].empty()) {
+          wave_hit_rows_ += size[size_t(c)];
+          HC.unlink(c);
+          HC.push_front(c);
+          continue;
+        }
+        wave_miss_rows_ += size[size_t(c)];
+        cold_rows += cold(c);
+        misses_.push_back(c);
+      }
+      for (const int32_t c : misses_) {
+        const int32_t sz = size[size_t(c)], nb = (sz + kRows - 1) / kRows;
+        if (sz == 0 || nb > W.blocks) continue;
+        while (int32_t(HC.free.size()) < nb) {
+          const int32_t t = HC.last;
+          if (t < 0 || HC.stamp[size_t(t)] == W.step) break;  // every cached cluster was read by this step
+          HC.unlink(t);
+          auto& tb = HC.blocks[size_t(t)];
+          for (size_t k = 0; k < tb.size(); ++k) {
+            mv[nm++] = cuda::WaveMove{h, int32_t(start[size_t(t)] + int64_t(k) * kRows),
+                                      std::min<int32_t>(kRows, size[size_t(t)] - int32_t(k) * kRows), -1};
+            HC.owner[size_t(tb[k])] = -1;
+            HC.free.push_back(tb[k]);
+          }
+          tb.clear();
+        }
+        if (int32_t(HC.free.size()) < nb) break;
+        auto& cb = HC.blocks[size_t(c)];
+        for (int32_t k = 0; k < nb; ++k) {
+          const int32_t blk = HC.free.back();
+          HC.free.pop_back();
+          cb.push_back(blk);
+          const int32_t row0 = int32_t(start[size_t(c)] + int64_t(k) * kRows);
+          HC.owner[size_t(blk)] = row0;
+          mv[nm++] = cuda::WaveMove{h, row0, std::min<int32_t>(kRows, sz - k * kRows), blk};
+        }
+        if (!copy_misses_) cold_rows += cold(c);  // wave_misses=inplace: the attention read them already
+        HC.push_front(c);
+      }
+    }
+    *reinterpret_cast<int32_t*>(mv + W.max_moves) = nm;
+    wave_pcie_ += cold_rows * 2.0 * double(shape_.head_dim) * double(dtype_size(shape_.kv_dtype));
+    ++wave_steps_;
   }
 
   // The CPU method's update rule (on_append): once more than update_segment tokens lie between the
@@ -472,6 +911,18 @@ class RetroCuda final : public DeviceMethod {
   mutable int32_t max_clusters_ = 1, max_rows_ = 1;
   mutable std::vector<retro::StepLayout> layouts_;  // plan()'s, per session of the batch, for fill_args
   const DeviceLayerView* cur_ = nullptr;  // the layer a build or an update is clustering
+  // The wave buffer.
+  double cache_ratio_ = 0.05;
+  bool copy_misses_ = true;      // wave_misses=copy: admissions before the attention
+  cudaStream_t side_ = nullptr;  // the LRU decisions and the cache moves
+  mutable std::vector<std::pair<int64_t, int64_t>> hot_;  // per layer: fill_args's hot tokens, for the step's decide
+  mutable bool attn_wave_ = false;  // the last select's page table for the attention
+  mutable cuda::PagedKv attn_kv_{};
+  mutable DevBuf batch_table_;     // the step's page table of a batch (B > 1)
+  std::vector<int32_t> misses_;    // decide's scratch
+  double wave_hit_rows_ = 0, wave_miss_rows_ = 0, wave_pcie_ = 0;
+  int64_t wave_steps_ = 0;
+  std::string wave_error_;         // a decide that failed (reported by the next quiesce)
 };
 
 }  // namespace
