@@ -142,17 +142,18 @@ def main():
         hit = wave.method_stat("wave_hit_rate")
         bus = wave.method_stat("wave_pcie_bytes")
         cache = wave.method_stat("wave_cache_bytes")
+        host_us = wave.method_stat("wave_host_seconds") * 1e6
         row = dict(device=name, context=N, batch=1, budget=args.budget, cache_ratio=args.cache_ratio,
                    locality=args.locality, params=rp, wave_us=med["wave"], all_gpu_us=med["gpu"],
                    sdpa_us=med["sdpa"], full_pinned_us=full_us, wave_vs_full_pinned=full_us / med["wave"],
                    wave_vs_all_gpu=med["wave"] / med["gpu"], all_gpu_vs_sdpa=med["sdpa"] / med["gpu"],
-                   hit_rate=hit, bus_bytes_per_layer_step=bus, cache_bytes=cache,
+                   hit_rate=hit, bus_bytes_per_layer_step=bus, cache_bytes=cache, host_lru_us=host_us,
                    build_s_wave=wave_build, build_s_all_gpu=gpu_build, rounds=res)
         rows.append(row)
         print(f"   wave {med['wave']:.1f} us/step; all-GPU {med['gpu']:.1f}; sdpa {med['sdpa']:.1f}; "
               f"full over pinned KV {full_us:.1f}  ->  wave {full_us / med['wave']:.1f}x faster than full/pinned, "
               f"{med['wave'] / med['gpu']:.2f}x the all-GPU step; hit rate {hit:.3f}, "
-              f"{bus / 1e6:.2f} MB over the bus per layer step, cache {cache / 2**20:.0f} MiB; "
+              f"{bus / 1e6:.2f} MB over the bus per layer step, cache {cache / 2**20:.0f} MiB, host LRU {host_us:.0f} us/step; "
               f"build {wave_build:.2f} s (pinned) / {gpu_build:.2f} s (GPU)", flush=True)
         for s in (wave, gpu, full):
             s.close()

@@ -13,6 +13,8 @@
 #include <cstring>
 #include <deque>
 #include <filesystem>
+#include <list>
+#include <random>
 #include <numeric>
 #include <string>
 #include <unistd.h>
@@ -22,6 +24,7 @@
 #include "io/safetensors.hpp"
 #include "io/tables.hpp"
 #include "kvsieve/kvsieve.h"
+#include "methods/retroinfer/wave_cache.hpp"
 #include "methods/retroinfer/wave_index.hpp"
 #include "capi_helpers.hpp"
 #include "reference.hpp"
@@ -650,4 +653,177 @@ TEST_CASE("retroinfer: recall@100 and build time by segment size [measure]" * do
     std::printf("segment_size=%-5s prefill %lld  clusters %.0f  recall@100 %.3f (%.1f clusters)  build %.0f ms\n", seg,
                 (long long)P, stat(S.s, "clusters"), stat(S.s, "probe_recall"), stat(S.s, "probe_clusters"), ms);
   }
+}
+
+// ---- the wave buffer's block cache (wave_cache.hpp) --------------------------------------------
+
+namespace {
+
+// The blocks of every cached cluster form a chain of ceil(size / 8) distinct blocks owned by its
+// rows start + 8k; no block is in two chains; the rest are free.
+void check_chains(const kvs::retro::WaveCache& w, const std::vector<int32_t>& start, const std::vector<int32_t>& size) {
+  std::vector<int> used(size_t(w.blocks()), 0);
+  for (int32_t c = 0; c < w.clusters(); ++c) {
+    int32_t k = 0;
+    for (int32_t b = w.first_block(c); b >= 0; b = w.next_block(b), ++k) {
+      REQUIRE(b < w.blocks());
+      CHECK(++used[size_t(b)] == 1);
+      CHECK(w.owner(b) == start[size_t(c)] + 8 * k);
+    }
+    CHECK(k == (w.cached(c) ? (size[size_t(c)] + 7) / 8 : 0));
+  }
+  for (int32_t b = 0; b < w.blocks(); ++b)
+    if (!used[size_t(b)]) CHECK(w.owner(b) == -1);
+}
+
+}  // namespace
+
+TEST_CASE("retroinfer wave cache: LRU over clusters, admissions in order, no eviction of a cluster the step read") {
+  using kvs::retro::WaveCache;
+  using kvs::retro::WaveMoveRec;
+  // Clusters 0..4 of 8, 16, 8, 24 and 40 rows (1, 2, 1, 3, 5 blocks); a cache of 4 blocks.
+  const std::vector<int32_t> size{8, 16, 8, 24, 40}, start{0, 8, 24, 32, 56};
+  WaveCache w;
+  w.reset(4, 8, 5);
+  std::vector<WaveMoveRec> mv;
+  std::vector<int32_t> missed;
+  auto run = [&](std::vector<int32_t> ids) {
+    mv.clear();
+    missed.clear();
+    return w.step(ids.data(), int32_t(ids.size()), start.data(), size.data(), mv, missed);
+  };
+  auto st = run({0, 1});  // both miss, both enter: 3 blocks
+  CHECK(st.hit_rows == 0);
+  CHECK(st.miss_rows == 24);
+  CHECK(missed == std::vector<int32_t>{0, 1});
+  REQUIRE(mv.size() == 3);
+  CHECK((mv[0].row0 == 0 && mv[0].rows == 8 && mv[0].block >= 0));
+  CHECK((mv[1].row0 == 8 && mv[1].rows == 8 && mv[2].row0 == 16 && mv[2].rows == 8));
+  CHECK((w.cached(0) && w.cached(1) && !w.cached(2)));
+  check_chains(w, start, size);
+  st = run({1, 2});  // 1 hits (to the front), 2 takes the last free block
+  CHECK(st.hit_rows == 16);
+  CHECK(st.miss_rows == 8);
+  CHECK(mv.size() == 1);
+  check_chains(w, start, size);
+  st = run({3});  // 3 needs 3 blocks: the LRU tail 0 (1 block) then 1 (2 blocks) leave
+  CHECK(st.miss_rows == 24);
+  CHECK((!w.cached(0) && !w.cached(1) && w.cached(2) && w.cached(3)));
+  int evicted = 0, admitted = 0;
+  for (const auto& m : mv) (m.block < 0 ? evicted : admitted) += 1;
+  CHECK(evicted == 3);
+  CHECK(admitted == 3);
+  check_chains(w, start, size);
+  st = run({2, 3, 0});  // everything cached was read by this step: 0 stays out
+  CHECK(st.hit_rows == 32);
+  CHECK((mv.empty() && !w.cached(0)));
+  st = run({4});  // larger than the cache: never enters, evicts nothing
+  CHECK((mv.empty() && !w.cached(4) && w.cached(2) && w.cached(3)));
+  // An update appends a cluster: not cached, then admitted like any other.
+  w.grow(6);
+  const std::vector<int32_t> size6{8, 16, 8, 24, 40, 8}, start6{0, 8, 24, 32, 56, 96};
+  mv.clear();
+  missed.clear();
+  const int32_t ids6[] = {5};
+  w.step(ids6, 1, start6.data(), size6.data(), mv, missed);
+  CHECK(w.cached(5));
+  check_chains(w, start6, size6);
+}
+
+TEST_CASE("retroinfer wave cache: random steps against a list-based LRU") {
+  using kvs::retro::WaveCache;
+  std::mt19937 rng(7);
+  const int32_t C = 300, blocks = 96;
+  std::vector<int32_t> size(C), start(C);
+  int32_t at = 0;
+  for (int32_t c = 0; c < C; ++c) {
+    size[size_t(c)] = int32_t(rng() % 40);  // empty clusters too
+    start[size_t(c)] = at;
+    at += size[size_t(c)];
+  }
+  WaveCache w;
+  w.reset(blocks, 8, C);
+  std::list<int32_t> lru;  // most recent first
+  std::vector<char> in(size_t(C), 0);
+  int32_t free_blocks = blocks;
+  auto nb = [&](int32_t c) { return (size[size_t(c)] + 7) / 8; };
+  std::vector<kvs::retro::WaveMoveRec> mv;
+  std::vector<int32_t> missed;
+  int64_t hits = 0;
+  for (int step = 0; step < 400; ++step) {
+    // A drifting window of popular clusters, so that steps hit.
+    std::vector<int32_t> ids;
+    const int32_t base = (step * 3) % C;
+    for (int i = 0; i < 20; ++i) ids.push_back((base + int32_t(rng() % 40)) % C);
+    mv.clear();
+    missed.clear();
+    const auto st = w.step(ids.data(), int32_t(ids.size()), start.data(), size.data(), mv, missed);
+    // The reference.
+    std::vector<char> read(size_t(C), 0);
+    std::vector<int32_t> miss;
+    int64_t h = 0, m = 0;
+    for (int32_t c : ids) {
+      if (read[size_t(c)]) continue;
+      read[size_t(c)] = 1;
+      if (in[size_t(c)]) {
+        h += size[size_t(c)];
+        lru.remove(c);
+        lru.push_front(c);
+      } else {
+        m += size[size_t(c)];
+        miss.push_back(c);
+      }
+    }
+    for (int32_t c : miss) {
+      if (size[size_t(c)] == 0 || nb(c) > blocks) continue;
+      while (free_blocks < nb(c) && !lru.empty() && !read[size_t(lru.back())]) {
+        free_blocks += nb(lru.back());
+        in[size_t(lru.back())] = 0;
+        lru.pop_back();
+      }
+      if (free_blocks < nb(c)) break;
+      free_blocks -= nb(c);
+      in[size_t(c)] = 1;
+      lru.push_front(c);
+    }
+    REQUIRE(st.hit_rows == h);
+    REQUIRE(st.miss_rows == m);
+    REQUIRE(missed == miss);
+    for (int32_t c = 0; c < C; ++c) REQUIRE(w.cached(c) == bool(in[size_t(c)]));
+    hits += h;
+    if (step % 50 == 0) check_chains(w, start, size);
+  }
+  CHECK(hits > 0);
+  check_chains(w, start, size);
+}
+
+TEST_CASE("retroinfer wave cache: a step's cost at 512K tokens (informational)") {
+  // One KV head at 512K tokens, session budget 5%: 32768 clusters of 16 rows, a cache of 5% of the
+  // rows, 1640 clusters read per step drifting slowly.
+  using kvs::retro::WaveCache;
+  const int32_t C = 32768, blocks = 3296;
+  std::vector<int32_t> size(C, 16), start(C);
+  for (int32_t c = 0; c < C; ++c) start[size_t(c)] = 16 * c;
+  WaveCache w;
+  w.reset(blocks, 8, C);
+  std::mt19937 rng(3);
+  std::vector<kvs::retro::WaveMoveRec> mv;
+  std::vector<int32_t> missed, ids(1640);
+  const int steps = 200;
+  const auto t0 = std::chrono::steady_clock::now();
+  int64_t hit = 0, miss = 0;
+  for (int s = 0; s < steps; ++s) {
+    for (auto& c : ids) c = int32_t((s * 20 + rng() % 4000) % C);
+    std::sort(ids.begin(), ids.end());
+    mv.clear();
+    missed.clear();
+    const auto st = w.step(ids.data(), int32_t(ids.size()), start.data(), size.data(), mv, missed);
+    hit += st.hit_rows;
+    miss += st.miss_rows;
+  }
+  const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / steps;
+  std::printf("wave cache step (1 KV head, 32768 clusters, 1640 read, %d blocks): %.1f us, hit rate %.3f\n", blocks, us,
+              double(hit) / double(hit + miss));
+  CHECK(hit + miss > 0);
+  check_chains(w, start, size);
 }

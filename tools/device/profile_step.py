@@ -29,6 +29,10 @@ def main(argv):
     ap.add_argument("--batch-api", action="store_true", help="kvs_batch_plan + kvs_batch_decode per step")
     ap.add_argument("--timeline", action="store_true", help="print the median-span step's kernels with start/end")
     ap.add_argument("--ncu", action="store_true", help="no profiler: the steps inside an NVTX range kvs_steps")
+    ap.add_argument("--locality", type=float, default=0.0,
+                    help="decode queries as a random walk with this coefficient (0: independent)")
+    ap.add_argument("--kv-memory", default="default", choices=("default", "cuda", "cuda_host"),
+                    help="cuda_host: the KV cache in pinned host memory (retroinfer's wave buffer)")
     ap.add_argument("--placement", default="cuda", choices=("cuda", "hybrid"),
                     help="hybrid: the gaps of a step's span are its host part (the CPU's search)")
     a = ap.parse_args(argv)
@@ -43,7 +47,7 @@ def main(argv):
         m, n, b, f, *params = case.split(":")
         N, B, F = int(n), int(b), float(f)
         ss = [kvs.Session(1, hq, hkv, d, method=m, budget=F or None, kv_dtype="bf16", backend=a.placement,
-                          method_params=params[0] if params else None)
+                          method_params=params[0] if params else None, kv_memory=a.kv_memory)
               for _ in range(B)]
         g = torch.Generator(device=dev).manual_seed(1)
         rnd = lambda *s: torch.randn(*s, generator=g, device=dev, dtype=torch.bfloat16)  # noqa: E731
@@ -56,6 +60,9 @@ def main(argv):
             s.build_index(stream=stream)
         S = a.steps + 5
         qs, ks, vs = rnd(S, B, hq, d), rnd(S, B, hkv, d), rnd(S, B, hkv, d)
+        if a.locality > 0:  # decode queries as a random walk q_t = a q_(t-1) + sqrt(1 - a^2) g_t
+            for j in range(1, S):
+                qs[j] = (a.locality * qs[j - 1].float() + (1 - a.locality ** 2) ** 0.5 * qs[j].float()).to(qs.dtype)
         o = torch.empty(B, hq, d, dtype=torch.bfloat16, device=dev)
         lse = torch.empty(B, hq, dtype=torch.float32, device=dev)
         batch = kvs.Batch(ss) if a.batch_api else None

@@ -28,6 +28,7 @@
 // blocks and rewriting vpos. The next step of the layer waits for that kernel (an event).
 #ifdef KVS_HAVE_CUDA
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -42,7 +43,9 @@
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "core/kv_store.hpp"
+#include "core/thread_pool.hpp"
 #include "methods/retroinfer/retroinfer.hpp"
+#include "methods/retroinfer/wave_cache.hpp"
 
 namespace kvs {
 namespace {
@@ -294,7 +297,7 @@ class RetroCuda final : public DeviceMethod {
       if (k >= W.tok_base) {
         k -= W.tok_base;
       } else {
-        const int32_t row0 = HC.owner[size_t(k / cuda::kWaveBlockRows)];
+        const int32_t row0 = HC.owner(k / cuda::kWaveBlockRows);
         k = row0 < 0 ? -1 : pos[row0 + k % cuda::kWaveBlockRows];
       }
     }
@@ -342,10 +345,12 @@ class RetroCuda final : public DeviceMethod {
       *out = double(host_->index_bytes());
       return true;
     }
-    if (name == "wave_hit_rate" || name == "wave_pcie_bytes" || name == "wave_cache_bytes") {
+    if (name == "wave_hit_rate" || name == "wave_pcie_bytes" || name == "wave_cache_bytes" ||
+        name == "wave_host_seconds") {
       quiesce();
       if (name == "wave_hit_rate") *out = wave_hit_rows_ + wave_miss_rows_ > 0 ? wave_hit_rows_ / (wave_hit_rows_ + wave_miss_rows_) : 0;
       else if (name == "wave_pcie_bytes") *out = wave_steps_ > 0 ? wave_pcie_ / double(wave_steps_) : 0;
+      else if (name == "wave_host_seconds") *out = wave_steps_ > 0 ? wave_host_s_ / double(wave_steps_) : 0;
       else {
         double b = 0;
         for (const auto& L : layers_) b += double(L.wave.pages.size()) * double(page_bytes());
@@ -393,26 +398,6 @@ class RetroCuda final : public DeviceMethod {
       return static_cast<T*>(d);
     }
   };
-  // One KV head's block cache on the host (the authors' ClusterDescriptor and LRU list).
-  struct HeadCache {
-    std::vector<std::vector<int32_t>> blocks;  // per cluster: its cache blocks (empty: not cached)
-    std::vector<int32_t> prev, next;           // the LRU list of cached clusters, most recent first
-    int32_t first = -1, last = -1;
-    std::vector<int64_t> stamp;                // per cluster: the last step that read it
-    std::vector<int32_t> free;                 // free blocks
-    std::vector<int32_t> owner;                // per block: the first list row it holds (-1: free)
-    void unlink(int32_t c) {
-      (prev[size_t(c)] >= 0 ? next[size_t(prev[size_t(c)])] : first) = next[size_t(c)];
-      (next[size_t(c)] >= 0 ? prev[size_t(next[size_t(c)])] : last) = prev[size_t(c)];
-      prev[size_t(c)] = next[size_t(c)] = -1;
-    }
-    void push_front(int32_t c) {
-      prev[size_t(c)] = -1;
-      next[size_t(c)] = first;
-      (first >= 0 ? prev[size_t(first)] : last) = c;
-      first = c;
-    }
-  };
   // One layer's wave buffer (off: the KV is in GPU memory, cache_ratio = 0, or nothing indexed).
   struct Wave {
     bool on = false, pending = false;  // pending: admitted is recorded for the last step
@@ -426,9 +411,10 @@ class RetroCuda final : public DeviceMethod {
     Mapped ids;    // [Hkv][C] cluster ids, then [Hkv] counts (the zones kernel writes them)
     Mapped moves;  // [max_moves] cuda::WaveMove, then the count
     int32_t max_moves = 0;
-    std::vector<HeadCache> heads;
+    std::vector<retro::WaveCache> heads;                 // per KV head
     std::vector<std::vector<int32_t>> start, size, pos;  // the host index's, per KV head
-    int64_t step = 0;
+    std::vector<std::vector<retro::WaveMoveRec>> moved;  // decide's, per KV head
+    std::vector<std::vector<int32_t>> missed;
     cudaEvent_t zones_done = nullptr, admitted = nullptr;
     void release_events() {
       if (zones_done) cudaEventDestroy(zones_done);
@@ -600,12 +586,10 @@ class RetroCuda final : public DeviceMethod {
       W.page_ptrs.reserve(ptrs.size() * sizeof(void*), device_, "retroinfer wave buffer pages");
       check(cudaMemcpy(W.page_ptrs.p, ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice),
             "cudaMemcpy(retroinfer wave buffer pages)");
-      W.heads.assign(size_t(hkv), HeadCache{});
-      for (auto& HC : W.heads) {
-        for (int32_t b = W.blocks; b-- > 0;) HC.free.push_back(b);
-        HC.owner.assign(size_t(W.blocks), -1);
-      }
-      W.step = 0;
+      W.heads.assign(size_t(hkv), retro::WaveCache{});
+      for (auto& HC : W.heads) HC.reset(W.blocks, kRows, C);
+      W.moved.resize(size_t(hkv));
+      W.missed.resize(size_t(hkv));
     }
     W.start.resize(size_t(hkv));
     W.size.resize(size_t(hkv));
@@ -614,19 +598,16 @@ class RetroCuda final : public DeviceMethod {
     for (int h = 0; h < hkv; ++h) {
       const auto& H = heads[size_t(h)];
       auto& HC = W.heads[size_t(h)];
-      HC.blocks.resize(size_t(C));
-      HC.prev.resize(size_t(C), -1);
-      HC.next.resize(size_t(C), -1);
-      HC.stamp.resize(size_t(C), -1);
+      HC.grow(C);
       W.start[size_t(h)].assign(H.start.begin(), H.start.end());
       W.size[size_t(h)] = H.size;
       W.pos[size_t(h)] = H.pos;
       int32_t* row = vp.data() + size_t(h) * R;
       for (int32_t r = 0; r < R; ++r) row[r] = W.tok_base + H.pos[size_t(r)];
       for (int32_t c = 0; c < C; ++c)
-        for (size_t k = 0; k < HC.blocks[size_t(c)].size(); ++k)
-          for (int32_t i = 0; i < kRows && int32_t(k) * kRows + i < H.size[size_t(c)]; ++i)
-            row[H.start[size_t(c)] + int64_t(k) * kRows + i] = HC.blocks[size_t(c)][k] * kRows + i;
+        for (int32_t blk = HC.first_block(c), k = 0; blk >= 0; blk = HC.next_block(blk), ++k)
+          for (int32_t i = 0; i < kRows && k * kRows + i < H.size[size_t(c)]; ++i)
+            row[H.start[size_t(c)] + int64_t(k) * kRows + i] = blk * kRows + i;
     }
     W.vpos.reserve(vp.size() * 4, device_, "retroinfer wave buffer positions");
     check(cudaMemcpyAsync(W.vpos.p, vp.data(), vp.size() * 4, cudaMemcpyHostToDevice, S(v.stream)),
@@ -703,85 +684,58 @@ class RetroCuda final : public DeviceMethod {
                                   c->m->layers_[c->layer].wave.max_moves) = 0;
     }
   }
-  // The authors' BufferManager::batch_update for one step of a layer, per KV head: the clusters the
-  // step read (hits to the front of the LRU list), the misses admitted in id order while enough
-  // blocks are free or can be freed from the list's tail (clusters this step did not read); the
-  // moves for the kernel; hits, misses and bus bytes counted (rows outside the GPU's hot pages that
-  // the attention read in place and the admissions read again).
+  // The authors' BufferManager::batch_update for one step of a layer (retro::WaveCache), the KV
+  // heads in parallel; the moves for the kernel; hits, misses and bus bytes counted (rows outside
+  // the GPU's hot pages that the moves read, and with wave_misses=inplace the attention too).
   void decide(uint32_t layer, int64_t hot_head, int64_t hot_tail) {
+    const auto t0 = std::chrono::steady_clock::now();
     Wave& W = layers_[layer].wave;
     const int hkv = int(shape_.num_kv_heads);
-    constexpr int32_t kRows = cuda::kWaveBlockRows;
     const int32_t* ids = W.ids.host<int32_t>();
     const int32_t* cnt = ids + size_t(W.C) * hkv;
-    auto* mv = W.moves.host<cuda::WaveMove>();
-    int32_t nm = 0;
     const int64_t hh = (hot_head + kPageTokens - 1) / kPageTokens * kPageTokens;
     const int64_t ht = hot_tail == INT64_MAX ? INT64_MAX : hot_tail / kPageTokens * kPageTokens;
-    double cold_rows = 0;
-    ++W.step;
-    for (int h = 0; h < hkv; ++h) {
-      HeadCache& HC = W.heads[size_t(h)];
+    std::vector<retro::WaveCache::Step> st(static_cast<size_t>(hkv));
+    std::vector<double> cold(static_cast<size_t>(hkv));
+    wave_pool().parallel_for(hkv, [&](int64_t h) {
+      auto& moved = W.moved[size_t(h)];
+      auto& missed = W.missed[size_t(h)];
+      moved.clear();
+      missed.clear();
       const auto& start = W.start[size_t(h)];
       const auto& size = W.size[size_t(h)];
       const auto& pos = W.pos[size_t(h)];
-      auto cold = [&](int32_t c) {
-        int64_t k = 0;
+      st[size_t(h)] = W.heads[size_t(h)].step(ids + size_t(h) * W.C, std::clamp(cnt[h], 0, W.C), start.data(),
+                                              size.data(), moved, missed);
+      double k = 0;
+      for (const int32_t c : missed) {
+        const int32_t times = copy_misses_ || !W.heads[size_t(h)].cached(c) ? 1 : 2;
         for (int32_t i = 0; i < size[size_t(c)]; ++i) {
           const int64_t t = pos[size_t(start[size_t(c)] + i)];
-          k += t >= hh && t < ht;
+          k += (t >= hh && t < ht) ? times : 0;
         }
-        return double(k);
-      };
-      misses_.clear();
-      const int32_t n = std::clamp(cnt[h], 0, W.C);
-      for (int32_t k = 0; k < n; ++k) {
-        const int32_t c = ids[size_t(h) * W.C + k];
-        if (c < 0 || c >= W.C) continue;
-        HC.stamp[size_t(c)] = W.step;
-        if (!HC.blocks[size_t(c)].empty()) {
-          wave_hit_rows_ += size[size_t(c)];
-          HC.unlink(c);
-          HC.push_front(c);
-          continue;
-        }
-        wave_miss_rows_ += size[size_t(c)];
-        cold_rows += cold(c);
-        misses_.push_back(c);
       }
-      for (const int32_t c : misses_) {
-        const int32_t sz = size[size_t(c)], nb = (sz + kRows - 1) / kRows;
-        if (sz == 0 || nb > W.blocks) continue;
-        while (int32_t(HC.free.size()) < nb) {
-          const int32_t t = HC.last;
-          if (t < 0 || HC.stamp[size_t(t)] == W.step) break;  // every cached cluster was read by this step
-          HC.unlink(t);
-          auto& tb = HC.blocks[size_t(t)];
-          for (size_t k = 0; k < tb.size(); ++k) {
-            mv[nm++] = cuda::WaveMove{h, int32_t(start[size_t(t)] + int64_t(k) * kRows),
-                                      std::min<int32_t>(kRows, size[size_t(t)] - int32_t(k) * kRows), -1};
-            HC.owner[size_t(tb[k])] = -1;
-            HC.free.push_back(tb[k]);
-          }
-          tb.clear();
-        }
-        if (int32_t(HC.free.size()) < nb) break;
-        auto& cb = HC.blocks[size_t(c)];
-        for (int32_t k = 0; k < nb; ++k) {
-          const int32_t blk = HC.free.back();
-          HC.free.pop_back();
-          cb.push_back(blk);
-          const int32_t row0 = int32_t(start[size_t(c)] + int64_t(k) * kRows);
-          HC.owner[size_t(blk)] = row0;
-          mv[nm++] = cuda::WaveMove{h, row0, std::min<int32_t>(kRows, sz - k * kRows), blk};
-        }
-        if (!copy_misses_) cold_rows += cold(c);  // wave_misses=inplace: the attention read them already
-        HC.push_front(c);
-      }
+      cold[size_t(h)] = k;
+    });
+    auto* mv = W.moves.host<cuda::WaveMove>();
+    int32_t nm = 0;
+    double cold_rows = 0;
+    for (int h = 0; h < hkv; ++h) {
+      for (const auto& m : W.moved[size_t(h)])
+        if (nm < W.max_moves) mv[nm++] = cuda::WaveMove{h, m.row0, m.rows, m.block};
+      wave_hit_rows_ += double(st[size_t(h)].hit_rows);
+      wave_miss_rows_ += double(st[size_t(h)].miss_rows);
+      cold_rows += cold[size_t(h)];
     }
     *reinterpret_cast<int32_t*>(mv + W.max_moves) = nm;
     wave_pcie_ += cold_rows * 2.0 * double(shape_.head_dim) * double(dtype_size(shape_.kv_dtype));
     ++wave_steps_;
+    wave_host_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  // The threads of every session's LRU decisions (host work only: no CUDA call waits on them).
+  static ThreadPool& wave_pool() {
+    static ThreadPool* p = new ThreadPool(8);  // never destroyed: a decision may run during exit
+    return *p;
   }
 
   // The CPU method's update rule (on_append): once more than update_segment tokens lie between the
@@ -919,8 +873,7 @@ class RetroCuda final : public DeviceMethod {
   mutable bool attn_wave_ = false;  // the last select's page table for the attention
   mutable cuda::PagedKv attn_kv_{};
   mutable DevBuf batch_table_;     // the step's page table of a batch (B > 1)
-  std::vector<int32_t> misses_;    // decide's scratch
-  double wave_hit_rows_ = 0, wave_miss_rows_ = 0, wave_pcie_ = 0;
+  double wave_hit_rows_ = 0, wave_miss_rows_ = 0, wave_pcie_ = 0, wave_host_s_ = 0;
   int64_t wave_steps_ = 0;
   std::string wave_error_;         // a decide that failed (reported by the next quiesce)
 };
