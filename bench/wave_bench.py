@@ -19,8 +19,9 @@ which gives consecutive steps overlapping clusters as a real model's queries do;
 case (no locality). This is a synthetic generator, not a replayed trace: say so when quoting it.
 
 Each side is timed as the whole public step (decode call, every launch, the host's share) over
---steps steps after --warmup, wall clock with one synchronisation at the end; the wave side's
-block-cache decisions run off the critical path but the next step waits for them, so they count.
+--steps steps after --warmup, wall clock with one synchronisation at the end, per layer step; the
+wave side's block-cache decisions run off the critical path but the layer's next step waits for
+them, so they count (with --layers > 1 the other layers' steps run meanwhile, as in a model).
 Reported: median over --rounds rounds of us/step, ratios, and the wave session's hit rate and bus
 bytes per layer step (its statistics, over every step it ran, warm-up included).
 
@@ -45,6 +46,10 @@ def main():
     ap.add_argument("--hq", type=int, default=32)
     ap.add_argument("--hkv", type=int, default=8)
     ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=1,
+                    help="layers of the retroinfer sessions (the same K/V in each); times are per layer step. With "
+                         "more than one, a layer's host-side cache decision overlaps the other layers' steps, as in "
+                         "a model")
     ap.add_argument("--steps", type=int, default=40, help="timed steps per round")
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
@@ -82,13 +87,14 @@ def main():
             qs[t] = x * 1.5
         qs = qs.to(dt)
 
-        def make(method, kv_memory, params):
-            s = kvs.Session(1, hq, hkv, d, method=method, method_params=params or None,
+        def make(method, kv_memory, params, layers=1):
+            s = kvs.Session(layers, hq, hkv, d, method=method, method_params=params or None,
                             budget=args.budget if method != "full" else None,
                             kv_dtype="bfloat16", backend="cuda", kv_memory=kv_memory)
-            for c0 in range(0, N, 16384):
-                c1 = min(N, c0 + 16384)
-                s.prefill(0, qp[: c1 - c0], K[c0:c1], V[c0:c1])
+            for layer in range(layers):
+                for c0 in range(0, N, 16384):
+                    c1 = min(N, c0 + 16384)
+                    s.prefill(layer, qp[: c1 - c0], K[c0:c1], V[c0:c1])
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             s.build_index()
@@ -97,15 +103,17 @@ def main():
 
         rp = ",".join(x for x in (f"cache_ratio={args.cache_ratio}", args.params) if x)
         print(f"== context {N}: building", flush=True)
-        wave, wave_build = make("retroinfer", "cuda_host", rp)
-        gpu, gpu_build = make("retroinfer", "cuda", rp)
+        L = args.layers
+        wave, wave_build = make("retroinfer", "cuda_host", rp, L)
+        gpu, gpu_build = make("retroinfer", "cuda", rp, L)
         full = make("full", "cuda_host", "")[0]
         out = torch.empty(hq, d, device=dev, dtype=dt)
         lse = torch.empty(hq, device=dev, dtype=torch.float32)
 
-        def run(s, j0, n):
+        def run(s, j0, n, layers=L):
             for j in range(j0, j0 + n):
-                s.decode(0, qs[j], K[N + j], V[N + j], out=out, lse=lse)
+                for layer in range(layers):
+                    s.decode(layer, qs[j], K[N + j], V[N + j], out=out, lse=lse)
 
         Kd, Vd = K[: N + 1].transpose(0, 1).unsqueeze(0), V[: N + 1].transpose(0, 1).unsqueeze(0)
         F = torch.nn.functional
@@ -131,19 +139,19 @@ def main():
             order = ["wave", "gpu", "sdpa"][r % 3:] + ["wave", "gpu", "sdpa"][: r % 3]
             for side in order:
                 if side == "wave":
-                    res[side].append(timed(lambda: run(wave, j, args.steps)) / args.steps)
+                    res[side].append(timed(lambda: run(wave, j, args.steps)) / (args.steps * L))
                 elif side == "gpu":
-                    res[side].append(timed(lambda: run(gpu, j, args.steps)) / args.steps)
+                    res[side].append(timed(lambda: run(gpu, j, args.steps)) / (args.steps * L))
                 else:
                     res[side].append(timed(lambda: sdpa(j, args.steps)) / args.steps)
             j += args.steps
-        full_us = timed(lambda: run(full, 0, args.full_steps)) / args.full_steps
+        full_us = timed(lambda: run(full, 0, args.full_steps, 1)) / args.full_steps
         med = {k: statistics.median(v) for k, v in res.items()}
         hit = wave.method_stat("wave_hit_rate")
         bus = wave.method_stat("wave_pcie_bytes")
         cache = wave.method_stat("wave_cache_bytes")
         host_us = wave.method_stat("wave_host_seconds") * 1e6
-        row = dict(device=name, context=N, batch=1, budget=args.budget, cache_ratio=args.cache_ratio,
+        row = dict(device=name, context=N, batch=1, layers=L, budget=args.budget, cache_ratio=args.cache_ratio,
                    locality=args.locality, params=rp, wave_us=med["wave"], all_gpu_us=med["gpu"],
                    sdpa_us=med["sdpa"], full_pinned_us=full_us, wave_vs_full_pinned=full_us / med["wave"],
                    wave_vs_all_gpu=med["wave"] / med["gpu"], all_gpu_vs_sdpa=med["sdpa"] / med["gpu"],

@@ -349,6 +349,8 @@ int run_retroinfer_tests(bool small) {
   run_wave("cache_ratio=0.2,update_segment=64,segment_size=512", 2, 1500, small ? 70 : 150);
   run_wave("cache_ratio=0.05,budget=paper", 3, n, small ? 8 : 20);
   run_wave("cache_ratio=0.01,wave_misses=inplace", 2, n, small ? 14 : 40);
+  run_wave("cache_ratio=0.01,wave_misses=copy", 1, n, small ? 14 : 40);
+  run_wave("cache_ratio=0.02,wave_misses=copy,update_segment=64,segment_size=512", 2, 1500, small ? 70 : 150);
   std::printf("retroinfer session tests: %d passed, %d failed\n", g_pass, g_fail);
   return g_fail;
 }

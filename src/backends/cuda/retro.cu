@@ -736,7 +736,11 @@ __global__ void wave_table_kernel(PagedKv kv, const RetroSession* sessions, cons
   const void** row = table + int64_t(b) * stride;
   const bool own = s.own_table && s.own_table != row;
   for (int j = threadIdx.x; j < stride; j += blockDim.x) {
-    const void* p = j < cp ? s.cache_pages[j] : j - cp < kv.max_pages ? kv.pages[int64_t(b) * kv.max_pages + (j - cp)] : nullptr;
+    const int32_t i = j - cp - kv.max_pages;  // staging
+    const void* p = j < cp                  ? s.cache_pages[j]
+                    : j - cp < kv.max_pages ? kv.pages[int64_t(b) * kv.max_pages + (j - cp)]
+                    : i < s.stage_page_count ? s.stage_pages[i]
+                                             : nullptr;
     row[j] = p;
     if (own && j < s.own_cap) s.own_table[j] = p;
   }
@@ -747,7 +751,8 @@ __global__ void wave_table_kernel(PagedKv kv, const RetroSession* sessions, cons
 // A CTA per move at a time (grid-stride over *count): the rows' K and V copied in 16-byte pieces
 // (or 2-byte ones when a row is not a multiple of 16 bytes), then their virtual positions.
 __global__ void wave_moves_kernel(PagedKv kv, int32_t hkv, int32_t d, const int32_t* pos, int32_t R, int32_t* vpos,
-                                  int32_t* tok2v, int32_t T, int32_t tok_base, const WaveMove* moves,
+                                  int32_t* tok2v, int32_t T, int32_t tok_base, PagedKv stage,
+                                  const int64_t* stage_map, uint32_t epoch, const WaveMove* moves,
                                   const int32_t* count) {
   const int32_t n = *count;
   const bool wide = (d * 2) % 16 == 0;
@@ -758,7 +763,12 @@ __global__ void wave_moves_kernel(PagedKv kv, int32_t hkv, int32_t d, const int3
     if (mv.block >= 0)
       for (int e = threadIdx.x; e < mv.rows * 2 * per; e += blockDim.x) {
         const int r = e / (2 * per), is_v = (e / per) & 1, i = e % per;
-        const uint16_t* src = kv_row<uint16_t>(kv, hkv, d, 0, mv.h, tok_base + p[r], is_v);
+        const uint16_t* src = nullptr;
+        if (stage_map && p[r] < T) {
+          const int64_t sm = stage_map[int64_t(mv.h) * T + p[r]];
+          if (uint32_t(uint64_t(sm) >> 32) == epoch) src = kv_row<uint16_t>(stage, hkv, d, 0, mv.h, int32_t(sm & 0xffffffff), is_v);
+        }
+        if (!src) src = kv_row<uint16_t>(kv, hkv, d, 0, mv.h, tok_base + p[r], is_v);
         uint16_t* dst = const_cast<uint16_t*>(kv_row<uint16_t>(kv, hkv, d, 0, mv.h, mv.block * kWaveBlockRows + r, is_v));
         if (wide) reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
         else dst[i] = src[i];
@@ -768,6 +778,70 @@ __global__ void wave_moves_kernel(PagedKv kv, int32_t hkv, int32_t d, const int3
       vpos[int64_t(mv.h) * R + mv.row0 + r] = v;
       if (tok2v && p[r] < T) tok2v[int64_t(mv.h) * T + p[r]] = v;
     }
+  }
+}
+
+// 32 listed entries per warp: the misses found by a ballot take consecutive slots (one atomic per
+// warp), then the warp copies their rows four at a time (a lane per 16-byte piece of K and V, two
+// for d > 128), the loads of the four issued before the stores.
+constexpr int kStageTile = 256;  // list entries per CTA of the staging kernel (8 warps x 32)
+__global__ void __launch_bounds__(256) wave_stage_kernel(PagedKv kv, int32_t row, int32_t hkv, int32_t d, int32_t* idx,
+                                                         const int32_t* cnt, int32_t max_sel, int32_t T, int32_t tok_base,
+                                                         int32_t stage_base, int32_t stage_cap, int64_t* stage_map,
+                                                         int32_t* stage_tok, int32_t* stage_cnt, uint32_t epoch) {
+  const int h = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t r = int64_t(row) * hkv + h;
+  const int32_t n = min(max(cnt[r], 0), max_sel);
+  int32_t* l = idx + r * max_sel;
+  const int per = d * 2 / 16;  // 16-byte pieces of one of K and V
+  const int i = blockIdx.y * kStageTile + warp * 32 + lane;
+  int32_t v = 0, t = -1;
+  if (i < n) {
+    v = l[i];
+    t = v - tok_base;
+  }
+  const bool miss = i < n && t >= 0 && t < T;
+  const unsigned bal = __ballot_sync(0xffffffffu, miss);
+  if (!bal) return;
+  int32_t base = 0;
+  if (lane == 0) base = atomicAdd(stage_cnt + h, __popc(bal));
+  base = __shfl_sync(0xffffffffu, base, 0);
+  const int32_t j = base + __popc(bal & ((1u << lane) - 1u));
+  if (miss && j < stage_cap) {
+    l[i] = stage_base + j;
+    stage_map[int64_t(h) * T + t] = int64_t((uint64_t(epoch) << 32) | uint32_t(j));
+    stage_tok[int64_t(h) * stage_cap + j] = t;
+  }
+  unsigned m = bal;
+  while (m) {
+    uint4 x[4][2];
+    int32_t src_v[4], dst[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      dst[u] = -1;
+      if (!m) continue;
+      const int src = __ffs(m) - 1;
+      m &= m - 1;
+      src_v[u] = __shfl_sync(0xffffffffu, v, src);
+      const int32_t jj = base + __popc(bal & ((1u << src) - 1u));
+      if (jj >= stage_cap) continue;
+      dst[u] = stage_base + jj;
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int e = lane + 32 * q;
+        if (e < 2 * per)
+          x[u][q] = reinterpret_cast<const uint4*>(kv_row<uint16_t>(kv, hkv, d, row, h, src_v[u], e / per))[e % per];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int e = lane + 32 * q;
+        if (dst[u] >= 0 && e < 2 * per)
+          reinterpret_cast<uint4*>(const_cast<uint16_t*>(kv_row<uint16_t>(kv, hkv, d, row, h, dst[u], e / per)))[e % per] =
+              x[u][q];
+      }
   }
 }
 
@@ -794,15 +868,34 @@ Status retro_wave_table(const PagedKv& kv, int32_t batch, const RetroSession* se
   return launch_status("retro_wave_table");
 }
 
+Status retro_wave_stage(const PagedKv& kv, Scalar kv_dtype, int32_t row, int32_t num_kv_heads, int32_t head_dim,
+                        int32_t* idx, const int32_t* cnt, int32_t max_selected, int32_t T, int32_t tok_base,
+                        int32_t stage_base, int32_t stage_cap, int64_t* stage_map, int32_t* stage_tok,
+                        int32_t* stage_cnt, uint32_t epoch, void* stream) noexcept {
+  if (kv_dtype != Scalar::BF16 && kv_dtype != Scalar::F16) return unsupported("retro_wave_stage: KV dtype must be BF16 or F16");
+  if (head_dim % 8 != 0 || head_dim > 256) return unsupported("retro_wave_stage: head_dim must be a multiple of 8, <= 256");
+  if (!idx || !cnt || !stage_map || !stage_tok || !stage_cnt || num_kv_heads < 1 || max_selected < 1)
+    return invalid("retro_wave_stage: bad argument");
+  if (T < 1 || stage_cap < 1) return Status{};
+  const dim3 grid(unsigned(num_kv_heads), unsigned((max_selected + kStageTile - 1) / kStageTile));
+  wave_stage_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(kv, row, num_kv_heads, head_dim, idx, cnt,
+                                                                         max_selected, T, tok_base, stage_base,
+                                                                         stage_cap, stage_map, stage_tok, stage_cnt,
+                                                                         epoch);
+  return launch_status("retro_wave_stage");
+}
+
 Status retro_wave_moves(const PagedKv& kv, Scalar kv_dtype, int32_t num_kv_heads, int32_t head_dim,
                         const int32_t* pos, int32_t R, int32_t* vpos, int32_t* tok2v, int32_t T, int32_t tok_base,
-                        const WaveMove* moves, const int32_t* count, int32_t max_moves, void* stream) noexcept {
+                        const PagedKv& stage, const int64_t* stage_map, uint32_t epoch, const WaveMove* moves,
+                        const int32_t* count, int32_t max_moves, void* stream) noexcept {
   if (kv_dtype != Scalar::BF16 && kv_dtype != Scalar::F16) return unsupported("retro_wave_moves: KV dtype must be BF16 or F16");
   if (!pos || !vpos || !moves || !count || num_kv_heads < 1 || head_dim < 1) return invalid("retro_wave_moves: bad argument");
   if (max_moves < 1) return Status{};
   const int grid = std::min<int32_t>(max_moves, 264);  // 2048 CTAs measured slower (the bus is the limit)
   wave_moves_kernel<<<grid, 128, 0, static_cast<cudaStream_t>(stream)>>>(kv, num_kv_heads, head_dim, pos, R, vpos,
-                                                                          tok2v, T, tok_base, moves, count);
+                                                                          tok2v, T, tok_base, stage, stage_map, epoch,
+                                                                          moves, count);
   return launch_status("retro_wave_moves");
 }
 

@@ -69,6 +69,8 @@ struct RetroSession {
   int32_t* wave_cnt;
   const void* const* cache_pages;  // device [cache_page_count]
   int32_t cache_page_count;
+  const void* const* stage_pages;  // device [stage_page_count]: after the sequence's pages (wave_misses=stage)
+  int32_t stage_page_count;
   int32_t own_cap;                 // entries of own_table
   const void** own_table;          // optional: the session's copy of its row of the step's table
 };
@@ -94,8 +96,8 @@ Status retro_select(const AttnShape& shape, const Query& q, const PagedKv& kv, S
 
 // ---- the wave buffer (KV in pinned host memory) -------------------------------------------------
 // The step's page table: row b (stride entries) = session b's cache pages, then its pages from
-// kv (max_pages entries of row b), then null; also written to the session's own_table (own_cap
-// entries) where set.
+// kv (max_pages entries of row b), then its staging pages, then null; the first own_cap entries
+// also written to the session's own_table where set.
 Status retro_wave_table(const PagedKv& kv, int32_t batch, const RetroSession* sessions, const void** table,
                         int32_t stride, void* stream) noexcept;
 
@@ -111,9 +113,23 @@ struct WaveMove {
 };
 // tok2v (optional, [Hkv][T]): each clustered token's virtual position, kept as vpos is (T tokens
 // per head: positions t < T of every row moved).
+// stage_map (optional): rows staged by this step (epoch) are copied from their staging slot j,
+// row j of stage (B = 1: the staging pages).
 Status retro_wave_moves(const PagedKv& kv, Scalar kv_dtype, int32_t num_kv_heads, int32_t head_dim,
                         const int32_t* pos, int32_t R, int32_t* vpos, int32_t* tok2v, int32_t T, int32_t tok_base,
-                        const WaveMove* moves, const int32_t* count, int32_t max_moves, void* stream) noexcept;
+                        const PagedKv& stage, const int64_t* stage_map, uint32_t epoch, const WaveMove* moves,
+                        const int32_t* count, int32_t max_moves, void* stream) noexcept;
+
+// The execution buffer (wave_misses=stage): each listed token t in [0, T) of session row `row`
+// (virtual position tok_base + t: not cached) has its K and V rows copied, a warp per row, into
+// staging slot j (virtual position stage_base + j, j < stage_cap, taken in any order by a counter
+// per KV head: stage_cnt [Hkv], zeroed before) and its list entry replaced by that position;
+// stage_map [Hkv][T] (epoch << 32 | j) and stage_tok [Hkv][stage_cap] (t) record the slots for
+// the step's admissions and for reading the list back. kv: the step's table.
+Status retro_wave_stage(const PagedKv& kv, Scalar kv_dtype, int32_t row, int32_t num_kv_heads, int32_t head_dim,
+                        int32_t* idx, const int32_t* cnt, int32_t max_selected, int32_t T, int32_t tok_base,
+                        int32_t stage_base, int32_t stage_cap, int64_t* stage_map, int32_t* stage_tok,
+                        int32_t* stage_cnt, uint32_t epoch, void* stream) noexcept;
 
 // After the moves of the step (misses admitted before the attention): each listed token t in
 // [0, T) (virtual position tok_base + t) of session row `row` (lists idx[(row * Hkv + h) *

@@ -1008,11 +1008,12 @@ MethodSpec retroinfer_spec() {
         "wave buffer (cuda backend with the KV cache in pinned host memory, kv_memory = KVS_DEVICE_CUDA_HOST): the GPU "
         "block cache holds this fraction of each KV head's clustered rows (blocks of 8 rows of one cluster, LRU over "
         "clusters); 0 = no cache (every retrieved row read over the bus); not used elsewhere", "0.05"},
-       {"wave_misses", "enum:copy|inplace", "copy",
-        "wave buffer: the rows of clusters the cache misses are copied into the cache before the attention, which "
-        "then reads every row from GPU memory (each missed row crosses the bus once; the step waits for the host's "
-        "LRU decision), or read by the attention from host memory in place while the admissions copy them again "
-        "after it (no wait on the host, twice the bus bytes)"},
+       {"wave_misses", "enum:stage|copy|inplace", "stage",
+        "wave buffer, the rows of clusters the cache misses: stage = gathered from host memory by one kernel into an "
+        "execution buffer in GPU memory that the attention reads, the admissions copying from there after the host's "
+        "LRU decision (each row over the bus once, the host off the critical path; the authors' design); copy = "
+        "admitted into the cache first, the attention waiting for the host's decision; inplace = read by the "
+        "attention from host memory, the admissions reading them again"},
        {"recall_probe", "int", "0", "k > 0: measure the clustering's recall@k each step (stat probe_recall; slow, exact scores)"}},
       [](const MethodContext& c, const ParamSet& p) { return std::make_unique<RetroInfer>(c, p); },
       KVS_CUDA_IMPL(make_retroinfer_cuda)};

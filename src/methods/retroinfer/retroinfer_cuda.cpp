@@ -68,7 +68,8 @@ class RetroCuda final : public DeviceMethod {
                                        std::to_string(G * shape_.head_dim));
     check(cudaGetDevice(&device_), "cudaGetDevice");
     cache_ratio_ = ps.get_float("cache_ratio");
-    copy_misses_ = ps.get_string("wave_misses") == "copy";
+    const std::string wm = ps.get_string("wave_misses");
+    misses_ = wm == "copy" ? Misses::Copy : wm == "inplace" ? Misses::Inplace : Misses::Stage;
     hot_.resize(layers_.size());
     if (!(cache_ratio_ >= 0 && cache_ratio_ <= 1))
       invalid("method_params: retroinfer cache_ratio must be in [0, 1], got " + std::to_string(cache_ratio_));
@@ -166,6 +167,7 @@ class RetroCuda final : public DeviceMethod {
         have_meta = true;
       }
       cap = std::max(cap, bound);
+      if (m->layers_[layer].wave.on && m->misses_ == Misses::Stage) m->ensure_stage(layer, std::min(bound, n));
       maxC = std::max<int64_t>(maxC, M.C);
       maxRows = std::max<int64_t>(maxRows, M.max_size);
       p.selected.push_back(double(std::min(bound, n)));
@@ -217,6 +219,11 @@ class RetroCuda final : public DeviceMethod {
         s.wave_cnt = W.ids.dev<int32_t>() + size_t(W.C) * shape_.num_kv_heads;
         s.cache_pages = W.page_ptrs.as<const void*>();
         s.cache_page_count = W.cache_pages;
+        if (m->misses_ == Misses::Stage) {
+          const Stage& SG = m->stage_[layer & 1];
+          s.stage_pages = SG.ptrs.as<const void*>();
+          s.stage_page_count = SG.cap / int32_t(kPageTokens);
+        }
         s.own_cap = int32_t(W.own_cap);
         s.own_table = W.own_table.as<const void*>();
         const HotTokens hot = m->hot_tokens(layer, n, st.host_budget[b]);
@@ -243,17 +250,19 @@ class RetroCuda final : public DeviceMethod {
     // The wave buffer: the step's page table with the block caches ahead, once the admissions of
     // the layer's last step are in.
     const int64_t B = int64_t(batch.size());
-    int32_t cp = -1;
+    int32_t cp = -1, sp = 0;
     for (int64_t b = 0; b < B; ++b) {
-      const Wave& W = static_cast<const RetroCuda*>(batch[size_t(b)])->layers_[layer].wave;
+      const auto* m = static_cast<const RetroCuda*>(batch[size_t(b)]);
+      const Wave& W = m->layers_[layer].wave;
       if (!W.on) continue;
       cp = std::max(cp, W.cache_pages);
+      if (m->misses_ == Misses::Stage) sp = std::max(sp, m->stage_[layer & 1].cap / int32_t(kPageTokens));
       if (W.pending) check(cudaStreamWaitEvent(S(st.stream), W.admitted, 0), "cudaStreamWaitEvent(wave buffer)");
     }
     cuda::PagedKv kv = st.kv;
     attn_wave_ = cp >= 0;
     if (attn_wave_) {
-      const int32_t stride = cp + st.kv.max_pages;
+      const int32_t stride = cp + st.kv.max_pages + sp;
       const void** table;
       if (B == 1) {
         table = layers_[layer].wave.own_table.as<const void*>();
@@ -272,8 +281,28 @@ class RetroCuda final : public DeviceMethod {
       auto* m = static_cast<RetroCuda*>(batch[size_t(b)]);
       Wave& W = m->layers_[layer].wave;
       if (!W.on) continue;
+      m->enqueue_decide(layer, st.stream);
+      if (m->misses_ == Misses::Stage) {
+        // The execution buffer: the misses' rows copied from host memory into staging pages, the
+        // list pointed at them; the admissions (after the host's decision) copy from there.
+        Stage& SG = m->stage_[layer & 1];
+        if (SG.last_layer >= 0 && SG.last_layer != int32_t(layer) && m->layers_[size_t(SG.last_layer)].wave.pending)
+          check(cudaStreamWaitEvent(S(st.stream), m->layers_[size_t(SG.last_layer)].wave.admitted, 0),
+                "cudaStreamWaitEvent(wave buffer staging)");
+        SG.last_layer = int32_t(layer);
+        ++W.epoch;
+        W.stage_base = (W.cache_pages + st.kv.max_pages) * int32_t(kPageTokens);
+        W.stage_cap = SG.cap;
+        check(cudaMemsetAsync(W.stage_cnt.p, 0, size_t(shape_.num_kv_heads) * 4, S(st.stream)),
+              "cudaMemsetAsync(retroinfer staging)");
+        check(cuda::retro_wave_stage(kv, st.kv_dtype, int32_t(b), int32_t(shape_.num_kv_heads),
+                                     int32_t(shape_.head_dim), idx, cnt, p.max_selected, W.T, W.tok_base,
+                                     W.stage_base, W.stage_cap, W.stage_map.as<int64_t>(), W.stage_tok.as<int32_t>(),
+                                     W.stage_cnt.as<int32_t>(), W.epoch, st.stream),
+              "retro_wave_stage");
+      }
       m->enqueue_moves(layer, st.kv, st.stream);
-      if (!m->copy_misses_) continue;
+      if (m->misses_ != Misses::Copy) continue;
       // wave_misses=copy: the attention waits for the admissions and reads the admitted rows from
       // the cache (each missed row crosses the bus once).
       check(cudaStreamWaitEvent(S(st.stream), W.admitted, 0), "cudaStreamWaitEvent(wave buffer)");
@@ -291,10 +320,19 @@ class RetroCuda final : public DeviceMethod {
     if (!W.on) return;
     quiesce();
     const int32_t* pos = W.pos[kv_head].data();
+    std::vector<int32_t> staged;  // the staging slots' tokens (wave_misses=stage)
+    if (misses_ == Misses::Stage && W.stage_cap > 0) {
+      staged.resize(size_t(W.stage_cap));
+      check(cudaMemcpy(staged.data(), W.stage_tok.as<int32_t>() + size_t(kv_head) * W.stage_cap, staged.size() * 4,
+                       cudaMemcpyDeviceToHost),
+            "cudaMemcpy(retroinfer staging)");
+    }
     const auto& HC = W.heads[kv_head];
     for (int32_t& k : keys) {
       if (k < 0) continue;
-      if (k >= W.tok_base) {
+      if (misses_ == Misses::Stage && k >= W.stage_base && k < W.stage_base + W.stage_cap) {
+        k = staged[size_t(k - W.stage_base)];
+      } else if (k >= W.tok_base) {
         k -= W.tok_base;
       } else {
         const int32_t row0 = HC.owner(k / cuda::kWaveBlockRows);
@@ -407,7 +445,11 @@ class RetroCuda final : public DeviceMethod {
     std::vector<std::shared_ptr<DevicePage>> pages;
     DevBuf page_ptrs, own_table, vpos, tok2v;  // tok2v [Hkv][T]: each clustered token's virtual position
     int32_t T = 0;                             // tokens [0, T) in tok2v (the clustered ones and the sinks)
+    DevBuf stage_map, stage_tok, stage_cnt;    // wave_misses=stage: [Hkv][T] int64, [Hkv][cap], [Hkv]
+    uint32_t epoch = 0;                        // the step's tag in stage_map
+    int32_t stage_base = 0, stage_cap = 0;     // the last step's staging positions
     int64_t own_cap = 0;
+    int64_t table_cap = 0;             // the sequence's page-table entries (at the last sync)
     Mapped ids;    // [Hkv][C] cluster ids, then [Hkv] counts (the zones kernel writes them)
     Mapped moves;  // [max_moves] cuda::WaveMove, then the count
     int32_t max_moves = 0;
@@ -415,11 +457,11 @@ class RetroCuda final : public DeviceMethod {
     std::vector<std::vector<int32_t>> start, size, pos;  // the host index's, per KV head
     std::vector<std::vector<retro::WaveMoveRec>> moved;  // decide's, per KV head
     std::vector<std::vector<int32_t>> missed;
-    cudaEvent_t zones_done = nullptr, admitted = nullptr;
+    cudaEvent_t zones_done = nullptr, staged = nullptr, admitted = nullptr;
     void release_events() {
-      if (zones_done) cudaEventDestroy(zones_done);
-      if (admitted) cudaEventDestroy(admitted);
-      zones_done = admitted = nullptr;
+      for (cudaEvent_t e : {zones_done, staged, admitted})
+        if (e) cudaEventDestroy(e);
+      zones_done = staged = admitted = nullptr;
     }
   };
   struct Layer {
@@ -430,7 +472,7 @@ class RetroCuda final : public DeviceMethod {
 
   RetroCuda(const RetroCuda& o)
       : shape_(o.shape_), host_(o.host_->clone()), rules_(o.rules_), layers_(o.layers_.size()), device_(o.device_),
-        cache_ratio_(o.cache_ratio_), copy_misses_(o.copy_misses_) {
+        cache_ratio_(o.cache_ratio_), misses_(o.misses_) {
     for (size_t l = 0; l < layers_.size(); ++l) layers_[l].built = o.layers_[l].built;
     hot_.resize(layers_.size());
     install_clusterer();  // the copied host method's points at `o`
@@ -550,6 +592,7 @@ class RetroCuda final : public DeviceMethod {
     Wave& W = layers_[layer].wave;
     const Mirror& M = layers_[layer].mirror;
     const bool want = v.host_kv && cache_ratio_ > 0 && M.C > 0;
+    W.table_cap = v.kv.max_pages;
     if (want == W.on && (!want || (W.generation == M.generation && W.own_cap >= W.cache_pages + int64_t(v.kv.max_pages))))
       return;
     quiesce();
@@ -627,6 +670,11 @@ class RetroCuda final : public DeviceMethod {
     check(cudaMemcpyAsync(W.tok2v.p, tv.data(), tv.size() * 4, cudaMemcpyHostToDevice, S(v.stream)),
           "cudaMemcpyAsync(retroinfer wave buffer positions)");
     W.T = T;
+    if (misses_ == Misses::Stage) {  // tags 0: nothing staged (epochs start at 1)
+      W.stage_map.reserve(std::max<size_t>(size_t(hkv) * size_t(T) * 8, 8), device_, "retroinfer wave buffer staging");
+      check(cudaMemsetAsync(W.stage_map.p, 0, W.stage_map.bytes, S(v.stream)), "cudaMemsetAsync(retroinfer staging)");
+      W.epoch = 0;
+    }
     W.ids.reserve((size_t(hkv) * size_t(C) + size_t(hkv)) * 4, "cudaHostAlloc(retroinfer wave buffer ids)");
     W.max_moves = 2 * W.blocks * hkv;
     W.moves.reserve(size_t(W.max_moves) * sizeof(cuda::WaveMove) + 16, "cudaHostAlloc(retroinfer wave buffer moves)");
@@ -639,12 +687,48 @@ class RetroCuda final : public DeviceMethod {
     if (!W.zones_done) {
       check(cudaEventCreateWithFlags(&W.zones_done, cudaEventDisableTiming), "cudaEventCreate(retroinfer wave buffer)");
       check(cudaEventCreateWithFlags(&W.admitted, cudaEventDisableTiming), "cudaEventCreate(retroinfer wave buffer)");
+      check(cudaEventCreateWithFlags(&W.staged, cudaEventDisableTiming), "cudaEventCreate(retroinfer wave buffer)");
     }
     W.C = C;
     W.R = R;
     W.generation = M.generation;
     W.on = true;
     check(cudaStreamSynchronize(S(v.stream)), "cudaStreamSynchronize(retroinfer wave buffer)");  // vp is freed next
+  }
+
+  // Staging for `rows` rows per KV head in the layer's parity buffer, and the layer's slot records
+  // (plan time: the step allocates nothing). A buffer that grows first lets the admissions reading
+  // it finish.
+  void ensure_stage(uint32_t layer, int64_t rows) const {
+    Stage& SG = stage_[layer & 1];
+    Wave& W = const_cast<Wave&>(layers_[layer].wave);
+    const int hkv = int(shape_.num_kv_heads);
+    const int32_t cap = int32_t(std::max<int64_t>(1, (rows + kPageTokens - 1) / kPageTokens) * kPageTokens);
+    if (SG.cap < cap) {
+      quiesce();
+      std::vector<const void*> ptrs;
+      SG.pages.clear();
+      for (int32_t i = 0; i < cap / int32_t(kPageTokens); ++i) {
+        SG.pages.push_back(device_page(device_, page_bytes(), PageMemory::Device));
+        ptrs.push_back(SG.pages.back()->data());
+      }
+      SG.ptrs.reserve(ptrs.size() * sizeof(void*), device_, "retroinfer wave buffer staging");
+      check(cudaMemcpy(SG.ptrs.p, ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice),
+            "cudaMemcpy(retroinfer wave buffer staging)");
+      SG.cap = cap;
+    }
+    // B = 1: the step's table is the layer's own, staging pages included.
+    const int64_t need = W.cache_pages + W.table_cap + SG.cap / int32_t(kPageTokens);
+    if (W.own_cap < need) {
+      quiesce();
+      W.own_table.reserve(size_t(need) * sizeof(void*), device_, "retroinfer wave buffer table");
+      W.own_cap = need;
+    }
+    if (W.stage_tok.bytes < size_t(hkv) * size_t(SG.cap) * 4 || !W.stage_cnt.p) {
+      quiesce();
+      W.stage_tok.reserve(size_t(hkv) * size_t(SG.cap) * 4, device_, "retroinfer wave buffer staging");
+      W.stage_cnt.reserve(size_t(hkv) * 4, device_, "retroinfer wave buffer staging");
+    }
   }
 
   // After the zones kernel of a step (stream order): the LRU decision on the host, then the moves,
@@ -654,7 +738,9 @@ class RetroCuda final : public DeviceMethod {
     uint32_t layer;
     int64_t hot_head, hot_tail;
   };
-  void enqueue_moves(uint32_t layer, const cuda::PagedKv& like, void* stream) {
+  // The host's decision once the zones kernel has listed the step's clusters (it reads nothing the
+  // later launches write, so it runs beside them).
+  void enqueue_decide(uint32_t layer, void* stream) {
     Wave& W = layers_[layer].wave;
     if (!side_) check(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "cudaStreamCreate(retroinfer wave buffer)");
     check(cudaEventRecord(W.zones_done, S(stream)), "cudaEventRecord(retroinfer wave buffer)");
@@ -664,11 +750,22 @@ class RetroCuda final : public DeviceMethod {
       delete ctx;
       check(e, "cudaLaunchHostFunc(retroinfer wave buffer)");
     }
+  }
+  // The moves, after the decision and after the main stream's launches so far (the staging).
+  void enqueue_moves(uint32_t layer, const cuda::PagedKv& like, void* stream) {
+    Wave& W = layers_[layer].wave;
+    check(cudaEventRecord(W.staged, S(stream)), "cudaEventRecord(retroinfer wave buffer)");
+    check(cudaStreamWaitEvent(side_, W.staged, 0), "cudaStreamWaitEvent(retroinfer wave buffer)");
     const cuda::PagedKv own{W.own_table.as<const void*>(), int32_t(W.own_cap), like.page_tokens, like.page_shift};
     auto* mv = W.moves.dev<cuda::WaveMove>();
+    const bool staged = misses_ == Misses::Stage;
+    const Stage& SG = stage_[layer & 1];
+    const cuda::PagedKv stage{SG.ptrs.as<const void*>(), SG.cap / int32_t(kPageTokens), like.page_tokens,
+                              like.page_shift};
     check(cuda::retro_wave_moves(own, cuda::Scalar(int32_t(shape_.kv_dtype)), int32_t(shape_.num_kv_heads),
                                  int32_t(shape_.head_dim), layers_[layer].mirror.pos.as<int32_t>(), W.R,
-                                 W.vpos.as<int32_t>(), W.tok2v.as<int32_t>(), W.T, W.tok_base, mv,
+                                 W.vpos.as<int32_t>(), W.tok2v.as<int32_t>(), W.T, W.tok_base, stage,
+                                 staged ? W.stage_map.as<int64_t>() : nullptr, W.epoch, mv,
                                  reinterpret_cast<const int32_t*>(mv + W.max_moves), W.max_moves, side_),
           "retro_wave_moves");
     check(cudaEventRecord(W.admitted, side_), "cudaEventRecord(retroinfer wave buffer)");
@@ -709,7 +806,7 @@ class RetroCuda final : public DeviceMethod {
                                               size.data(), moved, missed);
       double k = 0;
       for (const int32_t c : missed) {
-        const int32_t times = copy_misses_ || !W.heads[size_t(h)].cached(c) ? 1 : 2;
+        const int32_t times = misses_ == Misses::Inplace && W.heads[size_t(h)].cached(c) ? 2 : 1;
         for (int32_t i = 0; i < size[size_t(c)]; ++i) {
           const int64_t t = pos[size_t(start[size_t(c)] + i)];
           k += (t >= hh && t < ht) ? times : 0;
@@ -867,7 +964,16 @@ class RetroCuda final : public DeviceMethod {
   const DeviceLayerView* cur_ = nullptr;  // the layer a build or an update is clustering
   // The wave buffer.
   double cache_ratio_ = 0.05;
-  bool copy_misses_ = true;      // wave_misses=copy: admissions before the attention
+  enum class Misses { Stage, Copy, Inplace } misses_ = Misses::Stage;  // wave_misses
+  // wave_misses=stage: the execution buffer's staging pages, by layer parity (a layer's admissions
+  // read them until they ran; the layer two later waits for that before it stages).
+  struct Stage {
+    std::vector<std::shared_ptr<DevicePage>> pages;
+    DevBuf ptrs;
+    int32_t cap = 0;          // rows per KV head
+    int32_t last_layer = -1;  // the last layer that staged here
+  };
+  mutable Stage stage_[2];
   cudaStream_t side_ = nullptr;  // the LRU decisions and the cache moves
   mutable std::vector<std::pair<int64_t, int64_t>> hot_;  // per layer: fill_args's hot tokens, for the step's decide
   mutable bool attn_wave_ = false;  // the last select's page table for the attention
