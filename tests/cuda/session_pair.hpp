@@ -78,6 +78,16 @@ bool add(kvs_session_t s, bool gpu, const Seq& x, int hq, int hkv, int d, kvs_sc
   return ok(e, what);
 }
 
+// The keys of s's last step at layer 0, KV head h (kvs_session_last_selection).
+std::vector<int32_t> last_keys(kvs_session_t s, uint32_t h) {
+  size_t n = 0;
+  kvs_session_last_selection(s, 0, h, nullptr, 0, &n);
+  std::vector<int32_t> keys(n);
+  kvs_session_last_selection(s, 0, h, keys.data(), n, &n);
+  keys.resize(n);
+  return keys;
+}
+
 // One decode step of token pos[b] for every session: the CPU one by one, the GPU as one batch.
 void step(std::vector<kvs_session_t>& cpu, std::vector<kvs_session_t>& gpu, const std::vector<Seq>& seqs,
           const std::vector<int64_t>& pos, int hq, int hkv, int d, kvs_scalar_type kvdt, cudaStream_t stream, Cmp& c) {
@@ -102,12 +112,8 @@ void step(std::vector<kvs_session_t>& cpu, std::vector<kvs_session_t>& gpu, cons
   fold_errors(out, ref, lse, rlse, d, c.err, c.lse);
   for (int b = 0; b < B; ++b)
     for (uint32_t h = 0; h < uint32_t(hkv); ++h) {
-      size_t nc = 0, ng = 0;
-      kvs_session_last_selection(cpu[size_t(b)], 0, h, nullptr, 0, &nc);
-      kvs_session_last_selection(gpu[size_t(b)], 0, h, nullptr, 0, &ng);
-      std::vector<int32_t> sc(nc), sg(ng);
-      kvs_session_last_selection(cpu[size_t(b)], 0, h, sc.data(), nc, &nc);
-      kvs_session_last_selection(gpu[size_t(b)], 0, h, sg.data(), ng, &ng);
+      const std::vector<int32_t> sc = last_keys(cpu[size_t(b)], h), sg = last_keys(gpu[size_t(b)], h);
+      const size_t nc = sc.size(), ng = sg.size();
       size_t common = 0;
       for (int32_t x : sg) common += std::binary_search(sc.begin(), sc.end(), x);
       c.count_equal &= nc == ng;
@@ -132,12 +138,8 @@ bool decode_cpu(kvs_session_t s, const Seq& x, int64_t t, int hq, int hkv, int d
 void follow(kvs_session_t back, kvs_session_t ref, const Seq& x, int64_t t, int hq, int hkv, int d, Cmp& r) {
   decode_cpu(back, x, t, hq, hkv, d);
   for (uint32_t h = 0; h < uint32_t(hkv); ++h) {
-    size_t n1 = 0, n2 = 0;
-    kvs_session_last_selection(back, 0, h, nullptr, 0, &n1);
-    kvs_session_last_selection(ref, 0, h, nullptr, 0, &n2);
-    std::vector<int32_t> s1(n1), s2(n2);
-    kvs_session_last_selection(back, 0, h, s1.data(), n1, &n1);
-    kvs_session_last_selection(ref, 0, h, s2.data(), n2, &n2);
+    const std::vector<int32_t> s1 = last_keys(back, h), s2 = last_keys(ref, h);
+    const size_t n1 = s1.size(), n2 = s2.size();
     size_t common = 0;
     for (int32_t y : s1) common += std::binary_search(s2.begin(), s2.end(), y);
     r.count_equal &= n1 == n2;

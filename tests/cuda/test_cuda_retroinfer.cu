@@ -236,15 +236,7 @@ void run_wave(const char* params, int B, int64_t n0, int steps) {
       for (size_t i = 0; i < ld.size(); ++i) lse_diff = std::max(lse_diff, double(std::fabs(lh[i] - ld[i])));
       fold_errors(oh, ref, lh, rlse, d, c.err, c.lse);
       for (int b = 0; b < B; ++b)
-        for (uint32_t h = 0; h < uint32_t(hkv); ++h) {
-          size_t n1 = 0, n2 = 0;
-          kvs_session_last_selection(dev[size_t(b)], 0, h, nullptr, 0, &n1);
-          kvs_session_last_selection(host[size_t(b)], 0, h, nullptr, 0, &n2);
-          std::vector<int32_t> s1(n1), s2(n2);
-          kvs_session_last_selection(dev[size_t(b)], 0, h, s1.data(), n1, &n1);
-          kvs_session_last_selection(host[size_t(b)], 0, h, s2.data(), n2, &n2);
-          same_sel &= s1 == s2;
-        }
+        for (uint32_t h = 0; h < uint32_t(hkv); ++h) same_sel &= last_keys(dev[size_t(b)], h) == last_keys(host[size_t(b)], h);
       for (auto& x : pos) ++x;
     }
   };
