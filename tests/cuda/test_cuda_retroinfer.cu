@@ -294,6 +294,87 @@ void run_wave(const char* params, int B, int64_t n0, int steps) {
     for (kvs_session_t s : *v) kvs_session_destroy(s);
 }
 
+// The wave buffer across layers and forks: 3 layers (each its own cache; the staging pages shared
+// by layer parity), decoded layer by layer from device tensors; after some steps the pinned session
+// is forked (the fork's caches start empty, its pages shared until written) and both go on. Every
+// output equals the GPU-KV session's to the bit.
+void run_wave_layers(int64_t n0, int steps) {
+  const int hq = 16, hkv = 4, d = 128, L = 3;
+  const kvs_scalar_type kvdt = KVS_SCALAR_BF16;
+  const Seq x = make_seq(n0 + 2 * steps + 4, hq, hkv, d, 6100);
+  kvs_session_params p = one_layer_params("retroinfer", kvdt, hq, hkv, d, 0.05);
+  p.num_layers = L;
+  p.method_params = "cache_ratio=0.02";
+  kvs_session_t cpu = nullptr, dev = nullptr, host = nullptr, fork = nullptr;
+  if (!ok(kvs_session_create(&p, &cpu), "wave layers: create")) return;
+  auto chunk = [&](int64_t t0, int64_t t1, std::vector<float>& q, std::vector<float>& k, std::vector<float>& v) {
+    q.assign(x.q.begin() + t0 * hq * d, x.q.begin() + t1 * hq * d);
+    k.assign(x.k.begin() + t0 * hkv * d, x.k.begin() + t1 * hkv * d);
+    v.assign(x.v.begin() + t0 * hkv * d, x.v.begin() + t1 * hkv * d);
+  };
+  std::vector<float> q, k, v;
+  chunk(0, n0, q, k, v);
+  for (uint32_t l = 0; l < uint32_t(L); ++l) {
+    Tensor tq(q.data(), KVS_DEVICE_CPU, F32, {n0, hq, d}), tk(k.data(), KVS_DEVICE_CPU, F32, {n0, hkv, d}),
+        tv(v.data(), KVS_DEVICE_CPU, F32, {n0, hkv, d});
+    ok(kvs_session_prefill(cpu, l, &tq.t, &tk.t, &tv.t, nullptr, nullptr), "wave layers: prefill");
+  }
+  ok(kvs_session_build_index(cpu, nullptr), "wave layers: build");
+  const std::string path = "/tmp/kvs_wave_layers_test.kvs";
+  ok(kvs_session_save(cpu, path.c_str(), KVS_SAVE_INCLUDE_KV), "wave layers: save");
+  kvs_load_params lp;
+  kvs_load_params_init(&lp);
+  lp.backend = KVS_BACKEND_CUDA;
+  ok(kvs_session_load(path.c_str(), &lp, &dev), "wave layers: load (GPU KV)");
+  lp.kv_memory = KVS_DEVICE_CUDA_HOST;
+  ok(kvs_session_load(path.c_str(), &lp, &host), "wave layers: load (pinned KV)");
+  std::remove(path.c_str());
+  kvs_session_destroy(cpu);
+  if (!dev || !host) return;
+  double diff = 0;
+  auto decode = [&](kvs_session_t s, uint32_t l, float* dq, uint16_t* dk, uint16_t* dv, std::vector<float>& o) {
+    float *dout = nullptr, *dlse = nullptr;
+    cudaMalloc(&dout, size_t(hq) * d * 4);
+    cudaMalloc(&dlse, size_t(hq) * 4);
+    Tensor gq(dq, KVS_DEVICE_CUDA, F32, {hq, d}), gk(dk, KVS_DEVICE_CUDA, dt16(kvdt), {hkv, d}),
+        gv(dv, KVS_DEVICE_CUDA, dt16(kvdt), {hkv, d}), go(dout, KVS_DEVICE_CUDA, F32, {hq, d}),
+        gl(dlse, KVS_DEVICE_CUDA, F32, {hq});
+    ok(kvs_session_decode(s, l, &gq.t, &gk.t, &gv.t, &go.t, &gl.t, nullptr), "wave layers: decode");
+    cudaDeviceSynchronize();
+    o.resize(size_t(hq) * d);
+    cudaMemcpy(o.data(), dout, o.size() * 4, cudaMemcpyDeviceToHost);
+    cudaFree(dout);
+    cudaFree(dlse);
+  };
+  for (int s = 0; s < 2 * steps; ++s) {
+    if (s == steps) ok(kvs_session_fork(host, &fork), "wave layers: fork");
+    chunk(n0 + s, n0 + s + 1, q, k, v);
+    float* dq = upload(q);
+    uint16_t* dk = upload(to16(k, kvdt));
+    uint16_t* dv = upload(to16(v, kvdt));
+    for (uint32_t l = 0; l < uint32_t(L); ++l) {
+      std::vector<float> od, oh, of;
+      decode(dev, l, dq, dk, dv, od);
+      decode(host, l, dq, dk, dv, oh);
+      if (fork) decode(fork, l, dq, dk, dv, of);
+      for (size_t i = 0; i < od.size(); ++i) {
+        diff = std::max(diff, std::isnan(oh[i]) ? 1e9 : double(std::fabs(oh[i] - od[i])));
+        if (fork) diff = std::max(diff, std::isnan(of[i]) ? 1e9 : double(std::fabs(of[i] - od[i])));
+      }
+    }
+    cudaFree(dq);
+    cudaFree(dk);
+    cudaFree(dv);
+  }
+  double hit = -1;
+  kvs_session_method_stat(host, "wave_hit_rate", &hit);
+  CAPI_CHECK(diff == 0 && hit > 0, "retroinfer wave buffer, 3 layers and a fork: max |o diff| %.3g (expected 0), hit rate %g",
+             diff, hit);
+  std::printf("session retroinfer wave buffer, 3 layers, forked after %d steps: max |o diff| %.3g, hit rate %.3f\n", steps,
+              diff, hit);
+  for (kvs_session_t t : {dev, host, fork}) kvs_session_destroy(t);
+}
+
 // rank_dtype=model is the CPU's alone: refused on the cuda backend, naming the parameter.
 void run_errors() {
   kvs_session_params p = one_layer_params("retroinfer", KVS_SCALAR_BF16, 8, 2, 64, 0.05);
@@ -343,6 +424,7 @@ int run_retroinfer_tests(bool small) {
   run_wave("cache_ratio=0.01,wave_misses=inplace", 2, n, small ? 14 : 40);
   run_wave("cache_ratio=0.01,wave_misses=copy", 1, n, small ? 14 : 40);
   run_wave("cache_ratio=0.02,wave_misses=copy,update_segment=64,segment_size=512", 2, 1500, small ? 70 : 150);
+  run_wave_layers(small ? 1400 : 3000, small ? 6 : 15);
   std::printf("retroinfer session tests: %d passed, %d failed\n", g_pass, g_fail);
   return g_fail;
 }

@@ -632,31 +632,36 @@ class CudaPlacement final : public Placement {
     const int64_t head = std::min(np, (std::max<int64_t>(h.head_end, 0) + kPageTokens - 1) / kPageTokens);
     const int64_t tail = h.tail_begin == INT64_MAX ? INT64_MAX : std::max<int64_t>(h.tail_begin, 0) / kPageTokens;
     if (head == lay.hot_head && tail == lay.hot_tail) return;
-    lay.hot_head = head;
-    lay.hot_tail = tail;
-    std::vector<std::shared_ptr<DevicePage>> old;
-    int64_t lo = np, hi = 0;  // table entries to upload
+    // Every new page first (out of memory here changes nothing), then the copies and the swaps.
+    std::vector<int64_t> at;
+    std::vector<std::shared_ptr<DevicePage>> fresh;
     for (int64_t i = 0; i < np; ++i) {
       const PageMemory want = i < head || i >= tail ? PageMemory::Device : PageMemory::PinnedHost;
-      auto& pg = lay.pages[size_t(i)];
-      if (pg->memory() == want) continue;
-      auto moved = device_page(device_, page_bytes_, want);
-      check(cudaMemcpyAsync(moved->data(), pg->data(), page_bytes_, cudaMemcpyDefault, S(stream)),
-            "cudaMemcpyAsync(KV page between host and device)");
-      old.push_back(std::exchange(pg, std::move(moved)));
-      lo = std::min(lo, i);
-      hi = i + 1;
+      if (lay.pages[size_t(i)]->memory() == want) continue;
+      fresh.push_back(device_page(device_, page_bytes_, want));
+      at.push_back(i);
     }
-    if (old.empty()) return;
-    upload_entries(lay, size_t(lo), size_t(hi), stream);
     Retired r;
-    check(cudaEventCreateWithFlags(&r.done, cudaEventDisableTiming), "cudaEventCreate(KV page move)");
-    r.pages = std::move(old);
-    if (cudaError_t e = cudaEventRecord(r.done, S(stream)); e != cudaSuccess) {
-      cudaEventDestroy(r.done);
-      check(e, "cudaEventRecord(KV page move)");
+    if (!at.empty()) check(cudaEventCreateWithFlags(&r.done, cudaEventDisableTiming), "cudaEventCreate(KV page move)");
+    for (size_t k = 0; k < at.size(); ++k) {
+      auto& pg = lay.pages[size_t(at[k])];
+      // A failed copy is a device error (the stream is unusable from there on): the swap goes ahead
+      // and the old pages are retired as usual.
+      const cudaError_t e = cudaMemcpyAsync(fresh[k]->data(), pg->data(), page_bytes_, cudaMemcpyDefault, S(stream));
+      r.pages.push_back(std::exchange(pg, std::move(fresh[k])));
+      if (e != cudaSuccess) {
+        retired_.push_back(std::move(r));
+        check(e, "cudaMemcpyAsync(KV page between host and device)");
+      }
     }
+    lay.hot_head = head;
+    lay.hot_tail = tail;
+    if (at.empty()) return;
+    // The old pages stay alive (retired) until the copies and every kernel before them are done.
+    const cudaError_t re = cudaEventRecord(r.done, S(stream));
     retired_.push_back(std::move(r));
+    check(re, "cudaEventRecord(KV page move)");
+    upload_entries(lay, size_t(at.front()), size_t(at.back() + 1), stream);
   }
   // Pages moved away from, released once the copies reading them have run (all of them: wait).
   void release_retired(bool wait) {
@@ -683,7 +688,7 @@ class CudaPlacement final : public Placement {
     if (lay.n % kPageTokens != 0 && tokens > lay.n) {
       auto& last = lay.pages[size_t(lay.n / kPageTokens)];
       if (last.use_count() > 1) {
-        auto copy = device_page(device_, page_bytes_, kv_mem_);
+        auto copy = device_page(device_, page_bytes_, lay.hot_tail != INT64_MAX ? PageMemory::Device : kv_mem_);
         check(cudaMemcpyAsync(copy->data(), last->data(), page_bytes_, cudaMemcpyDefault, S(stream)),
               "cudaMemcpyAsync(copy-on-write page)");
         last = std::move(copy);

@@ -794,7 +794,8 @@ __global__ void __launch_bounds__(256) wave_stage_kernel(PagedKv kv, int32_t row
   const int32_t n = min(max(cnt[r], 0), max_sel);
   int32_t* l = idx + r * max_sel;
   const int per = d * 2 / 16;  // 16-byte pieces of one of K and V
-  const int i = blockIdx.y * kStageTile + warp * 32 + lane;
+  for (int64_t tile = blockIdx.y; tile * kStageTile < n; tile += gridDim.y) {
+  const int64_t i = tile * kStageTile + warp * 32 + lane;
   int32_t v = 0, t = -1;
   if (i < n) {
     v = l[i];
@@ -802,7 +803,7 @@ __global__ void __launch_bounds__(256) wave_stage_kernel(PagedKv kv, int32_t row
   }
   const bool miss = i < n && t >= 0 && t < T;
   const unsigned bal = __ballot_sync(0xffffffffu, miss);
-  if (!bal) return;
+  if (!bal) continue;
   int32_t base = 0;
   if (lane == 0) base = atomicAdd(stage_cnt + h, __popc(bal));
   base = __shfl_sync(0xffffffffu, base, 0);
@@ -843,6 +844,7 @@ __global__ void __launch_bounds__(256) wave_stage_kernel(PagedKv kv, int32_t row
               x[u][q];
       }
   }
+  }  // tiles
 }
 
 constexpr int kRemapTile = 1024;  // list entries per CTA of the remap
@@ -853,10 +855,11 @@ __global__ void wave_remap_kernel(int32_t row, int32_t hkv, int32_t* idx, const 
   const int32_t n = min(max(cnt[r], 0), max_sel);
   int32_t* l = idx + r * max_sel;
   const int32_t* m = tok2v + int64_t(h) * T;
-  for (int i = blockIdx.y * kRemapTile + threadIdx.x; i < n && i < (blockIdx.y + 1) * kRemapTile; i += blockDim.x) {
-    const int32_t t = l[i] - tok_base;
-    if (t >= 0 && t < T) l[i] = m[t];
-  }
+  for (int64_t tile = blockIdx.y; tile * kRemapTile < n; tile += gridDim.y)
+    for (int64_t i = tile * kRemapTile + threadIdx.x; i < n && i < (tile + 1) * kRemapTile; i += blockDim.x) {
+      const int32_t t = l[i] - tok_base;
+      if (t >= 0 && t < T) l[i] = m[t];
+    }
 }
 
 }  // namespace
@@ -877,7 +880,7 @@ Status retro_wave_stage(const PagedKv& kv, Scalar kv_dtype, int32_t row, int32_t
   if (!idx || !cnt || !stage_map || !stage_tok || !stage_cnt || num_kv_heads < 1 || max_selected < 1)
     return invalid("retro_wave_stage: bad argument");
   if (T < 1 || stage_cap < 1) return Status{};
-  const dim3 grid(unsigned(num_kv_heads), unsigned((max_selected + kStageTile - 1) / kStageTile));
+  const dim3 grid(unsigned(num_kv_heads), unsigned(std::min(65535, (max_selected + kStageTile - 1) / kStageTile)));
   wave_stage_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(kv, row, num_kv_heads, head_dim, idx, cnt,
                                                                          max_selected, T, tok_base, stage_base,
                                                                          stage_cap, stage_map, stage_tok, stage_cnt,
@@ -902,7 +905,7 @@ Status retro_wave_moves(const PagedKv& kv, Scalar kv_dtype, int32_t num_kv_heads
 Status retro_wave_remap(int32_t row, int32_t num_kv_heads, int32_t* idx, const int32_t* cnt, int32_t max_selected,
                         const int32_t* tok2v, int32_t T, int32_t tok_base, void* stream) noexcept {
   if (!idx || !cnt || !tok2v || num_kv_heads < 1 || max_selected < 1) return invalid("retro_wave_remap: bad argument");
-  const dim3 grid(unsigned(num_kv_heads), unsigned((max_selected + kRemapTile - 1) / kRemapTile));
+  const dim3 grid(unsigned(num_kv_heads), unsigned(std::min(65535, (max_selected + kRemapTile - 1) / kRemapTile)));
   wave_remap_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(row, num_kv_heads, idx, cnt, max_selected,
                                                                          tok2v, T, tok_base);
   return launch_status("retro_wave_remap");

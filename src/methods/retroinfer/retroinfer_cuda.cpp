@@ -28,6 +28,7 @@
 // blocks and rewriting vpos. The next step of the layer waits for that kernel (an event).
 #ifdef KVS_HAVE_CUDA
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -43,6 +44,7 @@
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "core/kv_store.hpp"
+#include "core/log.hpp"
 #include "core/thread_pool.hpp"
 #include "methods/retroinfer/retroinfer.hpp"
 #include "methods/retroinfer/wave_cache.hpp"
@@ -96,6 +98,7 @@ class RetroCuda final : public DeviceMethod {
     if (!layers_[layer].built) return;
     // The last step's block-cache moves read KV pages through its table: they run before any page
     // moves between host and device (the placement's, after this call).
+    recover_wave();
     if (layers_[layer].wave.pending)
       check(cudaStreamWaitEvent(S(v.stream), layers_[layer].wave.admitted, 0), "cudaStreamWaitEvent(wave buffer)");
     update(layer, v, tokens, 1, true);
@@ -262,6 +265,9 @@ class RetroCuda final : public DeviceMethod {
     cuda::PagedKv kv = st.kv;
     attn_wave_ = cp >= 0;
     if (attn_wave_) {
+      if ((int64_t(cp) + st.kv.max_pages + sp) * kPageTokens >= (int64_t(1) << 31))
+        fail(KVS_STATUS_UNSUPPORTED, "retroinfer (cuda) wave buffer: the block cache, the context and the staging "
+                                     "exceed 2^31 positions; lower cache_ratio or the budget");
       const int32_t stride = cp + st.kv.max_pages + sp;
       const void** table;
       if (B == 1) {
@@ -282,6 +288,14 @@ class RetroCuda final : public DeviceMethod {
       Wave& W = m->layers_[layer].wave;
       if (!W.on) continue;
       m->enqueue_decide(layer, st.stream);
+      // From here to the moves' enqueue a failure leaves the host's decision unapplied.
+      struct Guard {
+        RetroCuda* m;
+        bool done = false;
+        ~Guard() {
+          if (!done) m->wave_broken_ = true;
+        }
+      } guard{m};
       if (m->misses_ == Misses::Stage) {
         // The execution buffer: the misses' rows copied from host memory into staging pages, the
         // list pointed at them; the admissions (after the host's decision) copy from there.
@@ -302,6 +316,7 @@ class RetroCuda final : public DeviceMethod {
               "retro_wave_stage");
       }
       m->enqueue_moves(layer, st.kv, st.stream);
+      guard.done = true;
       if (m->misses_ != Misses::Copy) continue;
       // wave_misses=copy: the attention waits for the admissions and reads the admitted rows from
       // the cache (each missed row crosses the bus once).
@@ -583,7 +598,22 @@ class RetroCuda final : public DeviceMethod {
   // buffer), and reports a failure of one of them.
   void quiesce() const {
     if (side_) check(cudaStreamSynchronize(side_), "cudaStreamSynchronize(retroinfer wave buffer)");
-    if (!wave_error_.empty()) fail(KVS_STATUS_INTERNAL, "retroinfer (cuda) wave buffer: " + wave_error_);
+  }
+  // After a decision or an enqueue that failed (wave_broken_): the host's cache maps no longer match
+  // the device's, and every later decision has been a no-op since (the device's cache stays as the
+  // last moves left it, consistent). Every layer's wave buffer is laid out again, empty (a warning;
+  // the outputs are unaffected).
+  void recover_wave() {
+    if (!wave_broken_.load()) return;
+    quiesce();
+    for (auto& L : layers_) {
+      L.wave.on = false;
+      L.wave.pending = false;
+    }
+    logf(LogLevel::Warn, "retroinfer (cuda) wave buffer: %s; the block caches start again empty",
+         wave_error_.empty() ? "a step failed between its cache decision and its moves" : wave_error_.c_str());
+    wave_error_.clear();
+    wave_broken_ = false;
   }
 
   // Lays out the layer's wave buffer for its index (after a build, an update, a rollback, a load),
@@ -612,6 +642,8 @@ class RetroCuda final : public DeviceMethod {
       for (int32_t c = 0; keep && c < W.C; ++c)
         keep = W.start[size_t(h)][size_t(c)] == heads[size_t(h)].start[size_t(c)] &&
                W.size[size_t(h)][size_t(c)] == heads[size_t(h)].size[size_t(c)];
+    for (int h = 0; keep && h < hkv; ++h)  // the rows themselves (a rebuild could keep every size)
+      keep = std::equal(W.pos[size_t(h)].begin(), W.pos[size_t(h)].end(), heads[size_t(h)].pos.begin());
     if (!keep) {
       const int64_t want_blocks = std::max<int64_t>(1, int64_t(std::ceil(cache_ratio_ * double(R) / kRows)));
       W.blocks = int32_t((want_blocks + kPerPage - 1) / kPerPage * kPerPage);
@@ -633,6 +665,10 @@ class RetroCuda final : public DeviceMethod {
       for (auto& HC : W.heads) HC.reset(W.blocks, kRows, C);
       W.moved.resize(size_t(hkv));
       W.missed.resize(size_t(hkv));
+    }
+    for (int h = 0; h < hkv; ++h) {  // decide allocates nothing
+      W.moved[size_t(h)].reserve(2 * size_t(W.blocks));
+      W.missed[size_t(h)].reserve(size_t(C));
     }
     W.start.resize(size_t(hkv));
     W.size.resize(size_t(hkv));
@@ -773,12 +809,18 @@ class RetroCuda final : public DeviceMethod {
   }
   static void CUDART_CB decide_cb(void* p) {
     std::unique_ptr<MoveCtx> c(static_cast<MoveCtx*>(p));
+    RetroCuda* m = c->m;
+    Wave& W = m->layers_[c->layer].wave;
+    *reinterpret_cast<int32_t*>(W.moves.host<cuda::WaveMove>() + W.max_moves) = 0;  // no moves unless decided
+    if (m->wave_broken_.load()) return;  // the maps are out of step: decide nothing until recover_wave
     try {
-      c->m->decide(c->layer, c->hot_head, c->hot_tail);
+      m->decide(c->layer, c->hot_head, c->hot_tail);
     } catch (const std::exception& e) {
-      c->m->wave_error_ = e.what();
-      *reinterpret_cast<int32_t*>(c->m->layers_[c->layer].wave.moves.host<cuda::WaveMove>() +
-                                  c->m->layers_[c->layer].wave.max_moves) = 0;
+      m->wave_error_ = e.what();
+      m->wave_broken_ = true;
+    } catch (...) {
+      m->wave_error_ = "the cache decision failed";
+      m->wave_broken_ = true;
     }
   }
   // The authors' BufferManager::batch_update for one step of a layer (retro::WaveCache), the KV
@@ -981,7 +1023,8 @@ class RetroCuda final : public DeviceMethod {
   mutable DevBuf batch_table_;     // the step's page table of a batch (B > 1)
   double wave_hit_rows_ = 0, wave_miss_rows_ = 0, wave_pcie_ = 0, wave_host_s_ = 0;
   int64_t wave_steps_ = 0;
-  std::string wave_error_;         // a decide that failed (reported by the next quiesce)
+  std::string wave_error_;         // why a decision failed (recover_wave reports it)
+  std::atomic<bool> wave_broken_{false};  // a decision, or a step between its decision and its moves, failed
 };
 
 }  // namespace
