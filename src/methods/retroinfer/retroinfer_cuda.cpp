@@ -17,15 +17,20 @@
 // placement keeps the steady zone's pages (sinks, local window, unclustered tail) in GPU memory
 // (hot_tokens) and the rest on the host, and each layer gets a GPU block cache of cache_ratio of
 // its clustered rows per KV head, in blocks of kWaveBlockRows rows of one cluster. The step's page
-// table is [the cache's pages | the sequence's pages], so a list row's virtual position (vpos)
-// names its cache block while cached and its token otherwise: the zones kernel lists virtual
-// positions, and the gathered attention reads hits from the cache, the steady zone from GPU pages
-// and misses from pinned host memory in place (zero-copy, one kernel). Off the critical path, on a
-// side stream after the zones kernel: the ids of the clusters the step read (written by the zones
-// kernel into mapped host memory), a host function running the authors' LRU over clusters
-// (BufferManager::batch_update: hits to the front, misses admitted in id order while blocks can be
-// freed from clusters this step did not read), and a kernel copying the admitted rows into their
-// blocks and rewriting vpos. The next step of the layer waits for that kernel (an event).
+// table is [the cache's pages | the sequence's pages | staging pages], so a list row's virtual
+// position (vpos) names its cache block while cached and its token otherwise: the zones kernel
+// lists virtual positions, hits are read from the cache and the steady zone from GPU pages. The
+// misses (wave_misses): stage (default) gathers them from host memory into the staging pages and
+// points the list there (the authors' execution buffer; the attention reads GPU memory only); copy
+// admits them into the cache first and remaps the list (tok2v); inplace leaves them to the
+// attention, read from host memory. Off the critical path, on a side stream once the zones kernel
+// is done: the ids of the clusters the step read (written by the zones kernel into mapped host
+// memory), a host function running the authors' LRU over clusters (retro::WaveCache, after
+// BufferManager::batch_update: hits to the front, misses admitted in id order while blocks can be
+// freed from clusters this step did not read), then, after the staging, a kernel copying the
+// admitted rows into their blocks (from the staging when staged) and rewriting vpos and tok2v. The
+// layer's next step waits for that kernel (an event); a failed decision resets every cache
+// (recover_wave) rather than letting host and device disagree.
 #ifdef KVS_HAVE_CUDA
 #include <algorithm>
 #include <atomic>
