@@ -59,6 +59,7 @@ std::unique_ptr<Placement> make_cpu_placement(const SessionConfig&, const Method
 using cudautil::check;
 using cudautil::cuda_view;
 using cudautil::DevBuf;
+using cudautil::PinnedBuf;
 using cudautil::DeviceGuard;
 using cudautil::S;
 
@@ -83,30 +84,6 @@ class HybridBackendOps final : public Backend {
   }
 };
 
-// Page-locked host memory that grows (contents not kept).
-struct PinnedBuf {
-  void* p = nullptr;
-  size_t bytes = 0;
-  PinnedBuf() = default;
-  PinnedBuf(const PinnedBuf&) = delete;
-  PinnedBuf& operator=(const PinnedBuf&) = delete;
-  ~PinnedBuf() {
-    if (p) cudaFreeHost(p);
-  }
-  void reserve(size_t n) {
-    if (n <= bytes && p) return;
-    n = std::max(n, bytes + bytes / 4);
-    if (p) cudaFreeHost(p);
-    p = nullptr;
-    bytes = 0;
-    check(cudaMallocHost(&p, n ? n : 1), "cudaMallocHost(hybrid step buffers)");
-    bytes = n;
-  }
-  template <class T>
-  T* at(size_t byte_offset) const {
-    return reinterpret_cast<T*>(static_cast<char*>(p) + byte_offset);
-  }
-};
 
 }  // namespace
 
@@ -287,7 +264,7 @@ class HybridPlacement final : public Placement {
     if (off > host_buf_.bytes || !host_buf_.p || states + ws > ws_.bytes || !ws_.p ||
         size_t(B * max_pages) * sizeof(void*) > table_.bytes || !table_.p) {
       for (auto* p : ps) p->drain();
-      host_buf_.reserve(off);
+      host_buf_.reserve(off, "cudaHostAlloc(hybrid step buffers)");
       ws_.reserve(states + ws, device_, "cudaMalloc(hybrid workspace)");
       table_.reserve(std::max<size_t>(size_t(B * max_pages) * sizeof(void*), 4096), device_, "cudaMalloc(hybrid page table)");
     }

@@ -88,12 +88,25 @@ std::vector<int32_t> last_keys(kvs_session_t s, uint32_t h) {
   return keys;
 }
 
-// One decode step of token pos[b] for every session: the CPU one by one, the GPU as one batch.
-void step(std::vector<kvs_session_t>& cpu, std::vector<kvs_session_t>& gpu, const std::vector<Seq>& seqs,
-          const std::vector<int64_t>& pos, int hq, int hkv, int d, kvs_scalar_type kvdt, cudaStream_t stream, Cmp& c) {
+// The step's rows (token pos[b] of seqs[b]: q [B][Hq][d], k, v [B][Hkv][d]) and the CPU sessions'
+// decode of them one by one (ref [B][Hq][d], rlse [B][Hq]).
+struct StepRows {
+  std::vector<float> q, k, v, ref, rlse;
+};
+StepRows cpu_step(std::vector<kvs_session_t>& cpu, const std::vector<Seq>& seqs, const std::vector<int64_t>& pos, int hq,
+                  int hkv, int d) {
   const int B = int(cpu.size());
-  std::vector<float> hq_(size_t(B) * hq * d), ref(size_t(B) * hq * d), rlse(size_t(B) * hq);
-  std::vector<float> hk(size_t(B) * hkv * d), hv(size_t(B) * hkv * d);
+  StepRows r;
+  r.q.resize(size_t(B) * hq * d);
+  r.ref.resize(r.q.size());
+  r.rlse.resize(size_t(B) * hq);
+  r.k.resize(size_t(B) * hkv * d);
+  r.v.resize(r.k.size());
+  std::vector<float>& hq_ = r.q;
+  std::vector<float>& hk = r.k;
+  std::vector<float>& hv = r.v;
+  std::vector<float>& ref = r.ref;
+  std::vector<float>& rlse = r.rlse;
   for (int b = 0; b < B; ++b) {
     const auto& x = seqs[size_t(b)];
     const int64_t t = pos[size_t(b)];
@@ -107,9 +120,17 @@ void step(std::vector<kvs_session_t>& cpu, std::vector<kvs_session_t>& gpu, cons
         tl(rlse.data() + size_t(b) * hq, KVS_DEVICE_CPU, F32, {hq});
     ok(kvs_session_decode(cpu[size_t(b)], 0, &tq.t, &tk.t, &tv.t, &to.t, &tl.t, nullptr), "decode cpu");
   }
+  return r;
+}
+
+// One decode step of token pos[b] for every session: the CPU one by one, the GPU as one batch.
+void step(std::vector<kvs_session_t>& cpu, std::vector<kvs_session_t>& gpu, const std::vector<Seq>& seqs,
+          const std::vector<int64_t>& pos, int hq, int hkv, int d, kvs_scalar_type kvdt, cudaStream_t stream, Cmp& c) {
+  const int B = int(cpu.size());
+  const StepRows r = cpu_step(cpu, seqs, pos, hq, hkv, d);
   std::vector<float> out, lse;
-  gpu_decode_batch(gpu, hq_, to16(hk, kvdt), to16(hv, kvdt), hq, hkv, d, kvdt, stream, out, lse);
-  fold_errors(out, ref, lse, rlse, d, c.err, c.lse);
+  gpu_decode_batch(gpu, r.q, to16(r.k, kvdt), to16(r.v, kvdt), hq, hkv, d, kvdt, stream, out, lse);
+  fold_errors(out, r.ref, lse, r.rlse, d, c.err, c.lse);
   for (int b = 0; b < B; ++b)
     for (uint32_t h = 0; h < uint32_t(hkv); ++h) {
       const std::vector<int32_t> sc = last_keys(cpu[size_t(b)], h), sg = last_keys(gpu[size_t(b)], h);

@@ -214,27 +214,13 @@ void run_wave(const char* params, int B, int64_t n0, int steps) {
   Cmp c;
   auto run = [&](int count) {
     for (int s = 0; s < count; ++s) {
-      std::vector<float> q(size_t(B) * hq * d), k(size_t(B) * hkv * d), v(size_t(B) * hkv * d), ref(q.size()),
-          rlse(size_t(B) * hq);
-      for (int b = 0; b < B; ++b) {
-        const auto& x = seqs[size_t(b)];
-        const int64_t t = pos[size_t(b)];
-        std::copy(x.q.begin() + t * hq * d, x.q.begin() + (t + 1) * hq * d, q.begin() + size_t(b) * hq * d);
-        std::copy(x.k.begin() + t * hkv * d, x.k.begin() + (t + 1) * hkv * d, k.begin() + size_t(b) * hkv * d);
-        std::copy(x.v.begin() + t * hkv * d, x.v.begin() + (t + 1) * hkv * d, v.begin() + size_t(b) * hkv * d);
-        Tensor tq(q.data() + size_t(b) * hq * d, KVS_DEVICE_CPU, F32, {hq, d}),
-            tk(k.data() + size_t(b) * hkv * d, KVS_DEVICE_CPU, F32, {hkv, d}),
-            tv(v.data() + size_t(b) * hkv * d, KVS_DEVICE_CPU, F32, {hkv, d}),
-            to(ref.data() + size_t(b) * hq * d, KVS_DEVICE_CPU, F32, {hq, d}),
-            tl(rlse.data() + size_t(b) * hq, KVS_DEVICE_CPU, F32, {hq});
-        ok(kvs_session_decode(cpu[size_t(b)], 0, &tq.t, &tk.t, &tv.t, &to.t, &tl.t, nullptr), "decode cpu");
-      }
+      const StepRows r = cpu_step(cpu, seqs, pos, hq, hkv, d);
       std::vector<float> od, ld, oh, lh;
-      gpu_decode_batch(dev, q, to16(k, kvdt), to16(v, kvdt), hq, hkv, d, kvdt, stream, od, ld);
-      gpu_decode_batch(host, q, to16(k, kvdt), to16(v, kvdt), hq, hkv, d, kvdt, stream, oh, lh);
+      gpu_decode_batch(dev, r.q, to16(r.k, kvdt), to16(r.v, kvdt), hq, hkv, d, kvdt, stream, od, ld);
+      gpu_decode_batch(host, r.q, to16(r.k, kvdt), to16(r.v, kvdt), hq, hkv, d, kvdt, stream, oh, lh);
       for (size_t i = 0; i < od.size(); ++i) diff = std::max(diff, std::isnan(oh[i]) ? 1e9 : double(std::fabs(oh[i] - od[i])));
       for (size_t i = 0; i < ld.size(); ++i) lse_diff = std::max(lse_diff, double(std::fabs(lh[i] - ld[i])));
-      fold_errors(oh, ref, lh, rlse, d, c.err, c.lse);
+      fold_errors(oh, r.ref, lh, r.rlse, d, c.err, c.lse);
       for (int b = 0; b < B; ++b)
         for (uint32_t h = 0; h < uint32_t(hkv); ++h) same_sel &= last_keys(dev[size_t(b)], h) == last_keys(host[size_t(b)], h);
       for (auto& x : pos) ++x;
@@ -270,8 +256,7 @@ void run_wave(const char* params, int B, int64_t n0, int steps) {
   }
   diff = lse_diff = 0;
   same_sel = true;
-  Cmp r;
-  c = r;
+  c = Cmp{};
   run(steps / 2 + 1);
   CAPI_CHECK(diff <= tol && lse_diff <= tol && same_sel && c.err < 1e-2 && c.lse < 2e-2,
              "%s: after a rollback: max |o diff| %.3g, same selections %d, vs the CPU rel err %.3g", name, diff,

@@ -90,6 +90,43 @@ struct DevBuf {
   T* as() const { return static_cast<T*>(p); }
 };
 
+// Page-locked host memory mapped into every device's address space (cudaHostAllocMapped |
+// cudaHostAllocPortable): the host reads and writes it at at(), kernels at dev(). Grows like DevBuf
+// (contents not kept).
+struct PinnedBuf {
+  void* p = nullptr;
+  void* d = nullptr;  // p's device address
+  size_t bytes = 0;
+  PinnedBuf() = default;
+  PinnedBuf(const PinnedBuf&) = delete;
+  PinnedBuf& operator=(const PinnedBuf&) = delete;
+  ~PinnedBuf() { release(); }
+  void release() noexcept {
+    if (p) cudaFreeHost(p);
+    p = d = nullptr;
+    bytes = 0;
+  }
+  void reserve(size_t n, const char* what = "cudaHostAlloc(pinned buffer)") {
+    if (n <= bytes && p) return;
+    n = std::max(n, bytes + bytes / 4);
+    release();
+    check(cudaHostAlloc(&p, n ? n : 1, cudaHostAllocMapped | cudaHostAllocPortable), what);
+    bytes = n;
+    if (cudaError_t e = cudaHostGetDevicePointer(&d, p, 0); e != cudaSuccess) {
+      release();
+      check(e, what);
+    }
+  }
+  template <class T>
+  T* at(size_t byte_offset) const {
+    return reinterpret_cast<T*>(static_cast<char*>(p) + byte_offset);
+  }
+  template <class T>
+  T* dev(size_t byte_offset = 0) const {
+    return reinterpret_cast<T*>(static_cast<char*>(d) + byte_offset);
+  }
+};
+
 // A contiguous CUDA tensor of the given shape, on `device`, of one of the allowed dtypes, its data
 // `align`-byte aligned (16 for rows read as 16-byte vectors).
 inline View cuda_view(const kvs_tensor* t, const char* name, std::initializer_list<int64_t> shape, int device,

@@ -113,11 +113,13 @@ class RetroCuda final : public DeviceMethod {
   // The steady zone of the step (sinks, local window, the unclustered tail the fill may take).
   HotTokens hot_tokens(uint32_t layer, int64_t tokens, int64_t budget) const override {
     if (!layers_[layer].built) return {};
-    const auto lay = retro::step_layout(*host_, layer, tokens, budget);
+    return hot_of(retro::step_layout(*host_, layer, tokens, budget), tokens, retro::index_view(*host_, layer).indexed_end);
+  }
+  static HotTokens hot_of(const retro::StepLayout& lay, int64_t tokens, int64_t indexed_end) {
     using SL = retro::StepLayout;
     if (lay.mode == SL::All) return {};  // every key, every step: nothing is read more than the rest
     if (lay.mode == SL::Streaming) return {lay.sk, tokens - lay.lw};
-    return {std::max(lay.sk, lay.sinks_end), std::min(lay.lb, retro::index_view(*host_, layer).indexed_end)};
+    return {std::max(lay.sk, lay.sinks_end), std::min(lay.lb, indexed_end)};
   }
   void build_index(uint32_t layer, const DeviceLayerView& v) override {
     KVLayer kv = download(v, v.tokens, std::min<int64_t>(rules_.sinks, v.tokens), v.tokens);
@@ -234,7 +236,7 @@ class RetroCuda final : public DeviceMethod {
         }
         s.own_cap = int32_t(W.own_cap);
         s.own_table = W.own_table.as<const void*>();
-        const HotTokens hot = m->hot_tokens(layer, n, st.host_budget[b]);
+        const HotTokens hot = hot_of(lay, n, ix.indexed_end);  // plan()'s layout: the placement's hot tokens
         m->hot_[layer] = {hot.head_end, hot.tail_begin};
       }
       s.stats = m->stats_.as<int32_t>();
@@ -255,8 +257,8 @@ class RetroCuda final : public DeviceMethod {
     cfg.meta = meta_;
     cfg.mask_before = !rules_.mask_after;
     const auto* ss = static_cast<const cuda::RetroSession*>(args);
-    // The wave buffer: the step's page table with the block caches ahead, once the admissions of
-    // the layer's last step are in.
+    // The wave buffer: the step's page table with the block caches ahead (the admissions of the
+    // layer's last step are in: before_step made the stream wait for them).
     const int64_t B = int64_t(batch.size());
     int32_t cp = -1, sp = 0;
     for (int64_t b = 0; b < B; ++b) {
@@ -265,7 +267,6 @@ class RetroCuda final : public DeviceMethod {
       if (!W.on) continue;
       cp = std::max(cp, W.cache_pages);
       if (m->misses_ == Misses::Stage) sp = std::max(sp, m->stage_[layer & 1].cap / int32_t(kPageTokens));
-      if (W.pending) check(cudaStreamWaitEvent(S(st.stream), W.admitted, 0), "cudaStreamWaitEvent(wave buffer)");
     }
     cuda::PagedKv kv = st.kv;
     attn_wave_ = cp >= 0;
@@ -429,33 +430,6 @@ class RetroCuda final : public DeviceMethod {
     uint64_t generation = 0;
     uint64_t bytes() const { return cent.bytes + vmeta.bytes + size.bytes + start.bytes + pos.bytes; }
   };
-  // Pinned host memory mapped into the device's address space (contents not kept on growth).
-  struct Mapped {
-    void* p = nullptr;
-    size_t bytes = 0;
-    Mapped() = default;
-    Mapped(const Mapped&) = delete;
-    Mapped& operator=(const Mapped&) = delete;
-    ~Mapped() {
-      if (p) cudaFreeHost(p);
-    }
-    void reserve(size_t n, const char* what) {
-      if (n <= bytes && p) return;
-      if (p) cudaFreeHost(p);
-      p = nullptr;
-      bytes = 0;
-      check(cudaHostAlloc(&p, n, cudaHostAllocMapped | cudaHostAllocPortable), what);
-      bytes = n;
-    }
-    template <class T>
-    T* host() const { return static_cast<T*>(p); }
-    template <class T>
-    T* dev() const {
-      void* d = nullptr;
-      check(cudaHostGetDevicePointer(&d, p, 0), "cudaHostGetDevicePointer(retroinfer wave buffer)");
-      return static_cast<T*>(d);
-    }
-  };
   // One layer's wave buffer (off: the KV is in GPU memory, cache_ratio = 0, or nothing indexed).
   struct Wave {
     bool on = false, pending = false;  // pending: admitted is recorded for the last step
@@ -470,8 +444,8 @@ class RetroCuda final : public DeviceMethod {
     int32_t stage_base = 0, stage_cap = 0;     // the last step's staging positions
     int64_t own_cap = 0;
     int64_t table_cap = 0;             // the sequence's page-table entries (at the last sync)
-    Mapped ids;    // [Hkv][C] cluster ids, then [Hkv] counts (the zones kernel writes them)
-    Mapped moves;  // [max_moves] cuda::WaveMove, then the count
+    cudautil::PinnedBuf ids;    // [Hkv][C] cluster ids, then [Hkv] counts (the zones kernel writes them)
+    cudautil::PinnedBuf moves;  // [max_moves] cuda::WaveMove, then the count
     int32_t max_moves = 0;
     std::vector<retro::WaveCache> heads;                 // per KV head
     std::vector<std::vector<int32_t>> start, size, pos;  // the host index's, per KV head
@@ -696,21 +670,22 @@ class RetroCuda final : public DeviceMethod {
     W.vpos.reserve(vp.size() * 4, device_, "retroinfer wave buffer positions");
     check(cudaMemcpyAsync(W.vpos.p, vp.data(), vp.size() * 4, cudaMemcpyHostToDevice, S(v.stream)),
           "cudaMemcpyAsync(retroinfer wave buffer positions)");
-    // The same by token (the list's remap after the admissions, wave_misses=copy).
     const int32_t T = int32_t(retro::index_view(*host_, layer).indexed_end);
-    std::vector<int32_t> tv(size_t(hkv) * size_t(T));
-    for (int h = 0; h < hkv; ++h) {
-      int32_t* row = tv.data() + size_t(h) * T;
-      for (int32_t t = 0; t < T; ++t) row[t] = W.tok_base + t;
-      const int32_t* vr = vp.data() + size_t(h) * R;
-      const auto& pos = heads[size_t(h)].pos;
-      for (int32_t r = 0; r < R; ++r)
-        if (pos[size_t(r)] < T) row[pos[size_t(r)]] = vr[r];
-    }
-    W.tok2v.reserve(std::max<size_t>(tv.size() * 4, 4), device_, "retroinfer wave buffer positions");
-    check(cudaMemcpyAsync(W.tok2v.p, tv.data(), tv.size() * 4, cudaMemcpyHostToDevice, S(v.stream)),
-          "cudaMemcpyAsync(retroinfer wave buffer positions)");
     W.T = T;
+    if (misses_ == Misses::Copy) {  // the same by token (the list's remap after the admissions)
+      std::vector<int32_t> tv(size_t(hkv) * size_t(T));
+      for (int h = 0; h < hkv; ++h) {
+        int32_t* row = tv.data() + size_t(h) * T;
+        for (int32_t t = 0; t < T; ++t) row[t] = W.tok_base + t;
+        const int32_t* vr = vp.data() + size_t(h) * R;
+        const auto& pos = heads[size_t(h)].pos;
+        for (int32_t r = 0; r < R; ++r)
+          if (pos[size_t(r)] < T) row[pos[size_t(r)]] = vr[r];
+      }
+      W.tok2v.reserve(std::max<size_t>(tv.size() * 4, 4), device_, "retroinfer wave buffer positions");
+      check(cudaMemcpyAsync(W.tok2v.p, tv.data(), tv.size() * 4, cudaMemcpyHostToDevice, S(v.stream)),
+            "cudaMemcpyAsync(retroinfer wave buffer positions)");
+    }
     if (misses_ == Misses::Stage) {  // tags 0: nothing staged (epochs start at 1)
       W.stage_map.reserve(std::max<size_t>(size_t(hkv) * size_t(T) * 8, 8), device_, "retroinfer wave buffer staging");
       check(cudaMemsetAsync(W.stage_map.p, 0, W.stage_map.bytes, S(v.stream)), "cudaMemsetAsync(retroinfer staging)");
@@ -805,7 +780,8 @@ class RetroCuda final : public DeviceMethod {
                               like.page_shift};
     check(cuda::retro_wave_moves(own, cuda::Scalar(int32_t(shape_.kv_dtype)), int32_t(shape_.num_kv_heads),
                                  int32_t(shape_.head_dim), layers_[layer].mirror.pos.as<int32_t>(), W.R,
-                                 W.vpos.as<int32_t>(), W.tok2v.as<int32_t>(), W.T, W.tok_base, stage,
+                                 W.vpos.as<int32_t>(), misses_ == Misses::Copy ? W.tok2v.as<int32_t>() : nullptr, W.T,
+                                 W.tok_base, stage,
                                  staged ? W.stage_map.as<int64_t>() : nullptr, W.epoch, mv,
                                  reinterpret_cast<const int32_t*>(mv + W.max_moves), W.max_moves, side_),
           "retro_wave_moves");
@@ -816,7 +792,7 @@ class RetroCuda final : public DeviceMethod {
     std::unique_ptr<MoveCtx> c(static_cast<MoveCtx*>(p));
     RetroCuda* m = c->m;
     Wave& W = m->layers_[c->layer].wave;
-    *reinterpret_cast<int32_t*>(W.moves.host<cuda::WaveMove>() + W.max_moves) = 0;  // no moves unless decided
+    *reinterpret_cast<int32_t*>(W.moves.at<cuda::WaveMove>(0) + W.max_moves) = 0;  // no moves unless decided
     if (m->wave_broken_.load()) return;  // the maps are out of step: decide nothing until recover_wave
     try {
       m->decide(c->layer, c->hot_head, c->hot_tail);
@@ -835,7 +811,7 @@ class RetroCuda final : public DeviceMethod {
     const auto t0 = std::chrono::steady_clock::now();
     Wave& W = layers_[layer].wave;
     const int hkv = int(shape_.num_kv_heads);
-    const int32_t* ids = W.ids.host<int32_t>();
+    const int32_t* ids = W.ids.at<int32_t>(0);
     const int32_t* cnt = ids + size_t(W.C) * hkv;
     const int64_t hh = (hot_head + kPageTokens - 1) / kPageTokens * kPageTokens;
     const int64_t ht = hot_tail == INT64_MAX ? INT64_MAX : hot_tail / kPageTokens * kPageTokens;
@@ -861,7 +837,7 @@ class RetroCuda final : public DeviceMethod {
       }
       cold[size_t(h)] = k;
     });
-    auto* mv = W.moves.host<cuda::WaveMove>();
+    auto* mv = W.moves.at<cuda::WaveMove>(0);
     int32_t nm = 0;
     double cold_rows = 0;
     for (int h = 0; h < hkv; ++h) {
