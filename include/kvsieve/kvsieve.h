@@ -215,6 +215,14 @@ typedef enum kvs_lse_base {
   KVS_LSE_BASE_2 = 1  /* log2: lse_e * log2(e) */
 } kvs_lse_base;
 
+/** Who stores a session's K/V (kvs_session_params.kv_source). */
+typedef enum kvs_kv_source {
+  KVS_KV_OWNED = 0, /* kvsieve stores the K/V given to prefill, append and decode (the default) */
+  KVS_KV_CALLER = 1 /* the caller's paged KV cache (an inference engine's), declared per layer with
+                       kvs_session_bind_kv; kvsieve keeps only its method's index and reads the
+                       keys and values in place */
+} kvs_kv_source;
+
 typedef struct kvs_session_params {
   uint32_t struct_size;   /* sizeof(kvs_session_params) */
   uint32_t num_layers;    /* 1 .. 4096 */
@@ -247,6 +255,9 @@ typedef struct kvs_session_params {
    * for contexts larger than GPU memory; the method's index stays on the GPU. The cpu backend
    * takes KVS_DEVICE_CPU only. */
   int32_t kv_memory;
+  /* Who stores the K/V (kvs_kv_source): KVS_KV_OWNED (0, the default) or KVS_KV_CALLER, the
+   * caller's own paged KV cache (kvs_session_bind_kv; cpu and cuda backends). */
+  int32_t kv_source;
 } kvs_session_params;
 
 /** Fills defaults (struct_size included). @threadsafety any */
@@ -287,6 +298,51 @@ KVS_API kvs_error_t kvs_session_decode(kvs_session_t s, uint32_t layer, const kv
 KVS_API kvs_error_t kvs_session_append(kvs_session_t s, uint32_t layer, const kvs_tensor* q,
                                        const kvs_tensor* k, const kvs_tensor* v, const kvs_tensor* o,
                                        void* stream);
+
+/* ---- A KV cache the caller owns (engine integration) ------------------------------------------ */
+
+/** One layer's KV cache as an inference engine keeps it: a pool of pages in FlashInfer's paged
+ *  layout "HND" with K and V in one tensor,
+ *    pages: [num_pages][2][num_kv_heads][page_size][head_dim] in the session's kv_dtype
+ *  (page p holds the keys of page_size consecutive tokens, head by head, then their values), and
+ *  the pages of this sequence in token order: token t is slot t % page_size of pool page
+ *  page_indices[t / page_size]. The same layout as vLLM's FlashInfer backend with its HND cache
+ *  layout and FlashInfer's paged_kv_cache of shape (max_num_pages, 2, num_kv_heads, page_size,
+ *  head_dim). */
+typedef struct kvs_paged_kv {
+  uint32_t struct_size;        /* sizeof(kvs_paged_kv) (kvs_paged_kv_init) */
+  const void* pages;           /* the pool: GPU memory of the session's device (cuda backend), or
+                                  host memory (cpu backend); 256-byte aligned */
+  int64_t num_pages;           /* pages in the pool, >= 1 */
+  int32_t page_size;           /* tokens per page, the same in every binding of a session: a power
+                                  of two in 16..1024 on the cuda backend, 256 on the cpu backend */
+  const int32_t* page_indices; /* host memory, copied: the sequence's pool pages in token order,
+                                  each in [0, num_pages) */
+  int64_t num_page_indices;    /* >= ceil(num_tokens / page_size) */
+  int64_t num_tokens;          /* tokens of this sequence the cache holds in this layer now */
+} kvs_paged_kv;
+
+/** Fills defaults (struct_size; everything else 0). @threadsafety any */
+KVS_API void kvs_paged_kv_init(kvs_paged_kv* kv);
+
+/** Sessions with kv_source = KVS_KV_CALLER: declares where layer `layer`'s K/V are now. kvsieve
+ *  keeps no copy: prefill, append and decode then take NULL k/v (k_new/v_new) and count the next
+ *  tokens of the bound cache as theirs, its method indexing and attending them in place. A binding
+ *  holds until the next one for the layer; bind again whenever the engine's page table grows or
+ *  changes (typically once per layer per step, after the engine has written the new token's K/V).
+ *  The caller must keep the pool alive and must not change the K/V of tokens the session has
+ *  counted (the index describes them) until they are dropped (kvs_session_truncate) or the session
+ *  is destroyed; pages may be renumbered between bindings.
+ *  kv->num_tokens: at least the layer's tokens (kvs_session_layer_tokens); a prefill, append or
+ *  decode needs the tokens it adds to be bound already.
+ *  stream: a cudaStream_t (cuda backend; NULL = default stream) that orders the page-table upload
+ *  before the decode calls on the same stream; ignored on the cpu backend.
+ *  Errors: KVS_STATUS_INVALID_ARGUMENT (a field, naming it and what was expected),
+ *  KVS_STATUS_INVALID_STATE (a session that owns its KV), KVS_STATUS_UNSUPPORTED (the hybrid
+ *  backend; a method that needs another page size). On error the previous binding stays.
+ *  @threadsafety exclusive */
+KVS_API kvs_error_t kvs_session_bind_kv(kvs_session_t s, uint32_t layer, const kvs_paged_kv* kv,
+                                        void* stream);
 
 /** Rollback: keeps the first num_tokens tokens of every layer and drops the rest, KV and index
  *  alike, so that decoding continues exactly as if the dropped tokens had never been appended

@@ -52,6 +52,10 @@ void Placement::truncate(int64_t) {
   fail(KVS_STATUS_UNSUPPORTED, std::string("kvs_session_truncate: not supported on the ") + ops().name() + " backend yet");
 }
 
+void Placement::bind_kv(uint32_t, const BoundKv&, const char* fn, void*) {
+  fail(KVS_STATUS_UNSUPPORTED, std::string(fn) + ": the " + ops().name() + " backend attends only the KV it stores");
+}
+
 const Backend* find_backend(int32_t id, const char** why_not) {
   if (id == KVS_BACKEND_CPU) return &cpu_backend();
   if (id == KVS_BACKEND_CUDA) {
@@ -95,6 +99,9 @@ std::unique_ptr<Placement> make_placement(const SessionConfig& cfg, const Method
     fail(KVS_STATUS_UNSUPPORTED, "params->backend: method '" + cfg.method + "' cannot run on the " +
                                      (cfg.backend == KVS_BACKEND_CUDA ? "cuda" : cfg.backend == KVS_BACKEND_HYBRID ? "hybrid" : "cpu") +
                                      " backend: " + why);
+  if (cfg.kv_source == KVS_KV_CALLER && cfg.backend == KVS_BACKEND_HYBRID)
+    fail(KVS_STATUS_UNSUPPORTED, "params->kv_source: the hybrid backend keeps its own KV (pinned host memory); "
+                                 "a cache the caller owns is attended on the cpu or cuda backend");
 #ifdef KVS_HAVE_CUDA
   if (cfg.backend == KVS_BACKEND_CUDA) return make_cuda_placement(cfg, spec, ps, std::move(pool));
   if (cfg.backend == KVS_BACKEND_HYBRID) return make_hybrid_placement(cfg, spec, ps, std::move(pool));

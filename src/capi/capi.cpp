@@ -175,6 +175,16 @@ kvs_error_t kvs_session_append(kvs_session_t s, uint32_t layer, const kvs_tensor
   return guarded([&] { S(s, "kvs_session_append").append(layer, q, k, v, o, stream); });
 }
 
+void kvs_paged_kv_init(kvs_paged_kv* kv) {
+  if (!kv) return;
+  std::memset(kv, 0, sizeof(*kv));
+  kv->struct_size = sizeof(*kv);
+}
+
+kvs_error_t kvs_session_bind_kv(kvs_session_t s, uint32_t layer, const kvs_paged_kv* kv, void* stream) {
+  return guarded([&] { S(s, "kvs_session_bind_kv").bind_kv(layer, kv, stream); });
+}
+
 kvs_error_t kvs_session_truncate(kvs_session_t s, int64_t num_tokens) {
   return guarded([&] { S(s, "kvs_session_truncate").truncate(num_tokens); });
 }

@@ -58,6 +58,16 @@ struct Settled {
   }
 };
 
+// A layer's KV in the caller's paged cache (kvs_session_bind_kv, validated by the session): the
+// pages of [0, ceil(tokens / page_size)) in token order, each [2][Hkv][page_size][d].
+struct BoundKv {
+  const void* pool;
+  int64_t num_pages;
+  int32_t page_size;
+  std::span<const int32_t> pages;
+  int64_t tokens;
+};
+
 class Placement {
  public:
   virtual ~Placement() = default;
@@ -71,6 +81,11 @@ class Placement {
   virtual void add_tokens(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, const kvs_tensor* v,
                           const kvs_tensor* o, const char* fn, bool prompt, int64_t max_tokens, void* stream) = 0;
   virtual void build_index(uint32_t layer, void* stream) = 0;
+  // kv_source = KVS_KV_CALLER: the layer's tokens are those of the caller's cache from now on (the
+  // layer's count stays; add_tokens and decode then take no k/v and count the next bound tokens).
+  // Checks what the session could not (page size, memory); on error the previous binding stays.
+  // The default refuses (UNSUPPORTED).
+  virtual void bind_kv(uint32_t layer, const BoundKv& kv, const char* fn, void* stream);
   // Once per token for a batch (batch[0] == this), before its layers' decode calls: reserve room
   // for one more token in every layer and size workspaces, so decode allocates nothing. Host work
   // (uploads of page tables in stream order). The default has nothing to reserve.

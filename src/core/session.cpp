@@ -81,6 +81,11 @@ SessionConfig SessionConfig::from_params(const kvs_session_params* p) {
   if (p->max_rollback < 0 || p->max_rollback > kMaxRollback)
     invalid("params->max_rollback: expected 0.." + std::to_string(kMaxRollback) + " tokens, got " +
             std::to_string(p->max_rollback));
+  if (p->kv_source != KVS_KV_OWNED && p->kv_source != KVS_KV_CALLER)
+    invalid("params->kv_source: expected KVS_KV_OWNED (0) or KVS_KV_CALLER (1), got " + std::to_string(p->kv_source));
+  if (p->kv_source == KVS_KV_CALLER && p->kv_memory != 0)
+    invalid("params->kv_memory: expected 0 with kv_source = KVS_KV_CALLER (the caller's cache is where it is), got " +
+            std::to_string(p->kv_memory));
   s.num_layers = p->num_layers;
   s.num_q_heads = p->num_q_heads;
   s.num_kv_heads = p->num_kv_heads;
@@ -90,6 +95,7 @@ SessionConfig SessionConfig::from_params(const kvs_session_params* p) {
   c.backend = p->backend;
   c.device_id = p->device_id;
   c.kv_memory = p->kv_memory;
+  c.kv_source = p->kv_source;
   c.num_threads = p->num_threads;
   cpu::resolve_gemm(p->gemm);  // validates
   c.gemm = p->gemm;
@@ -192,6 +198,48 @@ void Session::append(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, c
 }
 
 // ---------------------------------------------------------------------------------------------
+// A KV cache the caller owns
+
+void Session::bind_kv(uint32_t layer, const kvs_paged_kv* kv, void* stream) {
+  const char* fn = "kvs_session_bind_kv";
+  check_layer(layer, fn);
+  if (cfg_.kv_source != KVS_KV_CALLER)
+    fail(KVS_STATUS_INVALID_STATE, std::string(fn) + ": this session stores its own KV (kv_source = KVS_KV_OWNED); "
+                                   "create it with kv_source = KVS_KV_CALLER to attend a cache the caller owns");
+  if (!kv) invalid(std::string(fn) + ": kv: expected a kvs_paged_kv, got NULL");
+  constexpr size_t kFirstSize = sizeof(kvs_paged_kv);
+  if (kv->struct_size < kFirstSize)
+    invalid(std::string(fn) + ": kv->struct_size: expected >= " + std::to_string(kFirstSize) +
+            " (fill with kvs_paged_kv_init), got " + std::to_string(kv->struct_size));
+  if (!kv->pages) invalid(std::string(fn) + ": kv->pages: expected the page pool, got NULL");
+  if (reinterpret_cast<uintptr_t>(kv->pages) % 256 != 0)
+    invalid(std::string(fn) + ": kv->pages: expected a 256-byte aligned address");
+  if (kv->num_pages < 1 || kv->num_pages > (int64_t(1) << 31) - 1)
+    invalid(std::string(fn) + ": kv->num_pages: expected 1..2^31-1, got " + std::to_string(kv->num_pages));
+  const int32_t P = kv->page_size;
+  if (P < 1 || (P & (P - 1)) != 0 || P > 1024)
+    invalid(std::string(fn) + ": kv->page_size: expected a power of two up to 1024, got " + std::to_string(P));
+  const int64_t have = placement_->tokens(layer);
+  if (kv->num_tokens < have || kv->num_tokens > kMaxLayerTokens)
+    invalid(std::string(fn) + ": kv->num_tokens: expected " + std::to_string(have) + ".." +
+            std::to_string(kMaxLayerTokens) + " (layer " + L(layer) + " holds " + std::to_string(have) +
+            " tokens), got " + std::to_string(kv->num_tokens));
+  const int64_t need = (kv->num_tokens + P - 1) / P;
+  if (kv->num_page_indices < need || kv->num_page_indices > kMaxLayerTokens)
+    invalid(std::string(fn) + ": kv->num_page_indices: expected at least " + std::to_string(need) + " (" +
+            std::to_string(kv->num_tokens) + " tokens in pages of " + std::to_string(P) + "), got " +
+            std::to_string(kv->num_page_indices));
+  if (need > 0 && !kv->page_indices) invalid(std::string(fn) + ": kv->page_indices: expected the sequence's pages, got NULL");
+  for (int64_t i = 0; i < need; ++i)
+    if (kv->page_indices[i] < 0 || kv->page_indices[i] >= kv->num_pages)
+      invalid(std::string(fn) + ": kv->page_indices[" + std::to_string(i) + "]: expected 0.." +
+              std::to_string(kv->num_pages - 1) + ", got " + std::to_string(kv->page_indices[i]));
+  placement_->bind_kv(layer, BoundKv{kv->pages, kv->num_pages, P, std::span<const int32_t>(kv->page_indices, size_t(need)),
+                                     kv->num_tokens},
+                      fn, stream);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Rollback
 
 void Session::truncate(int64_t n) {
@@ -250,10 +298,10 @@ void Session::check_compatible(Session* const* sessions, size_t count, const cha
     const auto &a = sb.cfg_.shape, &z = s0.cfg_.shape;
     if (a.num_q_heads != z.num_q_heads || a.num_kv_heads != z.num_kv_heads || a.head_dim != z.head_dim ||
         a.num_layers != z.num_layers || a.kv_dtype != z.kv_dtype || a.softmax_scale != z.softmax_scale ||
-        sb.cfg_.backend != s0.cfg_.backend || sb.cfg_.method != s0.cfg_.method ||
+        sb.cfg_.backend != s0.cfg_.backend || sb.cfg_.method != s0.cfg_.method || sb.cfg_.kv_source != s0.cfg_.kv_source ||
         (sb.cfg_.backend != KVS_BACKEND_CPU && sb.cfg_.device_id != s0.cfg_.device_id))
       invalid(std::string(fn) + ": sessions[" + std::to_string(b) +
-              "]: expected the shape, dtype, softmax scale, method, backend and device of sessions[0]");
+              "]: expected the shape, dtype, softmax scale, method, backend, device and kv_source of sessions[0]");
     for (size_t c = 0; c < b; ++c)
       if (sessions[c] == sessions[b]) invalid(std::string(fn) + ": sessions[" + std::to_string(b) + "] appears twice");
   }
@@ -383,6 +431,10 @@ std::unique_ptr<Session> Session::to(int32_t backend, int32_t device_id) const {
     invalid("kvs_session_to: backend: expected KVS_BACKEND_CPU (1), KVS_BACKEND_CUDA (2) or KVS_BACKEND_HYBRID (3), got " +
             std::to_string(backend));
   if (device_id < 0) invalid("kvs_session_to: device_id: expected >= 0, got " + std::to_string(device_id));
+  if (cfg_.kv_source == KVS_KV_CALLER)
+    fail(KVS_STATUS_UNSUPPORTED, "kvs_session_to: the session attends the caller's KV cache (kv_source = "
+                                 "KVS_KV_CALLER), which stays where the caller keeps it; save its tables and load them on the "
+                                 "other backend, then bind that backend's cache");
   // The KV of every layer goes along (a layer loaded without KV and not prefilled again cannot move).
   const auto image = tables_writer(true, "kvs_session_to")->write_memory();
   auto file = io::TablesFile::open_memory(image, "(session state in memory)");

@@ -23,6 +23,7 @@ struct SessionConfig {
   int32_t backend = KVS_BACKEND_CPU;
   int32_t device_id = 0;
   int32_t kv_memory = 0;  // kvs_device_type, 0 = the backend's own memory
+  int32_t kv_source = KVS_KV_OWNED;  // kvs_kv_source (runtime: not saved)
   uint32_t num_threads = 0;
   int32_t gemm = KVS_GEMM_AUTO;
   std::string method = "full";
@@ -50,6 +51,8 @@ class Session {
               const kvs_tensor* o, const kvs_tensor* lse, void* stream);
   void append(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, const kvs_tensor* v,
               const kvs_tensor* o, void* stream);
+  // kvs_session_bind_kv (KVS_KV_CALLER sessions): the layer's K/V are in the caller's paged cache.
+  void bind_kv(uint32_t layer, const kvs_paged_kv* kv, void* stream);
   // kvs_session_truncate: keeps the first n tokens of every layer (checks the range first).
   void truncate(int64_t n);
   static void decode_batch(Session* const* sessions, size_t count, uint32_t layer, const kvs_tensor* q,

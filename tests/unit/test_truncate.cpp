@@ -13,27 +13,14 @@
 #include "kvsieve/kvsieve.h"
 #include "capi_helpers.hpp"
 #include "reference.hpp"
+#include "session_steps.hpp"
 
 using namespace kvt;
 
 namespace {
 
-// Random tokens (never zeros): q [T][Hq][d], k, v [T][Hkv][d], a few heavy keys.
-struct Data {
-  int hq, hkv, d;
-  int64_t T;
-  std::vector<float> q, k, v;
-  Data(Rng& rng, int hq_, int hkv_, int d_, int64_t T_) : hq(hq_), hkv(hkv_), d(d_), T(T_) {
-    q = rng.normals(size_t(T) * hq * d);
-    k = rng.normals(size_t(T) * hkv * d);
-    v = rng.normals(size_t(T) * hkv * d);
-    for (int64_t t = 0; t < T; t += 29)
-      for (int i = 0; i < hkv * d; ++i) k[size_t(t) * hkv * d + i] *= 2.5f;
-  }
-  float* qt(int64_t t) { return q.data() + t * hq * d; }
-  float* kt(int64_t t) { return k.data() + t * hkv * d; }
-  float* vt(int64_t t) { return v.data() + t * hkv * d; }
-};
+using Data = TokenData;
+using Step = StepOut;
 
 constexpr uint32_t kLayers = 2;
 const char* const kMethods[] = {"full", "exact_topk", "streaming", "quest", "csattention",
@@ -66,19 +53,6 @@ void chunk(kvs_session_t s, Data& D, int64_t a, int64_t b, bool prompt) {
               : kvs_session_append(s, l, &q.t, &k.t, &v.t, nullptr, nullptr));
 }
 
-struct Step {
-  std::vector<float> o, lse;
-  std::vector<std::vector<int32_t>> sel;  // per KV head
-};
-
-std::vector<int32_t> selection(kvs_session_t s, uint32_t layer, uint32_t h) {
-  size_t n = 0;
-  OK(kvs_session_last_selection(s, layer, h, nullptr, 0, &n));
-  std::vector<int32_t> out(n);
-  OK(kvs_session_last_selection(s, layer, h, out.data(), n, &n));
-  return out;
-}
-
 // Token t of D decoded in every layer; the outputs of each layer.
 std::vector<Step> decode(kvs_session_t s, Data& D, int64_t t) {
   std::vector<Step> out(kLayers);
@@ -92,21 +66,6 @@ std::vector<Step> decode(kvs_session_t s, Data& D, int64_t t) {
     for (uint32_t h = 0; h < uint32_t(D.hkv); ++h) st.sel.push_back(selection(s, l, h));
   }
   return out;
-}
-
-void require_same(const std::vector<Step>& a, const std::vector<Step>& b) {
-  for (uint32_t l = 0; l < kLayers; ++l) {
-    INFO("layer " << l);
-    REQUIRE(std::memcmp(a[l].o.data(), b[l].o.data(), a[l].o.size() * 4) == 0);
-    REQUIRE(std::memcmp(a[l].lse.data(), b[l].lse.data(), a[l].lse.size() * 4) == 0);
-    REQUIRE(a[l].sel == b[l].sel);
-  }
-}
-
-int64_t layer_tokens(kvs_session_t s, uint32_t l) {
-  int64_t n = -1;
-  OK(kvs_session_layer_tokens(s, l, &n));
-  return n;
 }
 
 // A script of calls: prompt [0, P), build, an appended turn [P, P + a), decodes up to `end`.

@@ -99,6 +99,7 @@ class CpuPlacement final : public Placement, public HostPart {
     for (uint32_t l = 0; l < s.num_layers; ++l) layers_.emplace_back(s.kv_dtype, int(s.num_kv_heads), int(s.head_dim));
     last_sel_.resize(s.num_layers);
     last_n_.assign(s.num_layers, 0);
+    bound_.resize(s.num_layers);
   }
 
   int32_t backend() const override { return KVS_BACKEND_CPU; }
@@ -111,8 +112,13 @@ class CpuPlacement final : public Placement, public HostPart {
     const int64_t hq = s.num_q_heads, hkv = s.num_kv_heads, d = s.head_dim;
     View qv = check_tensor(q, "q", {-1, hq, d}, Where::Host);
     const int64_t n = qv.shape[0];
-    View kv = check_tensor(k, "k", {n, hkv, d}, Where::Host);
-    View vv = check_tensor(v, "v", {n, hkv, d}, Where::Host);
+    View kv, vv;
+    if (caller()) {
+      no_kv_tensors(k, v, fn, "k", "v");
+    } else {
+      kv = check_tensor(k, "k", {n, hkv, d}, Where::Host);
+      vv = check_tensor(v, "v", {n, hkv, d}, Where::Host);
+    }
     View ov;
     if (o) ov = check_output_tensor(o, "o", {n, hq, d}, Where::Host);
     auto& lay = layers_[layer];
@@ -121,18 +127,23 @@ class CpuPlacement final : public Placement, public HostPart {
     if (n > max_tokens - n0)
       invalid(std::string(fn) + ": q: layer " + L(layer) + " may hold at most " + std::to_string(max_tokens) +
               " tokens here (it has " + std::to_string(n0) + "), got " + std::to_string(n) + " more");
-    std::vector<float> qf(static_cast<size_t>(qv.numel())), kf(size_t(kv.numel())), vf(size_t(vv.numel()));
+    if (caller()) check_bound(layer, n0 + n, fn);
+    std::vector<float> qf(static_cast<size_t>(qv.numel())), kf(size_t(caller() ? 0 : kv.numel())),
+        vf(size_t(caller() ? 0 : vv.numel()));
     read_f32(qv, qf.data());
-    read_f32(kv, kf.data());
-    read_f32(vv, vf.data());
     check_finite(qf.data(), qv, fn, "q");
-    check_finite(kf.data(), kv, fn, "k");
-    check_finite(vf.data(), vv, fn, "v");
+    if (!caller()) {
+      read_f32(kv, kf.data());
+      read_f32(vv, vf.data());
+      check_finite(kf.data(), kv, fn, "k");
+      check_finite(vf.data(), vv, fn, "v");
+    }
     std::vector<float> of(o ? size_t(n) * hq * d : 0);
     if (prompt) history_.clear();  // on_prefill state is not replayed: the history starts again
     else checkpoint();
     try {
-      lay.append(kf.data(), vf.data(), n);
+      if (caller()) count_bound(layer, n0 + n);
+      else lay.append(kf.data(), vf.data(), n);
       if (prompt) method_->on_prefill(layer, qf.data(), n, lay);
       else method_->on_append(layer, qf.data(), n, lay, false);
       if (o) causal_outputs(layer, qf.data(), n, n0, of.data());
@@ -145,6 +156,57 @@ class CpuPlacement final : public Placement, public HostPart {
     if (o) write_f32(ov, of.data());
   }
 
+  // ---- a KV cache the caller owns (kv_source = KVS_KV_CALLER) ----
+
+  // The caller's pages become the layer's (read in place, never written: they are not owned, so
+  // nothing copies or zeroes them); the layer keeps its count until add_tokens or decode counts
+  // the next bound tokens. Pages already wrapped are reused when the binding names them again.
+  void bind_kv(uint32_t layer, const BoundKv& kv, const char* fn, void*) override {
+    if (!caller())
+      fail(KVS_STATUS_INVALID_STATE, std::string(fn) + ": this session stores its own KV");
+    if (kv.page_size != kPageTokens)
+      fail(KVS_STATUS_UNSUPPORTED, std::string(fn) + ": kv->page_size: the cpu backend reads pages of " +
+                                       std::to_string(kPageTokens) + " tokens, got " + std::to_string(kv.page_size));
+    auto& b = bound_[layer];
+    const size_t pb = layers_[layer].page_bytes();
+    const auto* pool = static_cast<const std::byte*>(kv.pool);
+    std::vector<std::shared_ptr<Page>> pages(kv.pages.size());
+    for (size_t i = 0; i < kv.pages.size(); ++i) {
+      const std::byte* at = pool + size_t(kv.pages[i]) * pb;
+      if (i < b.pages.size() && b.pages[i]->data() == at) pages[i] = b.pages[i];
+      else pages[i] = std::make_shared<Page>(at, pb, caller_owner());
+    }
+    const int64_t n = layers_[layer].size();
+    // Tokens the layer counts must read the same bytes as before (a page renumbered is fine).
+    layers_[layer].adopt(std::vector<std::shared_ptr<Page>>(pages.begin(), pages.begin() + (n + kPageTokens - 1) / kPageTokens), n);
+    b.pages = std::move(pages);
+    b.tokens = kv.tokens;
+  }
+
+  bool caller() const { return cfg_.kv_source == KVS_KV_CALLER; }
+  static void no_kv_tensors(const kvs_tensor* k, const kvs_tensor* v, const char* fn, const char* kn, const char* vn) {
+    if (k || v)
+      invalid(std::string(fn) + ": " + (k ? kn : vn) + ": expected NULL: the session attends the caller's KV cache "
+              "(kv_source = KVS_KV_CALLER); write the tokens there and call kvs_session_bind_kv");
+  }
+  // The layer's binding covers `tokens` tokens.
+  void check_bound(uint32_t layer, int64_t tokens, const std::string& fn) const {
+    if (bound_[layer].tokens < tokens)
+      fail(KVS_STATUS_INVALID_STATE, fn + ": layer " + L(layer) + " needs " + std::to_string(tokens) +
+                                         " tokens in the caller's KV cache, its binding has " +
+                                         std::to_string(bound_[layer].tokens) + ": call kvs_session_bind_kv first");
+  }
+  // The layer counts its first n bound tokens (n <= the binding's, checked by check_bound).
+  void count_bound(uint32_t layer, int64_t n) {
+    const auto& b = bound_[layer].pages;
+    layers_[layer].adopt(std::vector<std::shared_ptr<Page>>(b.begin(), b.begin() + (n + kPageTokens - 1) / kPageTokens), n);
+  }
+  // Non-null, so the wrapped pages are not owned (never freed, written or zeroed).
+  static std::shared_ptr<const void> caller_owner() {
+    static const int tag = 0;
+    return std::shared_ptr<const void>(&tag, [](const void*) {});
+  }
+
   void build_index(uint32_t layer, void*) override {
     history_.clear();
     method_->build_index(layer, layers_[layer]);
@@ -155,16 +217,20 @@ class CpuPlacement final : public Placement, public HostPart {
     const auto& s = cfg_.shape;
     const int64_t B = int64_t(batch.size()), hq = s.num_q_heads, hkv = s.num_kv_heads, d = s.head_dim;
     View qv, kv, vv, ov, lv;
+    // kv_source = KVS_KV_CALLER: the new tokens are in the caller's cache (every session of a batch
+    // has the same kv_source: Session::check_compatible).
+    const bool ext = caller();
+    if (ext) no_kv_tensors(t.k_new, t.v_new, t.fn, "k_new", "v_new");
     if (t.single) {
       qv = check_tensor(t.q, "q", {hq, d}, Where::Host);
-      kv = check_tensor(t.k_new, "k_new", {hkv, d}, Where::Host);
-      vv = check_tensor(t.v_new, "v_new", {hkv, d}, Where::Host);
+      if (!ext) kv = check_tensor(t.k_new, "k_new", {hkv, d}, Where::Host);
+      if (!ext) vv = check_tensor(t.v_new, "v_new", {hkv, d}, Where::Host);
       ov = check_output_tensor(t.o, "o", {hq, d}, Where::Host);
       if (t.lse) lv = check_output_tensor(t.lse, "lse", {hq}, Where::Host);
     } else {
       qv = check_tensor(t.q, "q", {B, hq, d}, Where::Host);
-      kv = check_tensor(t.k_new, "k_new", {B, hkv, d}, Where::Host);
-      vv = check_tensor(t.v_new, "v_new", {B, hkv, d}, Where::Host);
+      if (!ext) kv = check_tensor(t.k_new, "k_new", {B, hkv, d}, Where::Host);
+      if (!ext) vv = check_tensor(t.v_new, "v_new", {B, hkv, d}, Where::Host);
       ov = check_output_tensor(t.o, "o", {B, hq, d}, Where::Host);
       if (t.lse) lv = check_output_tensor(t.lse, "lse", {B, hq}, Where::Host);
     }
@@ -175,19 +241,26 @@ class CpuPlacement final : public Placement, public HostPart {
       if (ps[size_t(b)]->layers_[layer].size() >= kMaxLayerTokens)
         invalid(std::string(t.fn) + ": layer " + L(layer) + " of sessions[" + std::to_string(b) + "] is full (" +
                 std::to_string(kMaxLayerTokens) + " tokens)");
+      if (ext)
+        ps[size_t(b)]->check_bound(layer, ps[size_t(b)]->layers_[layer].size() + 1,
+                                   B > 1 ? (std::string(t.fn) + ": sessions[" + std::to_string(b) + "]").c_str() : t.fn);
     }
-    std::vector<float> qf(static_cast<size_t>(B * hq * d)), kf(size_t(B * hkv * d)), vf(size_t(B * hkv * d));
+    const size_t kvn = ext ? 0 : size_t(B * hkv * d);
+    std::vector<float> qf(static_cast<size_t>(B * hq * d)), kf(kvn), vf(kvn);
     std::vector<float> of(static_cast<size_t>(B * hq * d)), lf(size_t(B * hq));
     read_f32(qv, qf.data());
-    read_f32(kv, kf.data());
-    read_f32(vv, vf.data());
     check_finite(qf.data(), qv, t.fn, "q");
-    check_finite(kf.data(), kv, t.fn, "k_new");
-    check_finite(vf.data(), vv, t.fn, "v_new");
+    if (!ext) {
+      read_f32(kv, kf.data());
+      read_f32(vv, vf.data());
+      check_finite(kf.data(), kv, t.fn, "k_new");
+      check_finite(vf.data(), vv, t.fn, "v_new");
+    }
     for (int64_t b = 0; b < B; ++b) {
       try {
-        reports[size_t(b)] = ps[size_t(b)]->decode_f32(layer, qf.data() + b * hq * d, kf.data() + b * hkv * d,
-                                                       vf.data() + b * hkv * d, of.data() + b * hq * d, lf.data() + b * hq);
+        reports[size_t(b)] = ps[size_t(b)]->decode_f32(layer, qf.data() + b * hq * d, ext ? nullptr : kf.data() + b * hkv * d,
+                                                       ext ? nullptr : vf.data() + b * hkv * d, of.data() + b * hq * d,
+                                                       lf.data() + b * hq);
       } catch (...) {
         // All or nothing: the sessions already advanced drop their new token again.
         for (int64_t a = 0; a < b; ++a) ps[size_t(a)]->undo_step(layer);
@@ -321,6 +394,7 @@ class CpuPlacement final : public Placement, public HostPart {
 
   void stats(kvs_session_stats& st) const override {
     for (auto& l : layers_) {
+      if (caller()) break;  // the caller's cache: kvsieve holds no KV
       st.kv_bytes += l.bytes();
       st.kv_shared_bytes += l.shared_bytes();
     }
@@ -350,6 +424,9 @@ class CpuPlacement final : public Placement, public HostPart {
   nlohmann::json save_meta() const override { return method_->save_meta(); }
 
   void save(io::TablesWriter& w, bool with_kv) const override {
+    if (with_kv && caller())
+      fail(KVS_STATUS_UNSUPPORTED, "kvs_session_save: flags: KVS_SAVE_INCLUDE_KV: the KV cache is the caller's "
+                                   "(kv_source = KVS_KV_CALLER); save the tables only");
     if (with_kv)
       for (uint32_t l = 0; l < cfg_.shape.num_layers; ++l) {
         std::vector<io::Piece> pieces;
@@ -406,6 +483,7 @@ class CpuPlacement final : public Placement, public HostPart {
     p->layers_ = layers_;  // shares pages; copy-on-write on the next append
     p->method_ = method_->clone();
     p->history_ = history_;  // the checkpoints are shared (read-only), the logs copied
+    p->bound_ = bound_;      // the caller's pages: the fork reads the same cache until bound anew
     return p;
   }
 
@@ -467,7 +545,8 @@ class CpuPlacement final : public Placement, public HostPart {
     auto& lay = layers_[layer];
     const int64_t n0 = lay.size();
     checkpoint();
-    lay.append(k, v, 1);
+    if (k) lay.append(k, v, 1);
+    else count_bound(layer, n0 + 1);  // kv_source = KVS_KV_CALLER: the token is in the caller's cache
     try {
       using Clock = std::chrono::steady_clock;
       const auto t0 = Clock::now();
@@ -611,6 +690,11 @@ class CpuPlacement final : public Placement, public HostPart {
   // update (on_append), its selection (select) and the exact attention with the merge.
   double phase_seconds_[3] = {0, 0, 0};
   History history_;
+  struct Bound {  // kv_source = KVS_KV_CALLER: the layer's last binding
+    std::vector<std::shared_ptr<Page>> pages;
+    int64_t tokens = 0;
+  };
+  std::vector<Bound> bound_;
 };
 
 }  // namespace

@@ -154,20 +154,21 @@ inline View cuda_view(const kvs_tensor* t, const char* name, std::initializer_li
 struct StepViews {
   View q, k, v, o, lse;
 };
-inline StepViews cuda_step_views(const StepTensors& t, int64_t B, const ModelShape& sh, int device) {
+// with_kv false (a cache the caller owns): k_new and v_new are not read (the placement checks they are NULL).
+inline StepViews cuda_step_views(const StepTensors& t, int64_t B, const ModelShape& sh, int device, bool with_kv = true) {
   const int64_t hq = sh.num_q_heads, hkv = sh.num_kv_heads, d = sh.head_dim;
   const std::initializer_list<DType> qdt = {DType::F32, sh.kv_dtype};
   StepViews s;
   if (t.single) {
     s.q = cuda_view(t.q, "q", {hq, d}, device, qdt);
-    s.k = cuda_view(t.k_new, "k_new", {hkv, d}, device, {sh.kv_dtype});
-    s.v = cuda_view(t.v_new, "v_new", {hkv, d}, device, {sh.kv_dtype});
+    if (with_kv) s.k = cuda_view(t.k_new, "k_new", {hkv, d}, device, {sh.kv_dtype});
+    if (with_kv) s.v = cuda_view(t.v_new, "v_new", {hkv, d}, device, {sh.kv_dtype});
     s.o = cuda_view(t.o, "o", {hq, d}, device, qdt);
     if (t.lse) s.lse = cuda_view(t.lse, "lse", {hq}, device, {DType::F32}, 4);
   } else {
     s.q = cuda_view(t.q, "q", {B, hq, d}, device, qdt);
-    s.k = cuda_view(t.k_new, "k_new", {B, hkv, d}, device, {sh.kv_dtype});
-    s.v = cuda_view(t.v_new, "v_new", {B, hkv, d}, device, {sh.kv_dtype});
+    if (with_kv) s.k = cuda_view(t.k_new, "k_new", {B, hkv, d}, device, {sh.kv_dtype});
+    if (with_kv) s.v = cuda_view(t.v_new, "v_new", {B, hkv, d}, device, {sh.kv_dtype});
     s.o = cuda_view(t.o, "o", {B, hq, d}, device, qdt);
     if (t.lse) s.lse = cuda_view(t.lse, "lse", {B, hq}, device, {DType::F32}, 4);
   }

@@ -60,7 +60,9 @@ class DevicePagePool : public std::enable_shared_from_this<DevicePagePool> {
   std::vector<void*> slabs_, free_;
 };
 
-DevicePage::~DevicePage() { pool_->give(data_); }
+DevicePage::~DevicePage() {
+  if (pool_) pool_->give(data_);
+}
 
 std::shared_ptr<DevicePage> device_page(int device, size_t bytes, PageMemory mem) {
   static std::mutex mu;

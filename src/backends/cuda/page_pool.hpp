@@ -19,6 +19,11 @@ class DevicePage {
   void* data() const { return data_; }
   size_t bytes() const { return bytes_; }
   PageMemory memory() const { return mem_; }
+  // A page of the caller's KV cache (kv_source = KVS_KV_CALLER): wrapped, never freed or written.
+  static std::shared_ptr<DevicePage> wrap(void* d, size_t b) {
+    return std::shared_ptr<DevicePage>(new DevicePage(d, b, PageMemory::Device, nullptr));
+  }
+  bool external() const { return pool_ == nullptr; }
   ~DevicePage();
   DevicePage(const DevicePage&) = delete;
   DevicePage& operator=(const DevicePage&) = delete;

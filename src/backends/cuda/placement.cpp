@@ -104,6 +104,9 @@ struct DevLayer {
   // as placed last: pages [0, hot_head) and [hot_tail, ...); new pages start on the device while
   // hot_tail is set.
   int64_t hot_head = 0, hot_tail = INT64_MAX;
+  // kv_source = KVS_KV_CALLER: tokens of the caller's cache as last bound (pages: all of its pages,
+  // wrapped; n counts the first of them the method has seen).
+  int64_t bound = 0;
 };
 
 }  // namespace
@@ -135,6 +138,7 @@ class CudaPlacement final : public Placement {
       fail(KVS_STATUS_UNSUPPORTED, "params->backend: the cuda backend needs a CUDA device, none was found");
     if (device_ < 0 || device_ >= count)
       invalid("params->device_id: expected 0.." + std::to_string(count - 1) + ", got " + std::to_string(device_));
+    caller_ = cfg.kv_source == KVS_KV_CALLER;
     if (cfg.kv_memory == KVS_DEVICE_CUDA_HOST) kv_mem_ = PageMemory::PinnedHost;
     else if (cfg.kv_memory != 0 && cfg.kv_memory != KVS_DEVICE_CUDA)
       fail(KVS_STATUS_UNSUPPORTED, "params->kv_memory: the cuda backend keeps its KV cache in GPU memory "
@@ -152,6 +156,7 @@ class CudaPlacement final : public Placement {
     sel_.resize(sh.num_layers);
     page_bytes_ = cuda::paged_kv_page_bytes(int32_t(sh.num_kv_heads), int32_t(kPageTokens), int32_t(sh.head_dim),
                                             int32_t(dtype_size(sh.kv_dtype)));
+    if (caller_) page_tokens_ = page_shift_ = 0;  // the first kvs_session_bind_kv sets them
   }
 
   ~CudaPlacement() override {
@@ -185,8 +190,13 @@ class CudaPlacement final : public Placement {
     DeviceGuard g(device_);
     View qv = cuda_view(q, "q", {-1, sh.num_q_heads, sh.head_dim}, device_, {DType::F32, sh.kv_dtype});
     const int64_t n = qv.shape[0];
-    View kv = cuda_view(k, "k", {n, sh.num_kv_heads, sh.head_dim}, device_, {sh.kv_dtype});
-    View vv = cuda_view(v, "v", {n, sh.num_kv_heads, sh.head_dim}, device_, {sh.kv_dtype});
+    View kv, vv;
+    if (caller_) {
+      no_kv_tensors(k, v, fn, "k", "v");
+    } else {
+      kv = cuda_view(k, "k", {n, sh.num_kv_heads, sh.head_dim}, device_, {sh.kv_dtype});
+      vv = cuda_view(v, "v", {n, sh.num_kv_heads, sh.head_dim}, device_, {sh.kv_dtype});
+    }
     if (o)
       fail(KVS_STATUS_UNSUPPORTED, std::string(fn) +
                                        ": o: causal outputs of prompt chunks are not computed by the cuda backend; pass NULL");
@@ -196,22 +206,83 @@ class CudaPlacement final : public Placement {
     if (n > max_tokens - n0)
       invalid(std::string(fn) + ": q: layer " + L(layer) + " may hold at most " + std::to_string(max_tokens) +
               " tokens here (it has " + std::to_string(n0) + "), got " + std::to_string(n) + " more");
+    if (caller_) check_bound(lay, layer, n0 + n, fn);
     const size_t pages0 = lay.pages.size();
     try {
       reserve(layer, n0 + n, stream);
-      check(cuda::write_kv_rows(own_kv(lay), 0, int32_t(sh.num_kv_heads), int32_t(sh.head_dim), kvdt(), int32_t(n0),
-                                int32_t(n), kv.base, vv.base, stream),
-            "write_kv_rows");
+      if (!caller_)
+        check(cuda::write_kv_rows(own_kv(lay), 0, int32_t(sh.num_kv_heads), int32_t(sh.head_dim), kvdt(), int32_t(n0),
+                                  int32_t(n), kv.base, vv.base, stream),
+              "write_kv_rows");
       lay.n = n0 + n;
       if (prompt)
         method_->on_prompt(layer, view(lay, stream), cuda::Query{qv.base, cuda::Scalar(int32_t(qv.dtype))}, n0, n);
       method_->on_tokens(layer, view(lay, stream), n0, n0 + n);
     } catch (...) {
       lay.n = n0;
-      lay.pages.resize(pages0);
+      if (!caller_) lay.pages.resize(pages0);
       method_->truncate(layer, n0);
       throw;
     }
+  }
+
+  // ---- a KV cache the caller owns (kv_source = KVS_KV_CALLER) ----
+
+  // The caller's pages become the layer's: wrapped (never freed or written), the device page table
+  // updated where the binding changed (in stream order), the count unchanged.
+  void bind_kv(uint32_t layer, const BoundKv& kv, const char* fn, void* stream) override {
+    if (!caller_) fail(KVS_STATUS_INVALID_STATE, std::string(fn) + ": this session stores its own KV");
+    if (kv.page_size < 16)
+      invalid(std::string(fn) + ": kv->page_size: the cuda backend reads pages of 16..1024 tokens, got " +
+              std::to_string(kv.page_size));
+    if (page_tokens_ != 0 && kv.page_size != page_tokens_)
+      invalid(std::string(fn) + ": kv->page_size: expected " + std::to_string(page_tokens_) +
+              " (every binding of a session has the page size of its first), got " + std::to_string(kv.page_size));
+    if (std::string why; !method_->page_size_ok(kv.page_size, &why))
+      fail(KVS_STATUS_UNSUPPORTED, std::string(fn) + ": kv->page_size: " + why);
+    DeviceGuard g(device_);
+    cudaPointerAttributes at{};
+    if (cudaPointerGetAttributes(&at, kv.pool) != cudaSuccess ||
+        !((at.type == cudaMemoryTypeDevice && at.device == device_) || at.type == cudaMemoryTypeManaged)) {
+      cudaGetLastError();
+      invalid(std::string(fn) + ": kv->pages: expected memory of CUDA device " + std::to_string(device_) +
+              " (the session's device_id)");
+    }
+    const size_t pb = cuda::paged_kv_page_bytes(int32_t(cfg_.shape.num_kv_heads), kv.page_size,
+                                                int32_t(cfg_.shape.head_dim), int32_t(dtype_size(cfg_.shape.kv_dtype)));
+    auto& lay = layers_[layer];
+    auto* pool = static_cast<char*>(const_cast<void*>(kv.pool));
+    std::vector<std::shared_ptr<DevicePage>> pages(kv.pages.size());
+    size_t first_changed = pages.size();
+    for (size_t i = 0; i < pages.size(); ++i) {
+      char* p = pool + size_t(kv.pages[i]) * pb;
+      if (i < lay.pages.size() && lay.pages[i]->data() == p) {
+        pages[i] = lay.pages[i];
+      } else {
+        pages[i] = DevicePage::wrap(p, pb);
+        first_changed = std::min(first_changed, i);
+      }
+    }
+    if (page_tokens_ == 0) {
+      page_tokens_ = kv.page_size;
+      page_shift_ = 0;
+      while ((1 << page_shift_) < page_tokens_) ++page_shift_;
+      page_bytes_ = pb;
+    }
+    lay.pages = std::move(pages);
+    lay.bound = kv.tokens;
+    if (first_changed < lay.pages.size()) upload_table(lay, first_changed, stream);
+  }
+  static void no_kv_tensors(const kvs_tensor* k, const kvs_tensor* v, const char* fn, const char* kn, const char* vn) {
+    if (k || v)
+      invalid(std::string(fn) + ": " + (k ? kn : vn) + ": expected NULL: the session attends the caller's KV cache "
+              "(kv_source = KVS_KV_CALLER); write the tokens there and call kvs_session_bind_kv");
+  }
+  void check_bound(const DevLayer& lay, uint32_t layer, int64_t tokens, const std::string& fn) const {
+    if (lay.bound < tokens)
+      fail(KVS_STATUS_INVALID_STATE, fn + ": layer " + L(layer) + " needs " + std::to_string(tokens) +
+                                         " tokens in the caller's KV cache, its binding has " + std::to_string(lay.bound) +
+                                         ": call kvs_session_bind_kv first");
   }
 
   void build_index(uint32_t layer, void* stream) override {
@@ -234,7 +305,8 @@ class CudaPlacement final : public Placement {
     const auto& sh = cfg_.shape;
     const int64_t B = int64_t(batch.size()), hq = sh.num_q_heads, hkv = sh.num_kv_heads, d = sh.head_dim;
     DeviceGuard g(device_);
-    const auto [qv, kv, vv, ov, lv] = cudautil::cuda_step_views(t, B, sh, device_);
+    if (caller_) no_kv_tensors(t.k_new, t.v_new, t.fn, "k_new", "v_new");
+    const auto [qv, kv, vv, ov, lv] = cudautil::cuda_step_views(t, B, sh, device_, !caller_);
     // One lse base per launch: the batch's sessions must agree (checked before anything changes).
     for (int64_t b = 1; b < B; ++b)
       if (static_cast<CudaPlacement*>(batch[size_t(b)])->cfg_.lse_base != cfg_.lse_base)
@@ -252,6 +324,12 @@ class CudaPlacement final : public Placement {
       if (lay.n >= kMaxLayerTokens)
         invalid(std::string(t.fn) + ": layer " + L(layer) + " of sessions[" + std::to_string(b) + "] is full (" +
                 std::to_string(kMaxLayerTokens) + " tokens)");
+      if (caller_) {
+        c->check_bound(lay, layer, lay.n + 1, B > 1 ? std::string(t.fn) + ": sessions[" + std::to_string(b) + "]" : t.fn);
+        if (c->page_tokens_ != page_tokens_)
+          invalid(std::string(t.fn) + ": sessions[" + std::to_string(b) + "]: its KV pages hold " +
+                  std::to_string(c->page_tokens_) + " tokens, sessions[0]'s " + std::to_string(page_tokens_));
+      }
       lens[size_t(b)] = lay.n + 1;
       budget[size_t(b)] = c->cfg_.budget.keys(lay.n + 1, spec_.default_budget);
       max_len = std::max(max_len, lay.n + 1);
@@ -334,7 +412,7 @@ class CudaPlacement final : public Placement {
     st.budget_keys = dpos + 2 * B;
     if (B > 1) {  // assembled by the first launch of the step (enqueue, below)
       auto** table = reinterpret_cast<const void**>(ws + arg_bytes);
-      st.kv = cuda::PagedKv{table, int32_t(max_pages), int32_t(kPageTokens), kPageShift};
+      st.kv = cuda::PagedKv{table, int32_t(max_pages), page_tokens_, page_shift_};
     } else {
       st.kv = own_kv(ps[0]->layers_[layer]);
     }
@@ -369,9 +447,10 @@ class CudaPlacement final : public Placement {
               "gather_page_tables");
       DeviceStep sst = st;
       sst.stream = s;
-      check(cuda::append_kv_batch(st.kv, int32_t(B), int32_t(hkv), int32_t(d), kvdt(), dpos, kv.base, vv.base, s,
-                                  graph ? dtens + 3 : nullptr),
-            "append_kv_batch");
+      if (!caller_)  // (a caller's cache holds the new token already)
+        check(cuda::append_kv_batch(st.kv, int32_t(B), int32_t(hkv), int32_t(d), kvdt(), dpos, kv.base, vv.base, s,
+                                    graph ? dtens + 3 : nullptr),
+              "append_kv_batch");
       if (!graph) advance(ps, layer, s, advanced);  // eager: the method's update in stream order
       cuda::Output out{ov.mutable_base(), cuda::Scalar(int32_t(ov.dtype)), dlse,
                        graph ? const_cast<void* const*>(dtens + 1) : nullptr, cfg_.lse_base == KVS_LSE_BASE_2,
@@ -495,7 +574,7 @@ class CudaPlacement final : public Placement {
       // The page table keeps stale entries past the new end (never read below lay.n); reserve()
       // uploads the entries of pages added later. A kept last page a fork shares is copied before
       // the next token is written into it (reserve_pages).
-      lay.pages.resize(size_t((n + kPageTokens - 1) / kPageTokens));
+      if (!caller_) lay.pages.resize(size_t((n + kPageTokens - 1) / kPageTokens));  // (a binding stays whole)
       method_->truncate(l, n);
       sel_[l].n = std::min(sel_[l].n, n);
     }
@@ -504,6 +583,7 @@ class CudaPlacement final : public Placement {
   void stats(kvs_session_stats& st) const override {
     for (auto& l : layers_)
       for (auto& p : l.pages) {
+        if (p->external()) continue;  // the caller's cache
         st.kv_bytes += p->bytes();
         if (p.use_count() > 1) st.kv_shared_bytes += p->bytes();
       }
@@ -538,6 +618,9 @@ class CudaPlacement final : public Placement {
   }
 
   void save(io::TablesWriter& w, bool with_kv) const override {
+    if (with_kv && caller_)
+      fail(KVS_STATUS_UNSUPPORTED, "kvs_session_save: flags: KVS_SAVE_INCLUDE_KV: the KV cache is the caller's "
+                                   "(kv_source = KVS_KV_CALLER); save the tables only");
     DeviceGuard g(device_);
     saved_pages_.clear();
     if (with_kv)
@@ -602,8 +685,12 @@ class CudaPlacement final : public Placement {
       auto& dst = p->layers_[l];
       dst.pages = layers_[l].pages;  // shared; the last page is copied before it is written
       dst.n = layers_[l].n;
-      p->upload_table(dst, 0, nullptr);
+      dst.bound = layers_[l].bound;  // (the caller's cache: the fork reads it until bound anew)
+      if (!dst.pages.empty()) p->upload_table(dst, 0, nullptr);
     }
+    p->page_tokens_ = page_tokens_;
+    p->page_shift_ = page_shift_;
+    p->page_bytes_ = page_bytes_;
     p->method_ = method_->clone(nullptr);
     check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(fork)");
     return p;
@@ -614,7 +701,7 @@ class CudaPlacement final : public Placement {
 
   cuda::PagedKv own_kv(const DevLayer& lay) const {
     return cuda::PagedKv{lay.table ? static_cast<const void* const*>(lay.table->p) : nullptr, int32_t(lay.table_cap),
-                         int32_t(kPageTokens), kPageShift};
+                         page_tokens_, page_shift_};
   }
   DeviceLayerView view(const DevLayer& lay, void* stream) const {
     return DeviceLayerView{own_kv(lay), lay.n, stream, kv_mem_ == PageMemory::PinnedHost};
@@ -681,6 +768,7 @@ class CudaPlacement final : public Placement {
     method_->reserve(layer, tokens, stream);
   }
   void reserve_pages(DevLayer& lay, int64_t tokens, void* stream) {
+    if (caller_) return;  // the caller's cache (kvs_session_bind_kv) holds the pages
     const int64_t need = (tokens + kPageTokens - 1) / kPageTokens;
     const size_t first_new = lay.pages.size();
     size_t first_dirty = first_new;
@@ -825,6 +913,10 @@ class CudaPlacement final : public Placement {
   int64_t pending_tokens_ = 0;
   int device_;
   size_t page_bytes_ = 0;
+  // Tokens per KV page: kPageTokens for the placement's own pages; a caller's cache (caller_) has
+  // the page size of its first binding (0 until then).
+  bool caller_ = false;
+  int32_t page_tokens_ = int32_t(kPageTokens), page_shift_ = kPageShift;
   PageMemory kv_mem_ = PageMemory::Device;  // params->kv_memory
   std::unique_ptr<DeviceMethod> method_;
   std::vector<DevLayer> layers_;

@@ -137,6 +137,13 @@ class RetroCuda final : public DeviceMethod {
   void truncate(uint32_t layer, int64_t n) override { host_->truncate(layer, n); }
   // A rollback keeps every clustered token and the local window after them: the clusters are not
   // undone here (the cpu backend's max_rollback keeps copies of the index for that).
+  // Its index update reads KV pages back into a host KV layer (download), in the host store's pages.
+  bool page_size_ok(int32_t P, std::string* why) const override {
+    if (P == int32_t(kPageTokens)) return true;
+    *why = "retroinfer on the cuda backend reads a caller's KV cache in pages of " + std::to_string(kPageTokens) +
+           " tokens only";
+    return false;
+  }
   int64_t truncate_floor(uint32_t layer, std::string* why) const override {
     if (!layers_[layer].built) return 0;
     const auto ix = retro::index_view(*host_, layer);

@@ -1,0 +1,327 @@
+// SPDX-License-Identifier: Apache-2.0
+// kv_source = KVS_KV_CALLER (kvs_session_bind_kv) on the cpu backend: a session that attends the
+// caller's paged KV cache must decode exactly as a session that stores the same tokens itself, for
+// every method, through chunked prefill, an appended turn, decode steps, a rollback, a fork and a
+// renumbering of the caller's pages; bad bindings and calls fail with errors naming the argument.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "capi_helpers.hpp"
+#include "core/dtype.hpp"
+#include "kvsieve/kvsieve.h"
+#include "reference.hpp"
+#include "session_steps.hpp"
+
+using namespace kvt;
+
+namespace {
+
+constexpr uint32_t kLayers = 2;
+constexpr int32_t kPage = 256;  // the cpu backend's page size
+const char* const kMethods[] = {"full", "exact_topk", "streaming", "quest", "csattention",
+                                "ctkvr", "lfps", "hgca", "retroinfer"};
+
+// An engine's paged cache of one sequence, per layer: a pool of pages [2][Hkv][P][d] bf16 handed
+// out in a shuffled order, so the sequence's pages are not contiguous.
+struct EngineCache {
+  int hkv, d;
+  int64_t num_pages;
+  std::vector<std::vector<uint16_t>> pool;  // [layer], 256-byte aligned by over-allocation below
+  std::vector<std::vector<int32_t>> table;  // [layer]: the sequence's pages
+  std::vector<int64_t> tokens;              // [layer]
+  std::vector<int32_t> free_pages;
+  EngineCache(int hkv_, int d_, int64_t pages) : hkv(hkv_), d(d_), num_pages(pages) {
+    pool.resize(kLayers);
+    for (auto& p : pool) p.assign(size_t(pages * page_elems() + 128), 0x7fc0);  // NaN where unwritten
+    table.resize(kLayers);
+    tokens.assign(kLayers, 0);
+    free_pages.resize(size_t(pages));
+    std::iota(free_pages.begin(), free_pages.end(), 0);
+    Rng r(99);
+    for (size_t i = free_pages.size(); i > 1; --i) std::swap(free_pages[i - 1], free_pages[size_t(r.uniform(0, int64_t(i) - 1))]);
+  }
+  int64_t page_elems() const { return int64_t(2) * hkv * kPage * d; }
+  uint16_t* base(uint32_t l) {
+    auto* p = pool[l].data();
+    while (reinterpret_cast<uintptr_t>(p) % 256) ++p;
+    return p;
+  }
+  // Writes one token's K/V rows [Hkv][d] at position t of layer l (bf16, as an engine's
+  // cache-append kernel would), taking a new page when t starts one.
+  void put(uint32_t l, const float* k, const float* v, int64_t t) {
+    const int64_t pi = t / kPage;
+    while (int64_t(table[l].size()) <= pi) {
+      REQUIRE(!free_pages.empty());
+      table[l].push_back(free_pages.back());
+      free_pages.pop_back();
+    }
+    uint16_t* page = base(l) + int64_t(table[l][size_t(pi)]) * page_elems();
+    for (int h = 0; h < hkv; ++h)
+      for (int j = 0; j < d; ++j) {
+        page[(int64_t(h) * kPage + t % kPage) * d + j] = kvs::f32_to_bf16(k[h * d + j]);
+        page[(int64_t(hkv + h) * kPage + t % kPage) * d + j] = kvs::f32_to_bf16(v[h * d + j]);
+      }
+    tokens[l] = t + 1;
+  }
+  void write(uint32_t l, TokenData& D, int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) put(l, D.kt(t), D.vt(t), t);
+  }
+  kvs_paged_kv desc(uint32_t l) {
+    kvs_paged_kv kv;
+    kvs_paged_kv_init(&kv);
+    kv.pages = base(l);
+    kv.num_pages = num_pages;
+    kv.page_size = kPage;
+    kv.page_indices = table[l].data();
+    kv.num_page_indices = int64_t(table[l].size());
+    kv.num_tokens = tokens[l];
+    return kv;
+  }
+  void bind(kvs_session_t s, uint32_t l) {
+    auto kv = desc(l);
+    OK(kvs_session_bind_kv(s, l, &kv, nullptr));
+  }
+};
+
+kvs_session_params params(const TokenData& D, const char* method, int32_t source) {
+  kvs_session_params p;
+  kvs_session_params_init(&p);
+  p.num_layers = kLayers;
+  p.num_q_heads = uint32_t(D.hq);
+  p.num_kv_heads = uint32_t(D.hkv);
+  p.head_dim = uint32_t(D.d);
+  p.kv_dtype = KVS_SCALAR_BF16;
+  p.method = method;
+  p.budget = 0.1;
+  p.num_threads = 2;
+  p.max_rollback = 32;
+  p.kv_source = source;
+  return p;
+}
+
+// Tokens [a, b) into every layer of the owned session X and, through the cache, of the caller's C.
+void chunk(kvs_session_t X, kvs_session_t C, EngineCache& E, TokenData& D, int64_t a, int64_t b, bool prompt) {
+  const int64_t n = b - a;
+  T q(D.qt(a), f32(), {n, D.hq, D.d}), k(D.kt(a), f32(), {n, D.hkv, D.d}), v(D.vt(a), f32(), {n, D.hkv, D.d});
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    OK(prompt ? kvs_session_prefill(X, l, &q.t, &k.t, &v.t, nullptr, nullptr)
+              : kvs_session_append(X, l, &q.t, &k.t, &v.t, nullptr, nullptr));
+    E.write(l, D, a, b);
+    E.bind(C, l);
+    OK(prompt ? kvs_session_prefill(C, l, &q.t, nullptr, nullptr, nullptr, nullptr)
+              : kvs_session_append(C, l, &q.t, nullptr, nullptr, nullptr, nullptr));
+  }
+}
+
+// Token t of D decoded in every layer at position pos (with E: written into the cache and bound
+// first; the session then counts it as its next token).
+std::vector<StepOut> decode(kvs_session_t s, EngineCache* E, TokenData& D, int64_t t, int64_t pos) {
+  std::vector<StepOut> out(kLayers);
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    auto& st = out[l];
+    st.o.assign(size_t(D.hq) * D.d, NAN);
+    st.lse.assign(size_t(D.hq), NAN);
+    T q(D.qt(t), f32(), {D.hq, D.d}), k(D.kt(t), f32(), {D.hkv, D.d}), v(D.vt(t), f32(), {D.hkv, D.d});
+    T ot(st.o.data(), f32(), {D.hq, D.d}), lt(st.lse.data(), f32(), {D.hq});
+    if (E) {
+      // The token goes to position pos of the cache (after a rollback the engine overwrites).
+      E->put(l, D.kt(t), D.vt(t), pos);
+      E->bind(s, l);
+      OK(kvs_session_decode(s, l, &q.t, nullptr, nullptr, &ot.t, &lt.t, nullptr));
+    } else {
+      OK(kvs_session_decode(s, l, &q.t, &k.t, &v.t, &ot.t, &lt.t, nullptr));
+    }
+    for (uint32_t h = 0; h < uint32_t(D.hkv); ++h) st.sel.push_back(selection(s, l, h));
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("caller KV (cpu): every method decodes exactly as a session storing the same tokens") {
+  Rng rng(3301);
+  TokenData D(rng, 8, 2, 32, 620);  // room for positions up to 620 (decode writes token t at pos)
+  TokenData N(rng, 8, 2, 32, 620);  // tokens decoded after the rollback
+  const int64_t P = 502, A = 3, END = P + A + 15;
+  for (const char* method : kMethods) {
+    INFO(std::string(method));
+    Sess X, C;
+    auto px = params(D, method, KVS_KV_OWNED), pc = params(D, method, KVS_KV_CALLER);
+    OK(kvs_session_create(&px, &X.s));
+    OK(kvs_session_create(&pc, &C.s));
+    EngineCache E(D.hkv, D.d, 12);
+    chunk(X.s, C.s, E, D, 0, 300, true);  // chunked prefill
+    chunk(X.s, C.s, E, D, 300, P, true);
+    OK(kvs_session_build_index(X.s, nullptr));
+    OK(kvs_session_build_index(C.s, nullptr));
+    chunk(X.s, C.s, E, D, P, P + A, false);
+    for (int64_t t = P + A; t < END; ++t) {
+      INFO("token " << t);
+      require_same(decode(X.s, nullptr, D, t, t), decode(C.s, &E, D, t, t));
+    }
+    for (uint32_t l = 0; l < kLayers; ++l) REQUIRE(layer_tokens(C.s, l) == END);
+
+    // kvsieve holds none of the KV: only the index.
+    kvs_session_stats sx, sc;
+    sx.struct_size = sc.struct_size = sizeof sx;
+    OK(kvs_session_get_stats(X.s, &sx));
+    OK(kvs_session_get_stats(C.s, &sc));
+    CHECK(sx.kv_bytes > 0);
+    CHECK(sc.kv_bytes == 0);
+    CHECK(sc.index_bytes == sx.index_bytes);
+
+    // Rollback: both drop their last 6 tokens; the engine overwrites those positions.
+    OK(kvs_session_truncate(X.s, END - 6));
+    OK(kvs_session_truncate(C.s, END - 6));
+    for (int64_t t = 0; t < 4; ++t) {
+      INFO("after rollback, token " << t);
+      require_same(decode(X.s, nullptr, N, t, END - 6 + t), decode(C.s, &E, N, t, END - 6 + t));
+    }
+
+    // The engine moves the sequence's first page elsewhere (same bytes): same steps.
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      const int32_t from = E.table[l][0], to = E.free_pages.back();
+      E.free_pages.pop_back();
+      std::memcpy(E.base(l) + int64_t(to) * E.page_elems(), E.base(l) + int64_t(from) * E.page_elems(),
+                  size_t(E.page_elems()) * 2);
+      E.table[l][0] = to;
+      E.bind(C.s, l);
+    }
+    // A fork reads the same cache; the original decodes on after it.
+    Sess F;
+    OK(kvs_session_fork(C.s, &F.s));
+    const int64_t at = END - 2;
+    require_same(decode(X.s, nullptr, N, 10, at), decode(C.s, &E, N, 10, at));
+    OK(kvs_session_truncate(C.s, at));  // the fork decodes the same token at the same place
+    require_same(decode(F.s, &E, N, 10, at), decode(C.s, &E, N, 10, at));
+  }
+}
+
+TEST_CASE("caller KV (cpu): bad bindings and calls fail naming the argument, and change nothing") {
+  Rng rng(3302);
+  TokenData D(rng, 4, 2, 32, 300);
+  EngineCache E(D.hkv, D.d, 4);
+  auto pc = params(D, "quest", KVS_KV_CALLER);
+  Sess C;
+  OK(kvs_session_create(&pc, &C.s));
+  T q(D.qt(0), f32(), {8, D.hq, D.d}), k(D.kt(0), f32(), {8, D.hkv, D.d}), v(D.vt(0), f32(), {8, D.hkv, D.d});
+
+  // Before any binding: nothing to attend.
+  {
+    Err e{kvs_session_prefill(C.s, 0, &q.t, nullptr, nullptr, nullptr, nullptr)};
+    CHECK(e.code() == KVS_STATUS_INVALID_STATE);
+    CHECK(e.msg().find("kvs_session_bind_kv") != std::string::npos);
+  }
+  E.write(0, D, 0, 8);
+  auto kv = E.desc(0);
+  // K/V tensors are refused: the cache is the caller's.
+  E.bind(C.s, 0);
+  {
+    Err e{kvs_session_prefill(C.s, 0, &q.t, &k.t, &v.t, nullptr, nullptr)};
+    CHECK(e.code() == KVS_STATUS_INVALID_ARGUMENT);
+    CHECK(e.msg().find("k: expected NULL") != std::string::npos);
+  }
+  struct Bad {
+    const char* field;
+    void (*edit)(kvs_paged_kv&);
+    int code;
+  };
+  const Bad bads[] = {
+      {"kv->struct_size", [](kvs_paged_kv& x) { x.struct_size = 4; }, KVS_STATUS_INVALID_ARGUMENT},
+      {"kv->pages", [](kvs_paged_kv& x) { x.pages = nullptr; }, KVS_STATUS_INVALID_ARGUMENT},
+      {"kv->pages", [](kvs_paged_kv& x) { x.pages = static_cast<const char*>(x.pages) + 2; }, KVS_STATUS_INVALID_ARGUMENT},
+      {"kv->num_pages", [](kvs_paged_kv& x) { x.num_pages = 0; }, KVS_STATUS_INVALID_ARGUMENT},
+      {"kv->page_size", [](kvs_paged_kv& x) { x.page_size = 100; }, KVS_STATUS_INVALID_ARGUMENT},
+      {"kv->page_size", [](kvs_paged_kv& x) { x.page_size = 16; }, KVS_STATUS_UNSUPPORTED},
+      {"kv->num_page_indices", [](kvs_paged_kv& x) { x.num_page_indices = 0; }, KVS_STATUS_INVALID_ARGUMENT},
+      {"kv->page_indices", [](kvs_paged_kv& x) { x.page_indices = nullptr; }, KVS_STATUS_INVALID_ARGUMENT},
+      {"kv->num_tokens", [](kvs_paged_kv& x) { x.num_tokens = -1; }, KVS_STATUS_INVALID_ARGUMENT},
+  };
+  for (const Bad& b : bads) {
+    INFO(b.field);
+    auto x = kv;
+    b.edit(x);
+    Err e{kvs_session_bind_kv(C.s, 0, &x, nullptr)};
+    CHECK(e.code() == b.code);
+    CHECK(e.msg().find(b.field) != std::string::npos);
+  }
+  {
+    Err e{kvs_session_bind_kv(C.s, 0, nullptr, nullptr)};
+    CHECK(e.code() == KVS_STATUS_INVALID_ARGUMENT);
+    Err l{kvs_session_bind_kv(C.s, kLayers, &kv, nullptr)};
+    CHECK(l.code() == KVS_STATUS_INVALID_ARGUMENT);
+    CHECK(l.msg().find("layer") != std::string::npos);
+  }
+  {  // a page index outside the pool
+    std::vector<int32_t> ids = E.table[0];
+    ids[0] = 4;
+    auto x = kv;
+    x.page_indices = ids.data();
+    Err e{kvs_session_bind_kv(C.s, 0, &x, nullptr)};
+    CHECK(e.code() == KVS_STATUS_INVALID_ARGUMENT);
+    CHECK(e.msg().find("kv->page_indices[0]: expected 0..3, got 4") != std::string::npos);
+  }
+  // The binding before the failures still holds: the prefill of the 8 bound tokens works.
+  OK(kvs_session_prefill(C.s, 0, &q.t, nullptr, nullptr, nullptr, nullptr));
+  CHECK(layer_tokens(C.s, 0) == 8);
+  {  // fewer tokens than the layer counts
+    auto x = kv;
+    x.num_tokens = 7;
+    Err e{kvs_session_bind_kv(C.s, 0, &x, nullptr)};
+    CHECK(e.code() == KVS_STATUS_INVALID_ARGUMENT);
+    CHECK(e.msg().find("kv->num_tokens: expected 8..") != std::string::npos);
+  }
+  OK(kvs_session_build_index(C.s, nullptr));
+  {  // a decode whose token is not bound yet changes nothing
+    std::vector<float> o(size_t(D.hq) * D.d);
+    T q1(D.qt(8), f32(), {D.hq, D.d}), ot(o.data(), f32(), {D.hq, D.d});
+    Err e{kvs_session_decode(C.s, 0, &q1.t, nullptr, nullptr, &ot.t, nullptr, nullptr)};
+    CHECK(e.code() == KVS_STATUS_INVALID_STATE);
+    CHECK(e.msg().find("needs 9 tokens") != std::string::npos);
+    CHECK(layer_tokens(C.s, 0) == 8);
+    E.write(0, D, 8, 9);
+    E.bind(C.s, 0);
+    OK(kvs_session_decode(C.s, 0, &q1.t, nullptr, nullptr, &ot.t, nullptr, nullptr));
+    CHECK(layer_tokens(C.s, 0) == 9);
+  }
+  // Tables only: the KV is not kvsieve's to save; not movable to another backend.
+  {
+    Err e{kvs_session_save(C.s, "caller_kv_unused.kvs", KVS_SAVE_INCLUDE_KV)};
+    CHECK(e.code() == KVS_STATUS_UNSUPPORTED);
+    CHECK(e.msg().find("KVS_SAVE_INCLUDE_KV") != std::string::npos);
+    kvs_session_t out = nullptr;
+    Err t{kvs_session_to(C.s, KVS_BACKEND_CPU, 0, &out)};
+    CHECK(t.code() == KVS_STATUS_UNSUPPORTED);
+    CHECK(out == nullptr);
+  }
+  // An owned session has nothing to bind; bad kv_source values and combinations.
+  {
+    auto po = params(D, "quest", KVS_KV_OWNED);
+    Sess X;
+    OK(kvs_session_create(&po, &X.s));
+    Err e{kvs_session_bind_kv(X.s, 0, &kv, nullptr)};
+    CHECK(e.code() == KVS_STATUS_INVALID_STATE);
+    auto p2 = params(D, "quest", 2);
+    Sess Y;
+    Err c{kvs_session_create(&p2, &Y.s)};
+    CHECK(c.code() == KVS_STATUS_INVALID_ARGUMENT);
+    CHECK(c.msg().find("params->kv_source") != std::string::npos);
+    auto p3 = params(D, "quest", KVS_KV_CALLER);
+    p3.kv_memory = KVS_DEVICE_CPU;
+    Err m{kvs_session_create(&p3, &Y.s)};
+    CHECK(m.code() == KVS_STATUS_INVALID_ARGUMENT);
+    CHECK(m.msg().find("params->kv_memory") != std::string::npos);
+    // A batch mixes no owned and caller sessions.
+    kvs_session_t both[2] = {X.s, C.s};
+    kvs_batch_t b = nullptr;
+    Err bb{kvs_batch_create(both, 2, &b)};
+    CHECK(bb.code() == KVS_STATUS_INVALID_ARGUMENT);
+    CHECK(bb.msg().find("kv_source") != std::string::npos);
+  }
+}
