@@ -579,6 +579,9 @@ static void kvsb_log_trampoline(int32_t level, const char* line, void* user) {
 %ignore kvs_session_decode;
 %ignore kvs_session_append;
 %ignore kvs_session_truncate;
+%ignore kvs_paged_kv;
+%ignore kvs_paged_kv_init;
+%ignore kvs_session_bind_kv;
 %ignore kvs_decode_batch;
 %ignore kvs_batch_create;
 %ignore kvs_batch_destroy;
@@ -667,6 +670,25 @@ struct kvs_batch_s {};
     }
     kvsb_release(&aq); kvsb_release(&ak); kvsb_release(&av); kvsb_release(&ao); kvsb_release(&al);
     if (!ok || kvsb_raise(err)) return NULL;
+    Py_RETURN_NONE;
+  }
+  /* kvs_session_bind_kv: the pool and the page indices (int32, host) by address; Python checks them. */
+  PyObject* bind_kv(uint32_t layer, unsigned long long pages, int64_t num_pages, int32_t page_size,
+                    unsigned long long page_indices, int64_t num_page_indices, int64_t num_tokens,
+                    unsigned long long stream) {
+    kvs_paged_kv kv;
+    kvs_paged_kv_init(&kv);
+    kv.pages = (const void*)(uintptr_t)pages;
+    kv.num_pages = num_pages;
+    kv.page_size = page_size;
+    kv.page_indices = (const int32_t*)(uintptr_t)page_indices;
+    kv.num_page_indices = num_page_indices;
+    kv.num_tokens = num_tokens;
+    kvs_error_t err;
+    Py_BEGIN_ALLOW_THREADS
+    err = kvs_session_bind_kv($self, layer, &kv, (void*)(uintptr_t)stream);
+    Py_END_ALLOW_THREADS
+    if (kvsb_raise(err)) return NULL;
     Py_RETURN_NONE;
   }
   PyObject* truncate(int64_t num_tokens) {
@@ -827,7 +849,7 @@ kvs_session_s* session_create(uint32_t num_layers, uint32_t num_q_heads, uint32_
                               uint32_t head_dim, double softmax_scale, int32_t kv_dtype, int32_t backend,
                               int32_t device_id, uint32_t num_threads, int32_t gemm, const char* method,
                               const char* method_params, double budget, int64_t budget_tokens,
-                              int32_t lse_base, int64_t max_rollback, int32_t kv_memory) {
+                              int32_t lse_base, int64_t max_rollback, int32_t kv_memory, int32_t kv_source) {
   kvs_session_params p;
   kvs_session_params_init(&p);
   p.num_layers = num_layers;
@@ -847,6 +869,7 @@ kvs_session_s* session_create(uint32_t num_layers, uint32_t num_q_heads, uint32_
   p.lse_base = lse_base;
   p.max_rollback = max_rollback;
   p.kv_memory = kv_memory;
+  p.kv_source = kv_source;
   kvs_session_t s = NULL;
   kvs_error_t err;
   Py_BEGIN_ALLOW_THREADS

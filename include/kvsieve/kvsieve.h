@@ -311,8 +311,8 @@ KVS_API kvs_error_t kvs_session_append(kvs_session_t s, uint32_t layer, const kv
  *  head_dim). */
 typedef struct kvs_paged_kv {
   uint32_t struct_size;        /* sizeof(kvs_paged_kv) (kvs_paged_kv_init) */
-  const void* pages;           /* the pool: GPU memory of the session's device (cuda backend), or
-                                  host memory (cpu backend); 256-byte aligned */
+  const void* pages;           /* the pool: GPU memory of the session's device (cuda backend,
+                                  256-byte aligned), or host memory (cpu backend, 16-byte aligned) */
   int64_t num_pages;           /* pages in the pool, >= 1 */
   int32_t page_size;           /* tokens per page, the same in every binding of a session: a power
                                   of two in 16..1024 on the cuda backend, 256 on the cpu backend */

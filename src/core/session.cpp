@@ -212,8 +212,8 @@ void Session::bind_kv(uint32_t layer, const kvs_paged_kv* kv, void* stream) {
     invalid(std::string(fn) + ": kv->struct_size: expected >= " + std::to_string(kFirstSize) +
             " (fill with kvs_paged_kv_init), got " + std::to_string(kv->struct_size));
   if (!kv->pages) invalid(std::string(fn) + ": kv->pages: expected the page pool, got NULL");
-  if (reinterpret_cast<uintptr_t>(kv->pages) % 256 != 0)
-    invalid(std::string(fn) + ": kv->pages: expected a 256-byte aligned address");
+  if (reinterpret_cast<uintptr_t>(kv->pages) % 16 != 0)
+    invalid(std::string(fn) + ": kv->pages: expected a 16-byte aligned address");
   if (kv->num_pages < 1 || kv->num_pages > (int64_t(1) << 31) - 1)
     invalid(std::string(fn) + ": kv->num_pages: expected 1..2^31-1, got " + std::to_string(kv->num_pages));
   const int32_t P = kv->page_size;

@@ -585,6 +585,8 @@ int run_csattention_tests(bool small);  // csattention sessions against the cpu 
 int run_csattention_passed();
 int run_retroinfer_tests(bool small);  // retroinfer sessions against the cpu (test_cuda_retroinfer.cu)
 int run_retroinfer_passed();
+int run_caller_kv_tests(bool small);  // sessions over a caller's paged KV cache (test_cuda_caller_kv.cu)
+int run_caller_kv_passed();
 #ifdef KVS_HAVE_TOPK_TESTS
 int run_topk_tests(bool small);  // radix top-k (topk.cu's tests); returns failures
 int run_topk_passed();
@@ -601,7 +603,7 @@ int run_csa_build_passed();
 int main(int argc, char** argv) {
   install_crash_report();
   int stress = 0;
-  bool only_csa = false, only_csa_build = false, only_quest = false, only_retro = false;
+  bool only_csa = false, only_csa_build = false, only_quest = false, only_retro = false, only_caller = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--small") g_small = true;
@@ -609,6 +611,7 @@ int main(int argc, char** argv) {
     if (a == "--only-csa-build") only_csa_build = true;  // the csattention index build tests alone
     if (a == "--only-quest") only_quest = true;  // the quest kernels' tests alone
     if (a == "--only-retroinfer") only_retro = true;  // the retroinfer session tests alone
+    if (a == "--only-caller-kv") only_caller = true;  // sessions over a caller's KV cache alone
     if (a == "--pdl-stress" && i + 1 < argc) stress = std::atoi(argv[++i]);
     if (a == "--pdl-wait-first") kvs::cuda::detail::set_pdl_wait_first(true);
   }
@@ -620,6 +623,7 @@ int main(int argc, char** argv) {
 #ifndef KVS_NO_SESSION_TESTS
   if (only_csa) return run_csattention_tests(g_small) ? 1 : 0;
   if (only_retro) return run_retroinfer_tests(g_small) ? 1 : 0;
+  if (only_caller) return run_caller_kv_tests(g_small) ? 1 : 0;
 #endif
 #ifdef KVS_HAVE_CSA_BUILD_TESTS
   if (only_csa_build) return run_csa_build_tests(g_small) ? 1 : 0;
@@ -799,6 +803,8 @@ int main(int argc, char** argv) {
   other_passed += run_csattention_passed();
   other_failures += run_retroinfer_tests(g_small);
   other_passed += run_retroinfer_passed();
+  other_failures += run_caller_kv_tests(g_small);
+  other_passed += run_caller_kv_passed();
 #endif  // KVS_NO_SESSION_TESTS: the kernels-only build of tools/device/cuda_check.sh
 #ifdef KVS_HAVE_TOPK_TESTS
   other_failures += run_topk_tests(g_small);

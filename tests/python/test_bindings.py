@@ -1115,3 +1115,113 @@ def test_outputs_whose_elements_overlap_are_refused(rng):
         o_t = np.empty((D, HQ), np.float32).T  # transposed: strided but no overlap
         o, lse = s.decode(0, q[0], k[0], v[0], out=o_t)
         assert o is o_t and np.isfinite(o).all()
+
+
+# ---- a KV cache the caller owns (kv_source="caller", Session.bind_kv) ------------------------------
+
+
+def _caller_pool(n_pages, hkv, page, d, dtype):
+    """An engine's page pool [num_pages, 2, Hkv, page, d] and a writer of token rows into it."""
+    pool = np.full((n_pages, 2, hkv, page, d), np.nan, dtype=dtype)
+    order = list(np.random.default_rng(5).permutation(n_pages))
+
+    def write(table, t, k, v):
+        if t // page == len(table):
+            table.append(int(order.pop()))
+        pool[table[t // page], 0, :, t % page] = k
+        pool[table[t // page], 1, :, t % page] = v
+
+    return pool, write
+
+
+@pytest.mark.parametrize("method", ["full", "quest", "csattention"])
+def test_caller_kv_decodes_as_an_owned_session(method, rng):
+    n, steps, page = 300, 6, 256
+    q, k, v = rand(rng, n + steps, HQ, D), rand(rng, n + steps, HKV, D), rand(rng, n + steps, HKV, D)
+    pool, write = _caller_pool(4, HKV, page, D, np.float32)
+    with make(method, budget=0.3) as own, make(method, budget=0.3, kv_source="caller") as cal:
+        tables = [[] for _ in range(L)]
+        for layer in range(L):
+            own.prefill(layer, q[:n], k[:n], v[:n])
+            for t in range(n):
+                write(tables[layer], t, k[t], v[t])
+            cal.bind_kv(layer, pool, tables[layer], n)
+            cal.prefill(layer, q[:n], None, None)
+        own.build_index()
+        cal.build_index()
+        for t in range(n, n + steps):
+            for layer in range(L):
+                o1, l1 = own.decode(layer, q[t], k[t], v[t])
+                write(tables[layer], t, k[t], v[t])
+                cal.bind_kv(layer, pool, np.array(tables[layer]), t + 1)
+                o2, l2 = cal.decode(layer, q[t], None, None)
+                np.testing.assert_array_equal(o1, o2)
+                np.testing.assert_array_equal(l1, l2)
+                for h in range(HKV):
+                    np.testing.assert_array_equal(own.last_selection(layer, h), cal.last_selection(layer, h))
+        assert cal.stats.kv_bytes == 0 and own.stats.kv_bytes > 0
+        assert cal.layer_tokens(0) == n + steps
+
+
+def test_caller_kv_errors(rng):
+    pool = np.zeros((2, 2, HKV, 256, D), dtype=np.float32)
+    with make("full") as own:
+        with pytest.raises(kvsieve.InvalidStateError, match="stores its own KV"):
+            own.bind_kv(0, pool, [0], 1)
+    with make("full", kv_source="caller") as cal:
+        with pytest.raises(ValueError, match=r"pages: expected a tensor \[num_pages, 2, 2, page_size, 32\]"):
+            cal.bind_kv(0, pool[:, 0], [0], 1)
+        with pytest.raises(ValueError, match="pages: expected the session's kv_dtype"):
+            cal.bind_kv(0, pool.astype(np.float16), [0], 1)
+        with pytest.raises(ValueError, match=r"page_indices\[0\]: expected 0..1, got 7"):
+            cal.bind_kv(0, pool, [7], 1)
+        with pytest.raises(NotImplementedError, match="pages of 256 tokens"):
+            cal.bind_kv(0, np.zeros((4, 2, HKV, 16, D), dtype=np.float32), [0], 1)
+        q = rand(rng, 4, HQ, D)
+        with pytest.raises(kvsieve.InvalidStateError, match="call Session.bind_kv first"):
+            cal.prefill(0, q, None, None)
+        cal.bind_kv(0, pool, [1], 4)
+        with pytest.raises(ValueError, match="k: expected (NULL|None)"):
+            cal.prefill(0, q, rand(rng, 4, HKV, D), rand(rng, 4, HKV, D))
+        cal.prefill(0, q, None, None)
+        assert cal.layer_tokens(0) == 4
+    with pytest.raises(ValueError, match="kv_source"):
+        make("full", kv_source="borrowed")
+
+
+def test_caller_kv_on_cuda_matches_an_owned_session():
+    torch = _torch_cuda()
+    hq, hkv, d, n, page = 8, 2, 128, 700, 16
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q = torch.randn(n + 4, hq, d, device="cuda", generator=g)
+    k = torch.randn(n + 4, hkv, d, device="cuda", generator=g).bfloat16()
+    v = torch.randn(n + 4, hkv, d, device="cuda", generator=g).bfloat16()
+    pool = torch.zeros(64, 2, hkv, page, d, device="cuda", dtype=torch.bfloat16)
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(1)).tolist()
+    table = []
+
+    def write(t):
+        if t // page == len(table):
+            table.append(perm.pop())
+        pool[table[t // page], 0, :, t % page] = k[t]
+        pool[table[t // page], 1, :, t % page] = v[t]
+
+    kw = dict(method="quest", budget=0.1, kv_dtype="bfloat16", backend="cuda")
+    with kvsieve.Session(1, hq, hkv, d, **kw) as own, kvsieve.Session(1, hq, hkv, d, kv_source="caller", **kw) as cal:
+        own.prefill(0, q[:n], k[:n], v[:n])
+        for t in range(n):
+            write(t)
+        cal.bind_kv(0, pool, table, n)
+        cal.prefill(0, q[:n], None, None)
+        own.build_index()
+        cal.build_index()
+        for t in range(n, n + 4):
+            o1, l1 = own.decode(0, q[t], k[t], v[t])
+            write(t)
+            cal.bind_kv(0, pool, table, t + 1)
+            o2, l2 = cal.decode(0, q[t], None, None)
+            torch.cuda.synchronize()
+            assert torch.equal(o1, o2) and torch.equal(l1, l2)
+        assert cal.stats.kv_bytes == 0
+        with pytest.raises(ValueError, match="expected memory of CUDA device"):
+            cal.bind_kv(0, pool.cpu(), table, n + 4)

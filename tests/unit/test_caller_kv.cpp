@@ -235,7 +235,7 @@ TEST_CASE("caller KV (cpu): bad bindings and calls fail naming the argument, and
   const Bad bads[] = {
       {"kv->struct_size", [](kvs_paged_kv& x) { x.struct_size = 4; }, KVS_STATUS_INVALID_ARGUMENT},
       {"kv->pages", [](kvs_paged_kv& x) { x.pages = nullptr; }, KVS_STATUS_INVALID_ARGUMENT},
-      {"kv->pages", [](kvs_paged_kv& x) { x.pages = static_cast<const char*>(x.pages) + 2; }, KVS_STATUS_INVALID_ARGUMENT},
+      {"kv->pages", [](kvs_paged_kv& x) { x.pages = static_cast<const char*>(x.pages) + 8; }, KVS_STATUS_INVALID_ARGUMENT},
       {"kv->num_pages", [](kvs_paged_kv& x) { x.num_pages = 0; }, KVS_STATUS_INVALID_ARGUMENT},
       {"kv->page_size", [](kvs_paged_kv& x) { x.page_size = 100; }, KVS_STATUS_INVALID_ARGUMENT},
       {"kv->page_size", [](kvs_paged_kv& x) { x.page_size = 16; }, KVS_STATUS_UNSUPPORTED},

@@ -67,6 +67,7 @@ _KV_DTYPES = {"float32": _native.KVS_SCALAR_F32, "f32": _native.KVS_SCALAR_F32,
               "bfloat16": _native.KVS_SCALAR_BF16, "bf16": _native.KVS_SCALAR_BF16}
 _KV_MEMORY = {"default": 0, "cpu": _native.KVS_DEVICE_CPU, "cuda": _native.KVS_DEVICE_CUDA,
               "cuda_host": _native.KVS_DEVICE_CUDA_HOST}
+_KV_SOURCES = {"owned": _native.KVS_KV_OWNED, "caller": _native.KVS_KV_CALLER}
 _GEMMS = {"auto": _native.KVS_GEMM_AUTO, "onednn": _native.KVS_GEMM_ONEDNN,
           "openblas": _native.KVS_GEMM_OPENBLAS}
 _LOG_LEVELS = {"debug": 0, "info": 1, "warn": 2, "error": 3, "off": 4}
@@ -280,7 +281,8 @@ class Session:
                  method: str = "full", method_params=None, budget: Optional[float] = None,
                  budget_tokens: Optional[int] = None, kv_dtype="bfloat16", backend="cpu",
                  device_id: int = 0, num_threads: int = 0, gemm="auto", softmax_scale: float = 0.0,
-                 lse_base="e", max_rollback: int = 0, kv_memory="default", _handle=None):
+                 lse_base="e", max_rollback: int = 0, kv_memory="default", kv_source="owned",
+                 _handle=None):
         """Creates a session (kvs_session_create).
 
         Args:
@@ -310,6 +312,11 @@ class Session:
                 (GPU memory), "cuda_host" (cuda backend: pinned host memory that the GPU kernels
                 read over the bus, for contexts larger than GPU memory; the index stays on the GPU)
                 or "cpu".
+            kv_source: who stores the keys and values: "owned" (the default: the session stores
+                what prefill, append and decode pass it) or "caller": an inference engine's paged
+                KV cache, declared per layer with :meth:`bind_kv` (cpu and cuda backends); the
+                session then keeps only its method's index, and prefill, append and decode take
+                ``None`` for k and v.
 
         Raises:
             kvsieve.InvalidArgumentError (a ValueError) for a bad argument, kvsieve.UnsupportedError
@@ -318,6 +325,8 @@ class Session:
         # Calls on one session are serialised here (the C ABI marks them exclusive); different
         # sessions run in parallel, the GIL being released inside each call.
         self._lock = _threading.RLock()
+        self._bound = {}  # layer -> the caller's page pool (bind_kv), kept alive while bound
+        self._kv_dtype = None
         if _handle is not None:
             self._h = _handle
             return
@@ -327,7 +336,9 @@ class Session:
             _enum(kv_dtype, _KV_DTYPES, "kv_dtype"), _enum(backend, _BACKENDS, "backend"), int(device_id),
             int(num_threads), _enum(gemm, _GEMMS, "gemm"), method, _method_params_str(method_params),
             float(budget or 0.0), int(budget_tokens or 0), _lse_base(lse_base),
-            int(max_rollback), _enum(kv_memory, _KV_MEMORY, "kv_memory"))
+            int(max_rollback), _enum(kv_memory, _KV_MEMORY, "kv_memory"),
+            _enum(kv_source, _KV_SOURCES, "kv_source"))
+        self._kv_dtype = _enum(kv_dtype, _KV_DTYPES, "kv_dtype")
         self._set_shape(num_layers, num_q_heads, num_kv_heads, head_dim, method,
                         _enum(backend, _BACKENDS, "backend"), device_id)
 
@@ -429,6 +440,51 @@ class Session:
         with self._lock:
             self._handle().append(int(layer), q, k, v, out, _stream_ptr(stream), self._spec_or_none())
 
+    def bind_kv(self, layer: int, pages, page_indices, num_tokens: int, *, stream=None) -> None:
+        """Sessions created with ``kv_source="caller"``: declares where layer ``layer``'s keys and
+        values are now (kvs_session_bind_kv). kvsieve keeps no copy and reads them in place.
+
+        Args:
+            pages: the engine's page pool of this layer, a contiguous tensor
+                ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` in the session's kv_dtype
+                (FlashInfer's paged KV cache with ``kv_layout="HND"``: page p holds the keys of
+                page_size tokens, head by head, then their values): a torch tensor on the
+                session's CUDA device for the cuda backend, a CPU tensor or NumPy array (bfloat16
+                as uint16) for the cpu backend, which reads pages of 256 tokens only. The session
+                keeps a reference to it until the next binding of the layer.
+            page_indices: this sequence's pages in token order (ints in [0, num_pages); a list,
+                NumPy array or CPU tensor, copied).
+            num_tokens: tokens of the sequence the cache holds in this layer now, at least
+                :meth:`layer_tokens`; the next prefill, append or decode (with ``k=None``,
+                ``v=None``) counts the tokens beyond :meth:`layer_tokens` as its own.
+            stream: (cuda) the stream that orders the page-table upload before the decode calls.
+
+        Bind again whenever the engine's page table grows or changes, typically once per layer
+        per step after writing the new token's K/V. Keep the K/V of tokens the session has
+        counted unchanged until :meth:`truncate` drops them.
+        """
+        shape = tuple(int(x) for x in _shape(pages))
+        if len(shape) != 5 or shape[1] != 2 or shape[2] != self.num_kv_heads or shape[4] != self.head_dim:
+            raise InvalidArgumentError(STATUS_INVALID_ARGUMENT,
+                                       f"pages: expected a tensor [num_pages, 2, {self.num_kv_heads}, page_size, "
+                                       f"{self.head_dim}], got shape {list(shape)}")
+        ptr, dtype_ok = _buffer_address(pages, self._kv_dtype)
+        if not dtype_ok:
+            raise InvalidArgumentError(STATUS_INVALID_ARGUMENT, f"pages: expected the session's kv_dtype "
+                                       f"({_KV_DTYPE_NAMES.get(self._kv_dtype, '?')}), got {pages.dtype}")
+        idx = _np.ascontiguousarray(_np.asarray(page_indices.cpu() if hasattr(page_indices, "cpu") else page_indices,
+                                                dtype=_np.int64))
+        if idx.ndim != 1:
+            raise InvalidArgumentError(STATUS_INVALID_ARGUMENT,
+                                       f"page_indices: expected one dimension, got {idx.ndim}")
+        if idx.size and (idx.min() < -2**31 or idx.max() >= 2**31):
+            raise InvalidArgumentError(STATUS_INVALID_ARGUMENT, "page_indices: expected int32 values")
+        idx = idx.astype(_np.int32)
+        with self._lock:
+            self._handle().bind_kv(int(layer), ptr, shape[0], shape[3], int(idx.ctypes.data), int(idx.size),
+                                   int(num_tokens), _stream_ptr(stream))
+            self._bound[int(layer)] = pages
+
     def truncate(self, num_tokens: int) -> None:
         """Rollback (kvs_session_truncate): keeps the first ``num_tokens`` tokens of every layer and
         drops the rest, KV and index alike, so that decoding continues exactly as if the dropped
@@ -483,6 +539,27 @@ class Session:
         state = "closed" if self.closed else "open"
         return (f"<kvsieve.Session {self.method} {self.backend} L={self.num_layers} Hq={self.num_q_heads} "
                 f"Hkv={self.num_kv_heads} d={self.head_dim} {state}>")
+
+
+_KV_DTYPE_NAMES = {_native.KVS_SCALAR_F32: "float32", _native.KVS_SCALAR_F16: "float16",
+                   _native.KVS_SCALAR_BF16: "bfloat16"}
+
+
+def _buffer_address(t, kv_dtype):
+    """The address of a contiguous torch tensor or NumPy array, and whether its dtype stores
+    kv_dtype (bfloat16 may come as uint16 or int16 bits from NumPy)."""
+    if hasattr(t, "data_ptr") and hasattr(t, "is_contiguous"):  # torch
+        if not t.is_contiguous():
+            raise InvalidArgumentError(STATUS_INVALID_ARGUMENT, "pages: expected a contiguous tensor")
+        name = str(t.dtype).replace("torch.", "")
+        return int(t.data_ptr()), _KV_DTYPES.get(name) == kv_dtype
+    a = _np.asarray(t)
+    if not a.flags["C_CONTIGUOUS"]:
+        raise InvalidArgumentError(STATUS_INVALID_ARGUMENT, "pages: expected a contiguous array")
+    name = a.dtype.name
+    ok = _KV_DTYPES.get(name) == kv_dtype or (kv_dtype == _native.KVS_SCALAR_BF16 and name in ("uint16", "int16",
+                                                                                                "bfloat16"))
+    return int(a.ctypes.data), ok
 
 
 def _shape(x):

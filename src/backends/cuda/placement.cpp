@@ -240,6 +240,8 @@ class CudaPlacement final : public Placement {
               " (every binding of a session has the page size of its first), got " + std::to_string(kv.page_size));
     if (std::string why; !method_->page_size_ok(kv.page_size, &why))
       fail(KVS_STATUS_UNSUPPORTED, std::string(fn) + ": kv->page_size: " + why);
+    if (reinterpret_cast<uintptr_t>(kv.pool) % 256 != 0)
+      invalid(std::string(fn) + ": kv->pages: expected a 256-byte aligned address on the cuda backend");
     DeviceGuard g(device_);
     cudaPointerAttributes at{};
     if (cudaPointerGetAttributes(&at, kv.pool) != cudaSuccess ||

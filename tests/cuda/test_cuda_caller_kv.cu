@@ -1,0 +1,374 @@
+// SPDX-License-Identifier: Apache-2.0
+// kv_source = KVS_KV_CALLER on the cuda backend (kvs_session_bind_kv): sessions attending an
+// engine's paged KV cache in GPU memory (FlashInfer's HND layout, pages of 16 and 256 tokens handed
+// out in a shuffled order) against sessions of the same method storing the same tokens themselves,
+// step by step through the public C API: chunked prefill, an appended turn, decode steps as a batch
+// of two sessions of different lengths (captured in CUDA graphs where the method allows), a
+// rollback, and the errors specific to a caller's cache. Run by kvsieve_cuda_tests
+// (--only-caller-kv alone).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/dtype.hpp"
+#include "kvsieve/kvsieve.h"
+#include "capi_check.hpp"
+
+namespace {
+
+constexpr int kHq = 8, kHkv = 2, kD = 128;
+bool g_small_caller = false;  // --small: shorter prompts
+
+// An engine's cache of one layer for several sequences: a device pool of pages
+// [2][Hkv][P][d] bf16 with a host mirror, pages handed out in a shuffled order.
+struct EnginePool {
+  int P;
+  int64_t num_pages;
+  std::vector<uint16_t> host;
+  uint16_t* dev = nullptr;
+  std::vector<int32_t> free_pages;
+  EnginePool(int P_, int64_t pages) : P(P_), num_pages(pages) {
+    host.assign(size_t(pages * page_elems()), 0x7fc0);  // NaN where nothing was written
+    cudaMalloc(&dev, host.size() * 2);
+    cudaMemcpy(dev, host.data(), host.size() * 2, cudaMemcpyHostToDevice);
+    free_pages.resize(size_t(pages));
+    std::iota(free_pages.begin(), free_pages.end(), 0);
+    std::shuffle(free_pages.begin(), free_pages.end(), std::mt19937(uint32_t(P)));
+  }
+  ~EnginePool() { cudaFree(dev); }
+  int64_t page_elems() const { return int64_t(2) * kHkv * P * kD; }
+};
+
+// One sequence in the pool: its page table and token count.
+struct EngineSeq {
+  EnginePool* pool;
+  std::vector<int32_t> table;
+  int64_t tokens = 0;
+  // Token t's K/V rows ([Hkv][d] fp32) at position t (bf16), copied to the device page.
+  void put(const float* k, const float* v, int64_t t) {
+    const int P = pool->P;
+    while (int64_t(table.size()) <= t / P) {
+      table.push_back(pool->free_pages.back());
+      pool->free_pages.pop_back();
+    }
+    const int64_t page = table[size_t(t / P)];
+    uint16_t* h = pool->host.data() + page * pool->page_elems();
+    for (int hh = 0; hh < kHkv; ++hh)
+      for (int j = 0; j < kD; ++j) {
+        h[(int64_t(hh) * P + t % P) * kD + j] = kvs::f32_to_bf16(k[hh * kD + j]);
+        h[(int64_t(kHkv + hh) * P + t % P) * kD + j] = kvs::f32_to_bf16(v[hh * kD + j]);
+      }
+    cudaMemcpy(pool->dev + page * pool->page_elems(), h, size_t(pool->page_elems()) * 2, cudaMemcpyHostToDevice);
+    tokens = t + 1;
+  }
+  bool bind(kvs_session_t s, const char* what) {
+    kvs_paged_kv kv;
+    kvs_paged_kv_init(&kv);
+    kv.pages = pool->dev;
+    kv.num_pages = pool->num_pages;
+    kv.page_size = pool->P;
+    kv.page_indices = table.data();
+    kv.num_page_indices = int64_t(table.size());
+    kv.num_tokens = tokens;
+    return ok(kvs_session_bind_kv(s, 0, &kv, nullptr), what);
+  }
+};
+
+struct Tokens {
+  std::vector<float> q, k, v;
+  const float* qt(int64_t t) const { return q.data() + t * kHq * kD; }
+  const float* kt(int64_t t) const { return k.data() + t * kHkv * kD; }
+  const float* vt(int64_t t) const { return v.data() + t * kHkv * kD; }
+};
+Tokens tokens(int64_t T, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  Tokens x;
+  x.q.resize(size_t(T) * kHq * kD);
+  x.k.resize(size_t(T) * kHkv * kD);
+  x.v.resize(size_t(T) * kHkv * kD);
+  for (auto& a : x.q) a = nd(rng);
+  for (auto& a : x.k) a = nd(rng);
+  for (auto& a : x.v) a = nd(rng);
+  for (int64_t t = 0; t < T; t += 29)
+    for (int i = 0; i < kHkv * kD; ++i) x.k[size_t(t) * kHkv * kD + i] *= 3.f;
+  return x;
+}
+
+// Tokens [a, b) of x: into the owned session from device tensors, into the caller's session
+// through the engine's cache (written, bound, then counted by a prefill or append with NULL k/v).
+bool add(kvs_session_t own, kvs_session_t cal, EngineSeq& es, const Tokens& x, int64_t a, int64_t b, bool prompt) {
+  const int64_t n = b - a;
+  std::vector<float> q(x.qt(a), x.qt(b)), k(x.kt(a), x.kt(b)), v(x.vt(a), x.vt(b));
+  float* dq = upload(q);
+  uint16_t* dk = upload(to16(k, KVS_SCALAR_BF16));
+  uint16_t* dv = upload(to16(v, KVS_SCALAR_BF16));
+  Tensor tq(dq, KVS_DEVICE_CUDA, F32, {n, kHq, kD}), tk(dk, KVS_DEVICE_CUDA, dt16(KVS_SCALAR_BF16), {n, kHkv, kD}),
+      tv(dv, KVS_DEVICE_CUDA, dt16(KVS_SCALAR_BF16), {n, kHkv, kD});
+  bool good = ok(prompt ? kvs_session_prefill(own, 0, &tq.t, &tk.t, &tv.t, nullptr, nullptr)
+                        : kvs_session_append(own, 0, &tq.t, &tk.t, &tv.t, nullptr, nullptr),
+                 "owned prefill/append");
+  for (int64_t t = a; t < b; ++t) es.put(x.kt(t), x.vt(t), t);
+  good = good && es.bind(cal, "bind (prefill/append)") &&
+         ok(prompt ? kvs_session_prefill(cal, 0, &tq.t, nullptr, nullptr, nullptr, nullptr)
+                   : kvs_session_append(cal, 0, &tq.t, nullptr, nullptr, nullptr, nullptr),
+            "caller prefill/append");
+  cudaDeviceSynchronize();
+  cudaFree(dq);
+  cudaFree(dk);
+  cudaFree(dv);
+  return good;
+}
+
+std::vector<int32_t> keys(kvs_session_t s, uint32_t h) {
+  size_t n = 0;
+  kvs_session_last_selection(s, 0, h, nullptr, 0, &n);
+  std::vector<int32_t> out(n);
+  kvs_session_last_selection(s, 0, h, out.data(), n, &n);
+  out.resize(n);
+  return out;
+}
+
+struct Diff {
+  double err = 0, lse = 0, overlap = 1;
+  bool bits = true;
+};
+
+// One decode step of token ts[b] of xs[b] at position pos[b] for both batches: the owned sessions
+// from k_new/v_new, the caller's from their cache (written and bound first).
+void step(std::vector<kvs_session_t>& own, std::vector<kvs_session_t>& cal, std::vector<EngineSeq>& es,
+          const std::vector<const Tokens*>& xs, const std::vector<int64_t>& ts, const std::vector<int64_t>& pos,
+          cudaStream_t stream, Diff& df) {
+  const int B = int(own.size());
+  std::vector<float> q(size_t(B) * kHq * kD), k(size_t(B) * kHkv * kD), v(k.size());
+  for (int b = 0; b < B; ++b) {
+    const Tokens& x = *xs[size_t(b)];
+    std::copy(x.qt(ts[size_t(b)]), x.qt(ts[size_t(b)] + 1), q.begin() + size_t(b) * kHq * kD);
+    std::copy(x.kt(ts[size_t(b)]), x.kt(ts[size_t(b)] + 1), k.begin() + size_t(b) * kHkv * kD);
+    std::copy(x.vt(ts[size_t(b)]), x.vt(ts[size_t(b)] + 1), v.begin() + size_t(b) * kHkv * kD);
+  }
+  std::vector<float> o1, l1;
+  gpu_decode_batch(own, q, to16(k, KVS_SCALAR_BF16), to16(v, KVS_SCALAR_BF16), kHq, kHkv, kD, KVS_SCALAR_BF16, stream,
+                   o1, l1);
+  for (int b = 0; b < B; ++b) {
+    es[size_t(b)].put(k.data() + size_t(b) * kHkv * kD, v.data() + size_t(b) * kHkv * kD, pos[size_t(b)]);
+    kvs_paged_kv kv;
+    kvs_paged_kv_init(&kv);
+    kv.pages = es[size_t(b)].pool->dev;
+    kv.num_pages = es[size_t(b)].pool->num_pages;
+    kv.page_size = es[size_t(b)].pool->P;
+    kv.page_indices = es[size_t(b)].table.data();
+    kv.num_page_indices = int64_t(es[size_t(b)].table.size());
+    kv.num_tokens = es[size_t(b)].tokens;
+    ok(kvs_session_bind_kv(cal[size_t(b)], 0, &kv, stream), "bind (decode)");
+  }
+  float* dq = upload(q);
+  float *dout = nullptr, *dlse = nullptr;
+  cudaMalloc(&dout, o1.size() * 4);
+  cudaMalloc(&dlse, l1.size() * 4);
+  cudaMemset(dout, 0xff, o1.size() * 4);
+  Tensor gq(dq, KVS_DEVICE_CUDA, F32, {B, kHq, kD}), go(dout, KVS_DEVICE_CUDA, F32, {B, kHq, kD}),
+      gl(dlse, KVS_DEVICE_CUDA, F32, {B, kHq});
+  ok(kvs_decode_batch(cal.data(), size_t(B), 0, &gq.t, nullptr, nullptr, &go.t, &gl.t, stream), "decode_batch caller");
+  cudaStreamSynchronize(stream);
+  std::vector<float> o2(o1.size()), l2(l1.size());
+  cudaMemcpy(o2.data(), dout, o2.size() * 4, cudaMemcpyDeviceToHost);
+  cudaMemcpy(l2.data(), dlse, l2.size() * 4, cudaMemcpyDeviceToHost);
+  cudaFree(dq);
+  cudaFree(dout);
+  cudaFree(dlse);
+  df.bits &= std::memcmp(o1.data(), o2.data(), o1.size() * 4) == 0 && std::memcmp(l1.data(), l2.data(), l1.size() * 4) == 0;
+  fold_errors(o2, o1, l2, l1, kD, df.err, df.lse);
+  for (int b = 0; b < B; ++b)
+    for (uint32_t h = 0; h < uint32_t(kHkv); ++h) {
+      const auto s1 = keys(own[size_t(b)], h), s2 = keys(cal[size_t(b)], h);
+      size_t common = 0;
+      for (int32_t y : s2) common += std::binary_search(s1.begin(), s1.end(), y);
+      df.overlap = std::min(df.overlap, s1.empty() ? 1.0 : double(common) / double(std::max(s1.size(), s2.size())));
+    }
+}
+
+// retroinfer's GPU k-means sums in fp32 atomics, so each session builds a slightly different index:
+// outputs close, selections mostly the same. The others must match the owned sessions to the bit
+// (the same kernels over the same bytes; csattention's build sums in fixed point).
+void run_method(const char* method, int P, const char* params = nullptr) {
+  const bool exact = std::string(method) != "retroinfer";
+  // csattention on the cuda backend rolls back no further than its indexed tokens (the turn's end).
+  const int64_t back = std::string(method) == "csattention" ? 12 : 4;
+  const int B = 2;
+  const int64_t n0 = g_small_caller ? 600 : 1500, turn = 5, steps = 12;  // (back <= steps)
+  std::vector<Tokens> xs;
+  for (int b = 0; b < B; ++b) xs.push_back(tokens(n0 + 37 * b + turn + steps + 8, uint32_t(7 + b)));
+  EnginePool pool(P, (2 * (n0 + 100) + P) / P + 8);
+  std::vector<EngineSeq> es(B, EngineSeq{&pool});
+  kvs_session_params p = one_layer_params(method, KVS_SCALAR_BF16, kHq, kHkv, kD, 0.1);
+  p.method_params = params;
+  p.backend = KVS_BACKEND_CUDA;
+  std::vector<kvs_session_t> own(B), cal(B);
+  bool good = true;
+  for (int b = 0; b < B && good; ++b) {
+    p.kv_source = KVS_KV_OWNED;
+    good = ok(kvs_session_create(&p, &own[size_t(b)]), "create owned");
+    p.kv_source = KVS_KV_CALLER;
+    good = good && ok(kvs_session_create(&p, &cal[size_t(b)]), "create caller");
+    const int64_t n = n0 + 37 * b;
+    good = good && add(own[size_t(b)], cal[size_t(b)], es[size_t(b)], xs[size_t(b)], 0, n / 3, true) &&
+           add(own[size_t(b)], cal[size_t(b)], es[size_t(b)], xs[size_t(b)], n / 3, n, true);
+    good = good && ok(kvs_session_build_index(own[size_t(b)], nullptr), "build owned") &&
+           ok(kvs_session_build_index(cal[size_t(b)], nullptr), "build caller");
+    good = good && add(own[size_t(b)], cal[size_t(b)], es[size_t(b)], xs[size_t(b)], n, n + turn, false);
+  }
+  cudaStream_t stream;
+  cudaStreamCreate(&stream);
+  Diff df;
+  std::vector<int64_t> pos(B);
+  for (int b = 0; b < B; ++b) pos[size_t(b)] = n0 + 37 * b + turn;
+  std::vector<const Tokens*> xp = {&xs[0], &xs[1]};
+  for (int s = 0; good && s < int(steps); ++s) {
+    step(own, cal, es, xp, pos, pos, stream, df);
+    for (auto& x : pos) ++x;
+  }
+  // Rollback of `back` tokens on both; the engine writes new tokens over those positions.
+  Diff rb;
+  if (good) {
+    for (int b = 0; b < B; ++b) {
+      ok(kvs_session_truncate(own[size_t(b)], pos[size_t(b)] - back), "truncate owned");
+      ok(kvs_session_truncate(cal[size_t(b)], pos[size_t(b)] - back), "truncate caller");
+      pos[size_t(b)] -= back;
+    }
+    const Tokens fresh = tokens(8, 99);
+    std::vector<const Tokens*> fp = {&fresh, &fresh};
+    for (int s = 0; s < 3; ++s) {
+      std::vector<int64_t> ts = {s, s + 4};
+      step(own, cal, es, fp, ts, pos, stream, rb);
+      for (auto& x : pos) ++x;
+    }
+  }
+  double graphs = 0;
+  kvs_session_method_stat(cal[0], "cuda_graph_launches", &graphs);
+  kvs_session_stats st;
+  st.struct_size = sizeof st;
+  kvs_session_get_stats(cal[0], &st);
+  if (exact) {
+    CAPI_CHECK(df.bits && rb.bits, "%s P=%d: outputs and lse equal to the owned sessions' bits (err %.3g, rollback %.3g)",
+               method, P, df.err, rb.err);
+    CAPI_CHECK(df.overlap == 1.0 && rb.overlap == 1.0, "%s P=%d: same selections (overlap %.3f / %.3f)", method, P,
+               df.overlap, rb.overlap);
+  } else {
+    CAPI_CHECK(df.err < 2e-2 && rb.err < 2e-2 && df.lse < 2e-2, "%s P=%d: outputs close to the owned sessions' (err %.3g / %.3g, lse %.3g)",
+               method, P, df.err, rb.err, df.lse);
+    CAPI_CHECK(df.overlap > 0.9 && rb.overlap > 0.9, "%s P=%d: selections overlap %.3f / %.3f", method, P, df.overlap,
+               rb.overlap);
+  }
+  CAPI_CHECK(st.kv_bytes == 0, "%s P=%d: the caller's session holds no KV (kv_bytes %lld)", method, P,
+             (long long)st.kv_bytes);
+  std::printf("  caller KV %s P=%d: bit-equal %d, err %.3g, lse %.3g, overlap %.3f, rollback err %.3g, graph launches %.0f\n",
+              method, P, int(df.bits && rb.bits), df.err, df.lse, df.overlap, rb.err, graphs);
+  cudaStreamDestroy(stream);
+  for (auto s : own) kvs_session_destroy(s);
+  for (auto s : cal) kvs_session_destroy(s);
+}
+
+void run_caller_errors() {
+  kvs_session_params p = one_layer_params("quest", KVS_SCALAR_BF16, kHq, kHkv, kD, 0.1);
+  p.backend = KVS_BACKEND_CUDA;
+  p.kv_source = KVS_KV_CALLER;
+  kvs_session_t s = nullptr;
+  if (!ok(kvs_session_create(&p, &s), "create caller")) return;
+  EnginePool pool(16, 8);
+  EngineSeq es{&pool};
+  const Tokens x = tokens(40, 5);
+  for (int64_t t = 0; t < 20; ++t) es.put(x.kt(t), x.vt(t), t);
+  kvs_paged_kv kv;
+  kvs_paged_kv_init(&kv);
+  kv.pages = pool.dev;
+  kv.num_pages = pool.num_pages;
+  kv.page_size = 16;
+  kv.page_indices = es.table.data();
+  kv.num_page_indices = int64_t(es.table.size());
+  kv.num_tokens = es.tokens;
+  auto expect = [&](kvs_error_t e, int code, const char* needle, const char* what) {
+    const int c = kvs_error_code(e);
+    const std::string m = e ? kvs_error_message(e) : "";
+    CAPI_CHECK(c == code && m.find(needle) != std::string::npos, "%s: code %d, message '%s'", what, c, m.c_str());
+    kvs_error_destroy(e);
+  };
+  {  // a pool in host memory
+    std::vector<uint16_t> host(size_t(pool.num_pages * pool.page_elems()) + 128);
+    auto hk = kv;
+    auto* a = host.data();
+    while (reinterpret_cast<uintptr_t>(a) % 256) ++a;
+    hk.pages = a;
+    expect(kvs_session_bind_kv(s, 0, &hk, nullptr), KVS_STATUS_INVALID_ARGUMENT, "kv->pages: expected memory of CUDA device",
+           "host pool");
+  }
+  ok(kvs_session_bind_kv(s, 0, &kv, nullptr), "bind");
+  {  // another page size than the first binding's
+    auto k2 = kv;
+    k2.page_size = 32;
+    k2.num_page_indices = 1;
+    expect(kvs_session_bind_kv(s, 0, &k2, nullptr), KVS_STATUS_INVALID_ARGUMENT, "kv->page_size: expected 16",
+           "page size change");
+  }
+  {  // K/V tensors given to a caller's session
+    std::vector<float> q(x.qt(0), x.qt(20)), k(x.kt(0), x.kt(20));
+    float* dq = upload(q);
+    float* dk = upload(k);
+    Tensor tq(dq, KVS_DEVICE_CUDA, F32, {20, kHq, kD}), tk(dk, KVS_DEVICE_CUDA, F32, {20, kHkv, kD});
+    expect(kvs_session_prefill(s, 0, &tq.t, &tk.t, &tk.t, nullptr, nullptr), KVS_STATUS_INVALID_ARGUMENT,
+           "k: expected NULL", "prefill with k");
+    ok(kvs_session_prefill(s, 0, &tq.t, nullptr, nullptr, nullptr, nullptr), "prefill caller");
+    ok(kvs_session_build_index(s, nullptr), "build caller");
+    // The next token is not in the binding yet: refused, nothing changes.
+    std::vector<float> o(size_t(kHq) * kD);
+    float* dout = upload(o);
+    Tensor q1(dq, KVS_DEVICE_CUDA, F32, {kHq, kD}), to(dout, KVS_DEVICE_CUDA, F32, {kHq, kD});
+    expect(kvs_session_decode(s, 0, &q1.t, nullptr, nullptr, &to.t, nullptr, nullptr), KVS_STATUS_INVALID_STATE,
+           "needs 21 tokens", "decode past the binding");
+    int64_t n = 0;
+    kvs_session_layer_tokens(s, 0, &n);
+    CAPI_CHECK(n == 20, "layer tokens after a refused decode: %lld", (long long)n);
+    expect(kvs_session_save(s, "caller_kv_unused.kvs", KVS_SAVE_INCLUDE_KV), KVS_STATUS_UNSUPPORTED,
+           "KVS_SAVE_INCLUDE_KV", "save with KV");
+    cudaFree(dq);
+    cudaFree(dk);
+    cudaFree(dout);
+  }
+  kvs_session_destroy(s);
+  {  // retroinfer reads pages of 256 tokens only; the hybrid backend keeps its own KV
+    kvs_session_params r = one_layer_params("retroinfer", KVS_SCALAR_BF16, kHq, kHkv, kD, 0.1);
+    r.backend = KVS_BACKEND_CUDA;
+    r.kv_source = KVS_KV_CALLER;
+    kvs_session_t rs = nullptr;
+    if (ok(kvs_session_create(&r, &rs), "create retroinfer caller")) {
+      expect(kvs_session_bind_kv(rs, 0, &kv, nullptr), KVS_STATUS_UNSUPPORTED, "pages of 256", "retroinfer P=16");
+      kvs_session_destroy(rs);
+    }
+    r.backend = KVS_BACKEND_HYBRID;
+    kvs_session_t hs = nullptr;
+    expect(kvs_session_create(&r, &hs), KVS_STATUS_UNSUPPORTED, "params->kv_source", "hybrid caller");
+  }
+}
+
+}  // namespace
+
+int run_caller_kv_passed() { return g_pass; }
+
+// Returns failures.
+int run_caller_kv_tests(bool small) {
+  g_small_caller = small;
+  run_caller_errors();
+  for (const char* m : {"full", "exact_topk", "streaming", "quest", "csattention"})
+    for (int P : {16, 256}) run_method(m, P);
+  run_method("quest", 64, "page_size=16");
+  run_method("retroinfer", 256);
+  std::printf("caller KV: %d passed, %d failed\n", g_pass, g_fail);
+  return g_fail;
+}
