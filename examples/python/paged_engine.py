@@ -14,7 +14,8 @@ compares both against exact attention computed by torch over the engine's own ca
 must agree to bf16 rounding, the sparse method shows its approximation error at its budget; and
 it shows what kvsieve holds (its index; no KV). With ``--draft N`` each step also verifies N speculative tokens
 and rejects the last one: the engine rolls its page table back and ``Session.truncate`` rolls
-kvsieve back with it.
+kvsieve back with it (every method on the cpu backend; on the cuda backend full, exact_topk,
+streaming, quest and retroinfer, not csattention).
 
     python examples/python/paged_engine.py                       # cpu, pages of 256 tokens
     python examples/python/paged_engine.py --device cuda         # GPU, pages of 16 tokens

@@ -240,8 +240,6 @@ class CudaPlacement final : public Placement {
               " (every binding of a session has the page size of its first), got " + std::to_string(kv.page_size));
     if (std::string why; !method_->page_size_ok(kv.page_size, &why))
       fail(KVS_STATUS_UNSUPPORTED, std::string(fn) + ": kv->page_size: " + why);
-    if (reinterpret_cast<uintptr_t>(kv.pool) % 256 != 0)
-      invalid(std::string(fn) + ": kv->pages: expected a 256-byte aligned address on the cuda backend");
     DeviceGuard g(device_);
     cudaPointerAttributes at{};
     if (cudaPointerGetAttributes(&at, kv.pool) != cudaSuccess ||
@@ -250,6 +248,8 @@ class CudaPlacement final : public Placement {
       invalid(std::string(fn) + ": kv->pages: expected memory of CUDA device " + std::to_string(device_) +
               " (the session's device_id)");
     }
+    if (reinterpret_cast<uintptr_t>(kv.pool) % 256 != 0)
+      invalid(std::string(fn) + ": kv->pages: expected a 256-byte aligned address on the cuda backend");
     const size_t pb = cuda::paged_kv_page_bytes(int32_t(cfg_.shape.num_kv_heads), kv.page_size,
                                                 int32_t(cfg_.shape.head_dim), int32_t(dtype_size(cfg_.shape.kv_dtype)));
     auto& lay = layers_[layer];
