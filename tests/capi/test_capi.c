@@ -497,6 +497,38 @@ static void test_load_flags_and_finite(void) {
   kvs_session_destroy(s);
 }
 
+/* kv_source follows kv_memory; kvs_session_bind_kv's error paths through the C ABI from C99
+ * (test_caller_kv.cpp checks what a session over a caller's cache computes). */
+typedef char kvs_kv_source_follows_kv_memory[offsetof(kvs_session_params, kv_source) ==
+                                                     offsetof(kvs_session_params, kv_memory) + 4 ? 1 : -1];
+static void test_bind_kv(void) {
+  static float pool[2 * 2 * HKV * 256 * D];
+  int32_t ids[1] = {1};
+  kvs_paged_kv kv;
+  kvs_session_params p;
+  kvs_session_t s = NULL, owned = NULL;
+  kvs_paged_kv_init(&kv);
+  CHECK(kv.struct_size == sizeof kv && kv.pages == NULL && kv.num_tokens == 0);
+  kvs_session_params_init(&p);
+  CHECK(p.kv_source == KVS_KV_OWNED);
+  p.num_layers = 1, p.num_q_heads = HQ, p.num_kv_heads = HKV, p.head_dim = D, p.num_threads = 1;
+  p.kv_dtype = KVS_SCALAR_F32;
+  OK(kvs_session_create(&p, &owned));
+  p.kv_source = KVS_KV_CALLER;
+  OK(kvs_session_create(&p, &s));
+  kv.pages = pool, kv.num_pages = 2, kv.page_size = 256, kv.page_indices = ids, kv.num_page_indices = 1;
+  kv.num_tokens = 10;
+  EXPECT(kvs_session_bind_kv(NULL, 0, &kv, NULL), KVS_STATUS_INVALID_ARGUMENT, "s");
+  EXPECT(kvs_session_bind_kv(s, 0, NULL, NULL), KVS_STATUS_INVALID_ARGUMENT, "kv");
+  EXPECT(kvs_session_bind_kv(owned, 0, &kv, NULL), KVS_STATUS_INVALID_STATE, "KVS_KV_CALLER");
+  ids[0] = 2;
+  EXPECT(kvs_session_bind_kv(s, 0, &kv, NULL), KVS_STATUS_INVALID_ARGUMENT, "kv->page_indices[0]");
+  ids[0] = 1;
+  OK(kvs_session_bind_kv(s, 0, &kv, NULL));
+  kvs_session_destroy(s);
+  kvs_session_destroy(owned);
+}
+
 /* The appended session fields keep their place (append-only layout), and kvs_session_truncate's
  * error paths through the C ABI; test_truncate.cpp checks what a rollback computes. */
 typedef char kvs_lse_base_follows_budget_tokens[offsetof(kvs_session_params, lse_base) ==
@@ -797,6 +829,7 @@ int main(void) {
   test_hardening();
   test_load_flags_and_finite();
   test_truncate_and_lse_base();
+  test_bind_kv();
   kvs_string_free(NULL);
   kvs_set_log_callback(NULL, NULL, KVS_LOG_WARN);
 
