@@ -325,3 +325,59 @@ TEST_CASE("caller KV (cpu): bad bindings and calls fail naming the argument, and
     CHECK(bb.msg().find("kv_source") != std::string::npos);
   }
 }
+
+TEST_CASE("caller KV (cpu): kvs_batch_plan / kvs_batch_decode over two sequences sharing one pool") {
+  Rng rng(3303);
+  TokenData A(rng, 8, 2, 32, 400), Bd(rng, 8, 2, 32, 400);
+  TokenData* xs[2] = {&A, &Bd};
+  const int64_t n0[2] = {300, 263};
+  for (const char* method : {"full", "quest", "ctkvr"}) {
+    INFO(std::string(method));
+    Sess X[2], C[2];
+    EngineCache E(A.hkv, A.d, 8);  // one pool: the two sequences' pages interleave
+    EngineCache* Es[2] = {&E, &E};
+    std::vector<std::vector<int32_t>> tables[2];
+    for (int b = 0; b < 2; ++b) {
+      auto px = params(A, method, KVS_KV_OWNED), pc = params(A, method, KVS_KV_CALLER);
+      OK(kvs_session_create(&px, &X[b].s));
+      OK(kvs_session_create(&pc, &C[b].s));
+      E.table.assign(kLayers, {});
+      E.tokens.assign(kLayers, 0);
+      chunk(X[b].s, C[b].s, E, *xs[b], 0, n0[b], true);
+      tables[b] = E.table;
+      OK(kvs_session_build_index(X[b].s, nullptr));
+      OK(kvs_session_build_index(C[b].s, nullptr));
+    }
+    kvs_session_t xs_[2] = {X[0].s, X[1].s}, cs_[2] = {C[0].s, C[1].s};
+    kvs_batch_t bx = nullptr, bc = nullptr;
+    OK(kvs_batch_create(xs_, 2, &bx));
+    OK(kvs_batch_create(cs_, 2, &bc));
+    for (int64_t step = 0; step < 6; ++step) {
+      OK(kvs_batch_plan(bx, nullptr));
+      OK(kvs_batch_plan(bc, nullptr));  // before the engine has written the token: plans need no binding
+      for (uint32_t l = 0; l < kLayers; ++l) {
+        std::vector<float> q, k, v;
+        for (int b = 0; b < 2; ++b) {
+          const int64_t t = n0[b] + step;
+          q.insert(q.end(), xs[b]->qt(t), xs[b]->qt(t + 1));
+          k.insert(k.end(), xs[b]->kt(t), xs[b]->kt(t + 1));
+          v.insert(v.end(), xs[b]->vt(t), xs[b]->vt(t + 1));
+          E.table[l] = tables[b][l];
+          E.put(l, xs[b]->kt(t), xs[b]->vt(t), t);
+          tables[b][l] = E.table[l];
+          E.bind(cs_[b], l);
+        }
+        std::vector<float> o1(q.size()), o2(q.size(), NAN), l1(16), l2(16, NAN);
+        T tq(q.data(), f32(), {2, A.hq, A.d}), tk(k.data(), f32(), {2, A.hkv, A.d}), tv(v.data(), f32(), {2, A.hkv, A.d});
+        T to1(o1.data(), f32(), {2, A.hq, A.d}), to2(o2.data(), f32(), {2, A.hq, A.d});
+        T tl1(l1.data(), f32(), {2, A.hq}), tl2(l2.data(), f32(), {2, A.hq});
+        OK(kvs_batch_decode(bx, l, &tq.t, &tk.t, &tv.t, &to1.t, &tl1.t, nullptr));
+        OK(kvs_batch_decode(bc, l, &tq.t, nullptr, nullptr, &to2.t, &tl2.t, nullptr));
+        REQUIRE(std::memcmp(o1.data(), o2.data(), o1.size() * 4) == 0);
+        REQUIRE(std::memcmp(l1.data(), l2.data(), l1.size() * 4) == 0);
+      }
+    }
+    kvs_batch_destroy(bx);
+    kvs_batch_destroy(bc);
+  }
+}
