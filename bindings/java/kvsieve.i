@@ -116,6 +116,20 @@ static const kvs_tensor* kvsj_t(kvsj_tensor* t) { return t ? &t->t : NULL; }
   if ($1) (*jenv)->ReleaseLongArrayElements(jenv, $input, (jlong*)$1, JNI_ABORT);
 }
 
+/* int[] -> (const int32_t*, int64_t): a caller's page indices (kvs_session_bind_kv), copied by the library */
+%typemap(jni) (const int32_t* PAGE_IDS, int64_t COUNT) "jintArray"
+%typemap(jtype) (const int32_t* PAGE_IDS, int64_t COUNT) "int[]"
+%typemap(jstype) (const int32_t* PAGE_IDS, int64_t COUNT) "int[]"
+%typemap(javain) (const int32_t* PAGE_IDS, int64_t COUNT) "$javainput"
+%typemap(in) (const int32_t* PAGE_IDS, int64_t COUNT) {
+  if (!$input) { SWIG_JavaThrowException(jenv, SWIG_JavaNullPointerException, "pageIndices: expected an array"); return $null; }
+  $2 = (int64_t)(*jenv)->GetArrayLength(jenv, $input);
+  $1 = (int32_t*)(*jenv)->GetIntArrayElements(jenv, $input, 0);
+}
+%typemap(freearg) (const int32_t* PAGE_IDS, int64_t COUNT) {
+  if ($1) (*jenv)->ReleaseIntArrayElements(jenv, $input, (jint*)$1, JNI_ABORT);
+}
+
 /* Every owned object is AutoCloseable; close() = SWIG's idempotent delete(). */
 %typemap(javainterfaces) struct kvs_session_s, struct kvs_trace_s, struct kvs_batch_s, struct kvsj_tensor "AutoCloseable"
 %typemap(javacode) struct kvs_trace_s %{
@@ -258,7 +272,7 @@ typedef struct kvs_session_stats {
     private String method = "full", methodParams = null;
     private double budget = 0, softmaxScale = 0;
     private long budgetTokens = 0, maxRollback = 0;
-    private int lseBase = 0, kvMemory = 0;
+    private int lseBase = 0, kvMemory = 0, kvSource = 0;
     private ScalarType kvDtype = ScalarType.BF16;
     private Backend backend = Backend.CPU;
     private int deviceId = 0, numThreads = 0;
@@ -283,11 +297,15 @@ typedef struct kvs_session_stats {
      *  pinned host memory the GPU kernels read over the bus (KVS_DEVICE_CUDA_HOST); false (the
      *  default): the backend's own memory. */
     public Builder kvInPinnedHostMemory(boolean on) { kvMemory = on ? 3 : 0; return this; }
+    /** true: the session attends the caller's paged KV cache, bound per layer with bindKv
+     *  (kvs_session_params.kv_source = KVS_KV_CALLER; prefill, append and decode then take null
+     *  k/v); false (the default): the session stores its K/V. */
+    public Builder kvFromCaller(boolean on) { kvSource = on ? 1 : 0; return this; }
     /** Creates the session; throws KvsException naming the bad field. */
     public Session create() {
       return new Session(numLayers, numQHeads, numKvHeads, headDim, softmaxScale, kvDtype.value, backend.value,
                          deviceId, numThreads, method, methodParams, budget, budgetTokens, lseBase, maxRollback,
-                         kvMemory);
+                         kvMemory, kvSource);
     }
   }
 %}
@@ -296,7 +314,7 @@ typedef struct kvs_session_stats {
   kvs_session_s(uint32_t num_layers, uint32_t num_q_heads, uint32_t num_kv_heads, uint32_t head_dim,
                 double softmax_scale, int32_t kv_dtype, int32_t backend, int32_t device_id, uint32_t num_threads,
                 const char* method, const char* method_params, double budget, int64_t budget_tokens,
-                int32_t lse_base, int64_t max_rollback, int32_t kv_memory) {
+                int32_t lse_base, int64_t max_rollback, int32_t kv_memory, int32_t kv_source) {
     kvs_session_params p;
     kvs_session_params_init(&p);
     p.num_layers = num_layers;
@@ -315,6 +333,7 @@ typedef struct kvs_session_stats {
     p.lse_base = lse_base;
     p.max_rollback = max_rollback;
     p.kv_memory = kv_memory;
+    p.kv_source = kv_source;
     kvs_session_t s = NULL;
     kvsj_check(kvs_session_create(&p, &s));
     return s;
@@ -347,6 +366,35 @@ typedef struct kvs_session_stats {
   }
   void append(uint32_t layer, kvsj_tensor* q, kvsj_tensor* k, kvsj_tensor* v, kvsj_tensor* o, int64_t stream) {
     kvsj_check(kvs_session_append($self, layer, kvsj_t(q), kvsj_t(k), kvsj_t(v), kvsj_t(o), (void*)(intptr_t)stream));
+  }
+  /* Sessions built with kvFromCaller(true): layer `layer`'s K/V are in the caller's page pool
+     [numPages][2][numKvHeads][pageSize][headDim] (FlashInfer's HND layout) at address `pages` (GPU
+     memory for Backend.CUDA, host memory for Backend.CPU, whose pages hold 256 tokens), this
+     sequence's pages in token order, numTokens tokens held (kvs_session_bind_kv). */
+  void bindKv(uint32_t layer, int64_t pages, int64_t num_pages, int32_t page_size,
+              const int32_t* PAGE_IDS, int64_t COUNT, int64_t num_tokens, int64_t stream) {
+    kvs_paged_kv kv;
+    kvs_paged_kv_init(&kv);
+    kv.pages = (const void*)(intptr_t)pages;
+    kv.num_pages = num_pages;
+    kv.page_size = page_size;
+    kv.page_indices = PAGE_IDS;
+    kv.num_page_indices = COUNT;
+    kv.num_tokens = num_tokens;
+    kvsj_check(kvs_session_bind_kv($self, layer, &kv, (void*)(intptr_t)stream));
+  }
+  /* The same with the pool in a direct NIO buffer (host memory: Backend.CPU), no stream. */
+  void bindKv(uint32_t layer, void* DIRECT_BUFFER, int64_t num_pages, int32_t page_size,
+              const int32_t* PAGE_IDS, int64_t COUNT, int64_t num_tokens) {
+    kvs_paged_kv kv;
+    kvs_paged_kv_init(&kv);
+    kv.pages = DIRECT_BUFFER;
+    kv.num_pages = num_pages;
+    kv.page_size = page_size;
+    kv.page_indices = PAGE_IDS;
+    kv.num_page_indices = COUNT;
+    kv.num_tokens = num_tokens;
+    kvsj_check(kvs_session_bind_kv($self, layer, &kv, NULL));
   }
   /* Rollback: keeps the first numTokens tokens of every layer (kvs_session_truncate). */
   void truncate(int64_t num_tokens) { kvsj_check(kvs_session_truncate($self, num_tokens)); }

@@ -153,6 +153,50 @@ class KvsieveTest {
     for (int h = 0; h < HQ; ++h) assertEquals(lses[0][h] / Math.log(2.0), lses[1][h], 1e-5 * Math.max(1, Math.abs(lses[1][h])));
   }
 
+  /** A session over the caller's page pool (kvFromCaller, bindKv) decodes as one storing the same tokens. */
+  @Test
+  void callerKvMatchesAnOwnedSession() {
+    final int P = 256, pages = 2;
+    Random r = new Random(23);
+    FloatBuffer q = random(r, (N + 2) * HQ * D), k = random(r, (N + 2) * HKV * D), v = random(r, (N + 2) * HKV * D);
+    FloatBuffer pool = direct(pages * 2 * HKV * P * D);
+    int[] table = {1};  // the sequence lives in the pool's second page
+    for (int t = 0; t < N + 2; ++t)
+      for (int h = 0; h < HKV; ++h)
+        for (int j = 0; j < D; ++j) {
+          pool.put(((table[0] * 2 + 0) * HKV + h) * P * D + t * D + j, k.get((t * HKV + h) * D + j));
+          pool.put(((table[0] * 2 + 1) * HKV + h) * P * D + t * D + j, v.get((t * HKV + h) * D + j));
+        }
+    try (Session own = Session.builder(1, HQ, HKV, D).method("quest").budget(0.3).kvDtype(ScalarType.F32)
+             .numThreads(1).create();
+         Session cal = Session.builder(1, HQ, HKV, D).method("quest").budget(0.3).kvDtype(ScalarType.F32)
+             .numThreads(1).kvFromCaller(true).create();
+         Tensor tq = Tensor.of(q, DType.F32, N, HQ, D); Tensor tk = Tensor.of(k, DType.F32, N, HKV, D);
+         Tensor tv = Tensor.of(v, DType.F32, N, HKV, D)) {
+      own.prefill(0, tq, tk, tv, null, 0);
+      assertThrows(KvsException.class, () -> cal.prefill(0, tq, null, null, null, 0));  // nothing bound yet
+      cal.bindKv(0, pool, pages, P, table, N);
+      cal.prefill(0, tq, null, null, null, 0);
+      own.buildIndex(0);
+      cal.buildIndex(0);
+      for (int t = N; t < N + 2; ++t) {
+        FloatBuffer o1 = direct(HQ * D), o2 = direct(HQ * D);
+        try (Tensor a = Tensor.of(slice(q, t, HQ * D), DType.F32, HQ, D);
+             Tensor b = Tensor.of(slice(k, t, HKV * D), DType.F32, HKV, D);
+             Tensor c = Tensor.of(slice(v, t, HKV * D), DType.F32, HKV, D);
+             Tensor t1 = Tensor.of(o1, DType.F32, HQ, D); Tensor t2 = Tensor.of(o2, DType.F32, HQ, D)) {
+          own.decode(0, a, b, c, t1, null, 0);
+          cal.bindKv(0, pool, pages, P, table, t + 1);
+          cal.decode(0, a, null, null, t2, null, 0);
+        }
+        for (int i = 0; i < HQ * D; ++i) assertEquals(o1.get(i), o2.get(i), 0.0f);
+      }
+      assertEquals(0L, cal.stats().getKvBytes());
+      KvsException e = assertThrows(KvsException.class, () -> cal.bindKv(0, pool, pages, P, new int[] {5}, N + 2));
+      assertTrue(e.getMessage().contains("page_indices[0]"), e.getMessage());
+    }
+  }
+
   private static FloatBuffer slice(FloatBuffer b, int i, int n) {
     FloatBuffer out = direct(n);
     for (int j = 0; j < n; ++j) out.put(j, b.get(i * n + j));
