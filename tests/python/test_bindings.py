@@ -1066,7 +1066,7 @@ def test_strings_with_nul_raise_value_error(tmp_path):
     # The native layer refuses on its own too, naming the argument.
     with pytest.raises(ValueError, match=r"method: expected a string without NUL"):
         kvsieve.capi.session_create(L, HQ, HKV, D, 0.0, kvsieve.capi.KVS_SCALAR_F32, kvsieve.capi.KVS_BACKEND_CPU,
-                                    0, 1, 0, "full\0x", None, 0.0, 0, kvsieve.capi.KVS_LSE_BASE_E, 0, 0)
+                                    0, 1, 0, "full\0x", None, 0.0, 0, kvsieve.capi.KVS_LSE_BASE_E, 0, 0, 0)
     with pytest.raises(ValueError, match=r"method: expected a string without NUL"):
         kvsieve.capi.kvs_method_doc("quest\0x")
     assert kvsieve.capi.kvs_method_doc("quest")  # plain strings and None still pass
