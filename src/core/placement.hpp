@@ -59,13 +59,16 @@ struct Settled {
 };
 
 // A layer's KV in the caller's paged cache (kvs_session_bind_kv, validated by the session): the
-// pages of [0, ceil(tokens / page_size)) in token order, each [2][Hkv][page_size][d].
+// pages of [0, ceil(tokens / page_size)) in token order, each [2][Hkv][page_size][d]. The first
+// `unchanged` entries are those of the layer's previous binding (same pool, same pages): an
+// engine's page table mostly grows at its end, so a binding costs the pages that changed.
 struct BoundKv {
   const void* pool;
   int64_t num_pages;
   int32_t page_size;
   std::span<const int32_t> pages;
   int64_t tokens;
+  size_t unchanged = 0;
 };
 
 class Placement {

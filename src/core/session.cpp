@@ -230,13 +230,25 @@ void Session::bind_kv(uint32_t layer, const kvs_paged_kv* kv, void* stream) {
             std::to_string(kv->num_tokens) + " tokens in pages of " + std::to_string(P) + "), got " +
             std::to_string(kv->num_page_indices));
   if (need > 0 && !kv->page_indices) invalid(std::string(fn) + ": kv->page_indices: expected the sequence's pages, got NULL");
-  for (int64_t i = 0; i < need; ++i)
-    if (kv->page_indices[i] < 0 || kv->page_indices[i] >= kv->num_pages)
+  // Entries equal to the layer's last binding (same pool) were checked then: only the rest is.
+  if (bound_.size() != cfg_.shape.num_layers) bound_.resize(cfg_.shape.num_layers);
+  Bound& last = bound_[layer];
+  const std::span<const int32_t> ids(kv->page_indices, size_t(need));
+  size_t same = 0;
+  if (last.pool == kv->pages && last.num_pages == kv->num_pages && last.page_size == P) {
+    const size_t m = std::min(last.ids.size(), ids.size());
+    same = size_t(std::mismatch(ids.begin(), ids.begin() + std::ptrdiff_t(m), last.ids.begin()).first - ids.begin());
+  }
+  for (size_t i = same; i < ids.size(); ++i)
+    if (ids[i] < 0 || ids[i] >= kv->num_pages)
       invalid(std::string(fn) + ": kv->page_indices[" + std::to_string(i) + "]: expected 0.." +
-              std::to_string(kv->num_pages - 1) + ", got " + std::to_string(kv->page_indices[i]));
-  placement_->bind_kv(layer, BoundKv{kv->pages, kv->num_pages, P, std::span<const int32_t>(kv->page_indices, size_t(need)),
-                                     kv->num_tokens},
-                      fn, stream);
+              std::to_string(kv->num_pages - 1) + ", got " + std::to_string(ids[i]));
+  placement_->bind_kv(layer, BoundKv{kv->pages, kv->num_pages, P, ids, kv->num_tokens, same}, fn, stream);
+  last.pool = kv->pages;
+  last.num_pages = kv->num_pages;
+  last.page_size = P;
+  last.ids.resize(ids.size());
+  std::copy(ids.begin() + std::ptrdiff_t(same), ids.end(), last.ids.begin() + std::ptrdiff_t(same));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -591,6 +603,7 @@ std::unique_ptr<Session> Session::load_from(const std::shared_ptr<const io::Tabl
 std::unique_ptr<Session> Session::fork() const {
   auto s = std::unique_ptr<Session>(new Session(cfg_, pool_, placement_->fork()));
   s->built_ = built_;
+  s->bound_ = bound_;
   s->expected_len_ = expected_len_;
   return s;
 }

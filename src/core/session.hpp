@@ -102,6 +102,14 @@ class Session {
   std::unique_ptr<Placement> placement_;
   std::vector<uint8_t> built_;          // index built for the layer's current prompt
   std::vector<int64_t> expected_len_;   // tables-only load: prompt lengths to re-supply (-1 = none)
+  // kv_source = KVS_KV_CALLER: each layer's last binding (kvs_session_bind_kv checks only what changed).
+  struct Bound {
+    const void* pool = nullptr;
+    int64_t num_pages = 0;
+    int32_t page_size = 0;
+    std::vector<int32_t> ids;
+  };
+  std::vector<Bound> bound_;
   mutable int64_t decode_steps_ = 0;
   // Selection statistics; a placement may settle a step's after it returned (settled_reports).
   mutable double last_selected_ = 0, sum_selected_ = 0, last_fraction_ = 0;

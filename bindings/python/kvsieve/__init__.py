@@ -453,7 +453,8 @@ class Session:
                 as uint16) for the cpu backend, which reads pages of 256 tokens only. The session
                 keeps a reference to it until the next binding of the layer.
             page_indices: this sequence's pages in token order (ints in [0, num_pages); a list,
-                NumPy array or CPU tensor, copied).
+                NumPy array or tensor, copied by the library; an int32 NumPy array or CPU tensor is
+                read without conversion).
             num_tokens: tokens of the sequence the cache holds in this layer now, at least
                 :meth:`layer_tokens`; the next prefill, append or decode (with ``k=None``,
                 ``v=None``) counts the tokens beyond :meth:`layer_tokens` as its own.
@@ -472,14 +473,18 @@ class Session:
         if not dtype_ok:
             raise InvalidArgumentError(STATUS_INVALID_ARGUMENT, f"pages: expected the session's kv_dtype "
                                        f"({_KV_DTYPE_NAMES.get(self._kv_dtype, '?')}), got {pages.dtype}")
-        idx = _np.ascontiguousarray(_np.asarray(page_indices.cpu() if hasattr(page_indices, "cpu") else page_indices,
-                                                dtype=_np.int64))
+        if hasattr(page_indices, "cpu") and hasattr(page_indices, "numpy"):  # torch: no copy if on the CPU
+            page_indices = page_indices.cpu().numpy()
+        idx = _np.asarray(page_indices)
+        if idx.dtype != _np.int32:  # (an int32 array is passed as it is: the library checks the values)
+            idx = _np.asarray(idx, dtype=_np.int64)
+            if idx.size and (idx.min() < -2**31 or idx.max() >= 2**31):
+                raise InvalidArgumentError(STATUS_INVALID_ARGUMENT, "page_indices: expected int32 values")
+            idx = idx.astype(_np.int32)
+        idx = _np.ascontiguousarray(idx)
         if idx.ndim != 1:
             raise InvalidArgumentError(STATUS_INVALID_ARGUMENT,
                                        f"page_indices: expected one dimension, got {idx.ndim}")
-        if idx.size and (idx.min() < -2**31 or idx.max() >= 2**31):
-            raise InvalidArgumentError(STATUS_INVALID_ARGUMENT, "page_indices: expected int32 values")
-        idx = idx.astype(_np.int32)
         with self._lock:
             self._handle().bind_kv(int(layer), ptr, shape[0], shape[3], int(idx.ctypes.data), int(idx.size),
                                    int(num_tokens), _stream_ptr(stream))

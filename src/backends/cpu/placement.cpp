@@ -170,8 +170,10 @@ class CpuPlacement final : public Placement, public HostPart {
     auto& b = bound_[layer];
     const size_t pb = layers_[layer].page_bytes();
     const auto* pool = static_cast<const std::byte*>(kv.pool);
-    std::vector<std::shared_ptr<Page>> pages(kv.pages.size());
-    for (size_t i = 0; i < kv.pages.size(); ++i) {
+    // The entries the session found unchanged keep their pages; the rest are wrapped (or reused).
+    std::vector<std::shared_ptr<Page>> pages(b.pages.begin(), b.pages.begin() + std::ptrdiff_t(std::min(kv.unchanged, b.pages.size())));
+    pages.resize(kv.pages.size());
+    for (size_t i = std::min(kv.unchanged, b.pages.size()); i < kv.pages.size(); ++i) {
       const std::byte* at = pool + size_t(kv.pages[i]) * pb;
       if (i < b.pages.size() && b.pages[i]->data() == at) pages[i] = b.pages[i];
       else pages[i] = std::make_shared<Page>(at, pb, caller_owner());

@@ -254,16 +254,27 @@ class CudaPlacement final : public Placement {
                                                 int32_t(cfg_.shape.head_dim), int32_t(dtype_size(cfg_.shape.kv_dtype)));
     auto& lay = layers_[layer];
     auto* pool = static_cast<char*>(const_cast<void*>(kv.pool));
-    std::vector<std::shared_ptr<DevicePage>> pages(kv.pages.size());
-    size_t first_changed = pages.size();
-    for (size_t i = 0; i < pages.size(); ++i) {
+    // Entries the session found unchanged keep their pages (an engine's table grows at its end).
+    const size_t keep = std::min(kv.unchanged, lay.pages.size());
+    std::vector<std::shared_ptr<DevicePage>> fresh;
+    size_t first_changed = kv.pages.size();
+    for (size_t i = keep; i < kv.pages.size(); ++i) {
       char* p = pool + size_t(kv.pages[i]) * pb;
       if (i < lay.pages.size() && lay.pages[i]->data() == p) {
-        pages[i] = lay.pages[i];
+        fresh.push_back(lay.pages[i]);
       } else {
-        pages[i] = DevicePage::wrap(p, pb);
+        fresh.push_back(DevicePage::wrap(p, pb));  // (allocates: nothing changes before the last)
         first_changed = std::min(first_changed, i);
       }
+    }
+    // A larger device table is allocated before anything changes (out of memory keeps the binding).
+    std::shared_ptr<DevBuf> grown;
+    int64_t grown_cap = 0;
+    if (!lay.table || int64_t(kv.pages.size()) > lay.table_cap) {
+      grown_cap = std::max<int64_t>(16, lay.table_cap);
+      while (grown_cap < int64_t(kv.pages.size())) grown_cap *= 2;
+      grown = std::make_shared<DevBuf>();
+      grown->reserve(size_t(grown_cap) * sizeof(void*), device_);
     }
     if (page_tokens_ == 0) {
       page_tokens_ = kv.page_size;
@@ -271,9 +282,15 @@ class CudaPlacement final : public Placement {
       while ((1 << page_shift_) < page_tokens_) ++page_shift_;
       page_bytes_ = pb;
     }
-    lay.pages = std::move(pages);
+    lay.pages.resize(keep);
+    for (auto& p : fresh) lay.pages.push_back(std::move(p));
     lay.bound = kv.tokens;
-    if (first_changed < lay.pages.size()) upload_table(lay, first_changed, stream);
+    if (grown) {  // (the old table may still be read by queued steps: DevBuf's free waits for the device)
+      lay.table = std::move(grown);
+      lay.table_cap = grown_cap;
+      first_changed = 0;
+    }
+    if (first_changed < lay.pages.size()) upload_entries(lay, first_changed, lay.pages.size(), stream);
   }
   static void no_kv_tensors(const kvs_tensor* k, const kvs_tensor* v, const char* fn, const char* kn, const char* vn) {
     if (k || v)

@@ -537,6 +537,10 @@ pub const KVS_LSE_BASE_2: kvs_lse_base = 1;
 #[doc = " The base of the log-sum-exp a decode step writes (kvs_session_params.lse_base). Base 2 is"]
 #[doc = "  lse_e / ln 2, for kernels that merge attention states in base 2 (FlashInfer's merge_state)."]
 pub type kvs_lse_base = ::std::os::raw::c_uint;
+pub const KVS_KV_OWNED: kvs_kv_source = 0;
+pub const KVS_KV_CALLER: kvs_kv_source = 1;
+#[doc = " Who stores a session's K/V (kvs_session_params.kv_source)."]
+pub type kvs_kv_source = ::std::os::raw::c_uint;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct kvs_session_params {
@@ -558,6 +562,7 @@ pub struct kvs_session_params {
     pub lse_base: i32,
     pub max_rollback: i64,
     pub kv_memory: i32,
+    pub kv_source: i32,
 }
 #[test]
 fn bindgen_test_layout_kvs_session_params() {
@@ -877,6 +882,23 @@ fn bindgen_test_layout_kvs_session_params() {
         );
     }
     test_field_kv_memory();
+    fn test_field_kv_source() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvs_session_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).kv_source) as usize - ptr as usize
+            },
+            100usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvs_session_params),
+                "::",
+                stringify!(kv_source)
+            )
+        );
+    }
+    test_field_kv_source();
 }
 extern "C" {
     #[doc = " Fills defaults (struct_size included). @threadsafety any"]
@@ -951,6 +973,185 @@ extern "C" {
         k: *const kvs_tensor,
         v: *const kvs_tensor,
         o: *const kvs_tensor,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> kvs_error_t;
+}
+#[doc = " One layer's KV cache as an inference engine keeps it: a pool of pages in FlashInfer's paged"]
+#[doc = "  layout \"HND\" with K and V in one tensor,"]
+#[doc = "    pages: [num_pages][2][num_kv_heads][page_size][head_dim] in the session's kv_dtype"]
+#[doc = "  (page p holds the keys of page_size consecutive tokens, head by head, then their values), and"]
+#[doc = "  the pages of this sequence in token order: token t is slot t % page_size of pool page"]
+#[doc = "  page_indices[t / page_size]. The same layout as vLLM's FlashInfer backend with its HND cache"]
+#[doc = "  layout and FlashInfer's paged_kv_cache of shape (max_num_pages, 2, num_kv_heads, page_size,"]
+#[doc = "  head_dim)."]
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct kvs_paged_kv {
+    pub struct_size: u32,
+    pub pages: *const ::std::os::raw::c_void,
+    pub num_pages: i64,
+    pub page_size: i32,
+    pub page_indices: *const i32,
+    pub num_page_indices: i64,
+    pub num_tokens: i64,
+}
+#[test]
+fn bindgen_test_layout_kvs_paged_kv() {
+    assert_eq!(
+        ::std::mem::size_of::<kvs_paged_kv>(),
+        56usize,
+        concat!("Size of: ", stringify!(kvs_paged_kv))
+    );
+    assert_eq!(
+        ::std::mem::align_of::<kvs_paged_kv>(),
+        8usize,
+        concat!("Alignment of ", stringify!(kvs_paged_kv))
+    );
+    fn test_field_struct_size() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvs_paged_kv>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).struct_size) as usize - ptr as usize
+            },
+            0usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvs_paged_kv),
+                "::",
+                stringify!(struct_size)
+            )
+        );
+    }
+    test_field_struct_size();
+    fn test_field_pages() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvs_paged_kv>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).pages) as usize - ptr as usize
+            },
+            8usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvs_paged_kv),
+                "::",
+                stringify!(pages)
+            )
+        );
+    }
+    test_field_pages();
+    fn test_field_num_pages() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvs_paged_kv>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).num_pages) as usize - ptr as usize
+            },
+            16usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvs_paged_kv),
+                "::",
+                stringify!(num_pages)
+            )
+        );
+    }
+    test_field_num_pages();
+    fn test_field_page_size() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvs_paged_kv>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).page_size) as usize - ptr as usize
+            },
+            24usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvs_paged_kv),
+                "::",
+                stringify!(page_size)
+            )
+        );
+    }
+    test_field_page_size();
+    fn test_field_page_indices() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvs_paged_kv>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).page_indices) as usize - ptr as usize
+            },
+            32usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvs_paged_kv),
+                "::",
+                stringify!(page_indices)
+            )
+        );
+    }
+    test_field_page_indices();
+    fn test_field_num_page_indices() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvs_paged_kv>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).num_page_indices) as usize - ptr as usize
+            },
+            40usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvs_paged_kv),
+                "::",
+                stringify!(num_page_indices)
+            )
+        );
+    }
+    test_field_num_page_indices();
+    fn test_field_num_tokens() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvs_paged_kv>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).num_tokens) as usize - ptr as usize
+            },
+            48usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvs_paged_kv),
+                "::",
+                stringify!(num_tokens)
+            )
+        );
+    }
+    test_field_num_tokens();
+}
+extern "C" {
+    #[doc = " Fills defaults (struct_size; everything else 0). @threadsafety any"]
+    pub fn kvs_paged_kv_init(kv: *mut kvs_paged_kv);
+}
+extern "C" {
+    #[doc = " Sessions with kv_source = KVS_KV_CALLER: declares where layer `layer`'s K/V are now. kvsieve"]
+    #[doc = "  keeps no copy: prefill, append and decode then take NULL k/v (k_new/v_new) and count the next"]
+    #[doc = "  tokens of the bound cache as theirs, its method indexing and attending them in place. A binding"]
+    #[doc = "  holds until the next one for the layer; bind again whenever the engine's page table grows or"]
+    #[doc = "  changes (typically once per layer per step, after the engine has written the new token's K/V)."]
+    #[doc = "  The caller must keep the pool alive and must not change the K/V of tokens the session has"]
+    #[doc = "  counted (the index describes them) until they are dropped (kvs_session_truncate) or the session"]
+    #[doc = "  is destroyed; pages may be renumbered between bindings."]
+    #[doc = "  kv->num_tokens: at least the layer's tokens (kvs_session_layer_tokens); a prefill, append or"]
+    #[doc = "  decode needs the tokens it adds to be bound already."]
+    #[doc = "  stream: a cudaStream_t (cuda backend; NULL = default stream) that orders the page-table upload"]
+    #[doc = "  before the decode calls on the same stream; ignored on the cpu backend."]
+    #[doc = "  Errors: KVS_STATUS_INVALID_ARGUMENT (a field, naming it and what was expected),"]
+    #[doc = "  KVS_STATUS_INVALID_STATE (a session that owns its KV), KVS_STATUS_UNSUPPORTED (the hybrid"]
+    #[doc = "  backend; a method that needs another page size). On error the previous binding stays."]
+    #[doc = "  @threadsafety exclusive"]
+    pub fn kvs_session_bind_kv(
+        s: kvs_session_t,
+        layer: u32,
+        kv: *const kvs_paged_kv,
         stream: *mut ::std::os::raw::c_void,
     ) -> kvs_error_t;
 }
