@@ -236,8 +236,19 @@ void Session::bind_kv(uint32_t layer, const kvs_paged_kv* kv, void* stream) {
   const std::span<const int32_t> ids(kv->page_indices, size_t(need));
   size_t same = 0;
   if (last.pool == kv->pages && last.num_pages == kv->num_pages && last.page_size == P) {
+    // memcmp by blocks (vectorised; std::mismatch compares one int at a time: 1 ns a page on an
+    // H100 host, 30 us for a 512K context in pages of 16), then the first differing block by entry.
     const size_t m = std::min(last.ids.size(), ids.size());
-    same = size_t(std::mismatch(ids.begin(), ids.begin() + std::ptrdiff_t(m), last.ids.begin()).first - ids.begin());
+    constexpr size_t kBlock = 1024;
+    while (same < m) {
+      const size_t len = std::min(kBlock, m - same);
+      if (std::memcmp(ids.data() + same, last.ids.data() + same, len * sizeof(int32_t)) == 0) {
+        same += len;
+        continue;
+      }
+      while (ids[same] == last.ids[same]) ++same;
+      break;
+    }
   }
   for (size_t i = same; i < ids.size(); ++i)
     if (ids[i] < 0 || ids[i] >= kv->num_pages)
