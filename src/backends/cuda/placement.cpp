@@ -276,6 +276,9 @@ class CudaPlacement final : public Placement {
       grown = std::make_shared<DevBuf>();
       grown->reserve(size_t(grown_cap) * sizeof(void*), device_);
     }
+    // The pinned slot of the upload too (page-table entries [from, end)).
+    const size_t from = grown ? 0 : first_changed, cnt = kv.pages.size() - std::min(from, kv.pages.size());
+    char* host = cnt ? arg_slot(cnt * sizeof(void*)) : nullptr;
     if (page_tokens_ == 0) {
       page_tokens_ = kv.page_size;
       page_shift_ = 0;
@@ -288,16 +291,13 @@ class CudaPlacement final : public Placement {
     if (grown) {  // (the old table may still be read by queued steps: DevBuf's free waits for the device)
       lay.table = std::move(grown);
       lay.table_cap = grown_cap;
-      first_changed = 0;
     }
-    if (first_changed < lay.pages.size()) {
+    if (cnt) {
       // From a pinned argument slot: the copy runs in stream order and the call returns at once
       // (a pageable copy waits for its staging: about 7 us on an H100 host).
-      const size_t cnt = lay.pages.size() - first_changed;
-      char* host = arg_slot(cnt * sizeof(void*));
       auto* hp = reinterpret_cast<const void**>(host);
-      for (size_t i = 0; i < cnt; ++i) hp[i] = lay.pages[first_changed + i]->data();
-      check(cudaMemcpyAsync(static_cast<const void**>(lay.table->p) + first_changed, host, cnt * sizeof(void*),
+      for (size_t i = 0; i < cnt; ++i) hp[i] = lay.pages[from + i]->data();
+      check(cudaMemcpyAsync(static_cast<const void**>(lay.table->p) + from, host, cnt * sizeof(void*),
                             cudaMemcpyHostToDevice, S(stream)),
             "cudaMemcpyAsync(page table)");
       arg_done(stream);
