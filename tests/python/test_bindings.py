@@ -1225,3 +1225,32 @@ def test_caller_kv_on_cuda_matches_an_owned_session():
         assert cal.stats.kv_bytes == 0
         with pytest.raises(ValueError, match="expected memory of CUDA device"):
             cal.bind_kv(0, pool.cpu(), table, n + 4)
+
+
+def test_caller_kv_decode_batch_with_none(rng):
+    n, page = 200, 256
+    q, k, v = rand(rng, n + 1, HQ, D), rand(rng, n + 1, HKV, D), rand(rng, n + 1, HKV, D)
+    pool, write = _caller_pool(4, HKV, page, D, np.float32)
+    own = [make("quest", budget=0.3) for _ in range(2)]
+    cal = [make("quest", budget=0.3, kv_source="caller") for _ in range(2)]
+    tables = [[[] for _ in range(L)] for _ in range(2)]
+    for b in range(2):
+        for layer in range(L):
+            own[b].prefill(layer, q[:n], k[:n], v[:n])
+            for t in range(n):
+                write(tables[b][layer], t, k[t], v[t])
+            cal[b].bind_kv(layer, pool, tables[b][layer], n)
+            cal[b].prefill(layer, q[:n], None, None)
+        own[b].build_index()
+        cal[b].build_index()
+    qb, kb, vb = np.stack([q[n], q[n]]), np.stack([k[n], k[n]]), np.stack([v[n], v[n]])
+    for layer in range(L):
+        o1, l1 = kvsieve.decode_batch(own, layer, qb, kb, vb)
+        for b in range(2):
+            write(tables[b][layer], n, k[n], v[n])
+            cal[b].bind_kv(layer, pool, tables[b][layer], n + 1)
+        o2, l2 = kvsieve.decode_batch(cal, layer, qb, None, None)
+        np.testing.assert_array_equal(o1, o2)
+        np.testing.assert_array_equal(l1, l2)
+    for s in own + cal:
+        s.close()
