@@ -364,6 +364,13 @@ typedef struct kvs_session_stats {
     kvsj_check(kvs_session_decode($self, layer, kvsj_t(q), kvsj_t(k_new), kvsj_t(v_new), kvsj_t(o), kvsj_t(lse),
                                   (void*)(intptr_t)stream));
   }
+  /* n decode steps of one layer (kvs_session_decode_tokens): q [n, Hq, d], kNew, vNew [n, Hkv, d] (null
+     over the caller's KV cache), o [n, Hq, d], lse [n, Hq] or null; row i = the i-th of n decode calls. */
+  void decodeTokens(uint32_t layer, kvsj_tensor* q, kvsj_tensor* k_new, kvsj_tensor* v_new, kvsj_tensor* o,
+                    kvsj_tensor* lse, int64_t stream) {
+    kvsj_check(kvs_session_decode_tokens($self, layer, kvsj_t(q), kvsj_t(k_new), kvsj_t(v_new), kvsj_t(o),
+                                         kvsj_t(lse), (void*)(intptr_t)stream));
+  }
   void append(uint32_t layer, kvsj_tensor* q, kvsj_tensor* k, kvsj_tensor* v, kvsj_tensor* o, int64_t stream) {
     kvsj_check(kvs_session_append($self, layer, kvsj_t(q), kvsj_t(k), kvsj_t(v), kvsj_t(o), (void*)(intptr_t)stream));
   }

@@ -579,6 +579,7 @@ static void kvsb_log_trampoline(int32_t level, const char* line, void* user) {
 %ignore kvs_session_decode;
 %ignore kvs_session_append;
 %ignore kvs_session_truncate;
+%ignore kvs_session_decode_tokens;
 %ignore kvs_paged_kv;
 %ignore kvs_paged_kv_init;
 %ignore kvs_session_bind_kv;
@@ -666,6 +667,33 @@ struct kvs_batch_s {};
       Py_BEGIN_ALLOW_THREADS
       err = kvs_session_decode($self, layer, kvsb_t(&aq), kvsb_t(&ak), kvsb_t(&av), kvsb_t(&ao), kvsb_t(&al),
                                (void*)(uintptr_t)stream);
+      Py_END_ALLOW_THREADS
+    }
+    kvsb_release(&aq); kvsb_release(&ak); kvsb_release(&av); kvsb_release(&ao); kvsb_release(&al);
+    if (!ok || kvsb_raise(err)) return NULL;
+    Py_RETURN_NONE;
+  }
+  /* kvs_session_decode_tokens: q [n, Hq, d], k_new, v_new [n, Hkv, d] or None, o [n, Hq, d], lse [n, Hq]. */
+  PyObject* decode_tokens(uint32_t layer, PyObject* q, PyObject* k_new, PyObject* v_new, PyObject* o, PyObject* lse,
+                          unsigned long long stream, PyObject* spec) {
+    int has = 0, devt = 0, devid = 0, contig = 0;
+    long long d[3];
+    if (!kvsb_dims(spec, &has, d, &devt, &devid, &contig)) return NULL;
+    kvsb_arg aq, ak, av, ao, al;
+    kvsb_expect e;
+    memset(&aq, 0, sizeof aq); memset(&ak, 0, sizeof ak); memset(&av, 0, sizeof av);
+    memset(&ao, 0, sizeof ao); memset(&al, 0, sizeof al);
+    int ok = kvsb_tensor(q, "q", 0, 3, stream, kvsb_mk(&e, has, devt, devid, contig, 3, -1, d[0], d[2]), &aq);
+    int64_t n = ok ? aq.shape[0] : 0;
+    ok = ok && kvsb_tensor(k_new, "k_new", 0, 3, stream, kvsb_mk(&e, has, devt, devid, contig, 3, n, d[1], d[2]), &ak) &&
+         kvsb_tensor(v_new, "v_new", 0, 3, stream, kvsb_mk(&e, has, devt, devid, contig, 3, n, d[1], d[2]), &av) &&
+         kvsb_tensor(o, "out", 1, 3, stream, kvsb_mk(&e, has, devt, devid, contig, 3, n, d[0], d[2]), &ao) &&
+         kvsb_tensor(lse, "lse", 2, 2, stream, kvsb_mk(&e, has, devt, devid, contig, 2, n, d[0], 0), &al);
+    kvs_error_t err = NULL;
+    if (ok) {
+      Py_BEGIN_ALLOW_THREADS
+      err = kvs_session_decode_tokens($self, layer, kvsb_t(&aq), kvsb_t(&ak), kvsb_t(&av), kvsb_t(&ao), kvsb_t(&al),
+                                      (void*)(uintptr_t)stream);
       Py_END_ALLOW_THREADS
     }
     kvsb_release(&aq); kvsb_release(&ak); kvsb_release(&av); kvsb_release(&ao); kvsb_release(&al);

@@ -292,6 +292,20 @@ KVS_API kvs_error_t kvs_session_decode(kvs_session_t s, uint32_t layer, const kv
                                        const kvs_tensor* k_new, const kvs_tensor* v_new,
                                        const kvs_tensor* o, const kvs_tensor* lse, void* stream);
 
+/** Several decode steps of one layer in one call: n tokens (speculative decoding's drafts to
+ *  verify, or a chunk decoded token by token), q [n, Hq, d], k_new, v_new [n, Hkv, d] (NULL with
+ *  kv_source = KVS_KV_CALLER: the n tokens bound already), o [n, Hq, d], lse [n, Hq] or NULL. Row i
+ *  is exactly the i-th of n kvs_session_decode calls: the token is appended, the method selects
+ *  for it and it attends the context and the rows before it (sparse, at the session's budget;
+ *  kvs_session_append gives exact causal attention instead). The rows are checked for shape,
+ *  dtype and device before the first step (1 <= n <= 65536). A step that fails after the first
+ *  leaves the steps before it done (their outputs written); the error message names the row and
+ *  the layer's length, and kvs_session_truncate drops them. Rejected drafts: kvs_session_truncate.
+ *  @threadsafety exclusive */
+KVS_API kvs_error_t kvs_session_decode_tokens(kvs_session_t s, uint32_t layer, const kvs_tensor* q,
+                                              const kvs_tensor* k_new, const kvs_tensor* v_new,
+                                              const kvs_tensor* o, const kvs_tensor* lse, void* stream);
+
 /** Appends several tokens of one layer (a new chat turn): q [n, Hq, d], k, v [n, Hkv, d]; o
  *  (optional) [n, Hq, d] receives exact causal attention over the whole context. Methods update
  *  their index as their spec prescribes. @threadsafety exclusive */

@@ -170,6 +170,11 @@ kvs_error_t kvs_session_decode(kvs_session_t s, uint32_t layer, const kvs_tensor
   });
 }
 
+kvs_error_t kvs_session_decode_tokens(kvs_session_t s, uint32_t layer, const kvs_tensor* q, const kvs_tensor* k_new,
+                                      const kvs_tensor* v_new, const kvs_tensor* o, const kvs_tensor* lse, void* stream) {
+  return guarded([&] { S(s, "kvs_session_decode_tokens").decode_tokens(layer, q, k_new, v_new, o, lse, stream); });
+}
+
 kvs_error_t kvs_session_append(kvs_session_t s, uint32_t layer, const kvs_tensor* q, const kvs_tensor* k,
                                const kvs_tensor* v, const kvs_tensor* o, void* stream) {
   return guarded([&] { S(s, "kvs_session_append").append(layer, q, k, v, o, stream); });

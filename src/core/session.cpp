@@ -7,6 +7,8 @@
 #include <cstddef>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <tuple>
 
 #include "backends/backend.hpp"
 #include "backends/cpu/gemm.hpp"
@@ -302,6 +304,79 @@ void Session::decode(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, c
                      const kvs_tensor* o, const kvs_tensor* lse, void* stream) {
   Session* self = this;
   decode_batch(&self, 1, layer, q, k, v, o, lse, stream, /*single=*/true);
+}
+
+namespace {
+// Row i of a tensor [n, ...] as a tensor of one rank less (the same memory: byte_offset moves).
+struct RowView {
+  kvs_tensor t{};
+  int64_t shape[4]{}, strides[4]{};
+  RowView(const kvs_tensor* src, int64_t i) {
+    t = *src;
+    t.ndim = src->ndim - 1;
+    int64_t inner = 1;
+    for (int a = src->ndim - 1; a >= 1; --a) {
+      shape[a - 1] = src->shape[a];
+      strides[a - 1] = src->strides ? src->strides[a] : inner;
+      inner *= src->shape[a];
+    }
+    const int64_t s0 = src->strides ? src->strides[0] : inner;
+    t.shape = shape;
+    t.strides = src->strides ? strides : nullptr;
+    t.byte_offset = src->byte_offset + uint64_t(i * s0 * int64_t(src->dtype.bits / 8));
+  }
+};
+// A [n, ...] tensor of rank `rank` (null when `optional` and absent); returns n.
+int64_t rows_of(const kvs_tensor* t, const char* name, int rank, bool optional, const char* fn) {
+  if (!t) {
+    if (optional) return -1;
+    invalid(std::string(fn) + ": " + name + ": expected a tensor, got NULL");
+  }
+  if (t->ndim != rank || !t->shape)
+    invalid(std::string(fn) + ": " + name + ": expected " + std::to_string(rank) + " dimensions [n, ...], got " +
+            std::to_string(t->ndim));
+  if (t->dtype.bits % 8 != 0 || t->dtype.bits == 0)
+    invalid(std::string(fn) + ": " + name + ": expected a dtype of whole bytes");
+  return t->shape[0];
+}
+}  // namespace
+
+void Session::decode_tokens(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, const kvs_tensor* v,
+                            const kvs_tensor* o, const kvs_tensor* lse, void* stream) {
+  const char* fn = "kvs_session_decode_tokens";
+  check_decodable(layer, fn);
+  const int64_t n = rows_of(q, "q", 3, false, fn);
+  if (n < 1 || n > 65536) invalid(std::string(fn) + ": q: expected 1..65536 rows, got " + std::to_string(n));
+  const bool ext = cfg_.kv_source == KVS_KV_CALLER;
+  for (auto [t, name, rank, opt] : {std::tuple{k, "k_new", 3, ext}, std::tuple{v, "v_new", 3, ext},
+                                    std::tuple{o, "o", 3, false}, std::tuple{lse, "lse", 2, true}}) {
+    const int64_t m = rows_of(t, name, rank, opt, fn);
+    if (m >= 0 && m != n)
+      invalid(std::string(fn) + ": " + name + ": expected " + std::to_string(n) + " rows (as q), got " + std::to_string(m));
+  }
+  if (placement_->tokens(layer) > kMaxLayerTokens - n)
+    invalid(std::string(fn) + ": q: layer " + L(layer) + " cannot hold " + std::to_string(n) + " more tokens");
+  const int64_t n0 = placement_->tokens(layer);
+  for (int64_t i = 0; i < n; ++i) {
+    const RowView qi(q, i), oi(o, i);
+    std::optional<RowView> ki, vi, li;
+    if (k) ki.emplace(k, i);
+    if (v) vi.emplace(v, i);
+    if (lse) li.emplace(lse, i);
+    try {
+      decode(layer, &qi.t, ki ? &ki->t : nullptr, vi ? &vi->t : nullptr, &oi.t, li ? &li->t : nullptr, stream);
+    } catch (const Error& e) {
+      // The message names this call and the row: "kvs_session_decode: q: ..." -> "...: row 3: q: ...".
+      std::string m = e.what();
+      const std::string one = "kvs_session_decode: ";
+      if (m.rfind(one, 0) == 0) m = m.substr(one.size());
+      m = std::string(fn) + ": row " + std::to_string(i) + ": " + m;
+      if (i > 0)
+        m += " (rows 0.." + std::to_string(i - 1) + " were decoded: layer " + L(layer) + " holds " +
+             std::to_string(n0 + i) + " tokens; kvs_session_truncate drops them)";
+      throw Error(e.code(), m, e.backend_code());
+    }
+  }
 }
 
 void Session::check_batch(Session* const* sessions, size_t count, uint32_t layer, const char* fn, bool single) {

@@ -49,6 +49,9 @@ class Session {
   void build_index(void* stream);
   void decode(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, const kvs_tensor* v,
               const kvs_tensor* o, const kvs_tensor* lse, void* stream);
+  // kvs_session_decode_tokens: n decode steps of one layer, row by row.
+  void decode_tokens(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, const kvs_tensor* v,
+                     const kvs_tensor* o, const kvs_tensor* lse, void* stream);
   void append(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, const kvs_tensor* v,
               const kvs_tensor* o, void* stream);
   // kvs_session_bind_kv (KVS_KV_CALLER sessions): the layer's K/V are in the caller's paged cache.

@@ -1254,3 +1254,23 @@ def test_caller_kv_decode_batch_with_none(rng):
         np.testing.assert_array_equal(l1, l2)
     for s in own + cal:
         s.close()
+
+
+def test_decode_tokens_equals_decode_calls(rng):
+    n, r = 200, 3
+    q, k, v = rand(rng, n + r, HQ, D), rand(rng, n + r, HKV, D), rand(rng, n + r, HKV, D)
+    with make("quest", budget=0.3) as a, make("quest", budget=0.3) as b:
+        for s in (a, b):
+            for layer in range(L):
+                s.prefill(layer, q[:n], k[:n], v[:n])
+            s.build_index()
+        for layer in range(L):
+            out, lse = a.decode_tokens(layer, q[n:], k[n:], v[n:])
+            assert out.shape == (r, HQ, D) and lse.shape == (r, HQ)
+            for i in range(r):
+                o1, l1 = b.decode(layer, q[n + i], k[n + i], v[n + i])
+                np.testing.assert_array_equal(out[i], o1)
+                np.testing.assert_array_equal(lse[i], l1)
+        assert a.layer_tokens(0) == n + r
+        with pytest.raises(ValueError, match="k_new"):
+            a.decode_tokens(0, q[n:], k[n:n + 1], v[n:])

@@ -381,3 +381,93 @@ TEST_CASE("caller KV (cpu): kvs_batch_plan / kvs_batch_decode over two sequences
     kvs_batch_destroy(bc);
   }
 }
+
+TEST_CASE("decode_tokens: n rows are n decode steps, owned or over the caller's cache; row errors are named") {
+  Rng rng(3304);
+  TokenData D(rng, 8, 2, 32, 420);
+  const int64_t P = 300, R = 4;
+  for (const char* method : kMethods) {
+    INFO(std::string(method));
+    Sess X, Y, C;
+    auto p = params(D, method, KVS_KV_OWNED), pc = params(D, method, KVS_KV_CALLER);
+    OK(kvs_session_create(&p, &X.s));
+    OK(kvs_session_create(&p, &Y.s));
+    OK(kvs_session_create(&pc, &C.s));
+    EngineCache E(D.hkv, D.d, 4);
+    chunk(X.s, C.s, E, D, 0, P, true);
+    T q0(D.qt(0), f32(), {P, D.hq, D.d}), k0(D.kt(0), f32(), {P, D.hkv, D.d}), v0(D.vt(0), f32(), {P, D.hkv, D.d});
+    for (uint32_t l = 0; l < kLayers; ++l) OK(kvs_session_prefill(Y.s, l, &q0.t, &k0.t, &v0.t, nullptr, nullptr));
+    for (kvs_session_t s : {X.s, Y.s, C.s}) OK(kvs_session_build_index(s, nullptr));
+    for (int64_t round = 0; round < 3; ++round) {
+      const int64_t t0 = P + round * R;
+      for (uint32_t l = 0; l < kLayers; ++l) {
+        INFO("round " << round << ", layer " << l);
+        std::vector<float> ox(size_t(R) * D.hq * D.d, NAN), lx(size_t(R) * D.hq, NAN), oc = ox, lc = lx;
+        T q(D.qt(t0), f32(), {R, D.hq, D.d}), k(D.kt(t0), f32(), {R, D.hkv, D.d}), v(D.vt(t0), f32(), {R, D.hkv, D.d});
+        T tox(ox.data(), f32(), {R, D.hq, D.d}), tlx(lx.data(), f32(), {R, D.hq});
+        T toc(oc.data(), f32(), {R, D.hq, D.d}), tlc(lc.data(), f32(), {R, D.hq});
+        OK(kvs_session_decode_tokens(X.s, l, &q.t, &k.t, &v.t, &tox.t, &tlx.t, nullptr));
+        E.write(l, D, t0, t0 + R);
+        E.bind(C.s, l);
+        OK(kvs_session_decode_tokens(C.s, l, &q.t, nullptr, nullptr, &toc.t, &tlc.t, nullptr));
+        for (int64_t i = 0; i < R; ++i) {  // Y: one kvs_session_decode per row
+          std::vector<float> o(size_t(D.hq) * D.d), ls(size_t(D.hq));
+          T qi(D.qt(t0 + i), f32(), {D.hq, D.d}), ki(D.kt(t0 + i), f32(), {D.hkv, D.d}),
+              vi(D.vt(t0 + i), f32(), {D.hkv, D.d}), to(o.data(), f32(), {D.hq, D.d}), tl(ls.data(), f32(), {D.hq});
+          OK(kvs_session_decode(Y.s, l, &qi.t, &ki.t, &vi.t, &to.t, &tl.t, nullptr));
+          REQUIRE(std::memcmp(o.data(), ox.data() + i * D.hq * D.d, o.size() * 4) == 0);
+          REQUIRE(std::memcmp(ls.data(), lx.data() + i * D.hq, ls.size() * 4) == 0);
+        }
+        REQUIRE(ox == oc);
+        REQUIRE(lx == lc);
+        for (uint32_t h = 0; h < uint32_t(D.hkv); ++h) {
+          REQUIRE(selection(X.s, l, h) == selection(Y.s, l, h));
+          REQUIRE(selection(C.s, l, h) == selection(Y.s, l, h));
+        }
+      }
+    }
+    // Speculative drafts rejected: drop the last 2 rows of the last round, then agree again.
+    OK(kvs_session_truncate(X.s, P + 3 * R - 2));
+    OK(kvs_session_truncate(Y.s, P + 3 * R - 2));
+    std::vector<float> o1(size_t(D.hq) * D.d), o2 = o1;
+    T qn(D.qt(400), f32(), {D.hq, D.d}), kn(D.kt(400), f32(), {D.hkv, D.d}), vn(D.vt(400), f32(), {D.hkv, D.d});
+    T t1(o1.data(), f32(), {D.hq, D.d}), t2(o2.data(), f32(), {D.hq, D.d});
+    OK(kvs_session_decode(X.s, 0, &qn.t, &kn.t, &vn.t, &t1.t, nullptr, nullptr));
+    OK(kvs_session_decode(Y.s, 0, &qn.t, &kn.t, &vn.t, &t2.t, nullptr, nullptr));
+    REQUIRE(o1 == o2);
+  }
+}
+
+TEST_CASE("decode_tokens: shape errors change nothing; a bad row after the first names the rows done") {
+  Rng rng(3305);
+  TokenData D(rng, 8, 2, 32, 320);
+  auto p = params(D, "quest", KVS_KV_OWNED);
+  Sess X;
+  OK(kvs_session_create(&p, &X.s));
+  T q0(D.qt(0), f32(), {300, D.hq, D.d}), k0(D.kt(0), f32(), {300, D.hkv, D.d}), v0(D.vt(0), f32(), {300, D.hkv, D.d});
+  for (uint32_t l = 0; l < kLayers; ++l) OK(kvs_session_prefill(X.s, l, &q0.t, &k0.t, &v0.t, nullptr, nullptr));
+  OK(kvs_session_build_index(X.s, nullptr));
+  std::vector<float> o(size_t(4) * D.hq * D.d);
+  T q(D.qt(300), f32(), {4, D.hq, D.d}), k(D.kt(300), f32(), {4, D.hkv, D.d}), v(D.vt(300), f32(), {4, D.hkv, D.d});
+  T o4(o.data(), f32(), {4, D.hq, D.d}), o3(o.data(), f32(), {3, D.hq, D.d}), q2(D.qt(300), f32(), {D.hq, D.d});
+  struct Case {
+    const kvs_tensor *q, *k, *o;
+    const char* needle;
+  };
+  for (const Case c : {Case{&q2.t, &k.t, &o4.t, "q: expected 3 dimensions"}, Case{&q.t, &k.t, &o3.t, "o: expected 4 rows"},
+                       Case{&q.t, nullptr, &o4.t, "k_new: expected a tensor"}}) {
+    INFO(c.needle);
+    Err e{kvs_session_decode_tokens(X.s, 0, c.q, c.k, &v.t, c.o, nullptr, nullptr)};
+    CHECK(e.code() == KVS_STATUS_INVALID_ARGUMENT);
+    CHECK(e.msg().find(c.needle) != std::string::npos);
+    CHECK(layer_tokens(X.s, 0) == 300);
+  }
+  std::vector<float> bad(D.q.begin() + 300 * D.hq * D.d, D.q.begin() + 304 * D.hq * D.d);
+  bad[size_t(2) * D.hq * D.d + 5] = NAN;  // row 2 of q
+  T qb(bad.data(), f32(), {4, D.hq, D.d});
+  Err e{kvs_session_decode_tokens(X.s, 0, &qb.t, &k.t, &v.t, &o4.t, nullptr, nullptr)};
+  CHECK(e.code() == KVS_STATUS_INVALID_ARGUMENT);
+  CHECK(e.msg().find("kvs_session_decode_tokens: row 2: ") == 0);
+  CHECK(e.msg().find("rows 0..1 were decoded: layer 0 holds 302 tokens") != std::string::npos);
+  CHECK(layer_tokens(X.s, 0) == 302);
+}

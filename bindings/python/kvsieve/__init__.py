@@ -434,6 +434,24 @@ class Session:
             h.decode(int(layer), q, k_new, v_new, out, lse, _stream_ptr(stream), self._spec_or_none())
         return out, lse
 
+    def decode_tokens(self, layer: int, q, k_new, v_new, *, out=None, lse=None, stream=None):
+        """Several decode steps of one layer in one call (kvs_session_decode_tokens): q [n, Hq, d],
+        k_new, v_new [n, Hkv, d] (``None`` for a session over the caller's KV cache, the n tokens
+        bound already). Row i is exactly the i-th of n :meth:`decode` calls: sparse attention over
+        the context and the rows before it, as for speculative decoding's drafts (reject some with
+        :meth:`truncate`). Returns ``(out [n, Hq, d], lse [n, Hq])``, allocated as in
+        :meth:`decode` unless given. A row that fails after the first leaves the rows before it
+        decoded; the error names the row and the layer's length."""
+        h = self._handle()
+        n = tuple(_shape(q))[0]
+        if out is None:
+            out = _alloc_like(q, (n, self.num_q_heads, self.head_dim), "out")
+        if lse is None:
+            lse = _alloc_like(q, (n, self.num_q_heads), "lse", lse=True)
+        with self._lock:
+            h.decode_tokens(int(layer), q, k_new, v_new, out, lse, _stream_ptr(stream), self._spec_or_none())
+        return out, lse
+
     def append(self, layer: int, q, k, v, *, out=None, stream=None) -> None:
         """Appends several tokens of one layer (a new chat turn); ``out`` (optional, [n, Hq, d])
         receives exact causal attention over the whole context."""

@@ -108,6 +108,9 @@ class Session:
     def decode(self, layer: int, q: ArrayLike, k_new: Optional[ArrayLike], v_new: Optional[ArrayLike], *,
                out: Optional[ArrayLike] = ..., lse: Optional[ArrayLike] = ...,
                stream: StreamLike = ...) -> Tuple[Any, Any]: ...
+    def decode_tokens(self, layer: int, q: ArrayLike, k_new: Optional[ArrayLike], v_new: Optional[ArrayLike], *,
+                      out: Optional[ArrayLike] = ..., lse: Optional[ArrayLike] = ...,
+                      stream: StreamLike = ...) -> Tuple[Any, Any]: ...
     def append(self, layer: int, q: ArrayLike, k: Optional[ArrayLike], v: Optional[ArrayLike], *,
                out: Optional[ArrayLike] = ..., stream: StreamLike = ...) -> None: ...
     def bind_kv(self, layer: int, pages: ArrayLike, page_indices: Union[Sequence[int], ArrayLike], num_tokens: int, *,

@@ -963,6 +963,28 @@ extern "C" {
     ) -> kvs_error_t;
 }
 extern "C" {
+    #[doc = " Several decode steps of one layer in one call: n tokens (speculative decoding's drafts to"]
+    #[doc = "  verify, or a chunk decoded token by token), q [n, Hq, d], k_new, v_new [n, Hkv, d] (NULL with"]
+    #[doc = "  kv_source = KVS_KV_CALLER: the n tokens bound already), o [n, Hq, d], lse [n, Hq] or NULL. Row i"]
+    #[doc = "  is exactly the i-th of n kvs_session_decode calls: the token is appended, the method selects"]
+    #[doc = "  for it and it attends the context and the rows before it (sparse, at the session's budget;"]
+    #[doc = "  kvs_session_append gives exact causal attention instead). The rows are checked for shape,"]
+    #[doc = "  dtype and device before the first step (1 <= n <= 65536). A step that fails after the first"]
+    #[doc = "  leaves the steps before it done (their outputs written); the error message names the row and"]
+    #[doc = "  the layer's length, and kvs_session_truncate drops them. Rejected drafts: kvs_session_truncate."]
+    #[doc = "  @threadsafety exclusive"]
+    pub fn kvs_session_decode_tokens(
+        s: kvs_session_t,
+        layer: u32,
+        q: *const kvs_tensor,
+        k_new: *const kvs_tensor,
+        v_new: *const kvs_tensor,
+        o: *const kvs_tensor,
+        lse: *const kvs_tensor,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> kvs_error_t;
+}
+extern "C" {
     #[doc = " Appends several tokens of one layer (a new chat turn): q [n, Hq, d], k, v [n, Hkv, d]; o"]
     #[doc = "  (optional) [n, Hq, d] receives exact causal attention over the whole context. Methods update"]
     #[doc = "  their index as their spec prescribes. @threadsafety exclusive"]

@@ -192,6 +192,23 @@ class KvsieveTest {
         for (int i = 0; i < HQ * D; ++i) assertEquals(o1.get(i), o2.get(i), 0.0f);
       }
       assertEquals(0, cal.stats().getKvBytes().signum());  // (uint64: a BigInteger)
+      // Two more tokens in one call (decodeTokens) equal two decode calls of the owned session.
+      cal.bindKv(0, pool, pages, P, table, N + 2);
+      own.truncate(N);
+      cal.truncate(N);
+      FloatBuffer o2 = direct(2 * HQ * D), o1 = direct(HQ * D);
+      try (Tensor a = Tensor.of(slice(q, N / 2, 2 * HQ * D), DType.F32, 2, HQ, D);
+           Tensor t2 = Tensor.of(o2, DType.F32, 2, HQ, D)) {
+        cal.decodeTokens(0, a, null, null, t2, null, 0);
+      }
+      for (int t = N; t < N + 2; ++t) {
+        try (Tensor a = Tensor.of(slice(q, t, HQ * D), DType.F32, HQ, D);
+             Tensor b = Tensor.of(slice(k, t, HKV * D), DType.F32, HKV, D);
+             Tensor c = Tensor.of(slice(v, t, HKV * D), DType.F32, HKV, D); Tensor t1 = Tensor.of(o1, DType.F32, HQ, D)) {
+          own.decode(0, a, b, c, t1, null, 0);
+        }
+        for (int i = 0; i < HQ * D; ++i) assertEquals(o1.get(i), o2.get((t - N) * HQ * D + i), 0.0f);
+      }
       KvsException e = assertThrows(KvsException.class, () -> cal.bindKv(0, pool, pages, P, new int[] {5}, N + 2));
       assertTrue(e.getMessage().contains("page_indices[0]"), e.getMessage());
     }
