@@ -12,10 +12,13 @@ Two sequences of different lengths decode together: their pages interleave in th
 two kvsieve sessions over the same pages: the sparse method, and ``full`` as a check. Every step
 compares both against exact attention computed by torch over the engine's own cache: ``full``
 must agree to bf16 rounding, the sparse method shows its approximation error at its budget; and
-it shows what kvsieve holds (its index; no KV). With ``--draft N`` each step also verifies N speculative tokens
-and rejects the last one: the engine rolls its page table back and ``Session.truncate`` rolls
-kvsieve back with it (every method on the cpu backend; on the cuda backend full, exact_topk,
-streaming, quest and retroinfer, not csattention).
+it shows what kvsieve holds (its index; no KV).
+
+With ``--draft N`` each step also verifies N speculative tokens in one ``Session.decode_tokens``
+call per layer (row j attends the context and the rows before it) and rejects the last one: the
+engine rolls its page table back and ``Session.truncate`` rolls kvsieve back with it (every method
+on the cpu backend; on the cuda backend full, exact_topk, streaming, quest and retroinfer, not
+csattention).
 
     python examples/python/paged_engine.py                       # cpu, pages of 256 tokens
     python examples/python/paged_engine.py --device cuda         # GPU, pages of 16 tokens
@@ -119,17 +122,18 @@ def main():
     for step in range(a.steps):
         for sq in seqs:
             tables = sq["tables"]
-            for tok in range(a.draft + 1):  # the token itself, then the drafts to verify
-                pos = sq["len"] + tok
-                for layer, cache in enumerate(caches):
-                    q, k, v = qkv(1, pos)
-                    cache.write(tables[layer], pos, k[0], v[0])
-                    kk, vv = cache.gather(tables[layer], pos + 1)
-                    ref = exact_attention(q[0], kk, vv, scale)
-                    for i, s in enumerate(sq["sessions"]):
-                        s.bind_kv(layer, cache.pages, tables[layer], pos + 1)
-                        out, _ = s.decode(layer, q[0], None, None)
-                        worst[i] = max(worst[i], ((out.float() - ref).norm() / ref.norm()).item())
+            r = a.draft + 1  # the token itself, then the drafts to verify: one decode_tokens call per layer
+            for layer, cache in enumerate(caches):
+                q, k, v = qkv(r, sq["len"])
+                for j in range(r):
+                    cache.write(tables[layer], sq["len"] + j, k[j], v[j])
+                for i, s in enumerate(sq["sessions"]):
+                    s.bind_kv(layer, cache.pages, tables[layer], sq["len"] + r)
+                    out, _ = s.decode_tokens(layer, q, None, None)  # row j sees the context and rows < j
+                    for j in range(r):
+                        kk, vv = cache.gather(tables[layer], sq["len"] + j + 1)
+                        ref = exact_attention(q[j], kk, vv, scale)
+                        worst[i] = max(worst[i], ((out[j].float() - ref).norm() / ref.norm()).item())
             sq["len"] += 1 + max(a.draft - 1, 0)  # the verifier keeps every draft but the last
             if a.draft:
                 for s in sq["sessions"]:
