@@ -20,6 +20,7 @@
 #include "core/dtype.hpp"
 #include "kvsieve/kvsieve.h"
 #include "capi_check.hpp"
+#include "session_pair.hpp"
 
 namespace {
 
@@ -127,15 +128,6 @@ bool add(kvs_session_t own, kvs_session_t cal, EngineSeq& es, const Tokens& x, i
   return good;
 }
 
-std::vector<int32_t> keys(kvs_session_t s, uint32_t h) {
-  size_t n = 0;
-  kvs_session_last_selection(s, 0, h, nullptr, 0, &n);
-  std::vector<int32_t> out(n);
-  kvs_session_last_selection(s, 0, h, out.data(), n, &n);
-  out.resize(n);
-  return out;
-}
-
 struct Diff {
   double err = 0, lse = 0, overlap = 1;
   bool bits = true;
@@ -188,7 +180,7 @@ void step(std::vector<kvs_session_t>& own, std::vector<kvs_session_t>& cal, std:
   fold_errors(o2, o1, l2, l1, kD, df.err, df.lse);
   for (int b = 0; b < B; ++b)
     for (uint32_t h = 0; h < uint32_t(kHkv); ++h) {
-      const auto s1 = keys(own[size_t(b)], h), s2 = keys(cal[size_t(b)], h);
+      const auto s1 = last_keys(own[size_t(b)], h), s2 = last_keys(cal[size_t(b)], h);
       size_t common = 0;
       for (int32_t y : s2) common += std::binary_search(s1.begin(), s1.end(), y);
       df.overlap = std::min(df.overlap, s1.empty() ? 1.0 : double(common) / double(std::max(s1.size(), s2.size())));

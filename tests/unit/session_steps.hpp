@@ -31,6 +31,22 @@ struct TokenData {
   float* vt(int64_t t) { return v.data() + t * hkv * d; }
 };
 
+// Parameters of a cpu session of D's shape: bf16 KV, budget 10%, 2 threads.
+inline kvs_session_params session_params(const TokenData& D, const char* method, uint32_t layers, int64_t max_rollback) {
+  kvs_session_params p;
+  kvs_session_params_init(&p);
+  p.num_layers = layers;
+  p.num_q_heads = uint32_t(D.hq);
+  p.num_kv_heads = uint32_t(D.hkv);
+  p.head_dim = uint32_t(D.d);
+  p.kv_dtype = KVS_SCALAR_BF16;
+  p.method = method;
+  p.budget = 0.1;
+  p.num_threads = 2;
+  p.max_rollback = max_rollback;
+  return p;
+}
+
 // One layer's decode step: o, lse and the selection per KV head.
 struct StepOut {
   std::vector<float> o, lse;

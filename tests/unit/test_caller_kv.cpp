@@ -90,17 +90,7 @@ struct EngineCache {
 };
 
 kvs_session_params params(const TokenData& D, const char* method, int32_t source) {
-  kvs_session_params p;
-  kvs_session_params_init(&p);
-  p.num_layers = kLayers;
-  p.num_q_heads = uint32_t(D.hq);
-  p.num_kv_heads = uint32_t(D.hkv);
-  p.head_dim = uint32_t(D.d);
-  p.kv_dtype = KVS_SCALAR_BF16;
-  p.method = method;
-  p.budget = 0.1;
-  p.num_threads = 2;
-  p.max_rollback = 32;
+  kvs_session_params p = session_params(D, method, kLayers, 32);
   p.kv_source = source;
   return p;
 }

@@ -30,18 +30,7 @@ bool keeps_history(const std::string& m) {
 }
 
 kvs_session_params params(const Data& D, const char* method, int64_t max_rollback) {
-  kvs_session_params p;
-  kvs_session_params_init(&p);
-  p.num_layers = kLayers;
-  p.num_q_heads = uint32_t(D.hq);
-  p.num_kv_heads = uint32_t(D.hkv);
-  p.head_dim = uint32_t(D.d);
-  p.kv_dtype = KVS_SCALAR_BF16;
-  p.method = method;
-  p.budget = 0.1;
-  p.num_threads = 2;
-  p.max_rollback = max_rollback;
-  return p;
+  return session_params(D, method, kLayers, max_rollback);
 }
 
 // Tokens [a, b) of D into every layer: prefill or append (one call per layer).
