@@ -150,6 +150,7 @@ static const kvs_tensor* kvsj_t(kvsj_tensor* t) { return t ? &t->t : NULL; }
 %nodefaultctor kvs_batch_s;
 %javamethodmodifiers kvsj_tensor::kvsj_tensor "protected";
 %javamethodmodifiers kvs_batch_s::kvs_batch_s "protected";
+%javamethodmodifiers kvs_session_s::bindKvBuffer "private";
 %javamethodmodifiers kvs_batch_s::planNative "private";
 %javamethodmodifiers kvs_batch_s::decodeNative "private";
 %javamethodmodifiers kvs_batch_s::sizeNative "private";
@@ -236,6 +237,29 @@ typedef struct kvs_session_stats {
     int[] out = new int[(int) n];
     buf.get(out);
     return out;
+  }
+
+  // The pools bound per layer (bindKv with a buffer), kept reachable while the library reads them.
+  private final java.util.Map<Long, java.nio.Buffer> boundPools = new java.util.HashMap<>();
+
+  /** Sessions built with kvFromCaller(true), Backend.CPU: layer `layer`'s K/V are in the caller's page
+   *  pool, a direct buffer from its position to its limit holding numPages pages of
+   *  [2][numKvHeads][256][headDim] in the session's kv dtype (FlashInfer's HND layout; a FloatBuffer
+   *  for F32, a ShortBuffer or ByteBuffer of bf16/f16 bits), this sequence's pages in token order,
+   *  numTokens tokens held (kvs_session_bind_kv). The session keeps a reference to the buffer until
+   *  the layer is bound again. For a pool in GPU memory, bind its device address
+   *  (bindKv(layer, long address, ...)). */
+  public void bindKv(long layer, java.nio.Buffer pool, long numPages, int pageSize, int[] pageIndices, long numTokens) {
+    if (pool == null) throw new NullPointerException("pool: expected a direct buffer");
+    if (!pool.isDirect()) throw new IllegalArgumentException("pool: expected a direct buffer");
+    final int elem = pool instanceof java.nio.ByteBuffer ? 1
+        : pool instanceof java.nio.ShortBuffer || pool instanceof java.nio.CharBuffer ? 2
+        : pool instanceof java.nio.FloatBuffer || pool instanceof java.nio.IntBuffer ? 4
+        : pool instanceof java.nio.LongBuffer || pool instanceof java.nio.DoubleBuffer ? 8 : 0;
+    if (elem == 0) throw new IllegalArgumentException("pool: expected a Byte, Short, Float or Int buffer");
+    bindKvBuffer(layer, pool, (long) pool.position() * elem, (long) pool.remaining() * elem, numPages, pageSize,
+                 pageIndices, numTokens);
+    boundPools.put(layer, pool);
   }
 
   /** A copy of this session's state (KV, index, layer states, statistics) on another backend and
@@ -390,12 +414,14 @@ typedef struct kvs_session_stats {
     kv.num_tokens = num_tokens;
     kvsj_check(kvs_session_bind_kv($self, layer, &kv, (void*)(intptr_t)stream));
   }
-  /* The same with the pool in a direct NIO buffer (host memory: Backend.CPU), no stream. */
-  void bindKv(uint32_t layer, void* DIRECT_BUFFER, int64_t num_pages, int32_t page_size,
-              const int32_t* PAGE_IDS, int64_t COUNT, int64_t num_tokens) {
+  /* The same with the pool in a direct NIO buffer (Session.bindKv(long, Buffer, ...) checks it and
+     keeps it alive; pool_bytes: the bytes from its position to its limit). */
+  void bindKvBuffer(uint32_t layer, void* DIRECT_BUFFER, int64_t pool_offset, int64_t pool_bytes, int64_t num_pages,
+                    int32_t page_size, const int32_t* PAGE_IDS, int64_t COUNT, int64_t num_tokens) {
     kvs_paged_kv kv;
     kvs_paged_kv_init(&kv);
-    kv.pages = DIRECT_BUFFER;
+    kv.pages = (const char*)DIRECT_BUFFER + pool_offset;
+    kv.pool_bytes = (uint64_t)pool_bytes;
     kv.num_pages = num_pages;
     kv.page_size = page_size;
     kv.page_indices = PAGE_IDS;

@@ -703,7 +703,7 @@ struct kvs_batch_s {};
   /* kvs_session_bind_kv: the pool and the page indices (int32, host) by address; Python checks them. */
   PyObject* bind_kv(uint32_t layer, unsigned long long pages, int64_t num_pages, int32_t page_size,
                     unsigned long long page_indices, int64_t num_page_indices, int64_t num_tokens,
-                    unsigned long long stream) {
+                    unsigned long long stream, unsigned long long pool_bytes) {
     kvs_paged_kv kv;
     kvs_paged_kv_init(&kv);
     kv.pages = (const void*)(uintptr_t)pages;
@@ -712,6 +712,7 @@ struct kvs_batch_s {};
     kv.page_indices = (const int32_t*)(uintptr_t)page_indices;
     kv.num_page_indices = num_page_indices;
     kv.num_tokens = num_tokens;
+    kv.pool_bytes = pool_bytes;
     kvs_error_t err;
     Py_BEGIN_ALLOW_THREADS
     err = kvs_session_bind_kv($self, layer, &kv, (void*)(uintptr_t)stream);

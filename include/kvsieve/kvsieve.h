@@ -255,6 +255,10 @@ typedef struct kvs_session_params {
    * for contexts larger than GPU memory; the method's index stays on the GPU. The cpu backend
    * takes KVS_DEVICE_CPU only. */
   int32_t kv_memory;
+  /* Fields below were appended after kv_memory. reserved0 keeps them out of the tail padding of
+   * the struct that ended at kv_memory (its sizeof was already a multiple of 8), so struct_size
+   * tells the two apart. Leave it 0. */
+  int32_t reserved0;
   /* Who stores the K/V (kvs_kv_source): KVS_KV_OWNED (0, the default) or KVS_KV_CALLER, the
    * caller's own paged KV cache (kvs_session_bind_kv; cpu and cuda backends). */
   int32_t kv_source;
@@ -334,6 +338,8 @@ typedef struct kvs_paged_kv {
                                   each in [0, num_pages) */
   int64_t num_page_indices;    /* >= ceil(num_tokens / page_size) */
   int64_t num_tokens;          /* tokens of this sequence the cache holds in this layer now */
+  uint64_t pool_bytes;         /* bytes the pool spans from `pages`, or 0 (not known): when given,
+                                  num_pages pages must fit in it (the bindings always give it) */
 } kvs_paged_kv;
 
 /** Fills defaults (struct_size; everything else 0). @threadsafety any */
@@ -352,8 +358,8 @@ KVS_API void kvs_paged_kv_init(kvs_paged_kv* kv);
  *  stream: a cudaStream_t (cuda backend; NULL = default stream) that orders the page-table upload
  *  before the decode calls on the same stream; ignored on the cpu backend.
  *  Errors: KVS_STATUS_INVALID_ARGUMENT (a field, naming it and what was expected),
- *  KVS_STATUS_INVALID_STATE (a session that owns its KV), KVS_STATUS_UNSUPPORTED (the hybrid
- *  backend; a method that needs another page size). On error the previous binding stays.
+ *  KVS_STATUS_INVALID_STATE (a session that owns its KV), KVS_STATUS_UNSUPPORTED (a page size the
+ *  backend or the method does not read). On error the previous binding stays.
  *  @threadsafety exclusive */
 KVS_API kvs_error_t kvs_session_bind_kv(kvs_session_t s, uint32_t layer, const kvs_paged_kv* kv,
                                         void* stream);

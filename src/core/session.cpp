@@ -226,6 +226,13 @@ void Session::bind_kv(uint32_t layer, const kvs_paged_kv* kv, void* stream) {
     invalid(std::string(fn) + ": kv->num_tokens: expected " + std::to_string(have) + ".." +
             std::to_string(kMaxLayerTokens) + " (layer " + L(layer) + " holds " + std::to_string(have) +
             " tokens), got " + std::to_string(kv->num_tokens));
+  const uint64_t page_bytes = uint64_t(2) * cfg_.shape.num_kv_heads * uint64_t(P) * cfg_.shape.head_dim *
+                              dtype_size(cfg_.shape.kv_dtype);
+  if (kv->pool_bytes != 0 && uint64_t(kv->num_pages) > kv->pool_bytes / page_bytes)
+    invalid(std::string(fn) + ": kv->num_pages: " + std::to_string(kv->num_pages) + " pages of " +
+            std::to_string(page_bytes) + " bytes ([2][" + std::to_string(cfg_.shape.num_kv_heads) + "][" +
+            std::to_string(P) + "][" + std::to_string(cfg_.shape.head_dim) + "] " + dtype_name(cfg_.shape.kv_dtype) +
+            ") do not fit in kv->pool_bytes = " + std::to_string(kv->pool_bytes));
   const int64_t need = (kv->num_tokens + P - 1) / P;
   if (kv->num_page_indices < need || kv->num_page_indices > kMaxLayerTokens)
     invalid(std::string(fn) + ": kv->num_page_indices: expected at least " + std::to_string(need) + " (" +
@@ -260,6 +267,7 @@ void Session::bind_kv(uint32_t layer, const kvs_paged_kv* kv, void* stream) {
   last.pool = kv->pages;
   last.num_pages = kv->num_pages;
   last.page_size = P;
+  last.tokens = kv->num_tokens;
   last.ids.resize(ids.size());
   std::copy(ids.begin() + std::ptrdiff_t(same), ids.end(), last.ids.begin() + std::ptrdiff_t(same));
 }
@@ -337,6 +345,15 @@ int64_t rows_of(const kvs_tensor* t, const char* name, int rank, bool optional, 
             std::to_string(t->ndim));
   if (t->dtype.bits % 8 != 0 || t->dtype.bits == 0)
     invalid(std::string(fn) + ": " + name + ": expected a dtype of whole bytes");
+  // Rows are views one row stride apart: it must not be negative, and the rows must not overlap
+  // (each row's own layout is checked by the step).
+  if (t->strides && t->shape[0] > 1) {
+    int64_t span = 1;
+    for (int a = 1; a < rank; ++a) span += (t->shape[a] - 1) * (t->strides[a] < 0 ? -t->strides[a] : t->strides[a]);
+    if (t->strides[0] < span)
+      invalid(std::string(fn) + ": " + name + ": expected rows that do not overlap (strides[0] >= " +
+              std::to_string(span) + "), got strides[0] = " + std::to_string(t->strides[0]));
+  }
   return t->shape[0];
 }
 }  // namespace
@@ -357,6 +374,13 @@ void Session::decode_tokens(uint32_t layer, const kvs_tensor* q, const kvs_tenso
   if (placement_->tokens(layer) > kMaxLayerTokens - n)
     invalid(std::string(fn) + ": q: layer " + L(layer) + " cannot hold " + std::to_string(n) + " more tokens");
   const int64_t n0 = placement_->tokens(layer);
+  if (ext) {
+    const int64_t have = layer < bound_.size() ? bound_[layer].tokens : 0;
+    if (have < n0 + n)
+      fail(KVS_STATUS_INVALID_STATE, std::string(fn) + ": layer " + L(layer) + " needs " + std::to_string(n0 + n) +
+                                         " tokens in the caller's KV cache, its binding has " + std::to_string(have) +
+                                         ": call kvs_session_bind_kv first");
+  }
   for (int64_t i = 0; i < n; ++i) {
     const RowView qi(q, i), oi(o, i);
     std::optional<RowView> ki, vi, li;
@@ -531,8 +555,8 @@ std::unique_ptr<Session> Session::to(int32_t backend, int32_t device_id) const {
   if (device_id < 0) invalid("kvs_session_to: device_id: expected >= 0, got " + std::to_string(device_id));
   if (cfg_.kv_source == KVS_KV_CALLER)
     fail(KVS_STATUS_UNSUPPORTED, "kvs_session_to: the session attends the caller's KV cache (kv_source = "
-                                 "KVS_KV_CALLER), which stays where the caller keeps it; save its tables and load them on the "
-                                 "other backend, then bind that backend's cache");
+                                 "KVS_KV_CALLER), which does not move with it; create a session with kv_source = "
+                                 "KVS_KV_CALLER on the other backend and bind that backend's cache");
   // The KV of every layer goes along (a layer loaded without KV and not prefilled again cannot move).
   const auto image = tables_writer(true, "kvs_session_to")->write_memory();
   auto file = io::TablesFile::open_memory(image, "(session state in memory)");

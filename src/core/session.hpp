@@ -110,6 +110,7 @@ class Session {
     const void* pool = nullptr;
     int64_t num_pages = 0;
     int32_t page_size = 0;
+    int64_t tokens = 0;
     std::vector<int32_t> ids;
   };
   std::vector<Bound> bound_;

@@ -500,7 +500,11 @@ static void test_load_flags_and_finite(void) {
 /* kv_source follows kv_memory; kvs_session_bind_kv's error paths through the C ABI from C99
  * (test_caller_kv.cpp checks what a session over a caller's cache computes). */
 typedef char kvs_kv_source_follows_kv_memory[offsetof(kvs_session_params, kv_source) ==
-                                                     offsetof(kvs_session_params, kv_memory) + 4 ? 1 : -1];
+                                                     offsetof(kvs_session_params, kv_memory) + 8 ? 1 : -1];
+/* kv_source lies past the struct that ended at kv_memory (not in its tail padding), so an older
+ * caller's struct_size leaves it at its default. */
+typedef char kvs_kv_source_past_the_old_struct[offsetof(kvs_session_params, kv_source) >=
+                                                       ((offsetof(kvs_session_params, kv_memory) + 4 + 7) / 8) * 8 ? 1 : -1];
 static void test_bind_kv(void) {
   static float pool[2 * 2 * HKV * 256 * D];
   int32_t ids[1] = {1};
@@ -524,6 +528,9 @@ static void test_bind_kv(void) {
   ids[0] = 2;
   EXPECT(kvs_session_bind_kv(s, 0, &kv, NULL), KVS_STATUS_INVALID_ARGUMENT, "kv->page_indices[0]");
   ids[0] = 1;
+  kv.pool_bytes = sizeof pool / 2; /* one page of the two */
+  EXPECT(kvs_session_bind_kv(s, 0, &kv, NULL), KVS_STATUS_INVALID_ARGUMENT, "kv->pool_bytes");
+  kv.pool_bytes = sizeof pool;
   OK(kvs_session_bind_kv(s, 0, &kv, NULL));
   kvs_session_destroy(s);
   kvs_session_destroy(owned);

@@ -1161,6 +1161,10 @@ def test_caller_kv_decodes_as_an_owned_session(method, rng):
                     np.testing.assert_array_equal(own.last_selection(layer, h), cal.last_selection(layer, h))
         assert cal.stats.kv_bytes == 0 and own.stats.kv_bytes > 0
         assert cal.layer_tokens(0) == n + steps
+        with cal.fork() as f:  # a fork binds like its parent (the same kv_dtype, the same pools)
+            for layer in range(L):
+                f.bind_kv(layer, pool, tables[layer], n + steps)
+            assert f.layer_tokens(0) == n + steps
 
 
 def test_caller_kv_errors(rng):
@@ -1223,8 +1227,11 @@ def test_caller_kv_on_cuda_matches_an_owned_session():
             torch.cuda.synchronize()
             assert torch.equal(o1, o2) and torch.equal(l1, l2)
         assert cal.stats.kv_bytes == 0
-        with pytest.raises(ValueError, match="expected memory of CUDA device"):
+        with pytest.raises(ValueError, match="pages: expected a tensor in cuda memory of device 0"):
             cal.bind_kv(0, pool.cpu(), table, n + 4)
+    with make("full", kv_source="caller") as c:  # a cpu session refuses a CUDA pool
+        with pytest.raises(ValueError, match="pages: expected a tensor in cpu memory"):
+            c.bind_kv(0, torch.zeros(2, 2, HKV, 256, D, device="cuda"), [0], 1)
 
 
 def test_caller_kv_decode_batch_with_none(rng):

@@ -452,6 +452,32 @@ TEST_CASE("decode_tokens: shape errors change nothing; a bad row after the first
     CHECK(e.msg().find(c.needle) != std::string::npos);
     CHECK(layer_tokens(X.s, 0) == 300);
   }
+  {  // output rows that overlap (a zero row stride)
+    T oz(o.data(), f32(), {4, D.hq, D.d}, true);
+    oz.strides[0] = 0;
+    Err e{kvs_session_decode_tokens(X.s, 0, &q.t, &k.t, &v.t, &oz.t, nullptr, nullptr)};
+    CHECK(e.code() == KVS_STATUS_INVALID_ARGUMENT);
+    CHECK(e.msg().find("o: expected rows that do not overlap") != std::string::npos);
+    CHECK(layer_tokens(X.s, 0) == 300);
+  }
+  {  // a caller's session whose binding holds one of the four rows: refused before the first
+    auto pc = params(D, "quest", KVS_KV_CALLER);
+    Sess C;
+    OK(kvs_session_create(&pc, &C.s));
+    EngineCache E(D.hkv, D.d, 4);
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      E.write(l, D, 0, 300);
+      E.bind(C.s, l);
+      OK(kvs_session_prefill(C.s, l, &q0.t, nullptr, nullptr, nullptr, nullptr));
+    }
+    OK(kvs_session_build_index(C.s, nullptr));
+    E.write(0, D, 300, 301);
+    E.bind(C.s, 0);
+    Err e{kvs_session_decode_tokens(C.s, 0, &q.t, nullptr, nullptr, &o4.t, nullptr, nullptr)};
+    CHECK(e.code() == KVS_STATUS_INVALID_STATE);
+    CHECK(e.msg().find("needs 304 tokens in the caller's KV cache, its binding has 301") != std::string::npos);
+    CHECK(layer_tokens(C.s, 0) == 300);
+  }
   std::vector<float> bad(D.q.begin() + 300 * D.hq * D.d, D.q.begin() + 304 * D.hq * D.d);
   bad[size_t(2) * D.hq * D.d + 5] = NAN;  // row 2 of q
   T qb(bad.data(), f32(), {4, D.hq, D.d});

@@ -487,7 +487,13 @@ class Session:
             raise InvalidArgumentError(STATUS_INVALID_ARGUMENT,
                                        f"pages: expected a tensor [num_pages, 2, {self.num_kv_heads}, page_size, "
                                        f"{self.head_dim}], got shape {list(shape)}")
-        ptr, dtype_ok = _buffer_address(pages, self._kv_dtype)
+        ptr, nbytes, where, dtype_ok = _buffer_address(pages, self._kv_dtype)
+        want = "cuda" if self.backend == "cuda" else "cpu"
+        if where[0] != want or (want == "cuda" and where[1] != self.device_id):
+            raise InvalidArgumentError(STATUS_INVALID_ARGUMENT,
+                                       f"pages: expected a tensor in {want} memory"
+                                       f"{f' of device {self.device_id}' if want == 'cuda' else ''} (the session's "
+                                       f"backend), got {where[0]}" + (f":{where[1]}" if where[0] == "cuda" else ""))
         if not dtype_ok:
             raise InvalidArgumentError(STATUS_INVALID_ARGUMENT, f"pages: expected the session's kv_dtype "
                                        f"({_KV_DTYPE_NAMES.get(self._kv_dtype, '?')}), got {pages.dtype}")
@@ -505,7 +511,7 @@ class Session:
                                        f"page_indices: expected one dimension, got {idx.ndim}")
         with self._lock:
             self._handle().bind_kv(int(layer), ptr, shape[0], shape[3], int(idx.ctypes.data), int(idx.size),
-                                   int(num_tokens), _stream_ptr(stream))
+                                   int(num_tokens), _stream_ptr(stream), nbytes)
             self._bound[int(layer)] = pages
 
     def truncate(self, num_tokens: int) -> None:
@@ -532,6 +538,8 @@ class Session:
         s = Session(0, 0, 0, 0, _handle=self._handle().fork())
         s._set_shape(self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim, self.method,
                      _BACKENDS.get(self.backend, 1), self.device_id)
+        s._kv_dtype = self._kv_dtype
+        s._bound = dict(self._bound)  # a fork reads the same pools until bound anew
         return s
 
     def to(self, backend: str, device_id: int = 0) -> "Session":
@@ -541,6 +549,7 @@ class Session:
         s = Session(0, 0, 0, 0, _handle=self._handle().to(code, int(device_id)))
         s._set_shape(self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim, self.method,
                      code, int(device_id))
+        s._kv_dtype = self._kv_dtype
         return s
 
     # -- inspection
@@ -569,20 +578,25 @@ _KV_DTYPE_NAMES = {_native.KVS_SCALAR_F32: "float32", _native.KVS_SCALAR_F16: "f
 
 
 def _buffer_address(t, kv_dtype):
-    """The address of a contiguous torch tensor or NumPy array, and whether its dtype stores
-    kv_dtype (bfloat16 may come as uint16 or int16 bits from NumPy)."""
+    """The address and byte size of a contiguous torch tensor or NumPy array, where it lives
+    (("cpu" or "cuda", device index)), and whether its dtype stores kv_dtype (bfloat16 may come as
+    uint16 or int16 bits from NumPy)."""
+    if kv_dtype is None:
+        raise InvalidStateError(STATUS_INVALID_STATE, "Session.bind_kv: this session's kv_dtype is not known "
+                                                      "(a loaded session stores its own KV)")
     if hasattr(t, "data_ptr") and hasattr(t, "is_contiguous"):  # torch
         if not t.is_contiguous():
             raise InvalidArgumentError(STATUS_INVALID_ARGUMENT, "pages: expected a contiguous tensor")
         name = str(t.dtype).replace("torch.", "")
-        return int(t.data_ptr()), _KV_DTYPES.get(name) == kv_dtype
+        where = (t.device.type, t.device.index or 0)
+        return int(t.data_ptr()), int(t.numel() * t.element_size()), where, _KV_DTYPES.get(name) == kv_dtype
     a = _np.asarray(t)
     if not a.flags["C_CONTIGUOUS"]:
         raise InvalidArgumentError(STATUS_INVALID_ARGUMENT, "pages: expected a contiguous array")
     name = a.dtype.name
     ok = _KV_DTYPES.get(name) == kv_dtype or (kv_dtype == _native.KVS_SCALAR_BF16 and name in ("uint16", "int16",
                                                                                                 "bfloat16"))
-    return int(a.ctypes.data), ok
+    return int(a.ctypes.data), int(a.nbytes), ("cpu", 0), ok
 
 
 def _shape(x):

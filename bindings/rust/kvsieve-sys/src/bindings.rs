@@ -562,13 +562,14 @@ pub struct kvs_session_params {
     pub lse_base: i32,
     pub max_rollback: i64,
     pub kv_memory: i32,
+    pub reserved0: i32,
     pub kv_source: i32,
 }
 #[test]
 fn bindgen_test_layout_kvs_session_params() {
     assert_eq!(
         ::std::mem::size_of::<kvs_session_params>(),
-        104usize,
+        112usize,
         concat!("Size of: ", stringify!(kvs_session_params))
     );
     assert_eq!(
@@ -882,6 +883,23 @@ fn bindgen_test_layout_kvs_session_params() {
         );
     }
     test_field_kv_memory();
+    fn test_field_reserved0() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvs_session_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).reserved0) as usize - ptr as usize
+            },
+            100usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvs_session_params),
+                "::",
+                stringify!(reserved0)
+            )
+        );
+    }
+    test_field_reserved0();
     fn test_field_kv_source() {
         assert_eq!(
             unsafe {
@@ -889,7 +907,7 @@ fn bindgen_test_layout_kvs_session_params() {
                 let ptr = uninit.as_ptr();
                 ::std::ptr::addr_of!((*ptr).kv_source) as usize - ptr as usize
             },
-            100usize,
+            104usize,
             concat!(
                 "Offset of field: ",
                 stringify!(kvs_session_params),
@@ -1016,12 +1034,13 @@ pub struct kvs_paged_kv {
     pub page_indices: *const i32,
     pub num_page_indices: i64,
     pub num_tokens: i64,
+    pub pool_bytes: u64,
 }
 #[test]
 fn bindgen_test_layout_kvs_paged_kv() {
     assert_eq!(
         ::std::mem::size_of::<kvs_paged_kv>(),
-        56usize,
+        64usize,
         concat!("Size of: ", stringify!(kvs_paged_kv))
     );
     assert_eq!(
@@ -1148,6 +1167,23 @@ fn bindgen_test_layout_kvs_paged_kv() {
         );
     }
     test_field_num_tokens();
+    fn test_field_pool_bytes() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvs_paged_kv>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).pool_bytes) as usize - ptr as usize
+            },
+            56usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvs_paged_kv),
+                "::",
+                stringify!(pool_bytes)
+            )
+        );
+    }
+    test_field_pool_bytes();
 }
 extern "C" {
     #[doc = " Fills defaults (struct_size; everything else 0). @threadsafety any"]
@@ -1167,8 +1203,8 @@ extern "C" {
     #[doc = "  stream: a cudaStream_t (cuda backend; NULL = default stream) that orders the page-table upload"]
     #[doc = "  before the decode calls on the same stream; ignored on the cpu backend."]
     #[doc = "  Errors: KVS_STATUS_INVALID_ARGUMENT (a field, naming it and what was expected),"]
-    #[doc = "  KVS_STATUS_INVALID_STATE (a session that owns its KV), KVS_STATUS_UNSUPPORTED (the hybrid"]
-    #[doc = "  backend; a method that needs another page size). On error the previous binding stays."]
+    #[doc = "  KVS_STATUS_INVALID_STATE (a session that owns its KV), KVS_STATUS_UNSUPPORTED (a page size the"]
+    #[doc = "  backend or the method does not read). On error the previous binding stays."]
     #[doc = "  @threadsafety exclusive"]
     pub fn kvs_session_bind_kv(
         s: kvs_session_t,

@@ -211,6 +211,10 @@ class KvsieveTest {
       }
       KvsException e = assertThrows(KvsException.class, () -> cal.bindKv(0, pool, pages, P, new int[] {5}, N + 2));
       assertTrue(e.getMessage().contains("page_indices[0]"), e.getMessage());
+      // More pages than the buffer holds: refused before the library reads past it.
+      e = assertThrows(KvsException.class, () -> cal.bindKv(0, pool, pages + 1, P, table, N + 2));
+      assertTrue(e.getMessage().contains("pool_bytes"), e.getMessage());
+      assertThrows(IllegalArgumentException.class, () -> cal.bindKv(0, FloatBuffer.allocate(8), 1, P, table, N + 2));
     }
   }
 
