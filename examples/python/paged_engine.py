@@ -17,8 +17,8 @@ it shows what kvsieve holds (its index; no KV).
 With ``--draft N`` each step also verifies N speculative tokens in one ``Session.decode_tokens``
 call per layer (row j attends the context and the rows before it) and rejects the last one: the
 engine rolls its page table back and ``Session.truncate`` rolls kvsieve back with it (every method
-on the cpu backend; on the cuda backend full, exact_topk, streaming, quest and retroinfer, not
-csattention).
+on the cpu backend; on the cuda backend full, exact_topk, streaming and quest: csattention does not
+roll back there, and retroinfer reads pages of 256 tokens, not this example's 16).
 
     python examples/python/paged_engine.py                       # cpu, pages of 256 tokens
     python examples/python/paged_engine.py --device cuda         # GPU, pages of 16 tokens
