@@ -27,6 +27,9 @@ constexpr int64_t kMaxLayerTokens = (int64_t(1) << 31) - 1;
 constexpr uint32_t kMaxLayers = 4096, kMaxKvHeads = 1024, kMaxQHeads = 8192, kMinHeadDim = 8, kMaxHeadDim = 256,
                    kMaxThreads = 1024;
 constexpr int64_t kMaxRollback = int64_t(1) << 20;
+// The rows of a [n, ...] tensor of a prefill or append chunk (0 when q is not one: the placement
+// names what is wrong with it).
+int64_t rows(const kvs_tensor* q) { return q && q->ndim >= 1 && q->shape && q->shape[0] > 0 ? q->shape[0] : 0; }
 // kvs_session_params.kv_memory and kvs_load_params.kv_memory: a kvs_device_type or 0.
 void check_kv_memory(int32_t m, const char* what) {
   if (m != 0 && m != KVS_DEVICE_CPU && m != KVS_DEVICE_CUDA && m != KVS_DEVICE_CUDA_HOST)
@@ -171,6 +174,7 @@ void Session::prefill(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, 
   if (expected_len_[layer] < 0 && built_[layer])
     fail(KVS_STATUS_INVALID_STATE, "kvs_session_prefill: layer " + L(layer) + " is already indexed (" +
                                        std::to_string(placement_->tokens(layer)) + " tokens); use kvs_session_append for more");
+  check_caller_kv(layer, placement_->tokens(layer) + rows(q), k, v, "kvs_session_prefill", "k", "v");
   // After a tables-only load the chunks must add up to exactly the saved length.
   placement_->add_tokens(layer, q, k, v, o, "kvs_session_prefill", /*prompt=*/true,
                          expected_len_[layer] >= 0 ? expected_len_[layer] : kMaxLayerTokens, stream);
@@ -196,6 +200,7 @@ void Session::build_index(void* stream) {
 void Session::append(uint32_t layer, const kvs_tensor* q, const kvs_tensor* k, const kvs_tensor* v,
                      const kvs_tensor* o, void* stream) {
   check_decodable(layer, "kvs_session_append");
+  check_caller_kv(layer, placement_->tokens(layer) + rows(q), k, v, "kvs_session_append", "k", "v");
   placement_->add_tokens(layer, q, k, v, o, "kvs_session_append", /*prompt=*/false, kMaxLayerTokens, stream);
 }
 
@@ -270,6 +275,21 @@ void Session::bind_kv(uint32_t layer, const kvs_paged_kv* kv, void* stream) {
   last.tokens = kv->num_tokens;
   last.ids.resize(ids.size());
   std::copy(ids.begin() + std::ptrdiff_t(same), ids.end(), last.ids.begin() + std::ptrdiff_t(same));
+}
+
+// kv_source = KVS_KV_CALLER, before a call that counts the layer's tokens up to `tokens`: no K/V
+// tensors (the tokens are in the caller's cache), and the binding holds them. Owned sessions: nothing.
+void Session::check_caller_kv(uint32_t layer, int64_t tokens, const kvs_tensor* k, const kvs_tensor* v,
+                              const std::string& fn, const char* kn, const char* vn) const {
+  if (cfg_.kv_source != KVS_KV_CALLER) return;
+  if (k || v)
+    invalid(fn + ": " + (k ? kn : vn) + ": expected NULL: the session attends the caller's KV cache "
+            "(kv_source = KVS_KV_CALLER); write the tokens there and call kvs_session_bind_kv");
+  const int64_t have = layer < bound_.size() ? bound_[layer].tokens : 0;
+  if (have < tokens)
+    fail(KVS_STATUS_INVALID_STATE, fn + ": layer " + L(layer) + " needs " + std::to_string(tokens) +
+                                       " tokens in the caller's KV cache, its binding has " + std::to_string(have) +
+                                       ": call kvs_session_bind_kv first");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -374,13 +394,7 @@ void Session::decode_tokens(uint32_t layer, const kvs_tensor* q, const kvs_tenso
   if (placement_->tokens(layer) > kMaxLayerTokens - n)
     invalid(std::string(fn) + ": q: layer " + L(layer) + " cannot hold " + std::to_string(n) + " more tokens");
   const int64_t n0 = placement_->tokens(layer);
-  if (ext) {
-    const int64_t have = layer < bound_.size() ? bound_[layer].tokens : 0;
-    if (have < n0 + n)
-      fail(KVS_STATUS_INVALID_STATE, std::string(fn) + ": layer " + L(layer) + " needs " + std::to_string(n0 + n) +
-                                         " tokens in the caller's KV cache, its binding has " + std::to_string(have) +
-                                         ": call kvs_session_bind_kv first");
-  }
+  check_caller_kv(layer, n0 + n, k, v, fn, "k_new", "v_new");
   for (int64_t i = 0; i < n; ++i) {
     const RowView qi(q, i), oi(o, i);
     std::optional<RowView> ki, vi, li;
@@ -450,6 +464,10 @@ void Session::add_steps(const Settled& s) const {
 }
 
 void Session::run_step(Session* const* sessions, size_t count, uint32_t layer, const StepTensors& t) {
+  for (size_t b = 0; b < count; ++b)  // (the sessions of a batch share kv_source: check_compatible)
+    sessions[b]->check_caller_kv(layer, sessions[b]->placement_->tokens(layer) + 1, t.k_new, t.v_new,
+                                 count > 1 ? std::string(t.fn) + ": sessions[" + std::to_string(b) + "]" : t.fn,
+                                 "k_new", "v_new");
   std::vector<Placement*> ps(count);
   for (size_t b = 0; b < count; ++b) ps[b] = sessions[b]->placement_.get();
   std::vector<StepReport> reports(count);

@@ -95,6 +95,8 @@ class Session {
   Session(const SessionConfig& cfg, std::shared_ptr<ThreadPool> pool, std::unique_ptr<Placement> placement);
   void check_layer(uint32_t layer, const char* fn) const;
   void check_decodable(uint32_t layer, const char* fn) const;
+  void check_caller_kv(uint32_t layer, int64_t tokens, const kvs_tensor* k, const kvs_tensor* v, const std::string& fn,
+                       const char* kn, const char* vn) const;
   void note_step(const StepReport& r);
   void settle_steps() const;  // the placement's settled steps into the statistics
   void add_steps(const Settled& s) const;

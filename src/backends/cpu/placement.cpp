@@ -112,10 +112,8 @@ class CpuPlacement final : public Placement, public HostPart {
     const int64_t hq = s.num_q_heads, hkv = s.num_kv_heads, d = s.head_dim;
     View qv = check_tensor(q, "q", {-1, hq, d}, Where::Host);
     const int64_t n = qv.shape[0];
-    View kv, vv;
-    if (caller()) {
-      no_kv_tensors(k, v, fn, "k", "v");
-    } else {
+    View kv, vv;  // (a caller's cache: none; the session checked its binding holds the tokens)
+    if (!caller()) {
       kv = check_tensor(k, "k", {n, hkv, d}, Where::Host);
       vv = check_tensor(v, "v", {n, hkv, d}, Where::Host);
     }
@@ -127,7 +125,6 @@ class CpuPlacement final : public Placement, public HostPart {
     if (n > max_tokens - n0)
       invalid(std::string(fn) + ": q: layer " + L(layer) + " may hold at most " + std::to_string(max_tokens) +
               " tokens here (it has " + std::to_string(n0) + "), got " + std::to_string(n) + " more");
-    if (caller()) check_bound(layer, n0 + n, fn);
     std::vector<float> qf(static_cast<size_t>(qv.numel())), kf(size_t(caller() ? 0 : kv.numel())),
         vf(size_t(caller() ? 0 : vv.numel()));
     read_f32(qv, qf.data());
@@ -182,23 +179,10 @@ class CpuPlacement final : public Placement, public HostPart {
     // Tokens the layer counts must read the same bytes as before (a page renumbered is fine).
     layers_[layer].adopt(std::vector<std::shared_ptr<Page>>(pages.begin(), pages.begin() + (n + kPageTokens - 1) / kPageTokens), n);
     b.pages = std::move(pages);
-    b.tokens = kv.tokens;
   }
 
   bool caller() const { return cfg_.kv_source == KVS_KV_CALLER; }
-  static void no_kv_tensors(const kvs_tensor* k, const kvs_tensor* v, const char* fn, const char* kn, const char* vn) {
-    if (k || v)
-      invalid(std::string(fn) + ": " + (k ? kn : vn) + ": expected NULL: the session attends the caller's KV cache "
-              "(kv_source = KVS_KV_CALLER); write the tokens there and call kvs_session_bind_kv");
-  }
-  // The layer's binding covers `tokens` tokens.
-  void check_bound(uint32_t layer, int64_t tokens, const std::string& fn) const {
-    if (bound_[layer].tokens < tokens)
-      fail(KVS_STATUS_INVALID_STATE, fn + ": layer " + L(layer) + " needs " + std::to_string(tokens) +
-                                         " tokens in the caller's KV cache, its binding has " +
-                                         std::to_string(bound_[layer].tokens) + ": call kvs_session_bind_kv first");
-  }
-  // The layer counts its first n bound tokens (n <= the binding's, checked by check_bound).
+  // The layer counts its first n bound tokens (n <= the binding's: Session::check_caller_kv).
   void count_bound(uint32_t layer, int64_t n) {
     const auto& b = bound_[layer].pages;
     layers_[layer].adopt(std::vector<std::shared_ptr<Page>>(b.begin(), b.begin() + (n + kPageTokens - 1) / kPageTokens), n);
@@ -220,9 +204,8 @@ class CpuPlacement final : public Placement, public HostPart {
     const int64_t B = int64_t(batch.size()), hq = s.num_q_heads, hkv = s.num_kv_heads, d = s.head_dim;
     View qv, kv, vv, ov, lv;
     // kv_source = KVS_KV_CALLER: the new tokens are in the caller's cache (every session of a batch
-    // has the same kv_source: Session::check_compatible).
+    // has the same kv_source; the session checked the bindings hold them).
     const bool ext = caller();
-    if (ext) no_kv_tensors(t.k_new, t.v_new, t.fn, "k_new", "v_new");
     if (t.single) {
       qv = check_tensor(t.q, "q", {hq, d}, Where::Host);
       if (!ext) kv = check_tensor(t.k_new, "k_new", {hkv, d}, Where::Host);
@@ -243,9 +226,6 @@ class CpuPlacement final : public Placement, public HostPart {
       if (ps[size_t(b)]->layers_[layer].size() >= kMaxLayerTokens)
         invalid(std::string(t.fn) + ": layer " + L(layer) + " of sessions[" + std::to_string(b) + "] is full (" +
                 std::to_string(kMaxLayerTokens) + " tokens)");
-      if (ext)
-        ps[size_t(b)]->check_bound(layer, ps[size_t(b)]->layers_[layer].size() + 1,
-                                   B > 1 ? (std::string(t.fn) + ": sessions[" + std::to_string(b) + "]").c_str() : t.fn);
     }
     const size_t kvn = ext ? 0 : size_t(B * hkv * d);
     std::vector<float> qf(static_cast<size_t>(B * hq * d)), kf(kvn), vf(kvn);
@@ -692,9 +672,8 @@ class CpuPlacement final : public Placement, public HostPart {
   // update (on_append), its selection (select) and the exact attention with the merge.
   double phase_seconds_[3] = {0, 0, 0};
   History history_;
-  struct Bound {  // kv_source = KVS_KV_CALLER: the layer's last binding
+  struct Bound {  // kv_source = KVS_KV_CALLER: the pages of the layer's last binding
     std::vector<std::shared_ptr<Page>> pages;
-    int64_t tokens = 0;
   };
   std::vector<Bound> bound_;
 };

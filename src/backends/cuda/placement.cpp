@@ -104,9 +104,8 @@ struct DevLayer {
   // as placed last: pages [0, hot_head) and [hot_tail, ...); new pages start on the device while
   // hot_tail is set.
   int64_t hot_head = 0, hot_tail = INT64_MAX;
-  // kv_source = KVS_KV_CALLER: tokens of the caller's cache as last bound (pages: all of its pages,
-  // wrapped; n counts the first of them the method has seen).
-  int64_t bound = 0;
+  // (kv_source = KVS_KV_CALLER: pages are all of the last binding's, wrapped; n counts the first
+  // of them the method has seen.)
 };
 
 }  // namespace
@@ -190,10 +189,8 @@ class CudaPlacement final : public Placement {
     DeviceGuard g(device_);
     View qv = cuda_view(q, "q", {-1, sh.num_q_heads, sh.head_dim}, device_, {DType::F32, sh.kv_dtype});
     const int64_t n = qv.shape[0];
-    View kv, vv;
-    if (caller_) {
-      no_kv_tensors(k, v, fn, "k", "v");
-    } else {
+    View kv, vv;  // (a caller's cache: none; the session checked its binding holds the tokens)
+    if (!caller_) {
       kv = cuda_view(k, "k", {n, sh.num_kv_heads, sh.head_dim}, device_, {sh.kv_dtype});
       vv = cuda_view(v, "v", {n, sh.num_kv_heads, sh.head_dim}, device_, {sh.kv_dtype});
     }
@@ -206,7 +203,6 @@ class CudaPlacement final : public Placement {
     if (n > max_tokens - n0)
       invalid(std::string(fn) + ": q: layer " + L(layer) + " may hold at most " + std::to_string(max_tokens) +
               " tokens here (it has " + std::to_string(n0) + "), got " + std::to_string(n) + " more");
-    if (caller_) check_bound(lay, layer, n0 + n, fn);
     const size_t pages0 = lay.pages.size();
     try {
       reserve(layer, n0 + n, stream);
@@ -287,7 +283,6 @@ class CudaPlacement final : public Placement {
     }
     lay.pages.resize(keep);
     for (auto& p : fresh) lay.pages.push_back(std::move(p));
-    lay.bound = kv.tokens;
     if (grown) {  // (the old table may still be read by queued steps: DevBuf's free waits for the device)
       lay.table = std::move(grown);
       lay.table_cap = grown_cap;
@@ -302,17 +297,6 @@ class CudaPlacement final : public Placement {
             "cudaMemcpyAsync(page table)");
       arg_done(stream);
     }
-  }
-  static void no_kv_tensors(const kvs_tensor* k, const kvs_tensor* v, const char* fn, const char* kn, const char* vn) {
-    if (k || v)
-      invalid(std::string(fn) + ": " + (k ? kn : vn) + ": expected NULL: the session attends the caller's KV cache "
-              "(kv_source = KVS_KV_CALLER); write the tokens there and call kvs_session_bind_kv");
-  }
-  void check_bound(const DevLayer& lay, uint32_t layer, int64_t tokens, const std::string& fn) const {
-    if (lay.bound < tokens)
-      fail(KVS_STATUS_INVALID_STATE, fn + ": layer " + L(layer) + " needs " + std::to_string(tokens) +
-                                         " tokens in the caller's KV cache, its binding has " + std::to_string(lay.bound) +
-                                         ": call kvs_session_bind_kv first");
   }
 
   void build_index(uint32_t layer, void* stream) override {
@@ -335,7 +319,6 @@ class CudaPlacement final : public Placement {
     const auto& sh = cfg_.shape;
     const int64_t B = int64_t(batch.size()), hq = sh.num_q_heads, hkv = sh.num_kv_heads, d = sh.head_dim;
     DeviceGuard g(device_);
-    if (caller_) no_kv_tensors(t.k_new, t.v_new, t.fn, "k_new", "v_new");
     const auto [qv, kv, vv, ov, lv] = cudautil::cuda_step_views(t, B, sh, device_, !caller_);
     // One lse base per launch: the batch's sessions must agree (checked before anything changes).
     for (int64_t b = 1; b < B; ++b)
@@ -354,12 +337,9 @@ class CudaPlacement final : public Placement {
       if (lay.n >= kMaxLayerTokens)
         invalid(std::string(t.fn) + ": layer " + L(layer) + " of sessions[" + std::to_string(b) + "] is full (" +
                 std::to_string(kMaxLayerTokens) + " tokens)");
-      if (caller_) {
-        c->check_bound(lay, layer, lay.n + 1, B > 1 ? std::string(t.fn) + ": sessions[" + std::to_string(b) + "]" : t.fn);
-        if (c->page_tokens_ != page_tokens_)
-          invalid(std::string(t.fn) + ": sessions[" + std::to_string(b) + "]: its KV pages hold " +
-                  std::to_string(c->page_tokens_) + " tokens, sessions[0]'s " + std::to_string(page_tokens_));
-      }
+      if (caller_ && c->page_tokens_ != page_tokens_)  // (the session checked the bindings hold the token)
+        invalid(std::string(t.fn) + ": sessions[" + std::to_string(b) + "]: its KV pages hold " +
+                std::to_string(c->page_tokens_) + " tokens, sessions[0]'s " + std::to_string(page_tokens_));
       lens[size_t(b)] = lay.n + 1;
       budget[size_t(b)] = c->cfg_.budget.keys(lay.n + 1, spec_.default_budget);
       max_len = std::max(max_len, lay.n + 1);
@@ -715,7 +695,6 @@ class CudaPlacement final : public Placement {
       auto& dst = p->layers_[l];
       dst.pages = layers_[l].pages;  // shared; the last page is copied before it is written
       dst.n = layers_[l].n;
-      dst.bound = layers_[l].bound;  // (the caller's cache: the fork reads it until bound anew)
       if (!dst.pages.empty()) p->upload_table(dst, 0, nullptr);
     }
     p->page_tokens_ = page_tokens_;
