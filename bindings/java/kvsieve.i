@@ -151,6 +151,7 @@ static const kvs_tensor* kvsj_t(kvsj_tensor* t) { return t ? &t->t : NULL; }
 %javamethodmodifiers kvsj_tensor::kvsj_tensor "protected";
 %javamethodmodifiers kvs_batch_s::kvs_batch_s "protected";
 %javamethodmodifiers kvs_session_s::bindKvBuffer "private";
+%javamethodmodifiers kvs_session_s::bindKvPools "private";
 %javamethodmodifiers kvs_batch_s::planNative "private";
 %javamethodmodifiers kvs_batch_s::decodeNative "private";
 %javamethodmodifiers kvs_batch_s::sizeNative "private";
@@ -260,6 +261,19 @@ typedef struct kvs_session_stats {
     bindKvBuffer(layer, pool, (long) pool.position() * elem, (long) pool.remaining() * elem, numPages, pageSize,
                  pageIndices, numTokens);
     boundPools.put(layer, pool);
+  }
+
+  /** Sessions built with kvFromCaller(true), Backend.CUDA: layer `layer`'s K/V are in the caller's
+   *  page pools in GPU memory, by device address: K and V in one pool at kPages (vPages 0), pages
+   *  [numPages][2][numKvHeads][pageSize][headDim] (HND) or [numPages][2][pageSize][numKvHeads][headDim]
+   *  (NHD), as FlashInfer's paged KV cache; or two pools of one shape, K at kPages and V at vPages,
+   *  pages [numPages][numKvHeads][pageSize][headDim] (HND) or [numPages][pageSize][numKvHeads][headDim]
+   *  (NHD), as vLLM's FlashAttention backend keeps them. The layout is the same in every binding of
+   *  a session (kvs_session_bind_kv). */
+  public void bindKv(long layer, long kPages, long vPages, long numPages, int pageSize, KvLayout layout,
+                     int[] pageIndices, long numTokens, long stream) {
+    if (layout == null) throw new NullPointerException("layout: expected KvLayout.HND or KvLayout.NHD");
+    bindKvPools(layer, kPages, vPages, numPages, pageSize, layout.value, pageIndices, numTokens, stream);
   }
 
   /** A copy of this session's state (KV, index, layer states, statistics) on another backend and
@@ -407,6 +421,22 @@ typedef struct kvs_session_stats {
     kvs_paged_kv kv;
     kvs_paged_kv_init(&kv);
     kv.pages = (const void*)(intptr_t)pages;
+    kv.num_pages = num_pages;
+    kv.page_size = page_size;
+    kv.page_indices = PAGE_IDS;
+    kv.num_page_indices = COUNT;
+    kv.num_tokens = num_tokens;
+    kvsj_check(kvs_session_bind_kv($self, layer, &kv, (void*)(intptr_t)stream));
+  }
+  /* The general form (the cuda backend): K and V in one pool (vPages 0) or two, in either layout
+     (kvs_kv_layout: 0 HND, 1 NHD); Session.bindKv(long, long, long, long, int, KvLayout, ...) wraps it. */
+  void bindKvPools(uint32_t layer, int64_t pages, int64_t v_pages, int64_t num_pages, int32_t page_size,
+                   int32_t layout, const int32_t* PAGE_IDS, int64_t COUNT, int64_t num_tokens, int64_t stream) {
+    kvs_paged_kv kv;
+    kvs_paged_kv_init(&kv);
+    kv.pages = (const void*)(intptr_t)pages;
+    kv.v_pages = (const void*)(intptr_t)v_pages;
+    kv.layout = layout;
     kv.num_pages = num_pages;
     kv.page_size = page_size;
     kv.page_indices = PAGE_IDS;

@@ -700,12 +700,16 @@ struct kvs_batch_s {};
     if (!ok || kvsb_raise(err)) return NULL;
     Py_RETURN_NONE;
   }
-  /* kvs_session_bind_kv: the pool and the page indices (int32, host) by address; Python checks them. */
+  /* kvs_session_bind_kv: the pool(s) and the page indices (int32, host) by address; Python checks them. */
   PyObject* bind_kv(uint32_t layer, unsigned long long pages, int64_t num_pages, int32_t page_size,
                     unsigned long long page_indices, int64_t num_page_indices, int64_t num_tokens,
-                    unsigned long long stream, unsigned long long pool_bytes) {
+                    unsigned long long stream, unsigned long long pool_bytes, int32_t layout,
+                    unsigned long long v_pages, unsigned long long v_pool_bytes) {
     kvs_paged_kv kv;
     kvs_paged_kv_init(&kv);
+    kv.layout = layout;
+    kv.v_pages = (const void*)(uintptr_t)v_pages;
+    kv.v_pool_bytes = v_pool_bytes;
     kv.pages = (const void*)(uintptr_t)pages;
     kv.num_pages = num_pages;
     kv.page_size = page_size;

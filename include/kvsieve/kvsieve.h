@@ -319,18 +319,33 @@ KVS_API kvs_error_t kvs_session_append(kvs_session_t s, uint32_t layer, const kv
 
 /* ---- A KV cache the caller owns (engine integration) ------------------------------------------ */
 
-/** One layer's KV cache as an inference engine keeps it: a pool of pages in FlashInfer's paged
- *  layout "HND" with K and V in one tensor,
- *    pages: [num_pages][2][num_kv_heads][page_size][head_dim] in the session's kv_dtype
- *  (page p holds the keys of page_size consecutive tokens, head by head, then their values), and
- *  the pages of this sequence in token order: token t is slot t % page_size of pool page
- *  page_indices[t / page_size]. The same layout as vLLM's FlashInfer backend with its HND cache
- *  layout and FlashInfer's paged_kv_cache of shape (max_num_pages, 2, num_kv_heads, page_size,
- *  head_dim). */
+/** How a page of a caller's KV cache orders its tokens and heads (kvs_paged_kv.layout), in
+ *  FlashInfer's terms: "HND", [num_kv_heads][page_size][head_dim], or "NHD",
+ *  [page_size][num_kv_heads][head_dim]. */
+typedef enum kvs_kv_layout {
+  KVS_KV_LAYOUT_HND = 0, /* head-major (the default) */
+  KVS_KV_LAYOUT_NHD = 1  /* token-major: vLLM's default, FlashInfer's default */
+} kvs_kv_layout;
+
+/** One layer's KV cache as an inference engine keeps it: a pool of pages and the pages of this
+ *  sequence in token order (token t is slot t % page_size of pool page
+ *  page_indices[t / page_size]). A page holds page_size consecutive tokens of every KV head, in
+ *  the session's kv_dtype, laid out as `layout` says:
+ *    K and V in one tensor (v_pages NULL), pages:
+ *      HND: [num_pages][2][num_kv_heads][page_size][head_dim]  (keys of the page, then its values)
+ *      NHD: [num_pages][2][page_size][num_kv_heads][head_dim]
+ *    (FlashInfer's paged_kv_cache with kv_layout "HND" or "NHD", vLLM's FlashInfer backend);
+ *    K and V in two tensors of the same shape, pages (keys) and v_pages (values):
+ *      HND: [num_pages][num_kv_heads][page_size][head_dim] each
+ *      NHD: [num_pages][page_size][num_kv_heads][head_dim] each
+ *    (vLLM's FlashAttention backend: kv_cache[0] and kv_cache[1] of its
+ *    [2][num_blocks][block_size][num_kv_heads][head_size] cache). The cpu backend reads HND pages
+ *    with K and V in one tensor only. */
 typedef struct kvs_paged_kv {
   uint32_t struct_size;        /* sizeof(kvs_paged_kv) (kvs_paged_kv_init) */
-  const void* pages;           /* the pool: GPU memory of the session's device (cuda backend,
-                                  256-byte aligned), or host memory (cpu backend, 16-byte aligned) */
+  const void* pages;           /* the pool (the K pool when v_pages is set): GPU memory of the
+                                  session's device (cuda backend, 256-byte aligned), or host memory
+                                  (cpu backend, 16-byte aligned) */
   int64_t num_pages;           /* pages in the pool, >= 1 */
   int32_t page_size;           /* tokens per page, the same in every binding of a session: a power
                                   of two in 16..1024 on the cuda backend, 256 on the cpu backend */
@@ -340,6 +355,12 @@ typedef struct kvs_paged_kv {
   int64_t num_tokens;          /* tokens of this sequence the cache holds in this layer now */
   uint64_t pool_bytes;         /* bytes the pool spans from `pages`, or 0 (not known): when given,
                                   num_pages pages must fit in it (the bindings always give it) */
+  int32_t layout;              /* kvs_kv_layout: KVS_KV_LAYOUT_HND (0, the default) or
+                                  KVS_KV_LAYOUT_NHD; the same in every binding of a session */
+  int32_t reserved0;           /* 0 */
+  const void* v_pages;         /* NULL: K and V in one tensor, `pages`; else the V pool, of the K
+                                  pool's shape and page numbering (cuda backend, 256-byte aligned) */
+  uint64_t v_pool_bytes;       /* bytes the V pool spans, or 0 (not known); as pool_bytes */
 } kvs_paged_kv;
 
 /** Fills defaults (struct_size; everything else 0). @threadsafety any */
@@ -358,8 +379,8 @@ KVS_API void kvs_paged_kv_init(kvs_paged_kv* kv);
  *  stream: a cudaStream_t (cuda backend; NULL = default stream) that orders the page-table upload
  *  before the decode calls on the same stream; ignored on the cpu backend.
  *  Errors: KVS_STATUS_INVALID_ARGUMENT (a field, naming it and what was expected),
- *  KVS_STATUS_INVALID_STATE (a session that owns its KV), KVS_STATUS_UNSUPPORTED (a page size the
- *  backend or the method does not read). On error the previous binding stays.
+ *  KVS_STATUS_INVALID_STATE (a session that owns its KV), KVS_STATUS_UNSUPPORTED (a page size or
+ *  layout the backend or the method does not read). On error the previous binding stays.
  *  @threadsafety exclusive */
 KVS_API kvs_error_t kvs_session_bind_kv(kvs_session_t s, uint32_t layer, const kvs_paged_kv* kv,
                                         void* stream);

@@ -59,11 +59,14 @@ struct Settled {
 };
 
 // A layer's KV in the caller's paged cache (kvs_session_bind_kv, validated by the session): the
-// pages of [0, ceil(tokens / page_size)) in token order, each [2][Hkv][page_size][d]. The first
-// `unchanged` entries are those of the layer's previous binding (same pool, same pages): an
-// engine's page table mostly grows at its end, so a binding costs the pages that changed.
+// pages of [0, ceil(tokens / page_size)) in token order, each [2][Hkv][page_size][d] (HND, v_pool
+// null; kvs_paged_kv tells the others). The first `unchanged` entries are those of the layer's
+// previous binding (same pools, same pages): an engine's page table mostly grows at its end, so a
+// binding costs the pages that changed.
 struct BoundKv {
   const void* pool;
+  const void* v_pool;  // null: K and V in `pool`'s pages; else the V pool (page i at the K page's offset)
+  bool nhd;            // a page's K (and V) is [page_size][Hkv][d]
   int64_t num_pages;
   int32_t page_size;
   std::span<const int32_t> pages;

@@ -221,6 +221,16 @@ void Session::bind_kv(uint32_t layer, const kvs_paged_kv* kv, void* stream) {
   if (!kv->pages) invalid(std::string(fn) + ": kv->pages: expected the page pool, got NULL");
   if (reinterpret_cast<uintptr_t>(kv->pages) % 16 != 0)
     invalid(std::string(fn) + ": kv->pages: expected a 16-byte aligned address");
+  if (kv->layout != KVS_KV_LAYOUT_HND && kv->layout != KVS_KV_LAYOUT_NHD)
+    invalid(std::string(fn) + ": kv->layout: expected KVS_KV_LAYOUT_HND (0) or KVS_KV_LAYOUT_NHD (1), got " +
+            std::to_string(kv->layout));
+  if (kv->reserved0 != 0)
+    invalid(std::string(fn) + ": kv->reserved0: expected 0 (fill with kvs_paged_kv_init), got " +
+            std::to_string(kv->reserved0));
+  if (kv->v_pages && reinterpret_cast<uintptr_t>(kv->v_pages) % 16 != 0)
+    invalid(std::string(fn) + ": kv->v_pages: expected a 16-byte aligned address");
+  if (kv->v_pages == kv->pages)
+    invalid(std::string(fn) + ": kv->v_pages: expected NULL (K and V in one tensor) or the V pool, got kv->pages");
   if (kv->num_pages < 1 || kv->num_pages > (int64_t(1) << 31) - 1)
     invalid(std::string(fn) + ": kv->num_pages: expected 1..2^31-1, got " + std::to_string(kv->num_pages));
   const int32_t P = kv->page_size;
@@ -231,13 +241,18 @@ void Session::bind_kv(uint32_t layer, const kvs_paged_kv* kv, void* stream) {
     invalid(std::string(fn) + ": kv->num_tokens: expected " + std::to_string(have) + ".." +
             std::to_string(kMaxLayerTokens) + " (layer " + L(layer) + " holds " + std::to_string(have) +
             " tokens), got " + std::to_string(kv->num_tokens));
-  const uint64_t page_bytes = uint64_t(2) * cfg_.shape.num_kv_heads * uint64_t(P) * cfg_.shape.head_dim *
-                              dtype_size(cfg_.shape.kv_dtype);
-  if (kv->pool_bytes != 0 && uint64_t(kv->num_pages) > kv->pool_bytes / page_bytes)
-    invalid(std::string(fn) + ": kv->num_pages: " + std::to_string(kv->num_pages) + " pages of " +
-            std::to_string(page_bytes) + " bytes ([2][" + std::to_string(cfg_.shape.num_kv_heads) + "][" +
-            std::to_string(P) + "][" + std::to_string(cfg_.shape.head_dim) + "] " + dtype_name(cfg_.shape.kv_dtype) +
-            ") do not fit in kv->pool_bytes = " + std::to_string(kv->pool_bytes));
+  // Bytes of one page of each pool: K and V together, or one of them (v_pages).
+  const bool split = kv->v_pages != nullptr, nhd = kv->layout == KVS_KV_LAYOUT_NHD;
+  const uint64_t page_bytes = uint64_t(split ? 1 : 2) * cfg_.shape.num_kv_heads * uint64_t(P) *
+                              cfg_.shape.head_dim * dtype_size(cfg_.shape.kv_dtype);
+  const std::string hs = std::to_string(cfg_.shape.num_kv_heads), ps = std::to_string(P);
+  const std::string page_shape = std::string(split ? "" : "[2]") + (nhd ? "[" + ps + "][" + hs + "]" : "[" + hs + "][" + ps + "]") +
+                                 "[" + std::to_string(cfg_.shape.head_dim) + "] " + dtype_name(cfg_.shape.kv_dtype);
+  for (auto [bytes, name] : {std::pair{kv->pool_bytes, "kv->pool_bytes"}, std::pair{split ? kv->v_pool_bytes : 0, "kv->v_pool_bytes"}})
+    if (bytes != 0 && uint64_t(kv->num_pages) > bytes / page_bytes)
+      invalid(std::string(fn) + ": kv->num_pages: " + std::to_string(kv->num_pages) + " pages of " +
+              std::to_string(page_bytes) + " bytes (" + page_shape + ") do not fit in " + name + " = " +
+              std::to_string(bytes));
   const int64_t need = (kv->num_tokens + P - 1) / P;
   if (kv->num_page_indices < need || kv->num_page_indices > kMaxLayerTokens)
     invalid(std::string(fn) + ": kv->num_page_indices: expected at least " + std::to_string(need) + " (" +
@@ -249,7 +264,8 @@ void Session::bind_kv(uint32_t layer, const kvs_paged_kv* kv, void* stream) {
   Bound& last = bound_[layer];
   const std::span<const int32_t> ids(kv->page_indices, size_t(need));
   size_t same = 0;
-  if (last.pool == kv->pages && last.num_pages == kv->num_pages && last.page_size == P) {
+  if (last.pool == kv->pages && last.v_pool == kv->v_pages && last.layout == kv->layout &&
+      last.num_pages == kv->num_pages && last.page_size == P) {
     // memcmp by blocks (vectorised; std::mismatch compares one int at a time: 1 ns a page on an
     // H100 host, 30 us for a 512K context in pages of 16), then the first differing block by entry.
     const size_t m = std::min(last.ids.size(), ids.size());
@@ -268,8 +284,11 @@ void Session::bind_kv(uint32_t layer, const kvs_paged_kv* kv, void* stream) {
     if (ids[i] < 0 || ids[i] >= kv->num_pages)
       invalid(std::string(fn) + ": kv->page_indices[" + std::to_string(i) + "]: expected 0.." +
               std::to_string(kv->num_pages - 1) + ", got " + std::to_string(ids[i]));
-  placement_->bind_kv(layer, BoundKv{kv->pages, kv->num_pages, P, ids, kv->num_tokens, same}, fn, stream);
+  placement_->bind_kv(layer, BoundKv{kv->pages, kv->v_pages, nhd, kv->num_pages, P, ids, kv->num_tokens, same}, fn,
+                      stream);
   last.pool = kv->pages;
+  last.v_pool = kv->v_pages;
+  last.layout = kv->layout;
   last.num_pages = kv->num_pages;
   last.page_size = P;
   last.tokens = kv->num_tokens;

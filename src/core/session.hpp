@@ -110,6 +110,8 @@ class Session {
   // kv_source = KVS_KV_CALLER: each layer's last binding (kvs_session_bind_kv checks only what changed).
   struct Bound {
     const void* pool = nullptr;
+    const void* v_pool = nullptr;
+    int32_t layout = 0;
     int64_t num_pages = 0;
     int32_t page_size = 0;
     int64_t tokens = 0;

@@ -531,6 +531,10 @@ static void test_bind_kv(void) {
   kv.pool_bytes = sizeof pool / 2; /* one page of the two */
   EXPECT(kvs_session_bind_kv(s, 0, &kv, NULL), KVS_STATUS_INVALID_ARGUMENT, "kv->pool_bytes");
   kv.pool_bytes = sizeof pool;
+  CHECK(kv.layout == KVS_KV_LAYOUT_HND && kv.v_pages == NULL && kv.v_pool_bytes == 0);
+  kv.layout = KVS_KV_LAYOUT_NHD; /* the cuda backend's */
+  EXPECT(kvs_session_bind_kv(s, 0, &kv, NULL), KVS_STATUS_UNSUPPORTED, "kv->layout");
+  kv.layout = KVS_KV_LAYOUT_HND;
   OK(kvs_session_bind_kv(s, 0, &kv, NULL));
   kvs_session_destroy(s);
   kvs_session_destroy(owned);

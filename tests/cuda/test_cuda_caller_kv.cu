@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // kv_source = KVS_KV_CALLER on the cuda backend (kvs_session_bind_kv): sessions attending an
-// engine's paged KV cache in GPU memory (FlashInfer's HND layout, pages of 16 and 256 tokens handed
-// out in a shuffled order) against sessions of the same method storing the same tokens themselves,
+// engine's paged KV cache in GPU memory (FlashInfer's HND and NHD layouts, K and V in one pool or
+// two, pages of 16 to 256 tokens handed out in a shuffled order) against sessions of the same method storing the same tokens themselves,
 // step by step through the public C API: chunked prefill, an appended turn, decode steps as a batch
 // of two sessions of different lengths (captured in CUDA graphs where the method allows), a
 // rollback, and the errors specific to a caller's cache. Run by kvsieve_cuda_tests
@@ -27,16 +27,24 @@ namespace {
 constexpr int kHq = 8, kHkv = 2, kD = 128;
 bool g_small_caller = false;  // --small: shorter prompts
 
-// An engine's cache of one layer for several sequences: a device pool of pages
-// [2][Hkv][P][d] bf16 with a host mirror, pages handed out in a shuffled order.
+// How the engine lays out its pages (kvs_paged_kv.layout, v_pages).
+struct Layout {
+  bool nhd = false;    // [P][Hkv][d] instead of [Hkv][P][d]
+  bool split = false;  // K and V in two pools (the V pool placed below the K pool: a negative distance)
+  const char* name() const { return nhd ? (split ? "NHD, two pools" : "NHD") : (split ? "HND, two pools" : "HND"); }
+};
+
+// An engine's cache of one layer for several sequences: a device pool of bf16 pages in `lay`'s
+// layout with a host mirror, pages handed out in a shuffled order.
 struct EnginePool {
   int P;
   int64_t num_pages;
-  std::vector<uint16_t> host;
+  Layout lay;
+  std::vector<uint16_t> host;  // K and V pages; two pools: the V pool, a gap, the K pool
   uint16_t* dev = nullptr;
   std::vector<int32_t> free_pages;
-  EnginePool(int P_, int64_t pages) : P(P_), num_pages(pages) {
-    host.assign(size_t(pages * page_elems()), 0x7fc0);  // NaN where nothing was written
+  EnginePool(int P_, int64_t pages, Layout l = {}) : P(P_), num_pages(pages), lay(l) {
+    host.assign(size_t(k_base() + pages * page_elems()), 0x7fc0);  // NaN where nothing was written
     cudaMalloc(&dev, host.size() * 2);
     cudaMemcpy(dev, host.data(), host.size() * 2, cudaMemcpyHostToDevice);
     free_pages.resize(size_t(pages));
@@ -44,7 +52,23 @@ struct EnginePool {
     std::shuffle(free_pages.begin(), free_pages.end(), std::mt19937(uint32_t(P)));
   }
   ~EnginePool() { cudaFree(dev); }
-  int64_t page_elems() const { return int64_t(2) * kHkv * P * kD; }
+  int64_t half() const { return int64_t(kHkv) * P * kD; }
+  int64_t page_elems() const { return lay.split ? half() : 2 * half(); }  // one pool page
+  int64_t k_base() const { return lay.split ? num_pages * page_elems() + 384 : 0; }  // (384: 768 bytes apart)
+  int64_t row(int h, int64_t slot) const { return (lay.nhd ? slot * kHkv + h : int64_t(h) * P + slot) * kD; }
+  int64_t k_at(int64_t page, int h, int64_t slot) const { return k_base() + page * page_elems() + row(h, slot); }
+  int64_t v_at(int64_t page, int h, int64_t slot) const {
+    return lay.split ? page * page_elems() + row(h, slot) : k_at(page, h, slot) + half();
+  }
+  void fill(kvs_paged_kv& kv) const {
+    kv.pages = dev + k_base();
+    kv.num_pages = num_pages;
+    kv.page_size = P;
+    kv.layout = lay.nhd ? KVS_KV_LAYOUT_NHD : KVS_KV_LAYOUT_HND;
+    kv.v_pages = lay.split ? dev : nullptr;
+    kv.pool_bytes = uint64_t(num_pages * page_elems() * 2);
+    kv.v_pool_bytes = lay.split ? kv.pool_bytes : 0;
+  }
 };
 
 // One sequence in the pool: its page table and token count.
@@ -52,7 +76,7 @@ struct EngineSeq {
   EnginePool* pool;
   std::vector<int32_t> table;
   int64_t tokens = 0;
-  // Token t's K/V rows ([Hkv][d] fp32) at position t (bf16), copied to the device page.
+  // Token t's K/V rows ([Hkv][d] fp32) at position t (bf16), copied to the device page(s).
   void put(const float* k, const float* v, int64_t t) {
     const int P = pool->P;
     while (int64_t(table.size()) <= t / P) {
@@ -60,25 +84,29 @@ struct EngineSeq {
       pool->free_pages.pop_back();
     }
     const int64_t page = table[size_t(t / P)];
-    uint16_t* h = pool->host.data() + page * pool->page_elems();
+    uint16_t* h = pool->host.data();
     for (int hh = 0; hh < kHkv; ++hh)
       for (int j = 0; j < kD; ++j) {
-        h[(int64_t(hh) * P + t % P) * kD + j] = kvs::f32_to_bf16(k[hh * kD + j]);
-        h[(int64_t(kHkv + hh) * P + t % P) * kD + j] = kvs::f32_to_bf16(v[hh * kD + j]);
+        h[pool->k_at(page, hh, t % P) + j] = kvs::f32_to_bf16(k[hh * kD + j]);
+        h[pool->v_at(page, hh, t % P) + j] = kvs::f32_to_bf16(v[hh * kD + j]);
       }
-    cudaMemcpy(pool->dev + page * pool->page_elems(), h, size_t(pool->page_elems()) * 2, cudaMemcpyHostToDevice);
+    const int64_t k0 = pool->k_at(page, 0, 0), v0 = pool->v_at(page, 0, 0);
+    cudaMemcpy(pool->dev + k0, h + k0, size_t(pool->page_elems()) * 2, cudaMemcpyHostToDevice);
+    if (pool->lay.split) cudaMemcpy(pool->dev + v0, h + v0, size_t(pool->page_elems()) * 2, cudaMemcpyHostToDevice);
     tokens = t + 1;
   }
-  bool bind(kvs_session_t s, const char* what) {
+  kvs_paged_kv binding() const {
     kvs_paged_kv kv;
     kvs_paged_kv_init(&kv);
-    kv.pages = pool->dev;
-    kv.num_pages = pool->num_pages;
-    kv.page_size = pool->P;
+    pool->fill(kv);
     kv.page_indices = table.data();
     kv.num_page_indices = int64_t(table.size());
     kv.num_tokens = tokens;
-    return ok(kvs_session_bind_kv(s, 0, &kv, nullptr), what);
+    return kv;
+  }
+  bool bind(kvs_session_t s, const char* what, cudaStream_t stream = nullptr) {
+    const kvs_paged_kv kv = binding();
+    return ok(kvs_session_bind_kv(s, 0, &kv, stream), what);
   }
 };
 
@@ -151,15 +179,7 @@ void step(std::vector<kvs_session_t>& own, std::vector<kvs_session_t>& cal, std:
                    o1, l1);
   for (int b = 0; b < B; ++b) {
     es[size_t(b)].put(k.data() + size_t(b) * kHkv * kD, v.data() + size_t(b) * kHkv * kD, pos[size_t(b)]);
-    kvs_paged_kv kv;
-    kvs_paged_kv_init(&kv);
-    kv.pages = es[size_t(b)].pool->dev;
-    kv.num_pages = es[size_t(b)].pool->num_pages;
-    kv.page_size = es[size_t(b)].pool->P;
-    kv.page_indices = es[size_t(b)].table.data();
-    kv.num_page_indices = int64_t(es[size_t(b)].table.size());
-    kv.num_tokens = es[size_t(b)].tokens;
-    ok(kvs_session_bind_kv(cal[size_t(b)], 0, &kv, stream), "bind (decode)");
+    es[size_t(b)].bind(cal[size_t(b)], "bind (decode)", stream);
   }
   float* dq = upload(q);
   float *dout = nullptr, *dlse = nullptr;
@@ -190,7 +210,7 @@ void step(std::vector<kvs_session_t>& own, std::vector<kvs_session_t>& cal, std:
 // retroinfer's GPU k-means sums in fp32 atomics, so each session builds a slightly different index:
 // outputs close, selections mostly the same. The others must match the owned sessions to the bit
 // (the same kernels over the same bytes; csattention's build sums in fixed point).
-void run_method(const char* method, int P, const char* params = nullptr) {
+void run_method(const char* method, int P, const char* params = nullptr, Layout lay = {}) {
   const bool exact = std::string(method) != "retroinfer";
   // csattention on the cuda backend rolls back no further than its indexed tokens, which its list
   // update keeps at the layer's end: no rollback there.
@@ -199,7 +219,7 @@ void run_method(const char* method, int P, const char* params = nullptr) {
   const int64_t n0 = g_small_caller ? 600 : 1500, turn = 5, steps = 12;
   std::vector<Tokens> xs;
   for (int b = 0; b < B; ++b) xs.push_back(tokens(n0 + 37 * b + turn + steps + 8, uint32_t(7 + b)));
-  EnginePool pool(P, (2 * (n0 + 100) + P) / P + 8);
+  EnginePool pool(P, (2 * (n0 + 100) + P) / P + 8, lay);
   std::vector<EngineSeq> es(B, EngineSeq{&pool});
   kvs_session_params p = one_layer_params(method, KVS_SCALAR_BF16, kHq, kHkv, kD, 0.1);
   p.method_params = params;
@@ -250,10 +270,10 @@ void run_method(const char* method, int P, const char* params = nullptr) {
   st.struct_size = sizeof st;
   kvs_session_get_stats(cal[0], &st);
   if (exact) {
-    CAPI_CHECK(df.bits && rb.bits, "%s P=%d: outputs and lse equal to the owned sessions' bits (err %.3g, rollback %.3g)",
-               method, P, df.err, rb.err);
-    CAPI_CHECK(df.overlap == 1.0 && rb.overlap == 1.0, "%s P=%d: same selections (overlap %.3f / %.3f)", method, P,
-               df.overlap, rb.overlap);
+    CAPI_CHECK(df.bits && rb.bits, "%s P=%d %s: outputs and lse equal to the owned sessions' bits (err %.3g, rollback %.3g)",
+               method, P, lay.name(), df.err, rb.err);
+    CAPI_CHECK(df.overlap == 1.0 && rb.overlap == 1.0, "%s P=%d %s: same selections (overlap %.3f / %.3f)", method, P,
+               lay.name(), df.overlap, rb.overlap);
   } else {
     CAPI_CHECK(df.err < 2e-2 && rb.err < 2e-2 && df.lse < 2e-2, "%s P=%d: outputs close to the owned sessions' (err %.3g / %.3g, lse %.3g)",
                method, P, df.err, rb.err, df.lse);
@@ -262,8 +282,8 @@ void run_method(const char* method, int P, const char* params = nullptr) {
   }
   CAPI_CHECK(st.kv_bytes == 0, "%s P=%d: the caller's session holds no KV (kv_bytes %lld)", method, P,
              (long long)st.kv_bytes);
-  std::printf("  caller KV %s P=%d: bit-equal %d, err %.3g, lse %.3g, overlap %.3f, rollback err %.3g, graph launches %.0f\n",
-              method, P, int(df.bits && rb.bits), df.err, df.lse, df.overlap, rb.err, graphs);
+  std::printf("  caller KV %s P=%d %s: bit-equal %d, err %.3g, lse %.3g, overlap %.3f, rollback err %.3g, graph launches %.0f\n",
+              method, P, lay.name(), int(df.bits && rb.bits), df.err, df.lse, df.overlap, rb.err, graphs);
   cudaStreamDestroy(stream);
   for (auto s : own) kvs_session_destroy(s);
   for (auto s : cal) kvs_session_destroy(s);
@@ -279,14 +299,8 @@ void run_caller_errors() {
   EngineSeq es{&pool};
   const Tokens x = tokens(40, 5);
   for (int64_t t = 0; t < 20; ++t) es.put(x.kt(t), x.vt(t), t);
-  kvs_paged_kv kv;
-  kvs_paged_kv_init(&kv);
-  kv.pages = pool.dev;
-  kv.num_pages = pool.num_pages;
-  kv.page_size = 16;
-  kv.page_indices = es.table.data();
-  kv.num_page_indices = int64_t(es.table.size());
-  kv.num_tokens = es.tokens;
+  kvs_paged_kv kv = es.binding();
+  kv.pool_bytes = 0;
   auto expect = [&](kvs_error_t e, int code, const char* needle, const char* what) {
     const int c = kvs_error_code(e);
     const std::string m = e ? kvs_error_message(e) : "";
@@ -309,6 +323,28 @@ void run_caller_errors() {
     k2.num_page_indices = 1;
     expect(kvs_session_bind_kv(s, 0, &k2, nullptr), KVS_STATUS_INVALID_ARGUMENT, "kv->page_size: expected 16",
            "page size change");
+  }
+  {  // another layout than the first binding's; a V pool in host memory; a pool too small
+    auto k2 = kv;
+    k2.layout = KVS_KV_LAYOUT_NHD;
+    expect(kvs_session_bind_kv(s, 0, &k2, nullptr), KVS_STATUS_INVALID_ARGUMENT, "kv->layout: expected KVS_KV_LAYOUT_HND",
+           "layout change");
+    std::vector<uint16_t> host(size_t(pool.num_pages * pool.half()) + 128);
+    auto* a = host.data();
+    while (reinterpret_cast<uintptr_t>(a) % 256) ++a;
+    k2 = kv;
+    k2.v_pages = a;
+    expect(kvs_session_bind_kv(s, 0, &k2, nullptr), KVS_STATUS_INVALID_ARGUMENT,
+           "kv->v_pages: expected memory of CUDA device", "host V pool");
+    k2 = kv;
+    k2.v_pages = pool.dev + 8;  // (16-byte aligned)
+    expect(kvs_session_bind_kv(s, 0, &k2, nullptr), KVS_STATUS_INVALID_ARGUMENT, "kv->v_pages: expected a 256-byte",
+           "unaligned V pool");
+    k2 = kv;
+    k2.v_pages = pool.dev + 128 * 8;
+    k2.pool_bytes = uint64_t(pool.half()) * 2 * 3;  // 3 pages of K
+    expect(kvs_session_bind_kv(s, 0, &k2, nullptr), KVS_STATUS_INVALID_ARGUMENT, "do not fit in kv->pool_bytes",
+           "K pool too small");
   }
   {  // K/V tensors given to a caller's session
     std::vector<float> q(x.qt(0), x.qt(20)), k(x.kt(0), x.kt(20));
@@ -342,6 +378,11 @@ void run_caller_errors() {
     kvs_session_t rs = nullptr;
     if (ok(kvs_session_create(&r, &rs), "create retroinfer caller")) {
       expect(kvs_session_bind_kv(rs, 0, &kv, nullptr), KVS_STATUS_UNSUPPORTED, "pages of 256", "retroinfer P=16");
+      EnginePool p256(256, 2, Layout{true, false});
+      EngineSeq e256{&p256};
+      for (int64_t t = 0; t < 20; ++t) e256.put(x.kt(t), x.vt(t), t);
+      const kvs_paged_kv nk = e256.binding();
+      expect(kvs_session_bind_kv(rs, 0, &nk, nullptr), KVS_STATUS_UNSUPPORTED, "in the HND layout", "retroinfer NHD");
       kvs_session_destroy(rs);
     }
     r.backend = KVS_BACKEND_HYBRID;
@@ -358,9 +399,16 @@ int run_caller_kv_passed() { return g_pass; }
 int run_caller_kv_tests(bool small) {
   g_small_caller = small;
   run_caller_errors();
-  for (const char* m : {"full", "exact_topk", "streaming", "quest", "csattention"})
+  for (const char* m : {"full", "exact_topk", "streaming", "quest", "csattention"}) {
     for (int P : {16, 256}) run_method(m, P);
+    // The other layouts engines use: FlashInfer's NHD, and vLLM's K and V pools (NHD, HND).
+    run_method(m, 16, nullptr, Layout{true, false});
+    run_method(m, 16, nullptr, Layout{true, true});
+    run_method(m, 256, nullptr, Layout{true, true});
+    run_method(m, 64, nullptr, Layout{false, true});
+  }
   run_method("quest", 64, "page_size=16");
+  run_method("quest", 64, "page_size=16", Layout{true, true});
   run_method("retroinfer", 256);
   std::printf("caller KV: %d passed, %d failed\n", g_pass, g_fail);
   return g_fail;

@@ -1181,6 +1181,18 @@ def test_caller_kv_errors(rng):
             cal.bind_kv(0, pool, [7], 1)
         with pytest.raises(NotImplementedError, match="pages of 256 tokens"):
             cal.bind_kv(0, np.zeros((4, 2, HKV, 16, D), dtype=np.float32), [0], 1)
+        # The cpu backend reads HND pages with K and V in one tensor only.
+        with pytest.raises(NotImplementedError, match="kv->layout: the cpu backend reads KVS_KV_LAYOUT_HND"):
+            cal.bind_kv(0, np.zeros((2, 2, 256, HKV, D), dtype=np.float32), [0], 1, layout="NHD")
+        with pytest.raises(NotImplementedError, match="kv->v_pages: the cpu backend reads K and V in one tensor"):
+            cal.bind_kv(0, (pool[:, 0].copy(), pool[:, 1].copy()), [0], 1)
+        with pytest.raises(ValueError, match=r"pages\[1\] \(v_pages\): expected a tensor \[num_pages, page_size, 2, 32\]"):
+            cal.bind_kv(0, (np.zeros((2, 256, HKV, D), np.float32), np.zeros((2, HKV, 256, D), np.float32)), [0], 1,
+                        layout="NHD")
+        with pytest.raises(ValueError, match="k_pages and v_pages must have one shape"):
+            cal.bind_kv(0, (np.zeros((2, HKV, 256, D), np.float32), np.zeros((3, HKV, 256, D), np.float32)), [0], 1)
+        with pytest.raises(ValueError, match="layout: expected 'HND' or 'NHD'"):
+            cal.bind_kv(0, pool, [0], 1, layout="NDH")
         q = rand(rng, 4, HQ, D)
         with pytest.raises(kvsieve.InvalidStateError, match="call Session.bind_kv first"):
             cal.prefill(0, q, None, None)
@@ -1189,46 +1201,74 @@ def test_caller_kv_errors(rng):
             cal.prefill(0, q, rand(rng, 4, HKV, D), rand(rng, 4, HKV, D))
         cal.prefill(0, q, None, None)
         assert cal.layer_tokens(0) == 4
+        # A pool bound before passes unchecked only while its address and shape stay: resized in
+        # place (pages of 128 tokens now), it is checked again.
+        grown = np.zeros((2, 2, HKV, 256, D), dtype=np.float32)
+        cal.bind_kv(0, grown, [1], 4)
+        cal.bind_kv(0, grown, np.array([1], np.int32), 4)
+        grown.resize((4, 2, HKV, 128, D), refcheck=False)
+        with pytest.raises(NotImplementedError, match="pages of 256 tokens"):
+            cal.bind_kv(0, grown, [1], 4)
     with pytest.raises(ValueError, match="kv_source"):
         make("full", kv_source="borrowed")
 
 
-def test_caller_kv_on_cuda_matches_an_owned_session():
+@pytest.mark.parametrize("layout,two_pools", [("HND", False), ("NHD", False), ("NHD", True), ("HND", True)])
+def test_caller_kv_on_cuda_matches_an_owned_session(layout, two_pools):
     torch = _torch_cuda()
     hq, hkv, d, n, page = 8, 2, 128, 700, 16
     g = torch.Generator(device="cuda").manual_seed(4)
     q = torch.randn(n + 4, hq, d, device="cuda", generator=g)
     k = torch.randn(n + 4, hkv, d, device="cuda", generator=g).bfloat16()
     v = torch.randn(n + 4, hkv, d, device="cuda", generator=g).bfloat16()
-    pool = torch.zeros(64, 2, hkv, page, d, device="cuda", dtype=torch.bfloat16)
+    page_dims = (page, hkv) if layout == "NHD" else (hkv, page)
+    if two_pools:  # vLLM's FlashAttention cache: [2, num_blocks, block_size, Hkv, d], K and V apart
+        cache = torch.zeros(2, 64, *page_dims, d, device="cuda", dtype=torch.bfloat16)
+        pool, kp, vp = (cache[0], cache[1]), cache[0], cache[1]
+    else:  # FlashInfer's: [num_pages, 2, ...]
+        pool = torch.zeros(64, 2, *page_dims, d, device="cuda", dtype=torch.bfloat16)
+        kp, vp = pool[:, 0], pool[:, 1]
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(1)).tolist()
     table = []
 
     def write(t):
         if t // page == len(table):
             table.append(perm.pop())
-        pool[table[t // page], 0, :, t % page] = k[t]
-        pool[table[t // page], 1, :, t % page] = v[t]
+        if layout == "NHD":
+            kp[table[t // page], t % page] = k[t]
+            vp[table[t // page], t % page] = v[t]
+        else:
+            kp[table[t // page], :, t % page] = k[t]
+            vp[table[t // page], :, t % page] = v[t]
 
     kw = dict(method="quest", budget=0.1, kv_dtype="bfloat16", backend="cuda")
     with kvsieve.Session(1, hq, hkv, d, **kw) as own, kvsieve.Session(1, hq, hkv, d, kv_source="caller", **kw) as cal:
         own.prefill(0, q[:n], k[:n], v[:n])
         for t in range(n):
             write(t)
-        cal.bind_kv(0, pool, table, n)
+        cal.bind_kv(0, pool, table, n, layout=layout)
         cal.prefill(0, q[:n], None, None)
         own.build_index()
         cal.build_index()
         for t in range(n, n + 4):
             o1, l1 = own.decode(0, q[t], k[t], v[t])
             write(t)
-            cal.bind_kv(0, pool, table, t + 1)
+            cal.bind_kv(0, pool, table, t + 1, layout=layout)
             o2, l2 = cal.decode(0, q[t], None, None)
             torch.cuda.synchronize()
             assert torch.equal(o1, o2) and torch.equal(l1, l2)
         assert cal.stats.kv_bytes == 0
-        with pytest.raises(ValueError, match="pages: expected a tensor in cuda memory of device 0"):
-            cal.bind_kv(0, pool.cpu(), table, n + 4)
+        cpu_pool = tuple(x.cpu() for x in pool) if two_pools else pool.cpu()
+        with pytest.raises(ValueError, match=r"pages(\[0\] \(k_pages\))?: expected a tensor in cuda memory of device 0"):
+            cal.bind_kv(0, cpu_pool, table, n + 4, layout=layout)
+        other = "HND" if layout == "NHD" else "NHD"
+        if two_pools:  # the same pools read in the other layout: its shape names the dims it expects
+            with pytest.raises(ValueError, match=r"expected a tensor \[num_pages, "):
+                cal.bind_kv(0, tuple(x.transpose(1, 2).contiguous() for x in pool), table, n + 4, layout=layout)
+        with pytest.raises(ValueError, match=f"kv->layout: expected KVS_KV_LAYOUT_{layout}"):
+            shp = (64,) + (() if two_pools else (2,)) + ((hkv, page) if other == "HND" else (page, hkv)) + (d,)
+            alt = torch.zeros(shp, device="cuda", dtype=torch.bfloat16)
+            cal.bind_kv(0, (alt, alt.clone()) if two_pools else alt, table, n + 4, layout=other)
     with make("full", kv_source="caller") as c:  # a cpu session refuses a CUDA pool
         with pytest.raises(ValueError, match="pages: expected a tensor in cpu memory"):
             c.bind_kv(0, torch.zeros(2, 2, HKV, 256, D, device="cuda"), [0], 1)

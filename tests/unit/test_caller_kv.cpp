@@ -232,6 +232,16 @@ TEST_CASE("caller KV (cpu): bad bindings and calls fail naming the argument, and
       {"kv->num_page_indices", [](kvs_paged_kv& x) { x.num_page_indices = 0; }, KVS_STATUS_INVALID_ARGUMENT},
       {"kv->page_indices", [](kvs_paged_kv& x) { x.page_indices = nullptr; }, KVS_STATUS_INVALID_ARGUMENT},
       {"kv->num_tokens", [](kvs_paged_kv& x) { x.num_tokens = -1; }, KVS_STATUS_INVALID_ARGUMENT},
+      {"kv->layout", [](kvs_paged_kv& x) { x.layout = 2; }, KVS_STATUS_INVALID_ARGUMENT},
+      {"kv->reserved0", [](kvs_paged_kv& x) { x.reserved0 = 1; }, KVS_STATUS_INVALID_ARGUMENT},
+      {"kv->v_pages", [](kvs_paged_kv& x) { x.v_pages = static_cast<const char*>(x.pages) + 8; }, KVS_STATUS_INVALID_ARGUMENT},
+      {"kv->v_pages", [](kvs_paged_kv& x) { x.v_pages = x.pages; }, KVS_STATUS_INVALID_ARGUMENT},
+      // The cpu backend reads kvsieve's own page layout only (HND, K and V in one page).
+      {"kv->layout", [](kvs_paged_kv& x) { x.layout = KVS_KV_LAYOUT_NHD; }, KVS_STATUS_UNSUPPORTED},
+      {"kv->v_pages", [](kvs_paged_kv& x) { x.v_pages = static_cast<const char*>(x.pages) + 256; }, KVS_STATUS_UNSUPPORTED},
+      // Two pools of one tensor each: num_pages pages of half the bytes must fit in each.
+      {"kv->v_pool_bytes", [](kvs_paged_kv& x) { x.v_pages = static_cast<const char*>(x.pages) + 256; x.v_pool_bytes = 64; },
+       KVS_STATUS_INVALID_ARGUMENT},
   };
   for (const Bad& b : bads) {
     INFO(b.field);

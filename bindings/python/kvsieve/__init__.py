@@ -326,6 +326,7 @@ class Session:
         # sessions run in parallel, the GIL being released inside each call.
         self._lock = _threading.RLock()
         self._bound = {}  # layer -> the caller's page pool (bind_kv), kept alive while bound
+        self._bound_args = {}  # layer -> (pools, nhd, their addresses and shapes, the checked arguments)
         self._kv_dtype = None
         if _handle is not None:
             self._h = _handle
@@ -458,61 +459,116 @@ class Session:
         with self._lock:
             self._handle().append(int(layer), q, k, v, out, _stream_ptr(stream), self._spec_or_none())
 
-    def bind_kv(self, layer: int, pages, page_indices, num_tokens: int, *, stream=None) -> None:
+    def bind_kv(self, layer: int, pages, page_indices, num_tokens: int, *, layout: str = "HND",
+                stream=None) -> None:
         """Sessions created with ``kv_source="caller"``: declares where layer ``layer``'s keys and
         values are now (kvs_session_bind_kv). kvsieve keeps no copy and reads them in place.
 
         Args:
-            pages: the engine's page pool of this layer, a contiguous tensor
-                ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` in the session's kv_dtype
-                (FlashInfer's paged KV cache with ``kv_layout="HND"``: page p holds the keys of
-                page_size tokens, head by head, then their values): a torch tensor on the
-                session's CUDA device for the cuda backend, a CPU tensor or NumPy array (bfloat16
-                as uint16) for the cpu backend, which reads pages of 256 tokens only. The session
-                keeps a reference to it until the next binding of the layer.
+            pages: the engine's page pool of this layer in the session's kv_dtype, contiguous:
+                one tensor holding K and V, ``[num_pages, 2, num_kv_heads, page_size, head_dim]``
+                (``layout="HND"``) or ``[num_pages, 2, page_size, num_kv_heads, head_dim]``
+                (``"NHD"``), as FlashInfer's paged KV cache with that ``kv_layout``; or a pair
+                ``(k_pages, v_pages)`` of two tensors of one shape, ``[num_pages, num_kv_heads,
+                page_size, head_dim]`` (HND) or ``[num_pages, page_size, num_kv_heads, head_dim]``
+                (NHD), as vLLM's FlashAttention backend keeps them (``(kv_cache[0],
+                kv_cache[1])``). A torch tensor on the session's CUDA device for the cuda backend;
+                a CPU tensor or NumPy array (bfloat16 as uint16) for the cpu backend, which reads
+                one HND tensor of pages of 256 tokens only. The session keeps a reference to the
+                pool until the next binding of the layer.
             page_indices: this sequence's pages in token order (ints in [0, num_pages); a list,
                 NumPy array or tensor, copied by the library; an int32 NumPy array or CPU tensor is
                 read without conversion).
             num_tokens: tokens of the sequence the cache holds in this layer now, at least
                 :meth:`layer_tokens`; the next prefill, append or decode (with ``k=None``,
                 ``v=None``) counts the tokens beyond :meth:`layer_tokens` as its own.
+            layout: ``"HND"`` (head-major pages) or ``"NHD"`` (token-major, vLLM's and
+                FlashInfer's default); the same in every binding of a session.
             stream: (cuda) the stream that orders the page-table upload before the decode calls.
 
         Bind again whenever the engine's page table grows or changes, typically once per layer
         per step after writing the new token's K/V. Keep the K/V of tokens the session has
         counted unchanged until :meth:`truncate` drops them.
         """
-        shape = tuple(int(x) for x in _shape(pages))
-        if len(shape) != 5 or shape[1] != 2 or shape[2] != self.num_kv_heads or shape[4] != self.head_dim:
+        nhd = {"HND": False, "NHD": True}.get(layout.upper() if isinstance(layout, str) else layout)
+        if nhd is None:
+            raise InvalidArgumentError(STATUS_INVALID_ARGUMENT, f"layout: expected 'HND' or 'NHD', got {layout!r}")
+        split = isinstance(pages, (tuple, list))
+        if split and len(pages) != 2:
             raise InvalidArgumentError(STATUS_INVALID_ARGUMENT,
-                                       f"pages: expected a tensor [num_pages, 2, {self.num_kv_heads}, page_size, "
-                                       f"{self.head_dim}], got shape {list(shape)}")
-        ptr, nbytes, where, dtype_ok = _buffer_address(pages, self._kv_dtype)
-        want = "cuda" if self.backend == "cuda" else "cpu"
-        if where[0] != want or (want == "cuda" and where[1] != self.device_id):
-            raise InvalidArgumentError(STATUS_INVALID_ARGUMENT,
-                                       f"pages: expected a tensor in {want} memory"
-                                       f"{f' of device {self.device_id}' if want == 'cuda' else ''} (the session's "
-                                       f"backend), got {where[0]}" + (f":{where[1]}" if where[0] == "cuda" else ""))
-        if not dtype_ok:
-            raise InvalidArgumentError(STATUS_INVALID_ARGUMENT, f"pages: expected the session's kv_dtype "
-                                       f"({_KV_DTYPE_NAMES.get(self._kv_dtype, '?')}), got {pages.dtype}")
-        if hasattr(page_indices, "cpu") and hasattr(page_indices, "numpy"):  # torch: no copy if on the CPU
-            page_indices = page_indices.cpu().numpy()
-        idx = _np.asarray(page_indices)
-        if idx.dtype != _np.int32:  # (an int32 array is passed as it is: the library checks the values)
-            idx = _np.asarray(idx, dtype=_np.int64)
-            if idx.size and (idx.min() < -2**31 or idx.max() >= 2**31):
-                raise InvalidArgumentError(STATUS_INVALID_ARGUMENT, "page_indices: expected int32 values")
-            idx = idx.astype(_np.int32)
-        idx = _np.ascontiguousarray(idx)
-        if idx.ndim != 1:
-            raise InvalidArgumentError(STATUS_INVALID_ARGUMENT,
-                                       f"page_indices: expected one dimension, got {idx.ndim}")
+                                       f"pages: expected one tensor or a pair (k_pages, v_pages), got {len(pages)} items")
+        pools = tuple(pages) if split else (pages,)
+        layer = int(layer)
+        # The pools of the layer's last binding, checked then: only their address and shape are
+        # compared again (an engine binds the same pools at every step).
+        last = self._bound_args.get(layer)
+        sigs = [_pool_sig(t) for t in pools]
+        if (last is not None and last[1] == nhd and len(last[0]) == len(pools) and None not in sigs
+                and all(a is b for a, b in zip(last[0], pools)) and last[2] == sigs):
+            args = last[3]
+        else:
+            args = self._pool_args(pools, nhd, split)
+        if (type(page_indices) is _np.ndarray and page_indices.dtype == _np.int32 and page_indices.ndim == 1
+                and page_indices.flags.c_contiguous):
+            idx = page_indices
+        else:
+            if hasattr(page_indices, "cpu") and hasattr(page_indices, "numpy"):  # torch: no copy if on the CPU
+                page_indices = page_indices.cpu().numpy()
+            idx = _np.asarray(page_indices)
+            if idx.dtype != _np.int32:  # (an int32 array is passed as it is: the library checks the values)
+                idx = _np.asarray(idx, dtype=_np.int64)
+                if idx.size and (idx.min() < -2**31 or idx.max() >= 2**31):
+                    raise InvalidArgumentError(STATUS_INVALID_ARGUMENT, "page_indices: expected int32 values")
+                idx = idx.astype(_np.int32)
+            idx = _np.ascontiguousarray(idx)
+            if idx.ndim != 1:
+                raise InvalidArgumentError(STATUS_INVALID_ARGUMENT,
+                                           f"page_indices: expected one dimension, got {idx.ndim}")
+        k_ptr, k_bytes, v_ptr, v_bytes, num_pages, P = args
         with self._lock:
-            self._handle().bind_kv(int(layer), ptr, shape[0], shape[3], int(idx.ctypes.data), int(idx.size),
-                                   int(num_tokens), _stream_ptr(stream), nbytes)
-            self._bound[int(layer)] = pages
+            self._handle().bind_kv(layer, k_ptr, num_pages, P, int(idx.ctypes.data), int(idx.size), int(num_tokens),
+                                   _stream_ptr(stream), k_bytes,
+                                   _native.KVS_KV_LAYOUT_NHD if nhd else _native.KVS_KV_LAYOUT_HND, v_ptr, v_bytes)
+            self._bound[layer] = pools if split else pages
+            self._bound_args[layer] = (pools, nhd, sigs, args)
+
+    def _pool_args(self, pools, nhd, split):
+        """bind_kv's pools checked against the session (shape, dtype, memory): (K address, K bytes,
+        V address, V bytes (0, 0 for one pool), num_pages, page_size)."""
+        H, d = self.num_kv_heads, self.head_dim
+        names = ["pages[0] (k_pages)", "pages[1] (v_pages)"] if split else ["pages"]
+        page_dims = ("page_size", str(H)) if nhd else (str(H), "page_size")
+        want_shape = ("num_pages",) + (() if split else ("2",)) + page_dims + (str(d),)
+        shapes = [tuple(int(x) for x in _shape(t)) for t in pools]
+        P = 0
+        for name, shape in zip(names, shapes):
+            good = len(shape) == len(want_shape) and shape[-1] == d and (split or shape[1] == 2)
+            if good:
+                P, heads = (shape[-3], shape[-2]) if nhd else (shape[-2], shape[-3])
+                good = heads == H
+            if not good:
+                raise InvalidArgumentError(STATUS_INVALID_ARGUMENT,
+                                           f"{name}: expected a tensor [{', '.join(want_shape)}] (layout "
+                                           f"{'NHD' if nhd else 'HND'}), got shape {list(shape)}")
+        if split and shapes[0] != shapes[1]:
+            raise InvalidArgumentError(STATUS_INVALID_ARGUMENT,
+                                       f"pages: k_pages and v_pages must have one shape, got {list(shapes[0])} and "
+                                       f"{list(shapes[1])}")
+        addrs = []
+        want = "cuda" if self.backend == "cuda" else "cpu"
+        for name, t in zip(names, pools):
+            ptr, nbytes, where, dtype_ok = _buffer_address(t, self._kv_dtype, name)
+            if where[0] != want or (want == "cuda" and where[1] != self.device_id):
+                raise InvalidArgumentError(STATUS_INVALID_ARGUMENT,
+                                           f"{name}: expected a tensor in {want} memory"
+                                           f"{f' of device {self.device_id}' if want == 'cuda' else ''} (the session's "
+                                           f"backend), got {where[0]}" + (f":{where[1]}" if where[0] == "cuda" else ""))
+            if not dtype_ok:
+                raise InvalidArgumentError(STATUS_INVALID_ARGUMENT, f"{name}: expected the session's kv_dtype "
+                                           f"({_KV_DTYPE_NAMES.get(self._kv_dtype, '?')}), got {t.dtype}")
+            addrs.append((ptr, nbytes))
+        v_ptr, v_bytes = addrs[1] if split else (0, 0)
+        return addrs[0][0], addrs[0][1], v_ptr, v_bytes, shapes[0][0], P
 
     def truncate(self, num_tokens: int) -> None:
         """Rollback (kvs_session_truncate): keeps the first ``num_tokens`` tokens of every layer and
@@ -540,6 +596,7 @@ class Session:
                      _BACKENDS.get(self.backend, 1), self.device_id)
         s._kv_dtype = self._kv_dtype
         s._bound = dict(self._bound)  # a fork reads the same pools until bound anew
+        s._bound_args = dict(self._bound_args)
         return s
 
     def to(self, backend: str, device_id: int = 0) -> "Session":
@@ -577,7 +634,16 @@ _KV_DTYPE_NAMES = {_native.KVS_SCALAR_F32: "float32", _native.KVS_SCALAR_F16: "f
                    _native.KVS_SCALAR_BF16: "bfloat16"}
 
 
-def _buffer_address(t, kv_dtype):
+def _pool_sig(t):
+    """What must not change for a pool bind_kv checked before to pass unchecked: address and shape."""
+    if hasattr(t, "data_ptr") and hasattr(t, "stride"):  # torch
+        return t.data_ptr(), t.shape, t.stride()
+    if type(t) is _np.ndarray:
+        return t.__array_interface__["data"][0], t.shape, t.dtype, t.flags.c_contiguous
+    return None  # (anything else is checked at every binding)
+
+
+def _buffer_address(t, kv_dtype, name="pages"):
     """The address and byte size of a contiguous torch tensor or NumPy array, where it lives
     (("cpu" or "cuda", device index)), and whether its dtype stores kv_dtype (bfloat16 may come as
     uint16 or int16 bits from NumPy)."""
@@ -586,13 +652,13 @@ def _buffer_address(t, kv_dtype):
                                                       "(a loaded session stores its own KV)")
     if hasattr(t, "data_ptr") and hasattr(t, "is_contiguous"):  # torch
         if not t.is_contiguous():
-            raise InvalidArgumentError(STATUS_INVALID_ARGUMENT, "pages: expected a contiguous tensor")
+            raise InvalidArgumentError(STATUS_INVALID_ARGUMENT, f"{name}: expected a contiguous tensor")
         name = str(t.dtype).replace("torch.", "")
         where = (t.device.type, t.device.index or 0)
         return int(t.data_ptr()), int(t.numel() * t.element_size()), where, _KV_DTYPES.get(name) == kv_dtype
     a = _np.asarray(t)
     if not a.flags["C_CONTIGUOUS"]:
-        raise InvalidArgumentError(STATUS_INVALID_ARGUMENT, "pages: expected a contiguous array")
+        raise InvalidArgumentError(STATUS_INVALID_ARGUMENT, f"{name}: expected a contiguous array")
     name = a.dtype.name
     ok = _KV_DTYPES.get(name) == kv_dtype or (kv_dtype == _native.KVS_SCALAR_BF16 and name in ("uint16", "int16",
                                                                                                 "bfloat16"))

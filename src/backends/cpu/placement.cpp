@@ -164,6 +164,12 @@ class CpuPlacement final : public Placement, public HostPart {
     if (kv.page_size != kPageTokens)
       fail(KVS_STATUS_UNSUPPORTED, std::string(fn) + ": kv->page_size: the cpu backend reads pages of " +
                                        std::to_string(kPageTokens) + " tokens, got " + std::to_string(kv.page_size));
+    if (kv.nhd)
+      fail(KVS_STATUS_UNSUPPORTED, std::string(fn) + ": kv->layout: the cpu backend reads KVS_KV_LAYOUT_HND pages "
+                                                     "only (the cuda backend reads NHD too)");
+    if (kv.v_pool)
+      fail(KVS_STATUS_UNSUPPORTED, std::string(fn) + ": kv->v_pages: the cpu backend reads K and V in one tensor "
+                                                     "only, [num_pages][2][Hkv][256][d] (the cuda backend reads two)");
     auto& b = bound_[layer];
     const size_t pb = layers_[layer].page_bytes();
     const auto* pool = static_cast<const std::byte*>(kv.pool);

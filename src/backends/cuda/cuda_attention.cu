@@ -123,7 +123,9 @@ struct DecodeArgs {
   const void* const* pages;  // page table [B * max_pages] (kv_layout.cuh)
   int32_t max_pages;
   int32_t page_shift;        // log2(P)
-  int32_t v_off;             // elements from a page's K half to its V half: Hkv * P * d
+  int32_t head_stride;       // elements between KV heads in a page (kv_strides): P * d, or d (NHD)
+  int32_t token_stride;      // elements between a head's consecutive tokens: d, or Hkv * d (NHD)
+  int64_t v_off;             // elements from a K row to its V row: Hkv * P * d, or the caller's
   const int32_t* lengths;    // dense: [B]; gathered: counts [B * Hkv] or [B * Hq] (per_q)
   const int32_t* indices;    // gathered: [B, Hkv or Hq, max_tokens]
   int32_t max_tokens;        // max_length or max_selected
@@ -243,7 +245,7 @@ __device__ __forceinline__ void cta_write_empty(const DecodeArgs& a, int b, int 
 template <typename T, int D, bool GATHER, int R>
 struct KeySource {
   const DecodeArgs& a;
-  int b, head_off, pmask;
+  int b, head_off, pmask, tstride;
   const int32_t* idx;  // gathered: this CTA's list
   int end;             // chunk end (exclusive), clamped to the length / count
 
@@ -254,7 +256,7 @@ struct KeySource {
   }
   // Gathered: the lane's row pointer (K half) for token index ix, nullptr for ix < 0.
   __device__ __forceinline__ const T* row_of(int ix) const {
-    return ix >= 0 ? page_of<T>(a, b, ix) + head_off + (ix & pmask) * D : nullptr;
+    return ix >= 0 ? page_of<T>(a, b, ix) + head_off + (ix & pmask) * tstride : nullptr;
   }
   // Dense: the page of the tile at tb (tb < end).
   __device__ __forceinline__ const T* tile_page(int tb) const { return page_of<T>(a, b, tb); }
@@ -267,7 +269,7 @@ struct KeySource {
       return p != nullptr;
     } else {
       const int t = tb + row;
-      *src = pg_or_rowp + head_off + (t & pmask) * D;  // inside the page even past `end`
+      *src = pg_or_rowp + head_off + (t & pmask) * tstride;  // inside the page even past `end`
       return t < end;
     }
   }
@@ -331,7 +333,7 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_kernel(const DecodeArgs 
   // As a programmatic dependent launch (a.pdl) the query loads above ran while the previous kernel
   // (the KV append, the selection) finished; nothing below may be read before it has.
   pdl_wait();
-  KeySource<T, D, GATHER, R> src{a, b, (kvh << a.page_shift) * D, (1 << a.page_shift) - 1, nullptr, 0};
+  KeySource<T, D, GATHER, R> src{a, b, kvh * a.head_stride, (1 << a.page_shift) - 1, a.token_stride, nullptr, 0};
   int ixp[STAGES];  // gathered: the lane's index of the first STAGES tiles
   const int64_t lrow = a.per_q ? int64_t(b) * a.Hq + kvh * a.G + g0 : int64_t(b) * a.Hkv + kvh;
   const int end = open_chunk<GATHER, STAGES>(a, src, b, lrow, start, lane, tile_base, ixp);
@@ -625,7 +627,7 @@ __global__ void __launch_bounds__(NW * 32) decode_chunk_mma_kernel(const DecodeA
   }
 
   pdl_wait();  // a programmatic dependent launch: the query setup above overlapped the previous kernel
-  KeySource<T, D, GATHER, R> src{a, b, (kvh << a.page_shift) * D, (1 << a.page_shift) - 1, nullptr, 0};
+  KeySource<T, D, GATHER, R> src{a, b, kvh * a.head_stride, (1 << a.page_shift) - 1, a.token_stride, nullptr, 0};
   int ixp[STAGES];  // gathered: the lane's index of the first STAGES tiles
   // Per-KV-head lists only (per-query-head lists run the CUDA-core kernel with GT = 1).
   const int end = open_chunk<GATHER, STAGES>(a, src, b, int64_t(b) * a.Hkv + kvh, start, lane, tile_base, ixp);
@@ -1106,6 +1108,7 @@ Status decode_common(const AttnShape& s, const Query& q, const PagedKv& kv, Scal
     if (kv.max_pages < 1) return invalid("max_pages must be >= 1");
     if (2 * int64_t(s.num_kv_heads) * P * s.head_dim >= (int64_t(1) << 31))
       return unsupported("a page must hold < 2^31 elements");
+    if (kv.v_off % 8 != 0) return invalid("kv.v_off must be a multiple of 8 elements (16 bytes)");
     if (!gather && int64_t(max_tokens) > int64_t(kv.max_pages) * P)
       return invalid("max_length must be <= max_pages * page_tokens");
   }
@@ -1116,7 +1119,12 @@ Status decode_common(const AttnShape& s, const Query& q, const PagedKv& kv, Scal
   a.pages = kv.pages;
   a.max_pages = kv.max_pages;
   a.page_shift = max_tokens > 0 ? kv.page_shift : 4;
-  a.v_off = max_tokens > 0 ? int32_t(int64_t(s.num_kv_heads) * kv.page_tokens * s.head_dim) : 0;
+  if (max_tokens > 0) {
+    const KvStrides ks = kv_strides(kv, s.num_kv_heads, s.head_dim);
+    a.head_stride = int32_t(ks.head);
+    a.token_stride = int32_t(ks.token);
+    a.v_off = ks.v;
+  }
   a.lengths = lens;
   a.indices = indices;
   a.max_tokens = max_tokens;

@@ -100,9 +100,10 @@ class DeviceMethod {
   // host and device in stream order after before_step; a new page starts in GPU memory while the
   // tail is hot). The default: none, every page stays in host memory.
   virtual HotTokens hot_tokens(uint32_t layer, int64_t tokens, int64_t budget_keys) const { return {}; }
-  // kv_source = KVS_KV_CALLER: whether the method reads KV pages of P tokens (the caller's); if not,
-  // why. The default: any P the kernels take (kv_layout.cuh).
-  virtual bool page_size_ok(int32_t P, std::string* why) const { return true; }
+  // kv_source = KVS_KV_CALLER: whether the method reads the caller's KV pages of P tokens, in
+  // kvsieve's own layout (own_layout: HND, K and V in one page) or another (kv_layout.cuh); if not,
+  // why, naming the kvs_paged_kv field. The default: any P and layout the kernels take.
+  virtual bool caller_kv_ok(int32_t P, bool own_layout, std::string* why) const { return true; }
   virtual void truncate(uint32_t layer, int64_t n) {}
   // The least length kvs_session_truncate may roll the layer back to (0: any; else why not below).
   virtual int64_t truncate_floor(uint32_t layer, std::string* why) const { return 0; }

@@ -63,6 +63,7 @@ int32_t vecs(int32_t d, Scalar dt) { return d * (dt == Scalar::F32 ? 4 : 2) / 16
 Status write_kv_rows(const PagedKv& kv, int32_t b, int32_t hkv, int32_t d, Scalar dt, int32_t t0, int32_t n,
                      const void* src_k, const void* src_v, void* stream) noexcept {
   if (n <= 0) return Status{};
+  if (!kv_default_layout(kv)) return Status{KVS_STATUS_UNSUPPORTED, 0, "write_kv_rows: kvsieve writes its own page layout only"};
   if ((d * (dt == Scalar::F32 ? 4 : 2)) % 16) return Status{KVS_STATUS_UNSUPPORTED, 0, "write_kv_rows: row not a multiple of 16 bytes"};
   const int32_t v = vecs(d, dt);
   write_rows_kernel<<<dim3(unsigned(n), unsigned(hkv)), unsigned(v < 32 ? 32 : v > 128 ? 128 : v), 0,
@@ -73,6 +74,7 @@ Status write_kv_rows(const PagedKv& kv, int32_t b, int32_t hkv, int32_t d, Scala
 
 Status append_kv_batch(const PagedKv& kv, int32_t batch, int32_t hkv, int32_t d, Scalar dt, const int32_t* pos,
                        const void* k_new, const void* v_new, void* stream, const void* const* kv_at) noexcept {
+  if (!kv_default_layout(kv)) return Status{KVS_STATUS_UNSUPPORTED, 0, "append_kv_batch: kvsieve writes its own page layout only"};
   if ((d * (dt == Scalar::F32 ? 4 : 2)) % 16) return Status{KVS_STATUS_UNSUPPORTED, 0, "append_kv_batch: row not a multiple of 16 bytes"};
   const int32_t v = vecs(d, dt);
   append_batch_kernel<<<dim3(unsigned(batch), unsigned(hkv)), unsigned(v < 32 ? 32 : v > 128 ? 128 : v), 0,

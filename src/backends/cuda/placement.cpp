@@ -100,6 +100,7 @@ struct DevLayer {
   int64_t n = 0;
   std::shared_ptr<DevBuf> table;  // device [cap] page pointers
   int64_t table_cap = 0;
+  int64_t v_off = 0;  // a caller's cache of two pools: elements from a K row to its V row (kv_layout.cuh)
   // kv_memory = pinned host: the pages the method keeps in GPU memory (DeviceMethod::hot_tokens),
   // as placed last: pages [0, hot_head) and [hot_tail, ...); new pages start on the device while
   // hot_tail is set.
@@ -234,20 +235,32 @@ class CudaPlacement final : public Placement {
     if (page_tokens_ != 0 && kv.page_size != page_tokens_)
       invalid(std::string(fn) + ": kv->page_size: expected " + std::to_string(page_tokens_) +
               " (every binding of a session has the page size of its first), got " + std::to_string(kv.page_size));
-    if (std::string why; !method_->page_size_ok(kv.page_size, &why))
-      fail(KVS_STATUS_UNSUPPORTED, std::string(fn) + ": kv->page_size: " + why);
+    if (page_tokens_ != 0 && int32_t(kv.nhd) != nhd_)
+      invalid(std::string(fn) + ": kv->layout: expected " + (nhd_ ? "KVS_KV_LAYOUT_NHD" : "KVS_KV_LAYOUT_HND") +
+              " (every binding of a session has the layout of its first)");
+    if (std::string why; !method_->caller_kv_ok(kv.page_size, !kv.nhd && !kv.v_pool, &why))
+      fail(KVS_STATUS_UNSUPPORTED, std::string(fn) + ": " + why);
     DeviceGuard g(device_);
-    cudaPointerAttributes at{};
-    if (cudaPointerGetAttributes(&at, kv.pool) != cudaSuccess ||
-        !((at.type == cudaMemoryTypeDevice && at.device == device_) || at.type == cudaMemoryTypeManaged)) {
-      cudaGetLastError();
-      invalid(std::string(fn) + ": kv->pages: expected memory of CUDA device " + std::to_string(device_) +
-              " (the session's device_id)");
+    for (auto [ptr, name] : {std::pair{kv.pool, "kv->pages"}, std::pair{kv.v_pool, "kv->v_pages"}}) {
+      if (!ptr) continue;
+      cudaPointerAttributes at{};
+      if (cudaPointerGetAttributes(&at, ptr) != cudaSuccess ||
+          !((at.type == cudaMemoryTypeDevice && at.device == device_) || at.type == cudaMemoryTypeManaged)) {
+        cudaGetLastError();
+        invalid(std::string(fn) + ": " + name + ": expected memory of CUDA device " + std::to_string(device_) +
+                " (the session's device_id)");
+      }
+      if (reinterpret_cast<uintptr_t>(ptr) % 256 != 0)
+        invalid(std::string(fn) + ": " + name + ": expected a 256-byte aligned address on the cuda backend");
     }
-    if (reinterpret_cast<uintptr_t>(kv.pool) % 256 != 0)
-      invalid(std::string(fn) + ": kv->pages: expected a 256-byte aligned address on the cuda backend");
+    const size_t esz = dtype_size(cfg_.shape.kv_dtype);
+    // Bytes from one page to the next in the pool: K and V, or one of them (two pools).
     const size_t pb = cuda::paged_kv_page_bytes(int32_t(cfg_.shape.num_kv_heads), kv.page_size,
-                                                int32_t(cfg_.shape.head_dim), int32_t(dtype_size(cfg_.shape.kv_dtype)));
+                                                int32_t(cfg_.shape.head_dim), int32_t(esz)) / (kv.v_pool ? 2 : 1);
+    // Two pools: the V row of a token is the K row's address plus the pools' distance.
+    const int64_t v_off = kv.v_pool ? (reinterpret_cast<intptr_t>(kv.v_pool) - reinterpret_cast<intptr_t>(kv.pool)) /
+                                          int64_t(esz)
+                                    : 0;
     auto& lay = layers_[layer];
     auto* pool = static_cast<char*>(const_cast<void*>(kv.pool));
     // Entries the session found unchanged keep their pages (an engine's table grows at its end).
@@ -280,7 +293,9 @@ class CudaPlacement final : public Placement {
       page_shift_ = 0;
       while ((1 << page_shift_) < page_tokens_) ++page_shift_;
       page_bytes_ = pb;
+      nhd_ = kv.nhd;
     }
+    lay.v_off = v_off;
     lay.pages.resize(keep);
     for (auto& p : fresh) lay.pages.push_back(std::move(p));
     if (grown) {  // (the old table may still be read by queued steps: DevBuf's free waits for the device)
@@ -340,6 +355,10 @@ class CudaPlacement final : public Placement {
       if (caller_ && c->page_tokens_ != page_tokens_)  // (the session checked the bindings hold the token)
         invalid(std::string(t.fn) + ": sessions[" + std::to_string(b) + "]: its KV pages hold " +
                 std::to_string(c->page_tokens_) + " tokens, sessions[0]'s " + std::to_string(page_tokens_));
+      if (caller_ && (c->nhd_ != nhd_ || lay.v_off != layers_[layer].v_off))  // (one table, one layout)
+        invalid(std::string(t.fn) + ": sessions[" + std::to_string(b) + "]: layer " + L(layer) +
+                " is bound to a cache of another layout or another V pool than sessions[0]'s (a batch reads "
+                "one engine's pools)");
       lens[size_t(b)] = lay.n + 1;
       budget[size_t(b)] = c->cfg_.budget.keys(lay.n + 1, spec_.default_budget);
       max_len = std::max(max_len, lay.n + 1);
@@ -422,7 +441,7 @@ class CudaPlacement final : public Placement {
     st.budget_keys = dpos + 2 * B;
     if (B > 1) {  // assembled by the first launch of the step (enqueue, below)
       auto** table = reinterpret_cast<const void**>(ws + arg_bytes);
-      st.kv = cuda::PagedKv{table, int32_t(max_pages), page_tokens_, page_shift_};
+      st.kv = cuda::PagedKv{table, int32_t(max_pages), page_tokens_, page_shift_, nhd_, layers_[layer].v_off};
     } else {
       st.kv = own_kv(ps[0]->layers_[layer]);
     }
@@ -494,7 +513,8 @@ class CudaPlacement final : public Placement {
         for (int64_t x : {int64_t(qv.dtype), int64_t(ov.dtype), int64_t(t.lse != nullptr), int64_t(cfg_.lse_base),
                           int64_t(st.max_length),
                           int64_t(pl.max_selected),
-                          int64_t(max_pages), int64_t(st.kv.max_pages), int64_t(arg_bytes), int64_t(table_bytes),
+                          int64_t(max_pages), int64_t(st.kv.max_pages), int64_t(st.kv.nhd), st.kv.v_off,
+                          int64_t(arg_bytes), int64_t(table_bytes),
                           int64_t(lse_bytes), int64_t(kern_ws), int64_t(pl.dense), int64_t(pl.per_query_head),
                           int64_t(layer)})
           key.push_back(uintptr_t(x));
@@ -695,11 +715,13 @@ class CudaPlacement final : public Placement {
       auto& dst = p->layers_[l];
       dst.pages = layers_[l].pages;  // shared; the last page is copied before it is written
       dst.n = layers_[l].n;
+      dst.v_off = layers_[l].v_off;
       if (!dst.pages.empty()) p->upload_table(dst, 0, nullptr);
     }
     p->page_tokens_ = page_tokens_;
     p->page_shift_ = page_shift_;
     p->page_bytes_ = page_bytes_;
+    p->nhd_ = nhd_;
     p->method_ = method_->clone(nullptr);
     check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(fork)");
     return p;
@@ -710,7 +732,7 @@ class CudaPlacement final : public Placement {
 
   cuda::PagedKv own_kv(const DevLayer& lay) const {
     return cuda::PagedKv{lay.table ? static_cast<const void* const*>(lay.table->p) : nullptr, int32_t(lay.table_cap),
-                         page_tokens_, page_shift_};
+                         page_tokens_, page_shift_, nhd_, lay.v_off};
   }
   DeviceLayerView view(const DevLayer& lay, void* stream) const {
     return DeviceLayerView{own_kv(lay), lay.n, stream, kv_mem_ == PageMemory::PinnedHost};
@@ -926,6 +948,7 @@ class CudaPlacement final : public Placement {
   // the page size of its first binding (0 until then).
   bool caller_ = false;
   int32_t page_tokens_ = int32_t(kPageTokens), page_shift_ = kPageShift;
+  int32_t nhd_ = 0;  // a caller's cache in the NHD layout (its first binding's; kv_layout.cuh)
   PageMemory kv_mem_ = PageMemory::Device;  // params->kv_memory
   std::unique_ptr<DeviceMethod> method_;
   std::vector<DevLayer> layers_;

@@ -157,13 +157,14 @@ __global__ void __launch_bounds__(kThreads) bounds_kernel(BoundsArgs a) {
     mn[w] = Half2Of<T>::kPosInf2;
   }
   const T* base = a.contiguous ? kv_row<T>(a.kv, a.hkv, D, a.b, h, tb, 0) : nullptr;
+  const int64_t tstride = kv_strides(a.kv, a.hkv, D).token;
   for (int j0 = r; j0 < cnt; j0 += R * U) {
     uint4 u[U];
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int j = j0 + k * R;
       if (j < cnt) {
-        const T* row = a.contiguous ? base + size_t(j) * D : kv_row<T>(a.kv, a.hkv, D, a.b, h, tb + j, 0);
+        const T* row = a.contiguous ? base + j * tstride : kv_row<T>(a.kv, a.hkv, D, a.b, h, tb + j, 0);
         u[k] = __ldg(reinterpret_cast<const uint4*>(row) + c);
       }
     }

@@ -342,7 +342,9 @@ __global__ void __launch_bounds__(kScoreThreads, 2) topk_logits_kernel(const Sco
 
   const uint64_t pol_k = policy_evict_first();
   const uint64_t pol_z = policy_evict_last();
-  const int64_t hoff = int64_t(kvh) * P * D + c * 8;  // head kvh's K block in a page, this lane's column
+  const KvStrides ks = kv_strides(a.kv, a.Hkv, D);
+  const int64_t hoff = int64_t(kvh) * ks.head + c * 8;  // head kvh's first K row in a page, this lane's column
+  const int64_t tstride = ks.token;
   const int hsel = c / R;
   const bool writer = (c % R) == 0 && g0 + hsel < a.G;
   const int local_from = len - a.local;
@@ -352,7 +354,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) topk_logits_kernel(const Sco
   if (GROUP) zrow = a.out + ((int64_t(b) * a.Hkv + kvh) * a.ngroups + qg) * int64_t(a.max_len) * GT + hsel;
   else orow = a.out + (int64_t(b) * a.Hq + int64_t(kvh) * a.G + g0 + hsel) * int64_t(a.max_len);
 
-  auto row_ptr = [&](int t) -> const T* { return spage[(t >> shift) - pg0] + hoff + int64_t(t & (P - 1)) * D; };
+  auto row_ptr = [&](int t) -> const T* { return spage[(t >> shift) - pg0] + hoff + int64_t(t & (P - 1)) * tstride; };
   for (int tb = t0 + warp * WT; tb < t1; tb += kScoreWarps * WT) {
     uint4 u[U];
 #pragma unroll

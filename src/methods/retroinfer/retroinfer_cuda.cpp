@@ -138,11 +138,19 @@ class RetroCuda final : public DeviceMethod {
   // A rollback keeps every clustered token and the local window after them: the clusters are not
   // undone here (the cpu backend's max_rollback keeps copies of the index for that).
   // Its index update reads KV pages back into a host KV layer (download), in the host store's pages.
-  bool page_size_ok(int32_t P, std::string* why) const override {
-    if (P == int32_t(kPageTokens)) return true;
-    *why = "retroinfer on the cuda backend reads a caller's KV cache in pages of " + std::to_string(kPageTokens) +
-           " tokens only";
-    return false;
+  // Its wave buffer mixes the caller's pages with its own in one page table: kvsieve's layout only.
+  bool caller_kv_ok(int32_t P, bool own_layout, std::string* why) const override {
+    if (P != int32_t(kPageTokens)) {
+      *why = "kv->page_size: retroinfer on the cuda backend reads a caller's KV cache in pages of " +
+             std::to_string(kPageTokens) + " tokens only";
+      return false;
+    }
+    if (!own_layout) {
+      *why = "kv->layout, kv->v_pages: retroinfer on the cuda backend reads a caller's KV cache in the HND layout "
+             "with K and V in one tensor only";
+      return false;
+    }
+    return true;
   }
   int64_t truncate_floor(uint32_t layer, std::string* why) const override {
     if (!layers_[layer].built) return 0;

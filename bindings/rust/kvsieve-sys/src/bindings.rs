@@ -1016,14 +1016,26 @@ extern "C" {
         stream: *mut ::std::os::raw::c_void,
     ) -> kvs_error_t;
 }
-#[doc = " One layer's KV cache as an inference engine keeps it: a pool of pages in FlashInfer's paged"]
-#[doc = "  layout \"HND\" with K and V in one tensor,"]
-#[doc = "    pages: [num_pages][2][num_kv_heads][page_size][head_dim] in the session's kv_dtype"]
-#[doc = "  (page p holds the keys of page_size consecutive tokens, head by head, then their values), and"]
-#[doc = "  the pages of this sequence in token order: token t is slot t % page_size of pool page"]
-#[doc = "  page_indices[t / page_size]. The same layout as vLLM's FlashInfer backend with its HND cache"]
-#[doc = "  layout and FlashInfer's paged_kv_cache of shape (max_num_pages, 2, num_kv_heads, page_size,"]
-#[doc = "  head_dim)."]
+pub const KVS_KV_LAYOUT_HND: kvs_kv_layout = 0;
+pub const KVS_KV_LAYOUT_NHD: kvs_kv_layout = 1;
+#[doc = " How a page of a caller's KV cache orders its tokens and heads (kvs_paged_kv.layout), in"]
+#[doc = "  FlashInfer's terms: \"HND\", [num_kv_heads][page_size][head_dim], or \"NHD\","]
+#[doc = "  [page_size][num_kv_heads][head_dim]."]
+pub type kvs_kv_layout = ::std::os::raw::c_uint;
+#[doc = " One layer's KV cache as an inference engine keeps it: a pool of pages and the pages of this"]
+#[doc = "  sequence in token order (token t is slot t % page_size of pool page"]
+#[doc = "  page_indices[t / page_size]). A page holds page_size consecutive tokens of every KV head, in"]
+#[doc = "  the session's kv_dtype, laid out as `layout` says:"]
+#[doc = "    K and V in one tensor (v_pages NULL), pages:"]
+#[doc = "      HND: [num_pages][2][num_kv_heads][page_size][head_dim]  (keys of the page, then its values)"]
+#[doc = "      NHD: [num_pages][2][page_size][num_kv_heads][head_dim]"]
+#[doc = "    (FlashInfer's paged_kv_cache with kv_layout \"HND\" or \"NHD\", vLLM's FlashInfer backend);"]
+#[doc = "    K and V in two tensors of the same shape, pages (keys) and v_pages (values):"]
+#[doc = "      HND: [num_pages][num_kv_heads][page_size][head_dim] each"]
+#[doc = "      NHD: [num_pages][page_size][num_kv_heads][head_dim] each"]
+#[doc = "    (vLLM's FlashAttention backend: kv_cache[0] and kv_cache[1] of its"]
+#[doc = "    [2][num_blocks][block_size][num_kv_heads][head_size] cache). The cpu backend reads HND pages"]
+#[doc = "    with K and V in one tensor only."]
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct kvs_paged_kv {
@@ -1035,12 +1047,16 @@ pub struct kvs_paged_kv {
     pub num_page_indices: i64,
     pub num_tokens: i64,
     pub pool_bytes: u64,
+    pub layout: i32,
+    pub reserved0: i32,
+    pub v_pages: *const ::std::os::raw::c_void,
+    pub v_pool_bytes: u64,
 }
 #[test]
 fn bindgen_test_layout_kvs_paged_kv() {
     assert_eq!(
         ::std::mem::size_of::<kvs_paged_kv>(),
-        64usize,
+        88usize,
         concat!("Size of: ", stringify!(kvs_paged_kv))
     );
     assert_eq!(
@@ -1184,6 +1200,74 @@ fn bindgen_test_layout_kvs_paged_kv() {
         );
     }
     test_field_pool_bytes();
+    fn test_field_layout() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvs_paged_kv>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).layout) as usize - ptr as usize
+            },
+            64usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvs_paged_kv),
+                "::",
+                stringify!(layout)
+            )
+        );
+    }
+    test_field_layout();
+    fn test_field_reserved0() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvs_paged_kv>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).reserved0) as usize - ptr as usize
+            },
+            68usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvs_paged_kv),
+                "::",
+                stringify!(reserved0)
+            )
+        );
+    }
+    test_field_reserved0();
+    fn test_field_v_pages() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvs_paged_kv>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).v_pages) as usize - ptr as usize
+            },
+            72usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvs_paged_kv),
+                "::",
+                stringify!(v_pages)
+            )
+        );
+    }
+    test_field_v_pages();
+    fn test_field_v_pool_bytes() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvs_paged_kv>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).v_pool_bytes) as usize - ptr as usize
+            },
+            80usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvs_paged_kv),
+                "::",
+                stringify!(v_pool_bytes)
+            )
+        );
+    }
+    test_field_v_pool_bytes();
 }
 extern "C" {
     #[doc = " Fills defaults (struct_size; everything else 0). @threadsafety any"]
@@ -1203,8 +1287,8 @@ extern "C" {
     #[doc = "  stream: a cudaStream_t (cuda backend; NULL = default stream) that orders the page-table upload"]
     #[doc = "  before the decode calls on the same stream; ignored on the cpu backend."]
     #[doc = "  Errors: KVS_STATUS_INVALID_ARGUMENT (a field, naming it and what was expected),"]
-    #[doc = "  KVS_STATUS_INVALID_STATE (a session that owns its KV), KVS_STATUS_UNSUPPORTED (a page size the"]
-    #[doc = "  backend or the method does not read). On error the previous binding stays."]
+    #[doc = "  KVS_STATUS_INVALID_STATE (a session that owns its KV), KVS_STATUS_UNSUPPORTED (a page size or"]
+    #[doc = "  layout the backend or the method does not read). On error the previous binding stays."]
     #[doc = "  @threadsafety exclusive"]
     pub fn kvs_session_bind_kv(
         s: kvs_session_t,

@@ -215,6 +215,13 @@ class KvsieveTest {
       e = assertThrows(KvsException.class, () -> cal.bindKv(0, pool, pages + 1, P, table, N + 2));
       assertTrue(e.getMessage().contains("pool_bytes"), e.getMessage());
       assertThrows(IllegalArgumentException.class, () -> cal.bindKv(0, FloatBuffer.allocate(8), 1, P, table, N + 2));
+      // The cuda backend's layouts (NHD, K and V in two pools) by address: the cpu backend refuses
+      // them before it reads a page (so the addresses here are never dereferenced).
+      e = assertThrows(KvsException.class, () -> cal.bindKv(0, 256, 0, pages, P, KvLayout.NHD, table, N + 2, 0));
+      assertTrue(e.getMessage().contains("kv->layout: the cpu backend reads KVS_KV_LAYOUT_HND"), e.getMessage());
+      e = assertThrows(KvsException.class, () -> cal.bindKv(0, 256, 512, pages, P, KvLayout.HND, table, N + 2, 0));
+      assertTrue(e.getMessage().contains("kv->v_pages: the cpu backend reads K and V in one tensor"), e.getMessage());
+      assertThrows(NullPointerException.class, () -> cal.bindKv(0, 256, 0, pages, P, null, table, N + 2, 0));
     }
   }
 
