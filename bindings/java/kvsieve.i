@@ -156,6 +156,7 @@ static const kvs_tensor* kvsj_t(kvsj_tensor* t) { return t ? &t->t : NULL; }
 %javamethodmodifiers kvs_batch_s::decodeNative "private";
 %javamethodmodifiers kvs_batch_s::sizeNative "private";
 %javamethodmodifiers kvs_session_s::toBackend "private";
+%javamethodmodifiers kvs_session_s::forkNative "private";
 %javamethodmodifiers kvs_session_s::decodeBatchNative "private";
 %javamethodmodifiers kvsj_tables_describe "
   /** Verifies a tables file (Session.save) and describes it as JSON text: header, parameters,
@@ -164,7 +165,7 @@ static const kvs_tensor* kvsj_t(kvsj_tensor* t) { return t ? &t->t : NULL; }
    *  holds the JSON of what was readable (\"ok\": false). */
   public";
 
-%newobject kvs_session_s::fork;
+%newobject kvs_session_s::forkNative;
 %newobject kvs_session_s::toBackend;
 %newobject kvs_session_s::load;
 %newobject kvs_session_s::stats;
@@ -274,6 +275,15 @@ typedef struct kvs_session_stats {
                      int[] pageIndices, long numTokens, long stream) {
     if (layout == null) throw new NullPointerException("layout: expected KvLayout.HND or KvLayout.NHD");
     bindKvPools(layer, kPages, vPages, numPages, pageSize, layout.value, pageIndices, numTokens, stream);
+  }
+
+  /** A new session sharing this one's KV prefix copy-on-write (kvs_session_fork); either may be
+   *  closed first. A fork of a session over the caller's cache reads the same pools (and keeps the
+   *  buffers bound with bindKv reachable) until its layers are bound anew. */
+  public Session fork() {
+    Session f = forkNative();
+    f.boundPools.putAll(boundPools);
+    return f;
   }
 
   /** A copy of this session's state (KV, index, layer states, statistics) on another backend and
@@ -393,6 +403,18 @@ typedef struct kvs_session_stats {
     kvsj_check(kvs_session_load(path, &p, &s));
     return s;
   }
+  /* kvFromCaller: the method's tables only, for a session over the caller's KV cache
+     (kvs_load_params.kv_source = KVS_KV_CALLER): bind each layer (bindKv) and prefill it again with
+     null k and v to the saved length; the loaded index is kept. */
+  static kvs_session_s* load(const char* path, bool mmap, bool kv_from_caller) {
+    kvs_load_params p;
+    kvs_load_params_init(&p);
+    p.flags = mmap ? KVS_LOAD_MMAP : 0u;
+    p.kv_source = kv_from_caller ? KVS_KV_CALLER : KVS_KV_OWNED;
+    kvs_session_t s = NULL;
+    kvsj_check(kvs_session_load(path, &p, &s));
+    return s;
+  }
   void prefill(uint32_t layer, kvsj_tensor* q, kvsj_tensor* k, kvsj_tensor* v, kvsj_tensor* o, int64_t stream) {
     kvsj_check(kvs_session_prefill($self, layer, kvsj_t(q), kvsj_t(k), kvsj_t(v), kvsj_t(o), (void*)(intptr_t)stream));
   }
@@ -464,7 +486,7 @@ typedef struct kvs_session_stats {
   void save(const char* path, bool include_kv) {
     kvsj_check(kvs_session_save($self, path, include_kv ? KVS_SAVE_INCLUDE_KV : KVS_SAVE_TABLES));
   }
-  kvs_session_s* fork() {
+  kvs_session_s* forkNative() {
     kvs_session_t s = NULL;
     kvsj_check(kvs_session_fork($self, &s));
     return s;

@@ -913,9 +913,10 @@ kvs_session_s* session_create(uint32_t num_layers, uint32_t num_q_heads, uint32_
 }
 
 kvs_session_s* session_load(const char* path, int32_t backend, int32_t device_id, uint32_t num_threads,
-                            int32_t gemm, uint32_t flags, int32_t kv_memory) {
+                            int32_t gemm, uint32_t flags, int32_t kv_memory, int32_t kv_source) {
   kvs_load_params p;
   kvs_load_params_init(&p);
+  p.kv_source = kv_source;
   p.flags = flags;
   p.kv_memory = kv_memory;
   p.backend = backend;

@@ -3,7 +3,10 @@
 
 A toy serving loop in the shape of vLLM's or SGLang's: the engine keeps one page pool per layer,
 ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` (FlashInfer's paged layout "HND", keys then
-values in each page), hands pages out to sequences from a free list, writes each token's K/V into
+values in each page; ``--layout NHD``: ``[num_pages, 2, page_size, num_kv_heads, head_dim]``;
+``--two-pools``: K and V in two tensors, as vLLM's FlashAttention backend keeps its cache ``[2,
+num_blocks, block_size, num_kv_heads, head_dim]``; those two on the cuda backend only), hands pages
+out to sequences from a free list, writes each token's K/V into
 its sequence's current page, and asks kvsieve for the sparse attention of each decode step. kvsieve
 keeps only its method's index: no copy of the cache is made (``kv_source="caller"``), and the
 engine re-binds a layer's pages (``Session.bind_kv``) after writing a token.
@@ -22,6 +25,7 @@ roll back there, and retroinfer reads pages of 256 tokens, not this example's 16
 
     python examples/python/paged_engine.py                       # cpu, pages of 256 tokens
     python examples/python/paged_engine.py --device cuda         # GPU, pages of 16 tokens
+    python examples/python/paged_engine.py --device cuda --layout NHD --two-pools   # vLLM's cache
 
 Needs torch (CPU or CUDA build) and the kvsieve package (``pip install .`` from a checkout).
 """
@@ -36,9 +40,16 @@ import kvsieve
 class PagedCache:
     """One layer's page pool, shared by every sequence of the engine."""
 
-    def __init__(self, num_pages, num_kv_heads, page_size, head_dim, dtype, device):
-        self.pages = torch.zeros(num_pages, 2, num_kv_heads, page_size, head_dim, dtype=dtype, device=device)
-        self.page_size = page_size
+    def __init__(self, num_pages, num_kv_heads, page_size, head_dim, dtype, device, layout="HND", two_pools=False):
+        dims = (page_size, num_kv_heads) if layout == "NHD" else (num_kv_heads, page_size)
+        if two_pools:  # vLLM's FlashAttention cache: [2, num_blocks, ...], bound as (kv_cache[0], kv_cache[1])
+            self.store = torch.zeros(2, num_pages, *dims, head_dim, dtype=dtype, device=device)
+            self.k, self.v = self.store[0], self.store[1]
+            self.pages = (self.k, self.v)
+        else:  # FlashInfer's: [num_pages, 2, ...]
+            self.store = self.pages = torch.zeros(num_pages, 2, *dims, head_dim, dtype=dtype, device=device)
+            self.k, self.v = self.pages[:, 0], self.pages[:, 1]
+        self.layout, self.page_size = layout, page_size
         self.free = list(range(num_pages - 1, -1, -1))
         # Pages go out in a scattered order, as they would in a busy engine.
         g = torch.Generator().manual_seed(0)
@@ -49,14 +60,23 @@ class PagedCache:
         if pos // self.page_size == len(table):
             table.append(self.free.pop())
         page, slot = table[pos // self.page_size], pos % self.page_size
-        self.pages[page, 0, :, slot] = k
-        self.pages[page, 1, :, slot] = v
+        if self.layout == "NHD":
+            self.k[page, slot] = k
+            self.v[page, slot] = v
+        else:
+            self.k[page, :, slot] = k
+            self.v[page, :, slot] = v
 
     def gather(self, table, n):
         """The first n tokens' K and V of a sequence, [num_kv_heads, n, head_dim] each (for the check)."""
-        kv = self.pages[torch.tensor(table, device=self.pages.device)]  # [pages, 2, Hkv, P, d]
-        kv = kv.permute(1, 2, 0, 3, 4).reshape(2, kv.shape[2], -1, kv.shape[4])
-        return kv[0, :, :n], kv[1, :, :n]
+        ids = torch.tensor(table, device=self.k.device)
+        out = []
+        for pool in (self.k, self.v):
+            x = pool[ids]  # [pages, Hkv, P, d] or [pages, P, Hkv, d]
+            if self.layout == "NHD":
+                x = x.transpose(1, 2)
+            out.append(x.permute(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3])[:, :n])
+        return out[0], out[1]
 
 
 def exact_attention(q, k, v, scale):
@@ -77,7 +97,11 @@ def main():
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--draft", type=int, default=0, help="speculative tokens per step (the last one is rejected)")
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--layout", default="HND", choices=["HND", "NHD"], help="page layout (NHD: cuda only)")
+    ap.add_argument("--two-pools", action="store_true", help="K and V in two tensors (cuda only)")
     a = ap.parse_args()
+    if a.device == "cpu" and (a.layout != "HND" or a.two_pools):
+        ap.error("the cpu backend reads HND pages with K and V in one tensor: use --device cuda")
 
     hq, hkv, d = 8, 2, 128
     page_size = 16 if a.device == "cuda" else 256  # the cpu backend reads pages of 256 tokens
@@ -85,7 +109,8 @@ def main():
     scale = 1.0 / math.sqrt(d)
     torch.manual_seed(1)
     total = sum(a.prompt) + 2 * a.steps * (a.draft + 1) + 64
-    caches = [PagedCache(total // page_size + 8, hkv, page_size, d, dtype, dev) for _ in range(a.layers)]
+    caches = [PagedCache(total // page_size + 8, hkv, page_size, d, dtype, dev, a.layout, a.two_pools)
+              for _ in range(a.layers)]
 
     # A stand-in for the model: the text moves between 8 topics (a topic per 64-token stretch); keys
     # lean towards their stretch's topic and the queries of a group towards one topic, so attention
@@ -112,7 +137,7 @@ def main():
             for t in range(n):  # the engine's prefill writes the prompt's K/V into its pages
                 cache.write(sq["tables"][layer], t, k[t], v[t])
             for s in sq["sessions"]:
-                s.bind_kv(layer, cache.pages, sq["tables"][layer], n)
+                s.bind_kv(layer, cache.pages, sq["tables"][layer], n, layout=a.layout)
                 s.prefill(layer, q, None, None)  # kvsieve sees the prompt's queries; keys are read in place
         for s in sq["sessions"]:
             s.build_index()
@@ -128,7 +153,7 @@ def main():
                 for j in range(r):
                     cache.write(tables[layer], sq["len"] + j, k[j], v[j])
                 for i, s in enumerate(sq["sessions"]):
-                    s.bind_kv(layer, cache.pages, tables[layer], sq["len"] + r)
+                    s.bind_kv(layer, cache.pages, tables[layer], sq["len"] + r, layout=a.layout)
                     out, _ = s.decode_tokens(layer, q, None, None)  # row j sees the context and rows < j
                     for j in range(r):
                         kk, vv = cache.gather(tables[layer], sq["len"] + j + 1)

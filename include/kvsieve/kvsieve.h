@@ -463,6 +463,9 @@ typedef struct kvs_load_params {
   int32_t gemm;
   uint32_t flags;       /* kvs_load_flags; 0 = copy everything out of the file */
   int32_t kv_memory;    /* as kvs_session_params.kv_memory; 0 = the backend's own memory */
+  int32_t kv_source;    /* as kvs_session_params.kv_source: KVS_KV_OWNED (0, the default) or
+                           KVS_KV_CALLER, the tables of a session over the caller's KV cache (the
+                           file's KV, if any, is not read: bind the layers and prefill them again) */
 } kvs_load_params;
 
 /** Fills defaults (struct_size included; flags 0). @threadsafety any */
@@ -472,7 +475,8 @@ KVS_API void kvs_load_params_init(kvs_load_params* p);
  *  is verified; the KV pages and the index are copied, so the file may change or go once this
  *  returns (with KVS_LOAD_MMAP the KV pages are mapped instead: see its hazard). A file without KV
  *  yields a session whose layers must be prefilled again with the same lengths before decode (the
- *  loaded index is kept). @threadsafety any */
+ *  loaded index is kept); so does params->kv_source = KVS_KV_CALLER, whose prefill with NULL k/v
+ *  counts the tokens of the bound cache (kvs_session_bind_kv). @threadsafety any */
 KVS_API kvs_error_t kvs_session_load(const char* path, const kvs_load_params* params,
                                      kvs_session_t* out);
 

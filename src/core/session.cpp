@@ -636,6 +636,15 @@ std::unique_ptr<Session> Session::load(const std::string& path, const kvs_load_p
     invalid("kvs_session_load: params->num_threads: expected 0.." + std::to_string(kMaxThreads) + ", got " +
             std::to_string(lp.num_threads));
   check_kv_memory(lp.kv_memory, "kvs_session_load: params->kv_memory");
+  if (lp.kv_source != KVS_KV_OWNED && lp.kv_source != KVS_KV_CALLER)
+    invalid("kvs_session_load: params->kv_source: expected KVS_KV_OWNED (0) or KVS_KV_CALLER (1), got " +
+            std::to_string(lp.kv_source));
+  if (lp.kv_source == KVS_KV_CALLER && lp.kv_memory != 0)
+    invalid("kvs_session_load: params->kv_memory: expected 0 with kv_source = KVS_KV_CALLER (the caller's cache is "
+            "where it is), got " + std::to_string(lp.kv_memory));
+  if (lp.kv_source == KVS_KV_CALLER && lp.backend == KVS_BACKEND_HYBRID)
+    fail(KVS_STATUS_UNSUPPORTED, "kvs_session_load: params->kv_source: the hybrid backend keeps its own KV in pinned "
+                                 "host memory; load with KVS_BACKEND_CUDA or KVS_BACKEND_CPU");
   if (lp.flags & ~uint32_t(KVS_LOAD_MMAP))
     invalid("kvs_session_load: params->flags: expected 0 or KVS_LOAD_MMAP (1), got " + std::to_string(lp.flags));
   (void)cpu::resolve_gemm(lp.gemm);  // validates lp.gemm and KVS_GEMM
@@ -683,6 +692,7 @@ std::unique_ptr<Session> Session::load_from(const std::shared_ptr<const io::Tabl
     p.backend = lp.backend ? lp.backend : saved_backend;
     p.device_id = lp.device_id;
     p.kv_memory = lp.kv_memory;
+    p.kv_source = lp.kv_source;
     p.num_threads = lp.num_threads;
     p.gemm = lp.gemm;
     // The caller's fields are valid (checked above): whatever from_params refuses now is the file's.
@@ -705,7 +715,8 @@ std::unique_ptr<Session> Session::load_from(const std::shared_ptr<const io::Tabl
       if (e.code() != KVS_STATUS_INVALID_ARGUMENT && e.code() != KVS_STATUS_FORMAT_INVALID) throw;
       bad(std::string("method.params: parameters of method '") + method + "' that a session refuses (" + e.what() + ")");
     }
-    const bool with_kv = hr.sub("flags").boolean(hr.object(h, "flags"), "kv_included");
+    // A session over the caller's cache reads its tables only: the KV is the engine's.
+    const bool with_kv = hr.sub("flags").boolean(hr.object(h, "flags"), "kv_included") && lp.kv_source != KVS_KV_CALLER;
     const auto& layers = hr.array(h, "layers");
     if (layers.size() != p.num_layers)
       hr.fail("layers", "expected num_layers (" + std::to_string(p.num_layers) + ") entries, got " +

@@ -1167,6 +1167,38 @@ def test_caller_kv_decodes_as_an_owned_session(method, rng):
             assert f.layer_tokens(0) == n + steps
 
 
+def test_caller_kv_session_loads_saved_tables(rng, tmp_path):
+    """Session.load(kv_source="caller"): the saved index over the engine's cache, layers prefilled again."""
+    n, page = 300, 256
+    q, k, v = rand(rng, n + 3, HQ, D), rand(rng, n + 3, HKV, D), rand(rng, n + 3, HKV, D)
+    pool, write = _caller_pool(4, HKV, page, D, np.float32)
+    tables = [[] for _ in range(L)]
+    path = str(tmp_path / "quest.kvs")
+    with make("quest", budget=0.3, kv_dtype="float32") as own:
+        for layer in range(L):
+            own.prefill(layer, q[:n], k[:n], v[:n])
+            for t in range(n):
+                write(tables[layer], t, k[t], v[t])
+        own.build_index()
+        own.save(path, include_kv=True)
+    with kvsieve.Session.load(path) as ref, kvsieve.Session.load(path, kv_source="caller") as cal:
+        assert cal.layer_tokens(0) == 0  # the file's KV is not read
+        for layer in range(L):
+            cal.bind_kv(layer, pool, tables[layer], n)
+            cal.prefill(layer, q[:n], None, None)
+        for t in range(n, n + 3):
+            for layer in range(L):
+                o1, l1 = ref.decode(layer, q[t], k[t], v[t])
+                write(tables[layer], t, k[t], v[t])
+                cal.bind_kv(layer, pool, tables[layer], t + 1)
+                o2, l2 = cal.decode(layer, q[t], None, None)
+                np.testing.assert_array_equal(o1, o2)
+                np.testing.assert_array_equal(l1, l2)
+        assert cal.stats.kv_bytes == 0
+    with pytest.raises(ValueError, match="kv_source"):
+        kvsieve.Session.load(path, kv_source="borrowed")
+
+
 def test_caller_kv_errors(rng):
     pool = np.zeros((2, 2, HKV, 256, D), dtype=np.float32)
     with make("full") as own:
@@ -1272,6 +1304,21 @@ def test_caller_kv_on_cuda_matches_an_owned_session(layout, two_pools):
     with make("full", kv_source="caller") as c:  # a cpu session refuses a CUDA pool
         with pytest.raises(ValueError, match="pages: expected a tensor in cpu memory"):
             c.bind_kv(0, torch.zeros(2, 2, HKV, 256, D, device="cuda"), [0], 1)
+
+
+@pytest.mark.parametrize("device,extra", [("cpu", []), ("cuda", []), ("cuda", ["--layout", "NHD", "--two-pools"])])
+def test_paged_engine_example_runs(device, extra):
+    """examples/python/paged_engine.py (its own check: full over the engine's cache agrees with torch)."""
+    if device == "cuda":
+        _torch_cuda()
+    else:
+        pytest.importorskip("torch")
+    example = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "python",
+                           "paged_engine.py")
+    r = subprocess.run([sys.executable, example, "--device", device, "--steps", "3", "--draft", "2", "--prompt", "700",
+                        "300", "--method", "quest"] + extra, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "kvsieve holds 0 bytes of KV" in r.stdout
 
 
 def test_caller_kv_decode_batch_with_none(rng):

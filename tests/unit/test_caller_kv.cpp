@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <string>
@@ -191,6 +192,91 @@ TEST_CASE("caller KV (cpu): every method decodes exactly as a session storing th
     OK(kvs_session_truncate(C.s, at));  // the fork decodes the same token at the same place
     require_same(decode(F.s, &E, N, 10, at), decode(C.s, &E, N, 10, at));
   }
+}
+
+TEST_CASE("caller KV (cpu): a saved index loads into a session over the caller's cache and decodes on") {
+  // An engine restarts a session from its tables (kvs_load_params.kv_source = KVS_KV_CALLER): the
+  // layers are bound to the engine's cache and prefilled again with NULL k/v; the loaded index is
+  // kept, and the steps equal those of the session that saved it, to the bit.
+  Rng rng(3303);
+  TokenData D(rng, 8, 2, 32, 560);
+  const int64_t P = 520, END = P + 8;
+  const std::string tables = "caller_kv_load_tables.kvs", with_kv = "caller_kv_load_kv.kvs";
+  for (const char* method : kMethods) {
+    INFO(std::string(method));
+    Sess X;
+    auto px = params(D, method, KVS_KV_OWNED);
+    OK(kvs_session_create(&px, &X.s));
+    EngineCache E(D.hkv, D.d, 8);
+    T q(D.qt(0), f32(), {P, D.hq, D.d}), k(D.kt(0), f32(), {P, D.hkv, D.d}), v(D.vt(0), f32(), {P, D.hkv, D.d});
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      OK(kvs_session_prefill(X.s, l, &q.t, &k.t, &v.t, nullptr, nullptr));
+      E.write(l, D, 0, P);
+    }
+    OK(kvs_session_build_index(X.s, nullptr));
+    OK(kvs_session_save(X.s, tables.c_str(), KVS_SAVE_TABLES));
+    OK(kvs_session_save(X.s, with_kv.c_str(), KVS_SAVE_INCLUDE_KV));
+    for (const std::string& file : {tables, with_kv}) {
+      INFO(file);
+      kvs_load_params lp;
+      kvs_load_params_init(&lp);
+      CHECK(lp.kv_source == KVS_KV_OWNED);
+      lp.kv_source = KVS_KV_CALLER;
+      Sess C;
+      OK(kvs_session_load(file.c_str(), &lp, &C.s));
+      // The file's KV (if any) is not read: every layer waits for its tokens from the cache.
+      CHECK(layer_tokens(C.s, 0) == 0);
+      {
+        std::vector<float> o(size_t(D.hq) * D.d);
+        T q1(D.qt(P), f32(), {D.hq, D.d}), ot(o.data(), f32(), {D.hq, D.d});
+        Err e{kvs_session_decode(C.s, 0, &q1.t, nullptr, nullptr, &ot.t, nullptr, nullptr)};
+        CHECK(e.code() == KVS_STATUS_INVALID_STATE);
+      }
+      for (uint32_t l = 0; l < kLayers; ++l) {
+        E.bind(C.s, l);
+        T q0(D.qt(0), f32(), {200, D.hq, D.d}), q1(D.qt(200), f32(), {P - 200, D.hq, D.d});
+        OK(kvs_session_prefill(C.s, l, &q0.t, nullptr, nullptr, nullptr, nullptr));
+        OK(kvs_session_prefill(C.s, l, &q1.t, nullptr, nullptr, nullptr, nullptr));
+        REQUIRE(layer_tokens(C.s, l) == P);
+      }
+      // A fresh copy of the saver (the same file, its own KV) steps beside the caller's session.
+      Sess Y;
+      OK(kvs_session_load(with_kv.c_str(), nullptr, &Y.s));
+      kvs_session_stats sy, sc;
+      sy.struct_size = sc.struct_size = sizeof sy;
+      OK(kvs_session_get_stats(Y.s, &sy));
+      OK(kvs_session_get_stats(C.s, &sc));
+      CHECK(sc.kv_bytes == 0);
+      CHECK(sy.kv_bytes > 0);
+      CHECK(sc.index_bytes == sy.index_bytes);
+      EngineCache F = E;  // (the engine's cache, per file: each pass writes the same tokens)
+      for (int64_t t = P; t < END; ++t) {
+        INFO("token " << t);
+        require_same(decode(Y.s, nullptr, D, t, t), decode(C.s, &F, D, t, t));
+      }
+    }
+  }
+  {  // params->kv_source: checked as the caller's field, not the file's
+    kvs_load_params lp;
+    kvs_load_params_init(&lp);
+    lp.kv_source = 3;
+    Sess C;
+    Err e{kvs_session_load(tables.c_str(), &lp, &C.s)};
+    CHECK(e.code() == KVS_STATUS_INVALID_ARGUMENT);
+    CHECK(e.msg().find("params->kv_source") != std::string::npos);
+    lp.kv_source = KVS_KV_CALLER;
+    lp.kv_memory = KVS_DEVICE_CPU;
+    Err m{kvs_session_load(tables.c_str(), &lp, &C.s)};
+    CHECK(m.code() == KVS_STATUS_INVALID_ARGUMENT);
+    CHECK(m.msg().find("params->kv_memory") != std::string::npos);
+    lp.kv_memory = 0;
+    lp.backend = KVS_BACKEND_HYBRID;
+    Err h{kvs_session_load(tables.c_str(), &lp, &C.s)};
+    CHECK(h.code() == KVS_STATUS_UNSUPPORTED);
+    CHECK(h.msg().find("params->kv_source") != std::string::npos);
+  }
+  std::remove(tables.c_str());
+  std::remove(with_kv.c_str());
 }
 
 TEST_CASE("caller KV (cpu): bad bindings and calls fail naming the argument, and change nothing") {

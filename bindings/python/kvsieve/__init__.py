@@ -357,19 +357,21 @@ class Session:
 
     @classmethod
     def load(cls, path: str, *, backend=None, device_id: int = 0, num_threads: int = 0,
-             gemm="auto", mmap: bool = False, kv_memory="default") -> "Session":
+             gemm="auto", mmap: bool = False, kv_memory="default", kv_source="owned") -> "Session":
         """Loads a session saved by :meth:`save`; the shape is read from the file.
 
         The KV pages are copied into memory of the session's own; ``mmap=True`` maps them from the
         file instead (no copy: the file must then not be truncated or modified while the session,
         or a fork of it, lives). ``backend`` (None = as saved) may differ from the one that saved;
-        ``kv_memory`` as in :class:`Session`.
+        ``kv_memory`` as in :class:`Session`. ``kv_source="caller"``: the method's tables only, for
+        a session over an engine's own KV cache: bind each layer (:meth:`bind_kv`) and prefill it
+        again with ``k=None, v=None`` to the saved length; the loaded index is kept.
         """
         be = 0 if backend is None else _enum(backend, _BACKENDS, "backend")
         path = _path(path)
         flags = _native.KVS_LOAD_MMAP if mmap else 0
         h = _native.session_load(path, be, int(device_id), int(num_threads), _enum(gemm, _GEMMS, "gemm"), flags,
-                                 _enum(kv_memory, _KV_MEMORY, "kv_memory"))
+                                 _enum(kv_memory, _KV_MEMORY, "kv_memory"), _enum(kv_source, _KV_SOURCES, "kv_source"))
         s = cls(0, 0, 0, 0, _handle=h)
         # The C ABI has no shape getter: the shape comes from the file's header (already verified
         # by the load, so describing it cannot fail differently).
@@ -377,6 +379,7 @@ class Session:
         shape = hdr["shape"]
         s._set_shape(shape["num_layers"], shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"],
                      hdr["method"]["name"], be or int(hdr.get("backend", _native.KVS_BACKEND_CPU)), device_id)
+        s._kv_dtype = _KV_DTYPES.get(shape.get("kv_dtype"))  # (what bind_kv checks pools against)
         return s
 
     # -- lifetime

@@ -1404,12 +1404,13 @@ pub struct kvs_load_params {
     pub gemm: i32,
     pub flags: u32,
     pub kv_memory: i32,
+    pub kv_source: i32,
 }
 #[test]
 fn bindgen_test_layout_kvs_load_params() {
     assert_eq!(
         ::std::mem::size_of::<kvs_load_params>(),
-        28usize,
+        32usize,
         concat!("Size of: ", stringify!(kvs_load_params))
     );
     assert_eq!(
@@ -1536,6 +1537,23 @@ fn bindgen_test_layout_kvs_load_params() {
         );
     }
     test_field_kv_memory();
+    fn test_field_kv_source() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvs_load_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).kv_source) as usize - ptr as usize
+            },
+            28usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvs_load_params),
+                "::",
+                stringify!(kv_source)
+            )
+        );
+    }
+    test_field_kv_source();
 }
 extern "C" {
     #[doc = " Fills defaults (struct_size included; flags 0). @threadsafety any"]
@@ -1546,7 +1564,8 @@ extern "C" {
     #[doc = "  is verified; the KV pages and the index are copied, so the file may change or go once this"]
     #[doc = "  returns (with KVS_LOAD_MMAP the KV pages are mapped instead: see its hazard). A file without KV"]
     #[doc = "  yields a session whose layers must be prefilled again with the same lengths before decode (the"]
-    #[doc = "  loaded index is kept). @threadsafety any"]
+    #[doc = "  loaded index is kept); so does params->kv_source = KVS_KV_CALLER, whose prefill with NULL k/v"]
+    #[doc = "  counts the tokens of the bound cache (kvs_session_bind_kv). @threadsafety any"]
     pub fn kvs_session_load(
         path: *const ::std::os::raw::c_char,
         params: *const kvs_load_params,

@@ -222,6 +222,30 @@ class KvsieveTest {
       e = assertThrows(KvsException.class, () -> cal.bindKv(0, 256, 512, pages, P, KvLayout.HND, table, N + 2, 0));
       assertTrue(e.getMessage().contains("kv->v_pages: the cpu backend reads K and V in one tensor"), e.getMessage());
       assertThrows(NullPointerException.class, () -> cal.bindKv(0, 256, 0, pages, P, null, table, N + 2, 0));
+      // A fork keeps the bound buffer reachable, as its parent does.
+      try (Session f = cal.fork()) {
+        java.lang.reflect.Field bound = Session.class.getDeclaredField("boundPools");
+        bound.setAccessible(true);
+        assertSame(pool, ((java.util.Map<?, ?>) bound.get(f)).get(0L));
+        assertEquals(N + 2, f.layerTokens(0));
+      } catch (ReflectiveOperationException x) {
+        fail(x);
+      }
+      // The owned session's tables load into a session over the caller's pool: bound and prefilled
+      // again (null k, v) to the saved length, it keeps the loaded index and holds no KV.
+      String path = "java_caller_kv.kvs";
+      own.save(path, false);
+      try (Session ld = Session.load(path, false, true);
+           Tensor all = Tensor.of(q, DType.F32, N + 2, HQ, D)) {
+        assertEquals(0, ld.layerTokens(0));
+        ld.bindKv(0, pool, pages, P, table, N + 2);
+        ld.prefill(0, all, null, null, null, 0);
+        assertEquals(N + 2, ld.layerTokens(0));
+        assertEquals(0, ld.stats().getKvBytes().signum());
+        assertEquals(own.stats().getIndexBytes(), ld.stats().getIndexBytes());
+      } finally {
+        new java.io.File(path).delete();
+      }
     }
   }
 
