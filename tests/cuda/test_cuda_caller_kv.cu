@@ -289,6 +289,61 @@ void run_method(const char* method, int P, const char* params = nullptr, Layout 
   for (auto s : cal) kvs_session_destroy(s);
 }
 
+// A saved index loaded into a session over the engine's cache (kvs_load_params.kv_source): bound,
+// prefilled again with NULL k/v, it decodes as the saver's own reload does, to the bit.
+void run_loaded(const char* method, int P, Layout lay) {
+  const int64_t n = g_small_caller ? 600 : 1500, steps = 6;
+  const Tokens x = tokens(n + steps + 4, 31);
+  EnginePool pool(P, (n + steps + P) / P + 4, lay);
+  EnginePool scratch_pool(P, (n + steps + P) / P + 4);
+  EngineSeq es{&pool}, scratch{&scratch_pool};
+  kvs_session_params p = one_layer_params(method, KVS_SCALAR_BF16, kHq, kHkv, kD, 0.1);
+  p.backend = KVS_BACKEND_CUDA;
+  kvs_session_t own = nullptr, cal0 = nullptr, ref = nullptr, cal = nullptr;
+  bool good = ok(kvs_session_create(&p, &own), "create owned");
+  p.kv_source = KVS_KV_CALLER;
+  good = good && ok(kvs_session_create(&p, &cal0), "create caller");
+  good = good && add(own, cal0, scratch, x, 0, n, true) && ok(kvs_session_build_index(own, nullptr), "build owned");
+  const char* tables = "caller_kv_loaded_tables.kvs";
+  const char* with_kv = "caller_kv_loaded_kv.kvs";
+  good = good && ok(kvs_session_save(own, tables, KVS_SAVE_TABLES), "save tables") &&
+         ok(kvs_session_save(own, with_kv, KVS_SAVE_INCLUDE_KV), "save with KV");
+  kvs_load_params lp;
+  kvs_load_params_init(&lp);
+  lp.backend = KVS_BACKEND_CUDA;
+  good = good && ok(kvs_session_load(with_kv, &lp, &ref), "load the saver's copy");
+  lp.kv_source = KVS_KV_CALLER;
+  good = good && ok(kvs_session_load(tables, &lp, &cal), "load tables into a caller session");
+  Diff df;
+  if (good) {
+    for (int64_t t = 0; t < n; ++t) es.put(x.kt(t), x.vt(t), t);
+    std::vector<float> q(x.qt(0), x.qt(n));
+    float* dq = upload(q);
+    Tensor tq(dq, KVS_DEVICE_CUDA, F32, {n, kHq, kD});
+    good = es.bind(cal, "bind (loaded)") && ok(kvs_session_prefill(cal, 0, &tq.t, nullptr, nullptr, nullptr, nullptr),
+                                               "prefill the loaded caller session");
+    cudaDeviceSynchronize();
+    cudaFree(dq);
+    cudaStream_t stream;
+    cudaStreamCreate(&stream);
+    std::vector<kvs_session_t> r{ref}, c{cal};
+    std::vector<EngineSeq> e{es};
+    std::vector<const Tokens*> xp{&x};
+    for (int64_t s = 0; good && s < steps; ++s) {
+      std::vector<int64_t> pos{n + s};
+      step(r, c, e, xp, pos, pos, stream, df);
+    }
+    cudaStreamDestroy(stream);
+  }
+  const bool exact = std::string(method) != "retroinfer";
+  CAPI_CHECK(good && (exact ? df.bits && df.overlap == 1.0 : df.err < 2e-2),
+             "%s P=%d %s: tables loaded into a caller session decode as the saver's reload (bits %d, err %.3g, overlap %.3f)",
+             method, P, lay.name(), int(df.bits), df.err, df.overlap);
+  for (kvs_session_t h : {own, cal0, ref, cal}) kvs_session_destroy(h);
+  std::remove(tables);
+  std::remove(with_kv);
+}
+
 void run_caller_errors() {
   kvs_session_params p = one_layer_params("quest", KVS_SCALAR_BF16, kHq, kHkv, kD, 0.1);
   p.backend = KVS_BACKEND_CUDA;
@@ -409,6 +464,9 @@ int run_caller_kv_tests(bool small) {
   }
   run_method("quest", 64, "page_size=16");
   run_method("quest", 64, "page_size=16", Layout{true, true});
+  for (const char* m : {"quest", "csattention", "exact_topk"}) run_loaded(m, 16, Layout{true, true});
+  run_loaded("quest", 256, Layout{});
+  run_loaded("retroinfer", 256, Layout{});
   run_method("retroinfer", 256);
   std::printf("caller KV: %d passed, %d failed\n", g_pass, g_fail);
   return g_fail;

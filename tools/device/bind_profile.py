@@ -35,7 +35,7 @@ def main():
         changed = table.copy()
 
         def native(ids):
-            h.bind_kv(0, ptr, npages, P, int(ids.ctypes.data), len(ids), n, 0, nbytes)
+            h.bind_kv(0, ptr, npages, P, int(ids.ctypes.data), len(ids), n, 0, nbytes, 0, 0, 0)
 
         def native_changed():  # the last entry differs every call
             changed[n // P - 1] ^= 1
@@ -46,6 +46,14 @@ def main():
         c = mean_us(native_changed)
         print(f"P={P} n={n} entries={n // P}: Session.bind_kv {a:.1f} us, native call {b:.1f} us, "
               f"native with the last entry changed {c:.1f} us")
+        s.close()
+        # vLLM's FlashAttention cache: NHD pages, K and V in two tensors.
+        kv_cache = torch.zeros(2, npages, P, hkv, d, device="cuda", dtype=torch.bfloat16)
+        s = kvsieve.Session(1, hq, hkv, d, method="full", backend="cuda", kv_source="caller")
+        pools = (kv_cache[0], kv_cache[1])
+        s.bind_kv(0, pools, table, n, layout="NHD")
+        e = mean_us(lambda: s.bind_kv(0, pools, table, n, layout="NHD"))
+        print(f"P={P} n={n} NHD, two pools: Session.bind_kv {e:.1f} us")
         s.close()
 
 

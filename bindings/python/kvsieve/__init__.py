@@ -326,7 +326,7 @@ class Session:
         # sessions run in parallel, the GIL being released inside each call.
         self._lock = _threading.RLock()
         self._bound = {}  # layer -> the caller's page pool (bind_kv), kept alive while bound
-        self._bound_args = {}  # layer -> (pools, nhd, their addresses and shapes, the checked arguments)
+        self._bound_args = {}  # layer -> (nhd, the pools' signatures (_pool_sig), the checked arguments)
         self._kv_dtype = None
         if _handle is not None:
             self._h = _handle
@@ -502,13 +502,13 @@ class Session:
                                        f"pages: expected one tensor or a pair (k_pages, v_pages), got {len(pages)} items")
         pools = tuple(pages) if split else (pages,)
         layer = int(layer)
-        # The pools of the layer's last binding, checked then: only their address and shape are
-        # compared again (an engine binds the same pools at every step).
+        # The pools of the layer's last binding were checked then: a pool with the same address,
+        # shape, strides, dtype and device (an engine binds the same pools at every step, often
+        # through new views such as kv_cache[0]) passes on that check.
         last = self._bound_args.get(layer)
         sigs = [_pool_sig(t) for t in pools]
-        if (last is not None and last[1] == nhd and len(last[0]) == len(pools) and None not in sigs
-                and all(a is b for a, b in zip(last[0], pools)) and last[2] == sigs):
-            args = last[3]
+        if last is not None and last[0] == nhd and last[1] == sigs and None not in sigs:
+            args = last[2]
         else:
             args = self._pool_args(pools, nhd, split)
         if (type(page_indices) is _np.ndarray and page_indices.dtype == _np.int32 and page_indices.ndim == 1
@@ -533,7 +533,7 @@ class Session:
                                    _stream_ptr(stream), k_bytes,
                                    _native.KVS_KV_LAYOUT_NHD if nhd else _native.KVS_KV_LAYOUT_HND, v_ptr, v_bytes)
             self._bound[layer] = pools if split else pages
-            self._bound_args[layer] = (pools, nhd, sigs, args)
+            self._bound_args[layer] = (nhd, sigs, args)
 
     def _pool_args(self, pools, nhd, split):
         """bind_kv's pools checked against the session (shape, dtype, memory): (K address, K bytes,
@@ -638,12 +638,13 @@ _KV_DTYPE_NAMES = {_native.KVS_SCALAR_F32: "float32", _native.KVS_SCALAR_F16: "f
 
 
 def _pool_sig(t):
-    """What must not change for a pool bind_kv checked before to pass unchecked: address and shape."""
-    if hasattr(t, "data_ptr") and hasattr(t, "stride"):  # torch
-        return t.data_ptr(), t.shape, t.stride()
+    """Everything bind_kv checks of a pool (address, shape, strides or contiguity, dtype, device):
+    equal signatures, equal verdicts. None for what is checked at every binding."""
+    if hasattr(t, "data_ptr") and hasattr(t, "stride") and hasattr(t, "device"):  # torch
+        return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
     if type(t) is _np.ndarray:
         return t.__array_interface__["data"][0], t.shape, t.dtype, t.flags.c_contiguous
-    return None  # (anything else is checked at every binding)
+    return None
 
 
 def _buffer_address(t, kv_dtype, name="pages"):
