@@ -34,9 +34,10 @@ enum { KVSGO_PREFILL, KVSGO_APPEND, KVSGO_DECODE, KVSGO_BATCH_DECODE, KVSGO_DECO
 // The tensor descriptions are built here, on the C stack, around Go memory passed as arguments:
 // cgo forbids Go memory that holds Go pointers (a kvs_tensor's data) from being passed to C.
 // shapes: 5 x 3 dims of q, k, v, o, lse; ndims: their ranks. o and lse may be NULL (absent).
+// kv_given 0: NULL k and v (a session over the caller's cache counts the next bound tokens).
 static kvs_error_t kvsgo_step(int op, kvs_session_t s, kvs_batch_t b, kvs_session_t* many, size_t count,
                               uint32_t layer, const int64_t* shapes, const int32_t* ndims, int o_given,
-                              int lse_given, float* q, float* k, float* v, float* o, float* lse) {
+                              int lse_given, int kv_given, float* q, float* k, float* v, float* o, float* lse) {
   int64_t sh[5][3];
   kvs_tensor t[5];
   float* data[5] = {q, k, v, o, lse};
@@ -53,13 +54,35 @@ static kvs_error_t kvsgo_step(int op, kvs_session_t s, kvs_batch_t b, kvs_sessio
   }
   const kvs_tensor* to = o_given ? &t[3] : NULL;
   const kvs_tensor* tl = lse_given ? &t[4] : NULL;
+  const kvs_tensor* tk = kv_given ? &t[1] : NULL;
+  const kvs_tensor* tv = kv_given ? &t[2] : NULL;
   switch (op) {
-    case KVSGO_PREFILL: return kvs_session_prefill(s, layer, &t[0], &t[1], &t[2], to, NULL);
-    case KVSGO_APPEND: return kvs_session_append(s, layer, &t[0], &t[1], &t[2], to, NULL);
-    case KVSGO_DECODE: return kvs_session_decode(s, layer, &t[0], &t[1], &t[2], to, tl, NULL);
-    case KVSGO_BATCH_DECODE: return kvs_batch_decode(b, layer, &t[0], &t[1], &t[2], to, tl, NULL);
-    default: return kvs_decode_batch(many, count, layer, &t[0], &t[1], &t[2], to, tl, NULL);
+    case KVSGO_PREFILL: return kvs_session_prefill(s, layer, &t[0], tk, tv, to, NULL);
+    case KVSGO_APPEND: return kvs_session_append(s, layer, &t[0], tk, tv, to, NULL);
+    case KVSGO_DECODE: return kvs_session_decode(s, layer, &t[0], tk, tv, to, tl, NULL);
+    case KVSGO_BATCH_DECODE: return kvs_batch_decode(b, layer, &t[0], tk, tv, to, tl, NULL);
+    default: return kvs_decode_batch(many, count, layer, &t[0], tk, tv, to, tl, NULL);
   }
+}
+
+// kvs_session_bind_kv with the struct built here: page_indices is Go memory passed as an argument
+// (a C struct must not hold a Go pointer); the pools are addresses of memory Go does not manage.
+static kvs_error_t kvsgo_bind(kvs_session_t s, uint32_t layer, uintptr_t pages, int64_t num_pages, int32_t page_size,
+                              const int32_t* ids, int64_t n, int64_t num_tokens, uint64_t pool_bytes,
+                              int32_t layout, uintptr_t v_pages, uint64_t v_pool_bytes, uintptr_t stream) {
+  kvs_paged_kv kv;
+  kvs_paged_kv_init(&kv);
+  kv.pages = (const void*)pages;
+  kv.num_pages = num_pages;
+  kv.page_size = page_size;
+  kv.page_indices = ids;
+  kv.num_page_indices = n;
+  kv.num_tokens = num_tokens;
+  kv.pool_bytes = pool_bytes;
+  kv.layout = layout;
+  kv.v_pages = (const void*)v_pages;
+  kv.v_pool_bytes = v_pool_bytes;
+  return kvs_session_bind_kv(s, layer, &kv, (void*)stream);
 }
 */
 import "C"
@@ -288,6 +311,9 @@ type SessionParams struct {
 	// KVMemory is where the KV cache lives, a kvs_device_type (3 = KVS_DEVICE_CUDA_HOST: the cuda
 	// backend keeps it in pinned host memory that its kernels read over the bus); 0 = the backend's own.
 	KVMemory int32
+	// KVFromCaller: the session attends the caller's paged KV cache (kv_source = KVS_KV_CALLER),
+	// bound per layer with BindKV; prefill, append and decode with the Bound calls.
+	KVFromCaller bool
 }
 
 // LseBase is kvs_lse_base: the base of the log-sum-exp a decode step writes.
@@ -333,6 +359,9 @@ type LoadParams struct {
 	NumThreads uint32 // 0 = all hardware threads
 	Gemm       Gemm
 	KVMemory   int32 // as SessionParams.KVMemory; 0 = the backend's own memory
+	// KVFromCaller: the tables only, for a session over the caller's cache (bind each layer with
+	// BindKV, then PrefillBound it again to the saved length; the loaded index is kept).
+	KVFromCaller bool
 }
 
 // Stats mirrors kvs_session_stats.
@@ -370,6 +399,9 @@ func NewSession(p SessionParams) (*Session, error) {
 	c.budget, c.budget_tokens = C.double(p.Budget), C.int64_t(p.BudgetTokens)
 	c.lse_base, c.max_rollback = C.int32_t(p.LseBase), C.int64_t(p.MaxRollback)
 	c.kv_memory = C.int32_t(p.KVMemory)
+	if p.KVFromCaller {
+		c.kv_source = C.KVS_KV_CALLER
+	}
 	// The strings live in C memory (a C struct must not hold Go pointers); the library copies them.
 	if p.Method != "" {
 		c.method = C.CString(p.Method)
@@ -400,6 +432,9 @@ func LoadSession(path string, p LoadParams) (*Session, error) {
 	c.backend, c.device_id = C.int32_t(p.Backend), C.int32_t(p.DeviceID)
 	c.num_threads, c.gemm = C.uint32_t(p.NumThreads), C.int32_t(p.Gemm)
 	c.kv_memory = C.int32_t(p.KVMemory)
+	if p.KVFromCaller {
+		c.kv_source = C.KVS_KV_CALLER
+	}
 	var raw C.kvs_session_t
 	if err := check(C.kvs_session_load(cp, &c, &raw)); err != nil {
 		return nil, err
@@ -470,6 +505,7 @@ func ptr(s []float32) *C.float {
 
 type stepArgs struct {
 	q, k, v, o, lse []float32
+	bound           bool // no k, v: a session over the caller's cache counts the next bound tokens
 	// inner dims and layouts of each
 	inner  [5][]uint32
 	layout [5]string
@@ -484,8 +520,12 @@ func step(op C.int, s C.kvs_session_t, b C.kvs_batch_t, many []C.kvs_session_t, 
 		names[1], names[2] = "k_new", "v_new"
 	}
 	data := [5][]float32{a.q, a.k, a.v, a.o, a.lse}
+	kvGiven := C.int(1)
+	if a.bound {
+		kvGiven = 0
+	}
 	for i := range data {
-		if (i == 3 || i == 4) && data[i] == nil {
+		if ((i == 3 || i == 4) && data[i] == nil) || ((i == 1 || i == 2) && a.bound) {
 			continue
 		}
 		var err error
@@ -506,12 +546,12 @@ func step(op C.int, s C.kvs_session_t, b C.kvs_batch_t, many []C.kvs_session_t, 
 	}
 	return check(C.kvsgo_step(op, s, b, manyp, C.size_t(len(many)), C.uint32_t(layer),
 		(*C.int64_t)(unsafe.Pointer(&shapes[0][0])), (*C.int32_t)(unsafe.Pointer(&ndims[0])), oGiven, lseGiven,
-		ptr(a.q), ptr(a.k), ptr(a.v), ptr(a.o), ptr(a.lse)))
+		kvGiven, ptr(a.q), ptr(a.k), ptr(a.v), ptr(a.o), ptr(a.lse)))
 }
 
-func (s *Session) chunk(op C.int, layer uint32, q, k, v, o []float32) error {
+func (s *Session) chunk(op C.int, layer uint32, q, k, v, o []float32, bound bool) error {
 	hq, hkv, d := s.shape.NumQHeads, s.shape.NumKVHeads, s.shape.HeadDim
-	err := step(op, s.raw, nil, nil, layer, stepArgs{q: q, k: k, v: v, o: o,
+	err := step(op, s.raw, nil, nil, layer, stepArgs{q: q, k: k, v: v, o: o, bound: bound,
 		inner:  [5][]uint32{{hq, d}, {hkv, d}, {hkv, d}, {hq, d}, nil},
 		layout: [5]string{"[n, Hq, d]", "[n, Hkv, d]", "[n, Hkv, d]", "[n, Hq, d]", ""}})
 	runtime.KeepAlive(s)
@@ -522,13 +562,13 @@ func (s *Session) chunk(op C.int, layer uint32, q, k, v, o []float32) error {
 // [n, Hkv, d]. o (nil to skip) [n, Hq, d] receives causal attention of the chunk over the prompt
 // so far.
 func (s *Session) Prefill(layer uint32, q, k, v, o []float32) error {
-	return s.chunk(C.KVSGO_PREFILL, layer, q, k, v, o)
+	return s.chunk(C.KVSGO_PREFILL, layer, q, k, v, o, false)
 }
 
 // Append adds several tokens of one layer after the index is built (kvs_session_append), shapes
 // as Prefill; o (nil to skip) receives exact causal attention over the whole context.
 func (s *Session) Append(layer uint32, q, k, v, o []float32) error {
-	return s.chunk(C.KVSGO_APPEND, layer, q, k, v, o)
+	return s.chunk(C.KVSGO_APPEND, layer, q, k, v, o, false)
 }
 
 // BuildIndex builds the method's index over every prefilled layer (kvs_session_build_index).
@@ -543,6 +583,112 @@ func (s *Session) BuildIndex() error {
 func (s *Session) Decode(layer uint32, q, kNew, vNew, o, lse []float32) error {
 	d := s.shape.HeadDim
 	err := step(C.KVSGO_DECODE, s.raw, nil, nil, layer, stepArgs{q: q, k: kNew, v: vNew, o: o, lse: lse,
+		inner:  [5][]uint32{{d}, {d}, {d}, {d}, {}},
+		layout: [5]string{"[Hq, d]", "[Hkv, d]", "[Hkv, d]", "[Hq, d]", "[Hq]"}})
+	runtime.KeepAlive(s)
+	return err
+}
+
+// KVLayout is kvs_kv_layout: how a page of a caller's KV cache orders its tokens and heads.
+type KVLayout int32
+
+const (
+	KVLayoutHND KVLayout = C.KVS_KV_LAYOUT_HND // [Hkv][page_size][d] per page (the default)
+	KVLayoutNHD KVLayout = C.KVS_KV_LAYOUT_NHD // [page_size][Hkv][d] per page (cuda backend)
+)
+
+// PagedKV mirrors kvs_paged_kv (docs/api.md, "kvs_session_bind_kv"): one layer's KV cache as an
+// inference engine keeps it. Pages and VPages are addresses of memory Go does not manage (cgo
+// forbids C from keeping Go pointers): a HostPagePool's Addr, or GPU memory of the session's device.
+type PagedKV struct {
+	Pages       uintptr // the pool (the K pool when VPages is set)
+	NumPages    int64
+	PageSize    int32   // 256 on the cpu backend; a power of two in 16..1024 on the cuda backend
+	PageIndices []int32 // the sequence's pages in token order (copied by the library)
+	NumTokens   int64   // tokens of the sequence the cache holds in this layer now
+	PoolBytes   uint64  // bytes the pool spans (0: not checked)
+	Layout      KVLayout
+	VPages      uintptr // 0: K and V in one pool; else the V pool (cuda backend)
+	VPoolBytes  uint64
+	Stream      uintptr // a cudaStream_t (cuda backend); 0 = the default stream
+}
+
+// HostPagePool is host memory for a caller's KV pages that the library may keep pointing to: C
+// memory, zeroed, 16-byte aligned, freed by Free (never by the garbage collector). Free it only
+// once no session is bound to it any more.
+type HostPagePool struct {
+	p     unsafe.Pointer
+	bytes int
+}
+
+// NewHostPagePool allocates bytes of zeroed C memory.
+func NewHostPagePool(bytes int) (*HostPagePool, error) {
+	if bytes <= 0 {
+		return nil, invalid("bytes: expected > 0, got %d", bytes)
+	}
+	p := C.calloc(C.size_t(bytes), 1)
+	if p == nil {
+		return nil, &Error{Status: StatusOutOfMemory, Message: fmt.Sprintf("NewHostPagePool: %d bytes", bytes)}
+	}
+	return &HostPagePool{p: p, bytes: bytes}, nil
+}
+
+// Addr is the pool's address (PagedKV.Pages); Bytes its size (PagedKV.PoolBytes).
+func (h *HostPagePool) Addr() uintptr { return uintptr(h.p) }
+func (h *HostPagePool) Bytes() uint64 { return uint64(h.bytes) }
+
+// Float32s is the pool as float32 values (f32 KV), for the engine to write tokens into.
+func (h *HostPagePool) Float32s() []float32 {
+	return unsafe.Slice((*float32)(h.p), h.bytes/4)
+}
+
+// Uint16s is the pool as 16-bit values (bf16 or f16 KV bits).
+func (h *HostPagePool) Uint16s() []uint16 {
+	return unsafe.Slice((*uint16)(h.p), h.bytes/2)
+}
+
+// Free releases the memory; idempotent.
+func (h *HostPagePool) Free() {
+	if h.p != nil {
+		C.free(h.p)
+		h.p = nil
+	}
+}
+
+// BindKV declares where layer's K/V are now (kvs_session_bind_kv), for sessions created with
+// SessionParams.KVFromCaller: kvsieve keeps no copy and reads them in place. Bind again whenever
+// the engine's page table grows or changes; PrefillBound, AppendBound and DecodeBound then count the
+// next bound tokens as theirs. The pools must stay allocated, and the K/V of the tokens the session
+// counts unchanged, until the layer is bound anew or the session (and its forks) is closed.
+func (s *Session) BindKV(layer uint32, kv PagedKV) error {
+	var ids *C.int32_t
+	if len(kv.PageIndices) > 0 {
+		ids = (*C.int32_t)(unsafe.Pointer(&kv.PageIndices[0]))
+	}
+	err := check(C.kvsgo_bind(s.raw, C.uint32_t(layer), C.uintptr_t(kv.Pages), C.int64_t(kv.NumPages),
+		C.int32_t(kv.PageSize), ids, C.int64_t(len(kv.PageIndices)), C.int64_t(kv.NumTokens),
+		C.uint64_t(kv.PoolBytes), C.int32_t(kv.Layout), C.uintptr_t(kv.VPages), C.uint64_t(kv.VPoolBytes),
+		C.uintptr_t(kv.Stream)))
+	runtime.KeepAlive(s)
+	return err
+}
+
+// PrefillBound is Prefill for a session over the caller's cache: q [n, Hq, d], the chunk's K/V
+// being the next n bound tokens.
+func (s *Session) PrefillBound(layer uint32, q, o []float32) error {
+	return s.chunk(C.KVSGO_PREFILL, layer, q, nil, nil, o, true)
+}
+
+// AppendBound is Append for a session over the caller's cache (the next n bound tokens).
+func (s *Session) AppendBound(layer uint32, q, o []float32) error {
+	return s.chunk(C.KVSGO_APPEND, layer, q, nil, nil, o, true)
+}
+
+// DecodeBound is Decode for a session over the caller's cache: the step's token is the bound
+// token at LayerTokens(layer).
+func (s *Session) DecodeBound(layer uint32, q, o, lse []float32) error {
+	d := s.shape.HeadDim
+	err := step(C.KVSGO_DECODE, s.raw, nil, nil, layer, stepArgs{q: q, o: o, lse: lse, bound: true,
 		inner:  [5][]uint32{{d}, {d}, {d}, {d}, {}},
 		layout: [5]string{"[Hq, d]", "[Hkv, d]", "[Hkv, d]", "[Hq, d]", "[Hq]"}})
 	runtime.KeepAlive(s)

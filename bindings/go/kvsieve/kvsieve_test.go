@@ -486,3 +486,113 @@ func TestTruncateAndLseBase2(t *testing.T) {
 		}
 	}
 }
+
+// A session over the caller's paged cache (KVFromCaller, BindKV, the Bound calls) decodes as one
+// storing the same tokens, to the bit; its tables load back into a caller session.
+func TestCallerKVMatchesAnOwnedSession(t *testing.T) {
+	rng := rand.New(rand.NewSource(77))
+	const n, page = 300, 256 // the cpu backend's page size
+	q, k, v := randVec(rng, (n+2)*hq*d), randVec(rng, (n+2)*hkv*d), randVec(rng, (n+2)*hkv*d)
+	// The engine's pool: 3 pages of [2][Hkv][P][d] float32 in C memory; the sequence in pages 2, 0.
+	pool, err := NewHostPagePool(3 * 2 * hkv * page * d * 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Free()
+	f := pool.Float32s()
+	table := []int32{2, 0}
+	for tok := 0; tok < n+2; tok++ {
+		pg := int(table[tok/page])
+		for h := 0; h < hkv; h++ {
+			for j := 0; j < d; j++ {
+				f[((pg*2)*hkv+h)*page*d+(tok%page)*d+j] = k[(tok*hkv+h)*d+j]
+				f[((pg*2+1)*hkv+h)*page*d+(tok%page)*d+j] = v[(tok*hkv+h)*d+j]
+			}
+		}
+	}
+	bind := func(s *Session, tokens int) {
+		t.Helper()
+		kv := PagedKV{Pages: pool.Addr(), NumPages: 3, PageSize: page, PageIndices: table, NumTokens: int64(tokens),
+			PoolBytes: pool.Bytes()}
+		if err := s.BindKV(0, kv); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p := NewSessionParams(1, hq, hkv, d)
+	p.Method, p.Budget, p.KVDtype, p.NumThreads = "quest", 0.3, F32, 1
+	own, err := NewSession(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer own.Close()
+	p.KVFromCaller = true
+	cal, err := NewSession(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cal.Close()
+	if err := own.Prefill(0, q[:n*hq*d], k[:n*hkv*d], v[:n*hkv*d], nil); err != nil {
+		t.Fatal(err)
+	}
+	var e *Error
+	if err := cal.PrefillBound(0, q[:n*hq*d], nil); !errors.As(err, &e) || e.Status != StatusInvalidState {
+		t.Fatalf("prefill before any binding: %v", err)
+	}
+	bind(cal, n)
+	if err := cal.PrefillBound(0, q[:n*hq*d], nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := own.BuildIndex(); err != nil {
+		t.Fatal(err)
+	}
+	if err := cal.BuildIndex(); err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(t.TempDir(), "quest.kvs")
+	if err := own.Save(path, false); err != nil {
+		t.Fatal(err)
+	}
+	ld, err := LoadSession(path, LoadParams{KVFromCaller: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ld.Close()
+	if got, _ := ld.LayerTokens(0); got != 0 {
+		t.Fatalf("a caller session loaded from tables holds %d tokens before its prefill", got)
+	}
+	bind(ld, n)
+	if err := ld.PrefillBound(0, q[:n*hq*d], nil); err != nil {
+		t.Fatal(err)
+	}
+	for tok := n; tok < n+2; tok++ {
+		o1, o2, o3 := nans(hq*d), nans(hq*d), nans(hq*d)
+		qt := q[tok*hq*d : (tok+1)*hq*d]
+		if err := own.Decode(0, qt, k[tok*hkv*d:(tok+1)*hkv*d], v[tok*hkv*d:(tok+1)*hkv*d], o1, nil); err != nil {
+			t.Fatal(err)
+		}
+		bind(cal, tok+1)
+		bind(ld, tok+1)
+		if err := cal.DecodeBound(0, qt, o2, nil); err != nil {
+			t.Fatal(err)
+		}
+		if err := ld.DecodeBound(0, qt, o3, nil); err != nil {
+			t.Fatal(err)
+		}
+		for i := range o1 {
+			if o1[i] != o2[i] || o1[i] != o3[i] {
+				t.Fatalf("token %d, element %d: owned %v, caller %v, loaded caller %v", tok, i, o1[i], o2[i], o3[i])
+			}
+		}
+	}
+	st, err := cal.Stats()
+	if err != nil || st.KVBytes != 0 {
+		t.Fatalf("the caller session holds KV: %v %v", st.KVBytes, err)
+	}
+	// The cpu backend reads HND pages only.
+	kv := PagedKV{Pages: pool.Addr(), NumPages: 3, PageSize: page, PageIndices: table, NumTokens: n + 2,
+		Layout: KVLayoutNHD}
+	if err := cal.BindKV(0, kv); !errors.As(err, &e) || e.Status != StatusUnsupported ||
+		!strings.Contains(e.Message, "kv->layout") {
+		t.Fatalf("NHD on the cpu backend: %v", err)
+	}
+}

@@ -289,6 +289,65 @@ impl LseBase {
     }
 }
 
+/// How a page of a caller's KV cache orders its tokens and heads (`kvs_kv_layout`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvLayout {
+    /// `[num_kv_heads][page_size][head_dim]` per page (the default).
+    Hnd,
+    /// `[page_size][num_kv_heads][head_dim]` per page (vLLM's and FlashInfer's default; cuda backend).
+    Nhd,
+}
+
+impl KvLayout {
+    pub fn raw(self) -> i32 {
+        (match self {
+            KvLayout::Hnd => sys::KVS_KV_LAYOUT_HND,
+            KvLayout::Nhd => sys::KVS_KV_LAYOUT_NHD,
+        }) as i32
+    }
+}
+
+/// One layer's KV cache as an inference engine keeps it (`kvs_paged_kv`, docs/api.md,
+/// "kvs_session_bind_kv"): a pool of pages in the session's kv_dtype and the sequence's pages in
+/// token order (token t is slot t % page_size of pool page page_indices[t / page_size]).
+#[derive(Clone, Copy, Debug)]
+pub struct PagedKv<'a> {
+    /// The pool (the K pool when `v_pages` is set): host memory (cpu backend) or GPU memory of the
+    /// session's device (cuda backend).
+    pub pages: *const std::ffi::c_void,
+    pub num_pages: i64,
+    /// Tokens per page: 256 on the cpu backend, a power of two in 16..1024 on the cuda backend.
+    pub page_size: i32,
+    /// The sequence's pages in token order (copied by the library).
+    pub page_indices: &'a [i32],
+    /// Tokens of the sequence the cache holds in this layer now.
+    pub num_tokens: i64,
+    /// Bytes the pool spans (0: not checked).
+    pub pool_bytes: u64,
+    pub layout: KvLayout,
+    /// Null: K and V in one pool; else the V pool, of the K pool's shape (cuda backend).
+    pub v_pages: *const std::ffi::c_void,
+    pub v_pool_bytes: u64,
+}
+
+impl<'a> PagedKv<'a> {
+    /// A pool in host memory (the cpu backend's form: HND pages of 256 tokens, K and V in one
+    /// pool, `[num_pages][2][num_kv_heads][256][head_dim]`), its bytes known from the slice.
+    pub fn host<T>(pool: &'a [T], num_pages: i64, page_size: i32, page_indices: &'a [i32], num_tokens: i64) -> Self {
+        PagedKv {
+            pages: pool.as_ptr() as *const std::ffi::c_void,
+            num_pages,
+            page_size,
+            page_indices,
+            num_tokens,
+            pool_bytes: std::mem::size_of_val(pool) as u64,
+            layout: KvLayout::Hnd,
+            v_pages: ptr::null(),
+            v_pool_bytes: 0,
+        }
+    }
+}
+
 /// The registered methods' names, in registry order.
 pub fn methods() -> Vec<String> {
     let n = unsafe { sys::kvs_method_count() };
@@ -460,6 +519,9 @@ pub struct SessionParams {
     /// Where the KV cache lives, a `kvs_device_type` (`sys::KVS_DEVICE_CUDA_HOST`: the cuda backend
     /// keeps it in pinned host memory that its kernels read over the bus); 0 = the backend's own.
     pub kv_memory: i32,
+    /// Who stores the K/V: `KVS_KV_OWNED` (0, the default) or `KVS_KV_CALLER`, an engine's paged
+    /// cache bound per layer with [`Session::bind_kv`] (set it with [`SessionParams::kv_from_caller`]).
+    pub kv_source: i32,
 }
 
 impl SessionParams {
@@ -485,7 +547,14 @@ impl SessionParams {
             lse_base: LseBase::from_raw(p.lse_base).unwrap_or(LseBase::E),
             max_rollback: p.max_rollback,
             kv_memory: p.kv_memory,
+            kv_source: p.kv_source,
         }
+    }
+    /// true: the session attends the caller's paged KV cache (`KVS_KV_CALLER`): bind each layer
+    /// with [`Session::bind_kv`], then prefill, append and decode with the `_bound` calls.
+    pub fn kv_from_caller(mut self, yes: bool) -> Self {
+        self.kv_source = (if yes { sys::KVS_KV_CALLER } else { sys::KVS_KV_OWNED }) as i32;
+        self
     }
     pub fn method(mut self, method: &str) -> Self {
         self.method = Some(method.to_string());
@@ -541,6 +610,10 @@ pub struct LoadParams {
     pub gemm: Gemm,
     /// As [`SessionParams::kv_memory`]; 0 = the backend's own memory.
     pub kv_memory: i32,
+    /// As [`SessionParams::kv_source`]: `KVS_KV_CALLER` ([`LoadParams::kv_from_caller`]) loads the
+    /// tables only, for a session over the caller's cache (bind each layer, then prefill it again
+    /// with [`Session::prefill_bound`]).
+    pub kv_source: i32,
 }
 
 impl Default for LoadParams {
@@ -553,7 +626,16 @@ impl Default for LoadParams {
             num_threads: p.num_threads,
             gemm: Gemm::from_raw(p.gemm).unwrap_or(Gemm::Auto),
             kv_memory: p.kv_memory,
+            kv_source: p.kv_source,
         }
+    }
+}
+
+impl LoadParams {
+    /// true: load the tables only, for a session over the caller's cache (`KVS_KV_CALLER`).
+    pub fn kv_from_caller(mut self, yes: bool) -> Self {
+        self.kv_source = (if yes { sys::KVS_KV_CALLER } else { sys::KVS_KV_OWNED }) as i32;
+        self
     }
 }
 
@@ -628,6 +710,7 @@ impl Session {
         p.lse_base = params.lse_base.raw();
         p.max_rollback = params.max_rollback;
         p.kv_memory = params.kv_memory;
+        p.kv_source = params.kv_source;
         let mut raw: sys::kvs_session_t = ptr::null_mut();
         check(unsafe { sys::kvs_session_create(&p, &mut raw) })?;
         own(
@@ -655,6 +738,7 @@ impl Session {
         p.num_threads = params.num_threads;
         p.gemm = params.gemm.raw();
         p.kv_memory = params.kv_memory;
+        p.kv_source = params.kv_source;
         let mut raw: sys::kvs_session_t = ptr::null_mut();
         check(unsafe { sys::kvs_session_load(cp.as_ptr(), &p, &mut raw) })?;
         // The C ABI has no shape getter: the shape comes from the file's header, which the load
@@ -737,6 +821,73 @@ impl Session {
     /// The error names the allowed range (which depends on the method and `max_rollback`).
     pub fn truncate(&mut self, num_tokens: i64) -> Result<()> {
         check(unsafe { sys::kvs_session_truncate(self.raw(), num_tokens) })
+    }
+
+    /// `kvs_session_bind_kv` (sessions with `kv_from_caller(true)`): layer `layer`'s K/V are in
+    /// the caller's paged cache `kv` now; kvsieve keeps no copy and reads them in place. Bind again
+    /// whenever the engine's page table grows or changes; the `_bound` calls then count the next
+    /// bound tokens as theirs. `stream`: a `cudaStream_t` (cuda backend), null for the default.
+    ///
+    /// # Safety
+    /// The pool(s) `kv` points to must hold what `kv` describes and stay allocated until the layer
+    /// is bound again or the session (and every fork of it) is dropped, and the K/V of the tokens
+    /// the session counts must not change until [`Session::truncate`] drops them: the library reads
+    /// them at every step without any borrow to enforce it.
+    pub unsafe fn bind_kv(&mut self, layer: u32, kv: &PagedKv<'_>, stream: *mut std::ffi::c_void) -> Result<()> {
+        let mut raw: sys::kvs_paged_kv = std::mem::zeroed();
+        sys::kvs_paged_kv_init(&mut raw);
+        raw.pages = kv.pages;
+        raw.num_pages = kv.num_pages;
+        raw.page_size = kv.page_size;
+        raw.page_indices = kv.page_indices.as_ptr();
+        raw.num_page_indices = kv.page_indices.len() as i64;
+        raw.num_tokens = kv.num_tokens;
+        raw.pool_bytes = kv.pool_bytes;
+        raw.layout = kv.layout.raw();
+        raw.v_pages = kv.v_pages;
+        raw.v_pool_bytes = kv.v_pool_bytes;
+        check(sys::kvs_session_bind_kv(self.raw(), layer, &raw, stream))
+    }
+
+    /// [`Session::prefill`] of a session over the caller's cache: q `[n, Hq, d]`, the chunk's K/V
+    /// being the next n bound tokens.
+    pub fn prefill_bound(&mut self, layer: u32, q: &[f32], o: Option<&mut [f32]>) -> Result<()> {
+        let sh = self.shape;
+        let (hq, d) = (sh.num_q_heads, sh.head_dim);
+        let mut tq = Tensor::input("q", q, &[hq, d], "[n, Hq, d]")?;
+        let mut to = o.map(|o| Tensor::output("o", o, &[hq, d], "[n, Hq, d]")).transpose()?;
+        let rq = tq.raw();
+        let ro = to.as_mut().map(|t| t.raw());
+        check(unsafe {
+            sys::kvs_session_prefill(self.raw(), layer, &rq, ptr::null(), ptr::null(), opt_ptr(&ro), ptr::null_mut())
+        })
+    }
+
+    /// [`Session::append`] of a session over the caller's cache (the next n bound tokens).
+    pub fn append_bound(&mut self, layer: u32, q: &[f32], o: Option<&mut [f32]>) -> Result<()> {
+        let sh = self.shape;
+        let (hq, d) = (sh.num_q_heads, sh.head_dim);
+        let mut tq = Tensor::input("q", q, &[hq, d], "[n, Hq, d]")?;
+        let mut to = o.map(|o| Tensor::output("o", o, &[hq, d], "[n, Hq, d]")).transpose()?;
+        let rq = tq.raw();
+        let ro = to.as_mut().map(|t| t.raw());
+        check(unsafe {
+            sys::kvs_session_append(self.raw(), layer, &rq, ptr::null(), ptr::null(), opt_ptr(&ro), ptr::null_mut())
+        })
+    }
+
+    /// [`Session::decode`] of a session over the caller's cache: the step's token is the bound token
+    /// at [`Session::layer_tokens`].
+    pub fn decode_bound(&mut self, layer: u32, q: &[f32], o: &mut [f32], lse: Option<&mut [f32]>) -> Result<()> {
+        let d = self.shape.head_dim;
+        let mut tq = Tensor::input("q", q, &[d], "[Hq, d]")?;
+        let mut to = Tensor::output("o", o, &[d], "[Hq, d]")?;
+        let mut tl = lse.map(|l| Tensor::output("lse", l, &[], "[Hq]")).transpose()?;
+        let (rq, ro) = (tq.raw(), to.raw());
+        let rl = tl.as_mut().map(|t| t.raw());
+        check(unsafe {
+            sys::kvs_session_decode(self.raw(), layer, &rq, ptr::null(), ptr::null(), &ro, opt_ptr(&rl), ptr::null_mut())
+        })
     }
 
     /// `kvs_session_save`: parameters and method tables (and the KV cache when `include_kv`),

@@ -2,7 +2,7 @@
 //! The safe crate against the installed library: decodes, prefills and appends checked against
 //! softmax attention computed here in f64 on random inputs, a batch checked against per-session
 //! decodes, save/load, forks, method listing, and errors with their status.
-use kvsieve::{Backend, Batch, LoadParams, LseBase, ScalarType, Session, SessionParams, Status};
+use kvsieve::{Backend, Batch, LoadParams, LseBase, PagedKv, ScalarType, Session, SessionParams, Status};
 
 const HQ: usize = 4;
 const HKV: usize = 2;
@@ -388,4 +388,70 @@ fn truncate_rolls_back_and_lse_base_two() {
         let want = la[h] as f64 / std::f64::consts::LN_2;
         assert!((lb[h] as f64 - want).abs() <= 1e-5 * want.abs().max(1.0), "lse base 2: {} vs {want}", lb[h]);
     }
+}
+
+/// A session over the caller's paged cache (kv_from_caller, bind_kv, the `_bound` calls) decodes as
+/// one storing the same tokens, to the bit; its tables load back into a caller session.
+#[test]
+fn caller_kv_matches_an_owned_session() {
+    let mut rng = Rng(0x5151_2121_7777_0002);
+    const N: usize = 300;
+    const P: usize = 256; // the cpu backend's page size
+    let (q, k, v) = (rng.vec((N + 2) * HQ * D), rng.vec((N + 2) * HKV * D), rng.vec((N + 2) * HKV * D));
+    let row = |t: &[f32], i: usize, h: usize| t[i * h * D..(i + 1) * h * D].to_vec();
+    // The engine's pool: 3 pages of [2][Hkv][P][d] f32; the sequence lives in pages 2 then 0.
+    let mut pool = vec![f32::NAN; 3 * 2 * HKV * P * D];
+    let table = [2i32, 0];
+    for t in 0..N + 2 {
+        let page = table[t / P] as usize;
+        for h in 0..HKV {
+            for j in 0..D {
+                pool[((page * 2) * HKV + h) * P * D + (t % P) * D + j] = k[(t * HKV + h) * D + j];
+                pool[((page * 2 + 1) * HKV + h) * P * D + (t % P) * D + j] = v[(t * HKV + h) * D + j];
+            }
+        }
+    }
+    let params = SessionParams::new(1, HQ as u32, HKV as u32, D as u32)
+        .method("quest")
+        .budget(0.3)
+        .kv_dtype(ScalarType::F32)
+        .num_threads(1);
+    let mut own = Session::new(&params).expect("create owned");
+    let mut cal = Session::new(&params.clone().kv_from_caller(true)).expect("create caller");
+    own.prefill(0, &q[..N * HQ * D], &k[..N * HKV * D], &v[..N * HKV * D], None).expect("prefill owned");
+    let e = cal.prefill_bound(0, &q[..N * HQ * D], None).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidState, "nothing bound yet: {e}");
+    // SAFETY: `pool` outlives both sessions and the tokens they count are not written again.
+    unsafe { cal.bind_kv(0, &PagedKv::host(&pool, 3, P as i32, &table, N as i64), std::ptr::null_mut()) }
+        .expect("bind_kv");
+    cal.prefill_bound(0, &q[..N * HQ * D], None).expect("prefill caller");
+    own.build_index().expect("build owned");
+    cal.build_index().expect("build caller");
+    let dir = std::env::temp_dir().join(format!("kvsieve-rust-caller-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("quest.kvs");
+    own.save(&path, false).expect("save");
+    let mut ld = Session::load(&path, &LoadParams::default().kv_from_caller(true)).expect("load into a caller session");
+    assert_eq!(ld.layer_tokens(0).unwrap(), 0);
+    for t in N..N + 2 {
+        let (mut o1, mut o2, mut o3) = (vec![0f32; HQ * D], vec![1f32; HQ * D], vec![2f32; HQ * D]);
+        own.decode(0, &row(&q, t, HQ), &row(&k, t, HKV), &row(&v, t, HKV), &mut o1, None).expect("decode owned");
+        let kv = PagedKv::host(&pool, 3, P as i32, &table, t as i64 + 1);
+        // SAFETY: as above.
+        unsafe { cal.bind_kv(0, &kv, std::ptr::null_mut()) }.expect("bind_kv");
+        cal.decode_bound(0, &row(&q, t, HQ), &mut o2, None).expect("decode caller");
+        if t == N {
+            unsafe { ld.bind_kv(0, &PagedKv::host(&pool, 3, P as i32, &table, N as i64), std::ptr::null_mut()) }
+                .expect("bind_kv loaded");
+            ld.prefill_bound(0, &q[..N * HQ * D], None).expect("prefill the loaded session again");
+        }
+        unsafe { ld.bind_kv(0, &kv, std::ptr::null_mut()) }.expect("bind_kv loaded");
+        ld.decode_bound(0, &row(&q, t, HQ), &mut o3, None).expect("decode loaded");
+        assert_eq!(o1, o2, "token {t}: the caller session decodes as the owned one");
+        assert_eq!(o1, o3, "token {t}: the loaded caller session decodes as the saver");
+    }
+    assert_eq!(cal.stats().unwrap().kv_bytes, 0);
+    let e = cal.decode(0, &row(&q, N, HQ), &row(&k, N, HKV), &row(&v, N, HKV), &mut vec![0f32; HQ * D], None).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidArgument, "k/v given to a caller session: {e}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
