@@ -269,12 +269,16 @@ typedef struct kvs_session_stats {
    *  [numPages][2][numKvHeads][pageSize][headDim] (HND) or [numPages][2][pageSize][numKvHeads][headDim]
    *  (NHD), as FlashInfer's paged KV cache; or two pools of one shape, K at kPages and V at vPages,
    *  pages [numPages][numKvHeads][pageSize][headDim] (HND) or [numPages][pageSize][numKvHeads][headDim]
-   *  (NHD), as vLLM's FlashAttention backend keeps them. The layout is the same in every binding of
-   *  a session (kvs_session_bind_kv). */
+   *  (NHD), as vLLM's FlashAttention backend keeps them. poolBytes and vPoolBytes: the bytes each
+   *  pool spans (the allocation's size: numPages is checked against it), or 0 when not known. The
+   *  layout is the same in every binding of a session (kvs_session_bind_kv). */
   public void bindKv(long layer, long kPages, long vPages, long numPages, int pageSize, KvLayout layout,
-                     int[] pageIndices, long numTokens, long stream) {
+                     long poolBytes, long vPoolBytes, int[] pageIndices, long numTokens, long stream) {
     if (layout == null) throw new NullPointerException("layout: expected KvLayout.HND or KvLayout.NHD");
-    bindKvPools(layer, kPages, vPages, numPages, pageSize, layout.value, pageIndices, numTokens, stream);
+    if (poolBytes < 0 || vPoolBytes < 0)
+      throw new IllegalArgumentException("poolBytes, vPoolBytes: expected >= 0 (0: not known)");
+    bindKvPools(layer, kPages, vPages, numPages, pageSize, layout.value, poolBytes, vPoolBytes, pageIndices,
+                numTokens, stream);
   }
 
   /** A new session sharing this one's KV prefix copy-on-write (kvs_session_fork); either may be
@@ -453,11 +457,14 @@ typedef struct kvs_session_stats {
   /* The general form (the cuda backend): K and V in one pool (vPages 0) or two, in either layout
      (kvs_kv_layout: 0 HND, 1 NHD); Session.bindKv(long, long, long, long, int, KvLayout, ...) wraps it. */
   void bindKvPools(uint32_t layer, int64_t pages, int64_t v_pages, int64_t num_pages, int32_t page_size,
-                   int32_t layout, const int32_t* PAGE_IDS, int64_t COUNT, int64_t num_tokens, int64_t stream) {
+                   int32_t layout, int64_t pool_bytes, int64_t v_pool_bytes, const int32_t* PAGE_IDS, int64_t COUNT,
+                   int64_t num_tokens, int64_t stream) {
     kvs_paged_kv kv;
     kvs_paged_kv_init(&kv);
     kv.pages = (const void*)(intptr_t)pages;
     kv.v_pages = (const void*)(intptr_t)v_pages;
+    kv.pool_bytes = (uint64_t)pool_bytes;
+    kv.v_pool_bytes = (uint64_t)v_pool_bytes;
     kv.layout = layout;
     kv.num_pages = num_pages;
     kv.page_size = page_size;

@@ -354,13 +354,15 @@ typedef struct kvs_paged_kv {
   int64_t num_page_indices;    /* >= ceil(num_tokens / page_size) */
   int64_t num_tokens;          /* tokens of this sequence the cache holds in this layer now */
   uint64_t pool_bytes;         /* bytes the pool spans from `pages`, or 0 (not known): when given,
-                                  num_pages pages must fit in it (the bindings always give it) */
+                                  num_pages pages must fit in it (the Python binding always gives it) */
   int32_t layout;              /* kvs_kv_layout: KVS_KV_LAYOUT_HND (0, the default) or
                                   KVS_KV_LAYOUT_NHD; the same in every binding of a session */
   int32_t reserved0;           /* 0 */
   const void* v_pages;         /* NULL: K and V in one tensor, `pages`; else the V pool, of the K
-                                  pool's shape and page numbering (cuda backend, 256-byte aligned) */
-  uint64_t v_pool_bytes;       /* bytes the V pool spans, or 0 (not known); as pool_bytes */
+                                  pool's shape and page numbering, apart from it (cuda backend,
+                                  256-byte aligned) */
+  uint64_t v_pool_bytes;       /* bytes the V pool spans, or 0 (not known); as pool_bytes; 0
+                                  without v_pages */
 } kvs_paged_kv;
 
 /** Fills defaults (struct_size; everything else 0). @threadsafety any */

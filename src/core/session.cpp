@@ -248,11 +248,22 @@ void Session::bind_kv(uint32_t layer, const kvs_paged_kv* kv, void* stream) {
   const std::string hs = std::to_string(cfg_.shape.num_kv_heads), ps = std::to_string(P);
   const std::string page_shape = std::string(split ? "" : "[2]") + (nhd ? "[" + ps + "][" + hs + "]" : "[" + hs + "][" + ps + "]") +
                                  "[" + std::to_string(cfg_.shape.head_dim) + "] " + dtype_name(cfg_.shape.kv_dtype);
+  if (!split && kv->v_pool_bytes != 0)
+    invalid(std::string(fn) + ": kv->v_pool_bytes: expected 0 without kv->v_pages, got " +
+            std::to_string(kv->v_pool_bytes));
   for (auto [bytes, name] : {std::pair{kv->pool_bytes, "kv->pool_bytes"}, std::pair{split ? kv->v_pool_bytes : 0, "kv->v_pool_bytes"}})
     if (bytes != 0 && uint64_t(kv->num_pages) > bytes / page_bytes)
       invalid(std::string(fn) + ": kv->num_pages: " + std::to_string(kv->num_pages) + " pages of " +
               std::to_string(page_bytes) + " bytes (" + page_shape + ") do not fit in " + name + " = " +
               std::to_string(bytes));
+  if (split) {  // two pools of num_pages pages each: apart, or a page of one would be read as the other's
+    const uint64_t span = uint64_t(kv->num_pages) * page_bytes;
+    const auto k0 = reinterpret_cast<uintptr_t>(kv->pages), v0 = reinterpret_cast<uintptr_t>(kv->v_pages);
+    if ((k0 < v0 ? v0 - k0 : k0 - v0) < span)
+      invalid(std::string(fn) + ": kv->v_pages: the V pool overlaps the K pool (" + std::to_string(kv->num_pages) +
+              " pages of " + std::to_string(page_bytes) + " bytes each, " + page_shape +
+              "); for K and V in one tensor [num_pages][2]..., pass it as kv->pages with kv->v_pages NULL");
+  }
   const int64_t need = (kv->num_tokens + P - 1) / P;
   if (kv->num_page_indices < need || kv->num_page_indices > kMaxLayerTokens)
     invalid(std::string(fn) + ": kv->num_page_indices: expected at least " + std::to_string(need) + " (" +
@@ -642,9 +653,7 @@ std::unique_ptr<Session> Session::load(const std::string& path, const kvs_load_p
   if (lp.kv_source == KVS_KV_CALLER && lp.kv_memory != 0)
     invalid("kvs_session_load: params->kv_memory: expected 0 with kv_source = KVS_KV_CALLER (the caller's cache is "
             "where it is), got " + std::to_string(lp.kv_memory));
-  if (lp.kv_source == KVS_KV_CALLER && lp.backend == KVS_BACKEND_HYBRID)
-    fail(KVS_STATUS_UNSUPPORTED, "kvs_session_load: params->kv_source: the hybrid backend keeps its own KV in pinned "
-                                 "host memory; load with KVS_BACKEND_CUDA or KVS_BACKEND_CPU");
+
   if (lp.flags & ~uint32_t(KVS_LOAD_MMAP))
     invalid("kvs_session_load: params->flags: expected 0 or KVS_LOAD_MMAP (1), got " + std::to_string(lp.flags));
   (void)cpu::resolve_gemm(lp.gemm);  // validates lp.gemm and KVS_GEMM
@@ -690,6 +699,9 @@ std::unique_ptr<Session> Session::load_from(const std::shared_ptr<const io::Tabl
     p.budget_tokens = hr.sub("budget").integer<int64_t>(bh, "tokens", 0, std::numeric_limits<int64_t>::max());
     const int32_t saved_backend = hr.integer<int32_t>(h, "backend", KVS_BACKEND_CPU, KVS_BACKEND_HYBRID);
     p.backend = lp.backend ? lp.backend : saved_backend;
+    if (lp.kv_source == KVS_KV_CALLER && p.backend == KVS_BACKEND_HYBRID)
+      fail(KVS_STATUS_UNSUPPORTED, "kvs_session_load: params->kv_source: the hybrid backend keeps its own KV in pinned "
+                                   "host memory; load with params->backend = KVS_BACKEND_CUDA or KVS_BACKEND_CPU");
     p.device_id = lp.device_id;
     p.kv_memory = lp.kv_memory;
     p.kv_source = lp.kv_source;

@@ -43,7 +43,8 @@ struct EnginePool {
   std::vector<uint16_t> host;  // K and V pages; two pools: the V pool, a gap, the K pool
   uint16_t* dev = nullptr;
   std::vector<int32_t> free_pages;
-  EnginePool(int P_, int64_t pages, Layout l = {}) : P(P_), num_pages(pages), lay(l) {
+  int64_t gap;  // two pools: elements between the V pool's end and the K pool
+  EnginePool(int P_, int64_t pages, Layout l = {}, int64_t gap_ = 384) : P(P_), num_pages(pages), lay(l), gap(gap_) {
     host.assign(size_t(k_base() + pages * page_elems()), 0x7fc0);  // NaN where nothing was written
     cudaMalloc(&dev, host.size() * 2);
     cudaMemcpy(dev, host.data(), host.size() * 2, cudaMemcpyHostToDevice);
@@ -54,7 +55,7 @@ struct EnginePool {
   ~EnginePool() { cudaFree(dev); }
   int64_t half() const { return int64_t(kHkv) * P * kD; }
   int64_t page_elems() const { return lay.split ? half() : 2 * half(); }  // one pool page
-  int64_t k_base() const { return lay.split ? num_pages * page_elems() + 384 : 0; }  // (384: 768 bytes apart)
+  int64_t k_base() const { return lay.split ? num_pages * page_elems() + gap : 0; }  // (gap 384: 768 bytes apart)
   int64_t row(int h, int64_t slot) const { return (lay.nhd ? slot * kHkv + h : int64_t(h) * P + slot) * kD; }
   int64_t k_at(int64_t page, int h, int64_t slot) const { return k_base() + page * page_elems() + row(h, slot); }
   int64_t v_at(int64_t page, int h, int64_t slot) const {
@@ -344,6 +345,92 @@ void run_loaded(const char* method, int P, Layout lay) {
   std::remove(with_kv);
 }
 
+// The engine moves a layer's cache to other pools (another distance between its K and V pools)
+// between graph replays: the rebound session decodes on as the owned one, to the bit. And a batch
+// whose sessions read pools at different distances is refused (one page table, one V offset).
+void run_rebind(const char* method) {
+  const int64_t n = g_small_caller ? 600 : 1500;
+  const int P = 16;
+  const Tokens x = tokens(n + 16, 41);
+  const Layout lay{true, true};
+  EnginePool pa(P, (n + 16 + P) / P + 4, lay), pb(P, (n + 16 + P) / P + 4, lay, 384 + 128 * 37);
+  std::vector<EngineSeq> es{EngineSeq{&pa}};
+  kvs_session_params p = one_layer_params(method, KVS_SCALAR_BF16, kHq, kHkv, kD, 0.1);
+  p.backend = KVS_BACKEND_CUDA;
+  std::vector<kvs_session_t> own(1), cal(1);
+  bool good = ok(kvs_session_create(&p, &own[0]), "create owned");
+  p.kv_source = KVS_KV_CALLER;
+  good = good && ok(kvs_session_create(&p, &cal[0]), "create caller") && add(own[0], cal[0], es[0], x, 0, n, true) &&
+         ok(kvs_session_build_index(own[0], nullptr), "build owned") && ok(kvs_session_build_index(cal[0], nullptr), "build caller");
+  cudaStream_t stream;
+  cudaStreamCreate(&stream);
+  Diff before, after;
+  std::vector<const Tokens*> xp{&x};
+  int64_t pos = n;
+  for (int s = 0; good && s < 4; ++s, ++pos) {
+    std::vector<int64_t> ps{pos};
+    step(own, cal, es, xp, ps, ps, stream, before);
+  }
+  double g0 = 0, g1 = 0;
+  kvs_session_method_stat(cal[0], "cuda_graph_launches", &g0);
+  EngineSeq moved{&pb};
+  for (int64_t t = 0; t < pos; ++t) moved.put(x.kt(t), x.vt(t), t);
+  es[0] = moved;
+  for (int s = 0; good && s < 4; ++s, ++pos) {
+    std::vector<int64_t> ps{pos};
+    step(own, cal, es, xp, ps, ps, stream, after);
+  }
+  kvs_session_method_stat(cal[0], "cuda_graph_launches", &g1);
+  CAPI_CHECK(good && before.bits && after.bits && after.overlap == 1.0 && g0 > 0 && g1 > g0,
+             "%s: rebound to pools %lld elements further apart between graph replays, still the owned session's bits "
+             "(before %d, after %d; graph launches %.0f then %.0f)",
+             method, (long long)(pb.gap - pa.gap), int(before.bits), int(after.bits), g0, g1);
+
+  // Two caller sessions bound to pools at different distances: a batch of them is refused.
+  kvs_session_t other = nullptr;
+  EnginePool pc(P, (n + 16 + P) / P + 4, lay);  // (pa's distance between its pools)
+  EngineSeq eo{&pc};
+  if (good && ok(kvs_session_create(&p, &other), "create a second caller")) {
+    for (int64_t t = 0; t < n; ++t) eo.put(x.kt(t), x.vt(t), t);
+    std::vector<float> q(x.qt(0), x.qt(n));
+    float* dq = upload(q);
+    Tensor tq(dq, KVS_DEVICE_CUDA, F32, {n, kHq, kD});
+    good = eo.bind(other, "bind the second") &&
+           ok(kvs_session_prefill(other, 0, &tq.t, nullptr, nullptr, nullptr, nullptr), "prefill the second") &&
+           ok(kvs_session_build_index(other, nullptr), "build the second");
+    cudaDeviceSynchronize();
+    cudaFree(dq);
+    eo.put(x.kt(n), x.vt(n), n);
+    good = good && eo.bind(other, "bind the second's next token");
+    // cal[0] reads pool pb (its token at pos is not bound yet: bind it first).
+    es[0].put(x.kt(pos), x.vt(pos), pos);
+    good = good && es[0].bind(cal[0], "bind the first's next token");
+    std::vector<float> q2(size_t(2) * kHq * kD, 0.5f);
+    float* dq2 = upload(q2);
+    float* dout = nullptr;
+    cudaMalloc(&dout, q2.size() * 4);
+    Tensor gq(dq2, KVS_DEVICE_CUDA, F32, {2, kHq, kD}), go(dout, KVS_DEVICE_CUDA, F32, {2, kHq, kD});
+    kvs_session_t both[2] = {cal[0], other};
+    kvs_error_t e = kvs_decode_batch(both, 2, 0, &gq.t, nullptr, nullptr, &go.t, nullptr, stream);
+    const std::string m = e ? kvs_error_message(e) : "";
+    CAPI_CHECK(good && kvs_error_code(e) == KVS_STATUS_INVALID_ARGUMENT && m.find("another V pool") != std::string::npos,
+               "%s: a batch over pools at two distances: code %d, '%s'", method, kvs_error_code(e), m.c_str());
+    kvs_error_destroy(e);
+    int64_t t0 = 0, t1 = 0;
+    kvs_session_layer_tokens(cal[0], 0, &t0);
+    kvs_session_layer_tokens(other, 0, &t1);
+    CAPI_CHECK(t0 == pos && t1 == n, "%s: the refused batch changed nothing (%lld, %lld tokens)", method, (long long)t0,
+               (long long)t1);
+    cudaStreamSynchronize(stream);
+    cudaFree(dq2);
+    cudaFree(dout);
+    kvs_session_destroy(other);
+  }
+  cudaStreamDestroy(stream);
+  kvs_session_destroy(own[0]);
+  kvs_session_destroy(cal[0]);
+}
+
 void run_caller_errors() {
   kvs_session_params p = one_layer_params("quest", KVS_SCALAR_BF16, kHq, kHkv, kD, 0.1);
   p.backend = KVS_BACKEND_CUDA;
@@ -392,9 +479,16 @@ void run_caller_errors() {
     expect(kvs_session_bind_kv(s, 0, &k2, nullptr), KVS_STATUS_INVALID_ARGUMENT,
            "kv->v_pages: expected memory of CUDA device", "host V pool");
     k2 = kv;
-    k2.v_pages = pool.dev + 8;  // (16-byte aligned)
+    uint16_t* apart = nullptr;  // a V pool apart from the K pool, 16-byte but not 256-byte aligned
+    cudaMalloc(&apart, size_t(pool.num_pages * pool.half() + 64) * 2);
+    k2.v_pages = apart + 8;
     expect(kvs_session_bind_kv(s, 0, &k2, nullptr), KVS_STATUS_INVALID_ARGUMENT, "kv->v_pages: expected a 256-byte",
            "unaligned V pool");
+    cudaFree(apart);
+    k2 = kv;
+    k2.v_pages = pool.dev + pool.half();  // half a page from the K pool: the two overlap
+    expect(kvs_session_bind_kv(s, 0, &k2, nullptr), KVS_STATUS_INVALID_ARGUMENT, "the V pool overlaps the K pool",
+           "overlapping pools");
     k2 = kv;
     k2.v_pages = pool.dev + 128 * 8;
     k2.pool_bytes = uint64_t(pool.half()) * 2 * 3;  // 3 pages of K
@@ -465,6 +559,7 @@ int run_caller_kv_tests(bool small) {
   run_method("quest", 64, "page_size=16");
   run_method("quest", 64, "page_size=16", Layout{true, true});
   for (const char* m : {"quest", "csattention", "exact_topk"}) run_loaded(m, 16, Layout{true, true});
+  for (const char* m : {"full", "quest"}) run_rebind(m);
   run_loaded("quest", 256, Layout{});
   run_loaded("retroinfer", 256, Layout{});
   run_method("retroinfer", 256);

@@ -279,6 +279,10 @@ TEST_CASE("caller KV (cpu): a saved index loads into a session over the caller's
   std::remove(with_kv.c_str());
 }
 
+const void* far_from(const void* p) {
+  return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + (uintptr_t(1) << 30));
+}
+
 TEST_CASE("caller KV (cpu): bad bindings and calls fail naming the argument, and change nothing") {
   Rng rng(3302);
   TokenData D(rng, 4, 2, 32, 300);
@@ -324,7 +328,12 @@ TEST_CASE("caller KV (cpu): bad bindings and calls fail naming the argument, and
       {"kv->v_pages", [](kvs_paged_kv& x) { x.v_pages = x.pages; }, KVS_STATUS_INVALID_ARGUMENT},
       // The cpu backend reads kvsieve's own page layout only (HND, K and V in one page).
       {"kv->layout", [](kvs_paged_kv& x) { x.layout = KVS_KV_LAYOUT_NHD; }, KVS_STATUS_UNSUPPORTED},
-      {"kv->v_pages", [](kvs_paged_kv& x) { x.v_pages = static_cast<const char*>(x.pages) + 256; }, KVS_STATUS_UNSUPPORTED},
+      // (an address 1 GiB past the pool: never read, the backend refuses first)
+      {"kv->v_pages: the cpu backend", [](kvs_paged_kv& x) { x.v_pages = far_from(x.pages); }, KVS_STATUS_UNSUPPORTED},
+      {"kv->v_pages: the V pool overlaps", [](kvs_paged_kv& x) { x.v_pages = static_cast<const char*>(x.pages) + 256; },
+       KVS_STATUS_INVALID_ARGUMENT},
+      {"kv->v_pool_bytes: expected 0 without kv->v_pages", [](kvs_paged_kv& x) { x.v_pool_bytes = 64; },
+       KVS_STATUS_INVALID_ARGUMENT},
       // Two pools of one tensor each: num_pages pages of half the bytes must fit in each.
       {"kv->v_pool_bytes", [](kvs_paged_kv& x) { x.v_pages = static_cast<const char*>(x.pages) + 256; x.v_pool_bytes = 64; },
        KVS_STATUS_INVALID_ARGUMENT},

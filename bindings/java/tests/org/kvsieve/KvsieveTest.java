@@ -217,11 +217,16 @@ class KvsieveTest {
       assertThrows(IllegalArgumentException.class, () -> cal.bindKv(0, FloatBuffer.allocate(8), 1, P, table, N + 2));
       // The cuda backend's layouts (NHD, K and V in two pools) by address: the cpu backend refuses
       // them before it reads a page (so the addresses here are never dereferenced).
-      e = assertThrows(KvsException.class, () -> cal.bindKv(0, 256, 0, pages, P, KvLayout.NHD, table, N + 2, 0));
+      e = assertThrows(KvsException.class, () -> cal.bindKv(0, 256, 0, pages, P, KvLayout.NHD, 0, 0, table, N + 2, 0));
       assertTrue(e.getMessage().contains("kv->layout: the cpu backend reads KVS_KV_LAYOUT_HND"), e.getMessage());
-      e = assertThrows(KvsException.class, () -> cal.bindKv(0, 256, 512, pages, P, KvLayout.HND, table, N + 2, 0));
+      e = assertThrows(KvsException.class,
+          () -> cal.bindKv(0, 256, 256 + (1L << 30), pages, P, KvLayout.HND, 0, 0, table, N + 2, 0));
       assertTrue(e.getMessage().contains("kv->v_pages: the cpu backend reads K and V in one tensor"), e.getMessage());
-      assertThrows(NullPointerException.class, () -> cal.bindKv(0, 256, 0, pages, P, null, table, N + 2, 0));
+      assertThrows(NullPointerException.class, () -> cal.bindKv(0, 256, 0, pages, P, null, 0, 0, table, N + 2, 0));
+      // The V pool overlapping the K pool (half a page apart) is refused.
+      e = assertThrows(KvsException.class,
+          () -> cal.bindKv(0, 256, 256 + 1024, pages, P, KvLayout.HND, 0, 0, table, N + 2, 0));
+      assertTrue(e.getMessage().contains("the V pool overlaps the K pool"), e.getMessage());
       // A fork keeps the bound buffer reachable, as its parent does.
       try (Session f = cal.fork()) {
         java.lang.reflect.Field bound = Session.class.getDeclaredField("boundPools");
