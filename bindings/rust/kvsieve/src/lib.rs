@@ -852,28 +852,23 @@ impl Session {
     /// [`Session::prefill`] of a session over the caller's cache: q `[n, Hq, d]`, the chunk's K/V
     /// being the next n bound tokens.
     pub fn prefill_bound(&mut self, layer: u32, q: &[f32], o: Option<&mut [f32]>) -> Result<()> {
-        let sh = self.shape;
-        let (hq, d) = (sh.num_q_heads, sh.head_dim);
-        let mut tq = Tensor::input("q", q, &[hq, d], "[n, Hq, d]")?;
-        let mut to = o.map(|o| Tensor::output("o", o, &[hq, d], "[n, Hq, d]")).transpose()?;
-        let rq = tq.raw();
-        let ro = to.as_mut().map(|t| t.raw());
-        check(unsafe {
-            sys::kvs_session_prefill(self.raw(), layer, &rq, ptr::null(), ptr::null(), opt_ptr(&ro), ptr::null_mut())
-        })
+        self.chunk_bound(layer, q, o, false)
     }
 
     /// [`Session::append`] of a session over the caller's cache (the next n bound tokens).
     pub fn append_bound(&mut self, layer: u32, q: &[f32], o: Option<&mut [f32]>) -> Result<()> {
+        self.chunk_bound(layer, q, o, true)
+    }
+
+    fn chunk_bound(&mut self, layer: u32, q: &[f32], o: Option<&mut [f32]>, append: bool) -> Result<()> {
         let sh = self.shape;
         let (hq, d) = (sh.num_q_heads, sh.head_dim);
         let mut tq = Tensor::input("q", q, &[hq, d], "[n, Hq, d]")?;
         let mut to = o.map(|o| Tensor::output("o", o, &[hq, d], "[n, Hq, d]")).transpose()?;
         let rq = tq.raw();
         let ro = to.as_mut().map(|t| t.raw());
-        check(unsafe {
-            sys::kvs_session_append(self.raw(), layer, &rq, ptr::null(), ptr::null(), opt_ptr(&ro), ptr::null_mut())
-        })
+        let f = if append { sys::kvs_session_append } else { sys::kvs_session_prefill };
+        check(unsafe { f(self.raw(), layer, &rq, ptr::null(), ptr::null(), opt_ptr(&ro), ptr::null_mut()) })
     }
 
     /// [`Session::decode`] of a session over the caller's cache: the step's token is the bound token
