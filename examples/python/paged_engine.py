@@ -18,8 +18,9 @@ must agree to bf16 rounding, the sparse method shows its approximation error at 
 it shows what kvsieve holds (its index; no KV).
 
 With ``--draft N`` each step also verifies N speculative tokens in one ``Session.decode_tokens``
-call per layer (row j attends the context and the rows before it) and rejects the last one: the
-engine rolls its page table back and ``Session.truncate`` rolls kvsieve back with it (every method
+call per layer (row j attends the context and the rows before it) and rejects the last one:
+``Session.truncate`` rolls kvsieve back past it and the engine writes its next token over the
+rejected one's slot (every method
 on the cpu backend; on the cuda backend full, exact_topk, streaming and quest: csattention does not
 roll back there, and retroinfer reads pages of 256 tokens, not this example's 16).
 

@@ -160,7 +160,7 @@ void Session::check_decodable(uint32_t layer, const char* fn) const {
     fail(KVS_STATUS_INVALID_STATE, std::string(fn) + ": layer " + L(layer) + " has no tokens: call kvs_session_prefill first");
   if (expected_len_[layer] >= 0)
     fail(KVS_STATUS_INVALID_STATE, std::string(fn) + ": layer " + L(layer) + " was loaded without KV: prefill its " +
-                                       std::to_string(expected_len_[layer]) + " prompt tokens first");
+                                       std::to_string(expected_len_[layer]) + " saved tokens first");
   if (!built_[layer])
     fail(KVS_STATUS_INVALID_STATE, std::string(fn) + ": layer " + L(layer) + " has no index: call kvs_session_build_index after prefill");
 }
@@ -339,7 +339,7 @@ void Session::truncate(int64_t n) {
     any = true;
     if (expected_len_[l] >= 0)
       fail(KVS_STATUS_INVALID_STATE, std::string(fn) + ": layer " + L(l) + " was loaded without KV: prefill its " +
-                                         std::to_string(expected_len_[l]) + " prompt tokens before truncating");
+                                         std::to_string(expected_len_[l]) + " saved tokens before truncating");
     std::string why;
     const int64_t floor = placement_->truncate_floor(l, &why);
     if (floor < 0) fail(KVS_STATUS_UNSUPPORTED, std::string(fn) + ": " + why);

@@ -481,7 +481,8 @@ class Session:
                 pool until the next binding of the layer.
             page_indices: this sequence's pages in token order (ints in [0, num_pages); a list,
                 NumPy array or tensor, copied by the library; an int32 NumPy array or CPU tensor is
-                read without conversion).
+                read without conversion; a CUDA tensor is copied to the host first, which
+                synchronises the device: pass the engine's host copy of its block table).
             num_tokens: tokens of the sequence the cache holds in this layer now, at least
                 :meth:`layer_tokens`; the next prefill, append or decode (with ``k=None``,
                 ``v=None``) counts the tokens beyond :meth:`layer_tokens` as its own.
@@ -678,7 +679,8 @@ def _shape(x):
 
 def decode_batch(sessions: Sequence[Session], layer: int, q, k_new, v_new, *, out=None, lse=None, stream=None):
     """One layer's decode step for several sessions of the same shape: q [B, Hq, d], k_new, v_new
-    [B, Hkv, d]; returns (out [B, Hq, d], lse [B, Hq]). All or nothing."""
+    [B, Hkv, d] (None for sessions over the caller's cache, each reading its bound token); returns
+    (out [B, Hq, d], lse [B, Hq]). All or nothing."""
     sessions = _check_sessions(sessions)
     s0 = sessions[0]
     B, hq, d = len(sessions), s0.num_q_heads, s0.head_dim
@@ -772,7 +774,7 @@ class Batch:
 
     def decode(self, layer: int, q, k_new, v_new, *, out=None, lse=None, stream=None):
         """One layer's decode step of the planned token for every session: q [B, Hq, d], k_new,
-        v_new [B, Hkv, d]; returns ``(out [B, Hq, d], lse [B, Hq])``, allocated as
+        v_new [B, Hkv, d] (None for sessions over the caller's cache); returns ``(out [B, Hq, d], lse [B, Hq])``, allocated as
         :meth:`Session.decode` does unless given. Each layer at most once per plan
         (Error STATUS_INVALID_STATE otherwise, and without a plan)."""
         h = self._handle()
