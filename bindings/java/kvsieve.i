@@ -272,6 +272,16 @@ typedef struct kvs_session_stats {
    *  (NHD), as vLLM's FlashAttention backend keeps them. poolBytes and vPoolBytes: the bytes each
    *  pool spans (the allocation's size: numPages is checked against it), or 0 when not known. The
    *  layout is the same in every binding of a session (kvs_session_bind_kv). */
+  /** Sessions built with kvFromCaller(true): layer `layer`'s K/V are in the caller's page pool
+   *  [numPages][2][numKvHeads][pageSize][headDim] (FlashInfer's HND layout) at address `pages` (GPU
+   *  memory for Backend.CUDA, host memory for Backend.CPU, whose pages hold 256 tokens), this
+   *  sequence's pages in token order, numTokens tokens held (kvs_session_bind_kv); the pool's size
+   *  is not checked (the form below takes it). */
+  public void bindKv(long layer, long pages, long numPages, int pageSize, int[] pageIndices, long numTokens,
+                     long stream) {
+    bindKvPools(layer, pages, 0, numPages, pageSize, KvLayout.HND.value, 0, 0, pageIndices, numTokens, stream);
+  }
+
   public void bindKv(long layer, long kPages, long vPages, long numPages, int pageSize, KvLayout layout,
                      long poolBytes, long vPoolBytes, int[] pageIndices, long numTokens, long stream) {
     if (layout == null) throw new NullPointerException("layout: expected KvLayout.HND or KvLayout.NHD");
@@ -437,22 +447,6 @@ typedef struct kvs_session_stats {
   }
   void append(uint32_t layer, kvsj_tensor* q, kvsj_tensor* k, kvsj_tensor* v, kvsj_tensor* o, int64_t stream) {
     kvsj_check(kvs_session_append($self, layer, kvsj_t(q), kvsj_t(k), kvsj_t(v), kvsj_t(o), (void*)(intptr_t)stream));
-  }
-  /* Sessions built with kvFromCaller(true): layer `layer`'s K/V are in the caller's page pool
-     [numPages][2][numKvHeads][pageSize][headDim] (FlashInfer's HND layout) at address `pages` (GPU
-     memory for Backend.CUDA, host memory for Backend.CPU, whose pages hold 256 tokens), this
-     sequence's pages in token order, numTokens tokens held (kvs_session_bind_kv). */
-  void bindKv(uint32_t layer, int64_t pages, int64_t num_pages, int32_t page_size,
-              const int32_t* PAGE_IDS, int64_t COUNT, int64_t num_tokens, int64_t stream) {
-    kvs_paged_kv kv;
-    kvs_paged_kv_init(&kv);
-    kv.pages = (const void*)(intptr_t)pages;
-    kv.num_pages = num_pages;
-    kv.page_size = page_size;
-    kv.page_indices = PAGE_IDS;
-    kv.num_page_indices = COUNT;
-    kv.num_tokens = num_tokens;
-    kvsj_check(kvs_session_bind_kv($self, layer, &kv, (void*)(intptr_t)stream));
   }
   /* The general form (the cuda backend): K and V in one pool (vPages 0) or two, in either layout
      (kvs_kv_layout: 0 HND, 1 NHD); Session.bindKv(long, long, long, long, int, KvLayout, ...) wraps it. */

@@ -94,14 +94,15 @@ bool method_supported(const MethodSpec& spec, int32_t backend, std::string* why_
 
 std::unique_ptr<Placement> make_placement(const SessionConfig& cfg, const MethodSpec& spec, const ParamSet& ps,
                                           std::shared_ptr<ThreadPool> pool) {
+  // (Before the backend's availability: the rule holds in every build, and a load says the same.)
+  if (cfg.kv_source == KVS_KV_CALLER && cfg.backend == KVS_BACKEND_HYBRID)
+    fail(KVS_STATUS_UNSUPPORTED, "params->kv_source: the hybrid backend keeps its own KV (pinned host memory); "
+                                 "a cache the caller owns is attended on the cpu or cuda backend");
   std::string why;
   if (!method_supported(spec, cfg.backend, &why))
     fail(KVS_STATUS_UNSUPPORTED, "params->backend: method '" + cfg.method + "' cannot run on the " +
                                      (cfg.backend == KVS_BACKEND_CUDA ? "cuda" : cfg.backend == KVS_BACKEND_HYBRID ? "hybrid" : "cpu") +
                                      " backend: " + why);
-  if (cfg.kv_source == KVS_KV_CALLER && cfg.backend == KVS_BACKEND_HYBRID)
-    fail(KVS_STATUS_UNSUPPORTED, "params->kv_source: the hybrid backend keeps its own KV (pinned host memory); "
-                                 "a cache the caller owns is attended on the cpu or cuda backend");
 #ifdef KVS_HAVE_CUDA
   if (cfg.backend == KVS_BACKEND_CUDA) return make_cuda_placement(cfg, spec, ps, std::move(pool));
   if (cfg.backend == KVS_BACKEND_HYBRID) return make_hybrid_placement(cfg, spec, ps, std::move(pool));

@@ -67,6 +67,7 @@ struct BoundKv {
   const void* pool;
   const void* v_pool;  // null: K and V in `pool`'s pages; else the V pool (page i at the K page's offset)
   bool nhd;            // a page's K (and V) is [page_size][Hkv][d]
+  size_t page_bytes;   // from one page of a pool to the next (K and V, or one of them with v_pool)
   int64_t num_pages;
   int32_t page_size;
   std::span<const int32_t> pages;

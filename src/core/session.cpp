@@ -229,8 +229,6 @@ void Session::bind_kv(uint32_t layer, const kvs_paged_kv* kv, void* stream) {
             std::to_string(kv->reserved0));
   if (kv->v_pages && reinterpret_cast<uintptr_t>(kv->v_pages) % 16 != 0)
     invalid(std::string(fn) + ": kv->v_pages: expected a 16-byte aligned address");
-  if (kv->v_pages == kv->pages)
-    invalid(std::string(fn) + ": kv->v_pages: expected NULL (K and V in one tensor) or the V pool, got kv->pages");
   if (kv->num_pages < 1 || kv->num_pages > (int64_t(1) << 31) - 1)
     invalid(std::string(fn) + ": kv->num_pages: expected 1..2^31-1, got " + std::to_string(kv->num_pages));
   const int32_t P = kv->page_size;
@@ -295,8 +293,9 @@ void Session::bind_kv(uint32_t layer, const kvs_paged_kv* kv, void* stream) {
     if (ids[i] < 0 || ids[i] >= kv->num_pages)
       invalid(std::string(fn) + ": kv->page_indices[" + std::to_string(i) + "]: expected 0.." +
               std::to_string(kv->num_pages - 1) + ", got " + std::to_string(ids[i]));
-  placement_->bind_kv(layer, BoundKv{kv->pages, kv->v_pages, nhd, kv->num_pages, P, ids, kv->num_tokens, same}, fn,
-                      stream);
+  placement_->bind_kv(layer, BoundKv{kv->pages, kv->v_pages, nhd, size_t(page_bytes), kv->num_pages, P, ids,
+                                     kv->num_tokens, same},
+                      fn, stream);
   last.pool = kv->pages;
   last.v_pool = kv->v_pages;
   last.layout = kv->layout;
@@ -647,13 +646,13 @@ std::unique_ptr<Session> Session::load(const std::string& path, const kvs_load_p
     invalid("kvs_session_load: params->num_threads: expected 0.." + std::to_string(kMaxThreads) + ", got " +
             std::to_string(lp.num_threads));
   check_kv_memory(lp.kv_memory, "kvs_session_load: params->kv_memory");
+  // (a hybrid backend with kv_source = KVS_KV_CALLER is refused where every session's is: make_placement)
   if (lp.kv_source != KVS_KV_OWNED && lp.kv_source != KVS_KV_CALLER)
     invalid("kvs_session_load: params->kv_source: expected KVS_KV_OWNED (0) or KVS_KV_CALLER (1), got " +
             std::to_string(lp.kv_source));
   if (lp.kv_source == KVS_KV_CALLER && lp.kv_memory != 0)
     invalid("kvs_session_load: params->kv_memory: expected 0 with kv_source = KVS_KV_CALLER (the caller's cache is "
             "where it is), got " + std::to_string(lp.kv_memory));
-
   if (lp.flags & ~uint32_t(KVS_LOAD_MMAP))
     invalid("kvs_session_load: params->flags: expected 0 or KVS_LOAD_MMAP (1), got " + std::to_string(lp.flags));
   (void)cpu::resolve_gemm(lp.gemm);  // validates lp.gemm and KVS_GEMM
@@ -699,9 +698,6 @@ std::unique_ptr<Session> Session::load_from(const std::shared_ptr<const io::Tabl
     p.budget_tokens = hr.sub("budget").integer<int64_t>(bh, "tokens", 0, std::numeric_limits<int64_t>::max());
     const int32_t saved_backend = hr.integer<int32_t>(h, "backend", KVS_BACKEND_CPU, KVS_BACKEND_HYBRID);
     p.backend = lp.backend ? lp.backend : saved_backend;
-    if (lp.kv_source == KVS_KV_CALLER && p.backend == KVS_BACKEND_HYBRID)
-      fail(KVS_STATUS_UNSUPPORTED, "kvs_session_load: params->kv_source: the hybrid backend keeps its own KV in pinned "
-                                   "host memory; load with params->backend = KVS_BACKEND_CUDA or KVS_BACKEND_CPU");
     p.device_id = lp.device_id;
     p.kv_memory = lp.kv_memory;
     p.kv_source = lp.kv_source;

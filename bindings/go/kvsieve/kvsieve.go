@@ -581,8 +581,13 @@ func (s *Session) BuildIndex() error {
 // Decode is one decode step of one layer (kvs_session_decode): appends kNew, vNew [Hkv, d],
 // attends with q [Hq, d], writes o [Hq, d] and, when lse is not nil, lse [Hq] (natural log).
 func (s *Session) Decode(layer uint32, q, kNew, vNew, o, lse []float32) error {
+	return s.decode(layer, q, kNew, vNew, o, lse, false)
+}
+
+// decode is Decode, or DecodeBound (bound: no kNew, vNew; the caller's cache holds the token).
+func (s *Session) decode(layer uint32, q, kNew, vNew, o, lse []float32, bound bool) error {
 	d := s.shape.HeadDim
-	err := step(C.KVSGO_DECODE, s.raw, nil, nil, layer, stepArgs{q: q, k: kNew, v: vNew, o: o, lse: lse,
+	err := step(C.KVSGO_DECODE, s.raw, nil, nil, layer, stepArgs{q: q, k: kNew, v: vNew, o: o, lse: lse, bound: bound,
 		inner:  [5][]uint32{{d}, {d}, {d}, {d}, {}},
 		layout: [5]string{"[Hq, d]", "[Hkv, d]", "[Hkv, d]", "[Hq, d]", "[Hq]"}})
 	runtime.KeepAlive(s)
@@ -687,12 +692,7 @@ func (s *Session) AppendBound(layer uint32, q, o []float32) error {
 // DecodeBound is Decode for a session over the caller's cache: the step's token is the bound
 // token at LayerTokens(layer).
 func (s *Session) DecodeBound(layer uint32, q, o, lse []float32) error {
-	d := s.shape.HeadDim
-	err := step(C.KVSGO_DECODE, s.raw, nil, nil, layer, stepArgs{q: q, o: o, lse: lse, bound: true,
-		inner:  [5][]uint32{{d}, {d}, {d}, {d}, {}},
-		layout: [5]string{"[Hq, d]", "[Hkv, d]", "[Hkv, d]", "[Hq, d]", "[Hq]"}})
-	runtime.KeepAlive(s)
-	return err
+	return s.decode(layer, q, nil, nil, o, lse, true)
 }
 
 // Save writes the session (parameters, method tables and, with includeKV, the KV cache)

@@ -325,8 +325,9 @@ class Session:
         # Calls on one session are serialised here (the C ABI marks them exclusive); different
         # sessions run in parallel, the GIL being released inside each call.
         self._lock = _threading.RLock()
-        self._bound = {}  # layer -> the caller's page pool (bind_kv), kept alive while bound
-        self._bound_args = {}  # layer -> (nhd, the pools' signatures (_pool_sig), the checked arguments)
+        # layer -> bind_kv's (pools, nhd, their signatures (_pool_sig), the checked arguments): the
+        # pools stay referenced while bound, and the next binding of the same pools skips the checks.
+        self._bound = {}
         self._kv_dtype = None
         if _handle is not None:
             self._h = _handle
@@ -506,10 +507,10 @@ class Session:
         # The pools of the layer's last binding were checked then: a pool with the same address,
         # shape, strides, dtype and device (an engine binds the same pools at every step, often
         # through new views such as kv_cache[0]) passes on that check.
-        last = self._bound_args.get(layer)
+        last = self._bound.get(layer)
         sigs = [_pool_sig(t) for t in pools]
-        if last is not None and last[0] == nhd and last[1] == sigs and None not in sigs:
-            args = last[2]
+        if last is not None and last[1] == nhd and last[2] == sigs and None not in sigs:
+            args = last[3]
         else:
             args = self._pool_args(pools, nhd, split)
         if (type(page_indices) is _np.ndarray and page_indices.dtype == _np.int32 and page_indices.ndim == 1
@@ -533,8 +534,7 @@ class Session:
             self._handle().bind_kv(layer, k_ptr, num_pages, P, int(idx.ctypes.data), int(idx.size), int(num_tokens),
                                    _stream_ptr(stream), k_bytes,
                                    _native.KVS_KV_LAYOUT_NHD if nhd else _native.KVS_KV_LAYOUT_HND, v_ptr, v_bytes)
-            self._bound[layer] = pools if split else pages
-            self._bound_args[layer] = (nhd, sigs, args)
+            self._bound[layer] = (pools, nhd, sigs, args)
 
     def _pool_args(self, pools, nhd, split):
         """bind_kv's pools checked against the session (shape, dtype, memory): (K address, K bytes,
@@ -600,7 +600,6 @@ class Session:
                      _BACKENDS.get(self.backend, 1), self.device_id)
         s._kv_dtype = self._kv_dtype
         s._bound = dict(self._bound)  # a fork reads the same pools until bound anew
-        s._bound_args = dict(self._bound_args)
         return s
 
     def to(self, backend: str, device_id: int = 0) -> "Session":
@@ -653,20 +652,19 @@ def _buffer_address(t, kv_dtype, name="pages"):
     (("cpu" or "cuda", device index)), and whether its dtype stores kv_dtype (bfloat16 may come as
     uint16 or int16 bits from NumPy)."""
     if kv_dtype is None:
-        raise InvalidStateError(STATUS_INVALID_STATE, "Session.bind_kv: this session's kv_dtype is not known "
-                                                      "(a loaded session stores its own KV)")
+        raise InvalidStateError(STATUS_INVALID_STATE, "Session.bind_kv: this session's kv_dtype is not known")
     if hasattr(t, "data_ptr") and hasattr(t, "is_contiguous"):  # torch
         if not t.is_contiguous():
             raise InvalidArgumentError(STATUS_INVALID_ARGUMENT, f"{name}: expected a contiguous tensor")
-        name = str(t.dtype).replace("torch.", "")
         where = (t.device.type, t.device.index or 0)
-        return int(t.data_ptr()), int(t.numel() * t.element_size()), where, _KV_DTYPES.get(name) == kv_dtype
+        ok = _KV_DTYPES.get(str(t.dtype).replace("torch.", "")) == kv_dtype
+        return int(t.data_ptr()), int(t.numel() * t.element_size()), where, ok
     a = _np.asarray(t)
     if not a.flags["C_CONTIGUOUS"]:
         raise InvalidArgumentError(STATUS_INVALID_ARGUMENT, f"{name}: expected a contiguous array")
-    name = a.dtype.name
-    ok = _KV_DTYPES.get(name) == kv_dtype or (kv_dtype == _native.KVS_SCALAR_BF16 and name in ("uint16", "int16",
-                                                                                                "bfloat16"))
+    dt = a.dtype.name
+    ok = _KV_DTYPES.get(dt) == kv_dtype or (kv_dtype == _native.KVS_SCALAR_BF16 and dt in ("uint16", "int16",
+                                                                                          "bfloat16"))
     return int(a.ctypes.data), int(a.nbytes), ("cpu", 0), ok
 
 

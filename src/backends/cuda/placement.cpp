@@ -253,13 +253,10 @@ class CudaPlacement final : public Placement {
       if (reinterpret_cast<uintptr_t>(ptr) % 256 != 0)
         invalid(std::string(fn) + ": " + name + ": expected a 256-byte aligned address on the cuda backend");
     }
-    const size_t esz = dtype_size(cfg_.shape.kv_dtype);
-    // Bytes from one page to the next in the pool: K and V, or one of them (two pools).
-    const size_t pb = cuda::paged_kv_page_bytes(int32_t(cfg_.shape.num_kv_heads), kv.page_size,
-                                                int32_t(cfg_.shape.head_dim), int32_t(esz)) / (kv.v_pool ? 2 : 1);
+    const size_t pb = kv.page_bytes;
     // Two pools: the V row of a token is the K row's address plus the pools' distance.
     const int64_t v_off = kv.v_pool ? (reinterpret_cast<intptr_t>(kv.v_pool) - reinterpret_cast<intptr_t>(kv.pool)) /
-                                          int64_t(esz)
+                                          int64_t(dtype_size(cfg_.shape.kv_dtype))
                                     : 0;
     auto& lay = layers_[layer];
     auto* pool = static_cast<char*>(const_cast<void*>(kv.pool));

@@ -763,15 +763,7 @@ impl Session {
     /// `kvs_session_prefill`: a chunk of one layer's prompt, q `[n, Hq, d]`, k and v `[n, Hkv, d]`.
     /// `o` (`[n, Hq, d]`) receives causal attention of the chunk over the prompt so far.
     pub fn prefill(&mut self, layer: u32, q: &[f32], k: &[f32], v: &[f32], o: Option<&mut [f32]>) -> Result<()> {
-        let sh = self.shape;
-        let (hq, hkv, d) = (sh.num_q_heads, sh.num_kv_heads, sh.head_dim);
-        let mut tq = Tensor::input("q", q, &[hq, d], "[n, Hq, d]")?;
-        let mut tk = Tensor::input("k", k, &[hkv, d], "[n, Hkv, d]")?;
-        let mut tv = Tensor::input("v", v, &[hkv, d], "[n, Hkv, d]")?;
-        let mut to = o.map(|o| Tensor::output("o", o, &[hq, d], "[n, Hq, d]")).transpose()?;
-        let (rq, rk, rv) = (tq.raw(), tk.raw(), tv.raw());
-        let ro = to.as_mut().map(|t| t.raw());
-        check(unsafe { sys::kvs_session_prefill(self.raw(), layer, &rq, &rk, &rv, opt_ptr(&ro), ptr::null_mut()) })
+        self.chunk(layer, q, Some((k, v)), o, false)
     }
 
     /// `kvs_session_build_index`: the method's index over every prefilled layer.
@@ -790,30 +782,14 @@ impl Session {
         o: &mut [f32],
         lse: Option<&mut [f32]>,
     ) -> Result<()> {
-        let d = self.shape.head_dim;
-        let mut tq = Tensor::input("q", q, &[d], "[Hq, d]")?;
-        let mut tk = Tensor::input("k_new", k_new, &[d], "[Hkv, d]")?;
-        let mut tv = Tensor::input("v_new", v_new, &[d], "[Hkv, d]")?;
-        let mut to = Tensor::output("o", o, &[d], "[Hq, d]")?;
-        let mut tl = lse.map(|l| Tensor::output("lse", l, &[], "[Hq]")).transpose()?;
-        let (rq, rk, rv, ro) = (tq.raw(), tk.raw(), tv.raw(), to.raw());
-        let rl = tl.as_mut().map(|t| t.raw());
-        check(unsafe { sys::kvs_session_decode(self.raw(), layer, &rq, &rk, &rv, &ro, opt_ptr(&rl), ptr::null_mut()) })
+        self.step(layer, q, Some((k_new, v_new)), o, lse)
     }
 
     /// `kvs_session_append`: several tokens of one layer after the index is built (a new chat
     /// turn), shapes as [`Session::prefill`]; `o` receives exact causal attention over the whole
     /// context.
     pub fn append(&mut self, layer: u32, q: &[f32], k: &[f32], v: &[f32], o: Option<&mut [f32]>) -> Result<()> {
-        let sh = self.shape;
-        let (hq, hkv, d) = (sh.num_q_heads, sh.num_kv_heads, sh.head_dim);
-        let mut tq = Tensor::input("q", q, &[hq, d], "[n, Hq, d]")?;
-        let mut tk = Tensor::input("k", k, &[hkv, d], "[n, Hkv, d]")?;
-        let mut tv = Tensor::input("v", v, &[hkv, d], "[n, Hkv, d]")?;
-        let mut to = o.map(|o| Tensor::output("o", o, &[hq, d], "[n, Hq, d]")).transpose()?;
-        let (rq, rk, rv) = (tq.raw(), tk.raw(), tv.raw());
-        let ro = to.as_mut().map(|t| t.raw());
-        check(unsafe { sys::kvs_session_append(self.raw(), layer, &rq, &rk, &rv, opt_ptr(&ro), ptr::null_mut()) })
+        self.chunk(layer, q, Some((k, v)), o, true)
     }
 
     /// `kvs_session_truncate` (rollback): keeps the first `num_tokens` tokens of every layer and
@@ -852,36 +828,83 @@ impl Session {
     /// [`Session::prefill`] of a session over the caller's cache: q `[n, Hq, d]`, the chunk's K/V
     /// being the next n bound tokens.
     pub fn prefill_bound(&mut self, layer: u32, q: &[f32], o: Option<&mut [f32]>) -> Result<()> {
-        self.chunk_bound(layer, q, o, false)
+        self.chunk(layer, q, None, o, false)
     }
 
     /// [`Session::append`] of a session over the caller's cache (the next n bound tokens).
     pub fn append_bound(&mut self, layer: u32, q: &[f32], o: Option<&mut [f32]>) -> Result<()> {
-        self.chunk_bound(layer, q, o, true)
-    }
-
-    fn chunk_bound(&mut self, layer: u32, q: &[f32], o: Option<&mut [f32]>, append: bool) -> Result<()> {
-        let sh = self.shape;
-        let (hq, d) = (sh.num_q_heads, sh.head_dim);
-        let mut tq = Tensor::input("q", q, &[hq, d], "[n, Hq, d]")?;
-        let mut to = o.map(|o| Tensor::output("o", o, &[hq, d], "[n, Hq, d]")).transpose()?;
-        let rq = tq.raw();
-        let ro = to.as_mut().map(|t| t.raw());
-        let f = if append { sys::kvs_session_append } else { sys::kvs_session_prefill };
-        check(unsafe { f(self.raw(), layer, &rq, ptr::null(), ptr::null(), opt_ptr(&ro), ptr::null_mut()) })
+        self.chunk(layer, q, None, o, true)
     }
 
     /// [`Session::decode`] of a session over the caller's cache: the step's token is the bound token
     /// at [`Session::layer_tokens`].
     pub fn decode_bound(&mut self, layer: u32, q: &[f32], o: &mut [f32], lse: Option<&mut [f32]>) -> Result<()> {
+        self.step(layer, q, None, o, lse)
+    }
+
+    // A prefill (append false) or append chunk: q [n, Hq, d], k and v [n, Hkv, d], or none (the
+    // caller's cache).
+    fn chunk(
+        &mut self,
+        layer: u32,
+        q: &[f32],
+        kv: Option<(&[f32], &[f32])>,
+        o: Option<&mut [f32]>,
+        append: bool,
+    ) -> Result<()> {
+        let sh = self.shape;
+        let (hq, hkv, d) = (sh.num_q_heads, sh.num_kv_heads, sh.head_dim);
+        let mut tq = Tensor::input("q", q, &[hq, d], "[n, Hq, d]")?;
+        let mut tkv = match kv {
+            Some((k, v)) => Some((
+                Tensor::input("k", k, &[hkv, d], "[n, Hkv, d]")?,
+                Tensor::input("v", v, &[hkv, d], "[n, Hkv, d]")?,
+            )),
+            None => None,
+        };
+        let mut to = o.map(|o| Tensor::output("o", o, &[hq, d], "[n, Hq, d]")).transpose()?;
+        let rq = tq.raw();
+        let rk = tkv.as_mut().map(|(k, _)| k.raw());
+        let rv = tkv.as_mut().map(|(_, v)| v.raw());
+        let ro = to.as_mut().map(|t| t.raw());
+        let f = if append { sys::kvs_session_append } else { sys::kvs_session_prefill };
+        check(unsafe { f(self.raw(), layer, &rq, opt_ptr(&rk), opt_ptr(&rv), opt_ptr(&ro), ptr::null_mut()) })
+    }
+
+    // A decode step: q [Hq, d], k_new and v_new [Hkv, d] or none (the caller's cache), o [Hq, d].
+    fn step(
+        &mut self,
+        layer: u32,
+        q: &[f32],
+        kv: Option<(&[f32], &[f32])>,
+        o: &mut [f32],
+        lse: Option<&mut [f32]>,
+    ) -> Result<()> {
         let d = self.shape.head_dim;
         let mut tq = Tensor::input("q", q, &[d], "[Hq, d]")?;
+        let mut tkv = match kv {
+            Some((k, v)) => {
+                Some((Tensor::input("k_new", k, &[d], "[Hkv, d]")?, Tensor::input("v_new", v, &[d], "[Hkv, d]")?))
+            }
+            None => None,
+        };
         let mut to = Tensor::output("o", o, &[d], "[Hq, d]")?;
         let mut tl = lse.map(|l| Tensor::output("lse", l, &[], "[Hq]")).transpose()?;
         let (rq, ro) = (tq.raw(), to.raw());
+        let rk = tkv.as_mut().map(|(k, _)| k.raw());
+        let rv = tkv.as_mut().map(|(_, v)| v.raw());
         let rl = tl.as_mut().map(|t| t.raw());
         check(unsafe {
-            sys::kvs_session_decode(self.raw(), layer, &rq, ptr::null(), ptr::null(), &ro, opt_ptr(&rl), ptr::null_mut())
+            sys::kvs_session_decode(
+                self.raw(),
+                layer,
+                &rq,
+                opt_ptr(&rk),
+                opt_ptr(&rv),
+                &ro,
+                opt_ptr(&rl),
+                ptr::null_mut(),
+            )
         })
     }
 

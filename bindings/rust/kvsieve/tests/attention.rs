@@ -359,7 +359,8 @@ fn truncate_rolls_back_and_lse_base_two() {
     const N: usize = 64;
     let (q, k, v) = (rng.vec((N + 3) * HQ * D), rng.vec((N + 3) * HKV * D), rng.vec((N + 3) * HKV * D));
     let row = |t: &[f32], i: usize, h: usize| t[i * h * D..(i + 1) * h * D].to_vec();
-    let params = SessionParams::new(1, HQ as u32, HKV as u32, D as u32).method("csattention").budget(0.5).max_rollback(4);
+    let params =
+        SessionParams::new(1, HQ as u32, HKV as u32, D as u32).method("csattention").budget(0.5).max_rollback(4);
     let start = |p: &SessionParams| {
         let mut s = Session::new(p).expect("create");
         s.prefill(0, &q[..N * HQ * D], &k[..N * HKV * D], &v[..N * HKV * D], None).expect("prefill");
@@ -451,7 +452,8 @@ fn caller_kv_matches_an_owned_session() {
         assert_eq!(o1, o3, "token {t}: the loaded caller session decodes as the saver");
     }
     assert_eq!(cal.stats().unwrap().kv_bytes, 0);
-    let e = cal.decode(0, &row(&q, N, HQ), &row(&k, N, HKV), &row(&v, N, HKV), &mut vec![0f32; HQ * D], None).unwrap_err();
+    let e =
+        cal.decode(0, &row(&q, N, HQ), &row(&k, N, HKV), &row(&v, N, HKV), &mut vec![0f32; HQ * D], None).unwrap_err();
     assert_eq!(e.status(), Status::InvalidArgument, "k/v given to a caller session: {e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
