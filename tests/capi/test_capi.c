@@ -462,7 +462,18 @@ static void test_load_flags_and_finite(void) {
   OK(kvs_session_save(s, path, KVS_SAVE_INCLUDE_KV));
 
   kvs_load_params_init(&lp);
-  CHECK(lp.flags == 0 && KVS_LOAD_MMAP == 1);
+  CHECK(lp.flags == 0 && KVS_LOAD_MMAP == 1 && lp.kv_source == KVS_KV_OWNED);
+  /* kv_source = KVS_KV_CALLER: the tables only (the file's KV is not read) */
+  lp.kv_source = KVS_KV_CALLER;
+  OK(kvs_session_load(path, &lp, &none));
+  OK(kvs_session_layer_tokens(none, 0, &ntok));
+  CHECK(ntok == 0);
+  kvs_session_destroy(none);
+  none = NULL;
+  lp.kv_source = 2;
+  EXPECT(kvs_session_load(path, &lp, &none), KVS_STATUS_INVALID_ARGUMENT, "params->kv_source");
+  CHECK(none == NULL);
+  lp.kv_source = KVS_KV_OWNED;
   lp.flags = 2;
   EXPECT(kvs_session_load(path, &lp, &none), KVS_STATUS_INVALID_ARGUMENT, "flags");
   CHECK(none == NULL);
@@ -505,6 +516,13 @@ typedef char kvs_kv_source_follows_kv_memory[offsetof(kvs_session_params, kv_sou
  * caller's struct_size leaves it at its default. */
 typedef char kvs_kv_source_past_the_old_struct[offsetof(kvs_session_params, kv_source) >=
                                                        ((offsetof(kvs_session_params, kv_memory) + 4 + 7) / 8) * 8 ? 1 : -1];
+/* The fields appended to kvs_load_params and kvs_paged_kv keep their places. */
+typedef char kvs_load_kv_source_follows_kv_memory[offsetof(kvs_load_params, kv_source) ==
+                                                         offsetof(kvs_load_params, kv_memory) + 4 ? 1 : -1];
+typedef char kvs_paged_kv_layout_follows_pool_bytes[offsetof(kvs_paged_kv, layout) ==
+                                                           offsetof(kvs_paged_kv, pool_bytes) + 8 ? 1 : -1];
+typedef char kvs_paged_kv_v_pages_follows_reserved0[offsetof(kvs_paged_kv, v_pages) ==
+                                                           offsetof(kvs_paged_kv, reserved0) + 4 ? 1 : -1];
 static void test_bind_kv(void) {
   static float pool[2 * 2 * HKV * 256 * D];
   int32_t ids[1] = {1};
