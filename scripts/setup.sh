@@ -57,9 +57,20 @@ if [ "${KVS_BINDINGS:-0}" = 1 ]; then
   IMPORTS=$(IFS=,; echo "${PIP_PKGS[*]%%=*}")
   if ! "$BUILD/venv/bin/python" -c "import $IMPORTS" 2>/dev/null; then
     mkdir -p "$BUILD"
+    if [ "${KVS_NO_TORCH:-0}" != 1 ]; then
+      # pip fails deep into the download with ENOSPC otherwise; say so first, with the way out.
+      free_gb=$(df -Pk "$BUILD" | awk 'NR == 2 { print int($4 / 1048576) }')
+      tmp_gb=$(df -Pk "${TMPDIR:-/tmp}" | awk 'NR == 2 { print int($4 / 1048576) }')
+      if [ "$free_gb" -lt 8 ] || [ "$tmp_gb" -lt 3 ]; then
+        echo "kvsieve setup: torch + transformers need about 6 GB in $BUILD and 2 GB in ${TMPDIR:-/tmp}" \
+             "to unpack; free: $free_gb GB and $tmp_gb GB. Free some space, or set KVS_NO_TORCH=1 to" \
+             "leave them out (tests/python/test_hf_integration.py then reports itself skipped)." >&2
+        exit 1
+      fi
+    fi
     [ -x "$BUILD/venv/bin/python" ] || "$PY" -m venv "$BUILD/venv"
     echo "kvsieve setup: pip install ${PIP_PKGS[*]} into $BUILD/venv" >&2
-    "$BUILD/venv/bin/pip" install -q --disable-pip-version-check "${PIP_PKGS[@]}"
+    "$BUILD/venv/bin/pip" install -q --disable-pip-version-check --no-cache-dir "${PIP_PKGS[@]}"
   fi
   BINDING_ARGS=(-DKVS_BUILD_PYTHON=ON -DKVS_BUILD_JAVA=ON "-DPython3_EXECUTABLE=$(cd "$BUILD" && pwd)/venv/bin/python")
 fi
