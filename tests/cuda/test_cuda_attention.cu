@@ -603,7 +603,8 @@ int run_csa_build_passed();
 int main(int argc, char** argv) {
   install_crash_report();
   int stress = 0;
-  bool only_csa = false, only_csa_build = false, only_quest = false, only_retro = false, only_caller = false;
+  bool only_csa = false, only_csa_build = false, only_quest = false, only_retro = false, only_caller = false,
+       only_graphs = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--small") g_small = true;
@@ -612,6 +613,7 @@ int main(int argc, char** argv) {
     if (a == "--only-quest") only_quest = true;  // the quest kernels' tests alone
     if (a == "--only-retroinfer") only_retro = true;  // the retroinfer session tests alone
     if (a == "--only-caller-kv") only_caller = true;  // sessions over a caller's KV cache alone
+    if (a == "--only-graphs") only_graphs = true;  // batched steps as CUDA graphs against eager ones alone
     if (a == "--pdl-stress" && i + 1 < argc) stress = std::atoi(argv[++i]);
     if (a == "--pdl-wait-first") kvs::cuda::detail::set_pdl_wait_first(true);
   }
@@ -624,6 +626,7 @@ int main(int argc, char** argv) {
   if (only_csa) return run_csattention_tests(g_small) ? 1 : 0;
   if (only_retro) return run_retroinfer_tests(g_small) ? 1 : 0;
   if (only_caller) return run_caller_kv_tests(g_small) ? 1 : 0;
+  if (only_graphs) return run_graph_tests(g_small) ? 1 : 0;
 #endif
 #ifdef KVS_HAVE_CSA_BUILD_TESTS
   if (only_csa_build) return run_csa_build_tests(g_small) ? 1 : 0;

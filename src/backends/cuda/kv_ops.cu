@@ -7,6 +7,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstring>
+
 #include "kvsieve/kvsieve.h"
 
 namespace kvs::cuda {
@@ -40,6 +42,36 @@ __global__ void append_batch_kernel(PagedKv kv, int32_t hkv, int32_t vecs_per_ro
   const uint4* page = static_cast<const uint4*>(kv.pages[int64_t(b) * kv.max_pages + (t >> kv.page_shift)]);
   uint4* kp = const_cast<uint4*>(page) + (int64_t(h) * kv.page_tokens + (t & (kv.page_tokens - 1))) * vecs_per_row;
   uint4* vp = kp + int64_t(hkv) * kv.page_tokens * vecs_per_row;
+  const int64_t s = (int64_t(b) * hkv + h) * vecs_per_row;
+  for (int32_t j = threadIdx.x; j < vecs_per_row; j += blockDim.x) {
+    kp[j] = k_new[s + j];
+    vp[j] = v_new[s + j];
+  }
+}
+
+template <int kBytes>
+struct alignas(16) ArgBlock {
+  uint4 v[kBytes / 16];
+};
+
+// Block (0, 0) writes the argument block; block (b, h) appends head h of sequence b's new row
+// (vecs_per_row 0: no append). __grid_constant__: the block is read in place, not copied per thread.
+template <int kBytes>
+__global__ void step_args_kernel(const __grid_constant__ ArgBlock<kBytes> a, int32_t n16, uint4* __restrict__ dst,
+                                 int32_t page_tokens, int32_t page_shift, int32_t hkv, int32_t vecs_per_row,
+                                 int32_t tables_at, int32_t kv_at) {
+  const int32_t b = blockIdx.x, h = blockIdx.y;
+  if (b == 0 && h == 0)
+    for (int32_t j = threadIdx.x; j < n16; j += blockDim.x) dst[j] = a.v[j];
+  if (!vecs_per_row) return;
+  const auto* base = reinterpret_cast<const unsigned char*>(a.v);
+  const int32_t t = reinterpret_cast<const int32_t*>(base)[b];
+  const auto* table = static_cast<const void* const*>(reinterpret_cast<const void* const*>(base + tables_at)[b]);
+  const auto* k_new = static_cast<const uint4*>(reinterpret_cast<const void* const*>(base + kv_at)[0]);
+  const auto* v_new = static_cast<const uint4*>(reinterpret_cast<const void* const*>(base + kv_at)[1]);
+  const uint4* page = static_cast<const uint4*>(table[t >> page_shift]);
+  uint4* kp = const_cast<uint4*>(page) + (int64_t(h) * page_tokens + (t & (page_tokens - 1))) * vecs_per_row;
+  uint4* vp = kp + int64_t(hkv) * page_tokens * vecs_per_row;
   const int64_t s = (int64_t(b) * hkv + h) * vecs_per_row;
   for (int32_t j = threadIdx.x; j < vecs_per_row; j += blockDim.x) {
     kp[j] = k_new[s + j];
@@ -81,6 +113,82 @@ Status append_kv_batch(const PagedKv& kv, int32_t batch, int32_t hkv, int32_t d,
                         static_cast<cudaStream_t>(stream)>>>(kv, hkv, v, pos, static_cast<const uint4*>(k_new),
                                                              static_cast<const uint4*>(v_new), kv_at);
   return launch_status("append_kv_batch launch");
+}
+
+namespace {
+
+template <int kBytes>
+cudaError_t launch_step_args(const StepArgsLaunch& l, const void* host, size_t bytes, cudaStream_t st, void* exec,
+                             void* node) {
+  ArgBlock<kBytes> a{};
+  std::memcpy(a.v, host, bytes);
+  if (!exec) {
+    step_args_kernel<kBytes><<<dim3(l.grid_x, l.grid_y), l.threads, 0, st>>>(
+        a, l.n16, static_cast<uint4*>(l.dst), l.page_tokens, l.page_shift, l.hkv, l.vecs, l.tables_at, l.kv_at);
+    return cudaGetLastError();
+  }
+  auto dst = static_cast<uint4*>(l.dst);
+  void* args[] = {&a,    const_cast<int32_t*>(&l.n16), &dst, const_cast<int32_t*>(&l.page_tokens),
+                  const_cast<int32_t*>(&l.page_shift), const_cast<int32_t*>(&l.hkv), const_cast<int32_t*>(&l.vecs),
+                  const_cast<int32_t*>(&l.tables_at), const_cast<int32_t*>(&l.kv_at)};
+  cudaKernelNodeParams p{};
+  p.func = const_cast<void*>(l.func);
+  p.gridDim = dim3(l.grid_x, l.grid_y);
+  p.blockDim = dim3(l.threads);
+  p.kernelParams = args;
+  return cudaGraphExecKernelNodeSetParams(static_cast<cudaGraphExec_t>(exec), static_cast<cudaGraphNode_t>(node), &p);
+}
+
+template <int kBytes>
+const void* step_args_func() {
+  return reinterpret_cast<const void*>(&step_args_kernel<kBytes>);
+}
+
+}  // namespace
+
+Status upload_step_args(const void* host, size_t bytes, void* dst, const PagedKv& kv, int32_t batch, int32_t hkv,
+                        int32_t d, Scalar dt, size_t tables_at, size_t kv_at, void* stream,
+                        StepArgsLaunch* launched) noexcept {
+  const bool append = kv_at != kNoAppend;
+  if (bytes % 16 || bytes > kStepArgsMax || tables_at % sizeof(void*) || tables_at + batch * sizeof(void*) > bytes ||
+      size_t(batch) * sizeof(int32_t) > tables_at || (append && (kv_at % sizeof(void*) || kv_at + 2 * sizeof(void*) > bytes)))
+    return Status{KVS_STATUS_INTERNAL, 0, "upload_step_args: argument block out of range"};
+  StepArgsLaunch l;
+  if (append) {
+    if (!kv_default_layout(kv)) return Status{KVS_STATUS_UNSUPPORTED, 0, "upload_step_args: kvsieve writes its own page layout only"};
+    if ((d * (dt == Scalar::F32 ? 4 : 2)) % 16) return Status{KVS_STATUS_UNSUPPORTED, 0, "upload_step_args: row not a multiple of 16 bytes"};
+    l.vecs = vecs(d, dt);
+  }
+  l.capacity = bytes <= 1024 ? 1024 : int32_t(kStepArgsMax);
+  l.func = l.capacity == 1024 ? step_args_func<1024>() : step_args_func<kStepArgsMax>();
+  l.grid_x = l.vecs ? unsigned(batch) : 1;
+  l.grid_y = l.vecs ? unsigned(hkv) : 1;
+  l.threads = unsigned(l.vecs < 32 ? 32 : l.vecs > 128 ? 128 : l.vecs);
+  l.n16 = int32_t(bytes / 16);
+  l.page_tokens = kv.page_tokens;
+  l.page_shift = kv.page_shift;
+  l.hkv = hkv;
+  l.tables_at = int32_t(tables_at);
+  l.kv_at = append ? int32_t(kv_at) : 0;
+  l.dst = dst;
+  const auto st = static_cast<cudaStream_t>(stream);
+  const cudaError_t e = l.capacity == 1024 ? launch_step_args<1024>(l, host, bytes, st, nullptr, nullptr)
+                                           : launch_step_args<kStepArgsMax>(l, host, bytes, st, nullptr, nullptr);
+  if (e != cudaSuccess) return cuda_fail(e, "upload_step_args launch");
+  if (launched) *launched = l;
+  return Status{};
+}
+
+Status set_step_args(void* exec, void* node, const StepArgsLaunch& l, const void* host, size_t bytes) noexcept {
+  if (!exec || !node || !l.func || bytes / 16 != size_t(l.n16) || bytes % 16)
+    return Status{KVS_STATUS_INTERNAL, 0, "set_step_args: not the captured launch"};
+  const cudaError_t e = l.capacity == 1024 ? launch_step_args<1024>(l, host, bytes, nullptr, exec, node)
+                                           : launch_step_args<kStepArgsMax>(l, host, bytes, nullptr, exec, node);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // not left for the next launch's check
+    return cuda_fail(e, "cudaGraphExecKernelNodeSetParams(step arguments)");
+  }
+  return Status{};
 }
 
 Status gather_page_tables(const void* const* const* src, const int32_t* counts, int32_t batch, int32_t max_pages,

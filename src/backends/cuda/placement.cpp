@@ -5,9 +5,10 @@
 //
 //   host: validate tensors, reserve the new token's page (unless a batch plan did), lengths and
 //         budgets, DeviceMethod::plan (selection size, scratch), one argument block
-//   device: upload the argument block -> assemble the batch page table (B > 1) -> append the new
-//           K/V rows -> method update (on_tokens) -> method select -> dense or gathered attention
-//           writing o and lse where the caller wants them
+//   device: one launch carrying the argument block by value that writes it and appends the new K/V
+//           rows (a block too large for that: a copy, then an append launch) -> assemble the batch
+//           page table (B > 1) -> method update (on_tokens) -> method select -> dense or gathered
+//           attention writing o and lse where the caller wants them
 //
 // Nothing synchronises the caller's stream except last_selection and save (which read back).
 #ifdef KVS_HAVE_CUDA
@@ -167,8 +168,7 @@ class CudaPlacement final : public Placement {
       if (e) cudaEventDestroy(e);
     for (auto* h : arg_host_)
       if (h) cudaFreeHost(h);
-    for (auto& g : graphs_of_)
-      if (g.exec) cudaGraphExecDestroy(g.exec);
+    for (auto& g : graphs_of_) g.reset();
     if (cap_stream_) cudaStreamDestroy(cap_stream_);
     release_retired(true);
     layers_.clear();
@@ -391,7 +391,11 @@ class CudaPlacement final : public Placement {
     const size_t ints = align256(size_t(B) * 4 * sizeof(int32_t));
     const size_t ptrs = align256(size_t(B) * sizeof(void*)) + 256;
     const size_t arg_bytes = ints + ptrs + align256(pl.arg_bytes);
-    char* host = arg_slot(arg_bytes);
+    // Blocks that fit a kernel's parameters travel in the step's first launch; larger ones are
+    // copied from a pinned slot.
+    const bool by_value = args_by_value_ && arg_bytes <= cuda::kStepArgsMax;
+    if (by_value && arg_block_.size() < arg_bytes) arg_block_.resize(cuda::kStepArgsMax);
+    char* host = by_value ? arg_block_.data() : arg_slot(arg_bytes);
     auto* hi = reinterpret_cast<int32_t*>(host);
     auto* hp = reinterpret_cast<const void**>(host + ints);
     for (int64_t b = 0; b < B; ++b) {
@@ -430,8 +434,10 @@ class CudaPlacement final : public Placement {
     htens[2] = dlse;
     htens[3] = kv.base;
     htens[4] = vv.base;
-    check(cudaMemcpyAsync(dargs, host, arg_bytes, cudaMemcpyHostToDevice, S(t.stream)), "cudaMemcpyAsync(step arguments)");
-    arg_done(t.stream);
+    if (!by_value) {
+      check(cudaMemcpyAsync(dargs, host, arg_bytes, cudaMemcpyHostToDevice, S(t.stream)), "cudaMemcpyAsync(step arguments)");
+      arg_done(t.stream);
+    }
     const auto* dtens = reinterpret_cast<const void* const*>(dargs + tens_at);
     const int32_t* dpos = reinterpret_cast<const int32_t*>(dargs);
     st.lengths = dpos + B;
@@ -466,14 +472,20 @@ class CudaPlacement final : public Placement {
     // the selection and the attention. Run on the caller's stream, or captured into this layer's
     // graph (then replayed while the key below holds).
     int64_t advanced = 0;  // sessions whose layer counts the new token (undone on failure)
+    cuda::StepArgsLaunch args_launch;  // the block's launch, as a graph captures it
     auto enqueue = [&](void* s) {
+      if (by_value)  // with the new K/V rows (a caller's cache holds them already)
+        check(cuda::upload_step_args(host, arg_bytes, dargs, own_kv(ps[0]->layers_[layer]), int32_t(B), int32_t(hkv),
+                                     int32_t(d), kvdt(), ints, caller_ ? cuda::kNoAppend : tens_at + 3 * sizeof(void*),
+                                     s, &args_launch),
+              "upload_step_args");
       if (B > 1)
         check(cuda::gather_page_tables(reinterpret_cast<const void* const* const*>(dargs + ints), dpos + 3 * B,
                                        int32_t(B), int32_t(max_pages), const_cast<const void**>(st.kv.pages), s),
               "gather_page_tables");
       DeviceStep sst = st;
       sst.stream = s;
-      if (!caller_)  // (a caller's cache holds the new token already)
+      if (!caller_ && !by_value)  // (a caller's cache holds the new token already)
         check(cuda::append_kv_batch(st.kv, int32_t(B), int32_t(hkv), int32_t(d), kvdt(), dpos, kv.base, vv.base, s,
                                     graph ? dtens + 3 : nullptr),
               "append_kv_batch");
@@ -515,7 +527,7 @@ class CudaPlacement final : public Placement {
                           int64_t(lse_bytes), int64_t(kern_ws), int64_t(pl.dense), int64_t(pl.per_query_head),
                           int64_t(layer)})
           key.push_back(uintptr_t(x));
-        launch_graph(layer, key, enqueue, t.stream);
+        launch_graph(layer, key, enqueue, t.stream, by_value ? host : nullptr, arg_bytes, args_launch);
       } else {
         enqueue(t.stream);
       }
@@ -856,8 +868,11 @@ class CudaPlacement final : public Placement {
   // Launches this layer's graph on `stream`, capturing it first (into a private stream: the
   // caller's may be the legacy default stream, which cannot capture) unless the last capture had
   // the same key: the same sessions, tensors, buffers and capacities, so the same launches.
+  // With `args` (the step's argument block of `arg_bytes`), the graph's first launch is
+  // upload_step_args: a replay gives it this step's block.
   template <class Enqueue>
-  void launch_graph(uint32_t layer, const std::vector<uintptr_t>& key, Enqueue& enqueue, void* stream) {
+  void launch_graph(uint32_t layer, const std::vector<uintptr_t>& key, Enqueue& enqueue, void* stream,
+                    const char* args, size_t arg_bytes, const cuda::StepArgsLaunch& args_launch) {
     if (graphs_of_.size() < layers_.size()) graphs_of_.resize(layers_.size());
     LayerGraph& g = graphs_of_[layer];
     if (!g.exec || g.key != key) {
@@ -874,22 +889,35 @@ class CudaPlacement final : public Placement {
         throw;
       }
       check(cudaStreamEndCapture(cap_stream_, &graph), "cudaStreamEndCapture");
-      struct Own {
-        cudaGraph_t g;
-        ~Own() { cudaGraphDestroy(g); }
-      } own{graph};
       // A new executable graph each time (an in-place update fails whenever the launches changed
-      // shape, and captures happen once per bucket of tokens, not per step).
-      if (g.exec) {
-        cudaGraphExecDestroy(g.exec);
-        g.exec = nullptr;
-      }
+      // shape, and captures happen once per bucket of tokens, not per step). The graph stays with
+      // it: set_step_args names the node by its handle in the graph.
+      g.reset();
+      g.graph = graph;
       check(cudaGraphInstantiate(&g.exec, graph, 0), "cudaGraphInstantiate");
+      g.args_node = args ? args_node(graph, args_launch) : nullptr;
+      g.args_launch = args_launch;
       g.key = key;
       ++graph_captures_;
+    } else if (args) {
+      check(cuda::set_step_args(g.exec, g.args_node, g.args_launch, args, arg_bytes), "set_step_args");
     }
     check(cudaGraphLaunch(g.exec, S(stream)), "cudaGraphLaunch");
     ++graph_launches_;
+  }
+
+  // The node of a captured graph that launched `l` (its root: the step's first launch).
+  static cudaGraphNode_t args_node(cudaGraph_t graph, const cuda::StepArgsLaunch& l) {
+    size_t n = 0;
+    cudaGraphNode_t root = nullptr;
+    cudaGraphNodeType type{};
+    cudaKernelNodeParams p{};
+    check(cudaGraphGetRootNodes(graph, nullptr, &n), "cudaGraphGetRootNodes");
+    if (n == 1) check(cudaGraphGetRootNodes(graph, &root, &n), "cudaGraphGetRootNodes");
+    if (n != 1 || !root || cudaGraphNodeGetType(root, &type) != cudaSuccess || type != cudaGraphNodeTypeKernel ||
+        cudaGraphKernelNodeGetParams(root, &p) != cudaSuccess || p.func != l.func)
+      fail(KVS_STATUS_INTERNAL, "cuda graph: the step's first node is not its argument upload");
+    return root;
   }
 
   // A pinned host slot for a step's arguments (a ring of slots, each reused once its last upload ended).
@@ -953,6 +981,7 @@ class CudaPlacement final : public Placement {
   std::map<uint32_t, std::shared_ptr<DevBuf>> sel_owned_;
   std::shared_ptr<DevBuf> ws_;
   static constexpr size_t kArgSlots = 8;
+  std::vector<char> arg_block_;  // a step's argument block when it travels by value
   char* arg_host_[kArgSlots] = {};
   size_t arg_bytes_[kArgSlots] = {};
   cudaEvent_t arg_events_[kArgSlots] = {};
@@ -967,6 +996,16 @@ class CudaPlacement final : public Placement {
   struct LayerGraph {
     cudaGraphExec_t exec = nullptr;
     std::vector<uintptr_t> key;
+    cudaGraph_t graph = nullptr;          // the capture exec was instantiated from
+    cudaGraphNode_t args_node = nullptr;  // upload_step_args in `graph`, given each replay's block
+    cuda::StepArgsLaunch args_launch;
+    void reset() noexcept {
+      if (exec) cudaGraphExecDestroy(exec);
+      if (graph) cudaGraphDestroy(graph);
+      exec = nullptr;
+      graph = nullptr;
+      args_node = nullptr;
+    }
   };
   static constexpr int64_t kGraphBucket = 256;  // tokens and selection slots a capture covers ahead
   bool graphs_ = !env_is("KVS_CUDA_GRAPHS", "0");
@@ -976,6 +1015,9 @@ class CudaPlacement final : public Placement {
   // writer's data: 1 of about 600 runs, not reproduced alone) is understood. The chunk merge and
   // the top-k are programmatic dependents either way (docs/perf.md).
   bool pdl_ = env_is("KVS_CUDA_PDL", "1");
+  // The argument block in the step's first launch (upload_step_args) unless KVS_CUDA_ARGS_BY_VALUE=0:
+  // then a copy from a pinned slot and a separate append launch, as before 2026-11-28 (docs/perf.md).
+  bool args_by_value_ = !env_is("KVS_CUDA_ARGS_BY_VALUE", "0");
   std::vector<LayerGraph> graphs_of_;
   std::vector<uintptr_t> graph_key_scratch_;
   cudaStream_t cap_stream_ = nullptr;
