@@ -293,8 +293,9 @@ __device__ __forceinline__ float head_reduce(float (&v)[GT], int c) {
   return v[0];
 }
 
-// grid (nchunks, Hkv * ngroups, B), block kScoreThreads: U loads of 16 bytes in flight per lane.
-// (A per-warp cp.async ring of 4 x 4 tiles, 3 CTAs per SM, measured slower: 120 vs 113 us.)
+// grid (nchunks, Hkv * ngroups, B), block kScoreThreads: U loads of 16 bytes in flight per lane
+// while the lane scores its previous U rows. (A per-warp cp.async ring of 4 x 4 tiles, 3 CTAs per
+// SM, measured slower: 120 vs 113 us.)
 template <typename T, int D, int GT, bool GROUP>
 __global__ void __launch_bounds__(kScoreThreads, 2) topk_logits_kernel(const ScoreArgs a) {
   constexpr int TPR = D / 8, RPP = 32 / TPR, U = GT >= 8 ? 4 : 8, WT = U * RPP;
@@ -355,13 +356,18 @@ __global__ void __launch_bounds__(kScoreThreads, 2) topk_logits_kernel(const Sco
   else orow = a.out + (int64_t(b) * a.Hq + int64_t(kvh) * a.G + g0 + hsel) * int64_t(a.max_len);
 
   auto row_ptr = [&](int t) -> const T* { return spage[(t >> shift) - pg0] + hoff + int64_t(t & (P - 1)) * tstride; };
-  for (int tb = t0 + warp * WT; tb < t1; tb += kScoreWarps * WT) {
-    uint4 u[U];
+  // Two tiles of U rows per lane: the next tile's loads are in flight while this one is scored.
+  uint4 u[U], un[U];
+  auto load_tile = [&](int tb, uint4 (&dst)[U]) {
 #pragma unroll
     for (int i = 0; i < U; ++i) {
       const int t = tb + i * RPP + rsub;
-      u[i] = t < t1 ? ld_stream16(row_ptr(t), pol_k) : make_uint4(0u, 0u, 0u, 0u);
+      dst[i] = t < t1 ? ld_stream16(row_ptr(t), pol_k) : make_uint4(0u, 0u, 0u, 0u);
     }
+  };
+  if (t0 + warp * WT < t1) load_tile(t0 + warp * WT, u);
+  for (int tb = t0 + warp * WT; tb < t1; tb += kScoreWarps * WT) {
+    if (tb + kScoreWarps * WT < t1) load_tile(tb + kScoreWarps * WT, un);
 #pragma unroll
     for (int i = 0; i < U; ++i) {
       const int t = tb + i * RPP + rsub;
@@ -391,6 +397,8 @@ __global__ void __launch_bounds__(kScoreThreads, 2) topk_logits_kernel(const Sco
         }
       }
     }
+#pragma unroll
+    for (int i = 0; i < U; ++i) u[i] = un[i];
   }
   // The group-score kernel (a programmatic dependent launch) may start its prologue now; it waits
   // for this whole grid's results before reading them.
