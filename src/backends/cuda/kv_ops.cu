@@ -79,6 +79,33 @@ __global__ void step_args_kernel(const __grid_constant__ ArgBlock<kBytes> a, int
   }
 }
 
+template <int kBytes>
+cudaError_t launch_step_args(const StepArgsLaunch& l, const void* host, size_t bytes, cudaStream_t st, void* exec,
+                             void* node) {
+  ArgBlock<kBytes> a{};
+  std::memcpy(a.v, host, bytes);
+  if (!exec) {
+    step_args_kernel<kBytes><<<dim3(l.grid_x, l.grid_y), l.threads, 0, st>>>(
+        a, l.n16, static_cast<uint4*>(l.dst), l.page_tokens, l.page_shift, l.hkv, l.vecs, l.tables_at, l.kv_at);
+    return cudaGetLastError();
+  }
+  auto dst = static_cast<uint4*>(l.dst);
+  void* args[] = {&a,    const_cast<int32_t*>(&l.n16), &dst, const_cast<int32_t*>(&l.page_tokens),
+                  const_cast<int32_t*>(&l.page_shift), const_cast<int32_t*>(&l.hkv), const_cast<int32_t*>(&l.vecs),
+                  const_cast<int32_t*>(&l.tables_at), const_cast<int32_t*>(&l.kv_at)};
+  cudaKernelNodeParams p{};
+  p.func = const_cast<void*>(l.func);
+  p.gridDim = dim3(l.grid_x, l.grid_y);
+  p.blockDim = dim3(l.threads);
+  p.kernelParams = args;
+  return cudaGraphExecKernelNodeSetParams(static_cast<cudaGraphExec_t>(exec), static_cast<cudaGraphNode_t>(node), &p);
+}
+
+template <int kBytes>
+const void* step_args_func() {
+  return reinterpret_cast<const void*>(&step_args_kernel<kBytes>);
+}
+
 __global__ void gather_tables_kernel(const void* const* const* __restrict__ src, const int32_t* __restrict__ counts,
                                      int32_t max_pages, const void** __restrict__ dst) {
   const int32_t b = blockIdx.y;
@@ -114,37 +141,6 @@ Status append_kv_batch(const PagedKv& kv, int32_t batch, int32_t hkv, int32_t d,
                                                              static_cast<const uint4*>(v_new), kv_at);
   return launch_status("append_kv_batch launch");
 }
-
-namespace {
-
-template <int kBytes>
-cudaError_t launch_step_args(const StepArgsLaunch& l, const void* host, size_t bytes, cudaStream_t st, void* exec,
-                             void* node) {
-  ArgBlock<kBytes> a{};
-  std::memcpy(a.v, host, bytes);
-  if (!exec) {
-    step_args_kernel<kBytes><<<dim3(l.grid_x, l.grid_y), l.threads, 0, st>>>(
-        a, l.n16, static_cast<uint4*>(l.dst), l.page_tokens, l.page_shift, l.hkv, l.vecs, l.tables_at, l.kv_at);
-    return cudaGetLastError();
-  }
-  auto dst = static_cast<uint4*>(l.dst);
-  void* args[] = {&a,    const_cast<int32_t*>(&l.n16), &dst, const_cast<int32_t*>(&l.page_tokens),
-                  const_cast<int32_t*>(&l.page_shift), const_cast<int32_t*>(&l.hkv), const_cast<int32_t*>(&l.vecs),
-                  const_cast<int32_t*>(&l.tables_at), const_cast<int32_t*>(&l.kv_at)};
-  cudaKernelNodeParams p{};
-  p.func = const_cast<void*>(l.func);
-  p.gridDim = dim3(l.grid_x, l.grid_y);
-  p.blockDim = dim3(l.threads);
-  p.kernelParams = args;
-  return cudaGraphExecKernelNodeSetParams(static_cast<cudaGraphExec_t>(exec), static_cast<cudaGraphNode_t>(node), &p);
-}
-
-template <int kBytes>
-const void* step_args_func() {
-  return reinterpret_cast<const void*>(&step_args_kernel<kBytes>);
-}
-
-}  // namespace
 
 Status upload_step_args(const void* host, size_t bytes, void* dst, const PagedKv& kv, int32_t batch, int32_t hkv,
                         int32_t d, Scalar dt, size_t tables_at, size_t kv_at, void* stream,
