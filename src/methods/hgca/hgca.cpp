@@ -585,7 +585,7 @@ MethodSpec hgca_spec() {
         "window_ratio is given) and each step's far set is the rest, the far entries of highest salience (MAW x the "
         "size they are judged against; salient ones first), replacing the threshold sets and padding; none: the "
         "paper's adaptive, uncapped sets (window = the budget unless window/window_ratio)"},
-       {"window_share", "float", "0.5",
+       {"window_share", "float", "0.25",
         "with cap=budget and no window/window_ratio: the near window's share of the budget (0..1]; blocks of a "
         "quarter of the window (at most block_size)"},
        {"widen", "enum:recent|none", "recent",

@@ -42,7 +42,7 @@ struct Params {
   // the budget (unless window / window_ratio size it) and each step's far set is the budget's rest:
   // the far entries ranked by salience (score x the size it is judged against), best first.
   bool cap = true;
-  double window_share = 0.5;
+  double window_share = 0.25;  // chosen on the validation suite's tuning half (docs/methods/hgca.md)
   // widen=recent (cap=budget only; docs/methods/hgca.md, "When the past does not predict the
   // query"): each step the far set is the best by exact score of a pool of the MAW ranking's far
   // set plus streaming's sinks and recent keys; false: the MAW ranking alone.
