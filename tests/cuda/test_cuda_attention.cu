@@ -604,7 +604,7 @@ int main(int argc, char** argv) {
   install_crash_report();
   int stress = 0;
   bool only_csa = false, only_csa_build = false, only_quest = false, only_retro = false, only_caller = false,
-       only_graphs = false;
+       only_graphs = false, only_topk = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--small") g_small = true;
@@ -614,6 +614,7 @@ int main(int argc, char** argv) {
     if (a == "--only-retroinfer") only_retro = true;  // the retroinfer session tests alone
     if (a == "--only-caller-kv") only_caller = true;  // sessions over a caller's KV cache alone
     if (a == "--only-graphs") only_graphs = true;  // batched steps as CUDA graphs against eager ones alone
+    if (a == "--only-topk") only_topk = true;  // the exact_topk kernels' tests alone (score pass, radix top-k)
     if (a == "--pdl-stress" && i + 1 < argc) stress = std::atoi(argv[++i]);
     if (a == "--pdl-wait-first") kvs::cuda::detail::set_pdl_wait_first(true);
   }
@@ -630,6 +631,13 @@ int main(int argc, char** argv) {
 #endif
 #ifdef KVS_HAVE_CSA_BUILD_TESTS
   if (only_csa_build) return run_csa_build_tests(g_small) ? 1 : 0;
+#endif
+#ifdef KVS_HAVE_TOPK_TESTS
+  if (only_topk) {
+    const int failed = run_topk_tests(g_small);
+    std::printf("topk: %d failed\n", failed);
+    return failed ? 1 : 0;
+  }
 #endif
 #ifdef KVS_HAVE_QUEST_TESTS
   if (only_quest) {

@@ -469,6 +469,45 @@ void run_scores(Scalar kvt, Scalar qt, int D, int G, int Hkv, int P, std::vector
   std::snprintf(det2, sizeof det2, "rows %d: exact-on-device-scores bad rows %d, vs float64: %d near-tie diffs, %d real diffs",
                 rows, exact_bad, tie_diffs, real_bad);
   report(exact_bad == 0 && real_bad == 0, nm2, det2);
+  if (per_head) return;
+
+  // topk_group_select (score pass and top-k in one call; fused past 16384 keys): the same indices
+  // and counts as topk_scores + topk_rows above, with every row's k, then with per-row k (row_k).
+  for (int pass = 0; pass < 2; ++pass) {
+    std::vector<int> rk(static_cast<size_t>(rows), k);
+    if (pass == 1)
+      for (int r = 0; r < rows; ++r) rk[r] = (r % 3 == 0) ? k : (r % 3 == 1) ? k / 2 + 1 : 0;
+    DevBuf d_rk, d_idx2(size_t(rows) * k * 4), d_cnt2(size_t(rows) * 4), d_sc2(n * 4 + 4);
+    upload16(d_rk, rk);
+    KVS_TEST_CK(cudaMemset(d_idx2.p, 0x7f, d_idx2.n));
+    KVS_TEST_CK(cudaMemset(d_ws.p, 0x7f, wsb));
+    const kvs::cuda::Status st3 = kvs::cuda::topk_group_select(
+        s, {p.d_q.p, qt}, p.kv, kvt, p.d_len.as<int32_t>(), max_len, sinks, local, d_rlen.as<int32_t>(),
+        pass ? d_rk.as<int32_t>() : nullptr, k, d_sc2.as<float>(), d_idx2.as<int32_t>(), d_cnt2.as<int32_t>(),
+        {d_ws.p, wsb}, nullptr);
+    const cudaError_t le3 = cudaDeviceSynchronize();
+    const std::string nm3 = std::string(nm) + " + topk_group_select" + (pass ? " row_k" : "") +
+                            (max_len > 16384 ? " (fused)" : "");
+    if (!st3.ok() || le3 != cudaSuccess) {
+      report(false, nm3, std::string("status: ") + st3.message + " / " + cudaGetErrorString(le3));
+      return;
+    }
+    const std::vector<int32_t> idx2 = download<int32_t>(d_idx2.p, size_t(rows) * k);
+    const std::vector<int32_t> cnt2 = download<int32_t>(d_cnt2.p, size_t(rows));
+    int bad_rows = 0;
+    for (int r = 0; r < rows; ++r) {
+      // The expected row: topk_rows' indices, cut to the row's k (ascending order keeps a prefix only
+      // when every key is taken; so recompute from the device scores of topk_scores instead).
+      const std::vector<int> want = host_topk(dev.data() + size_t(r) * max_len, rlen[r], rk[r]);
+      bool ok = cnt2[r] == int(want.size());
+      for (size_t i = 0; ok && i < want.size(); ++i) ok = idx2[size_t(r) * k + i] == want[i];
+      for (int i = int(want.size()); ok && i < k; ++i) ok = idx2[size_t(r) * k + i] == -1;
+      if (pass == 0)  // every row's k: exactly topk_rows' output
+        for (int i = 0; ok && i < k; ++i) ok = idx2[size_t(r) * k + i] == idx[size_t(r) * k + i];
+      if (!ok) ++bad_rows;
+    }
+    report(bad_rows == 0, nm3, "rows " + std::to_string(rows) + ", bad rows " + std::to_string(bad_rows));
+  }
 }
 
 void run_scores_tests() {
@@ -490,6 +529,14 @@ void run_scores_tests() {
   run_scores(F16, F32, 128, 2, 4, 32, {L, L - 1, 31}, L + 7, false, 0, 0, 3.f);  // max_len not a page multiple
   run_scores(BF, F32, 64, 6, 3, 1024, {L, 1000}, L, false, 1, 1000);  // local window covers a whole sequence
   run_scores(BF, F32, 128, 4, 8, 256, {g_small ? 5000 : 131072}, g_small ? 5000 : 131072, false, 4, 64, 2.f);
+  // Rows past 16384 keys: topk_group_select's fused kernel (G <= 8), and its unfused path (G = 16).
+  const int LL = g_small ? 16500 : 40000;
+  run_scores(BF, F32, 128, 4, 2, 16, {LL, LL - 3000, 1, 0}, LL, false, 4, 64);
+  run_scores(BF, BF, 128, 8, 1, 256, {LL, 17000}, LL + 5, false, 0, 0, 3.f);
+  run_scores(F16, F32, 64, 3, 2, 32, {LL, 16385}, LL, false, 1, 100);
+  run_scores(BF, F32, 256, 2, 2, 16, {LL}, LL, false, 0, 16);
+  run_scores(F16, F16, 128, 1, 3, 64, {LL, 20}, LL, false, 4, 0);
+  if (!g_small) run_scores(BF, F32, 128, 16, 1, 16, {20000}, 20000, false, 2, 16);
 }
 
 // ---- graph capture: topk_scores + topk_rows captured once, replayed, same result -------------------

@@ -29,8 +29,16 @@
 // (max, sum) softmax statistics, and a second kernel (a programmatic dependent launch) turns them
 // into summed probabilities. topk_rows is launched as a programmatic dependent too, so it can
 // follow the score pass without a launch gap.
+//
+// topk_group_select: for rows past kSmallMaxLen keys and groups of at most 8 heads, the second
+// kernel and topk_rows are one cluster kernel (topk_group_select_kernel): each CTA turns the logits
+// of its slice into summed probabilities straight into the key cache (the same arithmetic as the
+// group-score kernel) and the cluster select runs on the filled slices, so the scores row is never
+// written and read back (the exact_topk step on an H100: 1.5 us faster at 128K, 15 us at 512K and
+// 16 us at 128K with 8 sequences; docs/perf.md).
 #include "backends/cuda/topk.cuh"
 #include "backends/cuda/topk_select.cuh"
+#include "backends/cuda/kernel_util.cuh"
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/status.cuh"
 
@@ -43,6 +51,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "kvsieve/kvsieve.h"
@@ -54,6 +63,7 @@ namespace kvs::cuda {
 namespace {
 
 using namespace topk_detail;  // the row-wise cluster select (topk_select.cuh), shared with csattention.cu
+using namespace kutil;        // Cvt (kernel_util.cuh)
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -202,34 +212,6 @@ constexpr int kMaxChunk = 8192;                       // tokens per CTA at most 
 constexpr int kMinChunk = 256;                        // tokens per CTA at least (bounds the stats)
 constexpr int kMaxChunkPages = kMaxChunk / 16 + 2;
 constexpr int kGroupChunk = 2048;                     // tokens per CTA of the group-score kernel
-
-template <typename T>
-struct Cvt;
-template <>
-struct Cvt<__nv_bfloat16> {
-  static __device__ __forceinline__ void f32x8(const uint4& u, float (&f)[8]) {
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      f[2 * i] = __uint_as_float(w[i] << 16);
-      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-  }
-};
-template <>
-struct Cvt<__half> {
-  static __device__ __forceinline__ void f32x8(const uint4& u, float (&f)[8]) {
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      __half2 h;
-      memcpy(&h, &w[i], 4);
-      const float2 p = __half22float2(h);
-      f[2 * i] = p.x;
-      f[2 * i + 1] = p.y;
-    }
-  }
-};
 
 // L2 policies: K is streamed once (evict first); the group logits are read back by the next kernel
 // (evict last, so they can stay in L2 while K streams past).
@@ -443,6 +425,45 @@ __device__ __forceinline__ void load_z(const float* p, float (&z)[GT]) {
   }
 }
 
+// Query head hrow's base-2 LSE over the nval chunks of the logits kernel, from their (max, sum)
+// statistics (+inf when the head saw no key, so every probability comes out 0); one warp, every
+// lane gets the result.
+__device__ __forceinline__ float head_lse2(const ScoreArgs& a, int64_t hrow, int nval, int lane) {
+  float M = -INFINITY, L = 0.f;
+  for (int j0 = 0; j0 < nval; j0 += 32 * 8) {  // 8 statistics per lane loaded at once
+    float pm[8], pl[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      const int j = j0 + q * 32 + lane;
+      pm[q] = j < nval ? a.part_m[hrow * a.nchunks + j] : -INFINITY;
+      pl[q] = j < nval ? a.part_l[hrow * a.nchunks + j] : 0.f;
+    }
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      const float m = pm[q], l = pl[q];
+      if (m > M) {
+        L = L * exp2f(M - m) + l;
+        M = m;
+      } else if (m != -INFINITY) {
+        L += l * exp2f(m - M);
+      }
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, M, o), l2 = __shfl_xor_sync(0xffffffffu, L, o);
+    const float nm = fmaxf(M, m2);
+    float nl = 0.f;
+    if (nm != -INFINITY) {
+      if (M != -INFINITY) nl += L * exp2f(M - nm);
+      if (m2 != -INFINITY) nl += l2 * exp2f(m2 - nm);
+    }
+    M = nm;
+    L = nl;
+  }
+  return L > 0.f ? M + log2f(L) : INFINITY;
+}
+
 // grid (ceil(max_len / kGroupChunk), Hkv, B), block kScoreThreads, dynamic smem G floats:
 // each query head's base-2 LSE from the chunk statistics, then s_t = sum_g 2^(z_gt - lse_g).
 // Launched as a programmatic dependent of the logits kernel: everything before pdl_wait
@@ -470,40 +491,8 @@ __global__ void __launch_bounds__(kScoreThreads) topk_group_scores_kernel(const 
   }
   const int nval = int(ceil_div(len, a.chunk));  // chunks of the logits kernel that held tokens
   for (int g = warp; g < a.G; g += kScoreWarps) {
-    const int64_t hrow = int64_t(b) * a.Hq + int64_t(kvh) * a.G + g;
-    float M = -INFINITY, L = 0.f;
-    for (int j0 = 0; j0 < nval; j0 += 32 * 8) {  // 8 statistics per lane loaded at once
-      float pm[8], pl[8];
-#pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        const int j = j0 + q * 32 + lane;
-        pm[q] = j < nval ? a.part_m[hrow * a.nchunks + j] : -INFINITY;
-        pl[q] = j < nval ? a.part_l[hrow * a.nchunks + j] : 0.f;
-      }
-#pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        const float m = pm[q], l = pl[q];
-        if (m > M) {
-          L = L * exp2f(M - m) + l;
-          M = m;
-        } else if (m != -INFINITY) {
-          L += l * exp2f(m - M);
-        }
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, M, o), l2 = __shfl_xor_sync(0xffffffffu, L, o);
-      const float nm = fmaxf(M, m2);
-      float nl = 0.f;
-      if (nm != -INFINITY) {
-        if (M != -INFINITY) nl += L * exp2f(M - nm);
-        if (m2 != -INFINITY) nl += l2 * exp2f(m2 - nm);
-      }
-      M = nm;
-      L = nl;
-    }
-    if (lane == 0) slse[g] = L > 0.f ? M + log2f(L) : INFINITY;
+    const float l2 = head_lse2(a, int64_t(b) * a.Hq + int64_t(kvh) * a.G + g, nval, lane);
+    if (lane == 0) slse[g] = l2;
   }
   __syncthreads();
   const int local_from = len - a.local;
@@ -531,6 +520,61 @@ __global__ void __launch_bounds__(kScoreThreads) topk_group_scores_kernel(const 
   }
 }
 
+// The group mode's last two steps in one cluster kernel, for groups of at most 8 heads (one group
+// tile, GT = the logits' stride) and rows long enough for topk_rows' cluster path: grid (rows * C),
+// cluster C, block kRowsThreads, dynamic shared memory the key cache of one slice (ra: the top-k's
+// rows, row r = b * Hkv + kvh, lengths and per-row k as topk_rows takes them). Each CTA computes
+// the group's LSEs from the chunk statistics (head_lse2, as topk_group_scores_kernel), turns the
+// logits of its slice of the row (select_slice) into the summed probabilities with the same
+// arithmetic (forced keys +inf) and keeps them in the key cache as ord_key keys; the cluster then
+// selects over the filled slices (rows_select with FILLED). So the indices are those of
+// topk_group_scores_kernel followed by topk_rows, and the scores never reach global memory.
+// Launched as a programmatic dependent of the logits kernel.
+template <int GT>
+__global__ void __launch_bounds__(kRowsThreads, 1) topk_group_select_kernel(const ScoreArgs a, const RowsArgs ra) {
+  extern __shared__ uint4 dyn_smem[];
+  __shared__ float slse[GT];
+  uint32_t* cache = reinterpret_cast<uint32_t*>(dyn_smem);
+  cg::cluster_group cl = cg::this_cluster();
+  const int row = int(blockIdx.x / cl.num_blocks());
+  const int b = row / a.Hkv, kvh = row % a.Hkv;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  pdl_wait();  // the logits and their statistics are complete past this point
+  const int len = min(max(a.lengths[b], 0), a.max_len);
+  const int nval = int(ceil_div(len, a.chunk));
+  if (warp < a.G) {
+    const float l2 = head_lse2(a, int64_t(b) * a.Hq + int64_t(kvh) * a.G + warp, nval, lane);
+    if (lane == 0) slse[warp] = l2;
+  }
+  __syncthreads();
+  int64_t beg, end;
+  select_slice(row_len_of(ra, row), int(cl.num_blocks()), int(cl.block_rank()), &beg, &end);
+  const float* __restrict__ zb = a.out + (int64_t(b) * a.Hkv + kvh) * int64_t(a.max_len) * GT;
+  const int local_from = len - a.local;
+  constexpr int U = 4;  // tokens per thread whose logits are loaded at once
+  for (int64_t t0 = beg + threadIdx.x; t0 < end; t0 += int64_t(U) * kRowsThreads) {
+    float z[U][GT];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t t = t0 + int64_t(u) * kRowsThreads;
+      if (t < end) load_z<GT>(zb + t * GT, z[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t t = t0 + int64_t(u) * kRowsThreads;
+      if (t >= end) break;
+      float sc = 0.f;
+#pragma unroll
+      for (int i = 0; i < GT; ++i)
+        if (i < a.G) sc += exp2f(z[u][i] - slse[i]);
+      const bool forced = t < a.sinks || t >= local_from;
+      cache[t - beg] = ord_key(forced ? INFINITY : sc, ra.absent);
+    }
+  }
+  __syncthreads();
+  rows_select<false, true, true>(ra, cl, row, cache, -1);
+}
+
 int group_tile(int G) { return G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8; }
 
 // Logits-kernel chunking: about 512 KB of K per CTA, the CTA count rounded down to whole waves.
@@ -538,8 +582,8 @@ struct ScorePlan {
   int chunk, nchunks;
 };
 int score_warp_tile(int D, int GT) { return (GT >= 8 ? 4 : 8) * (32 / (D / 8)); }
-ScorePlan score_plan(int64_t rows, int max_len, int D, int GT, int sms, int occ) {
-  const int wt = score_warp_tile(D, GT);
+// wt: the chunk's granularity in tokens (the kernel's warp tile).
+ScorePlan score_plan(int64_t rows, int max_len, int D, int wt, int sms, int occ) {
   const int64_t wave = int64_t(std::max(1, sms)) * std::max(1, occ);
   const int64_t ideal = int64_t(2048) * 128 / D;  // tokens of 512 KB
   const int64_t total0 = rows * ceil_div(max_len, ideal);
@@ -582,9 +626,40 @@ Status check_score_shape(const AttnShape& s) {
   return {};
 }
 
+// The second kernel of the group mode: each query head's LSE from the chunk statistics, then the
+// summed probabilities (a programmatic dependent launch).
+template <int GT>
+Status launch_group_scores(const ScoreArgs& a, cudaStream_t st) {
+  const size_t smem = size_t(a.G) * 4;
+  if (smem > 48 * 1024) return unsupported("topk_scores: too many query heads per KV head");
+  KVS_CUDA_TRY(launch_kernel(topk_group_scores_kernel<GT>,
+                             dim3(unsigned(ceil_div(a.max_len, kGroupChunk)), unsigned(a.Hkv), unsigned(a.B)),
+                             dim3(kScoreThreads), smem, st, /*pdl=*/true, 1, a),
+               "topk_group_scores_kernel launch");
+  KVS_LAUNCH_CHECK("topk_group_scores_kernel launch");
+  return {};
+}
+Status launch_group_scores_gt(const ScoreArgs& a, int GT, cudaStream_t st) {
+  switch (GT) {
+    case 1: return launch_group_scores<1>(a, st);
+    case 2: return launch_group_scores<2>(a, st);
+    case 4: return launch_group_scores<4>(a, st);
+    default: return launch_group_scores<8>(a, st);
+  }
+}
+
+// Points the group mode's outputs at their workspace slots.
+void set_group_outputs(ScoreArgs& a, const Workspace& ws, const ScoreLayout& L) {
+  char* base = static_cast<char*>(ws.ptr);
+  a.out = reinterpret_cast<float*>(base + L.z);
+  a.part_m = reinterpret_cast<float*>(base + L.part_m);
+  a.part_l = reinterpret_cast<float*>(base + L.part_l);
+}
+
+// The score pass's first kernel: the logits (group mode, then a.out, a.part_* and a.chunk,
+// a.nchunks describe them) or the per-head scores.
 template <typename T, int D, int GT>
-Status launch_scores(ScoreArgs a, bool per_head, const Workspace& ws, const ScoreLayout& L,
-                     cudaStream_t st) {
+Status launch_logits(ScoreArgs& a, bool per_head, const Workspace& ws, const ScoreLayout& L, cudaStream_t st) {
   int sms = 0, occ = 0;
   if (Status e = sm_count(&sms); !e.ok()) return e;
   auto kern = per_head ? topk_logits_kernel<T, D, GT, false> : topk_logits_kernel<T, D, GT, true>;
@@ -597,39 +672,25 @@ Status launch_scores(ScoreArgs a, bool per_head, const Workspace& ws, const Scor
     occ_cache[per_head].store(std::max(occ, 1), std::memory_order_relaxed);
   }
   const int64_t rows = int64_t(a.B) * a.Hkv * a.ngroups;
-  ScorePlan pl = score_plan(rows, a.max_len, D, GT, sms, occ);
+  const int wt = score_warp_tile(D, GT);
+  ScorePlan pl = score_plan(rows, a.max_len, D, wt, sms, occ);
   if (const int fc = g_force_chunk.load(std::memory_order_relaxed); fc > 0) {
-    const int wt = score_warp_tile(D, GT);
     const int64_t c = std::min<int64_t>(std::max<int64_t>(ceil_div(fc, wt) * wt, kMinChunk), kMaxChunk);
     pl = {int(c), int(ceil_div(a.max_len, c))};
   }
   a.chunk = pl.chunk;
   a.nchunks = pl.nchunks;
-  if (!per_head) {
-    char* base = static_cast<char*>(ws.ptr);
-    a.out = reinterpret_cast<float*>(base + L.z);
-    a.part_m = reinterpret_cast<float*>(base + L.part_m);
-    a.part_l = reinterpret_cast<float*>(base + L.part_l);
-  }
+  if (!per_head) set_group_outputs(a, ws, L);
   kern<<<dim3(unsigned(pl.nchunks), unsigned(a.Hkv * a.ngroups), unsigned(a.B)), kScoreThreads, 0, st>>>(a);
   KVS_LAUNCH_CHECK("topk_logits_kernel launch");
-  if (!per_head) {
-    const size_t smem = size_t(a.G) * 4;
-    if (smem > 48 * 1024) return unsupported("topk_scores: too many query heads per KV head");
-    KVS_CUDA_TRY(launch_kernel(topk_group_scores_kernel<GT>,
-                               dim3(unsigned(ceil_div(a.max_len, kGroupChunk)), unsigned(a.Hkv), unsigned(a.B)),
-                               dim3(kScoreThreads), smem, st, /*pdl=*/true, 1, a),
-                 "topk_group_scores_kernel launch");
-    KVS_LAUNCH_CHECK("topk_group_scores_kernel launch");
-  }
   return {};
 }
 
 template <typename T>
-Status dispatch_scores(const ScoreArgs& a, int D, int GT, bool per_head, const Workspace& ws,
-                       const ScoreLayout& L, cudaStream_t st) {
+Status dispatch_logits(ScoreArgs& a, int D, int GT, bool per_head, const Workspace& ws, const ScoreLayout& L,
+                       cudaStream_t st) {
 #define KVS_CASE(D_, GT_) \
-  if (D == D_ && GT == GT_) return launch_scores<T, D_, GT_>(a, per_head, ws, L, st);
+  if (D == D_ && GT == GT_) return launch_logits<T, D_, GT_>(a, per_head, ws, L, st);
   KVS_CASE(64, 1) KVS_CASE(64, 2) KVS_CASE(64, 4) KVS_CASE(64, 8)
   KVS_CASE(128, 1) KVS_CASE(128, 2) KVS_CASE(128, 4) KVS_CASE(128, 8)
   KVS_CASE(256, 1) KVS_CASE(256, 2) KVS_CASE(256, 4) KVS_CASE(256, 8)
@@ -756,10 +817,12 @@ size_t topk_scores_workspace_bytes(const AttnShape& shape, int32_t max_length) n
   return score_layout(shape, max_length).total;
 }
 
-Status topk_scores(const AttnShape& s, const Query& q, const PagedKv& kv, Scalar kv_dtype,
-                   const int32_t* lengths, int32_t max_length, bool per_query_head,
-                   int32_t sinks, int32_t local, float* scores, const Workspace& ws,
-                   void* stream) noexcept {
+namespace {
+// topk_scores' argument checks and its kernels' arguments (everything but the workspace layout's
+// pointers and the chunking, which the logits launch sets).
+Status prepare_scores(const AttnShape& s, const Query& q, const PagedKv& kv, Scalar kv_dtype, const int32_t* lengths,
+                      int32_t max_length, bool per_query_head, int32_t sinks, int32_t local, float* scores,
+                      const Workspace& ws, ScoreArgs* out, int* GT, ScoreLayout* L) {
   Status e = check_score_shape(s);
   if (!e.ok()) return e;
   if (kv_dtype != Scalar::BF16 && kv_dtype != Scalar::F16) return unsupported("KV dtype must be BF16 or F16");
@@ -774,13 +837,15 @@ Status topk_scores(const AttnShape& s, const Query& q, const PagedKv& kv, Scalar
       (1 << kv.page_shift) != P)
     return invalid("page_tokens must be a power of two in [16, 1024] and page_shift its log2");
   if (int64_t(kv.max_pages) * P < max_length) return invalid("max_length exceeds max_pages * page_tokens");
-  const int G = s.num_q_heads / s.num_kv_heads, GT = group_tile(G), ng = (G + GT - 1) / GT;
+  const int G = s.num_q_heads / s.num_kv_heads, ng = (G + group_tile(G) - 1) / group_tile(G);
+  *GT = group_tile(G);
   if (int64_t(s.num_kv_heads) * ng > 65535) return unsupported("too many KV heads x query groups");
-  const ScoreLayout L = score_layout(s, max_length);
-  if (!per_query_head && (!ws.ptr || ws.bytes < L.total))
+  *L = score_layout(s, max_length);
+  if (!per_query_head && (!ws.ptr || ws.bytes < L->total))
     return invalid("workspace too small (ask topk_scores_workspace_bytes)");
 
-  ScoreArgs a{};
+  ScoreArgs& a = *out;
+  a = ScoreArgs{};
   a.q = q.data;
   a.q_at = q.at;
   a.q_f32 = q.dtype == Scalar::F32;
@@ -797,9 +862,129 @@ Status topk_scores(const AttnShape& s, const Query& q, const PagedKv& kv, Scalar
   a.qmul = per_query_head ? s.scale : s.scale * kLog2e;
   a.out = scores;
   a.scores = scores;
+  return {};
+}
+
+Status launch_logits_of(ScoreArgs& a, Scalar kv_dtype, int D, int GT, bool per_head, const Workspace& ws,
+                        const ScoreLayout& L, cudaStream_t st) {
+  return kv_dtype == Scalar::BF16 ? dispatch_logits<__nv_bfloat16>(a, D, GT, per_head, ws, L, st)
+                                  : dispatch_logits<__half>(a, D, GT, per_head, ws, L, st);
+}
+
+// The fused select (topk_group_select_kernel): off with KVS_TOPK_FUSED=0 (environment, read once;
+// a benchmark knob).
+std::atomic<int> g_fused{-1};
+bool fused_enabled() {
+  int v = g_fused.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* e = std::getenv("KVS_TOPK_FUSED");
+    v = (e && *e) ? (std::atoi(e) != 0) : 1;
+    g_fused.store(v, std::memory_order_relaxed);
+  }
+  return v != 0;
+}
+
+ClusterOccupancy g_fused_occupancy[4];  // per GT: 1, 2, 4, 8
+using FusedKernel = void (*)(const ScoreArgs, const RowsArgs);
+FusedKernel fused_kernel(int GT) {
+  switch (GT) {
+    case 1: return topk_group_select_kernel<1>;
+    case 2: return topk_group_select_kernel<2>;
+    case 4: return topk_group_select_kernel<4>;
+    default: return topk_group_select_kernel<8>;
+  }
+}
+int gt_index(int GT) { return GT == 1 ? 0 : GT == 2 ? 1 : GT == 4 ? 2 : 3; }
+
+// The cluster size of the fused select: topk_rows' cost model over the sizes whose slices fit the
+// key cache (the fused kernel has no other place for the keys); 0 when none fits.
+Status fused_plan(int dev, int GT, int rows, int max_len, int* C_out, size_t* smem_out) {
+  *C_out = 0;
+  int64_t best_cost = 0;
+  const int force = g_force_cluster.load(std::memory_order_relaxed);
+  for (int ci = 0; ci < 5; ++ci) {
+    const int C = 1 << ci;
+    if (force > 0 && C != force) continue;
+    const int64_t chunk = (ceil_div(std::max(max_len, 1), C) + 3) & ~int64_t(3);
+    if (force <= 0 && C > 1 && chunk < 1024) break;
+    if (chunk * 4 > kCacheBytesMax) continue;
+    const size_t smem = size_t(chunk) * 4;
+    const int n = g_fused_occupancy[gt_index(GT)].clusters(fused_kernel(GT), dev, ci, smem, kRowsThreads, kCacheBytesMax);
+    if (n < 0) return unsupported("topk_group_select: the device refused the cluster kernel's attributes");
+    if (n == 0) continue;
+    const int64_t cost = ceil_div(rows, n) * (chunk + 4096 + 512 * C);
+    if (*C_out == 0 || cost < best_cost) {
+      *C_out = C;
+      *smem_out = smem;
+      best_cost = cost;
+    }
+  }
+  return {};
+}
+}  // namespace
+
+Status topk_scores(const AttnShape& s, const Query& q, const PagedKv& kv, Scalar kv_dtype,
+                   const int32_t* lengths, int32_t max_length, bool per_query_head,
+                   int32_t sinks, int32_t local, float* scores, const Workspace& ws,
+                   void* stream) noexcept {
+  ScoreArgs a{};
+  ScoreLayout L{};
+  int GT = 1;
+  Status e = prepare_scores(s, q, kv, kv_dtype, lengths, max_length, per_query_head, sinks, local, scores, ws, &a, &GT, &L);
+  if (!e.ok() || max_length == 0) return e;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  return kv_dtype == Scalar::BF16 ? dispatch_scores<__nv_bfloat16>(a, s.head_dim, GT, per_query_head, ws, L, st)
-                                  : dispatch_scores<__half>(a, s.head_dim, GT, per_query_head, ws, L, st);
+  e = launch_logits_of(a, kv_dtype, s.head_dim, GT, per_query_head, ws, L, st);
+  if (!e.ok() || per_query_head) return e;
+  return launch_group_scores_gt(a, GT, st);
+}
+
+Status topk_group_select(const AttnShape& s, const Query& q, const PagedKv& kv, Scalar kv_dtype,
+                         const int32_t* lengths, int32_t max_length, int32_t sinks, int32_t local,
+                         const int32_t* row_len, const int32_t* row_k, int32_t k, float* scores,
+                         int32_t* out_idx, int32_t* out_cnt, const Workspace& ws, void* stream) noexcept {
+  if (k < 0) return invalid("topk_group_select: k must be >= 0");
+  if (!out_idx) return invalid("topk_group_select: null pointer");
+  ScoreArgs a{};
+  ScoreLayout L{};
+  int GT = 1;
+  Status e = prepare_scores(s, q, kv, kv_dtype, lengths, max_length, false, sinks, local, scores, ws, &a, &GT, &L);
+  if (!e.ok()) return e;
+  const int rows = s.batch * s.num_kv_heads;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  int C = 0;
+  size_t smem = 0;
+  if (max_length > kSmallMaxLen && a.ngroups == 1 && fused_enabled()) {
+    int dev = 0;
+    KVS_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
+    if (Status pe = fused_plan(dev, GT, rows, max_length, &C, &smem); !pe.ok()) return pe;
+  }
+  if (C == 0) {  // the scores row in global memory, then topk_rows
+    if (max_length > 0) {
+      e = launch_logits_of(a, kv_dtype, s.head_dim, GT, false, ws, L, st);
+      if (e.ok()) e = launch_group_scores_gt(a, GT, st);
+      if (!e.ok()) return e;
+    }
+    return topk_rows(scores, max_length, row_len, rows, max_length, k, out_idx, out_cnt, {}, stream, row_k);
+  }
+  e = launch_logits_of(a, kv_dtype, s.head_dim, GT, false, ws, L, st);
+  if (!e.ok()) return e;
+  RowsArgs ra{};
+  ra.scores = a.out;  // not read (the slices are filled in shared memory)
+  ra.stride = max_length;
+  ra.lengths = row_len;
+  ra.row_k = row_k;
+  ra.max_len = max_length;
+  ra.k = k;
+  ra.out_idx = out_idx;
+  ra.out_cnt = out_cnt;
+  ra.absent = false;
+  if (int64_t(rows) * C > 0x7fffffffLL) return unsupported("topk_group_select: too many rows");
+  g_last_cluster.store(C, std::memory_order_relaxed);
+  KVS_CUDA_TRY(launch_kernel(fused_kernel(GT), dim3(unsigned(rows * C)), dim3(kRowsThreads), smem, st, /*pdl=*/true, C,
+                             a, ra),
+               "topk_group_select_kernel launch");
+  KVS_LAUNCH_CHECK("topk_group_select_kernel launch");
+  return {};
 }
 
 namespace detail {

@@ -68,13 +68,20 @@ class ExactTopkCuda final : public DeviceMethod {
     float* scores = reinterpret_cast<float*>(w);
     w += a256(rows * size_t(st.max_length) * 4);
     const size_t sws = cuda::topk_scores_workspace_bytes(st.shape, st.max_length);
+    // One top-k for the whole batch: each row's k (the session's budget at its length) is read on
+    // the device, p.max_selected (a capacity, rounded up in a captured step) is the row stride.
+    const auto* row_len = static_cast<const int32_t*>(args);
+    if (!per_query_) {  // the group's summed softmax: score pass and top-k in one call (fused for long rows)
+      check(cuda::topk_group_select(st.shape, st.q, st.kv, st.kv_dtype, st.lengths, st.max_length, int32_t(sinks_),
+                                    int32_t(local_), row_len, row_len + rows, p.max_selected, scores, idx, cnt,
+                                    cuda::Workspace{w, sws}, st.stream),
+            "topk_group_select");
+      return;
+    }
     check(cuda::topk_scores(st.shape, st.q, st.kv, st.kv_dtype, st.lengths, st.max_length, per_query_, int32_t(sinks_),
                             int32_t(local_), scores, cuda::Workspace{w, sws}, st.stream),
           "topk_scores");
     w += a256(sws);
-    // One top-k for the whole batch: each row's k (the session's budget at its length) is read on
-    // the device, p.max_selected (a capacity, rounded up in a captured step) is the row stride.
-    const auto* row_len = static_cast<const int32_t*>(args);
     const size_t tws = cuda::topk_rows_workspace_bytes(int32_t(rows), st.max_length, p.max_selected);
     check(cuda::topk_rows(scores, st.max_length, row_len, int32_t(rows), st.max_length, p.max_selected, idx, cnt,
                           cuda::Workspace{w, tws}, st.stream, row_len + rows),
