@@ -471,43 +471,64 @@ void run_scores(Scalar kvt, Scalar qt, int D, int G, int Hkv, int P, std::vector
   report(exact_bad == 0 && real_bad == 0, nm2, det2);
   if (per_head) return;
 
-  // topk_group_select (score pass and top-k in one call; fused past 16384 keys): the same indices
-  // and counts as topk_scores + topk_rows above, with every row's k, then with per-row k (row_k).
-  for (int pass = 0; pass < 2; ++pass) {
-    std::vector<int> rk(static_cast<size_t>(rows), k);
-    if (pass == 1)
-      for (int r = 0; r < rows; ++r) rk[r] = (r % 3 == 0) ? k : (r % 3 == 1) ? k / 2 + 1 : 0;
-    DevBuf d_rk, d_idx2(size_t(rows) * k * 4), d_cnt2(size_t(rows) * 4), d_sc2(n * 4 + 4);
-    upload16(d_rk, rk);
-    KVS_TEST_CK(cudaMemset(d_idx2.p, 0x7f, d_idx2.n));
-    KVS_TEST_CK(cudaMemset(d_ws.p, 0x7f, wsb));
-    const kvs::cuda::Status st3 = kvs::cuda::topk_group_select(
-        s, {p.d_q.p, qt}, p.kv, kvt, p.d_len.as<int32_t>(), max_len, sinks, local, d_rlen.as<int32_t>(),
-        pass ? d_rk.as<int32_t>() : nullptr, k, d_sc2.as<float>(), d_idx2.as<int32_t>(), d_cnt2.as<int32_t>(),
-        {d_ws.p, wsb}, nullptr);
-    const cudaError_t le3 = cudaDeviceSynchronize();
-    const std::string nm3 = std::string(nm) + " + topk_group_select" + (pass ? " row_k" : "") +
-                            (max_len > 16384 ? " (fused)" : "");
-    if (!st3.ok() || le3 != cudaSuccess) {
-      report(false, nm3, std::string("status: ") + st3.message + " / " + cudaGetErrorString(le3));
-      return;
+  // topk_group_select (score pass and top-k in one call; fused past 16384 keys for G <= 8): the
+  // same indices and counts as topk_scores + topk_rows above, with every row's k, then with per-row
+  // k (row_k); the fused path on every cluster size (forced), where it must leave `scores` unwritten.
+  const bool fused = max_len > 16384 && G <= 8;
+  for (int C : {0, 1, 2, 4, 8, 16}) {
+    if (C > 0 && !fused) break;
+    kvs::cuda::detail::set_topk_tuning(C, 0);
+    for (int pass = 0; pass < 2; ++pass) {
+      std::vector<int> rk(static_cast<size_t>(rows), k);
+      if (pass == 1)
+        for (int r = 0; r < rows; ++r) rk[r] = (r % 3 == 0) ? k : (r % 3 == 1) ? k / 2 + 1 : 0;
+      DevBuf d_rk, d_idx2(size_t(rows) * k * 4), d_cnt2(size_t(rows) * 4), d_sc2(n * 4 + 4);
+      upload16(d_rk, rk);
+      KVS_TEST_CK(cudaMemset(d_idx2.p, 0x7f, d_idx2.n));
+      KVS_TEST_CK(cudaMemset(d_sc2.p, 0x7f, d_sc2.n));
+      KVS_TEST_CK(cudaMemset(d_ws.p, 0x7f, wsb));
+      const kvs::cuda::Status st3 = kvs::cuda::topk_group_select(
+          s, {p.d_q.p, qt}, p.kv, kvt, p.d_len.as<int32_t>(), max_len, sinks, local, d_rlen.as<int32_t>(),
+          pass ? d_rk.as<int32_t>() : nullptr, k, d_sc2.as<float>(), d_idx2.as<int32_t>(), d_cnt2.as<int32_t>(),
+          {d_ws.p, wsb}, nullptr);
+      const cudaError_t le3 = cudaDeviceSynchronize();
+      const cudaError_t ge3 = cudaGetLastError();
+      const int used = kvs::cuda::detail::topk_rows_last_cluster();
+      const std::string nm3 = std::string(nm) + " + topk_group_select" + (pass ? " row_k" : "") +
+                              (fused ? " (fused, C=" + std::to_string(used) + ")" : "");
+      if (!st3.ok() || le3 != cudaSuccess || ge3 != cudaSuccess) {
+        report(false, nm3, std::string("status: ") + st3.message + " / " + cudaGetErrorString(le3 ? le3 : ge3));
+        kvs::cuda::detail::set_topk_tuning(0, 0);
+        return;
+      }
+      const std::vector<int32_t> idx2 = download<int32_t>(d_idx2.p, size_t(rows) * k);
+      const std::vector<int32_t> cnt2 = download<int32_t>(d_cnt2.p, size_t(rows));
+      int bad_rows = 0;
+      for (int r = 0; r < rows; ++r) {
+        // The expected row from the device scores of topk_scores, at this row's k.
+        const std::vector<int> want = host_topk(dev.data() + size_t(r) * max_len, rlen[r], rk[r]);
+        bool ok = cnt2[r] == int(want.size());
+        for (size_t i = 0; ok && i < want.size(); ++i) ok = idx2[size_t(r) * k + i] == want[i];
+        for (int i = int(want.size()); ok && i < k; ++i) ok = idx2[size_t(r) * k + i] == -1;
+        if (pass == 0)  // every row's k: exactly topk_rows' output
+          for (int i = 0; ok && i < k; ++i) ok = idx2[size_t(r) * k + i] == idx[size_t(r) * k + i];
+        if (!ok) ++bad_rows;
+      }
+      // The fused kernel keeps the scores in shared memory: the buffer stays poisoned. A forced
+      // cluster size whose slices do not fit the 176 KB key cache takes the unfused path.
+      const bool fits = C == 0 || (int64_t(max_len + C - 1) / C + 3) / 4 * 4 * 4 <= 176 * 1024;
+      size_t written = 0;
+      if (fused && fits) {
+        const std::vector<uint32_t> sc2 = download<uint32_t>(d_sc2.p, n);
+        for (uint32_t u : sc2) written += u != uint32_t(kPoison);
+      }
+      const bool cluster_ok = !fused || (C == 0 ? used > 0 : used == C);  // topk_rows honours C too
+      report(bad_rows == 0 && written == 0 && cluster_ok, nm3,
+             "rows " + std::to_string(rows) + ", bad rows " + std::to_string(bad_rows) + ", scores written " +
+                 std::to_string(written));
     }
-    const std::vector<int32_t> idx2 = download<int32_t>(d_idx2.p, size_t(rows) * k);
-    const std::vector<int32_t> cnt2 = download<int32_t>(d_cnt2.p, size_t(rows));
-    int bad_rows = 0;
-    for (int r = 0; r < rows; ++r) {
-      // The expected row: topk_rows' indices, cut to the row's k (ascending order keeps a prefix only
-      // when every key is taken; so recompute from the device scores of topk_scores instead).
-      const std::vector<int> want = host_topk(dev.data() + size_t(r) * max_len, rlen[r], rk[r]);
-      bool ok = cnt2[r] == int(want.size());
-      for (size_t i = 0; ok && i < want.size(); ++i) ok = idx2[size_t(r) * k + i] == want[i];
-      for (int i = int(want.size()); ok && i < k; ++i) ok = idx2[size_t(r) * k + i] == -1;
-      if (pass == 0)  // every row's k: exactly topk_rows' output
-        for (int i = 0; ok && i < k; ++i) ok = idx2[size_t(r) * k + i] == idx[size_t(r) * k + i];
-      if (!ok) ++bad_rows;
-    }
-    report(bad_rows == 0, nm3, "rows " + std::to_string(rows) + ", bad rows " + std::to_string(bad_rows));
   }
+  kvs::cuda::detail::set_topk_tuning(0, 0);
 }
 
 void run_scores_tests() {

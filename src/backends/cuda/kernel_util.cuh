@@ -1,9 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// Device helpers of the decode kernels (cuda_attention.cu), for any kernel that streams 16-bit K/V
-// rows (topk.cu takes the conversions): 16-bit element conversions, a one-instruction exp2,
-// cp.async copies into shared memory, ldmatrix, and mma.sync m16n8k16 with an A operand whose rows
-// 8..15 are zero (8 query heads) plus the hi + lo split that carries an fp32 query through a
-// 16-bit A operand.
+// Device helpers of the decode kernels (cuda_attention.cu; topk.cu takes the conversions): 16-bit
+// element conversions, a one-instruction exp2, cp.async copies into shared memory, ldmatrix, and
+// mma.sync m16n8k16 with an A operand whose rows 8..15 are zero (8 query heads) plus the hi + lo
+// split that carries an fp32 query through a 16-bit A operand.
 // Device-only; include from .cu files.
 #pragma once
 #include <cuda_bf16.h>

@@ -52,7 +52,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 
 #include "kvsieve/kvsieve.h"
 
@@ -582,8 +581,8 @@ struct ScorePlan {
   int chunk, nchunks;
 };
 int score_warp_tile(int D, int GT) { return (GT >= 8 ? 4 : 8) * (32 / (D / 8)); }
-// wt: the chunk's granularity in tokens (the kernel's warp tile).
-ScorePlan score_plan(int64_t rows, int max_len, int D, int wt, int sms, int occ) {
+ScorePlan score_plan(int64_t rows, int max_len, int D, int GT, int sms, int occ) {
+  const int wt = score_warp_tile(D, GT);
   const int64_t wave = int64_t(std::max(1, sms)) * std::max(1, occ);
   const int64_t ideal = int64_t(2048) * 128 / D;  // tokens of 512 KB
   const int64_t total0 = rows * ceil_div(max_len, ideal);
@@ -673,7 +672,7 @@ Status launch_logits(ScoreArgs& a, bool per_head, const Workspace& ws, const Sco
   }
   const int64_t rows = int64_t(a.B) * a.Hkv * a.ngroups;
   const int wt = score_warp_tile(D, GT);
-  ScorePlan pl = score_plan(rows, a.max_len, D, wt, sms, occ);
+  ScorePlan pl = score_plan(rows, a.max_len, D, GT, sms, occ);
   if (const int fc = g_force_chunk.load(std::memory_order_relaxed); fc > 0) {
     const int64_t c = std::min<int64_t>(std::max<int64_t>(ceil_div(fc, wt) * wt, kMinChunk), kMaxChunk);
     pl = {int(c), int(ceil_div(a.max_len, c))};
@@ -898,7 +897,7 @@ int gt_index(int GT) { return GT == 1 ? 0 : GT == 2 ? 1 : GT == 4 ? 2 : 3; }
 
 // The cluster size of the fused select: topk_rows' cost model over the sizes whose slices fit the
 // key cache (the fused kernel has no other place for the keys); 0 when none fits.
-Status fused_plan(int dev, int GT, int rows, int max_len, int* C_out, size_t* smem_out) {
+void fused_plan(int dev, int GT, int64_t rows, int max_len, int* C_out, size_t* smem_out) {
   *C_out = 0;
   int64_t best_cost = 0;
   const int force = g_force_cluster.load(std::memory_order_relaxed);
@@ -910,8 +909,7 @@ Status fused_plan(int dev, int GT, int rows, int max_len, int* C_out, size_t* sm
     if (chunk * 4 > kCacheBytesMax) continue;
     const size_t smem = size_t(chunk) * 4;
     const int n = g_fused_occupancy[gt_index(GT)].clusters(fused_kernel(GT), dev, ci, smem, kRowsThreads, kCacheBytesMax);
-    if (n < 0) return unsupported("topk_group_select: the device refused the cluster kernel's attributes");
-    if (n == 0) continue;
+    if (n <= 0) continue;  // that size does not fit (or the device refused the attributes): unfused
     const int64_t cost = ceil_div(rows, n) * (chunk + 4096 + 512 * C);
     if (*C_out == 0 || cost < best_cost) {
       *C_out = C;
@@ -919,7 +917,6 @@ Status fused_plan(int dev, int GT, int rows, int max_len, int* C_out, size_t* sm
       best_cost = cost;
     }
   }
-  return {};
 }
 }  // namespace
 
@@ -949,14 +946,16 @@ Status topk_group_select(const AttnShape& s, const Query& q, const PagedKv& kv, 
   int GT = 1;
   Status e = prepare_scores(s, q, kv, kv_dtype, lengths, max_length, false, sinks, local, scores, ws, &a, &GT, &L);
   if (!e.ok()) return e;
-  const int rows = s.batch * s.num_kv_heads;
+  const int64_t rows = int64_t(s.batch) * s.num_kv_heads;
+  if (rows > 0x7fffffffLL) return unsupported("topk_group_select: too many rows");
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   int C = 0;
   size_t smem = 0;
   if (max_length > kSmallMaxLen && a.ngroups == 1 && fused_enabled()) {
     int dev = 0;
     KVS_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
-    if (Status pe = fused_plan(dev, GT, rows, max_length, &C, &smem); !pe.ok()) return pe;
+    fused_plan(dev, GT, rows, max_length, &C, &smem);
+    if (rows * C > 0x7fffffffLL) C = 0;  // more CTAs than one launch takes: unfused
   }
   if (C == 0) {  // the scores row in global memory, then topk_rows
     if (max_length > 0) {
@@ -964,7 +963,7 @@ Status topk_group_select(const AttnShape& s, const Query& q, const PagedKv& kv, 
       if (e.ok()) e = launch_group_scores_gt(a, GT, st);
       if (!e.ok()) return e;
     }
-    return topk_rows(scores, max_length, row_len, rows, max_length, k, out_idx, out_cnt, {}, stream, row_k);
+    return topk_rows(scores, max_length, row_len, int32_t(rows), max_length, k, out_idx, out_cnt, {}, stream, row_k);
   }
   e = launch_logits_of(a, kv_dtype, s.head_dim, GT, false, ws, L, st);
   if (!e.ok()) return e;
@@ -978,7 +977,6 @@ Status topk_group_select(const AttnShape& s, const Query& q, const PagedKv& kv, 
   ra.out_idx = out_idx;
   ra.out_cnt = out_cnt;
   ra.absent = false;
-  if (int64_t(rows) * C > 0x7fffffffLL) return unsupported("topk_group_select: too many rows");
   g_last_cluster.store(C, std::memory_order_relaxed);
   KVS_CUDA_TRY(launch_kernel(fused_kernel(GT), dim3(unsigned(rows * C)), dim3(kRowsThreads), smem, st, /*pdl=*/true, C,
                              a, ra),

@@ -77,11 +77,13 @@ Status topk_scores(const AttnShape& shape, const Query& q, const PagedKv& kv, Sc
 // topk_scores(shape, q, kv, kv_dtype, lengths, max_length, per_query_head = false, sinks, local,
 // scores, ws) followed by topk_rows(scores, max_length, row_len, B * Hkv, max_length, k, out_idx,
 // out_cnt, {}, stream, row_k): the same indices and counts (row r = b * Hkv + h; row_len, row_k:
-// device int32 [B * Hkv], as topk_rows takes them). Where the rows are longer than 16384 keys and
-// G <= 8, the summed probabilities never reach global memory: one cluster kernel computes each
-// slice of a row from the logits in shared memory and selects there (the softmax sum and the
-// top-k's first read in one pass); `scores` ([B * Hkv, max_length] fp32) is then left unwritten.
-// Elsewhere the calls above run as they are. Workspace: topk_scores_workspace_bytes.
+// device int32 [B * Hkv], as topk_rows takes them; row_len[b * Hkv + h] must not exceed lengths[b],
+// which exact_topk keeps equal). Where the rows are longer than 16384 keys and G <= 8, the summed
+// probabilities need not reach global memory: one cluster kernel computes each slice of a row from
+// the logits in shared memory and selects there (the softmax sum and the top-k's first read in one
+// pass), and `scores` ([B * Hkv, max_length] fp32) may be left unwritten. Elsewhere (and where no
+// cluster size fits the slices in shared memory, past about 700K keys) the calls above run as they
+// are. Workspace: topk_scores_workspace_bytes.
 // KVS_TOPK_FUSED=0 in the environment (read once) takes the unfused path everywhere (benchmarks).
 Status topk_group_select(const AttnShape& shape, const Query& q, const PagedKv& kv, Scalar kv_dtype,
                          const int32_t* lengths, int32_t max_length, int32_t sinks, int32_t local,
@@ -92,7 +94,7 @@ namespace detail {
 // Benchmarks only, process-wide (0 = automatic): topk_rows' cluster size (1, 2, 4, 8 or 16) and
 // the score pass's tokens per CTA.
 void set_topk_tuning(int cluster, int score_chunk) noexcept;
-// The cluster size of the last topk_rows launch in this process.
+// The cluster size of the last topk_rows or fused topk_group_select launch in this process.
 int32_t topk_rows_last_cluster() noexcept;
 }  // namespace detail
 
