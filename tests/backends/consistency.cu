@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 #include "kvsieve/kvsieve.h"
 #include "../cuda/crash_report.hpp"
 #include "../cuda/cuda_check.hpp"
@@ -403,7 +405,9 @@ void run_case(const Case& m, const Shape& sh, std::vector<int64_t> n0, int steps
 
   // Save on each placement (tables + KV), load on the other, decode one more step on all four.
   if (B == 1) {
-    const std::string fc = "/tmp/kvs_consistency_cpu.kvt", fg = "/tmp/kvs_consistency_gpu.kvt";
+    // Per process: two harness runs at once (e.g. --backend cuda and hybrid) must not share files.
+    const std::string tag = std::to_string(long(getpid()));
+    const std::string fc = "/tmp/kvs_consistency_cpu_" + tag + ".kvt", fg = "/tmp/kvs_consistency_gpu_" + tag + ".kvt";
     Cmp x;
     if (ok(kvs_session_save(cpu[0], fc.c_str(), KVS_SAVE_INCLUDE_KV), name + " save cpu") &&
         ok(kvs_session_save(gpu[0], fg.c_str(), KVS_SAVE_INCLUDE_KV), name + " save cuda")) {

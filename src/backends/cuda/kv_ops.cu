@@ -14,19 +14,27 @@
 namespace kvs::cuda {
 namespace {
 
+// Head h's K and V rows of token t into `page` (kvsieve's own layout: K[Hkv][P][d] then V), each
+// vecs_per_row 16-byte vectors taken from k_src / v_src at vector offset s; the block's threads
+// split the row.
+__device__ __forceinline__ void write_row(const void* page, int32_t page_tokens, int32_t hkv, int32_t h, int32_t t,
+                                          int32_t vecs_per_row, const uint4* k_src, const uint4* v_src, int64_t s) {
+  uint4* kp = static_cast<uint4*>(const_cast<void*>(page)) +
+              (int64_t(h) * page_tokens + (t & (page_tokens - 1))) * vecs_per_row;
+  uint4* vp = kp + int64_t(hkv) * page_tokens * vecs_per_row;
+  for (int32_t j = threadIdx.x; j < vecs_per_row; j += blockDim.x) {
+    kp[j] = k_src[s + j];
+    vp[j] = v_src[s + j];
+  }
+}
+
 // One block per (row, head) pair of a token range: vectors of 16 bytes.
 __global__ void write_rows_kernel(PagedKv kv, int32_t b, int32_t hkv, int32_t vecs_per_row, int32_t t0, int32_t n,
                                   const uint4* __restrict__ src_k, const uint4* __restrict__ src_v) {
   const int32_t i = blockIdx.x, h = blockIdx.y;
   const int32_t t = t0 + i;
-  const uint4* page = static_cast<const uint4*>(kv.pages[int64_t(b) * kv.max_pages + (t >> kv.page_shift)]);
-  uint4* kp = const_cast<uint4*>(page) + (int64_t(h) * kv.page_tokens + (t & (kv.page_tokens - 1))) * vecs_per_row;
-  uint4* vp = kp + int64_t(hkv) * kv.page_tokens * vecs_per_row;
-  const int64_t s = (int64_t(i) * hkv + h) * vecs_per_row;
-  for (int32_t j = threadIdx.x; j < vecs_per_row; j += blockDim.x) {
-    kp[j] = src_k[s + j];
-    vp[j] = src_v[s + j];
-  }
+  write_row(kv.pages[int64_t(b) * kv.max_pages + (t >> kv.page_shift)], kv.page_tokens, hkv, h, t, vecs_per_row, src_k,
+            src_v, (int64_t(i) * hkv + h) * vecs_per_row);
 }
 
 __global__ void append_batch_kernel(PagedKv kv, int32_t hkv, int32_t vecs_per_row, const int32_t* __restrict__ pos,
@@ -39,14 +47,8 @@ __global__ void append_batch_kernel(PagedKv kv, int32_t hkv, int32_t vecs_per_ro
     v_new = static_cast<const uint4*>(kv_at[1]);
   }
   const int32_t t = pos[b];
-  const uint4* page = static_cast<const uint4*>(kv.pages[int64_t(b) * kv.max_pages + (t >> kv.page_shift)]);
-  uint4* kp = const_cast<uint4*>(page) + (int64_t(h) * kv.page_tokens + (t & (kv.page_tokens - 1))) * vecs_per_row;
-  uint4* vp = kp + int64_t(hkv) * kv.page_tokens * vecs_per_row;
-  const int64_t s = (int64_t(b) * hkv + h) * vecs_per_row;
-  for (int32_t j = threadIdx.x; j < vecs_per_row; j += blockDim.x) {
-    kp[j] = k_new[s + j];
-    vp[j] = v_new[s + j];
-  }
+  write_row(kv.pages[int64_t(b) * kv.max_pages + (t >> kv.page_shift)], kv.page_tokens, hkv, h, t, vecs_per_row, k_new,
+            v_new, (int64_t(b) * hkv + h) * vecs_per_row);
 }
 
 template <int kBytes>
@@ -69,14 +71,8 @@ __global__ void step_args_kernel(const __grid_constant__ ArgBlock<kBytes> a, int
   const auto* table = static_cast<const void* const*>(reinterpret_cast<const void* const*>(base + tables_at)[b]);
   const auto* k_new = static_cast<const uint4*>(reinterpret_cast<const void* const*>(base + kv_at)[0]);
   const auto* v_new = static_cast<const uint4*>(reinterpret_cast<const void* const*>(base + kv_at)[1]);
-  const uint4* page = static_cast<const uint4*>(table[t >> page_shift]);
-  uint4* kp = const_cast<uint4*>(page) + (int64_t(h) * page_tokens + (t & (page_tokens - 1))) * vecs_per_row;
-  uint4* vp = kp + int64_t(hkv) * page_tokens * vecs_per_row;
-  const int64_t s = (int64_t(b) * hkv + h) * vecs_per_row;
-  for (int32_t j = threadIdx.x; j < vecs_per_row; j += blockDim.x) {
-    kp[j] = k_new[s + j];
-    vp[j] = v_new[s + j];
-  }
+  write_row(table[t >> page_shift], page_tokens, hkv, h, t, vecs_per_row, k_new, v_new,
+            (int64_t(b) * hkv + h) * vecs_per_row);
 }
 
 template <int kBytes>
@@ -116,6 +112,9 @@ __global__ void gather_tables_kernel(const void* const* const* __restrict__ src,
 }
 
 int32_t vecs(int32_t d, Scalar dt) { return d * (dt == Scalar::F32 ? 4 : 2) / 16; }
+bool whole_vectors(int32_t d, Scalar dt) { return (d * (dt == Scalar::F32 ? 4 : 2)) % 16 == 0; }
+// Threads of a block that writes one row of v vectors: a warp at least, 128 at most.
+unsigned row_threads(int32_t v) { return unsigned(v < 32 ? 32 : v > 128 ? 128 : v); }
 
 }  // namespace
 
@@ -123,9 +122,9 @@ Status write_kv_rows(const PagedKv& kv, int32_t b, int32_t hkv, int32_t d, Scala
                      const void* src_k, const void* src_v, void* stream) noexcept {
   if (n <= 0) return Status{};
   if (!kv_default_layout(kv)) return Status{KVS_STATUS_UNSUPPORTED, 0, "write_kv_rows: kvsieve writes its own page layout only"};
-  if ((d * (dt == Scalar::F32 ? 4 : 2)) % 16) return Status{KVS_STATUS_UNSUPPORTED, 0, "write_kv_rows: row not a multiple of 16 bytes"};
+  if (!whole_vectors(d, dt)) return Status{KVS_STATUS_UNSUPPORTED, 0, "write_kv_rows: row not a multiple of 16 bytes"};
   const int32_t v = vecs(d, dt);
-  write_rows_kernel<<<dim3(unsigned(n), unsigned(hkv)), unsigned(v < 32 ? 32 : v > 128 ? 128 : v), 0,
+  write_rows_kernel<<<dim3(unsigned(n), unsigned(hkv)), row_threads(v), 0,
                       static_cast<cudaStream_t>(stream)>>>(kv, b, hkv, v, t0, n, static_cast<const uint4*>(src_k),
                                                            static_cast<const uint4*>(src_v));
   return launch_status("write_kv_rows launch");
@@ -134,9 +133,9 @@ Status write_kv_rows(const PagedKv& kv, int32_t b, int32_t hkv, int32_t d, Scala
 Status append_kv_batch(const PagedKv& kv, int32_t batch, int32_t hkv, int32_t d, Scalar dt, const int32_t* pos,
                        const void* k_new, const void* v_new, void* stream, const void* const* kv_at) noexcept {
   if (!kv_default_layout(kv)) return Status{KVS_STATUS_UNSUPPORTED, 0, "append_kv_batch: kvsieve writes its own page layout only"};
-  if ((d * (dt == Scalar::F32 ? 4 : 2)) % 16) return Status{KVS_STATUS_UNSUPPORTED, 0, "append_kv_batch: row not a multiple of 16 bytes"};
+  if (!whole_vectors(d, dt)) return Status{KVS_STATUS_UNSUPPORTED, 0, "append_kv_batch: row not a multiple of 16 bytes"};
   const int32_t v = vecs(d, dt);
-  append_batch_kernel<<<dim3(unsigned(batch), unsigned(hkv)), unsigned(v < 32 ? 32 : v > 128 ? 128 : v), 0,
+  append_batch_kernel<<<dim3(unsigned(batch), unsigned(hkv)), row_threads(v), 0,
                         static_cast<cudaStream_t>(stream)>>>(kv, hkv, v, pos, static_cast<const uint4*>(k_new),
                                                              static_cast<const uint4*>(v_new), kv_at);
   return launch_status("append_kv_batch launch");
@@ -152,14 +151,14 @@ Status upload_step_args(const void* host, size_t bytes, void* dst, const PagedKv
   StepArgsLaunch l;
   if (append) {
     if (!kv_default_layout(kv)) return Status{KVS_STATUS_UNSUPPORTED, 0, "upload_step_args: kvsieve writes its own page layout only"};
-    if ((d * (dt == Scalar::F32 ? 4 : 2)) % 16) return Status{KVS_STATUS_UNSUPPORTED, 0, "upload_step_args: row not a multiple of 16 bytes"};
+    if (!whole_vectors(d, dt)) return Status{KVS_STATUS_UNSUPPORTED, 0, "upload_step_args: row not a multiple of 16 bytes"};
     l.vecs = vecs(d, dt);
   }
   l.capacity = bytes <= 1024 ? 1024 : int32_t(kStepArgsMax);
   l.func = l.capacity == 1024 ? step_args_func<1024>() : step_args_func<kStepArgsMax>();
   l.grid_x = l.vecs ? unsigned(batch) : 1;
   l.grid_y = l.vecs ? unsigned(hkv) : 1;
-  l.threads = unsigned(l.vecs < 32 ? 32 : l.vecs > 128 ? 128 : l.vecs);
+  l.threads = row_threads(l.vecs);
   l.n16 = int32_t(bytes / 16);
   l.page_tokens = kv.page_tokens;
   l.page_shift = kv.page_shift;
