@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <set>
 
@@ -438,6 +439,70 @@ TEST_CASE("lfps: save/load round trip and rollback of a decode step") {
     CHECK(e.code() == KVS_STATUS_FORMAT_INVALID);
   }
   std::filesystem::remove(path);
+}
+
+TEST_CASE("lfps: the default alpha is 0.1; preset=paper restores the paper's alpha, per-head union and no fill") {
+  // Sessions with no parameters decode exactly as alpha=0.1 given explicitly; preset=paper exactly as
+  // alpha=0.2,kv_budget=union,fill=none,widen=none; an explicit value wins over the preset; and the
+  // two settings differ on this data (else the comparisons could not tell them apart).
+  Rng rng(41);
+  const int64_t P = 400, steps = 10;
+  const int hq = 4, hkv = 2, d = 16;
+  Data D(rng, hq, hkv, d, P + steps);
+  auto make = [&](const char* params) {
+    kvs_session_params p;
+    kvs_session_params_init(&p);
+    p.num_layers = 1;
+    p.num_q_heads = hq;
+    p.num_kv_heads = hkv;
+    p.head_dim = d;
+    p.kv_dtype = KVS_SCALAR_F32;
+    p.num_threads = 2;
+    p.method = "lfps";
+    p.method_params = params;
+    p.budget = 0.08;
+    kvs_session_t s = nullptr;
+    REQUIRE(kvs_session_create(&p, &s) == nullptr);
+    T qq(const_cast<float*>(D.q.data()), f32(), {P, hq, d}), kk(const_cast<float*>(D.k.data()), f32(), {P, hkv, d}),
+        vv(const_cast<float*>(D.v.data()), f32(), {P, hkv, d});
+    REQUIRE(kvs_session_prefill(s, 0, qq.ptr(), kk.ptr(), vv.ptr(), nullptr, nullptr) == nullptr);
+    REQUIRE(kvs_session_build_index(s, nullptr) == nullptr);
+    return s;
+  };
+  // Decodes every step on both sessions; returns whether any output or selection differed.
+  auto run = [&](const char* pa, const char* pb) {
+    kvs_session_t a = make(pa), b = make(pb);
+    bool differ = false;
+    for (int64_t t = P; t < P + steps; ++t) {
+      std::vector<float> oa(hq * d), ob(hq * d), la(hq), lb(hq);
+      T qt(const_cast<float*>(D.qt(t)), f32(), {hq, d}), kt(const_cast<float*>(D.kt(t)), f32(), {hkv, d}),
+          vt(const_cast<float*>(D.vt(t)), f32(), {hkv, d});
+      T toa(oa.data(), f32(), {hq, d}), tob(ob.data(), f32(), {hq, d}), tla(la.data(), f32(), {hq}),
+          tlb(lb.data(), f32(), {hq});
+      REQUIRE(kvs_session_decode(a, 0, qt.ptr(), kt.ptr(), vt.ptr(), toa.ptr(), tla.ptr(), nullptr) == nullptr);
+      REQUIRE(kvs_session_decode(b, 0, qt.ptr(), kt.ptr(), vt.ptr(), tob.ptr(), tlb.ptr(), nullptr) == nullptr);
+      differ |= std::memcmp(oa.data(), ob.data(), oa.size() * sizeof(float)) != 0;
+      differ |= std::memcmp(la.data(), lb.data(), la.size() * sizeof(float)) != 0;
+      for (uint32_t h = 0; h < uint32_t(hkv); ++h) {
+        size_t na = 0, nb = 0;
+        REQUIRE(kvs_session_last_selection(a, 0, h, nullptr, 0, &na) == nullptr);
+        REQUIRE(kvs_session_last_selection(b, 0, h, nullptr, 0, &nb) == nullptr);
+        std::vector<int32_t> sa(na), sb(nb);
+        REQUIRE(kvs_session_last_selection(a, 0, h, sa.data(), na, &na) == nullptr);
+        REQUIRE(kvs_session_last_selection(b, 0, h, sb.data(), nb, &nb) == nullptr);
+        differ |= sa != sb;
+      }
+    }
+    kvs_session_destroy(a);
+    kvs_session_destroy(b);
+    return differ;
+  };
+  CHECK_FALSE(run("", "alpha=0.1"));
+  CHECK_FALSE(run("preset=kvsieve", "alpha=0.1,kv_budget=cap,fill=recent,widen=recent"));
+  CHECK_FALSE(run("preset=paper", "alpha=0.2,kv_budget=union,fill=none,widen=none"));
+  CHECK_FALSE(run("preset=paper,alpha=0.1", "alpha=0.1,kv_budget=union,fill=none,widen=none"));
+  CHECK(run("", "preset=paper"));
+  CHECK(run("", "alpha=0.2"));
 }
 
 TEST_CASE("lfps: bad parameters are rejected naming the parameter") {

@@ -1140,8 +1140,15 @@ MethodSpec lfps_spec() {
       "expansion, sink-value bypass of sparse heads, exact top-k on the candidates",
       1u << KVS_BACKEND_CPU,
       0.02,
-      {{"gamma", "float", "0.95", "decay of the score tables, eq. (10) (paper 5, App. B.2)"},
-       {"alpha", "float", "0.2", "threshold coefficient of eq. (8); the paper uses 0.2 and 0.3; -inf makes every key a candidate"},
+      {{"preset", "enum:kvsieve|paper", "kvsieve",
+        "paper: the paper's settings: alpha=0.2, kv_budget=union, fill=none, widen=none (parameters given "
+        "explicitly win); kvsieve: alpha=0.1 (chosen on the validation suite's tuning half, docs/methods/lfps.md), "
+        "kv_budget=cap, fill=recent, widen=recent"},
+       {"gamma", "float", "0.95", "decay of the score tables, eq. (10) (paper 5, App. B.2)"},
+       {"alpha", "float", "0.1",
+        "threshold coefficient of eq. (8) (the paper uses 0.2 and 0.3; preset=paper: 0.2); -inf makes every key a "
+        "candidate",
+        "0.2"},
        {"alpha_scale", "float", "600",
         "calibration factor on alpha in tau = mu + alpha*alpha_scale*sigma*3/kurtosis [reconstructed from the paper's prose]; 600 gives the paper's "
         "Table 4 candidate fractions at 4K on real SmolLM2-135M traces (6.0% at alpha 0.2, 4.8% at 0.3; docs/methods/lfps.md)"},
@@ -1165,14 +1172,17 @@ MethodSpec lfps_spec() {
        {"kv_budget", "enum:cap|union", "cap",
         "cap: the sinks are clipped to the budget and a KV head's query heads share one set of budget - sinks keys "
         "(their candidates' union ranked by the group's summed softmax); union: each query head keeps its own "
-        "top-(budget - sinks) and the KV head reads their union (the paper's per-head form: up to G x budget)"},
+        "top-(budget - sinks) and the KV head reads their union (the paper's per-head form: up to G x budget)",
+        "union"},
        {"fill", "enum:recent|none", "recent",
         "recent: candidates fewer than the budget are completed with the most recent keys not among them, so a "
-        "KV head attends the whole budget; none: it attends only its candidates (the paper)"},
+        "KV head attends the whole budget; none: it attends only its candidates (the paper)",
+        "none"},
        {"widen", "enum:recent|none", "recent",
         "with kv_budget=cap and fill=recent: the budget's count of most recent keys (outside local_window) join "
         "the candidates every step, so the exact top-k can prefer them to the tables' candidates (a query the "
-        "tables do not predict); none: they only fill a shortfall [ours]"}},
+        "tables do not predict); none: they only fill a shortfall [ours]",
+        "none"}},
       [](const MethodContext& c, const ParamSet& p) { return std::make_unique<lfps::Lfps>(c, lfps::parse_params(p)); }};
 }
 
