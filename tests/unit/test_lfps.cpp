@@ -265,6 +265,30 @@ TEST_CASE("lfps: lazy-decay tables, incremental moments and candidates equal bru
   }
 }
 
+// A one-layer C API session (fp32 KV, 2 threads) of `method` at `budget`, prefilled with D's first P
+// tokens and its index built.
+kvs_session_t prefilled_session(const Data& D, int64_t P, const char* method, const char* params, double budget) {
+  kvs_session_params p;
+  kvs_session_params_init(&p);
+  p.num_layers = 1;
+  p.num_q_heads = uint32_t(D.hq);
+  p.num_kv_heads = uint32_t(D.hkv);
+  p.head_dim = uint32_t(D.d);
+  p.kv_dtype = KVS_SCALAR_F32;
+  p.num_threads = 2;
+  p.method = method;
+  p.method_params = params;
+  p.budget = budget;
+  kvs_session_t s = nullptr;
+  REQUIRE(kvs_session_create(&p, &s) == nullptr);
+  const int64_t hq = D.hq, hkv = D.hkv, d = D.d;
+  T qq(const_cast<float*>(D.q.data()), f32(), {P, hq, d}), kk(const_cast<float*>(D.k.data()), f32(), {P, hkv, d}),
+      vv(const_cast<float*>(D.v.data()), f32(), {P, hkv, d});
+  REQUIRE(kvs_session_prefill(s, 0, qq.ptr(), kk.ptr(), vv.ptr(), nullptr, nullptr) == nullptr);
+  REQUIRE(kvs_session_build_index(s, nullptr) == nullptr);
+  return s;
+}
+
 // Thresholds at -inf, no bypass and kv_budget=union: every key of O is a candidate, so the selection
 // is the sinks plus the exact top-(k - sinks) of O per query head, and the output is exact attention over it.
 TEST_CASE("lfps: alpha=-inf without bypass is exact top-k (selection and float64 output)") {
@@ -272,26 +296,7 @@ TEST_CASE("lfps: alpha=-inf without bypass is exact top-k (selection and float64
   const int64_t P = 500, steps = 6;
   const int hq = 4, hkv = 2, d = 16, G = 2;
   Data D(rng, hq, hkv, d, P + steps);
-  auto make = [&](const char* method, const char* params) {
-    kvs_session_params p;
-    kvs_session_params_init(&p);
-    p.num_layers = 1;
-    p.num_q_heads = hq;
-    p.num_kv_heads = hkv;
-    p.head_dim = d;
-    p.kv_dtype = KVS_SCALAR_F32;
-    p.num_threads = 2;
-    p.method = method;
-    p.method_params = params;
-    p.budget = 0.06;
-    kvs_session_t s = nullptr;
-    REQUIRE(kvs_session_create(&p, &s) == nullptr);
-    T qq(const_cast<float*>(D.q.data()), f32(), {P, hq, d}), kk(const_cast<float*>(D.k.data()), f32(), {P, hkv, d}),
-        vv(const_cast<float*>(D.v.data()), f32(), {P, hkv, d});
-    REQUIRE(kvs_session_prefill(s, 0, qq.ptr(), kk.ptr(), vv.ptr(), nullptr, nullptr) == nullptr);
-    REQUIRE(kvs_session_build_index(s, nullptr) == nullptr);
-    return s;
-  };
+  auto make = [&](const char* method, const char* params) { return prefilled_session(D, P, method, params, 0.06); };
   // kv_budget=union: each query head keeps its own top-k (the paper's form; cap shares one set per KV head).
   kvs_session_t a = make("lfps", "alpha=-inf,bypass=false,kv_budget=union");
   kvs_session_t b = make("exact_topk", "mode=per_query_head,sinks=4");
@@ -449,26 +454,7 @@ TEST_CASE("lfps: the default alpha is 0.1; preset=paper restores the paper's alp
   const int64_t P = 400, steps = 10;
   const int hq = 4, hkv = 2, d = 16;
   Data D(rng, hq, hkv, d, P + steps);
-  auto make = [&](const char* params) {
-    kvs_session_params p;
-    kvs_session_params_init(&p);
-    p.num_layers = 1;
-    p.num_q_heads = hq;
-    p.num_kv_heads = hkv;
-    p.head_dim = d;
-    p.kv_dtype = KVS_SCALAR_F32;
-    p.num_threads = 2;
-    p.method = "lfps";
-    p.method_params = params;
-    p.budget = 0.08;
-    kvs_session_t s = nullptr;
-    REQUIRE(kvs_session_create(&p, &s) == nullptr);
-    T qq(const_cast<float*>(D.q.data()), f32(), {P, hq, d}), kk(const_cast<float*>(D.k.data()), f32(), {P, hkv, d}),
-        vv(const_cast<float*>(D.v.data()), f32(), {P, hkv, d});
-    REQUIRE(kvs_session_prefill(s, 0, qq.ptr(), kk.ptr(), vv.ptr(), nullptr, nullptr) == nullptr);
-    REQUIRE(kvs_session_build_index(s, nullptr) == nullptr);
-    return s;
-  };
+  auto make = [&](const char* params) { return prefilled_session(D, P, "lfps", params, 0.08); };
   // Decodes every step on both sessions; returns whether any output or selection differed.
   auto run = [&](const char* pa, const char* pb) {
     kvs_session_t a = make(pa), b = make(pb);
