@@ -526,7 +526,8 @@ KVS_API kvs_error_t kvs_session_last_selection(kvs_session_t s, uint32_t layer, 
 /** A statistic by name: the method's own (e.g. "dedup_coefficient"), or one of the session's CPU
  *  decode phase timings "decode_update_seconds", "decode_select_seconds", "decode_attend_seconds"
  *  (wall seconds summed over all steps and layers), or "rollback_history_bytes" (cpu: what the
- *  history kept for kvs_session_truncate holds now). Fails for a name neither has.
+ *  history kept for kvs_session_truncate holds now), or a backend's own (docs/api.md; hybrid:
+ *  "hybrid_split", "hybrid_static_keys", "hybrid_host_keys"). Fails for a name neither has.
  *  @threadsafety concurrent-const */
 KVS_API kvs_error_t kvs_session_method_stat(kvs_session_t s, const char* name, double* out);
 

@@ -49,6 +49,12 @@ struct Selection {
   bool attend = true;
 };
 
+// Counts of a static set (Method::static_keys).
+struct StaticKeys {
+  int64_t sinks = 0, recent = 0;
+  int64_t total() const { return sinks + recent; }
+};
+
 struct MethodContext {
   ModelShape shape;
   Budget budget;
@@ -80,6 +86,15 @@ class Method {
   // An extra attention state over keys disjoint from the selection (o [Hq][d], lse [Hq]); return
   // false when there is none this step.
   virtual bool extra(uint32_t layer, const float* q, const KVLayer& kv, float* o, float* lse) { return false; }
+  // The static set: keys that every list of this step's selection holds whatever the query, tokens
+  // [0, sinks) and [n - recent, n) of a layer of n tokens (the step's, the new token included),
+  // the two ranges disjoint. The hybrid placement keeps them in GPU memory and attends them there
+  // while the CPU attends the rest of the selection (src/hybrid/). A pure function of the method's
+  // parameters, its budget and n: it may be called while another thread runs select(). The default:
+  // no static set.
+  virtual StaticKeys static_keys(uint32_t layer, int64_t n) const { return {}; }
+  // Upper bounds of static_keys() over every layer and n ({0, 0}: the method has no static set).
+  virtual StaticKeys static_capacity() const { return {}; }
 
   // Tables: header entries (small JSON stored in the file header under method.meta) and sections
   // written through w (borrowed pieces must stay valid until the write ends).

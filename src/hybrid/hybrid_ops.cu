@@ -30,7 +30,7 @@ __global__ void combine_kernel(CombineArgs a) {
   float l[4];
   const float* src[4];
   int n = 0;
-  for (int i = 0; i < a.num_dev; ++i) {
+  for (int i = 0; i < (a.dev_on && !a.dev_on[b] ? 0 : a.num_dev); ++i) {
     l[n] = a.dev_lse[i][row];
     src[n++] = a.dev_o[i] + row * a.head_dim;
   }
@@ -59,7 +59,55 @@ __global__ void combine_kernel(CombineArgs a) {
   }
 }
 
+__global__ void ring_step_kernel(RingStep a) {
+  const int i = blockIdx.x, h = blockIdx.y;
+  const RingSession& s = a.s[i];
+  const int64_t b = int64_t(a.b0) + i;
+  const int vecs = a.head_dim * 2 / 16;  // 16-byte vectors per row (bf16 / fp16)
+  const int64_t t_new = int64_t(s.n) - 1;
+  const int64_t slot = ring_slot(t_new, s.S, s.W);
+  if (slot >= 0) {
+    auto* page = static_cast<char*>(s.base) + (slot >> kRingPageShift) * a.page_bytes;
+    const int64_t row = (int64_t(h) * kRingPageTokens + (slot & (kRingPageTokens - 1))) * vecs;
+    const int64_t v_off = int64_t(a.hkv) * kRingPageTokens * vecs;
+    const auto* kn = static_cast<const uint4*>(a.k_new) + (b * a.hkv + h) * vecs;
+    const auto* vn = static_cast<const uint4*>(a.v_new) + (b * a.hkv + h) * vecs;
+    auto* kp = reinterpret_cast<uint4*>(page);
+    for (int j = threadIdx.x; j < vecs; j += blockDim.x) {
+      kp[row + j] = kn[j];
+      kp[v_off + row + j] = vn[j];
+    }
+  }
+  int32_t* idx = a.idx + (b * a.hkv + h) * a.idx_cap;
+  const int32_t total = s.sinks + s.recent;
+  for (int j = threadIdx.x; j < total; j += blockDim.x)
+    idx[j] = j < s.sinks ? j : int32_t(ring_slot(int64_t(s.n) - s.recent + (j - s.sinks), s.S, s.W));
+  if (threadIdx.x == 0) a.cnt[b * a.hkv + h] = total;
+  if (h == 0) {
+    const int64_t pages = (int64_t(s.S) + s.W + kRingPageTokens - 1) / kRingPageTokens;
+    for (int j = threadIdx.x; j < a.max_pages; j += blockDim.x)
+      a.table[b * a.max_pages + j] = j < pages ? static_cast<const char*>(s.base) + j * a.page_bytes : nullptr;
+  }
+}
+
 }  // namespace
+
+Status ring_step(const RingStep& a, void* stream) noexcept {
+  if (a.count < 1 || a.count > kRingBatch || a.hkv < 1 || a.head_dim < 8 || (a.head_dim * 2) % 16 ||
+      (a.dtype != Scalar::BF16 && a.dtype != Scalar::F16) || !a.k_new || !a.v_new || !a.table || !a.idx || !a.cnt)
+    return Status{1, 0, "ring_step: bad arguments"};
+  for (int i = 0; i < a.count; ++i) {
+    const RingSession& s = a.s[i];
+    const int64_t pages = (int64_t(s.S) + s.W + kRingPageTokens - 1) / kRingPageTokens;
+    if (!s.base || s.S < 0 || s.W < 0 || s.n < 1 || s.sinks < 0 || s.recent < 0 || s.sinks > s.S || s.recent > s.W ||
+        s.sinks + s.recent > a.idx_cap || s.sinks > s.n - s.recent || pages > a.max_pages)
+      return Status{1, 0, "ring_step: a session's ring does not hold its static set"};
+  }
+  ring_step_kernel<<<dim3(unsigned(a.count), unsigned(a.hkv)), 64, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return Status{11, int32_t(e), "ring_step: launch failed"};
+  return Status{};
+}
 
 Status combine_states(const CombineArgs& a, void* stream) noexcept {
   if (a.num_dev < 0 || a.num_dev > 3 || a.batch < 1 || a.heads < 1 || a.head_dim < 1 || !a.o)

@@ -21,7 +21,27 @@
 //
 // The step's selection is decided on the CPU while the GPU waits for it, so only the selected rows
 // cross the bus (2 * Hkv * d * 2 bytes per key); the query and the outputs never leave the GPU
-// otherwise. Host-side calls that read the host part (statistics, selections, save, fork, truncate,
+// otherwise.
+//
+// The split step (methods with a static set, Method::static_keys: lfps's sinks, ctkvr's sinks and
+// local window): the static set's K/V rows are also kept in GPU memory, in a ring per layer (the
+// first S tokens and the last W, S and W the method's static_capacity()), and no K/V row crosses
+// the bus during the step:
+//
+//   caller's stream                          side stream (forked at the call, joined before the merge)
+//   device -> pinned   q, k_new, v_new       ring_step: the new rows into the ring, the static
+//   host function      select (as above),               set's slot lists
+//                      then the CPU attends  gathered attention over the ring's static slots
+//                      the rest of the
+//                      selection in host
+//                      memory -> pinned state
+//   (wait for the side stream)
+//   merge of the GPU's state and the host part's into o and lse
+//
+// The GPU part runs while the CPU searches and attends; only the query, the new K/V row and the
+// host part's state (o, lse: Hq * (d + 1) floats) cross the bus. GPU memory per session is the
+// rings (S + W slots per layer), whatever the context. KVS_HYBRID_SPLIT=0 at session creation
+// turns the split off (every method then takes the path above). Host-side calls that read the host part (statistics, selections, save, fork, truncate,
 // prefill) first wait for the steps in flight; an error of the host part inside a step (out of
 // memory, a selection that names a token the layer does not hold) is reported by the session's
 // next call, with the failed step taken back on every session of its batch.
@@ -30,6 +50,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -66,6 +87,9 @@ using cudautil::S;
 namespace {
 
 constexpr int64_t kMaxLayerTokens = (int64_t(1) << 31) - 1;
+// The largest static set kept on the GPU (S + W slots per layer); a method whose static set can be
+// larger takes the unsplit step.
+constexpr int64_t kMaxRingSlots = 16384;
 
 // The cuda backend's operations under the hybrid placement's name.
 class HybridBackendOps final : public Backend {
@@ -139,6 +163,20 @@ class HybridPlacement final : public Placement {
     sync_tokens();
     DeviceGuard g(device_);
     check(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreate");
+    // The split step: a static set that fits a ring, unless turned off.
+    const StaticKeys cap = host_->static_capacity();
+    const char* env = std::getenv("KVS_HYBRID_SPLIT");
+    if (cap.total() > 0 && cap.total() <= kMaxRingSlots && !(env && std::string(env) == "0")) {
+      split_ = true;
+      ring_cap_ = cap;
+      ring_pages_ = int32_t((cap.total() + cuda::kRingPageTokens - 1) / cuda::kRingPageTokens);
+      ring_page_bytes_ = size_t(2 * sh.num_kv_heads) * cuda::kRingPageTokens * sh.head_dim * dtype_size(sh.kv_dtype);
+      ring_.resize(sh.num_layers);
+      ring_n_.assign(sh.num_layers, -1);
+      check(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "cudaStreamCreate(hybrid side stream)");
+      check(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming), "cudaEventCreate");
+      check(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming), "cudaEventCreate");
+    }
   }
 
   static std::unique_ptr<Placement> create(const SessionConfig& cfg, const MethodSpec& spec, const ParamSet& ps,
@@ -178,7 +216,15 @@ class HybridPlacement final : public Placement {
     cudaSetDevice(device_);
     cudaEventSynchronize(done_);  // (an event never recorded is complete)
     cudaEventDestroy(done_);
+    if (side_) {
+      cudaStreamSynchronize(side_);
+      cudaStreamDestroy(side_);
+      cudaEventDestroy(fork_);
+      cudaEventDestroy(join_);
+    }
     ws_ = DevBuf();
+    side_ws_ = DevBuf();
+    ring_.clear();
     if (prev >= 0) cudaSetDevice(prev);
   }
 
@@ -195,6 +241,7 @@ class HybridPlacement final : public Placement {
     // part validates shapes and values as on the cpu backend.
     HostTensor hq, hk, hv, ho;
     const kvs_tensor* oh = ho.from(o, "o", device_, stream, /*input=*/false);
+    invalidate_rings();
     owner_->add_tokens(layer, hq.from(q, "q", device_, stream), hk.from(k, "k", device_, stream),
                        hv.from(v, "v", device_, stream), oh, fn, prompt, max_tokens, stream);
     if (o && oh != o) {
@@ -234,6 +281,22 @@ class HybridPlacement final : public Placement {
       cap = std::max(cap, n + 1);
     }
     const int64_t max_pages = (cap + kPageTokens - 1) / kPageTokens;
+    // The split step when every session of the batch takes it; each session's static set at this
+    // step (the layer's tokens after the append), within its ring.
+    bool split = true;
+    for (auto* p : ps) split = split && p->split_;
+    std::vector<StaticKeys> sks;
+    if (split) {
+      sks.resize(size_t(B));
+      for (int64_t b = 0; b < B; ++b) {
+        HybridPlacement* p = ps[size_t(b)];
+        const StaticKeys sk = p->host_->static_keys(layer, p->tokens(layer) + 1);
+        if (sk.sinks < 0 || sk.recent < 0 || sk.sinks > p->ring_cap_.sinks || sk.recent > p->ring_cap_.recent)
+          fail(KVS_STATUS_INTERNAL, "hybrid: the method's static set (" + std::to_string(sk.sinks) + " sinks, " +
+                                        std::to_string(sk.recent) + " recent keys) exceeds its capacity");
+        sks[size_t(b)] = sk;
+      }
+    }
 
     // The step's buffers (this session's: the batch's leader). A buffer that must grow waits for
     // the steps that still read it.
@@ -254,8 +317,8 @@ class HybridPlacement final : public Placement {
     put(L.cnt_q, size_t(B * hq) * 4);
     put(L.flags, size_t(B) * 2);
     put(L.table, size_t(B * max_pages) * sizeof(void*));
-    put(L.idx_kv, size_t(B * hkv * cap) * 4);
-    put(L.idx_q, size_t(B * hq * cap) * 4);
+    put(L.idx_kv, split ? 0 : size_t(B * hkv * cap) * 4);  // (the split step's selection stays on the host)
+    put(L.idx_q, split ? 0 : size_t(B * hq * cap) * 4);
     const cuda::AttnShape shape{int32_t(B), int32_t(hq), int32_t(hkv), int32_t(d), sh.softmax_scale};
     const size_t ws = std::max({cuda::dense_decode_workspace_bytes(shape, int32_t(cap)),
                                 cuda::gathered_decode_workspace_bytes(shape, int32_t(cap), false),
@@ -272,6 +335,18 @@ class HybridPlacement final : public Placement {
     // session): pinning is not allowed inside a host function, so they are pinned and set aside
     // now, and given back to the pool by the step.
     const size_t page_bytes = host_->kv_layer(layer).page_bytes();
+    // The split step's device buffers and rings (a ring that does not reflect its layer, after a
+    // prefill, an append, a truncate, a load or a failed step, is filled again from the host KV).
+    SideLayout SL{};
+    if (split) {
+      SL = side_layout(shape, B);
+      if (SL.bytes > side_ws_.bytes || !side_ws_.p) {
+        for (auto* p : ps) p->drain();
+        side_ws_.reserve(SL.bytes, device_, "cudaMalloc(hybrid split workspace)");
+      }
+      for (auto* p : ps)
+        if (p->ring_n_[layer] != p->tokens(layer)) p->refill_ring(layer, t.stream);
+    }
     reserve_pinned_pages(page_bytes, uint32_t(B));
 
     auto job = std::make_shared<Job>();
@@ -283,6 +358,8 @@ class HybridPlacement final : public Placement {
     job->cap = cap;
     job->max_pages = max_pages;
     job->page_bytes = page_bytes;
+    job->split = split;
+    job->sks = sks;
     cudaStream_t st = S(t.stream);
     bool queued = false;
     try {
@@ -290,6 +367,13 @@ class HybridPlacement final : public Placement {
       // session's done_ event then covers all of its steps, and the leader's buffers are free.
       for (auto* p : ps)
         if (p->pending_) check(cudaStreamWaitEvent(st, p->done_, 0), "cudaStreamWaitEvent");
+      if (split) {  // the GPU part on the side stream, beside the host function
+        check(cudaEventRecord(fork_, st), "cudaEventRecord(fork)");
+        check(cudaStreamWaitEvent(side_, fork_, 0), "cudaStreamWaitEvent(fork)");
+        launch_static(shape, qv, kv, vv, SL, ps, sks, layer);
+        check(cudaEventRecord(join_, side_), "cudaEventRecord(join)");
+        for (auto* p : ps) ++p->ring_n_[layer];
+      }
       check(cudaMemcpyAsync(host_buf_.at<char>(L.q), qv.base, size_t(B) * qb, cudaMemcpyDeviceToHost, st),
             "cudaMemcpyAsync(q)");
       check(cudaMemcpyAsync(host_buf_.at<char>(L.k), kv.base, size_t(B) * kb, cudaMemcpyDeviceToHost, st),
@@ -299,12 +383,20 @@ class HybridPlacement final : public Placement {
       cuda_backend().host_fn(t.stream, [job] { job->run(); });
       queued = true;
       for (auto* p : ps) p->tokens_add(layer, 1);
-      check(cudaMemcpyAsync(table_.p, host_buf_.at<char>(L.table), size_t(B * max_pages) * sizeof(void*),
-                            cudaMemcpyHostToDevice, st),
-            "cudaMemcpyAsync(page table)");
-      launch_attention(shape, qv, ov, lv, t.lse != nullptr, L, cap, max_pages, ws, states, st);
+      if (split) {
+        check(cudaStreamWaitEvent(st, join_, 0), "cudaStreamWaitEvent(join)");
+        combine(shape, ov, lv, t.lse != nullptr, L, 1, side_ws_.as<float>(),
+                reinterpret_cast<float*>(side_ws_.as<char>() + SL.lse), st);
+      } else {
+        check(cudaMemcpyAsync(table_.p, host_buf_.at<char>(L.table), size_t(B * max_pages) * sizeof(void*),
+                              cudaMemcpyHostToDevice, st),
+              "cudaMemcpyAsync(page table)");
+        launch_attention(shape, qv, ov, lv, t.lse != nullptr, L, cap, max_pages, ws, states, st);
+      }
       for (auto* p : ps) p->record_step(st);
     } catch (...) {
+      if (split)
+        for (auto* p : ps) p->ring_n_[layer] = -1;  // filled again at the next step
       if (!queued) {
         unreserve_pinned_pages(page_bytes, uint32_t(B));
         throw;
@@ -338,6 +430,7 @@ class HybridPlacement final : public Placement {
   }
   void truncate(int64_t n) override {
     drain();
+    invalidate_rings();
     owner_->truncate(n);
     sync_tokens();
   }
@@ -348,7 +441,8 @@ class HybridPlacement final : public Placement {
   void stats(kvs_session_stats& st) const override {
     drain();
     owner_->stats(st);
-    st.workspace_bytes = ws_.bytes + table_.bytes + host_buf_.bytes;
+    st.workspace_bytes = ws_.bytes + table_.bytes + host_buf_.bytes + side_ws_.bytes;
+    for (const auto& r : ring_) st.workspace_bytes += r.bytes;
   }
   Settled settled_reports() const override {
     drain();
@@ -357,6 +451,12 @@ class HybridPlacement final : public Placement {
   }
   bool stat(std::string_view name, double* out) const override {
     drain();
+    if (name == "hybrid_split" || name == "hybrid_static_keys" || name == "hybrid_host_keys") {
+      std::lock_guard<std::mutex> lock(mu_);
+      const double n = double(std::max<int64_t>(1, split_steps_));
+      *out = name == "hybrid_split" ? double(split_) : (name == "hybrid_static_keys" ? split_gpu_keys_ : split_cpu_keys_) / n;
+      return true;
+    }
     return owner_->stat(name, out);
   }
   nlohmann::json save_meta() const override {
@@ -369,6 +469,7 @@ class HybridPlacement final : public Placement {
   }
   void load(const std::shared_ptr<const io::TablesFile>& f, const nlohmann::json& meta, const std::vector<int64_t>& tokens,
             bool with_kv, const std::string& path, bool) override {
+    invalidate_rings();
     owner_->load(f, meta, tokens, with_kv, path, false);  // pinned copies, never the file's mapping
     sync_tokens();
   }
@@ -408,12 +509,23 @@ class HybridPlacement final : public Placement {
     check(cuda::gathered_decode(shape, qq, pk, kdt, host_buf_.at<int32_t>(L.idx_q), host_buf_.at<int32_t>(L.cnt_q),
                                 int32_t(cap), out(2), w, st, true),
           "gathered_decode (hybrid, per query head)");
+    combine(shape, ov, lv, with_lse, L, 3, so, sl, st);
+  }
+
+  // The merge of `num_dev` device states (o at so + i * rows * d, lse at sl + i * rows) with the
+  // host part's into o and lse. With the split step, the device state counts only where the host
+  // part took the step (a failed step's outputs are zeros).
+  void combine(const cuda::AttnShape& shape, const View& ov, const View& lv, bool with_lse, const Layout& L,
+               int num_dev, float* so, float* sl, cudaStream_t st) {
+    const int64_t B = shape.batch, hq = shape.num_q_heads, d = shape.head_dim;
+    const size_t rows = size_t(B * hq);
     cuda::CombineArgs ca;
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < num_dev; ++i) {
       ca.dev_o[i] = so + size_t(i) * rows * d;
       ca.dev_lse[i] = sl + size_t(i) * rows;
     }
-    ca.num_dev = 3;
+    ca.num_dev = num_dev;
+    if (num_dev == 1) ca.dev_on = host_buf_.at<uint8_t>(L.flags);
     ca.host_o = host_buf_.at<float>(L.extra_o);
     ca.host_lse = host_buf_.at<float>(L.extra_lse);
     ca.host_on = host_buf_.at<uint8_t>(L.flags);
@@ -427,6 +539,101 @@ class HybridPlacement final : public Placement {
     check(cuda::combine_states(ca, st), "combine_states (hybrid)");
   }
 
+  // ---- the split step's GPU part ----
+
+  // The side stream's device buffers: the static set's attention state (o [B * Hq, d] at 0, lse
+  // [B * Hq] at lse), the rings' page table, the slot lists and counts, the attention's workspace.
+  struct SideLayout {
+    size_t lse = 0, table = 0, idx = 0, cnt = 0, ws = 0, ws_bytes = 0, bytes = 0;
+    int32_t max_pages = 0, idx_cap = 0;
+  };
+  SideLayout side_layout(const cuda::AttnShape& shape, int64_t B) const {
+    SideLayout sl;
+    sl.max_pages = ring_pages_;
+    sl.idx_cap = int32_t(ring_cap_.total());
+    size_t off = 0;
+    auto put = [&](size_t& at, size_t bytes) {
+      at = off;
+      off += al(bytes);
+    };
+    size_t o_at = 0;
+    put(o_at, size_t(B * shape.num_q_heads * shape.head_dim) * 4);
+    put(sl.lse, size_t(B * shape.num_q_heads) * 4);
+    put(sl.table, size_t(B * sl.max_pages) * sizeof(void*));
+    put(sl.idx, size_t(B * shape.num_kv_heads * sl.idx_cap) * 4);
+    put(sl.cnt, size_t(B * shape.num_kv_heads) * 4);
+    sl.ws_bytes = cuda::gathered_decode_workspace_bytes(shape, sl.idx_cap, false);
+    put(sl.ws, sl.ws_bytes);
+    sl.bytes = off;
+    return sl;
+  }
+
+  // On the side stream: the new rows into the rings and the static set's slot lists (ring_step),
+  // then the gathered attention of q over them into the side state.
+  void launch_static(const cuda::AttnShape& shape, const View& qv, const View& kv, const View& vv,
+                     const SideLayout& SL, const std::vector<HybridPlacement*>& ps, const std::vector<StaticKeys>& sks,
+                     uint32_t layer) {
+    const int64_t B = shape.batch;
+    char* base = side_ws_.as<char>();
+    cuda::RingStep rs;
+    rs.hkv = shape.num_kv_heads;
+    rs.head_dim = shape.head_dim;
+    rs.dtype = cuda::Scalar(int32_t(cfg_.shape.kv_dtype));
+    rs.max_pages = SL.max_pages;
+    rs.idx_cap = SL.idx_cap;
+    rs.page_bytes = int64_t(ring_page_bytes_);
+    rs.k_new = kv.base;
+    rs.v_new = vv.base;
+    rs.table = reinterpret_cast<const void**>(base + SL.table);
+    rs.idx = reinterpret_cast<int32_t*>(base + SL.idx);
+    rs.cnt = reinterpret_cast<int32_t*>(base + SL.cnt);
+    for (int64_t b0 = 0; b0 < B; b0 += cuda::kRingBatch) {
+      rs.b0 = int32_t(b0);
+      rs.count = int32_t(std::min<int64_t>(cuda::kRingBatch, B - b0));
+      for (int32_t i = 0; i < rs.count; ++i) {
+        HybridPlacement* p = ps[size_t(b0 + i)];
+        const StaticKeys& sk = sks[size_t(b0 + i)];
+        rs.s[i] = cuda::RingSession{p->ring_[layer].p, int32_t(p->ring_cap_.sinks), int32_t(p->ring_cap_.recent),
+                                    int32_t(p->tokens(layer) + 1), int32_t(sk.sinks), int32_t(sk.recent)};
+      }
+      check(cuda::ring_step(rs, side_), "ring_step (hybrid)");
+    }
+    const cuda::PagedKv pk{rs.table, SL.max_pages, cuda::kRingPageTokens, cuda::kRingPageShift};
+    const cuda::Output out{base, cuda::Scalar::F32, reinterpret_cast<float*>(base + SL.lse)};
+    check(cuda::gathered_decode(shape, cuda::Query{qv.base, cuda::Scalar(int32_t(qv.dtype))}, pk, rs.dtype, rs.idx,
+                                rs.cnt, SL.idx_cap, out, cuda::Workspace{base + SL.ws, SL.ws_bytes}, side_, false),
+          "gathered_decode (hybrid, static set)");
+  }
+
+  // Fills the layer's ring from the host KV (tokens [0, S) and the last W), on the caller's
+  // stream, and waits for it: after a prefill, an append, a truncate, a load or a failed step.
+  void refill_ring(uint32_t layer, void* stream) {
+    drain();
+    const KVLayer& kv = host_->kv_layer(layer);
+    const int64_t N = kv.size(), sinks = ring_cap_.sinks, window = ring_cap_.recent;
+    const int64_t hkv = cfg_.shape.num_kv_heads;
+    const size_t row = size_t(kv.head_dim()) * kv.elem_size(), bytes = size_t(ring_pages_) * ring_page_bytes_;
+    DevBuf& r = ring_[layer];
+    if (!r.p) r.reserve(bytes, device_, "cudaMalloc(hybrid static-set ring)");
+    std::vector<std::byte> img(bytes);
+    auto put = [&](int64_t t) {
+      const int64_t slot = cuda::ring_slot(t, sinks, window);
+      std::byte* page = img.data() + size_t(slot / cuda::kRingPageTokens) * ring_page_bytes_;
+      for (int64_t h = 0; h < hkv; ++h) {
+        const size_t at = size_t(h * cuda::kRingPageTokens + slot % cuda::kRingPageTokens) * row;
+        std::memcpy(page + at, kv.k_row(int(h), t), row);
+        std::memcpy(page + size_t(hkv) * cuda::kRingPageTokens * row + at, kv.v_row(int(h), t), row);
+      }
+    };
+    for (int64_t t = 0; t < std::min(sinks, N); ++t) put(t);
+    for (int64_t t = std::max(sinks, N - window); t < N; ++t) put(t);
+    DeviceGuard g(device_);
+    check(cudaMemcpyAsync(r.p, img.data(), bytes, cudaMemcpyHostToDevice, S(stream)), "cudaMemcpyAsync(ring)");
+    check(cudaStreamSynchronize(S(stream)), "cudaStreamSynchronize");
+    ring_n_[layer] = N;
+  }
+  void invalidate_rings() { std::fill(ring_n_.begin(), ring_n_.end(), -1); }
+
   // The host function of one step: runs on CUDA's callback thread once the copies of q, k_new and
   // v_new have landed; must not call CUDA. Never throws (an error is kept for the next call).
   struct Job {
@@ -437,6 +644,8 @@ class HybridPlacement final : public Placement {
     DType qdtype = DType::F32;
     int64_t cap = 0, max_pages = 0;
     size_t page_bytes = 0;
+    bool split = false;              // the split step: the host part attends the selection's rest
+    std::vector<StaticKeys> sks;     // with split: each session's static set (on the GPU)
     bool ok = false;                 // the host part took the step (read after wait())
     std::atomic<int> state{0};       // 0 queued, 1 running, 2 done, 3 cancelled
 
@@ -520,6 +729,25 @@ class HybridPlacement final : public Placement {
                                                   " tokens: its tables do not match the layer");
         }
         for (int64_t b = 0; b < B; ++b) ps[size_t(b)]->host_->log_decode(layer, q.data() + b * hq * d);
+        if (split) {  // the rest of each selection attended here, merged with the method's extra state
+          std::vector<double> kept(static_cast<size_t>(B));
+          for (int64_t b = 0; b < B; ++b)
+            kept[size_t(b)] = ps[size_t(b)]->host_->attend_rest(layer, q.data() + b * hq * d, steps[size_t(b)],
+                                                                sks[size_t(b)], at<float>(L.extra_o) + b * hq * d,
+                                                                at<float>(L.extra_lse) + b * hq);
+          for (int64_t b = 0; b < B; ++b) {
+            HybridPlacement* p = ps[size_t(b)];
+            on[b] = 1;
+            on[B + b] = p->cfg_.lse_base == KVS_LSE_BASE_2;
+            std::lock_guard<std::mutex> lock(p->mu_);
+            p->settled_.add(steps[size_t(b)].report);
+            p->split_steps_ += 1;
+            p->split_gpu_keys_ += double(sks[size_t(b)].total());
+            p->split_cpu_keys_ += kept[size_t(b)];
+          }
+          ok = true;
+          return;
+        }
         const void** table = at<const void*>(L.table);
         for (int64_t b = 0; b < B; ++b) {
           const HostPart::Step& s = steps[size_t(b)];
@@ -652,6 +880,18 @@ class HybridPlacement final : public Placement {
   cudaEvent_t done_ = nullptr;        // recorded after this session's latest step (which waited for the earlier ones)
   PinnedBuf host_buf_;                // the step buffers of the steps this session leads
   DevBuf ws_, table_;
+  // The split step (see the top of this file): the static set's capacity, one ring per layer and
+  // the tokens each reflects (-1: fill it again from the host KV), the side stream and its events,
+  // its device buffers (the batch leader's).
+  bool split_ = false;
+  StaticKeys ring_cap_{};
+  int32_t ring_pages_ = 0;
+  size_t ring_page_bytes_ = 0;
+  std::vector<DevBuf> ring_;
+  std::vector<int64_t> ring_n_;
+  cudaStream_t side_ = nullptr;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  DevBuf side_ws_;
   // Shared with the host function and with concurrent const calls (kvs_session_get_stats, ...).
   mutable std::mutex mu_;
   std::vector<int64_t> tokens_;       // per layer, counting the steps in flight
@@ -659,6 +899,8 @@ class HybridPlacement final : public Placement {
   mutable std::string deferred_;      // an error a step left for the next call
   mutable kvs_status deferred_code_ = KVS_STATUS_INTERNAL;  // != INTERNAL with an empty message: out of memory
   mutable Settled settled_;           // completed steps' reports not yet taken
+  int64_t split_steps_ = 0;           // split steps taken, and the keys per list they attended on
+  double split_gpu_keys_ = 0, split_cpu_keys_ = 0;  // the GPU (the static set) and on the host
 };
 
 }  // namespace

@@ -13,13 +13,14 @@
 // kvs_session_to, its k-means being randomised) and a real trace (stories260K's q/k/v, padded with zero
 // dimensions to head dim 64 so the GPU kernels take it: the attention pattern is the model's).
 //
-//   kvsieve_backend_tests [--small] [--trace FILE]
+//   kvsieve_backend_tests [--small] [--trace FILE] [--backend cuda|hybrid] [--only-split]
 // Prints PASS/FAIL lines and "N passed, M failed"; exits 77 (skipped) without a CUDA device.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -331,6 +332,22 @@ struct Case {
   bool cpu_index = false;
 };
 
+bool stat(kvs_session_t s, const char* name, double* out) {
+  kvs_error_t e = kvs_session_method_stat(s, name, out);
+  if (!e) return true;
+  kvs_error_destroy(e);
+  return false;
+}
+
+// Whether a hybrid session of this case takes the split step.
+bool g_split_off = false;  // KVS_HYBRID_SPLIT=0 for the sessions being created
+bool expect_split(const Case& m) {
+  const std::string mp = m.params;
+  if (g_split_off) return false;
+  if (std::string(m.method) == "lfps") return mp.find("sinks=0") == std::string::npos;
+  return std::string(m.method) == "ctkvr" && mp.find("merge=lse") == std::string::npos;
+}
+
 void run_case(const Case& m, const Shape& sh, std::vector<int64_t> n0, int steps, uint32_t seed) {
   const int B = int(n0.size());
   char label[256];
@@ -402,6 +419,18 @@ void run_case(const Case& m, const Shape& sh, std::vector<int64_t> n0, int steps
          name + " stats",
          "steps " + std::to_string(sc.decode_steps) + "/" + std::to_string(sg.decode_steps) + ", keys " +
              std::to_string(sc.last_selected_keys) + "/" + std::to_string(sg.last_selected_keys));
+
+  // The hybrid's split step (methods with a static set: lfps, ctkvr with merge=union): the static
+  // keys attended on the GPU, the rest of the selection on the CPU, as its statistics say.
+  if (g_other == KVS_BACKEND_HYBRID) {
+    const bool want = expect_split(m);
+    double on = -1, gk = -1, hk = -1;
+    bool good = stat(gpu[0], "hybrid_split", &on) && on == (want ? 1.0 : 0.0);
+    if (want) good = good && stat(gpu[0], "hybrid_static_keys", &gk) && gk > 0 && stat(gpu[0], "hybrid_host_keys", &hk) && hk > 0;
+    report(good, name + " split step",
+           "hybrid_split " + std::to_string(on) + " (expected " + (want ? "1" : "0") + "), static keys on the GPU " +
+               std::to_string(gk) + ", keys per list on the CPU " + std::to_string(hk));
+  }
 
   // Save on each placement (tables + KV), load on the other, decode one more step on all four.
   if (B == 1) {
@@ -678,8 +707,10 @@ void run_trace(const char* path) {
 int main(int argc, char** argv) {
   install_crash_report();
   const char* trace = nullptr;
+  bool only_split = false;  // --only-split (with --backend hybrid): the split step's cases alone
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--small") g_small = true;
+    if (std::string(argv[i]) == "--only-split") only_split = true;
     if (std::string(argv[i]) == "--trace" && i + 1 < argc) trace = argv[++i];
     if (std::string(argv[i]) == "--backend" && i + 1 < argc) {
       const std::string b = argv[++i];
@@ -744,10 +775,26 @@ int main(int argc, char** argv) {
     uint32_t seed = 1;
     for (const auto& m : hybrid_cases)
       for (const auto& sh : shapes) {
+        if (only_split && !expect_split(m)) continue;
         run_case(m, sh, {n + 3}, 4, seed++);
         run_case(m, sh, {n, 300, 1 + 256}, 3, seed++);
       }
-    run_hybrid_queue();
+    // The split step over many steps: the ring's window wraps (local 16 of a budget that would allow
+    // more), sessions of different lengths and static sets in one batch, sinks alone (lfps), the
+    // static set attended through extra() instead (merge=lse: no split), and the split turned off.
+    const Case split_cases[] = {
+        {"ctkvr", "local=16,sinks=2", 0.05, 0, false, true},
+        {"ctkvr", "merge=lse", 0.05, 0, false, true},
+        {"lfps", "sinks=8", 0.05, 0, false, true},
+        {"lfps", "sinks=0", 0.05, 0, false, true},
+    };
+    for (const auto& m : split_cases) run_case(m, shapes[0], {n, 40, 1 + 256}, g_small ? 40 : 80, seed++);
+    setenv("KVS_HYBRID_SPLIT", "0", 1);
+    g_split_off = true;
+    run_case({"ctkvr", "", 0.05, 0, false, true}, shapes[1], {n}, 3, seed++);
+    unsetenv("KVS_HYBRID_SPLIT");
+    g_split_off = false;
+    if (!only_split) run_hybrid_queue();
     if (trace) run_trace(trace);
     std::printf("%d passed, %d failed\n", g_pass, g_fail);
     return g_fail ? 1 : 0;

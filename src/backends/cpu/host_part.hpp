@@ -27,6 +27,17 @@ class HostPart {
   // method as they were.
   virtual Step select_step(uint32_t layer, const float* q, const float* k, const float* v, float* extra_o,
                            float* extra_lse) = 0;
+  // The method's static set at a layer of n tokens and its bounds (Method::static_keys; safe to
+  // call while a step runs on another thread).
+  virtual StaticKeys static_keys(uint32_t layer, int64_t n) const = 0;
+  virtual StaticKeys static_capacity() const = 0;
+  // After select_step: attention of q [Hq][d] over the step's selection without its static set
+  // (held and attended elsewhere), merged with the method's extra state when the step had one:
+  // o [Hq][d], lse [Hq] (natural log; -inf where a head has nothing left). Throws
+  // KVS_STATUS_INTERNAL if a list lacks a key of the static set. Returns the keys it attended per
+  // list (the mean over the selection's lists), timed into the session's decode_attention_seconds.
+  virtual double attend_rest(uint32_t layer, const float* q, const Step& step, StaticKeys sk, float* o,
+                             float* lse) = 0;
   // Takes back the latest select_step of the layer (a later session of the batch failed).
   virtual void undo_step(uint32_t layer) = 0;
   // After the batch's steps all succeeded: the rollback history records the step's query.

@@ -578,6 +578,48 @@ class CpuPlacement final : public Placement, public HostPart {
     }
   }
 
+  StaticKeys static_keys(uint32_t layer, int64_t n) const override { return method_->static_keys(layer, n); }
+  StaticKeys static_capacity() const override { return method_->static_capacity(); }
+
+  double attend_rest(uint32_t layer, const float* q, const Step& step, StaticKeys sk, float* o,
+                     float* lse) override {
+    const auto& s = cfg_.shape;
+    const auto& lay = layers_[layer];
+    const auto t0 = std::chrono::steady_clock::now();
+    const Selection& sel = *step.sel;
+    const int64_t n = lay.size(), from = n - sk.recent;
+    if (!sel.attend || sel.kind == Selection::Kind::All || sk.sinks < 0 || sk.recent < 0 || sk.sinks > from)
+      fail(KVS_STATUS_INTERNAL, "attend_rest: the method's selection has no static set to leave out");
+    rest_.resize(sel.lists.size());
+    double kept = 0;
+    for (size_t i = 0; i < sel.lists.size(); ++i) {
+      auto& r = rest_[i];
+      r.clear();
+      int64_t found = 0;
+      for (int32_t t : sel.lists[i]) {
+        if (t < sk.sinks || t >= from) ++found;
+        else r.push_back(t);
+      }
+      if (found != sk.total())
+        fail(KVS_STATUS_INTERNAL, "the method's selection of layer " + std::to_string(layer) + " lacks " +
+                                      std::to_string(sk.total() - found) + " of its " + std::to_string(sk.total()) +
+                                      " static keys (list " + std::to_string(i) + ")");
+      kept += double(r.size());
+    }
+    const int G = s.group();
+    const size_t hq = s.num_q_heads, d = s.head_dim;
+    std::vector<float> eo, el;
+    if (step.has_extra) {  // o and lse hold the method's extra state: keep it to merge
+      eo.assign(o, o + hq * d);
+      el.assign(lse, lse + hq);
+    }
+    if (sel.kind == Selection::Kind::PerKvHead) cpu::attend_gather_kv(lay, q, G, rest_, s.softmax_scale, o, lse, *pool_);
+    else cpu::attend_gather_q(lay, q, G, rest_, s.softmax_scale, o, lse, *pool_);
+    if (step.has_extra) cpu::merge_states(o, lse, eo.data(), el.data(), int(hq), int(d));
+    phase_seconds_[2] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return sel.lists.empty() ? 0.0 : kept / double(sel.lists.size());
+  }
+
   void undo_step(uint32_t layer) override {
     const int64_t n = layers_[layer].size() - 1;
     layers_[layer].truncate(n);
@@ -673,6 +715,7 @@ class CpuPlacement final : public Placement, public HostPart {
   std::unique_ptr<Method> method_;
   std::vector<KVLayer> layers_;
   std::vector<Selection> last_sel_;
+  std::vector<std::vector<int32_t>> rest_;  // attend_rest: the lists without the static set
   std::vector<int64_t> last_n_;
   // Wall time of the decode phases, summed over every step and layer: the method's streaming
   // update (on_append), its selection (select) and the exact attention with the merge.

@@ -568,12 +568,8 @@ class Ctkvr final : public Method {
     tokens_[layer] = std::min(tokens_[layer], n);
   }
 
-  // ------------------------------------------------------------------------------------------
-  // Decode.
-  void select(uint32_t layer, const float* q, const KVLayer& kv, Selection& out) override {
-    if (!built_[layer]) fail(KVS_STATUS_INVALID_STATE, "ctkvr: layer " + std::to_string(layer) + " has no index");
-    const int64_t n = kv.size();
-    const int hkv = int(ctx_.shape.num_kv_heads);
+  // The static set of a layer of n tokens: [0, sinks) and [n - recent, n).
+  StaticKeys static_set(int64_t n) const {
     // With topk = 0 the whole selection keeps to the session budget: the static set is clipped to it
     // (sinks first, like exact_topk's forced keys) and the rerank keeps the rest.
     const int64_t budget = ctx_.budget.keys(n, 0.05);
@@ -589,8 +585,19 @@ class Ctkvr final : public Method {
     }
     const int64_t s_end = std::min({sinks, n, cap});
     const int64_t l_begin = std::max<int64_t>(s_end, n - std::min(local, cap - s_end));
-    const int64_t n_static = s_end + (n - l_begin);
-    const int64_t k = topk_ > 0 ? topk_ : std::max<int64_t>(0, budget - n_static);
+    return StaticKeys{s_end, n - l_begin};
+  }
+
+  // ------------------------------------------------------------------------------------------
+  // Decode.
+  void select(uint32_t layer, const float* q, const KVLayer& kv, Selection& out) override {
+    if (!built_[layer]) fail(KVS_STATUS_INVALID_STATE, "ctkvr: layer " + std::to_string(layer) + " has no index");
+    const int64_t n = kv.size();
+    const int hkv = int(ctx_.shape.num_kv_heads);
+    const int64_t budget = ctx_.budget.keys(n, 0.05);
+    const StaticKeys sk = static_set(n);
+    const int64_t s_end = sk.sinks, l_begin = n - sk.recent;
+    const int64_t k = topk_ > 0 ? topk_ : std::max<int64_t>(0, budget - sk.total());
     const int64_t ev0 = indexed_[layer], ev1 = std::max(indexed_[layer], l_begin);
     auto& U = undo_[layer];
     if (U.size() != size_t(hkv)) {
@@ -618,6 +625,11 @@ class Ctkvr final : public Method {
       }
     }
   }
+
+  // The static set (sinks and the local window) when the selection holds it (merge=union); with
+  // merge=lse it is attended through extra() and the selection is the retrieved keys alone.
+  StaticKeys static_keys(uint32_t, int64_t n) const override { return union_ ? static_set(n) : StaticKeys{}; }
+  StaticKeys static_capacity() const override { return union_ ? StaticKeys{sinks_, local_} : StaticKeys{}; }
 
   bool extra(uint32_t layer, const float* q, const KVLayer& kv, float* o, float* lse) override {
     if (union_) return false;

@@ -602,10 +602,8 @@ void Lfps::select(uint32_t layer, const float* q, const KVLayer& kv, Selection& 
   out.kind = Selection::Kind::PerQueryHead;
   out.lists.assign(size_t(hq), {});
   std::fill(L.bypass.begin(), L.bypass.end(), 0);
-  int64_t k_total = ctx_.budget.keys(n, 0.02);
-  k_total = std::max(k_total, std::min(p_.min_keys, n));
-  // kv_budget=cap: the sinks count toward the budget and are clipped to it (first sinks first).
-  const int64_t ns = p_.kv_cap ? std::min({p_.sinks, n, k_total}) : std::min(p_.sinks, n);
+  const int64_t k_total = total_keys(n);
+  const int64_t ns = static_keys(layer, n).sinks;
   if (n <= p_.sinks) {  // nothing offloaded yet: the sinks are the whole context
     for (auto& l : out.lists)
       for (int64_t j = 0; j < ns; ++j) l.push_back(int32_t(j));
@@ -957,6 +955,15 @@ void Lfps::finish_owner(uint32_t layer, int u, const float* q, const KVLayer& kv
     H.t[1].set(is, float(double(H.t[1].x[is]) + at[i] * inv));
     H.last_upd.emplace_back(j, float(at[i]));
   }
+}
+
+int64_t Lfps::total_keys(int64_t n) const {
+  return std::max(ctx_.budget.keys(n, 0.02), std::min(p_.min_keys, n));
+}
+
+// kv_budget=cap: the sinks count toward the budget and are clipped to it (first sinks first).
+StaticKeys Lfps::static_keys(uint32_t, int64_t n) const {
+  return StaticKeys{p_.kv_cap ? std::min({p_.sinks, n, total_keys(n)}) : std::min(p_.sinks, n), 0};
 }
 
 // The sink-value bypass (§4.2 [reconstructed from the paper's prose]): o = V-bar, lse = log A_glob, merged by the session with

@@ -69,6 +69,10 @@ class Lfps final : public Method {
   void truncate(uint32_t layer, int64_t n) override;
   void select(uint32_t layer, const float* q, const KVLayer& kv, Selection& out) override;
   bool extra(uint32_t layer, const float* q, const KVLayer& kv, float* o, float* lse) override;
+  // The sinks (every list starts with them; the hybrid placement attends them on the GPU, as the
+  // paper keeps them there).
+  StaticKeys static_keys(uint32_t layer, int64_t n) const override;
+  StaticKeys static_capacity() const override { return StaticKeys{p_.sinks, 0}; }
 
   nlohmann::json save_meta() const override;
   void save(io::TablesWriter& w) const override;
@@ -109,6 +113,7 @@ class Lfps final : public Method {
   static constexpr double kRescaleBelow = 1e-6;
 
  private:
+  int64_t total_keys(int64_t n) const;  // the keys a list may hold at a layer of n tokens (sinks included)
   struct Undo {
     int8_t which;
     int32_t idx;
