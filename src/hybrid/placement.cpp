@@ -339,7 +339,7 @@ class HybridPlacement final : public Placement {
     // prefill, an append, a truncate, a load or a failed step, is filled again from the host KV).
     SideLayout SL{};
     if (split) {
-      SL = side_layout(shape, B);
+      SL = side_layout(shape, ps);
       if (SL.bytes > side_ws_.bytes || !side_ws_.p) {
         for (auto* p : ps) p->drain();
         side_ws_.reserve(SL.bytes, device_, "cudaMalloc(hybrid split workspace)");
@@ -547,10 +547,13 @@ class HybridPlacement final : public Placement {
     size_t lse = 0, table = 0, idx = 0, cnt = 0, ws = 0, ws_bytes = 0, bytes = 0;
     int32_t max_pages = 0, idx_cap = 0;
   };
-  SideLayout side_layout(const cuda::AttnShape& shape, int64_t B) const {
+  static SideLayout side_layout(const cuda::AttnShape& shape, const std::vector<HybridPlacement*>& ps) {
+    const int64_t B = int64_t(ps.size());
     SideLayout sl;
-    sl.max_pages = ring_pages_;
-    sl.idx_cap = int32_t(ring_cap_.total());
+    for (const auto* p : ps) {  // the sessions of a batch may hold rings of different sizes
+      sl.max_pages = std::max(sl.max_pages, p->ring_pages_);
+      sl.idx_cap = std::max(sl.idx_cap, int32_t(p->ring_cap_.total()));
+    }
     size_t off = 0;
     auto put = [&](size_t& at, size_t bytes) {
       at = off;

@@ -436,3 +436,40 @@ TEST_CASE("ctkvr: init strategies pick the documented prompt positions; bad para
     CHECK(e.msg().find(key) != std::string::npos);
   }
 }
+
+TEST_CASE("ctkvr: the selection does not depend on the threads") {
+  // 1, 4 and 8 threads over 2 KV heads: the same keys, outputs within float rounding (the
+  // attention's chunks follow the threads), through decode steps, a chat turn and the update.
+  for (const char* mp : {"centroids=24,rho=64,lambda=3", "centroids=24,rho=64,lambda=3,new_tokens=dcu,topk=20"}) {
+    Rng rng(23);
+    Data D(rng, 8, 2, 32, 900);
+    std::vector<Sess> S(3);
+    const uint32_t threads[3] = {1, 4, 8};
+    for (int i = 0; i < 3; ++i) {
+      auto p = params(D, mp);
+      p.num_threads = threads[i];
+      OK(kvs_session_create(&p, &S[size_t(i)].s));
+      sprefill(S[size_t(i)].s, D, 0, 0, 700);
+      OK(kvs_session_build_index(S[size_t(i)].s, nullptr));
+    }
+    std::vector<float> o[3], l[3];
+    for (int64_t t = 700; t < 860; ++t) {
+      if (t == 780)  // a chat turn: the tokens leaving the window go through insert_tokens, not the fused pass
+        for (auto& s : S) sprefill(s.s, D, 0, t, 20, true);
+      if (t >= 780 && t < 800) continue;
+      for (int i = 0; i < 3; ++i) sdecode(S[size_t(i)].s, D, 0, t, o[i], l[i]);
+      INFO(mp << " step " << t);
+      for (uint32_t h = 0; h < 2; ++h) {
+        const auto ref = selection(S[0].s, 0, h);
+        CHECK(selection(S[1].s, 0, h) == ref);
+        CHECK(selection(S[2].s, 0, h) == ref);
+      }
+      for (int i = 1; i < 3; ++i)
+        for (size_t j = 0; j < o[0].size(); ++j) REQUIRE(std::fabs(o[i][j] - o[0][j]) <= 1e-5f * (1.f + std::fabs(o[0][j])));
+    }
+    double d0 = 0, d2 = 0;
+    OK(kvs_session_method_stat(S[0].s, "dedup_coefficient", &d0));
+    OK(kvs_session_method_stat(S[2].s, "dedup_coefficient", &d2));
+    CHECK(d0 == d2);
+  }
+}
