@@ -35,7 +35,7 @@ class HostPart {
   // (held and attended elsewhere), merged with the method's extra state when the step had one:
   // o [Hq][d], lse [Hq] (natural log; -inf where a head has nothing left). Throws
   // KVS_STATUS_INTERNAL if a list lacks a key of the static set. Returns the keys it attended per
-  // list (the mean over the selection's lists), timed into the session's decode_attention_seconds.
+  // list (the mean over the selection's lists), timed into the session's decode_attend_seconds.
   virtual double attend_rest(uint32_t layer, const float* q, const Step& step, StaticKeys sk, float* o,
                              float* lse) = 0;
   // Takes back the latest select_step of the layer (a later session of the batch failed).
