@@ -1817,7 +1817,8 @@ extern "C" {
     #[doc = " A statistic by name: the method's own (e.g. \"dedup_coefficient\"), or one of the session's CPU"]
     #[doc = "  decode phase timings \"decode_update_seconds\", \"decode_select_seconds\", \"decode_attend_seconds\""]
     #[doc = "  (wall seconds summed over all steps and layers), or \"rollback_history_bytes\" (cpu: what the"]
-    #[doc = "  history kept for kvs_session_truncate holds now). Fails for a name neither has."]
+    #[doc = "  history kept for kvs_session_truncate holds now), or a backend's own (docs/api.md; hybrid:"]
+    #[doc = "  \"hybrid_split\", \"hybrid_static_keys\", \"hybrid_host_keys\"). Fails for a name neither has."]
     #[doc = "  @threadsafety concurrent-const"]
     pub fn kvs_session_method_stat(
         s: kvs_session_t,
