@@ -12,6 +12,8 @@
 // page_budget=pages, the authors' page rounding) to the authors' values. Bounds hold the stored-dtype key values exactly, so the bound is never below
 // the true page maximum. Ties between page scores go to the lower page index.
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -24,7 +26,157 @@
 #include "kvsieve/kvsieve.h"
 #include "methods/quest/quest.hpp"
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace kvs {
+
+namespace {
+
+#if defined(__x86_64__)
+#define QUEST_AVX512 __attribute__((target("avx512f")))
+#define QUEST_AVX2 __attribute__((target("avx2")))
+
+// Up to 8 heads of a group per pass over a page (8 accumulators of 16 lanes).
+constexpr int kHeadsPerPass = 8;
+// A head's bounds of consecutive pages lie Hkv * 2d floats apart, a stride the hardware prefetchers
+// do not follow across 4 KiB pages: the loop asks for the page this many ahead itself.
+constexpr int64_t kPrefetchPages = 6;
+
+inline void prefetch_page(const float* bounds, int64_t p, int64_t pages, int hkv, int h, int d) {
+  if (p >= pages) return;
+  const char* x = reinterpret_cast<const char*>(bounds + (size_t(p) * hkv + size_t(h)) * 2 * d);
+  for (size_t o = 0; o < size_t(2 * d) * sizeof(float); o += 64) _mm_prefetch(x + o, _MM_HINT_T0);
+}
+
+// The 16 partial sums of each of ng <= 8 heads -> score (scalar order: part[0] + ... + part[15]
+// per head, then the heads in order), added to `acc`.
+inline float finish(const float (*part)[16], int ng) {
+  float u[kHeadsPerPass];
+  for (int g = 0; g < ng; ++g) u[g] = 0.f;
+  for (int l = 0; l < 16; ++l)  // the heads' chains interleaved
+    for (int g = 0; g < ng; ++g) u[g] += part[g][l];
+  float s = 0.f;
+  for (int g = 0; g < ng; ++g) s += u[g];
+  return s;
+}
+
+QUEST_AVX512 void page_scores512(const float* q, int ng, const float* bounds, int64_t pages, int hkv, int h, int d,
+                                 float* score) {
+  alignas(64) float part[kHeadsPerPass][16];
+  for (int64_t p = 0; p < kPrefetchPages; ++p) prefetch_page(bounds, p, pages, hkv, h, d);
+  for (int64_t p = 0; p < pages; ++p) {
+    prefetch_page(bounds, p + kPrefetchPages, pages, hkv, h, d);
+    const float* mx = bounds + (size_t(p) * hkv + size_t(h)) * 2 * d;
+    const float* mn = mx + d;
+    float total = 0.f;
+    for (int g0 = 0; g0 < ng; g0 += kHeadsPerPass) {
+      const int gn = std::min(kHeadsPerPass, ng - g0);
+      __m512 acc[kHeadsPerPass];
+      for (int g = 0; g < gn; ++g) acc[g] = _mm512_setzero_ps();
+      for (int i = 0; i < d; i += 16) {
+        const __m512 a = _mm512_loadu_ps(mx + i), b = _mm512_loadu_ps(mn + i);
+        for (int g = 0; g < gn; ++g) {
+          const __m512 qq = _mm512_loadu_ps(q + size_t(g0 + g) * d + i);
+          // max(q M, q m) as the scalar `x > y ? x : y` (max_ps returns its second operand
+          // unless the first is greater)
+          acc[g] = _mm512_add_ps(acc[g], _mm512_max_ps(_mm512_mul_ps(qq, a), _mm512_mul_ps(qq, b)));
+        }
+      }
+      for (int g = 0; g < gn; ++g) _mm512_store_ps(part[g], acc[g]);
+      // (the scalar sum over the heads: ((0 + u_0) + u_1) + ...; finish() restarts at 0 per pass,
+      // so passes after the first add their heads one by one to keep that order)
+      if (g0 == 0) {
+        total = finish(part, gn);
+      } else {
+        for (int g = 0; g < gn; ++g) total += finish(part + g, 1);
+      }
+    }
+    score[p] = total;
+  }
+}
+
+QUEST_AVX2 void page_scores256(const float* q, int ng, const float* bounds, int64_t pages, int hkv, int h, int d,
+                               float* score) {
+  alignas(32) float part[kHeadsPerPass][16];
+  for (int64_t p = 0; p < kPrefetchPages; ++p) prefetch_page(bounds, p, pages, hkv, h, d);
+  for (int64_t p = 0; p < pages; ++p) {
+    prefetch_page(bounds, p + kPrefetchPages, pages, hkv, h, d);
+    const float* mx = bounds + (size_t(p) * hkv + size_t(h)) * 2 * d;
+    const float* mn = mx + d;
+    float total = 0.f;
+    for (int g0 = 0; g0 < ng; g0 += kHeadsPerPass / 2) {  // 2 registers of 8 lanes per head
+      const int gn = std::min(kHeadsPerPass / 2, ng - g0);
+      __m256 lo[kHeadsPerPass / 2], hi[kHeadsPerPass / 2];
+      for (int g = 0; g < gn; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
+      for (int i = 0; i < d; i += 16) {
+        const __m256 a0 = _mm256_loadu_ps(mx + i), a1 = _mm256_loadu_ps(mx + i + 8);
+        const __m256 b0 = _mm256_loadu_ps(mn + i), b1 = _mm256_loadu_ps(mn + i + 8);
+        for (int g = 0; g < gn; ++g) {
+          const float* qg = q + size_t(g0 + g) * d + i;
+          const __m256 q0 = _mm256_loadu_ps(qg), q1 = _mm256_loadu_ps(qg + 8);
+          lo[g] = _mm256_add_ps(lo[g], _mm256_max_ps(_mm256_mul_ps(q0, a0), _mm256_mul_ps(q0, b0)));
+          hi[g] = _mm256_add_ps(hi[g], _mm256_max_ps(_mm256_mul_ps(q1, a1), _mm256_mul_ps(q1, b1)));
+        }
+      }
+      for (int g = 0; g < gn; ++g) {
+        _mm256_store_ps(part[g], lo[g]);
+        _mm256_store_ps(part[g] + 8, hi[g]);
+      }
+      if (g0 == 0) {
+        total = finish(part, gn);
+      } else {
+        for (int g = 0; g < gn; ++g) total += finish(part + g, 1);
+      }
+    }
+    score[p] = total;
+  }
+}
+#endif
+
+}  // namespace
+
+namespace {
+std::atomic<int> g_quest_simd{0};  // quest_simd_limit(): 0 = the best the machine has
+}  // namespace
+
+bool quest_simd_limit(int level) {
+  if (level < 0 || level > 3) return false;
+  g_quest_simd.store(level, std::memory_order_relaxed);
+  return true;
+}
+
+int quest_simd_level() {
+  // KVS_QUEST_SIMD=1|2|3 in the environment caps it too (for side-by-side timing).
+  static const int best = [] {
+#if defined(__x86_64__)
+    int b = __builtin_cpu_supports("avx512f") ? 3 : __builtin_cpu_supports("avx2") ? 2 : 1;
+#else
+    int b = 1;
+#endif
+    const char* env = std::getenv("KVS_QUEST_SIMD");
+    if (env && env[0] >= '1' && env[0] <= '3' && env[1] == '\0') b = std::min(b, env[0] - '0');
+    return b;
+  }();
+  const int limit = g_quest_simd.load(std::memory_order_relaxed);
+  return limit ? std::min(limit, best) : best;
+}
+
+void quest_page_scores(const float* q, int ng, const float* bounds, int64_t pages, int hkv, int h, int d, float* score) {
+#if defined(__x86_64__)
+  const int level = d % 16 == 0 ? quest_simd_level() : 1;
+  if (level == 3) return page_scores512(q, ng, bounds, pages, hkv, h, d, score);
+  if (level == 2) return page_scores256(q, ng, bounds, pages, hkv, h, d, score);
+#endif
+  for (int64_t p = 0; p < pages; ++p) {
+    const float* mx = bounds + (size_t(p) * hkv + size_t(h)) * 2 * d;
+    float u = 0.f;
+    for (int g = 0; g < ng; ++g) u += quest_upper_bound(q + size_t(g) * d, mx, mx + d, d);
+    score[p] = u;
+  }
+}
+
 namespace {
 
 class Quest final : public Method {
@@ -58,6 +210,9 @@ class Quest final : public Method {
 
   // The bounds are a function of the keys: the pages past n go, the partial page is folded again.
   bool exact_truncate() const override { return true; }
+
+  // Pages per scoring task (at 8 KV heads x d 128: 64 x 8 KiB of bounds).
+  static constexpr int64_t kScorePages = 64;
   void select(uint32_t layer, const float* q, const KVLayer& kv, Selection& out) override {
     const int64_t n = kv.size();
     if (int64_t(layer) < dense_layers_) {
@@ -80,41 +235,40 @@ class Quest final : public Method {
     const int64_t want = pp.want, cur_skip = pp.skip;
     const float* b = bounds_[layer].data();
     out.kind = per_query_ ? Selection::Kind::PerQueryHead : Selection::Kind::PerKvHead;
-    out.lists.assign(size_t(per_query_ ? hkv * G : hkv), {});
-    ctx_.pool->parallel_for(hkv, [&](int64_t hh) {
-      const int h = int(hh);
-      std::vector<float> score(static_cast<size_t>(pages));
+    const int rows = per_query_ ? G : 1;  // score rows per KV head
+    out.lists.assign(size_t(hkv * rows), {});
+    // 1. Scores of every page but the current one, in tasks of consecutive pages, every head's
+    // bounds of a page together: the bounds stream in address order ([page][Hkv][2][d]; one task
+    // per KV head read a d-sized slice of every page, which took 1.7x as long on one thread).
+    const int64_t np = pages - 1;
+    scores_.resize(size_t(hkv * rows) * size_t(std::max<int64_t>(np, 0)));
+    const int64_t tasks = (np + kScorePages - 1) / kScorePages;
+    ctx_.pool->parallel_for(tasks, [&](int64_t c) {
+      for (int64_t p = c * kScorePages; p < std::min(np, (c + 1) * kScorePages); ++p)
+        for (int h = 0; h < hkv; ++h)
+          for (int r = 0; r < rows; ++r) {
+            const int ga = per_query_ ? r : 0, gb = per_query_ ? r + 1 : G;
+            float* out_p = scores_.data() + size_t(h * rows + r) * size_t(np) + size_t(p);
+            quest_page_scores(q + size_t(h * G + ga) * d, gb - ga, b + size_t(p) * hkv * 2 * d, 1, hkv, h, d, out_p);
+            if (f16_scores_) *out_p = f16_to_f32(f32_to_f16(*out_p));
+          }
+    });
+    // 2. Per score row: the top pages, the current one always, as token lists.
+    ctx_.pool->parallel_for(hkv * rows, [&](int64_t row) {
       std::vector<int32_t> cand, chosen;
-      for (int g0 = 0; g0 < (per_query_ ? G : 1); ++g0) {
-        // Pages outer, heads inner: each page's bounds are read from memory once for the group.
-        const int ga = per_query_ ? g0 : 0, gb = per_query_ ? g0 + 1 : G;
-        for (int64_t p = 0; p < pages - 1; ++p) {
-          const float* mm = page_bounds(b, p, h);
-          float u = 0.f;
-          for (int g = ga; g < gb; ++g) u += upper_bound(q + size_t(h * G + g) * d, mm, d);
-          score[size_t(p)] = f16_scores_ ? f16_to_f32(f32_to_f16(u)) : u;
-        }
-        cand.clear();
-        for (int64_t p = 0; p < pages - 1; ++p) cand.push_back(int32_t(p));
-        chosen.clear();
-        chosen.push_back(int32_t(pages - 1));
-        cpu::topk_of(score.data(), cand, want - 1, chosen);
-        std::sort(chosen.begin(), chosen.end());
-        auto& l = out.lists[size_t(per_query_ ? h * G + g0 : h)];
-        for (int32_t p : chosen)
-          for (int64_t t = int64_t(p) * page_ + (p == pages - 1 ? cur_skip : 0); t < std::min(n, int64_t(p + 1) * page_);
-               ++t)
-            l.push_back(int32_t(t));
-      }
+      cand.reserve(size_t(np));
+      for (int64_t p = 0; p < np; ++p) cand.push_back(int32_t(p));
+      chosen.push_back(int32_t(pages - 1));
+      cpu::topk_of(scores_.data() + size_t(row) * size_t(np), cand, want - 1, chosen);
+      std::sort(chosen.begin(), chosen.end());
+      auto& l = out.lists[size_t(row)];
+      for (int32_t p : chosen)
+        for (int64_t t = int64_t(p) * page_ + (p == pages - 1 ? cur_skip : 0); t < std::min(n, int64_t(p + 1) * page_); ++t)
+          l.push_back(int32_t(t));
     });
   }
 
-  static float upper_bound(const float* q, const float* mm, int d) { return quest_upper_bound(q, mm, mm + d, d); }
-
-  // Bounds layout per layer: [page][Hkv][2][d] (max then min), fp32.
-  const float* page_bounds(const float* b, int64_t p, int h) const {
-    return b + (size_t(p) * ctx_.shape.num_kv_heads + size_t(h)) * 2 * ctx_.shape.head_dim;
-  }
+  // Bounds layout per layer: [page][Hkv][2][d] (max then min), fp32 (quest_page_scores reads it).
 
   nlohmann::json save_meta() const override {
     nlohmann::json meta = nlohmann::json::object();
@@ -193,6 +347,7 @@ class Quest final : public Method {
   int64_t page_, dense_layers_;
   bool per_query_, f16_scores_, fit_;
   std::vector<std::vector<float>> bounds_;
+  std::vector<float> scores_;  // select: the page scores [Hkv x rows][pages - 1] of the step
   std::vector<int64_t> indexed_;
 };
 

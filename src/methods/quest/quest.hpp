@@ -40,4 +40,16 @@ inline float quest_upper_bound(const float* q, const float* page_max, const floa
   for (int l = 0; l < 16; ++l) u += part[l];
   return u;
 }
+
+// The page scores of one KV head: score[p] = the sum over g = 0 .. ng - 1, in that order, of
+// quest_upper_bound(q + g * d, max_p, min_p, d) for pages p in [0, pages), page p's bounds of head h
+// at bounds + (p * hkv + h) * 2 * d (max then min). Bit for bit the scalar composition: the AVX-512
+// and AVX2 paths keep its 16 partial sums as vector lanes and add them in its order, and the
+// group's heads share each page's loads.
+void quest_page_scores(const float* q, int ng, const float* bounds, int64_t pages, int hkv, int h, int d, float* score);
+// The instruction set quest_page_scores uses: 1 scalar, 2 AVX2, 3 AVX-512 (what the machine has,
+// at most the limit). quest_simd_limit(level) caps it process-wide (0: no cap; for tests), and so
+// does KVS_QUEST_SIMD=1|2|3 in the environment (read once); false for a level outside 0..3.
+int quest_simd_level();
+bool quest_simd_limit(int level);
 }  // namespace kvs
