@@ -40,18 +40,9 @@ namespace {
 
 // Up to 8 heads of a group per pass over a page (8 accumulators of 16 lanes).
 constexpr int kHeadsPerPass = 8;
-// A head's bounds of consecutive pages lie Hkv * 2d floats apart, a stride the hardware prefetchers
-// do not follow across 4 KiB pages: the loop asks for the page this many ahead itself.
-constexpr int64_t kPrefetchPages = 6;
 
-inline void prefetch_page(const float* bounds, int64_t p, int64_t pages, int hkv, int h, int d) {
-  if (p >= pages) return;
-  const char* x = reinterpret_cast<const char*>(bounds + (size_t(p) * hkv + size_t(h)) * 2 * d);
-  for (size_t o = 0; o < size_t(2 * d) * sizeof(float); o += 64) _mm_prefetch(x + o, _MM_HINT_T0);
-}
-
-// The 16 partial sums of each of ng <= 8 heads -> score (scalar order: part[0] + ... + part[15]
-// per head, then the heads in order), added to `acc`.
+// The 16 partial sums of each of ng <= 8 heads -> their score, in the scalar order:
+// part[0] + ... + part[15] per head, then the heads in order.
 inline float finish(const float (*part)[16], int ng) {
   float u[kHeadsPerPass];
   for (int g = 0; g < ng; ++g) u[g] = 0.f;
@@ -65,9 +56,7 @@ inline float finish(const float (*part)[16], int ng) {
 QUEST_AVX512 void page_scores512(const float* q, int ng, const float* bounds, int64_t pages, int hkv, int h, int d,
                                  float* score) {
   alignas(64) float part[kHeadsPerPass][16];
-  for (int64_t p = 0; p < kPrefetchPages; ++p) prefetch_page(bounds, p, pages, hkv, h, d);
   for (int64_t p = 0; p < pages; ++p) {
-    prefetch_page(bounds, p + kPrefetchPages, pages, hkv, h, d);
     const float* mx = bounds + (size_t(p) * hkv + size_t(h)) * 2 * d;
     const float* mn = mx + d;
     float total = 0.f;
@@ -100,9 +89,7 @@ QUEST_AVX512 void page_scores512(const float* q, int ng, const float* bounds, in
 QUEST_AVX2 void page_scores256(const float* q, int ng, const float* bounds, int64_t pages, int hkv, int h, int d,
                                float* score) {
   alignas(32) float part[kHeadsPerPass][16];
-  for (int64_t p = 0; p < kPrefetchPages; ++p) prefetch_page(bounds, p, pages, hkv, h, d);
   for (int64_t p = 0; p < pages; ++p) {
-    prefetch_page(bounds, p + kPrefetchPages, pages, hkv, h, d);
     const float* mx = bounds + (size_t(p) * hkv + size_t(h)) * 2 * d;
     const float* mn = mx + d;
     float total = 0.f;
