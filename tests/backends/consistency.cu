@@ -797,6 +797,11 @@ int main(int argc, char** argv) {
         {"lfps", "sinks=0", 0.05, 0, false, true},
     };
     for (const auto& m : split_cases) run_case(m, shapes[0], {n, 40, 1 + 256}, g_small ? 40 : 80, seed++);
+    {  // a batch of more sessions than one ring launch takes (kRingBatch, 32)
+      std::vector<int64_t> lens;
+      for (int b = 0; b < 37; ++b) lens.push_back(20 + 7 * b);
+      run_case({"lfps", "sinks=3", 0.1, 0, false, true}, shapes[1], lens, 3, seed++);
+    }
     setenv("KVS_HYBRID_SPLIT", "0", 1);
     g_split_off = true;
     run_case({"ctkvr", "", 0.05, 0, false, true}, shapes[1], {n}, 3, seed++);
