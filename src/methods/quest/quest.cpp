@@ -41,16 +41,16 @@ namespace {
 // Up to 8 heads of a group per pass over a page (8 accumulators of 16 lanes).
 constexpr int kHeadsPerPass = 8;
 
-// The 16 partial sums of each of ng <= 8 heads -> their score, in the scalar order:
-// part[0] + ... + part[15] per head, then the heads in order.
-inline float finish(const float (*part)[16], int ng) {
+// Adds the bounds of ng <= 8 heads, given as their 16 partial sums, to the page's running total in
+// the scalar order: each head's bound is part[0] + ... + part[15], and the total takes the heads one
+// by one (((0 + u_0) + u_1) + ..., across passes too).
+inline float add_heads(float total, const float (*part)[16], int ng) {
   float u[kHeadsPerPass];
   for (int g = 0; g < ng; ++g) u[g] = 0.f;
   for (int l = 0; l < 16; ++l)  // the heads' chains interleaved
     for (int g = 0; g < ng; ++g) u[g] += part[g][l];
-  float s = 0.f;
-  for (int g = 0; g < ng; ++g) s += u[g];
-  return s;
+  for (int g = 0; g < ng; ++g) total += u[g];
+  return total;
 }
 
 QUEST_AVX512 void page_scores512(const float* q, int ng, const float* bounds, int64_t pages, int hkv, int h, int d,
@@ -74,13 +74,7 @@ QUEST_AVX512 void page_scores512(const float* q, int ng, const float* bounds, in
         }
       }
       for (int g = 0; g < gn; ++g) _mm512_store_ps(part[g], acc[g]);
-      // (the scalar sum over the heads: ((0 + u_0) + u_1) + ...; finish() restarts at 0 per pass,
-      // so passes after the first add their heads one by one to keep that order)
-      if (g0 == 0) {
-        total = finish(part, gn);
-      } else {
-        for (int g = 0; g < gn; ++g) total += finish(part + g, 1);
-      }
+      total = add_heads(total, part, gn);
     }
     score[p] = total;
   }
@@ -111,11 +105,7 @@ QUEST_AVX2 void page_scores256(const float* q, int ng, const float* bounds, int6
         _mm256_store_ps(part[g], lo[g]);
         _mm256_store_ps(part[g] + 8, hi[g]);
       }
-      if (g0 == 0) {
-        total = finish(part, gn);
-      } else {
-        for (int g = 0; g < gn; ++g) total += finish(part + g, 1);
-      }
+      total = add_heads(total, part, gn);
     }
     score[p] = total;
   }
