@@ -224,9 +224,13 @@ TEST_CASE("hgca: block eviction carries each entry's MAW (float64 model of Alg. 
   Data D(rng, 4, 2, 16, 200);
   const int G = 2, hq = 4, l_max = 32, blk = 8;
   const double alpha = 0.3, beta = 1.0;
-  for (const char* agg : {"max", "mean"}) {
-    INFO(agg);
-    Harness H(D, std::string("window=32,block_size=8,alpha=0.3,prompt_maw=init,pad=false,beta=1,gqa=") + agg);
+  for (const char* agg : {"max", "mean"})
+  for (const char* cap : {"budget", "none"}) {
+    INFO(agg << " cap=" << cap);
+    // cap=none attends the salient sets from contiguous copies of their rows; cap=budget reads its
+    // far keys from the layer's store and keeps no copies.
+    const bool copies = std::string(cap) == "none";
+    Harness H(D, std::string("window=32,block_size=8,alpha=0.3,prompt_maw=init,pad=false,beta=1,cap=") + cap + ",gqa=" + agg);
     H.prefill(D, 10);
     // Reference: per token MAW (double), window [b, t].
     std::vector<std::vector<double>> maw(size_t(D.T), std::vector<double>(hq, 0.0)), evicted;
@@ -279,10 +283,11 @@ TEST_CASE("hgca: block eviction carries each entry's MAW (float64 model of Alg. 
       }
       const auto& hd = H.far().heads()[size_t(h)];
       CHECK(hd.pos == want);
-      CHECK(hd.k.size() == want.size() * D.d * 4);
+      CHECK(hd.k.size() == (copies ? want.size() * D.d * 4 : 0));
+      CHECK(hd.v.size() == hd.k.size());
       if (!want.empty()) {
         CHECK(std::abs(std::accumulate(hd.weight.begin(), hd.weight.end(), 0.0) - 1.0) < 1e-5);
-        for (size_t i = 0; i < want.size(); ++i)  // contiguous copies of the right rows
+        for (size_t i = 0; copies && i < want.size(); ++i)  // contiguous copies of the right rows
           CHECK(std::equal(hd.k.begin() + i * D.d * 4, hd.k.begin() + (i + 1) * D.d * 4,
                            reinterpret_cast<const std::byte*>(D.kt(want[i]) + h * D.d)));
       }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 
@@ -43,6 +44,7 @@ void FarStore::renormalise(Head& hd) {
 void FarStore::push(const KVLayer& kv, Head& hd, int h, int32_t t, float score) {
   hd.pos.push_back(t);
   hd.score.push_back(score);
+  if (p_.cap) return;  // cap=budget reads its far keys from the layer's store: no contiguous copies
   const auto* k = kv.k_row(h, t);
   const auto* v = kv.v_row(h, t);
   hd.k.insert(hd.k.end(), k, k + row_);
@@ -193,7 +195,7 @@ void FarStore::attend(const KVLayer& kv, const float* q, float* o, float* lse, T
   }
 }
 
-void FarStore::limit(int64_t far_keys, int64_t w_size) {
+void FarStore::limit(int64_t far_keys, int64_t w_size, ThreadPool& pool) {
   widened_ = false;
   if (far_keys < 0) {
     limit_ = -1;
@@ -208,19 +210,25 @@ void FarStore::limit(int64_t far_keys, int64_t w_size) {
   // key per 1/fraction steps, and the ranking only changes when the far store does.
   const int64_t len = std::min(n_, want + want / 2 + 64);
   const int hq = int(shape_.num_q_heads), G = shape_.group();
-  std::vector<float> ratio(static_cast<size_t>(n_));
-  std::vector<int32_t> idx;
-  for (size_t h = 0; h < heads_.size(); ++h) {
-    for (int64_t t = 0; t < n_; ++t)
-      ratio[size_t(t)] = agg(maw_.data() + size_t(t) * hq + h * G) * float(t < reeval_n_ ? reeval_n_ : w_size);
-    idx.resize(size_t(n_));
-    std::iota(idx.begin(), idx.end(), 0);
-    auto better = [&](int32_t a, int32_t b) { return ratio[size_t(a)] > ratio[size_t(b)] || (ratio[size_t(a)] == ratio[size_t(b)] && a > b); };
-    if (len > 0 && len < n_) std::nth_element(idx.begin(), idx.begin() + (len - 1), idx.end(), better);
-    idx.resize(size_t(len));
-    std::sort(idx.begin(), idx.end(), better);
-    ranked_[h] = idx;
-  }
+  // One task per KV head. An entry is ranked by a 64-bit key: the ratio's bits in an order-preserving
+  // form above the position, so "larger key" is the order below (higher ratio first, the newer entry
+  // on ties) and the selection compares integers instead of chasing the ratio array.
+  pool.parallel_for(int64_t(heads_.size()), [&](int64_t h) {
+    std::vector<uint64_t> key(static_cast<size_t>(n_));
+    for (int64_t t = 0; t < n_; ++t) {
+      const float r = agg(maw_.data() + size_t(t) * hq + size_t(h) * G) * float(t < reeval_n_ ? reeval_n_ : w_size);
+      uint32_t b;
+      std::memcpy(&b, &r, sizeof b);
+      b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+      key[size_t(t)] = (uint64_t(b) << 32) | uint32_t(t);
+    }
+    if (len > 0 && len < n_) std::nth_element(key.begin(), key.begin() + (len - 1), key.end(), std::greater<>());
+    key.resize(size_t(len));
+    std::sort(key.begin(), key.end(), std::greater<>());
+    auto& out = ranked_[size_t(h)];
+    out.resize(size_t(len));
+    for (int64_t i = 0; i < len; ++i) out[size_t(i)] = int32_t(uint32_t(key[size_t(i)]));
+  });
   rank_dirty_ = false;
   rank_w_ = w_size;
 }
@@ -234,39 +242,73 @@ void FarStore::widen(const KVLayer& kv, const float* q, const float* win_lse, in
   recent = std::clamp<int64_t>(recent, 0, n_);
   chosen_.resize(heads_.size());
   swapped_.assign(heads_.size(), 0);
+  // A head's pool, before removing repeats: the MAW candidates (twice the far share, within the
+  // ranked prefix of about 1.5 F + 64 entries), the sinks [0, sinks) and the recent keys [rb, n).
+  // Its scores are computed in chunks of kChunk rows, every head's chunks in one parallel_for (8 KV
+  // heads would leave most of a 16-thread pool idle); the chunks do not depend on the thread
+  // count, so neither does the choice.
+  constexpr int64_t kChunk = 2048;
+  const int64_t rb = std::max(sinks, n_ - recent);
+  std::vector<int64_t> P(static_cast<size_t>(hkv)), M(static_cast<size_t>(hkv)), first(size_t(hkv) + 1, 0);
+  for (int h = 0; h < hkv; ++h) {
+    const auto& rk = ranked_[size_t(h)];
+    const int64_t F = std::min<int64_t>(limit_, int64_t(rk.size()));
+    P[size_t(h)] = std::min<int64_t>(int64_t(rk.size()), 2 * F);
+    M[size_t(h)] = P[size_t(h)] + sinks + (n_ - rb);
+    first[size_t(h) + 1] = first[size_t(h)] + (M[size_t(h)] + kChunk - 1) / kChunk;
+  }
+  auto pos_of = [&](int h, int64_t i) -> int32_t {  // the i-th entry of head h's pool, repeats included
+    if (i < P[size_t(h)]) return ranked_[size_t(h)][size_t(i)];
+    i -= P[size_t(h)];
+    return int32_t(i < sinks ? i : rb + (i - sinks));
+  };
+  score_.resize(size_t(hkv));
+  for (int h = 0; h < hkv; ++h) score_[size_t(h)].resize(size_t(G) * size_t(M[size_t(h)]));
+  pool.parallel_for(first[size_t(hkv)], [&](int64_t it) {
+    const int h = int(std::upper_bound(first.begin(), first.end(), it) - first.begin()) - 1;
+    const int64_t b = (it - first[size_t(h)]) * kChunk, e = std::min(M[size_t(h)], b + kChunk), m = M[size_t(h)];
+    std::vector<const std::byte*> kr(static_cast<size_t>(e - b));
+    for (int64_t i = b; i < e; ++i) kr[size_t(i - b)] = kv.k_row(h, pos_of(h, i));
+    std::vector<float> sc(size_t(G) * (e - b));
+    cpu::score_rows(shape_.kv_dtype, d, G, q + size_t(h) * G * d, shape_.softmax_scale, kr.data(), e - b, sc.data());
+    for (int g = 0; g < G; ++g)
+      std::copy(sc.begin() + (e - b) * g, sc.begin() + (e - b) * (g + 1), score_[size_t(h)].begin() + g * m + b);
+  });
   pool.parallel_for(hkv, [&](int64_t hh) {
     const int h = int(hh);
     const auto& rk = ranked_[size_t(h)];
     const int64_t F = std::min<int64_t>(limit_, int64_t(rk.size()));
     auto& c = chosen_[size_t(h)];
-    // MAW candidates: twice the far share, within the ranked prefix (about 1.5 F + 64 entries).
-    c.assign(rk.begin(), rk.begin() + std::min<int64_t>(int64_t(rk.size()), 2 * F));
-    // Sinks [0, sinks) and recent [rb, n) not already among the MAW candidates (marks over the two
-    // ranges only: the step stays independent of the far store's size).
-    const int64_t rb = std::max(sinks, n_ - recent);
+    const int64_t Ph = P[size_t(h)], Mh = M[size_t(h)];
+    // The pool without repeats: sinks and recent keys that are not MAW candidates (marks over the
+    // two ranges only: the step stays independent of the far store's size).
+    c.assign(rk.begin(), rk.begin() + Ph);
+    std::vector<int64_t> from(static_cast<size_t>(Ph));  // pool entry -> index into the scores
+    std::iota(from.begin(), from.end(), 0);
     std::vector<uint8_t> in_maw(size_t(sinks + (n_ - rb)), 0);
     auto slot = [&](int64_t t) -> int64_t { return t < sinks ? t : t >= rb ? sinks + (t - rb) : -1; };
     for (int32_t t : c)
       if (const int64_t sl = slot(t); sl >= 0) in_maw[size_t(sl)] = 1;
-    for (int64_t t = 0; t < sinks; ++t)
-      if (!in_maw[size_t(slot(t))]) c.push_back(int32_t(t));
-    for (int64_t t = rb; t < n_; ++t)
-      if (!in_maw[size_t(slot(t))]) c.push_back(int32_t(t));
+    for (int64_t i = Ph; i < Mh; ++i) {
+      const int32_t t = pos_of(h, i);
+      if (!in_maw[size_t(slot(t))]) {
+        c.push_back(t);
+        from.push_back(i);
+      }
+    }
     const int64_t m = int64_t(c.size());
     if (m <= F) return;  // the pool is the MAW set: nothing to choose
-    std::vector<const std::byte*> kr(static_cast<size_t>(m));
-    for (int64_t i = 0; i < m; ++i) kr[size_t(i)] = kv.k_row(h, c[size_t(i)]);
-    std::vector<float> sc(size_t(G) * m), w(size_t(m), 0.f);
-    cpu::score_rows(shape_.kv_dtype, d, G, q + size_t(h) * G * d, shape_.softmax_scale, kr.data(), m, sc.data());
+    const float* all = score_[size_t(h)].data();
+    std::vector<float> e(static_cast<size_t>(m)), w(size_t(m), 0.f);
     for (int g = 0; g < G; ++g) {
       // Weights over the pool and the window: exp(e_i - mx) / (sum_pool + exp(lse_window - mx)).
-      float* e = sc.data() + size_t(g) * m;
+      for (int64_t i = 0; i < m; ++i) e[size_t(i)] = all[size_t(g) * Mh + from[size_t(i)]];
       const float wl = win_lse[h * G + g];
       float mx = wl;
-      for (int64_t i = 0; i < m; ++i) mx = std::max(mx, e[i]);
-      const double z = cpu::exp_shift(e, m, mx) + (std::isfinite(wl) ? std::exp(double(wl) - double(mx)) : 0.0);
+      for (int64_t i = 0; i < m; ++i) mx = std::max(mx, e[size_t(i)]);
+      const double z = cpu::exp_shift(e.data(), m, mx) + (std::isfinite(wl) ? std::exp(double(wl) - double(mx)) : 0.0);
       const float inv = float(1.0 / z);
-      for (int64_t i = 0; i < m; ++i) w[size_t(i)] += e[i] * inv;
+      for (int64_t i = 0; i < m; ++i) w[size_t(i)] += e[size_t(i)] * inv;
     }
     std::vector<int32_t> idx(static_cast<size_t>(m));
     std::iota(idx.begin(), idx.end(), 0);
@@ -291,6 +333,7 @@ void FarStore::materialise(const KVLayer& kv) {
     Head& hd = heads_[h];
     hd.k.clear();
     hd.v.clear();
+    if (p_.cap) continue;
     hd.k.reserve(hd.pos.size() * row_);
     hd.v.reserve(hd.pos.size() * row_);
     for (int32_t t : hd.pos) {
@@ -342,8 +385,8 @@ void FarStore::rollback() {
     const size_t L = ck_len_[h];
     hd.pos.resize(L);
     hd.score.resize(L);
-    hd.k.resize(L * row_);
-    hd.v.resize(L * row_);
+    hd.k.resize(std::min(hd.k.size(), L * row_));
+    hd.v.resize(std::min(hd.v.size(), L * row_));
     hd.in_ctx.resize(size_t(n_));
     renormalise(hd);
     if (pad_saved_) hd.pad = std::move(ck_pad_[h]);

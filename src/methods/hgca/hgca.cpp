@@ -250,7 +250,7 @@ class Hgca final : public Method {
     std::vector<float> init(static_cast<size_t>(hq), p_.maw_init);
     w.insert(kv, 1, init.data());  // line 9; its MAW is updated from the next step on
     // cap=budget: the far set is the budget's rest after the window, best salience first.
-    st.far.limit(p_.cap ? std::max<int64_t>(0, ctx_.budget.keys(n, 0.05) - w.size()) : -1, st.l_max);
+    st.far.limit(p_.cap ? std::max<int64_t>(0, ctx_.budget.keys(n, 0.05) - w.size()) : -1, st.l_max, *ctx_.pool);
     // Near part: dense over the window, MAW update (line 8). Far part: sparse over the salient sets.
     st.o.resize(size_t(hq) * d);
     st.lse.resize(size_t(hq));
@@ -269,25 +269,39 @@ class Hgca final : public Method {
     out.kind = Selection::Kind::PerKvHead;
     out.attend = false;
     out.lists.resize(size_t(hkv));
-    double keys = 0, far_keys = 0, widened = 0;
-    for (int h = 0; h < hkv; ++h) {
-      widened += double(st.far.widened_keys(h));
+    std::vector<size_t> nfar(static_cast<size_t>(hkv));
+    // One task per KV head. A capped far set (F keys in ranking order, all below the window) is put
+    // in ascending order through a bitmap over the far store: F bit sets and a scan of n / 64
+    // words, where sorting took F log F (0.4 ms a head at F = 10K).
+    ctx_.pool->parallel_for(hkv, [&](int64_t hh) {
+      const int h = int(hh);
       const auto& hd = st.far.heads()[size_t(h)];
       auto& l = out.lists[size_t(h)];
       l.clear();
       if (st.far.limited() >= 0) {
         const int64_t fk = st.far.ranked_keys(h);
-        l.assign(st.far.ranked(h), st.far.ranked(h) + fk);
-        std::sort(l.begin(), l.end());
+        l.reserve(size_t(fk + w.size()));
+        const int32_t* r = st.far.ranked(h);
+        const int64_t nf = st.far.tokens();
+        std::vector<uint64_t> bits(size_t(nf + 63) / 64, 0);
+        for (int64_t i = 0; i < fk; ++i)
+          if (r[i] >= 0 && r[i] < nf) bits[size_t(r[i]) >> 6] |= uint64_t(1) << (r[i] & 63);
+        for (size_t wi = 0; wi < bits.size(); ++wi)
+          for (uint64_t b = bits[wi]; b; b &= b - 1) l.push_back(int32_t(wi * 64 + size_t(__builtin_ctzll(b))));
+        if (int64_t(l.size()) != fk) fail(KVS_STATUS_INTERNAL, "hgca: a far set repeats a key or lies beyond the far store");
       } else {
         l.reserve(hd.pos.size() + hd.pad.size() + size_t(w.size()));
         l.insert(l.end(), hd.pos.begin(), hd.pos.end());
         l.insert(l.end(), hd.pad.begin(), hd.pad.end());
       }
-      const size_t nfar = l.size();
+      nfar[size_t(h)] = l.size();
       for (int64_t t = w.begin(); t < w.end(); ++t) l.push_back(int32_t(t));
-      keys += double(l.size());
-      far_keys += double(nfar);
+    });
+    double keys = 0, far_keys = 0, widened = 0;
+    for (int h = 0; h < hkv; ++h) {
+      widened += double(st.far.widened_keys(h));
+      keys += double(out.lists[size_t(h)].size());
+      far_keys += double(nfar[size_t(h)]);
     }
     last_keys_ = keys / hkv;
     last_far_keys_ = far_keys / hkv;

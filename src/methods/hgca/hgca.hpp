@@ -136,7 +136,7 @@ class FarStore {
     std::vector<int32_t> pos;      // salient positions (ascending after a re-evaluation)
     std::vector<float> score;      // the aggregated weight each was judged by
     std::vector<float> weight;     // score re-normalised to sum to 1 over the head's set
-    std::vector<std::byte> k, v;   // [L][d] storage dtype, contiguous
+    std::vector<std::byte> k, v;   // [L][d] storage dtype, contiguous (cap=none only: cap=budget reads the store)
     std::vector<int32_t> pad;      // padding positions (sub-threshold, highest score first)
     std::vector<uint8_t> in_ctx;   // [n] membership
   };
@@ -161,7 +161,7 @@ class FarStore {
   // (agg MAW x the size it is judged against: the far count of the last re-evaluation for the
   // entries it covered, w_size for the ones evicted since; salient entries have a ratio > beta),
   // instead of its salient set + padding. limit(-1) returns to the uncapped sets.
-  void limit(int64_t far_keys, int64_t w_size);
+  void limit(int64_t far_keys, int64_t w_size, ThreadPool& pool);
   int64_t limited() const { return limit_; }
   // widen=recent, after limit(): this step's far set of each head becomes the limit() entries of
   // highest exact attention weight among a pool = the first 2 x limit() entries of the MAW ranking
@@ -214,6 +214,7 @@ class FarStore {
   bool widened_ = false;                      // this step's far sets are chosen_ (widen)
   std::vector<std::vector<int32_t>> chosen_;  // per head: this step's widened far set
   std::vector<int64_t> swapped_;              // per head: keys of chosen_ outside the MAW prefix
+  std::vector<std::vector<float>> score_;     // per head: widen's pool scores [G][pool] (reused)
 };
 
 // Mean over queries of the causal softmax over keys [a, b) of KV head h: out [b - a][G]. queries:

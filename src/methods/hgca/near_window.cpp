@@ -107,37 +107,24 @@ void CpuNearWindow::attend(const float* q, float* o, float* lse, bool update, in
       kr[size_t(j)] = krow(h, slot);
       vr[size_t(j)] = vrow(h, slot);
     }
-    std::vector<float> s(size_t(G) * n), acc(size_t(G) * d, 0.f);
-    std::vector<float> buf(static_cast<size_t>(d));
+    // o, lse with the dense path's row kernel; then, for the MAW update, the window-normalised
+    // weights A = exp(s - lse) from the scores again (the window's K rows are still in cache).
+    cpu::attend_rows(shape_.kv_dtype, d, G, q + size_t(h) * G * d, shape_.softmax_scale, kr.data(), vr.data(), n,
+                     o + size_t(h) * G * d, lse + size_t(h) * G);
+    if (!update || n == 0) return;
+    std::vector<float> s(size_t(G) * n);
     cpu::score_rows(shape_.kv_dtype, d, G, q + size_t(h) * G * d, shape_.softmax_scale, kr.data(), n, s.data());
+    const float a = float(alpha_), keep = float(1.0 - alpha_);
     for (int g = 0; g < G; ++g) {
       float* sg = s.data() + size_t(g) * n;
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
-      double z = 0;
-      for (int64_t j = 0; j < n; ++j) z += std::exp(double(sg[j]) - mx);
-      const float inv = float(1.0 / z);
-      for (int64_t j = 0; j < n; ++j) sg[j] = std::exp(sg[j] - mx) * inv;  // A_gpu
-      lse[h * G + g] = n ? float(mx + std::log(z)) : -std::numeric_limits<float>::infinity();
+      cpu::exp_shift(sg, n, lse[h * G + g]);  // A_gpu
+      const float* src = mawp(cur_, h * G + g);
+      float* dst = mawp(nb, h * G + g);
+      const int64_t upd = std::clamp<int64_t>(no_update_from - b_, 0, n);  // tokens b_ + j < no_update_from
+      int64_t slot = b_ % alloc_;
+      for (int64_t j = 0; j < n; ++j, slot = slot + 1 == alloc_ ? 0 : slot + 1)
+        dst[slot] = j < upd ? keep * src[slot] + a * sg[j] : src[slot];
     }
-    for (int64_t j = 0; j < n; ++j) {
-      convert_to_f32(vr[size_t(j)], shape_.kv_dtype, buf.data(), size_t(d));
-      for (int g = 0; g < G; ++g) {
-        const float p = s[size_t(g) * n + j];
-        float* a = acc.data() + size_t(g) * d;
-        for (int i = 0; i < d; ++i) a[i] += p * buf[size_t(i)];
-      }
-    }
-    std::copy(acc.begin(), acc.end(), o + size_t(h) * G * d);
-    if (update)
-      for (int g = 0; g < G; ++g) {
-        const float* src = mawp(cur_, h * G + g);
-        float* dst = mawp(nb, h * G + g);
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t t = b_ + j, slot = t % alloc_;
-          dst[slot] = t < no_update_from ? float((1.0 - alpha_) * src[slot] + alpha_ * s[size_t(g) * n + j]) : src[slot];
-        }
-      }
   });
   if (update) cur_ = nb;
 }
