@@ -4,10 +4,10 @@
 //  - NearWindow: the "GPU" part. A circular buffer of blk_num blocks of blk_size entries holding the
 //    most recent tokens' K/V and a moving average of attention weights (MAW) per entry and query
 //    head; dense attention over it (Alg. 1 lines 2-13, Alg. 2 line 10). CpuNearWindow implements it
-//    on the host; the CUDA window of the hybrid backend implements the same interface.
+//    on the host (on the hybrid backend too: a GPU window would implement the same interface).
 //  - FarStore: the "CPU" part. Every evicted entry with its MAW (KV_cpu: the evicted prefix of the
 //    layer's host KV store), and per KV head the salient subset KV_ctx (positions, scores,
-//    re-normalised weights, K/V rows copied contiguously per head), selected by MAW > beta / W
+//    re-normalised weights; with cap=none the K/V rows copied contiguously per head), selected by MAW > beta / W
 //    (Alg. 1 lines 23-25), re-evaluated on append (lines 19-22); sparse attention split over
 //    threads in tasks of adjacent heads padded to equal length (§3.3).
 // The session sees a Selection that only reports the keys attended (window + far salient + padding),
