@@ -120,6 +120,15 @@ namespace {
 
 size_t al(size_t x) { return (x + 255) / 256 * 256; }
 
+// Lays buffers out one after the other in one allocation, each at a 256-byte boundary.
+struct Packer {
+  size_t bytes = 0;
+  void put(size_t& at, size_t n) {
+    at = bytes;
+    bytes += al(n);
+  }
+};
+
 bool pin_extent(void* p, size_t bytes) {
   return cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped) == cudaSuccess;
 }
@@ -302,11 +311,8 @@ class HybridPlacement final : public Placement {
     // the steps that still read it.
     const size_t qb = size_t(hq * d) * dtype_size(qv.dtype), kb = size_t(hkv * d) * dtype_size(sh.kv_dtype);
     Layout L;
-    size_t off = 0;
-    auto put = [&](size_t& at, size_t bytes) {
-      at = off;
-      off += al(bytes);
-    };
+    Packer pk;
+    auto put = [&](size_t& at, size_t bytes) { pk.put(at, bytes); };
     put(L.q, size_t(B) * qb);
     put(L.k, size_t(B) * kb);
     put(L.v, size_t(B) * kb);
@@ -324,10 +330,10 @@ class HybridPlacement final : public Placement {
                                 cuda::gathered_decode_workspace_bytes(shape, int32_t(cap), false),
                                 cuda::gathered_decode_workspace_bytes(shape, int32_t(cap), true)});
     const size_t states = al(size_t(3 * B * hq * d) * 4) + al(size_t(3 * B * hq) * 4);
-    if (off > host_buf_.bytes || !host_buf_.p || states + ws > ws_.bytes || !ws_.p ||
+    if (pk.bytes > host_buf_.bytes || !host_buf_.p || states + ws > ws_.bytes || !ws_.p ||
         size_t(B * max_pages) * sizeof(void*) > table_.bytes || !table_.p) {
       for (auto* p : ps) p->drain();
-      host_buf_.reserve(off, "cudaHostAlloc(hybrid step buffers)");
+      host_buf_.reserve(pk.bytes, "cudaHostAlloc(hybrid step buffers)");
       ws_.reserve(states + ws, device_, "cudaMalloc(hybrid workspace)");
       table_.reserve(std::max<size_t>(size_t(B * max_pages) * sizeof(void*), 4096), device_, "cudaMalloc(hybrid page table)");
     }
@@ -385,8 +391,9 @@ class HybridPlacement final : public Placement {
       for (auto* p : ps) p->tokens_add(layer, 1);
       if (split) {
         check(cudaStreamWaitEvent(st, join_, 0), "cudaStreamWaitEvent(join)");
+        // The static set's state counts only where the host part took the step (its flags).
         combine(shape, ov, lv, t.lse != nullptr, L, 1, side_ws_.as<float>(),
-                reinterpret_cast<float*>(side_ws_.as<char>() + SL.lse), st);
+                reinterpret_cast<float*>(side_ws_.as<char>() + SL.lse), host_buf_.at<uint8_t>(L.flags), st);
       } else {
         check(cudaMemcpyAsync(table_.p, host_buf_.at<char>(L.table), size_t(B * max_pages) * sizeof(void*),
                               cudaMemcpyHostToDevice, st),
@@ -509,14 +516,14 @@ class HybridPlacement final : public Placement {
     check(cuda::gathered_decode(shape, qq, pk, kdt, host_buf_.at<int32_t>(L.idx_q), host_buf_.at<int32_t>(L.cnt_q),
                                 int32_t(cap), out(2), w, st, true),
           "gathered_decode (hybrid, per query head)");
-    combine(shape, ov, lv, with_lse, L, 3, so, sl, st);
+    combine(shape, ov, lv, with_lse, L, 3, so, sl, nullptr, st);
   }
 
   // The merge of `num_dev` device states (o at so + i * rows * d, lse at sl + i * rows) with the
-  // host part's into o and lse. With the split step, the device state counts only where the host
-  // part took the step (a failed step's outputs are zeros).
+  // host part's into o and lse. dev_on [B] (nullptr: always): whether a session's device states
+  // count (the split step passes the host part's flags, so a failed step's outputs are zeros).
   void combine(const cuda::AttnShape& shape, const View& ov, const View& lv, bool with_lse, const Layout& L,
-               int num_dev, float* so, float* sl, cudaStream_t st) {
+               int num_dev, float* so, float* sl, const uint8_t* dev_on, cudaStream_t st) {
     const int64_t B = shape.batch, hq = shape.num_q_heads, d = shape.head_dim;
     const size_t rows = size_t(B * hq);
     cuda::CombineArgs ca;
@@ -525,7 +532,7 @@ class HybridPlacement final : public Placement {
       ca.dev_lse[i] = sl + size_t(i) * rows;
     }
     ca.num_dev = num_dev;
-    if (num_dev == 1) ca.dev_on = host_buf_.at<uint8_t>(L.flags);
+    ca.dev_on = dev_on;
     ca.host_o = host_buf_.at<float>(L.extra_o);
     ca.host_lse = host_buf_.at<float>(L.extra_lse);
     ca.host_on = host_buf_.at<uint8_t>(L.flags);
@@ -554,20 +561,16 @@ class HybridPlacement final : public Placement {
       sl.max_pages = std::max(sl.max_pages, p->ring_pages_);
       sl.idx_cap = std::max(sl.idx_cap, int32_t(p->ring_cap_.total()));
     }
-    size_t off = 0;
-    auto put = [&](size_t& at, size_t bytes) {
-      at = off;
-      off += al(bytes);
-    };
+    Packer pk;
     size_t o_at = 0;
-    put(o_at, size_t(B * shape.num_q_heads * shape.head_dim) * 4);
-    put(sl.lse, size_t(B * shape.num_q_heads) * 4);
-    put(sl.table, size_t(B * sl.max_pages) * sizeof(void*));
-    put(sl.idx, size_t(B * shape.num_kv_heads * sl.idx_cap) * 4);
-    put(sl.cnt, size_t(B * shape.num_kv_heads) * 4);
+    pk.put(o_at, size_t(B * shape.num_q_heads * shape.head_dim) * 4);
+    pk.put(sl.lse, size_t(B * shape.num_q_heads) * 4);
+    pk.put(sl.table, size_t(B * sl.max_pages) * sizeof(void*));
+    pk.put(sl.idx, size_t(B * shape.num_kv_heads * sl.idx_cap) * 4);
+    pk.put(sl.cnt, size_t(B * shape.num_kv_heads) * 4);
     sl.ws_bytes = cuda::gathered_decode_workspace_bytes(shape, sl.idx_cap, false);
-    put(sl.ws, sl.ws_bytes);
-    sl.bytes = off;
+    pk.put(sl.ws, sl.ws_bytes);
+    sl.bytes = pk.bytes;
     return sl;
   }
 
@@ -732,22 +735,28 @@ class HybridPlacement final : public Placement {
                                                   " tokens: its tables do not match the layer");
         }
         for (int64_t b = 0; b < B; ++b) ps[size_t(b)]->host_->log_decode(layer, q.data() + b * hq * d);
+        // Session b's host part took the step: its flags for combine_states (extra: its host state
+        // counts) and, under its lock, the step's report and whatever `more` adds.
+        auto settle = [&](int64_t b, bool extra, auto&& more) {
+          HybridPlacement* p = ps[size_t(b)];
+          on[b] = extra;
+          on[B + b] = p->cfg_.lse_base == KVS_LSE_BASE_2;
+          std::lock_guard<std::mutex> lock(p->mu_);
+          p->settled_.add(steps[size_t(b)].report);
+          more(*p);
+        };
         if (split) {  // the rest of each selection attended here, merged with the method's extra state
           std::vector<double> kept(static_cast<size_t>(B));
           for (int64_t b = 0; b < B; ++b)
             kept[size_t(b)] = ps[size_t(b)]->host_->attend_rest(layer, q.data() + b * hq * d, steps[size_t(b)],
                                                                 sks[size_t(b)], at<float>(L.extra_o) + b * hq * d,
                                                                 at<float>(L.extra_lse) + b * hq);
-          for (int64_t b = 0; b < B; ++b) {
-            HybridPlacement* p = ps[size_t(b)];
-            on[b] = 1;
-            on[B + b] = p->cfg_.lse_base == KVS_LSE_BASE_2;
-            std::lock_guard<std::mutex> lock(p->mu_);
-            p->settled_.add(steps[size_t(b)].report);
-            p->split_steps_ += 1;
-            p->split_gpu_keys_ += double(sks[size_t(b)].total());
-            p->split_cpu_keys_ += kept[size_t(b)];
-          }
+          for (int64_t b = 0; b < B; ++b)
+            settle(b, true, [&](HybridPlacement& p) {
+              p.split_steps_ += 1;
+              p.split_gpu_keys_ += double(sks[size_t(b)].total());
+              p.split_cpu_keys_ += kept[size_t(b)];
+            });
           ok = true;
           return;
         }
@@ -756,8 +765,6 @@ class HybridPlacement final : public Placement {
           const HostPart::Step& s = steps[size_t(b)];
           const Selection& sel = *s.sel;
           const KVLayer& lay = ps[size_t(b)]->host_->kv_layer(layer);
-          on[b] = s.has_extra;
-          on[B + b] = ps[size_t(b)]->cfg_.lse_base == KVS_LSE_BASE_2;
           if (sel.attend) {
             if (sel.kind == Selection::Kind::All) {
               lens[b] = int32_t(lay.size());
@@ -775,8 +782,7 @@ class HybridPlacement final : public Placement {
           }
           const auto& pages = lay.pages();
           for (size_t i = 0; i < pages.size(); ++i) table[b * max_pages + int64_t(i)] = pages[i]->data();
-          std::lock_guard<std::mutex> lock(ps[size_t(b)]->mu_);
-          ps[size_t(b)]->settled_.add(s.report);
+          settle(b, s.has_extra, [](HybridPlacement&) {});
         }
         ok = true;
         return;
