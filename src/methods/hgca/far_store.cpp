@@ -262,8 +262,8 @@ void FarStore::widen(const KVLayer& kv, const float* q, const float* win_lse, in
     i -= P[size_t(h)];
     return int32_t(i < sinks ? i : rb + (i - sinks));
   };
-  score_.resize(size_t(hkv));
-  for (int h = 0; h < hkv; ++h) score_[size_t(h)].resize(size_t(G) * size_t(M[size_t(h)]));
+  score_.v.resize(size_t(hkv));
+  for (int h = 0; h < hkv; ++h) score_.v[size_t(h)].resize(size_t(G) * size_t(M[size_t(h)]));
   pool.parallel_for(first[size_t(hkv)], [&](int64_t it) {
     const int h = int(std::upper_bound(first.begin(), first.end(), it) - first.begin()) - 1;
     const int64_t b = (it - first[size_t(h)]) * kChunk, e = std::min(M[size_t(h)], b + kChunk), m = M[size_t(h)];
@@ -272,7 +272,7 @@ void FarStore::widen(const KVLayer& kv, const float* q, const float* win_lse, in
     std::vector<float> sc(size_t(G) * (e - b));
     cpu::score_rows(shape_.kv_dtype, d, G, q + size_t(h) * G * d, shape_.softmax_scale, kr.data(), e - b, sc.data());
     for (int g = 0; g < G; ++g)
-      std::copy(sc.begin() + (e - b) * g, sc.begin() + (e - b) * (g + 1), score_[size_t(h)].begin() + g * m + b);
+      std::copy(sc.begin() + (e - b) * g, sc.begin() + (e - b) * (g + 1), score_.v[size_t(h)].begin() + g * m + b);
   });
   pool.parallel_for(hkv, [&](int64_t hh) {
     const int h = int(hh);
@@ -298,7 +298,7 @@ void FarStore::widen(const KVLayer& kv, const float* q, const float* win_lse, in
     }
     const int64_t m = int64_t(c.size());
     if (m <= F) return;  // the pool is the MAW set: nothing to choose
-    const float* all = score_[size_t(h)].data();
+    const float* all = score_.v[size_t(h)].data();
     std::vector<float> e(static_cast<size_t>(m)), w(size_t(m), 0.f);
     for (int g = 0; g < G; ++g) {
       // Weights over the pool and the window: exp(e_i - mx) / (sum_pool + exp(lse_window - mx)).

@@ -214,7 +214,16 @@ class FarStore {
   bool widened_ = false;                      // this step's far sets are chosen_ (widen)
   std::vector<std::vector<int32_t>> chosen_;  // per head: this step's widened far set
   std::vector<int64_t> swapped_;              // per head: keys of chosen_ outside the MAW prefix
-  std::vector<std::vector<float>> score_;     // per head: widen's pool scores [G][pool] (reused)
+  // Per head: widen's pool scores [G][pool], reused from step to step. Scratch: a copy of the store
+  // (a fork, an append's undo) starts without it instead of copying megabytes per layer.
+  struct Scratch {
+    std::vector<std::vector<float>> v;
+    Scratch() = default;
+    Scratch(const Scratch&) {}
+    Scratch& operator=(const Scratch&) { return *this; }
+    Scratch(Scratch&&) = default;
+    Scratch& operator=(Scratch&&) = default;
+  } score_;
 };
 
 // Mean over queries of the causal softmax over keys [a, b) of KV head h: out [b - a][G]. queries:
