@@ -219,6 +219,44 @@ TEST_CASE("hgca: the merged state equals float64 attention over exactly the repo
   }
 }
 
+TEST_CASE("hgca: the budget's far sets over several score chunks: float64 state, ascending lists, any thread count") {
+  // cap=budget with widen (the defaults) at 20% of 12K tokens: a far share of about 1800 keys per KV
+  // head, so widen's pool (the MAW candidates, sinks and recent keys, about 4.5K rows) is scored in
+  // several chunks of 2048 rows; 70 steps cross block evictions (blocks of 64) and ranking rebuilds.
+  Rng rng(17);
+  Data D(rng, 4, 2, 16, 12070);
+  const int64_t prompt = 12000;
+  std::vector<kvs_session_t> ss;
+  for (uint32_t threads : {1u, 3u}) {
+    auto p = params(D, "", 0.2);
+    p.num_threads = threads;
+    kvs_session_t s = nullptr;
+    OK(kvs_session_create(&p, &s));
+    ss.push_back(s);
+    prefill(s, D, prompt);
+    OK(kvs_session_build_index(s, nullptr));
+  }
+  std::vector<float> o[2], lse[2];
+  for (int64_t t = prompt; t < D.T; ++t) {
+    for (int i = 0; i < 2; ++i) decode(ss[size_t(i)], D, t, o[i], lse[i]);
+    std::vector<std::vector<int32_t>> keys;
+    for (int h = 0; h < D.hkv; ++h) {
+      keys.push_back(selection(ss[0], uint32_t(h)));
+      const auto& l = keys.back();
+      INFO("step " << t << " kv head " << h);
+      CHECK(std::adjacent_find(l.begin(), l.end(), [](int32_t a, int32_t b) { return a >= b; }) == l.end());
+      CHECK(int64_t(l.size()) == int64_t(std::ceil(0.2 * double(t + 1))));  // the budget, exactly
+      CHECK(l.back() == t);
+      CHECK(selection(ss[1], uint32_t(h)) == l);  // 1 and 3 threads choose the same keys
+    }
+    CHECK(o[0] == o[1]);
+    CHECK(lse[0] == lse[1]);
+    check_against(D, t, o[0], lse[0], &keys, 1e-4);
+  }
+  CHECK(stat(ss[0], "widened_keys") > 0.0);  // widen did choose beyond the MAW ranking
+  for (auto s : ss) kvs_session_destroy(s);
+}
+
 TEST_CASE("hgca: block eviction carries each entry's MAW (float64 model of Alg. 1) and the salient sets") {
   Rng rng(6);
   Data D(rng, 4, 2, 16, 200);

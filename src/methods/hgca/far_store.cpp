@@ -144,11 +144,11 @@ void FarStore::attend(const KVLayer& kv, const float* q, float* o, float* lse, T
     len[size_t(h)] = lim ? ranked_keys(h) : int64_t(heads_[size_t(h)].pos.size() + heads_[size_t(h)].pad.size());
     task_len[size_t(h / hpt)] = std::max(task_len[size_t(h / hpt)], len[size_t(h)]);
   }
-  // Tasks of adjacent heads; a long task is cut into chunks of keys so every thread gets a share
-  // (chunk states are merged by LSE like the window and far parts).
+  // Tasks of adjacent heads; a long task is cut into chunks of 1024 keys so every thread gets a share
+  // (chunk states are merged by LSE like the window and far parts). A head's chunks do not depend
+  // on the thread count, so neither does its output, bit for bit.
   const int64_t longest = *std::max_element(task_len.begin(), task_len.end());
-  const int64_t want = std::max<int64_t>(1, (4 * int64_t(pool.size()) + tasks - 1) / tasks);
-  const int64_t chunk = std::max<int64_t>(256, (longest + want - 1) / want);
+  constexpr int64_t chunk = 1024;
   const int chunks = int(std::max<int64_t>(1, (longest + chunk - 1) / chunk));
   std::vector<std::pair<int, int>> items;
   for (int t = 0; t < tasks; ++t)
