@@ -18,7 +18,19 @@ namespace kvs::hgca {
 
 namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// max(x[0..n)) (-inf for n = 0) in eight independent lanes, which the compiler keeps in registers
+// (and vectorises): a single running maximum is one long dependency chain.
+float max_of(const float* x, int64_t n) {
+  float m8[8];
+  std::fill(m8, m8 + 8, kNegInf);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) m8[j] = x[i + j] > m8[j] ? x[i + j] : m8[j];
+  for (; i < n; ++i) m8[0] = x[i] > m8[0] ? x[i] : m8[0];
+  return *std::max_element(m8, m8 + 8);
 }
+}  // namespace
 
 FarStore::FarStore(const ModelShape& shape, const Params& p) : shape_(shape), p_(p) {
   row_ = size_t(shape.head_dim) * dtype_size(shape.kv_dtype);
@@ -304,23 +316,29 @@ void FarStore::widen(const KVLayer& kv, const float* q, const float* win_lse, in
       // Weights over the pool and the window: exp(e_i - mx) / (sum_pool + exp(lse_window - mx)).
       for (int64_t i = 0; i < m; ++i) e[size_t(i)] = all[size_t(g) * Mh + from[size_t(i)]];
       const float wl = win_lse[h * G + g];
-      float mx = wl;
-      for (int64_t i = 0; i < m; ++i) mx = std::max(mx, e[size_t(i)]);
+      const float mx = std::max(wl, max_of(e.data(), m));
       const double z = cpu::exp_shift(e.data(), m, mx) + (std::isfinite(wl) ? std::exp(double(wl) - double(mx)) : 0.0);
       const float inv = float(1.0 / z);
       for (int64_t i = 0; i < m; ++i) w[size_t(i)] += e[size_t(i)] * inv;
     }
-    std::vector<int32_t> idx(static_cast<size_t>(m));
-    std::iota(idx.begin(), idx.end(), 0);
-    auto better = [&](int32_t a, int32_t b) {
-      return w[size_t(a)] > w[size_t(b)] || (w[size_t(a)] == w[size_t(b)] && c[size_t(a)] > c[size_t(b)]);
-    };
-    std::nth_element(idx.begin(), idx.begin() + (F - 1), idx.end(), better);
+    // The F of highest weight, ties to the newer key: packed keys (the weight's bits, which order
+    // like the weight for w >= 0, above the position), so the selection compares integers.
+    std::vector<uint64_t> key(static_cast<size_t>(m));
+    for (int64_t i = 0; i < m; ++i) {
+      uint32_t b;
+      std::memcpy(&b, &w[size_t(i)], sizeof b);
+      key[size_t(i)] = (uint64_t(b) << 32) | uint32_t(c[size_t(i)]);
+    }
+    std::nth_element(key.begin(), key.begin() + (F - 1), key.end(), std::greater<>());
+    // Keys not among the F entries the MAW ranking alone would attend (the pool's first F).
+    std::vector<uint64_t> top(size_t(n_ + 63) / 64, 0);
+    for (int64_t i = 0; i < F; ++i) top[size_t(c[size_t(i)]) >> 6] |= uint64_t(1) << (c[size_t(i)] & 63);
     std::vector<int32_t> pick(static_cast<size_t>(F));
     int64_t sw = 0;
     for (int64_t i = 0; i < F; ++i) {
-      pick[size_t(i)] = c[size_t(idx[size_t(i)])];
-      sw += idx[size_t(i)] >= F;  // not among the F entries the MAW ranking alone would attend
+      const uint32_t t = uint32_t(key[size_t(i)]);
+      pick[size_t(i)] = int32_t(t);
+      sw += !((top[t >> 6] >> (t & 63)) & 1);
     }
     c = std::move(pick);
     swapped_[size_t(h)] = sw;
