@@ -312,19 +312,18 @@ class HybridPlacement final : public Placement {
     const size_t qb = size_t(hq * d) * dtype_size(qv.dtype), kb = size_t(hkv * d) * dtype_size(sh.kv_dtype);
     Layout L;
     Packer pk;
-    auto put = [&](size_t& at, size_t bytes) { pk.put(at, bytes); };
-    put(L.q, size_t(B) * qb);
-    put(L.k, size_t(B) * kb);
-    put(L.v, size_t(B) * kb);
-    put(L.extra_o, size_t(B * hq * d) * 4);
-    put(L.extra_lse, size_t(B * hq) * 4);
-    put(L.lens, size_t(B) * 4);
-    put(L.cnt_kv, size_t(B * hkv) * 4);
-    put(L.cnt_q, size_t(B * hq) * 4);
-    put(L.flags, size_t(B) * 2);
-    put(L.table, size_t(B * max_pages) * sizeof(void*));
-    put(L.idx_kv, split ? 0 : size_t(B * hkv * cap) * 4);  // (the split step's selection stays on the host)
-    put(L.idx_q, split ? 0 : size_t(B * hq * cap) * 4);
+    pk.put(L.q, size_t(B) * qb);
+    pk.put(L.k, size_t(B) * kb);
+    pk.put(L.v, size_t(B) * kb);
+    pk.put(L.extra_o, size_t(B * hq * d) * 4);
+    pk.put(L.extra_lse, size_t(B * hq) * 4);
+    pk.put(L.lens, size_t(B) * 4);
+    pk.put(L.cnt_kv, size_t(B * hkv) * 4);
+    pk.put(L.cnt_q, size_t(B * hq) * 4);
+    pk.put(L.flags, size_t(B) * 2);
+    pk.put(L.table, size_t(B * max_pages) * sizeof(void*));
+    pk.put(L.idx_kv, split ? 0 : size_t(B * hkv * cap) * 4);  // (the split step's selection stays on the host)
+    pk.put(L.idx_q, split ? 0 : size_t(B * hq * cap) * 4);
     const cuda::AttnShape shape{int32_t(B), int32_t(hq), int32_t(hkv), int32_t(d), sh.softmax_scale};
     const size_t ws = std::max({cuda::dense_decode_workspace_bytes(shape, int32_t(cap)),
                                 cuda::gathered_decode_workspace_bytes(shape, int32_t(cap), false),

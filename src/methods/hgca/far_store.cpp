@@ -11,6 +11,7 @@
 
 #include "backends/cpu/attention.hpp"
 #include "backends/cpu/gemm.hpp"
+#include "backends/cpu/topk.hpp"
 #include "core/error.hpp"
 #include "methods/hgca/hgca.hpp"
 
@@ -222,17 +223,14 @@ void FarStore::limit(int64_t far_keys, int64_t w_size, ThreadPool& pool) {
   // key per 1/fraction steps, and the ranking only changes when the far store does.
   const int64_t len = std::min(n_, want + want / 2 + 64);
   const int hq = int(shape_.num_q_heads), G = shape_.group();
-  // One task per KV head. An entry is ranked by a 64-bit key: the ratio's bits in an order-preserving
-  // form above the position, so "larger key" is the order below (higher ratio first, the newer entry
-  // on ties) and the selection compares integers instead of chasing the ratio array.
+  // One task per KV head. An entry is ranked by a 64-bit key: the ratio's order-preserving image
+  // (cpu::float_key) above the position, so "larger key" is the order wanted (higher ratio first,
+  // the newer entry on ties) and the selection compares integers instead of chasing the ratio array.
   pool.parallel_for(int64_t(heads_.size()), [&](int64_t h) {
     std::vector<uint64_t> key(static_cast<size_t>(n_));
     for (int64_t t = 0; t < n_; ++t) {
       const float r = agg(maw_.data() + size_t(t) * hq + size_t(h) * G) * float(t < reeval_n_ ? reeval_n_ : w_size);
-      uint32_t b;
-      std::memcpy(&b, &r, sizeof b);
-      b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-      key[size_t(t)] = (uint64_t(b) << 32) | uint32_t(t);
+      key[size_t(t)] = (uint64_t(cpu::float_key(r)) << 32) | uint32_t(t);
     }
     if (len > 0 && len < n_) std::nth_element(key.begin(), key.begin() + (len - 1), key.end(), std::greater<>());
     key.resize(size_t(len));
@@ -321,14 +319,10 @@ void FarStore::widen(const KVLayer& kv, const float* q, const float* win_lse, in
       const float inv = float(1.0 / z);
       for (int64_t i = 0; i < m; ++i) w[size_t(i)] += e[size_t(i)] * inv;
     }
-    // The F of highest weight, ties to the newer key: packed keys (the weight's bits, which order
-    // like the weight for w >= 0, above the position), so the selection compares integers.
+    // The F of highest weight, ties to the newer key: packed keys (the weight's order-preserving
+    // image above the position, as in limit()), so the selection compares integers.
     std::vector<uint64_t> key(static_cast<size_t>(m));
-    for (int64_t i = 0; i < m; ++i) {
-      uint32_t b;
-      std::memcpy(&b, &w[size_t(i)], sizeof b);
-      key[size_t(i)] = (uint64_t(b) << 32) | uint32_t(c[size_t(i)]);
-    }
+    for (int64_t i = 0; i < m; ++i) key[size_t(i)] = (uint64_t(cpu::float_key(w[size_t(i)])) << 32) | uint32_t(c[size_t(i)]);
     std::nth_element(key.begin(), key.begin() + (F - 1), key.end(), std::greater<>());
     // Keys not among the F entries the MAW ranking alone would attend (the pool's first F).
     std::vector<uint64_t> top(size_t(n_ + 63) / 64, 0);
@@ -403,8 +397,10 @@ void FarStore::rollback() {
     const size_t L = ck_len_[h];
     hd.pos.resize(L);
     hd.score.resize(L);
-    hd.k.resize(std::min(hd.k.size(), L * row_));
-    hd.v.resize(std::min(hd.v.size(), L * row_));
+    if (!p_.cap) {  // the contiguous copies (cap=none only)
+      hd.k.resize(L * row_);
+      hd.v.resize(L * row_);
+    }
     hd.in_ctx.resize(size_t(n_));
     renormalise(hd);
     if (pad_saved_) hd.pad = std::move(ck_pad_[h]);
