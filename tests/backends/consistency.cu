@@ -98,9 +98,12 @@ struct Tensor {
 struct Dev {
   void* p = nullptr;
   explicit Dev(size_t bytes) { KVS_TEST_CK(cudaMalloc(&p, bytes ? bytes : 16)); }
+  // A copy from pageable memory may return before its DMA lands, and the tests read these buffers
+  // on non-blocking streams, which do not wait for the default stream: synchronise first.
   template <class T>
   Dev(const std::vector<T>& h) : Dev(h.size() * sizeof(T)) {
     KVS_TEST_CK(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+    KVS_TEST_CK(cudaDeviceSynchronize());
   }
   ~Dev() { cudaFree(p); }
   Dev(const Dev&) = delete;
