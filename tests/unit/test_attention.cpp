@@ -218,3 +218,45 @@ TEST_CASE("attention scoring: score_rows and score_contig equal float64 dot prod
             }
         }
 }
+
+TEST_CASE("attention values: accumulate_rows adds float64 weighted sums of gathered V rows; max_of skips NaN") {
+  Rng rng(11);
+  for (kvs::DType dt : {kvs::DType::F32, kvs::DType::F16, kvs::DType::BF16})
+    for (int d : {12, 64, 128})
+      for (int G : {1, 3, 4, 9})
+        for (int64_t n : {int64_t(1), int64_t(63), int64_t(64), int64_t(200)}) {
+          Case c{dt, d, G, 1, n};
+          std::vector<float> K, V;
+          auto layer = make_layer(c, rng, K, V);
+          std::vector<int32_t> order(static_cast<size_t>(n));
+          std::iota(order.begin(), order.end(), 0);
+          std::shuffle(order.begin(), order.end(), rng.g);
+          std::vector<const std::byte*> rows(static_cast<size_t>(n));
+          for (int64_t i = 0; i < n; ++i) rows[size_t(i)] = layer->v_row(0, order[size_t(i)]);
+          // Weights with a row stride larger than n, and a nonzero starting output (it accumulates).
+          const int64_t ldw = n + 5;
+          auto w = rng.normals(size_t(G) * ldw);
+          auto o = rng.normals(size_t(G) * d);
+          const auto o0 = o;
+          kvs::cpu::accumulate_rows(dt, d, G, w.data(), ldw, rows.data(), n, o.data());
+          for (int g = 0; g < G; ++g)
+            for (int x = 0; x < d; ++x) {
+              double r = o0[size_t(g) * d + x], mag = std::abs(r);
+              for (int64_t i = 0; i < n; ++i) {
+                const double t = double(w[size_t(g) * ldw + i]) * V[size_t(order[size_t(i)]) * d + x];
+                r += t;
+                mag += std::abs(t);
+              }
+              INFO("dtype " << kvs::dtype_name(dt) << " d " << d << " G " << G << " n " << n << " g " << g << " x " << x);
+              CHECK(std::abs(o[size_t(g) * d + x] - r) <= 1e-5 * mag + 1e-6);
+            }
+        }
+  for (int64_t n : {0, 1, 7, 8, 9, 100}) {
+    auto x = rng.normals(size_t(n));
+    if (n > 2) x[1] = NAN;
+    float ref = -INFINITY;
+    for (float v : x)
+      if (v > ref) ref = v;
+    CHECK(kvs::cpu::max_of(x.data(), n) == ref);
+  }
+}

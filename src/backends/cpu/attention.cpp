@@ -692,6 +692,85 @@ void score_contig(DType t, int d, int G, const float* q, float scale, const std:
   score_rows_at(t, d, G, q, scale, n, out, [&](int64_t i) { return rows + size_t(i) * rb; }, false);
 }
 
+void accumulate_rows(DType t, int d, int G, const float* w, int64_t ldw, const std::byte* const* v_rows, int64_t n,
+                     float* o) {
+  if (n <= 0) return;
+  const Isa isa = pick_isa(d);
+  if (isa == Isa::Scalar) {
+    std::vector<float> buf(static_cast<size_t>(d));
+    for (int64_t j = 0; j < n; ++j) {
+      Scalar::convert(v_rows[j], t, d, buf.data());
+      for (int g = 0; g < G; ++g) {
+        const float p = w[size_t(g) * size_t(ldw) + size_t(j)];
+        for (int i = 0; i < d; ++i) o[size_t(g) * d + i] += p * buf[size_t(i)];
+      }
+    }
+    return;
+  }
+  // The block kernel's value pass with a correction of 1 (nothing to rescale), kBlock rows at a
+  // time, the weights copied into its [G][kBlock] layout; bf16 rows in the paired column order
+  // where the dense path uses it (only the accumulators are reordered: no q here).
+  std::vector<float> corr(static_cast<size_t>(G), 1.f), s(size_t(G) * kBlock);
+  State st{G, d, nullptr, nullptr, o, corr.data()};
+  static const bool no_x2 = [] {
+    const char* e = std::getenv("KVS_CPU_BF16X2");
+    return e != nullptr && std::strcmp(e, "off") == 0;
+  }();
+  const bool x2_16 = isa == Isa::Avx512 && d % 32 == 0;
+  const bool x2_8 = isa == Isa::Avx2 && d % 16 == 0;
+  const bool x2 = !no_x2 && (x2_16 || x2_8) && t == DType::BF16;
+  if (x2) {
+    if (x2_16) x2_order(o, size_t(G), d, true);
+    else x2_order8(o, size_t(G), d, true);
+    st.x2 = true;
+  }
+  const size_t row_bytes = size_t(d) * dtype_size(t);
+  const bool w16 = isa == Isa::Avx512;
+  // The rows are gathered: the next block's go to L2 while this one is summed.
+  const auto prefetch = [&](int64_t b) {
+    for (int64_t j = b; j < std::min(n, b + kBlock); ++j)
+      for (size_t off = 0; off < row_bytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(v_rows[j]) + off, _MM_HINT_T1);
+  };
+  prefetch(0);
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int cnt = int(std::min<int64_t>(kBlock, n - b));
+    for (int g = 0; g < G; ++g) std::memcpy(s.data() + size_t(g) * kBlock, w + size_t(g) * size_t(ldw) + size_t(b), size_t(cnt) * 4);
+    if (b + kBlock < n) prefetch(b + kBlock);
+    const std::byte* const* v = v_rows + b;
+    switch (t) {
+      case DType::BF16:
+        w16 ? simd16::heads_dispatch<DType::BF16>(st, nullptr, cnt, v, v, s.data(), true)
+            : simd8::heads_dispatch<DType::BF16>(st, nullptr, cnt, v, v, s.data(), true);
+        break;
+      case DType::F16:
+        w16 ? simd16::heads_dispatch<DType::F16>(st, nullptr, cnt, v, v, s.data(), true)
+            : simd8::heads_dispatch<DType::F16>(st, nullptr, cnt, v, v, s.data(), true);
+        break;
+      case DType::F32:
+        w16 ? simd16::heads_dispatch<DType::F32>(st, nullptr, cnt, v, v, s.data(), true)
+            : simd8::heads_dispatch<DType::F32>(st, nullptr, cnt, v, v, s.data(), true);
+        break;
+    }
+  }
+  if (x2) {
+    if (x2_16) x2_order(o, size_t(G), d, false);
+    else x2_order8(o, size_t(G), d, false);
+  }
+}
+
+// Eight independent lanes, which the compiler keeps in registers (and vectorises): a single
+// running maximum is one long dependency chain.
+float max_of(const float* x, int64_t n) {
+  float m8[8];
+  std::fill(m8, m8 + 8, kNegInf);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) m8[j] = x[i + j] > m8[j] ? x[i + j] : m8[j];
+  for (; i < n; ++i) m8[0] = x[i] > m8[0] ? x[i] : m8[0];
+  return *std::max_element(m8, m8 + 8);
+}
+
 namespace {
 KVS_AVX512 double exp_shift512(float* x, int64_t n, float m) {
   const __m512 mv = _mm512_set1_ps(m);

@@ -48,6 +48,13 @@ void score_rows(DType t, int d, int G, const float* q, float scale, const std::b
 // dense decode; several keys and heads per pass). out: [G][n]. For methods that score a matrix of
 // centroids per step (a GEMV over n x d).
 void score_contig(DType t, int d, int G, const float* q, float scale, const std::byte* rows, int64_t n, float* out);
+// accumulate_rows: o[g] += sum_i w[g * ldw + i] * v_rows[i] for i < n (o: [G][d] fp32). With
+// score_rows and exp_shift, attention over rows whose scores a method already holds (HGCA's window
+// and its widened far set): the K rows are not read again.
+void accumulate_rows(DType t, int d, int G, const float* w, int64_t ldw, const std::byte* const* v_rows, int64_t n,
+                     float* o);
+// max(x[0..n)), -inf for n = 0 (NaNs are skipped), in eight independent lanes.
+float max_of(const float* x, int64_t n);
 // x[i] <- exp(x[i] - m) for n values with the vectorised exponential of the softmax update (|rel
 // err| < 2e-7; arguments are clamped to [-87.3, 88.3], so -inf gives ~1e-38, not 0); returns the
 // sum of the results (fp32 SIMD partial sums added in fp64).

@@ -3,6 +3,7 @@
 // contiguously (Alg. 1 lines 19-25, §3.2.2), padding of merged-head tasks and the threaded sparse
 // attention (§3.3), and the mean attention used by the reconstructed prompt scoring and the re-evaluation (docs/methods/hgca.md).
 #include <algorithm>
+
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -19,18 +20,6 @@ namespace kvs::hgca {
 
 namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// max(x[0..n)) (-inf for n = 0) in eight independent lanes, which the compiler keeps in registers
-// (and vectorises): a single running maximum is one long dependency chain.
-float max_of(const float* x, int64_t n) {
-  float m8[8];
-  std::fill(m8, m8 + 8, kNegInf);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) m8[j] = x[i + j] > m8[j] ? x[i + j] : m8[j];
-  for (; i < n; ++i) m8[0] = x[i] > m8[0] ? x[i] : m8[0];
-  return *std::max_element(m8, m8 + 8);
-}
 }  // namespace
 
 FarStore::FarStore(const ModelShape& shape, const Params& p) : shape_(shape), p_(p) {
@@ -167,15 +156,45 @@ void FarStore::attend(const KVLayer& kv, const float* q, float* o, float* lse, T
   for (int t = 0; t < tasks; ++t)
     for (int c = 0; c < std::max<int64_t>(1, (task_len[size_t(t)] + chunk - 1) / chunk); ++c) items.push_back({t, c});
   std::vector<float> part_o(size_t(hkv) * chunks * G * d, 0.f), part_lse(size_t(hkv) * chunks * G, kNegInf);
+  // Widened far sets come with their scores (widen computed them for this query).
+  bool scored = lim && widened_ && score_.v.size() == heads_.size() && chosen_at_.size() == heads_.size();
+  for (int h = 0; scored && h < hkv; ++h) scored = chosen_at_[size_t(h)].size() == chosen_[size_t(h)].size();
   pool.parallel_for(int64_t(items.size()), [&](int64_t it) {
     const auto [t, c] = items[size_t(it)];
     std::vector<const std::byte*> kr, vr;
+    std::vector<float> w;
     for (int h = t * hpt; h < std::min(hkv, (t + 1) * hpt); ++h) {
       const Head& hd = heads_[size_t(h)];
       const int64_t b = int64_t(c) * chunk, e = std::min(len[size_t(h)], b + chunk);
       if (b >= e) continue;
       kr.resize(size_t(e - b));
       vr.resize(size_t(e - b));
+      const size_t slot = size_t(h) * chunks + size_t(c);
+      float* po = part_o.data() + slot * G * d;
+      float* pl = part_lse.data() + slot * G;
+      if (scored) {
+        // widen scored these keys for this query: softmax over the chunk from its scores, then
+        // the value pass (the K rows are not read again).
+        const auto& sv = score_.v[size_t(h)];
+        const size_t Mh = sv.size() / size_t(G);
+        const int64_t* at = chosen_at_[size_t(h)].data();
+        const int64_t cnt = e - b;
+        w.resize(size_t(G) * cnt);
+        for (int g = 0; g < G; ++g)
+          for (int64_t j = 0; j < cnt; ++j) w[size_t(g) * cnt + j] = sv[size_t(g) * Mh + size_t(at[b + j])];
+        for (int64_t j = b; j < e; ++j) vr[size_t(j - b)] = kv.v_row(h, ranked(h)[size_t(j)]);
+        std::fill(po, po + size_t(G) * d, 0.f);
+        for (int g = 0; g < G; ++g) {
+          float* wg = w.data() + size_t(g) * cnt;
+          const float mx = cpu::max_of(wg, cnt);
+          const double l = cpu::exp_shift(wg, cnt, mx);
+          pl[g] = mx + float(std::log(l));
+          const float inv = float(1.0 / l);
+          for (int64_t j = 0; j < cnt; ++j) wg[j] *= inv;
+        }
+        cpu::accumulate_rows(shape_.kv_dtype, d, G, w.data(), cnt, vr.data(), cnt, po);
+        continue;
+      }
       const int64_t L = int64_t(hd.pos.size());
       for (int64_t j = b; j < e; ++j) {
         if (lim) {
@@ -191,9 +210,8 @@ void FarStore::attend(const KVLayer& kv, const float* q, float* o, float* lse, T
           vr[size_t(j - b)] = kv.v_row(h, pos);
         }
       }
-      const size_t slot = size_t(h) * chunks + size_t(c);
       cpu::attend_rows(shape_.kv_dtype, d, G, q + size_t(h) * G * d, shape_.softmax_scale, kr.data(), vr.data(),
-                       e - b, part_o.data() + slot * G * d, part_lse.data() + slot * G);
+                       e - b, po, pl);
     }
   });
   for (int h = 0; h < hkv; ++h) {
@@ -251,6 +269,7 @@ void FarStore::widen(const KVLayer& kv, const float* q, const float* win_lse, in
   sinks = std::clamp<int64_t>(sinks, 0, n_);
   recent = std::clamp<int64_t>(recent, 0, n_);
   chosen_.resize(heads_.size());
+  chosen_at_.resize(heads_.size());
   swapped_.assign(heads_.size(), 0);
   // A head's pool, before removing repeats: the MAW candidates (twice the far share, within the
   // ranked prefix of about 1.5 F + 64 entries), the sinks [0, sinks) and the recent keys [rb, n).
@@ -307,14 +326,18 @@ void FarStore::widen(const KVLayer& kv, const float* q, const float* win_lse, in
       }
     }
     const int64_t m = int64_t(c.size());
-    if (m <= F) return;  // the pool is the MAW set: nothing to choose
+    auto& at = chosen_at_[size_t(h)];
+    if (m <= F) {  // the pool is the MAW set: nothing to choose
+      at.assign(from.begin(), from.end());
+      return;
+    }
     const float* all = score_.v[size_t(h)].data();
     std::vector<float> e(static_cast<size_t>(m)), w(size_t(m), 0.f);
     for (int g = 0; g < G; ++g) {
       // Weights over the pool and the window: exp(e_i - mx) / (sum_pool + exp(lse_window - mx)).
       for (int64_t i = 0; i < m; ++i) e[size_t(i)] = all[size_t(g) * Mh + from[size_t(i)]];
       const float wl = win_lse[h * G + g];
-      const float mx = std::max(wl, max_of(e.data(), m));
+      const float mx = std::max(wl, cpu::max_of(e.data(), m));
       const double z = cpu::exp_shift(e.data(), m, mx) + (std::isfinite(wl) ? std::exp(double(wl) - double(mx)) : 0.0);
       const float inv = float(1.0 / z);
       for (int64_t i = 0; i < m; ++i) w[size_t(i)] += e[size_t(i)] * inv;
@@ -324,15 +347,25 @@ void FarStore::widen(const KVLayer& kv, const float* q, const float* win_lse, in
     std::vector<uint64_t> key(static_cast<size_t>(m));
     for (int64_t i = 0; i < m; ++i) key[size_t(i)] = (uint64_t(cpu::float_key(w[size_t(i)])) << 32) | uint32_t(c[size_t(i)]);
     std::nth_element(key.begin(), key.begin() + (F - 1), key.end(), std::greater<>());
-    // Keys not among the F entries the MAW ranking alone would attend (the pool's first F).
-    std::vector<uint64_t> top(size_t(n_ + 63) / 64, 0);
-    for (int64_t i = 0; i < F; ++i) top[size_t(c[size_t(i)]) >> 6] |= uint64_t(1) << (c[size_t(i)] & 63);
-    std::vector<int32_t> pick(static_cast<size_t>(F));
-    int64_t sw = 0;
+    // The chosen keys in pool order with their scores' index (far attention reuses the scores),
+    // through a bitmap of the picks; the keys among them that the MAW ranking alone would not attend
+    // (outside the pool's first F) are the swapped ones.
+    std::vector<uint64_t> picked(size_t(n_ + 63) / 64, 0);
     for (int64_t i = 0; i < F; ++i) {
       const uint32_t t = uint32_t(key[size_t(i)]);
-      pick[size_t(i)] = int32_t(t);
-      sw += !((top[t >> 6] >> (t & 63)) & 1);
+      picked[t >> 6] |= uint64_t(1) << (t & 63);
+    }
+    std::vector<int32_t> pick;
+    pick.reserve(size_t(F));
+    at.clear();
+    at.reserve(size_t(F));
+    int64_t sw = 0;
+    for (int64_t i = 0; i < m; ++i) {
+      const int32_t t = c[size_t(i)];
+      if (!((picked[size_t(t) >> 6] >> (t & 63)) & 1)) continue;
+      pick.push_back(t);
+      at.push_back(from[size_t(i)]);
+      sw += i >= F;
     }
     c = std::move(pick);
     swapped_[size_t(h)] = sw;

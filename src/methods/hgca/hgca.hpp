@@ -212,7 +212,8 @@ class FarStore {
   int64_t rank_w_ = 0;
   std::vector<std::vector<int32_t>> ranked_;  // per head: best far entries first (a prefix of the ranking)
   bool widened_ = false;                      // this step's far sets are chosen_ (widen)
-  std::vector<std::vector<int32_t>> chosen_;  // per head: this step's widened far set
+  std::vector<std::vector<int32_t>> chosen_;  // per head: this step's widened far set (in pool order)
+  std::vector<std::vector<int64_t>> chosen_at_;  // per head: each chosen key's index into its scores (score_)
   std::vector<int64_t> swapped_;              // per head: keys of chosen_ outside the MAW prefix
   // Per head: widen's pool scores [G][pool], reused from step to step. Scratch: a copy of the store
   // (a fork, an append's undo) starts without it instead of copying megabytes per layer.

@@ -107,17 +107,30 @@ void CpuNearWindow::attend(const float* q, float* o, float* lse, bool update, in
       kr[size_t(j)] = krow(h, slot);
       vr[size_t(j)] = vrow(h, slot);
     }
-    // o, lse with the dense path's row kernel; then, for the MAW update, the window-normalised
-    // weights A = exp(s - lse) from the scores again (the window's K rows are still in cache).
-    cpu::attend_rows(shape_.kv_dtype, d, G, q + size_t(h) * G * d, shape_.softmax_scale, kr.data(), vr.data(), n,
-                     o + size_t(h) * G * d, lse + size_t(h) * G);
-    if (!update || n == 0) return;
+    // The scores once: the window's softmax A (its LSE from their maximum and sum) gives o through
+    // the value pass and, with update, the MAW update (A_gpu: window-normalised weights).
+    float* oh = o + size_t(h) * G * d;
+    float* lh = lse + size_t(h) * G;
+    std::fill(oh, oh + size_t(G) * d, 0.f);
+    if (n == 0) {
+      std::fill(lh, lh + G, -std::numeric_limits<float>::infinity());
+      return;
+    }
     std::vector<float> s(size_t(G) * n);
     cpu::score_rows(shape_.kv_dtype, d, G, q + size_t(h) * G * d, shape_.softmax_scale, kr.data(), n, s.data());
-    const float a = float(alpha_), keep = float(1.0 - alpha_);
     for (int g = 0; g < G; ++g) {
       float* sg = s.data() + size_t(g) * n;
-      cpu::exp_shift(sg, n, lse[h * G + g]);  // A_gpu
+      const float mx = cpu::max_of(sg, n);
+      const double l = cpu::exp_shift(sg, n, mx);
+      lh[g] = mx + float(std::log(l));
+      const float inv = float(1.0 / l);
+      for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+    }
+    cpu::accumulate_rows(shape_.kv_dtype, d, G, s.data(), n, vr.data(), n, oh);
+    if (!update) return;
+    const float a = float(alpha_), keep = float(1.0 - alpha_);
+    for (int g = 0; g < G; ++g) {
+      const float* sg = s.data() + size_t(g) * n;
       const float* src = mawp(cur_, h * G + g);
       float* dst = mawp(nb, h * G + g);
       const int64_t upd = std::clamp<int64_t>(no_update_from - b_, 0, n);  // tokens b_ + j < no_update_from
