@@ -137,91 +137,108 @@ void FarStore::repad(const KVLayer& kv, int heads_per_task) {
 }
 
 void FarStore::attend(const KVLayer& kv, const float* q, float* o, float* lse, ThreadPool& pool, int heads_per_task) {
+  pool.parallel_for(attend_plan(heads_per_task), [&](int64_t it) { attend_task(kv, q, it); });
+  attend_merge(o, lse);
+}
+
+int64_t FarStore::attend_plan(int heads_per_task) {
   const int hkv = int(heads_.size()), G = shape_.group(), d = int(shape_.head_dim);
-  const int hpt = std::max(1, heads_per_task);
-  const int tasks = (hkv + hpt - 1) / hpt;
-  std::vector<int64_t> len(static_cast<size_t>(hkv)), task_len(static_cast<size_t>(tasks), 0);
+  auto& f = fa_.v;
+  f.hpt = std::max(1, heads_per_task);
+  const int tasks = (hkv + f.hpt - 1) / f.hpt;
+  f.len.assign(size_t(hkv), 0);
+  std::vector<int64_t> task_len(static_cast<size_t>(tasks), 0);
   const bool lim = limit_ >= 0;
   for (int h = 0; h < hkv; ++h) {
-    len[size_t(h)] = lim ? ranked_keys(h) : int64_t(heads_[size_t(h)].pos.size() + heads_[size_t(h)].pad.size());
-    task_len[size_t(h / hpt)] = std::max(task_len[size_t(h / hpt)], len[size_t(h)]);
+    f.len[size_t(h)] = lim ? ranked_keys(h) : int64_t(heads_[size_t(h)].pos.size() + heads_[size_t(h)].pad.size());
+    task_len[size_t(h / f.hpt)] = std::max(task_len[size_t(h / f.hpt)], f.len[size_t(h)]);
   }
-  // Tasks of adjacent heads; a long task is cut into chunks of 1024 keys so every thread gets a share
-  // (chunk states are merged by LSE like the window and far parts). A head's chunks do not depend
-  // on the thread count, so neither does its output, bit for bit.
-  const int64_t longest = *std::max_element(task_len.begin(), task_len.end());
-  constexpr int64_t chunk = 1024;
-  const int chunks = int(std::max<int64_t>(1, (longest + chunk - 1) / chunk));
-  std::vector<std::pair<int, int>> items;
+  // Tasks of adjacent heads; a long task is cut into chunks of kFarChunk keys so every thread gets a
+  // share (chunk states are merged by LSE like the window and far parts). A head's chunks do not
+  // depend on the thread count, so neither does its output, bit for bit.
+  const int64_t longest = tasks ? *std::max_element(task_len.begin(), task_len.end()) : 0;
+  f.chunks = int(std::max<int64_t>(1, (longest + kFarChunk - 1) / kFarChunk));
+  f.items.clear();
   for (int t = 0; t < tasks; ++t)
-    for (int c = 0; c < std::max<int64_t>(1, (task_len[size_t(t)] + chunk - 1) / chunk); ++c) items.push_back({t, c});
-  std::vector<float> part_o(size_t(hkv) * chunks * G * d, 0.f), part_lse(size_t(hkv) * chunks * G, kNegInf);
+    for (int c = 0; c < std::max<int64_t>(1, (task_len[size_t(t)] + kFarChunk - 1) / kFarChunk); ++c) f.items.push_back({t, c});
+  f.part_o.assign(size_t(hkv) * f.chunks * G * d, 0.f);
+  f.part_lse.assign(size_t(hkv) * f.chunks * G, kNegInf);
   // Widened far sets come with their scores (widen computed them for this query).
-  bool scored = lim && widened_ && score_.v.size() == heads_.size() && chosen_at_.size() == heads_.size();
-  for (int h = 0; scored && h < hkv; ++h) scored = chosen_at_[size_t(h)].size() == chosen_[size_t(h)].size();
-  pool.parallel_for(int64_t(items.size()), [&](int64_t it) {
-    const auto [t, c] = items[size_t(it)];
-    std::vector<const std::byte*> kr, vr;
-    std::vector<float> w;
-    for (int h = t * hpt; h < std::min(hkv, (t + 1) * hpt); ++h) {
-      const Head& hd = heads_[size_t(h)];
-      const int64_t b = int64_t(c) * chunk, e = std::min(len[size_t(h)], b + chunk);
-      if (b >= e) continue;
-      kr.resize(size_t(e - b));
-      vr.resize(size_t(e - b));
-      const size_t slot = size_t(h) * chunks + size_t(c);
-      float* po = part_o.data() + slot * G * d;
-      float* pl = part_lse.data() + slot * G;
-      if (scored) {
-        // widen scored these keys for this query: softmax over the chunk from its scores, then
-        // the value pass (the K rows are not read again).
-        const auto& sv = score_.v[size_t(h)];
-        const size_t Mh = sv.size() / size_t(G);
-        const int64_t* at = chosen_at_[size_t(h)].data();
-        const int64_t cnt = e - b;
-        w.resize(size_t(G) * cnt);
-        for (int g = 0; g < G; ++g)
-          for (int64_t j = 0; j < cnt; ++j) w[size_t(g) * cnt + j] = sv[size_t(g) * Mh + size_t(at[b + j])];
-        for (int64_t j = b; j < e; ++j) vr[size_t(j - b)] = kv.v_row(h, ranked(h)[size_t(j)]);
-        std::fill(po, po + size_t(G) * d, 0.f);
-        for (int g = 0; g < G; ++g) {
-          float* wg = w.data() + size_t(g) * cnt;
-          const float mx = cpu::max_of(wg, cnt);
-          const double l = cpu::exp_shift(wg, cnt, mx);
-          pl[g] = mx + float(std::log(l));
-          const float inv = float(1.0 / l);
-          for (int64_t j = 0; j < cnt; ++j) wg[j] *= inv;
-        }
-        cpu::accumulate_rows(shape_.kv_dtype, d, G, w.data(), cnt, vr.data(), cnt, po);
-        continue;
+  f.scored = lim && widened_ && score_.v.size() == heads_.size() && chosen_at_.size() == heads_.size();
+  for (int h = 0; f.scored && h < hkv; ++h) f.scored = chosen_at_[size_t(h)].size() == chosen_[size_t(h)].size();
+  return int64_t(f.items.size());
+}
+
+void FarStore::attend_task(const KVLayer& kv, const float* q, int64_t it) {
+  const int hkv = int(heads_.size()), G = shape_.group(), d = int(shape_.head_dim);
+  auto& f = fa_.v;
+  const bool lim = limit_ >= 0;
+  const auto [t, c] = f.items[size_t(it)];
+  std::vector<const std::byte*> kr, vr;
+  std::vector<float> w;
+  for (int h = t * f.hpt; h < std::min(hkv, (t + 1) * f.hpt); ++h) {
+    const Head& hd = heads_[size_t(h)];
+    const int64_t b = int64_t(c) * kFarChunk, e = std::min(f.len[size_t(h)], b + kFarChunk);
+    if (b >= e) continue;
+    kr.resize(size_t(e - b));
+    vr.resize(size_t(e - b));
+    const size_t slot = size_t(h) * f.chunks + size_t(c);
+    float* po = f.part_o.data() + slot * G * d;
+    float* pl = f.part_lse.data() + slot * G;
+    if (f.scored) {
+      // widen scored these keys for this query: softmax over the chunk from its scores, then the
+      // value pass (the K rows are not read again).
+      const auto& sv = score_.v[size_t(h)];
+      const size_t Mh = sv.size() / size_t(G);
+      const int64_t* at = chosen_at_[size_t(h)].data();
+      const int64_t cnt = e - b;
+      w.resize(size_t(G) * cnt);
+      for (int g = 0; g < G; ++g)
+        for (int64_t j = 0; j < cnt; ++j) w[size_t(g) * cnt + j] = sv[size_t(g) * Mh + size_t(at[b + j])];
+      for (int64_t j = b; j < e; ++j) vr[size_t(j - b)] = kv.v_row(h, ranked(h)[size_t(j)]);
+      std::fill(po, po + size_t(G) * d, 0.f);
+      for (int g = 0; g < G; ++g) {
+        float* wg = w.data() + size_t(g) * cnt;
+        const float mx = cpu::max_of(wg, cnt);
+        const double l = cpu::exp_shift(wg, cnt, mx);
+        pl[g] = mx + float(std::log(l));
+        const float inv = float(1.0 / l);
+        for (int64_t j = 0; j < cnt; ++j) wg[j] *= inv;
       }
-      const int64_t L = int64_t(hd.pos.size());
-      for (int64_t j = b; j < e; ++j) {
-        if (lim) {
-          const int32_t pos = ranked(h)[size_t(j)];
-          kr[size_t(j - b)] = kv.k_row(h, pos);
-          vr[size_t(j - b)] = kv.v_row(h, pos);
-        } else if (j < L) {
-          kr[size_t(j - b)] = hd.k.data() + size_t(j) * row_;
-          vr[size_t(j - b)] = hd.v.data() + size_t(j) * row_;
-        } else {
-          const int32_t pos = hd.pad[size_t(j - L)];
-          kr[size_t(j - b)] = kv.k_row(h, pos);
-          vr[size_t(j - b)] = kv.v_row(h, pos);
-        }
-      }
-      cpu::attend_rows(shape_.kv_dtype, d, G, q + size_t(h) * G * d, shape_.softmax_scale, kr.data(), vr.data(),
-                       e - b, po, pl);
+      cpu::accumulate_rows(shape_.kv_dtype, d, G, w.data(), cnt, vr.data(), cnt, po);
+      continue;
     }
-  });
+    const int64_t L = int64_t(hd.pos.size());
+    for (int64_t j = b; j < e; ++j) {
+      if (lim) {
+        const int32_t pos = ranked(h)[size_t(j)];
+        kr[size_t(j - b)] = kv.k_row(h, pos);
+        vr[size_t(j - b)] = kv.v_row(h, pos);
+      } else if (j < L) {
+        kr[size_t(j - b)] = hd.k.data() + size_t(j) * row_;
+        vr[size_t(j - b)] = hd.v.data() + size_t(j) * row_;
+      } else {
+        const int32_t pos = hd.pad[size_t(j - L)];
+        kr[size_t(j - b)] = kv.k_row(h, pos);
+        vr[size_t(j - b)] = kv.v_row(h, pos);
+      }
+    }
+    cpu::attend_rows(shape_.kv_dtype, d, G, q + size_t(h) * G * d, shape_.softmax_scale, kr.data(), vr.data(), e - b,
+                     po, pl);
+  }
+}
+
+void FarStore::attend_merge(float* o, float* lse) const {
+  const int hkv = int(heads_.size()), G = shape_.group(), d = int(shape_.head_dim);
+  const auto& f = fa_.v;
   for (int h = 0; h < hkv; ++h) {
     float* oh = o + size_t(h) * G * d;
     float* lh = lse + size_t(h) * G;
     std::fill(oh, oh + size_t(G) * d, 0.f);
     std::fill(lh, lh + G, kNegInf);
-    for (int c = 0; c < chunks; ++c) {
-      const size_t slot = size_t(h) * chunks + size_t(c);
-      cpu::merge_states(oh, lh, part_o.data() + slot * G * d, part_lse.data() + slot * G, G, d);
+    for (int c = 0; c < f.chunks; ++c) {
+      const size_t slot = size_t(h) * f.chunks + size_t(c);
+      cpu::merge_states(oh, lh, f.part_o.data() + slot * G * d, f.part_lse.data() + slot * G, G, d);
     }
   }
 }
@@ -263,46 +280,72 @@ void FarStore::limit(int64_t far_keys, int64_t w_size, ThreadPool& pool) {
 
 void FarStore::widen(const KVLayer& kv, const float* q, const float* win_lse, int64_t sinks, int64_t recent,
                      ThreadPool& pool) {
+  pool.parallel_for(widen_plan(sinks, recent), [&](int64_t i) { widen_score(kv, q, i); });
+  widen_choose(win_lse, pool);
+}
+
+int64_t FarStore::widen_plan(int64_t sinks, int64_t recent) {
   widened_ = false;
-  if (limit_ < 0 || heads_.empty() || n_ == 0) return;
-  const int hkv = int(heads_.size()), G = shape_.group(), d = int(shape_.head_dim);
+  auto& p = wp_.v;
+  p.tasks = 0;
+  if (limit_ < 0 || heads_.empty() || n_ == 0) return 0;
+  const int hkv = int(heads_.size()), G = shape_.group();
   sinks = std::clamp<int64_t>(sinks, 0, n_);
   recent = std::clamp<int64_t>(recent, 0, n_);
-  chosen_.resize(heads_.size());
-  chosen_at_.resize(heads_.size());
-  swapped_.assign(heads_.size(), 0);
   // A head's pool, before removing repeats: the MAW candidates (twice the far share, within the
   // ranked prefix of about 1.5 F + 64 entries), the sinks [0, sinks) and the recent keys [rb, n).
-  // Its scores are computed in chunks of kChunk rows, every head's chunks in one parallel_for (8 KV
-  // heads would leave most of a 16-thread pool idle); the chunks do not depend on the thread
+  // Its scores are computed in chunks of kWidenChunk rows, every head's chunks in one parallel_for
+  // (8 KV heads would leave most of a 16-thread pool idle); the chunks do not depend on the thread
   // count, so neither does the choice.
-  constexpr int64_t kChunk = 2048;
-  const int64_t rb = std::max(sinks, n_ - recent);
-  std::vector<int64_t> P(static_cast<size_t>(hkv)), M(static_cast<size_t>(hkv)), first(size_t(hkv) + 1, 0);
+  p.sinks = sinks;
+  p.rb = std::max(sinks, n_ - recent);
+  p.P.assign(size_t(hkv), 0);
+  p.M.assign(size_t(hkv), 0);
+  p.first.assign(size_t(hkv) + 1, 0);
   for (int h = 0; h < hkv; ++h) {
     const auto& rk = ranked_[size_t(h)];
     const int64_t F = std::min<int64_t>(limit_, int64_t(rk.size()));
-    P[size_t(h)] = std::min<int64_t>(int64_t(rk.size()), 2 * F);
-    M[size_t(h)] = P[size_t(h)] + sinks + (n_ - rb);
-    first[size_t(h) + 1] = first[size_t(h)] + (M[size_t(h)] + kChunk - 1) / kChunk;
+    p.P[size_t(h)] = std::min<int64_t>(int64_t(rk.size()), 2 * F);
+    p.M[size_t(h)] = p.P[size_t(h)] + sinks + (n_ - p.rb);
+    p.first[size_t(h) + 1] = p.first[size_t(h)] + (p.M[size_t(h)] + kWidenChunk - 1) / kWidenChunk;
   }
-  auto pos_of = [&](int h, int64_t i) -> int32_t {  // the i-th entry of head h's pool, repeats included
-    if (i < P[size_t(h)]) return ranked_[size_t(h)][size_t(i)];
-    i -= P[size_t(h)];
-    return int32_t(i < sinks ? i : rb + (i - sinks));
-  };
   score_.v.resize(size_t(hkv));
-  for (int h = 0; h < hkv; ++h) score_.v[size_t(h)].resize(size_t(G) * size_t(M[size_t(h)]));
-  pool.parallel_for(first[size_t(hkv)], [&](int64_t it) {
-    const int h = int(std::upper_bound(first.begin(), first.end(), it) - first.begin()) - 1;
-    const int64_t b = (it - first[size_t(h)]) * kChunk, e = std::min(M[size_t(h)], b + kChunk), m = M[size_t(h)];
-    std::vector<const std::byte*> kr(static_cast<size_t>(e - b));
-    for (int64_t i = b; i < e; ++i) kr[size_t(i - b)] = kv.k_row(h, pos_of(h, i));
-    std::vector<float> sc(size_t(G) * (e - b));
-    cpu::score_rows(shape_.kv_dtype, d, G, q + size_t(h) * G * d, shape_.softmax_scale, kr.data(), e - b, sc.data());
-    for (int g = 0; g < G; ++g)
-      std::copy(sc.begin() + (e - b) * g, sc.begin() + (e - b) * (g + 1), score_.v[size_t(h)].begin() + g * m + b);
-  });
+  for (int h = 0; h < hkv; ++h) score_.v[size_t(h)].resize(size_t(G) * size_t(p.M[size_t(h)]));
+  p.tasks = p.first[size_t(hkv)];
+  return p.tasks;
+}
+
+int32_t FarStore::pool_pos(int h, int64_t i) const {
+  if (i < wp_.v.P[size_t(h)]) return ranked_[size_t(h)][size_t(i)];
+  i -= wp_.v.P[size_t(h)];
+  return int32_t(i < wp_.v.sinks ? i : wp_.v.rb + (i - wp_.v.sinks));
+}
+
+void FarStore::widen_score(const KVLayer& kv, const float* q, int64_t it) {
+  const int G = shape_.group(), d = int(shape_.head_dim);
+  const auto& p = wp_.v;
+  const auto& first = p.first;
+  const int h = int(std::upper_bound(first.begin(), first.end(), it) - first.begin()) - 1;
+  const int64_t b = (it - first[size_t(h)]) * kWidenChunk, e = std::min(p.M[size_t(h)], b + kWidenChunk),
+                m = p.M[size_t(h)];
+  std::vector<const std::byte*> kr(static_cast<size_t>(e - b));
+  for (int64_t i = b; i < e; ++i) kr[size_t(i - b)] = kv.k_row(h, pool_pos(h, i));
+  std::vector<float> sc(size_t(G) * (e - b));
+  cpu::score_rows(shape_.kv_dtype, d, G, q + size_t(h) * G * d, shape_.softmax_scale, kr.data(), e - b, sc.data());
+  for (int g = 0; g < G; ++g)
+    std::copy(sc.begin() + (e - b) * g, sc.begin() + (e - b) * (g + 1), score_.v[size_t(h)].begin() + g * m + b);
+}
+
+void FarStore::widen_choose(const float* win_lse, ThreadPool& pool) {
+  if (wp_.v.tasks == 0) return;
+  const int hkv = int(heads_.size()), G = shape_.group();
+  const int64_t sinks = wp_.v.sinks, rb = wp_.v.rb;
+  chosen_.resize(heads_.size());
+  chosen_at_.resize(heads_.size());
+  swapped_.assign(heads_.size(), 0);
+  auto pos_of = [&](int h, int64_t i) { return pool_pos(h, i); };
+  const auto& P = wp_.v.P;
+  const auto& M = wp_.v.M;
   pool.parallel_for(hkv, [&](int64_t hh) {
     const int h = int(hh);
     const auto& rk = ranked_[size_t(h)];

@@ -254,27 +254,31 @@ class Hgca final : public Method {
     // Near part: dense over the window, MAW update (line 8). Far part: sparse over the salient sets.
     st.o.resize(size_t(hq) * d);
     st.lse.resize(size_t(hq));
-    std::vector<float> fo(size_t(hq) * d), fl(static_cast<size_t>(hq));
-    w.attend(q, st.o.data(), st.lse.data(), /*update=*/true, /*no_update_from=*/n - 1);
-    if (st.far.limited() >= 0 && p_.widen) {
-      // widen=recent: streaming's sinks and its recent keys beyond the window join the MAW far set
-      // as candidates; the exact weights of this query choose among them (st.lse: the window's).
+    // One round of tasks scores the window (a task per KV head, the largest first) and widen's pool
+    // (widen=recent: streaming's sinks and its recent keys beyond the window join the MAW far set as
+    // candidates, scored in chunks); the choice needs the window's LSE (st.lse). A second round
+    // attends the far sets (from widen's scores where it ran) beside the report of the keys attended.
+    const bool widen = st.far.limited() >= 0 && p_.widen;
+    int64_t wtasks = 0;
+    if (widen) {
       const int64_t k = ctx_.budget.keys(n, 0.05);
       const int64_t sk = streaming_sinks(kWidenSinks, k, n);
-      st.far.widen(kv, q, st.lse.data(), sk, std::max<int64_t>(0, k - sk - w.size()), *ctx_.pool);
+      wtasks = st.far.widen_plan(sk, std::max<int64_t>(0, k - sk - w.size()));
     }
-    st.far.attend(kv, q, fo.data(), fl.data(), *ctx_.pool, heads_per_task());
-    cpu::merge_states(st.o.data(), st.lse.data(), fo.data(), fl.data(), hq, d);
-    // Report the exact keys attended, per KV head.
+    ctx_.pool->parallel_for(hkv + wtasks, [&](int64_t i) {
+      if (i < hkv) w.attend_head(q, int(i), st.o.data(), st.lse.data(), /*update=*/true, /*no_update_from=*/n - 1);
+      else st.far.widen_score(kv, q, i - hkv);
+    });
+    w.attend_done(/*update=*/true);
+    if (widen) st.far.widen_choose(st.lse.data(), *ctx_.pool);
+    // The report, per KV head: a capped far set (F keys, all below the window) is put in ascending
+    // order through a bitmap over the far store: F bit sets and a scan of n / 64 words, where
+    // sorting took F log F (0.4 ms a head at F = 10K).
     out.kind = Selection::Kind::PerKvHead;
     out.attend = false;
     out.lists.resize(size_t(hkv));
     std::vector<size_t> nfar(static_cast<size_t>(hkv));
-    // One task per KV head. A capped far set (F keys in ranking order, all below the window) is put
-    // in ascending order through a bitmap over the far store: F bit sets and a scan of n / 64
-    // words, where sorting took F log F (0.4 ms a head at F = 10K).
-    ctx_.pool->parallel_for(hkv, [&](int64_t hh) {
-      const int h = int(hh);
+    auto report = [&](int h) {
       const auto& hd = st.far.heads()[size_t(h)];
       auto& l = out.lists[size_t(h)];
       l.clear();
@@ -296,7 +300,15 @@ class Hgca final : public Method {
       }
       nfar[size_t(h)] = l.size();
       for (int64_t t = w.begin(); t < w.end(); ++t) l.push_back(int32_t(t));
+    };
+    const int64_t ftasks = st.far.attend_plan(heads_per_task());
+    ctx_.pool->parallel_for(ftasks + hkv, [&](int64_t i) {
+      if (i < ftasks) st.far.attend_task(kv, q, i);
+      else report(int(i - ftasks));
     });
+    std::vector<float> fo(size_t(hq) * d), fl(static_cast<size_t>(hq));
+    st.far.attend_merge(fo.data(), fl.data());
+    cpu::merge_states(st.o.data(), st.lse.data(), fo.data(), fl.data(), hq, d);
     double keys = 0, far_keys = 0, widened = 0;
     for (int h = 0; h < hkv; ++h) {
       widened += double(st.far.widened_keys(h));

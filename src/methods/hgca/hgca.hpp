@@ -73,6 +73,10 @@ class NearWindow {
   // Dense attention of q [Hq][d] over the resident entries: o [Hq][d], lse [Hq]. With update, MAW
   // <- (1 - alpha) MAW + alpha A for every resident token < no_update_from (A: window softmax).
   virtual void attend(const float* q, float* o, float* lse, bool update, int64_t no_update_from) = 0;
+  // attend() in steps, for a caller that runs the window's KV heads among other tasks: attend_head
+  // for every KV head h (any order, any thread; o, lse as in attend()), then attend_done.
+  virtual void attend_head(const float* q, int h, float* o, float* lse, bool update, int64_t no_update_from) = 0;
+  virtual void attend_done(bool update) = 0;
   // MAW of resident token t: out [Hq].
   virtual void maw(int64_t t, float* out) const = 0;
   virtual void set_maw(int64_t t, const float* in) = 0;
@@ -93,6 +97,8 @@ class CpuNearWindow final : public NearWindow {
   void insert(const KVLayer& kv, int64_t m, const float* maw) override;
   void skip(int64_t count) override;
   void attend(const float* q, float* o, float* lse, bool update, int64_t no_update_from) override;
+  void attend_head(const float* q, int h, float* o, float* lse, bool update, int64_t no_update_from) override;
+  void attend_done(bool update) override;
   void maw(int64_t t, float* out) const override;
   void set_maw(int64_t t, const float* in) override;
   void checkpoint() override;
@@ -152,6 +158,11 @@ class FarStore {
   void repad(const KVLayer& kv, int heads_per_task);
   // Sparse attention of q [Hq][d] over each head's set + padding: o [Hq][d], lse [Hq].
   void attend(const KVLayer& kv, const float* q, float* o, float* lse, ThreadPool& pool, int heads_per_task);
+  // attend() in steps, for a caller that runs its tasks among other work: attend_plan returns the
+  // number of tasks, attend_task(i) runs task i (any order, any thread), attend_merge writes o, lse.
+  int64_t attend_plan(int heads_per_task);
+  void attend_task(const KVLayer& kv, const float* q, int64_t task);
+  void attend_merge(float* o, float* lse) const;
   // Copies the K/V rows of every head's set from kv (after a load).
   void materialise(const KVLayer& kv);
   void restore_head(int h, std::vector<int32_t> pos, std::vector<float> score, std::vector<int32_t> pad);
@@ -172,6 +183,12 @@ class FarStore {
   // recent keys, the sinks or lower-ranked far entries instead of the wrong ones. Cost: the pool's
   // keys are scored (at most 2 limit() + sinks + recent K rows per head), the chosen limit() attended.
   void widen(const KVLayer& kv, const float* q, const float* win_lse, int64_t sinks, int64_t recent, ThreadPool& pool);
+  // widen() in steps, for a caller that scores the pool beside other work (the window): widen_plan
+  // returns the number of scoring tasks, widen_score(i) runs task i (any order, any thread), and
+  // widen_choose chooses once every task has run and win_lse is known.
+  int64_t widen_plan(int64_t sinks, int64_t recent);
+  void widen_score(const KVLayer& kv, const float* q, int64_t task);
+  void widen_choose(const float* win_lse, ThreadPool& pool);
   // The far keys head h attends under a limit (the first limit() entries of its ranking, or the
   // widened set).
   const int32_t* ranked(int h) const { return widened_ ? chosen_[size_t(h)].data() : ranked_[size_t(h)].data(); }
@@ -215,16 +232,34 @@ class FarStore {
   std::vector<std::vector<int32_t>> chosen_;  // per head: this step's widened far set (in pool order)
   std::vector<std::vector<int64_t>> chosen_at_;  // per head: each chosen key's index into its scores (score_)
   std::vector<int64_t> swapped_;              // per head: keys of chosen_ outside the MAW prefix
-  // Per head: widen's pool scores [G][pool], reused from step to step. Scratch: a copy of the store
-  // (a fork, an append's undo) starts without it instead of copying megabytes per layer.
+  int32_t pool_pos(int h, int64_t i) const;  // the i-th entry of head h's widen pool, repeats included
+  static constexpr int64_t kWidenChunk = 2048;  // widen's rows per scoring task
+  static constexpr int64_t kFarChunk = 1024;    // far keys per attention task
+  // Per-step scratch, not copied with the store (a fork, an append's undo: a copy starts without it
+  // instead of copying megabytes per layer).
+  template <class T>
   struct Scratch {
-    std::vector<std::vector<float>> v;
+    T v{};
     Scratch() = default;
     Scratch(const Scratch&) {}
     Scratch& operator=(const Scratch&) { return *this; }
     Scratch(Scratch&&) = default;
     Scratch& operator=(Scratch&&) = default;
-  } score_;
+  };
+  struct WidenPlan {
+    int64_t tasks = 0, sinks = 0, rb = 0;
+    std::vector<int64_t> P, M, first;  // per head: MAW candidates, pool size; first task of each head
+  };
+  struct FarPlan {
+    int hpt = 1, chunks = 1;
+    bool scored = false;
+    std::vector<int64_t> len;
+    std::vector<std::pair<int, int>> items;  // (task of adjacent heads, chunk)
+    std::vector<float> part_o, part_lse;
+  };
+  Scratch<WidenPlan> wp_;
+  Scratch<FarPlan> fa_;
+  Scratch<std::vector<std::vector<float>>> score_;  // per head: widen's pool scores [G][pool]
 };
 
 // Mean over queries of the causal softmax over keys [a, b) of KV head h: out [b - a][G]. queries:

@@ -96,50 +96,56 @@ void CpuNearWindow::insert(const KVLayer& kv, int64_t m, const float* maw) {
 }
 
 void CpuNearWindow::attend(const float* q, float* o, float* lse, bool update, int64_t no_update_from) {
-  const int hkv = int(shape_.num_kv_heads), G = shape_.group(), d = int(shape_.head_dim);
+  pool_->parallel_for(int64_t(shape_.num_kv_heads),
+                      [&](int64_t h) { attend_head(q, int(h), o, lse, update, no_update_from); });
+  attend_done(update);
+}
+
+void CpuNearWindow::attend_head(const float* q, int h, float* o, float* lse, bool update, int64_t no_update_from) {
+  const int G = shape_.group(), d = int(shape_.head_dim);
   const int64_t n = size();
   const int nb = 1 - cur_;
-  pool_->parallel_for(hkv, [&](int64_t hh) {
-    const int h = int(hh);
-    std::vector<const std::byte*> kr(static_cast<size_t>(n)), vr(static_cast<size_t>(n));
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t slot = (b_ + j) % alloc_;
-      kr[size_t(j)] = krow(h, slot);
-      vr[size_t(j)] = vrow(h, slot);
-    }
-    // The scores once: the window's softmax A (its LSE from their maximum and sum) gives o through
-    // the value pass and, with update, the MAW update (A_gpu: window-normalised weights).
-    float* oh = o + size_t(h) * G * d;
-    float* lh = lse + size_t(h) * G;
-    std::fill(oh, oh + size_t(G) * d, 0.f);
-    if (n == 0) {
-      std::fill(lh, lh + G, -std::numeric_limits<float>::infinity());
-      return;
-    }
-    std::vector<float> s(size_t(G) * n);
-    cpu::score_rows(shape_.kv_dtype, d, G, q + size_t(h) * G * d, shape_.softmax_scale, kr.data(), n, s.data());
-    for (int g = 0; g < G; ++g) {
-      float* sg = s.data() + size_t(g) * n;
-      const float mx = cpu::max_of(sg, n);
-      const double l = cpu::exp_shift(sg, n, mx);
-      lh[g] = mx + float(std::log(l));
-      const float inv = float(1.0 / l);
-      for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
-    }
-    cpu::accumulate_rows(shape_.kv_dtype, d, G, s.data(), n, vr.data(), n, oh);
-    if (!update) return;
-    const float a = float(alpha_), keep = float(1.0 - alpha_);
-    for (int g = 0; g < G; ++g) {
-      const float* sg = s.data() + size_t(g) * n;
-      const float* src = mawp(cur_, h * G + g);
-      float* dst = mawp(nb, h * G + g);
-      const int64_t upd = std::clamp<int64_t>(no_update_from - b_, 0, n);  // tokens b_ + j < no_update_from
-      int64_t slot = b_ % alloc_;
-      for (int64_t j = 0; j < n; ++j, slot = slot + 1 == alloc_ ? 0 : slot + 1)
-        dst[slot] = j < upd ? keep * src[slot] + a * sg[j] : src[slot];
-    }
-  });
-  if (update) cur_ = nb;
+  std::vector<const std::byte*> kr(static_cast<size_t>(n)), vr(static_cast<size_t>(n));
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t slot = (b_ + j) % alloc_;
+    kr[size_t(j)] = krow(h, slot);
+    vr[size_t(j)] = vrow(h, slot);
+  }
+  // The scores once: the window's softmax A (its LSE from their maximum and sum) gives o through
+  // the value pass and, with update, the MAW update (A_gpu: window-normalised weights).
+  float* oh = o + size_t(h) * G * d;
+  float* lh = lse + size_t(h) * G;
+  std::fill(oh, oh + size_t(G) * d, 0.f);
+  if (n == 0) {
+    std::fill(lh, lh + G, -std::numeric_limits<float>::infinity());
+    return;
+  }
+  std::vector<float> s(size_t(G) * n);
+  cpu::score_rows(shape_.kv_dtype, d, G, q + size_t(h) * G * d, shape_.softmax_scale, kr.data(), n, s.data());
+  for (int g = 0; g < G; ++g) {
+    float* sg = s.data() + size_t(g) * n;
+    const float mx = cpu::max_of(sg, n);
+    const double l = cpu::exp_shift(sg, n, mx);
+    lh[g] = mx + float(std::log(l));
+    const float inv = float(1.0 / l);
+    for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+  }
+  cpu::accumulate_rows(shape_.kv_dtype, d, G, s.data(), n, vr.data(), n, oh);
+  if (!update) return;
+  const float a = float(alpha_), keep = float(1.0 - alpha_);
+  for (int g = 0; g < G; ++g) {
+    const float* sg = s.data() + size_t(g) * n;
+    const float* src = mawp(cur_, h * G + g);
+    float* dst = mawp(nb, h * G + g);
+    const int64_t upd = std::clamp<int64_t>(no_update_from - b_, 0, n);  // tokens b_ + j < no_update_from
+    int64_t slot = b_ % alloc_;
+    for (int64_t j = 0; j < n; ++j, slot = slot + 1 == alloc_ ? 0 : slot + 1)
+      dst[slot] = j < upd ? keep * src[slot] + a * sg[j] : src[slot];
+  }
+}
+
+void CpuNearWindow::attend_done(bool update) {
+  if (update) cur_ = 1 - cur_;
 }
 
 void CpuNearWindow::maw(int64_t t, float* out) const {
