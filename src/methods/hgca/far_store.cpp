@@ -3,7 +3,6 @@
 // contiguously (Alg. 1 lines 19-25, §3.2.2), padding of merged-head tasks and the threaded sparse
 // attention (§3.3), and the mean attention used by the reconstructed prompt scoring and the re-evaluation (docs/methods/hgca.md).
 #include <algorithm>
-
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -292,11 +291,13 @@ int64_t FarStore::widen_plan(int64_t sinks, int64_t recent) {
   const int hkv = int(heads_.size()), G = shape_.group();
   sinks = std::clamp<int64_t>(sinks, 0, n_);
   recent = std::clamp<int64_t>(recent, 0, n_);
-  // A head's pool, before removing repeats: the MAW candidates (twice the far share, within the
-  // ranked prefix of about 1.5 F + 64 entries), the sinks [0, sinks) and the recent keys [rb, n).
-  // Its scores are computed in chunks of kWidenChunk rows, every head's chunks in one parallel_for
-  // (8 KV heads would leave most of a 16-thread pool idle); the chunks do not depend on the thread
-  // count, so neither does the choice.
+  // A head's pool: the MAW candidates (twice the far share, within the ranked prefix of about
+  // 1.5 F + 64 entries), the sinks [0, sinks) and the recent keys [rb, n). A candidate that is also
+  // a sink or a recent key is a repeat: it stays in the pool's index space (so the layout is
+  // known before anything is scored) but takes no part (its range copy does). Scores are computed
+  // in tasks of kWidenChunk pool entries, every head's in one parallel_for (8 KV heads would leave
+  // most of a 16-thread pool idle); the tasks do not depend on the thread count, so neither does
+  // the choice.
   p.sinks = sinks;
   p.rb = std::max(sinks, n_ - recent);
   p.P.assign(size_t(hkv), 0);
@@ -309,9 +310,17 @@ int64_t FarStore::widen_plan(int64_t sinks, int64_t recent) {
     p.M[size_t(h)] = p.P[size_t(h)] + sinks + (n_ - p.rb);
     p.first[size_t(h) + 1] = p.first[size_t(h)] + (p.M[size_t(h)] + kWidenChunk - 1) / kWidenChunk;
   }
-  score_.v.resize(size_t(hkv));
-  for (int h = 0; h < hkv; ++h) score_.v[size_t(h)].resize(size_t(G) * size_t(p.M[size_t(h)]));
   p.tasks = p.first[size_t(hkv)];
+  p.tmax.assign(size_t(p.tasks) * G, kNegInf);
+  p.tsum.assign(size_t(p.tasks) * G, 0.0);
+  p.zmax.assign(size_t(hkv) * G, kNegInf);
+  p.zinv.assign(size_t(hkv) * G, 0.f);
+  score_.v.resize(size_t(hkv));
+  p.w.resize(size_t(hkv));
+  for (int h = 0; h < hkv; ++h) {
+    score_.v[size_t(h)].resize(size_t(G) * size_t(p.M[size_t(h)]));
+    p.w[size_t(h)].resize(size_t(p.M[size_t(h)]));
+  }
   return p.tasks;
 }
 
@@ -321,96 +330,130 @@ int32_t FarStore::pool_pos(int h, int64_t i) const {
   return int32_t(i < wp_.v.sinks ? i : wp_.v.rb + (i - wp_.v.sinks));
 }
 
-void FarStore::widen_score(const KVLayer& kv, const float* q, int64_t it) {
-  const int G = shape_.group(), d = int(shape_.head_dim);
+bool FarStore::pool_repeat(int h, int64_t i) const {
+  if (i >= wp_.v.P[size_t(h)]) return false;
+  const int32_t t = ranked_[size_t(h)][size_t(i)];
+  return t < wp_.v.sinks || t >= wp_.v.rb;
+}
+
+int FarStore::widen_head(int64_t task, int64_t& b, int64_t& e) const {
   const auto& p = wp_.v;
-  const auto& first = p.first;
-  const int h = int(std::upper_bound(first.begin(), first.end(), it) - first.begin()) - 1;
-  const int64_t b = (it - first[size_t(h)]) * kWidenChunk, e = std::min(p.M[size_t(h)], b + kWidenChunk),
-                m = p.M[size_t(h)];
-  std::vector<const std::byte*> kr(static_cast<size_t>(e - b));
+  const int h = int(std::upper_bound(p.first.begin(), p.first.end(), task) - p.first.begin()) - 1;
+  b = (task - p.first[size_t(h)]) * kWidenChunk;
+  e = std::min(p.M[size_t(h)], b + kWidenChunk);
+  return h;
+}
+
+void FarStore::widen_score(const KVLayer& kv, const float* q, int64_t task) {
+  const int G = shape_.group(), d = int(shape_.head_dim);
+  auto& p = wp_.v;
+  int64_t b, e;
+  const int h = widen_head(task, b, e);
+  const int64_t m = p.M[size_t(h)], cnt = e - b;
+  std::vector<const std::byte*> kr(static_cast<size_t>(cnt));
   for (int64_t i = b; i < e; ++i) kr[size_t(i - b)] = kv.k_row(h, pool_pos(h, i));
-  std::vector<float> sc(size_t(G) * (e - b));
-  cpu::score_rows(shape_.kv_dtype, d, G, q + size_t(h) * G * d, shape_.softmax_scale, kr.data(), e - b, sc.data());
-  for (int g = 0; g < G; ++g)
-    std::copy(sc.begin() + (e - b) * g, sc.begin() + (e - b) * (g + 1), score_.v[size_t(h)].begin() + g * m + b);
+  std::vector<float> sc(size_t(G) * cnt);
+  cpu::score_rows(shape_.kv_dtype, d, G, q + size_t(h) * G * d, shape_.softmax_scale, kr.data(), cnt, sc.data());
+  // Repeats score -inf: no weight, never chosen. The task's maximum and sum of exp(s - max) per
+  // query head feed the pool's normaliser (widen_choose).
+  for (int64_t i = b; i < std::min(e, p.P[size_t(h)]); ++i)
+    if (pool_repeat(h, i))
+      for (int g = 0; g < G; ++g) sc[size_t(g) * cnt + (i - b)] = kNegInf;
+  std::vector<float> ex(static_cast<size_t>(cnt));
+  for (int g = 0; g < G; ++g) {
+    const float* sg = sc.data() + size_t(g) * cnt;
+    std::copy(sg, sg + cnt, score_.v[size_t(h)].begin() + g * m + b);
+    const float mx = cpu::max_of(sg, cnt);
+    p.tmax[size_t(task) * G + g] = mx;
+    if (mx == kNegInf) continue;
+    double sum = 0;
+    std::copy(sg, sg + cnt, ex.begin());
+    cpu::exp_shift(ex.data(), cnt, mx);
+    for (int64_t i = 0; i < cnt; ++i)
+      if (sg[i] != kNegInf) sum += ex[size_t(i)];  // exp_shift maps -inf to ~1e-38, not 0
+    p.tsum[size_t(task) * G + g] = sum;
+  }
 }
 
 void FarStore::widen_choose(const float* win_lse, ThreadPool& pool) {
-  if (wp_.v.tasks == 0) return;
+  auto& p = wp_.v;
+  if (p.tasks == 0) return;
   const int hkv = int(heads_.size()), G = shape_.group();
-  const int64_t sinks = wp_.v.sinks, rb = wp_.v.rb;
   chosen_.resize(heads_.size());
   chosen_at_.resize(heads_.size());
   swapped_.assign(heads_.size(), 0);
-  auto pos_of = [&](int h, int64_t i) { return pool_pos(h, i); };
-  const auto& P = wp_.v.P;
-  const auto& M = wp_.v.M;
+  // The normaliser of query head g: the pool's and the window's exp-sums, Z = mx + log(sum), so a
+  // key's weight is sum_g exp(s_g - mx_g) / sum_g.
+  for (int h = 0; h < hkv; ++h)
+    for (int g = 0; g < G; ++g) {
+      const float wl = win_lse[h * G + g];
+      float mx = wl;
+      for (int64_t t = p.first[size_t(h)]; t < p.first[size_t(h) + 1]; ++t) mx = std::max(mx, p.tmax[size_t(t) * G + g]);
+      double z = std::isfinite(wl) ? std::exp(double(wl) - double(mx)) : 0.0;
+      for (int64_t t = p.first[size_t(h)]; t < p.first[size_t(h) + 1]; ++t)
+        if (p.tsum[size_t(t) * G + g] > 0) z += p.tsum[size_t(t) * G + g] * std::exp(double(p.tmax[size_t(t) * G + g]) - double(mx));
+      p.zmax[size_t(h) * G + g] = mx;
+      p.zinv[size_t(h) * G + g] = z > 0 ? float(1.0 / z) : 0.f;
+    }
+  // Weights per scoring task: w_i = sum_g exp(s_gi - mx_g) / sum_g, -1 for repeats.
+  pool.parallel_for(p.tasks, [&](int64_t task) {
+    int64_t b, e;
+    const int h = widen_head(task, b, e);
+    const int64_t m = p.M[size_t(h)], cnt = e - b;
+    float* w = p.w[size_t(h)].data() + b;
+    std::fill(w, w + cnt, 0.f);
+    std::vector<float> ex(static_cast<size_t>(cnt));
+    for (int g = 0; g < G; ++g) {
+      const float* sg = score_.v[size_t(h)].data() + g * m + b;
+      std::copy(sg, sg + cnt, ex.begin());
+      cpu::exp_shift(ex.data(), cnt, p.zmax[size_t(h) * G + g]);
+      const float inv = p.zinv[size_t(h) * G + g];
+      for (int64_t i = 0; i < cnt; ++i) w[i] += ex[size_t(i)] * inv;
+    }
+    for (int64_t i = b; i < std::min(e, p.P[size_t(h)]); ++i)
+      if (pool_repeat(h, i)) w[i - b] = -1.f;
+  });
+  // Per head, the F of highest weight, ties to the newer key: the F-th weight by a radix select,
+  // the keys above it, and of the keys at it the newest. Then the chosen keys in pool order with
+  // their scores' index (far attention reuses the scores); the ones outside the MAW ranking's
+  // first F are the swapped ones.
   pool.parallel_for(hkv, [&](int64_t hh) {
     const int h = int(hh);
     const auto& rk = ranked_[size_t(h)];
-    const int64_t F = std::min<int64_t>(limit_, int64_t(rk.size()));
+    const int64_t F = std::min<int64_t>(limit_, int64_t(rk.size())), m = p.M[size_t(h)];
+    float* w = p.w[size_t(h)].data();
     auto& c = chosen_[size_t(h)];
-    const int64_t Ph = P[size_t(h)], Mh = M[size_t(h)];
-    // The pool without repeats: sinks and recent keys that are not MAW candidates (marks over the
-    // two ranges only: the step stays independent of the far store's size).
-    c.assign(rk.begin(), rk.begin() + Ph);
-    std::vector<int64_t> from(static_cast<size_t>(Ph));  // pool entry -> index into the scores
-    std::iota(from.begin(), from.end(), 0);
-    std::vector<uint8_t> in_maw(size_t(sinks + (n_ - rb)), 0);
-    auto slot = [&](int64_t t) -> int64_t { return t < sinks ? t : t >= rb ? sinks + (t - rb) : -1; };
-    for (int32_t t : c)
-      if (const int64_t sl = slot(t); sl >= 0) in_maw[size_t(sl)] = 1;
-    for (int64_t i = Ph; i < Mh; ++i) {
-      const int32_t t = pos_of(h, i);
-      if (!in_maw[size_t(slot(t))]) {
-        c.push_back(t);
-        from.push_back(i);
-      }
-    }
-    const int64_t m = int64_t(c.size());
     auto& at = chosen_at_[size_t(h)];
-    if (m <= F) {  // the pool is the MAW set: nothing to choose
-      at.assign(from.begin(), from.end());
-      return;
-    }
-    const float* all = score_.v[size_t(h)].data();
-    std::vector<float> e(static_cast<size_t>(m)), w(size_t(m), 0.f);
-    for (int g = 0; g < G; ++g) {
-      // Weights over the pool and the window: exp(e_i - mx) / (sum_pool + exp(lse_window - mx)).
-      for (int64_t i = 0; i < m; ++i) e[size_t(i)] = all[size_t(g) * Mh + from[size_t(i)]];
-      const float wl = win_lse[h * G + g];
-      const float mx = std::max(wl, cpu::max_of(e.data(), m));
-      const double z = cpu::exp_shift(e.data(), m, mx) + (std::isfinite(wl) ? std::exp(double(wl) - double(mx)) : 0.0);
-      const float inv = float(1.0 / z);
-      for (int64_t i = 0; i < m; ++i) w[size_t(i)] += e[size_t(i)] * inv;
-    }
-    // The F of highest weight, ties to the newer key: packed keys (the weight's order-preserving
-    // image above the position, as in limit()), so the selection compares integers.
-    std::vector<uint64_t> key(static_cast<size_t>(m));
-    for (int64_t i = 0; i < m; ++i) key[size_t(i)] = (uint64_t(cpu::float_key(w[size_t(i)])) << 32) | uint32_t(c[size_t(i)]);
-    std::nth_element(key.begin(), key.begin() + (F - 1), key.end(), std::greater<>());
-    // The chosen keys in pool order with their scores' index (far attention reuses the scores),
-    // through a bitmap of the picks; the keys among them that the MAW ranking alone would not attend
-    // (outside the pool's first F) are the swapped ones.
-    std::vector<uint64_t> picked(size_t(n_ + 63) / 64, 0);
-    for (int64_t i = 0; i < F; ++i) {
-      const uint32_t t = uint32_t(key[size_t(i)]);
-      picked[t >> 6] |= uint64_t(1) << (t & 63);
-    }
-    std::vector<int32_t> pick;
-    pick.reserve(size_t(F));
+    c.clear();
     at.clear();
+    std::vector<uint32_t> tmp;
+    const float th = cpu::kth_largest(w, m, F, tmp);
+    std::vector<int64_t> ties;
+    int64_t above = 0;
+    for (int64_t i = 0; i < m; ++i) {
+      above += w[i] > th;
+      if (w[i] == th) ties.push_back(i);
+    }
+    if (th >= 0.f && above + int64_t(ties.size()) > F) {
+      // Of the keys at the threshold the F - above newest; the others drop below it.
+      const int64_t keep = F - above;
+      std::nth_element(ties.begin(), ties.begin() + keep, ties.end(),
+                       [&](int64_t x, int64_t y) { return pool_pos(h, x) > pool_pos(h, y); });
+      for (size_t k = size_t(keep); k < ties.size(); ++k) w[ties[k]] = -1.f;
+    }
+    std::vector<uint64_t> top(size_t(n_ + 63) / 64, 0);
+    for (int64_t i = 0; i < F; ++i) top[size_t(rk[size_t(i)]) >> 6] |= uint64_t(1) << (rk[size_t(i)] & 63);
+    c.reserve(size_t(F));
     at.reserve(size_t(F));
     int64_t sw = 0;
+    const float cut = std::max(th, 0.f);
     for (int64_t i = 0; i < m; ++i) {
-      const int32_t t = c[size_t(i)];
-      if (!((picked[size_t(t) >> 6] >> (t & 63)) & 1)) continue;
-      pick.push_back(t);
-      at.push_back(from[size_t(i)]);
-      sw += i >= F;
+      if (!(w[i] >= cut) || w[i] < 0.f) continue;
+      const int32_t t = pool_pos(h, i);
+      c.push_back(t);
+      at.push_back(i);
+      sw += !((top[size_t(t) >> 6] >> (t & 63)) & 1);
     }
-    c = std::move(pick);
     swapped_[size_t(h)] = sw;
   });
   widened_ = true;

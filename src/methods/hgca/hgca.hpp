@@ -232,7 +232,9 @@ class FarStore {
   std::vector<std::vector<int32_t>> chosen_;  // per head: this step's widened far set (in pool order)
   std::vector<std::vector<int64_t>> chosen_at_;  // per head: each chosen key's index into its scores (score_)
   std::vector<int64_t> swapped_;              // per head: keys of chosen_ outside the MAW prefix
-  int32_t pool_pos(int h, int64_t i) const;  // the i-th entry of head h's widen pool, repeats included
+  int32_t pool_pos(int h, int64_t i) const;    // the i-th entry of head h's widen pool, repeats included
+  bool pool_repeat(int h, int64_t i) const;     // a MAW candidate that is also a sink or a recent key
+  int widen_head(int64_t task, int64_t& b, int64_t& e) const;  // a scoring task's head and pool entries [b, e)
   static constexpr int64_t kWidenChunk = 2048;  // widen's rows per scoring task
   static constexpr int64_t kFarChunk = 1024;    // far keys per attention task
   // Per-step scratch, not copied with the store (a fork, an append's undo: a copy starts without it
@@ -249,6 +251,10 @@ class FarStore {
   struct WidenPlan {
     int64_t tasks = 0, sinks = 0, rb = 0;
     std::vector<int64_t> P, M, first;  // per head: MAW candidates, pool size; first task of each head
+    std::vector<float> tmax;           // [task][G] maximum score of the task's entries
+    std::vector<double> tsum;          // [task][G] sum of exp(score - tmax) over them
+    std::vector<float> zmax, zinv;     // [Hkv][G] the normaliser: max and 1 / sum (pool and window)
+    std::vector<std::vector<float>> w;  // per head: each pool entry's weight (-1: a repeat)
   };
   struct FarPlan {
     int hpt = 1, chunks = 1;
