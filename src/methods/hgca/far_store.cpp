@@ -443,17 +443,25 @@ void FarStore::widen_choose(const float* win_lse, ThreadPool& pool) {
     }
     std::vector<uint64_t> top(size_t(n_ + 63) / 64, 0);
     for (int64_t i = 0; i < F; ++i) top[size_t(rk[size_t(i)]) >> 6] |= uint64_t(1) << (rk[size_t(i)] & 63);
-    c.reserve(size_t(F));
-    at.reserve(size_t(F));
-    int64_t sw = 0;
+    // Without branches on the weights (a pick is about every other entry, at random): every entry
+    // is written, and the write position moves on only for a pick.
+    c.resize(size_t(m));
+    at.resize(size_t(m));
+    int64_t k = 0, sw = 0;
     const float cut = std::max(th, 0.f);
+    const int32_t* r = rk.data();
+    const int64_t Ph = p.P[size_t(h)], sk = p.sinks, rb = p.rb;
     for (int64_t i = 0; i < m; ++i) {
-      if (!(w[i] >= cut) || w[i] < 0.f) continue;
-      const int32_t t = pool_pos(h, i);
-      c.push_back(t);
-      at.push_back(i);
-      sw += !((top[size_t(t) >> 6] >> (t & 63)) & 1);
+      const int64_t j = i - Ph;
+      const int32_t t = int32_t(i < Ph ? r[i] : j < sk ? j : rb + (j - sk));
+      const bool pick = w[i] >= cut;
+      c[size_t(k)] = t;
+      at[size_t(k)] = i;
+      sw += pick & !((top[size_t(t) >> 6] >> (t & 63)) & 1);
+      k += pick;
     }
+    c.resize(size_t(k));
+    at.resize(size_t(k));
     swapped_[size_t(h)] = sw;
   });
   widened_ = true;
