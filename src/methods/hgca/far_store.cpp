@@ -38,8 +38,12 @@ void FarStore::renormalise(Head& hd) {
   double sum = 0;
   for (float s : hd.score) sum += s;
   hd.weight.resize(hd.score.size());
-  for (size_t i = 0; i < hd.score.size(); ++i)
-    hd.weight[i] = sum > 0 ? float(hd.score[i] / sum) : float(1.0 / double(hd.score.size()));
+  if (!(sum > 0)) {
+    std::fill(hd.weight.begin(), hd.weight.end(), float(1.0 / double(hd.score.size())));
+    return;
+  }
+  const double inv = 1.0 / sum;
+  for (size_t i = 0; i < hd.score.size(); ++i) hd.weight[i] = float(double(hd.score[i]) * inv);
 }
 
 void FarStore::push(const KVLayer& kv, Head& hd, int h, int32_t t, float score) {
@@ -70,8 +74,7 @@ void FarStore::add_evicted(const KVLayer& kv, int64_t count, const float* maw, i
     }
     if (changed) renormalise(hd);
   }
-  n_ += count;
-  rank_dirty_ = true;
+  n_ += count;  // the ranking merges the newcomers (limit): the older entries' ratios are unchanged
 }
 
 void FarStore::reevaluate(const KVLayer& kv, const float* a) {
@@ -251,30 +254,70 @@ void FarStore::limit(int64_t far_keys, int64_t w_size, ThreadPool& pool) {
   limit_ = far_keys;
   if (heads_.empty()) return;
   const int64_t want = std::min(far_keys, n_);
-  if (ranked_.size() != heads_.size()) ranked_.assign(heads_.size(), {});
-  if (!rank_dirty_ && rank_w_ == w_size && int64_t(ranked_[0].size()) >= want) return;
-  // Rank a prefix with some slack: the far share grows by a block after each eviction and by one
-  // key per 1/fraction steps, and the ranking only changes when the far store does.
-  const int64_t len = std::min(n_, want + want / 2 + 64);
+  if (ranked_.size() != heads_.size() || rank_keys_.size() != heads_.size()) {
+    ranked_.assign(heads_.size(), {});
+    rank_keys_.assign(heads_.size(), {});
+    rank_dirty_ = true;
+  }
+  const bool fresh = !rank_dirty_ && rank_w_ == w_size && rank_n_ <= n_;
+  if (fresh && rank_n_ == n_ && rank_len_ >= want) return;
+  // The ranking's prefix that the step sees: the far share with some slack (it grows by a block
+  // after each eviction and by one key per 1/fraction steps), rebuilt when the far store changed
+  // or the share outgrew it.
+  const int64_t target = std::min(n_, want + want / 2 + 64);
   const int hq = int(shape_.num_q_heads), G = shape_.group();
-  // One task per KV head. An entry is ranked by a 64-bit key: the ratio's order-preserving image
-  // (cpu::float_key) above the position, so "larger key" is the order wanted (higher ratio first,
-  // the newer entry on ties) and the selection compares integers instead of chasing the ratio array.
+  // An entry is ranked by a 64-bit key: the ratio's order-preserving image (cpu::float_key) above
+  // the position, so "larger key" is the order wanted (higher ratio first, the newer entry on ties)
+  // and the selection compares integers instead of chasing the ratio array.
+  auto key_of = [&](int64_t h, int64_t t) {
+    const float r = agg(maw_.data() + size_t(t) * hq + size_t(h) * G) * float(t < reeval_n_ ? reeval_n_ : w_size);
+    return (uint64_t(cpu::float_key(r)) << 32) | uint32_t(t);
+  };
+  // The exact prefix kept is longer than the one seen (ranked_ holds `have` entries, rank_keys_
+  // their keys: recomputing them would read the MAW at random, 1.5 ms a head at 128K). Only entries
+  // [rank_n_, n_) can have come since (evictions; the older entries' ratios are unchanged), and the
+  // best `have` of the whole set are among the old prefix and the newcomers, so a merge of the two
+  // is exact (all of them when the old prefix held every old entry): eviction steps cost a merge
+  // instead of a selection over the whole far store (about 2-3 ms a head at 256K).
+  const int64_t have = int64_t(ranked_[0].size());
+  const int64_t exact = have == rank_n_ ? n_ : have;  // how far a merge would be exact
+  if (fresh && target <= exact) {
+    if (rank_n_ < n_) {
+      const int64_t len = std::min(exact, std::max(have, target));
+      pool.parallel_for(int64_t(heads_.size()), [&](int64_t h) {
+        auto& a = rank_keys_[size_t(h)];
+        std::vector<uint64_t> b(static_cast<size_t>(n_ - rank_n_)), m(a.size() + b.size());
+        for (int64_t t = rank_n_; t < n_; ++t) b[size_t(t - rank_n_)] = key_of(h, t);
+        std::sort(b.begin(), b.end(), std::greater<>());
+        std::merge(a.begin(), a.end(), b.begin(), b.end(), m.begin(), std::greater<>());
+        m.resize(size_t(len));
+        a = std::move(m);
+        auto& out = ranked_[size_t(h)];
+        out.resize(size_t(len));
+        for (int64_t i = 0; i < len; ++i) out[size_t(i)] = int32_t(uint32_t(a[size_t(i)]));
+      });
+      rank_n_ = n_;
+    }
+    rank_len_ = target;
+    return;
+  }
+  // A full rebuild, one task per head, keeping twice the prefix seen.
+  const int64_t len = std::min(n_, 2 * target);
   pool.parallel_for(int64_t(heads_.size()), [&](int64_t h) {
     std::vector<uint64_t> key(static_cast<size_t>(n_));
-    for (int64_t t = 0; t < n_; ++t) {
-      const float r = agg(maw_.data() + size_t(t) * hq + size_t(h) * G) * float(t < reeval_n_ ? reeval_n_ : w_size);
-      key[size_t(t)] = (uint64_t(cpu::float_key(r)) << 32) | uint32_t(t);
-    }
+    for (int64_t t = 0; t < n_; ++t) key[size_t(t)] = key_of(h, t);
     if (len > 0 && len < n_) std::nth_element(key.begin(), key.begin() + (len - 1), key.end(), std::greater<>());
     key.resize(size_t(len));
     std::sort(key.begin(), key.end(), std::greater<>());
     auto& out = ranked_[size_t(h)];
     out.resize(size_t(len));
     for (int64_t i = 0; i < len; ++i) out[size_t(i)] = int32_t(uint32_t(key[size_t(i)]));
+    rank_keys_[size_t(h)] = std::move(key);
   });
   rank_dirty_ = false;
   rank_w_ = w_size;
+  rank_n_ = n_;
+  rank_len_ = target;
 }
 
 void FarStore::widen(const KVLayer& kv, const float* q, const float* win_lse, int64_t sinks, int64_t recent,
@@ -304,9 +347,8 @@ int64_t FarStore::widen_plan(int64_t sinks, int64_t recent) {
   p.M.assign(size_t(hkv), 0);
   p.first.assign(size_t(hkv) + 1, 0);
   for (int h = 0; h < hkv; ++h) {
-    const auto& rk = ranked_[size_t(h)];
-    const int64_t F = std::min<int64_t>(limit_, int64_t(rk.size()));
-    p.P[size_t(h)] = std::min<int64_t>(int64_t(rk.size()), 2 * F);
+    const int64_t F = std::min(limit_, rank_len_);
+    p.P[size_t(h)] = std::min(rank_len_, 2 * F);
     p.M[size_t(h)] = p.P[size_t(h)] + sinks + (n_ - p.rb);
     p.first[size_t(h) + 1] = p.first[size_t(h)] + (p.M[size_t(h)] + kWidenChunk - 1) / kWidenChunk;
   }
@@ -420,7 +462,7 @@ void FarStore::widen_choose(const float* win_lse, ThreadPool& pool) {
   pool.parallel_for(hkv, [&](int64_t hh) {
     const int h = int(hh);
     const auto& rk = ranked_[size_t(h)];
-    const int64_t F = std::min<int64_t>(limit_, int64_t(rk.size())), m = p.M[size_t(h)];
+    const int64_t F = std::min(limit_, rank_len_), m = p.M[size_t(h)];
     float* w = p.w[size_t(h)].data();
     auto& c = chosen_[size_t(h)];
     auto& at = chosen_at_[size_t(h)];

@@ -193,7 +193,7 @@ class FarStore {
   // widened set).
   const int32_t* ranked(int h) const { return widened_ ? chosen_[size_t(h)].data() : ranked_[size_t(h)].data(); }
   int64_t ranked_keys(int h) const {
-    return widened_ ? int64_t(chosen_[size_t(h)].size()) : std::min<int64_t>(limit_, int64_t(ranked_[size_t(h)].size()));
+    return widened_ ? int64_t(chosen_[size_t(h)].size()) : std::min(limit_, rank_len_);
   }
   // Far keys of head h that this step's widening chose in place of the MAW ranking's first limit().
   int64_t widened_keys(int h) const { return widened_ ? swapped_[size_t(h)] : 0; }
@@ -225,9 +225,12 @@ class FarStore {
   // cap=budget.
   int64_t reeval_n_ = 0;    // far entries the last re-evaluation judged (their MAW is far-normalised)
   int64_t limit_ = -1;      // far keys per head this step; -1: no cap
-  bool rank_dirty_ = true;  // the far set changed since ranked_ was built
+  bool rank_dirty_ = true;  // entries ranked_ was built from changed (beyond new evictions)
   int64_t rank_w_ = 0;
-  std::vector<std::vector<int32_t>> ranked_;  // per head: best far entries first (a prefix of the ranking)
+  int64_t rank_n_ = 0;      // far entries when ranked_ was built (newer ones are merged in by limit)
+  int64_t rank_len_ = 0;    // the prefix of ranked_ a step sees
+  std::vector<std::vector<int32_t>> ranked_;  // per head: best far entries first (an exact prefix of the ranking, >= rank_len_)
+  std::vector<std::vector<uint64_t>> rank_keys_;  // per head: the ranking keys of ranked_
   bool widened_ = false;                      // this step's far sets are chosen_ (widen)
   std::vector<std::vector<int32_t>> chosen_;  // per head: this step's widened far set (in pool order)
   std::vector<std::vector<int64_t>> chosen_at_;  // per head: each chosen key's index into its scores (score_)
