@@ -583,6 +583,8 @@ uint64_t FarStore::bytes() const {
   for (auto& hd : heads_)
     b += hd.pos.size() * 4 + hd.score.size() * 4 + hd.weight.size() * 4 + hd.k.size() + hd.v.size() +
          hd.pad.size() * 4 + hd.in_ctx.size();
+  for (size_t h = 0; h < ranked_.size(); ++h) b += ranked_[h].size() * 4;
+  for (size_t h = 0; h < rank_keys_.size(); ++h) b += rank_keys_[h].size() * 8;
   return b;
 }
 
