@@ -219,7 +219,7 @@ TEST_CASE("attention scoring: score_rows and score_contig equal float64 dot prod
         }
 }
 
-TEST_CASE("attention values: accumulate_rows adds float64 weighted sums of gathered V rows; max_of skips NaN") {
+TEST_CASE("attention values: accumulate_rows adds float64 weighted sums of gathered V rows; max_of skips NaN; softmax_rows") {
   Rng rng(11);
   for (kvs::DType dt : {kvs::DType::F32, kvs::DType::F16, kvs::DType::BF16})
     for (int d : {12, 64, 128})
@@ -258,5 +258,24 @@ TEST_CASE("attention values: accumulate_rows adds float64 weighted sums of gathe
     for (float v : x)
       if (v > ref) ref = v;
     CHECK(kvs::cpu::max_of(x.data(), n) == ref);
+  }
+  // softmax_rows: rows of a strided matrix to softmax weights, and their LSE.
+  for (int64_t n : {1, 5, 64, 300}) {
+    const int G = 3;
+    const int64_t ld = n + 3;
+    auto x = rng.normals(size_t(G) * ld);
+    for (auto& v : x) v *= 6.f;
+    const auto x0 = x;
+    std::vector<float> lse(G);
+    kvs::cpu::softmax_rows(x.data(), G, n, ld, lse.data());
+    for (int g = 0; g < G; ++g) {
+      double mx = -1e300, z = 0;
+      for (int64_t i = 0; i < n; ++i) mx = std::max(mx, double(x0[size_t(g * ld + i)]));
+      for (int64_t i = 0; i < n; ++i) z += std::exp(double(x0[size_t(g * ld + i)]) - mx);
+      const double l = mx + std::log(z);
+      CHECK(std::abs(lse[size_t(g)] - l) < 1e-5 * std::max(1.0, std::abs(l)));
+      for (int64_t i = 0; i < n; ++i) CHECK(std::abs(x[size_t(g * ld + i)] - std::exp(double(x0[size_t(g * ld + i)]) - l)) < 1e-6);
+      for (int64_t i = n; i < ld; ++i) CHECK(x[size_t(g * ld + i)] == x0[size_t(g * ld + i)]);  // beyond n: untouched
+    }
   }
 }

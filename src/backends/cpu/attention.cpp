@@ -776,6 +776,17 @@ float max_of(const float* x, int64_t n) {
   return *std::max_element(m8, m8 + 8);
 }
 
+void softmax_rows(float* x, int G, int64_t n, int64_t ld, float* lse) {
+  for (int g = 0; g < G; ++g) {
+    float* xg = x + size_t(g) * size_t(ld);
+    const float mx = max_of(xg, n);
+    const double l = exp_shift(xg, n, mx);
+    lse[g] = mx + float(std::log(l));
+    const float inv = float(1.0 / l);
+    for (int64_t i = 0; i < n; ++i) xg[i] *= inv;
+  }
+}
+
 namespace {
 KVS_AVX512 double exp_shift512(float* x, int64_t n, float m) {
   const __m512 mv = _mm512_set1_ps(m);

@@ -53,6 +53,9 @@ void score_contig(DType t, int d, int G, const float* q, float scale, const std:
 // and its widened far set): the K rows are not read again.
 void accumulate_rows(DType t, int d, int G, const float* w, int64_t ldw, const std::byte* const* v_rows, int64_t n,
                      float* o);
+// Rows of scores to softmax weights in place: for g < G, x[g * ld + i] (i < n) becomes
+// exp(x - lse_g), lse_g = log sum_i exp(x[g * ld + i]) written to lse[g] (n >= 1).
+void softmax_rows(float* x, int G, int64_t n, int64_t ld, float* lse);
 // max(x[0..n)), -inf for n = 0 (NaNs are skipped), in eight independent lanes.
 float max_of(const float* x, int64_t n);
 // x[i] <- exp(x[i] - m) for n values with the vectorised exponential of the softmax update (|rel

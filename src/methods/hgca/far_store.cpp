@@ -199,14 +199,7 @@ void FarStore::attend_task(const KVLayer& kv, const float* q, int64_t it) {
         for (int64_t j = 0; j < cnt; ++j) w[size_t(g) * cnt + j] = sv[size_t(g) * Mh + size_t(at[b + j])];
       for (int64_t j = b; j < e; ++j) vr[size_t(j - b)] = kv.v_row(h, ranked(h)[size_t(j)]);
       std::fill(po, po + size_t(G) * d, 0.f);
-      for (int g = 0; g < G; ++g) {
-        float* wg = w.data() + size_t(g) * cnt;
-        const float mx = cpu::max_of(wg, cnt);
-        const double l = cpu::exp_shift(wg, cnt, mx);
-        pl[g] = mx + float(std::log(l));
-        const float inv = float(1.0 / l);
-        for (int64_t j = 0; j < cnt; ++j) wg[j] *= inv;
-      }
+      cpu::softmax_rows(w.data(), G, cnt, cnt, pl);
       cpu::accumulate_rows(shape_.kv_dtype, d, G, w.data(), cnt, vr.data(), cnt, po);
       continue;
     }

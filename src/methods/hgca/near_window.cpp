@@ -122,14 +122,7 @@ void CpuNearWindow::attend_head(const float* q, int h, float* o, float* lse, boo
   }
   std::vector<float> s(size_t(G) * n);
   cpu::score_rows(shape_.kv_dtype, d, G, q + size_t(h) * G * d, shape_.softmax_scale, kr.data(), n, s.data());
-  for (int g = 0; g < G; ++g) {
-    float* sg = s.data() + size_t(g) * n;
-    const float mx = cpu::max_of(sg, n);
-    const double l = cpu::exp_shift(sg, n, mx);
-    lh[g] = mx + float(std::log(l));
-    const float inv = float(1.0 / l);
-    for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
-  }
+  cpu::softmax_rows(s.data(), G, n, n, lh);
   cpu::accumulate_rows(shape_.kv_dtype, d, G, s.data(), n, vr.data(), n, oh);
   if (!update) return;
   const float a = float(alpha_), keep = float(1.0 - alpha_);
