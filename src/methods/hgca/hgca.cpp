@@ -137,7 +137,7 @@ class Hgca final : public Method {
     w.evict(from_win, ev.data());
     const bool have_q = !st.stash_pos.empty();
     const bool do_reeval = reeval && have_q;
-    st.far.add_evicted(kv, cnt, ev.data(), st.l_max, /*test=*/!do_reeval);
+    st.far.add_evicted(kv, cnt, ev.data(), st.l_max, *ctx_.pool, /*test=*/!do_reeval);
     w.skip(from_new);
     std::vector<float> init(size_t(m - from_new) * hq, p_.maw_init);
     w.insert(kv, m - from_new, init.data());
@@ -244,7 +244,7 @@ class Hgca final : public Method {
     if (cnt > 0) {
       std::vector<float> ev(size_t(cnt) * hq);
       w.evict(cnt, ev.data());
-      st.far.add_evicted(kv, cnt, ev.data(), st.l_max);
+      st.far.add_evicted(kv, cnt, ev.data(), st.l_max, *ctx_.pool);
       st.far.repad(kv, heads_per_task());
     }
     std::vector<float> init(static_cast<size_t>(hq), p_.maw_init);

@@ -150,7 +150,8 @@ class FarStore {
 
   // Takes the evicted tokens [n, n + count) with their MAW [count][Hq]; with test, tests them
   // against beta / w_size and appends the salient ones per head (without: a re-evaluation follows).
-  void add_evicted(const KVLayer& kv, int64_t count, const float* maw, int64_t w_size, bool test = true);
+  void add_evicted(const KVLayer& kv, int64_t count, const float* maw, int64_t w_size, ThreadPool& pool,
+                   bool test = true);
   // Re-evaluation (Alg. 1 lines 19-22): a [n][Hq] weights of every far entry; replaces the MAW
   // and rebuilds every head's set with the threshold beta / n.
   void reevaluate(const KVLayer& kv, const float* a);
