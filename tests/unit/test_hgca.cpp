@@ -21,6 +21,10 @@
 
 using namespace kvt;
 
+namespace kvs {
+int64_t streaming_sinks(int64_t sinks, int64_t k, int64_t n);  // methods/streaming/streaming.cpp
+}
+
 namespace {
 
 struct Data {
@@ -372,6 +376,87 @@ TEST_CASE("hgca: the MAW ranking after many block evictions equals a full sort o
     }
   }
   CHECK(evictions >= 55);
+}
+
+TEST_CASE("hgca: widen chooses the F keys of highest float64 weight among the MAW candidates, sinks and recent keys") {
+  // cap=budget with widen=recent (the defaults): the pool is the first min(prefix, 2F) entries of the
+  // MAW ranking (a full sort of the far store, as in the ranking test), streaming's sinks and its
+  // recent far keys; a key's weight is sum_g exp(s_g - Z_g), Z_g the log-sum-exp of query head g over
+  // the pool and the window, all in float64 here; the F heaviest are chosen (ties: the newer). Keys
+  // whose reference weight is within 1e-5 of the F-th may differ (float rounding in the library).
+  Rng rng(23);
+  Data D(rng, 8, 2, 16, 1700);
+  const double budget = 0.2;
+  Harness H(D, "window=64,block_size=16", budget);
+  H.prefill(D, 1500);
+  const int hq = D.hq, G = D.hq / D.hkv, d = D.d;
+  const double scale = 1.0 / std::sqrt(double(d));
+  std::vector<float> o, lse;
+  int64_t widened = 0, steps_checked = 0;
+  for (int64_t t = 1500; t < D.T; ++t) {
+    H.step(D, t, o, lse);
+    const auto& far = H.far();
+    const auto& win = H.win();
+    const int64_t n = t + 1, nf = far.tokens(), W = win.size();
+    const int64_t k = kvs::Budget{budget, 0}.keys(n, 0.05);
+    const int64_t F = std::min<int64_t>(std::max<int64_t>(0, k - W), far.ranked_prefix());
+    const int64_t sk = std::clamp<int64_t>(kvs::streaming_sinks(4, k, n), 0, nf);
+    const int64_t recent = std::clamp<int64_t>(std::max<int64_t>(0, k - sk - W), 0, nf);
+    const int64_t rb = std::max(sk, nf - recent);
+    const int64_t reeval = far.reeval_tokens(), l_max = win.capacity();
+    for (int h = 0; h < D.hkv; ++h) {
+      // The MAW ranking, then the pool (a set: repeats once).
+      std::vector<std::pair<float, int32_t>> rank;
+      for (int64_t j = 0; j < nf; ++j) {
+        float a = far.maw()[size_t(j) * hq + size_t(h) * G];
+        for (int g = 1; g < G; ++g) a = std::max(a, far.maw()[size_t(j) * hq + size_t(h) * G + g]);
+        rank.push_back({a * float(j < reeval ? reeval : l_max), int32_t(j)});
+      }
+      std::sort(rank.begin(), rank.end(), [](const auto& x, const auto& y) { return x.first != y.first ? x.first > y.first : x.second > y.second; });
+      std::set<int32_t> pool;
+      for (int64_t i = 0; i < std::min<int64_t>(far.ranked_prefix(), 2 * F); ++i) pool.insert(rank[size_t(i)].second);
+      for (int64_t j = 0; j < sk; ++j) pool.insert(int32_t(j));
+      for (int64_t j = rb; j < nf; ++j) pool.insert(int32_t(j));
+      // float64 weights over the pool and the window.
+      auto score = [&](int g, int64_t j) {
+        double acc = 0;
+        for (int i = 0; i < d; ++i) acc += double(D.qt(t)[(h * G + g) * d + i]) * D.kt(j)[h * d + i];
+        return acc * scale;
+      };
+      std::vector<double> Z(static_cast<size_t>(G));
+      for (int g = 0; g < G; ++g) {
+        std::vector<double> all;
+        for (int32_t j : pool) all.push_back(score(g, j));
+        for (int64_t j = win.begin(); j < win.end(); ++j) all.push_back(score(g, j));
+        const double mx = *std::max_element(all.begin(), all.end());
+        double z = 0;
+        for (double x : all) z += std::exp(x - mx);
+        Z[size_t(g)] = mx + std::log(z);
+      }
+      std::vector<std::pair<double, int32_t>> wts;
+      for (int32_t j : pool) {
+        double w = 0;
+        for (int g = 0; g < G; ++g) w += std::exp(score(g, j) - Z[size_t(g)]);
+        wts.push_back({w, j});
+      }
+      std::sort(wts.begin(), wts.end(), [](const auto& x, const auto& y) { return x.first != y.first ? x.first > y.first : x.second > y.second; });
+      INFO("step " << t << " head " << h << " F " << F << " pool " << pool.size());
+      REQUIRE(far.ranked_keys(h) == std::min<int64_t>(F, int64_t(pool.size())));
+      const std::set<int32_t> got(far.ranked(h), far.ranked(h) + far.ranked_keys(h));
+      CHECK(got.size() == size_t(far.ranked_keys(h)));  // no key twice
+      if (F == 0 || int64_t(wts.size()) <= F) continue;
+      const double wf = wts[size_t(F - 1)].first;
+      for (size_t i = 0; i < wts.size(); ++i) {
+        const bool want = int64_t(i) < F;
+        if (std::abs(wts[i].first - wf) <= 1e-5 * wf) continue;  // at the threshold: either way
+        CHECK(got.count(wts[i].second) == size_t(want));
+      }
+      widened += far.widened_keys(h);
+      ++steps_checked;
+    }
+  }
+  CHECK(steps_checked > 300);
+  CHECK(widened > 0);  // widen did choose beyond the MAW ranking
 }
 
 TEST_CASE("hgca: padding aligns the heads of a task with their best sub-threshold entries") {

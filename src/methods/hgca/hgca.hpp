@@ -199,6 +199,7 @@ class FarStore {
   // Far keys of head h that this step's widening chose in place of the MAW ranking's first limit().
   int64_t widened_keys(int h) const { return widened_ ? swapped_[size_t(h)] : 0; }
   int64_t reeval_tokens() const { return reeval_n_; }
+  int64_t ranked_prefix() const { return rank_len_; }  // the ranking's prefix a step sees (widen's pool takes up to 2 limit() of it)
   void set_reeval_tokens(int64_t n) { reeval_n_ = n; rank_dirty_ = true; }
 
   // One-step undo (decode): checkpoint() then rollback().
