@@ -138,6 +138,21 @@ struct Harness {
   const kvs::hgca::FarStore& far() const { return *kvs::hgca::far_of(*m, 0); }
 };
 
+// The MAW ranking of KV head h by a full sort of the far store: every far entry with its salience
+// ratio (gqa=max MAW x the size it is judged against: the re-evaluated count or l_max), best first,
+// ties to the newer entry.
+std::vector<std::pair<float, int32_t>> maw_ranking(const kvs::hgca::FarStore& far, int h, int hq, int G, int64_t l_max) {
+  const int64_t reeval = far.reeval_tokens();
+  std::vector<std::pair<float, int32_t>> all;
+  for (int64_t j = 0; j < far.tokens(); ++j) {
+    float a = far.maw()[size_t(j) * hq + size_t(h) * G];
+    for (int g = 1; g < G; ++g) a = std::max(a, far.maw()[size_t(j) * hq + size_t(h) * G + g]);
+    all.push_back({a * float(j < reeval ? reeval : l_max), int32_t(j)});
+  }
+  std::sort(all.begin(), all.end(), [](const auto& x, const auto& y) { return x.first != y.first ? x.first > y.first : x.second > y.second; });
+  return all;
+}
+
 }  // namespace
 
 TEST_CASE("hgca: evict_count is Alg. 1 with the sign fixed, in whole blocks") {
@@ -357,15 +372,8 @@ TEST_CASE("hgca: the MAW ranking after many block evictions equals a full sort o
     const int64_t n = far.tokens();
     evictions += n != last_far;
     last_far = n;
-    const int64_t reeval = far.reeval_tokens(), l_max = H.win().capacity();
     for (int h = 0; h < D.hkv; ++h) {
-      std::vector<std::pair<float, int32_t>> all;
-      for (int64_t j = 0; j < n; ++j) {
-        float a = far.maw()[size_t(j) * hq + size_t(h) * G];
-        for (int g = 1; g < G; ++g) a = std::max(a, far.maw()[size_t(j) * hq + size_t(h) * G + g]);
-        all.push_back({a * float(j < reeval ? reeval : l_max), int32_t(j)});
-      }
-      std::sort(all.begin(), all.end(), [](const auto& x, const auto& y) { return x.first != y.first ? x.first > y.first : x.second > y.second; });
+      const auto all = maw_ranking(far, h, hq, G, H.win().capacity());
       const int64_t F = far.ranked_keys(h);
       REQUIRE(F <= n);
       INFO("step " << t << " head " << h << " F " << F << " far entries " << n);
@@ -403,16 +411,9 @@ TEST_CASE("hgca: widen chooses the F keys of highest float64 weight among the MA
     const int64_t sk = std::clamp<int64_t>(kvs::streaming_sinks(4, k, n), 0, nf);
     const int64_t recent = std::clamp<int64_t>(std::max<int64_t>(0, k - sk - W), 0, nf);
     const int64_t rb = std::max(sk, nf - recent);
-    const int64_t reeval = far.reeval_tokens(), l_max = win.capacity();
     for (int h = 0; h < D.hkv; ++h) {
       // The MAW ranking, then the pool (a set: repeats once).
-      std::vector<std::pair<float, int32_t>> rank;
-      for (int64_t j = 0; j < nf; ++j) {
-        float a = far.maw()[size_t(j) * hq + size_t(h) * G];
-        for (int g = 1; g < G; ++g) a = std::max(a, far.maw()[size_t(j) * hq + size_t(h) * G + g]);
-        rank.push_back({a * float(j < reeval ? reeval : l_max), int32_t(j)});
-      }
-      std::sort(rank.begin(), rank.end(), [](const auto& x, const auto& y) { return x.first != y.first ? x.first > y.first : x.second > y.second; });
+      const auto rank = maw_ranking(far, h, hq, G, win.capacity());
       std::set<int32_t> pool;
       for (int64_t i = 0; i < std::min<int64_t>(far.ranked_prefix(), 2 * F); ++i) pool.insert(rank[size_t(i)].second);
       for (int64_t j = 0; j < sk; ++j) pool.insert(int32_t(j));
