@@ -407,6 +407,47 @@ void simd_block(Isa isa, State& st, const float* q, int cnt, const std::byte* co
   else simd8::block<T>(st, q, cnt, kr, vr, s, pf);
 }
 
+// The paired-bf16 column order (bf16x2) of a run over bf16 rows: with 16 lanes q and the
+// accumulators are held in it, with 8 lanes only the accumulators (the value pass pairs).
+// KVS_CPU_BF16X2=off keeps the widen-and-shift conversion (for comparisons, like KVS_CPU_ISA).
+enum class X2 { None, Lanes16, Lanes8 };
+X2 x2_mode(Isa isa, DType t, int d) {
+  static const bool off = [] {
+    const char* e = std::getenv("KVS_CPU_BF16X2");
+    return e != nullptr && std::strcmp(e, "off") == 0;
+  }();
+  if (off || t != DType::BF16) return X2::None;
+  if (isa == Isa::Avx512 && d % 32 == 0) return X2::Lanes16;
+  if (isa == Isa::Avx2 && d % 16 == 0) return X2::Lanes8;
+  return X2::None;
+}
+// G rows of d floats into (to) or out of the order of mode m.
+void x2_reorder(X2 m, float* rows, int G, int d, bool to) {
+  if (m == X2::Lanes16) x2_order(rows, size_t(G), d, to);
+  else if (m == X2::Lanes8) x2_order8(rows, size_t(G), d, to);
+}
+
+// One score pass (values = false) or value pass of the block kernel over cnt <= kBlock rows, for the
+// instruction set and dtype.
+void heads_pass_any(Isa isa, DType t, State& st, const float* q, int cnt, const std::byte* const* kr,
+                    const std::byte* const* vr, float* s, bool values, const Prefetch* pf) {
+  const bool w16 = isa == Isa::Avx512;
+  switch (t) {
+    case DType::BF16:
+      w16 ? simd16::heads_dispatch<DType::BF16>(st, q, cnt, kr, vr, s, values, pf)
+          : simd8::heads_dispatch<DType::BF16>(st, q, cnt, kr, vr, s, values, pf);
+      break;
+    case DType::F16:
+      w16 ? simd16::heads_dispatch<DType::F16>(st, q, cnt, kr, vr, s, values, pf)
+          : simd8::heads_dispatch<DType::F16>(st, q, cnt, kr, vr, s, values, pf);
+      break;
+    case DType::F32:
+      w16 ? simd16::heads_dispatch<DType::F32>(st, q, cnt, kr, vr, s, values, pf)
+          : simd8::heads_dispatch<DType::F32>(st, q, cnt, kr, vr, s, values, pf);
+      break;
+  }
+}
+
 // Runs keys [begin, end) of one KV head (row accessors kat/vat) into the state.
 template <class KAt, class VAt>
 void run_chunk(Isa isa, State& st, const float* qs, DType t, int64_t begin, int64_t end, KAt kat, VAt vat,
@@ -419,25 +460,15 @@ void run_chunk(Isa isa, State& st, const float* qs, DType t, int64_t begin, int6
     }
     return;
   }
-  // bf16 with AVX-512: q and the accumulators in bf16x2's column order for this run.
-  // KVS_CPU_BF16X2=off keeps the widen-and-shift conversion (for comparisons, like KVS_CPU_ISA).
-  static const bool no_x2 = [] {
-    const char* e = std::getenv("KVS_CPU_BF16X2");
-    return e != nullptr && std::strcmp(e, "off") == 0;
-  }();
-  // With 8 lanes (d % 16 == 0) only the value pass pairs, so only the accumulators are reordered.
-  const bool x2_16 = isa == Isa::Avx512 && st.d % 32 == 0;
-  const bool x2_8 = isa == Isa::Avx2 && st.d % 16 == 0;
-  const bool x2 = !no_x2 && (x2_16 || x2_8) && t == DType::BF16 && end > begin;
-  if (x2) {
-    if (x2_16) {
+  // bf16: q (16 lanes) and the accumulators in bf16x2's column order for this run.
+  const X2 x2 = end > begin ? x2_mode(isa, t, st.d) : X2::None;
+  if (x2 != X2::None) {
+    if (x2 == X2::Lanes16) {
       sc.qx.assign(qs, qs + size_t(st.G) * st.d);
-      x2_order(sc.qx.data(), size_t(st.G), st.d, true);
-      x2_order(st.acc, size_t(st.G), st.d, true);
+      x2_reorder(x2, sc.qx.data(), st.G, st.d, true);
       qs = sc.qx.data();
-    } else {
-      x2_order8(st.acc, size_t(st.G), st.d, true);
     }
+    x2_reorder(x2, st.acc, st.G, st.d, true);
     st.x2 = true;
   }
   // Row pointers of this block and the next (double-buffered: the next block's are needed for
@@ -484,9 +515,8 @@ void run_chunk(Isa isa, State& st, const float* qs, DType t, int64_t begin, int6
     }
     if (b + kBlock < end) cnt = gathered ? next_cnt : fill(cur ^ 1, b + kBlock);
   }
-  if (x2) {
-    if (x2_16) x2_order(st.acc, size_t(st.G), st.d, false);
-    else x2_order8(st.acc, size_t(st.G), st.d, false);
+  if (x2 != X2::None) {
+    x2_reorder(x2, st.acc, st.G, st.d, false);
     st.x2 = false;
   }
 }
@@ -653,7 +683,6 @@ void score_rows_at(DType t, int d, int G, const float* q, float scale, int64_t n
   };
   Prefetch pf;
   pf.row_bytes = size_t(d) * dtype_size(t);
-  const bool w16 = isa == Isa::Avx512;
   int cur = 0, cnt = n > 0 ? fill(0, 0) : 0;
   for (int64_t b = 0; b < n; b += kBlock, cur ^= 1) {
     const int next_cnt = b + kBlock < n ? fill(cur ^ 1, b + kBlock) : 0;
@@ -661,21 +690,7 @@ void score_rows_at(DType t, int d, int G, const float* q, float scale, int64_t n
     pf.next_k = kr[cur ^ 1];
     pf.next_cnt = next_cnt;
     const Prefetch* p = gathered ? &pf : nullptr;
-    const std::byte* const* k = kr[cur];
-    switch (t) {
-      case DType::BF16:
-        w16 ? simd16::heads_dispatch<DType::BF16>(st, qs.data(), cnt, k, k, s.data(), false, p)
-            : simd8::heads_dispatch<DType::BF16>(st, qs.data(), cnt, k, k, s.data(), false, p);
-        break;
-      case DType::F16:
-        w16 ? simd16::heads_dispatch<DType::F16>(st, qs.data(), cnt, k, k, s.data(), false, p)
-            : simd8::heads_dispatch<DType::F16>(st, qs.data(), cnt, k, k, s.data(), false, p);
-        break;
-      case DType::F32:
-        w16 ? simd16::heads_dispatch<DType::F32>(st, qs.data(), cnt, k, k, s.data(), false, p)
-            : simd8::heads_dispatch<DType::F32>(st, qs.data(), cnt, k, k, s.data(), false, p);
-        break;
-    }
+    heads_pass_any(isa, t, st, qs.data(), cnt, kr[cur], kr[cur], s.data(), false, p);
     for (int g = 0; g < G; ++g) std::memcpy(out + size_t(g) * n + b, s.data() + size_t(g) * kBlock, size_t(cnt) * 4);
     cnt = next_cnt;
   }
@@ -707,25 +722,15 @@ void accumulate_rows(DType t, int d, int G, const float* w, int64_t ldw, const s
     }
     return;
   }
-  // The block kernel's value pass with a correction of 1 (nothing to rescale), kBlock rows at a
-  // time, the weights copied into its [G][kBlock] layout; bf16 rows in the paired column order
-  // where the dense path uses it (only the accumulators are reordered: no q here).
+  // The block kernel's value pass with a correction of 1 (nothing to rescale), kRun rows at a time,
+  // the weights copied into its [G][kBlock] layout; bf16 rows in the paired column order where the
+  // dense path uses it (only the accumulators are reordered: no q here).
   std::vector<float> corr(static_cast<size_t>(G), 1.f), s(size_t(G) * kBlock);
   State st{G, d, nullptr, nullptr, o, corr.data()};
-  static const bool no_x2 = [] {
-    const char* e = std::getenv("KVS_CPU_BF16X2");
-    return e != nullptr && std::strcmp(e, "off") == 0;
-  }();
-  const bool x2_16 = isa == Isa::Avx512 && d % 32 == 0;
-  const bool x2_8 = isa == Isa::Avx2 && d % 16 == 0;
-  const bool x2 = !no_x2 && (x2_16 || x2_8) && t == DType::BF16;
-  if (x2) {
-    if (x2_16) x2_order(o, size_t(G), d, true);
-    else x2_order8(o, size_t(G), d, true);
-    st.x2 = true;
-  }
+  const X2 x2 = x2_mode(isa, t, d);
+  x2_reorder(x2, o, G, d, true);
+  st.x2 = x2 != X2::None;
   const size_t row_bytes = size_t(d) * dtype_size(t);
-  const bool w16 = isa == Isa::Avx512;
   // The rows are gathered (no hardware prefetcher can guess them): the value pass takes 16 rows at a
   // time, and before each run asks for the 16 rows 32 ahead (into L1: a trickle, where asking for a
   // whole next block of 64 at once stalled on the miss queue). Measured on a 16-core Xeon host
@@ -742,26 +747,9 @@ void accumulate_rows(DType t, int d, int G, const float* w, int64_t ldw, const s
     const int cnt = int(std::min<int64_t>(kRun, n - b));
     for (int g = 0; g < G; ++g) std::memcpy(s.data() + size_t(g) * kBlock, w + size_t(g) * size_t(ldw) + size_t(b), size_t(cnt) * 4);
     prefetch(b + kAhead, b + kAhead + kRun);
-    const std::byte* const* v = v_rows + b;
-    switch (t) {
-      case DType::BF16:
-        w16 ? simd16::heads_dispatch<DType::BF16>(st, nullptr, cnt, v, v, s.data(), true)
-            : simd8::heads_dispatch<DType::BF16>(st, nullptr, cnt, v, v, s.data(), true);
-        break;
-      case DType::F16:
-        w16 ? simd16::heads_dispatch<DType::F16>(st, nullptr, cnt, v, v, s.data(), true)
-            : simd8::heads_dispatch<DType::F16>(st, nullptr, cnt, v, v, s.data(), true);
-        break;
-      case DType::F32:
-        w16 ? simd16::heads_dispatch<DType::F32>(st, nullptr, cnt, v, v, s.data(), true)
-            : simd8::heads_dispatch<DType::F32>(st, nullptr, cnt, v, v, s.data(), true);
-        break;
-    }
+    heads_pass_any(isa, t, st, nullptr, cnt, v_rows + b, v_rows + b, s.data(), true, nullptr);
   }
-  if (x2) {
-    if (x2_16) x2_order(o, size_t(G), d, false);
-    else x2_order8(o, size_t(G), d, false);
-  }
+  x2_reorder(x2, o, G, d, false);
 }
 
 // Eight independent lanes, which the compiler keeps in registers (and vectorises): a single
