@@ -191,7 +191,6 @@ void FarStore::attend_task(const KVLayer& kv, const float* q, int64_t it) {
     const Head& hd = heads_[size_t(h)];
     const int64_t b = int64_t(c) * kFarChunk, e = std::min(f.len[size_t(h)], b + kFarChunk);
     if (b >= e) continue;
-    kr.resize(size_t(e - b));
     vr.resize(size_t(e - b));
     const size_t slot = size_t(h) * f.chunks + size_t(c);
     float* po = f.part_o.data() + slot * G * d;
@@ -212,6 +211,7 @@ void FarStore::attend_task(const KVLayer& kv, const float* q, int64_t it) {
       cpu::accumulate_rows(shape_.kv_dtype, d, G, w.data(), cnt, vr.data(), cnt, po);
       continue;
     }
+    kr.resize(size_t(e - b));
     const int64_t L = int64_t(hd.pos.size());
     for (int64_t j = b; j < e; ++j) {
       if (lim) {
@@ -439,7 +439,8 @@ void FarStore::widen_choose(const float* win_lse, ThreadPool& pool) {
       p.zmax[size_t(h) * G + g] = mx;
       p.zinv[size_t(h) * G + g] = z > 0 ? float(1.0 / z) : 0.f;
     }
-  // Weights per scoring task: w_i = sum_g exp(s_gi - mx_g) / sum_g, -1 for repeats.
+  // Weights per scoring task: w_i = sum_g exp(s_gi - mx_g) / sum_g, -1 for repeats (their scores
+  // are -inf).
   pool.parallel_for(p.tasks, [&](int64_t task) {
     int64_t b, e;
     const int h = widen_head(task, b, e);
@@ -454,8 +455,9 @@ void FarStore::widen_choose(const float* win_lse, ThreadPool& pool) {
       const float inv = p.zinv[size_t(h) * G + g];
       for (int64_t i = 0; i < cnt; ++i) w[i] += ex[size_t(i)] * inv;
     }
-    for (int64_t i = b; i < std::min(e, p.P[size_t(h)]); ++i)
-      if (pool_repeat(h, i)) w[i - b] = -1.f;
+    const float* s0 = score_.v[size_t(h)].data() + b;
+    for (int64_t i = 0; i < cnt; ++i)
+      if (s0[i] == kNegInf) w[i] = -1.f;
   });
   // Per head, the F of highest weight, ties to the newer key: the F-th weight by a radix select,
   // the keys above it, and of the keys at it the newest. Then the chosen keys in pool order with
