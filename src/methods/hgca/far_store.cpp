@@ -147,11 +147,6 @@ void FarStore::repad(const KVLayer& kv, int heads_per_task) {
   }
 }
 
-void FarStore::attend(const KVLayer& kv, const float* q, float* o, float* lse, ThreadPool& pool, int heads_per_task) {
-  pool.parallel_for(attend_plan(heads_per_task), [&](int64_t it) { attend_task(kv, q, it); });
-  attend_merge(o, lse);
-}
-
 int64_t FarStore::attend_plan(int heads_per_task) {
   const int hkv = int(heads_.size()), G = shape_.group(), d = int(shape_.head_dim);
   auto& f = fa_.v;
@@ -322,12 +317,6 @@ void FarStore::limit(int64_t far_keys, int64_t w_size, ThreadPool& pool) {
   rank_len_ = target;
 }
 
-void FarStore::widen(const KVLayer& kv, const float* q, const float* win_lse, int64_t sinks, int64_t recent,
-                     ThreadPool& pool) {
-  pool.parallel_for(widen_plan(sinks, recent), [&](int64_t i) { widen_score(kv, q, i); });
-  widen_choose(win_lse, pool);
-}
-
 int64_t FarStore::widen_plan(int64_t sinks, int64_t recent) {
   widened_ = false;
   auto& p = wp_.v;
@@ -348,8 +337,8 @@ int64_t FarStore::widen_plan(int64_t sinks, int64_t recent) {
   p.P.assign(size_t(hkv), 0);
   p.M.assign(size_t(hkv), 0);
   p.first.assign(size_t(hkv) + 1, 0);
+  const int64_t F = std::min(limit_, rank_len_);  // every head attends the same far share
   for (int h = 0; h < hkv; ++h) {
-    const int64_t F = std::min(limit_, rank_len_);
     p.P[size_t(h)] = std::min(rank_len_, 2 * F);
     p.M[size_t(h)] = p.P[size_t(h)] + sinks + (n_ - p.rb);
     p.first[size_t(h) + 1] = p.first[size_t(h)] + (p.M[size_t(h)] + kWidenChunk - 1) / kWidenChunk;

@@ -113,7 +113,7 @@ class Hgca final : public Method {
       blocks = std::max<int64_t>((W + p_.block_size - 1) / p_.block_size, p_.free_slot ? 2 : 1);
     }
     fresh.l_max = blocks * fresh.blk;
-    fresh.win = std::make_unique<CpuNearWindow>(ctx_.shape, fresh.l_max, 0, p_.alpha, ctx_.pool);
+    fresh.win = std::make_unique<CpuNearWindow>(ctx_.shape, fresh.l_max, 0, p_.alpha);
     fresh.far = FarStore(ctx_.shape, p_);
     fresh.stash_q = st.stash_q;
     fresh.stash_pos = st.stash_pos;
@@ -215,7 +215,7 @@ class Hgca final : public Method {
     if (kv.size() < st.we)
       fail(KVS_STATUS_INVALID_STATE, "hgca: the layer holds " + std::to_string(kv.size()) + " tokens, the loaded state " +
                                          std::to_string(st.we));
-    auto w = std::make_unique<CpuNearWindow>(ctx_.shape, st.l_max, st.wb, p_.alpha, ctx_.pool);
+    auto w = std::make_unique<CpuNearWindow>(ctx_.shape, st.l_max, st.wb, p_.alpha);
     w->insert(kv, st.we - st.wb, st.wmaw.data());
     st.win = std::move(w);
     st.far.materialise(kv);

@@ -72,9 +72,9 @@ class NearWindow {
   virtual void insert(const KVLayer& kv, int64_t m, const float* maw) = 0;
   // Dense attention of q [Hq][d] over the resident entries: o [Hq][d], lse [Hq]. With update, MAW
   // <- (1 - alpha) MAW + alpha A for every resident token < no_update_from (A: window softmax).
-  virtual void attend(const float* q, float* o, float* lse, bool update, int64_t no_update_from) = 0;
-  // attend() in steps, for a caller that runs the window's KV heads among other tasks: attend_head
-  // for every KV head h (any order, any thread; o, lse as in attend()), then attend_done.
+  // In steps, so that the caller runs the window's KV heads among its other tasks: attend_head for
+  // every KV head h (any order, any thread; it writes that head's rows of o and lse), then
+  // attend_done.
   virtual void attend_head(const float* q, int h, float* o, float* lse, bool update, int64_t no_update_from) = 0;
   virtual void attend_done(bool update) = 0;
   // MAW of resident token t: out [Hq].
@@ -88,7 +88,7 @@ class NearWindow {
 
 class CpuNearWindow final : public NearWindow {
  public:
-  CpuNearWindow(const ModelShape& shape, int64_t capacity, int64_t first_token, double alpha, ThreadPool* pool);
+  CpuNearWindow(const ModelShape& shape, int64_t capacity, int64_t first_token, double alpha);
   std::unique_ptr<NearWindow> clone() const override { return std::make_unique<CpuNearWindow>(*this); }
   int64_t capacity() const override { return cap_; }
   int64_t begin() const override { return b_; }
@@ -96,7 +96,6 @@ class CpuNearWindow final : public NearWindow {
   void evict(int64_t count, float* maw_out) override;
   void insert(const KVLayer& kv, int64_t m, const float* maw) override;
   void skip(int64_t count) override;
-  void attend(const float* q, float* o, float* lse, bool update, int64_t no_update_from) override;
   void attend_head(const float* q, int h, float* o, float* lse, bool update, int64_t no_update_from) override;
   void attend_done(bool update) override;
   void maw(int64_t t, float* out) const override;
@@ -117,7 +116,6 @@ class CpuNearWindow final : public NearWindow {
   int64_t cap_, b_, e_;
   int64_t alloc_ = 0;                // slots allocated (<= cap_); token t lives in slot t % alloc_
   double alpha_;
-  ThreadPool* pool_;
   size_t row_;                       // bytes of one K or V row
   std::vector<std::byte> k_, v_;     // [Hkv][alloc][d] storage dtype
   std::vector<float> maw_[2];        // [Hq][alloc], double-buffered (the update writes the other one)
@@ -157,10 +155,10 @@ class FarStore {
   void reevaluate(const KVLayer& kv, const float* a);
   // Pads the heads of each task of `heads_per_task` adjacent heads to the task's longest set.
   void repad(const KVLayer& kv, int heads_per_task);
-  // Sparse attention of q [Hq][d] over each head's set + padding: o [Hq][d], lse [Hq].
-  void attend(const KVLayer& kv, const float* q, float* o, float* lse, ThreadPool& pool, int heads_per_task);
-  // attend() in steps, for a caller that runs its tasks among other work: attend_plan returns the
-  // number of tasks, attend_task(i) runs task i (any order, any thread), attend_merge writes o, lse.
+  // Sparse attention of q [Hq][d] over each head's far keys (capped: ranked(); else its set +
+  // padding) into o [Hq][d], lse [Hq], in steps so that the caller runs its tasks among other work:
+  // attend_plan returns the number of tasks, attend_task(i) runs task i (any order, any thread),
+  // attend_merge writes o and lse.
   int64_t attend_plan(int heads_per_task);
   void attend_task(const KVLayer& kv, const float* q, int64_t task);
   void attend_merge(float* o, float* lse) const;
@@ -182,11 +180,10 @@ class FarStore {
   // far keys). The weight of key i is sum_g exp(scale q_g.k_i - Z_g), Z_g the log-sum-exp of head
   // g over the pool and the window (win_lse [Hq]). A query the MAW does not predict gets the
   // recent keys, the sinks or lower-ranked far entries instead of the wrong ones. Cost: the pool's
-  // keys are scored (at most 2 limit() + sinks + recent K rows per head), the chosen limit() attended.
-  void widen(const KVLayer& kv, const float* q, const float* win_lse, int64_t sinks, int64_t recent, ThreadPool& pool);
-  // widen() in steps, for a caller that scores the pool beside other work (the window): widen_plan
-  // returns the number of scoring tasks, widen_score(i) runs task i (any order, any thread), and
-  // widen_choose chooses once every task has run and win_lse is known.
+  // keys are scored (at most 2 limit() + sinks + recent K rows per head), the chosen limit() attended
+  // from those scores. In steps, so that the caller scores the pool beside other work (the window):
+  // widen_plan returns the number of scoring tasks, widen_score(i) runs task i (any order, any
+  // thread), and widen_choose chooses once every task has run and win_lse is known.
   int64_t widen_plan(int64_t sinks, int64_t recent);
   void widen_score(const KVLayer& kv, const float* q, int64_t task);
   void widen_choose(const float* win_lse, ThreadPool& pool);

@@ -21,9 +21,8 @@ int64_t evict_count(int64_t resident, int64_t incoming, int64_t l_max, int64_t b
   return (over + blk - 1) / blk * blk;
 }
 
-CpuNearWindow::CpuNearWindow(const ModelShape& shape, int64_t capacity, int64_t first_token, double alpha,
-                             ThreadPool* pool)
-    : shape_(shape), cap_(capacity), b_(first_token), e_(first_token), alpha_(alpha), pool_(pool) {
+CpuNearWindow::CpuNearWindow(const ModelShape& shape, int64_t capacity, int64_t first_token, double alpha)
+    : shape_(shape), cap_(capacity), b_(first_token), e_(first_token), alpha_(alpha) {
   row_ = size_t(shape.head_dim) * dtype_size(shape.kv_dtype);
 }
 
@@ -93,12 +92,6 @@ void CpuNearWindow::insert(const KVLayer& kv, int64_t m, const float* maw) {
     for (int h = 0; h < hq; ++h) mawp(cur_, h)[slot] = maw[size_t(i) * hq + h];
   }
   e_ += m;
-}
-
-void CpuNearWindow::attend(const float* q, float* o, float* lse, bool update, int64_t no_update_from) {
-  pool_->parallel_for(int64_t(shape_.num_kv_heads),
-                      [&](int64_t h) { attend_head(q, int(h), o, lse, update, no_update_from); });
-  attend_done(update);
 }
 
 void CpuNearWindow::attend_head(const float* q, int h, float* o, float* lse, bool update, int64_t no_update_from) {
