@@ -19,6 +19,7 @@
 
 #include "core/kv_store.hpp"
 #include "core/method.hpp"
+#include "core/scratch.hpp"
 
 namespace kvs::hgca {
 
@@ -239,17 +240,6 @@ class FarStore {
   int widen_head(int64_t task, int64_t& b, int64_t& e) const;  // a scoring task's head and pool entries [b, e)
   static constexpr int64_t kWidenChunk = 2048;  // widen's rows per scoring task
   static constexpr int64_t kFarChunk = 1024;    // far keys per attention task
-  // Per-step scratch, not copied with the store (a fork, an append's undo: a copy starts without it
-  // instead of copying megabytes per layer).
-  template <class T>
-  struct Scratch {
-    T v{};
-    Scratch() = default;
-    Scratch(const Scratch&) {}
-    Scratch& operator=(const Scratch&) { return *this; }
-    Scratch(Scratch&&) = default;
-    Scratch& operator=(Scratch&&) = default;
-  };
   struct WidenPlan {
     int64_t tasks = 0, sinks = 0, rb = 0;
     std::vector<int64_t> P, M, first;  // per head: MAW candidates, pool size; first task of each head

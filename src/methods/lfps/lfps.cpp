@@ -31,7 +31,9 @@
 #include <iterator>
 #include <sstream>
 
+#include "backends/cpu/attention.hpp"
 #include "backends/cpu/gemm.hpp"
+#include "backends/cpu/topk.hpp"
 #include "core/error.hpp"
 #include "io/header.hpp"
 #include "io/tables.hpp"
@@ -119,37 +121,103 @@ float dot_row(const float* q, const std::byte* row, DType t, int d, float* buf) 
   return dot(q, buf, d);
 }
 
-// mark[sign * i] = 1 for every i < n with x[i] > tau (mark points at the token of entry 0).
-// Returns how many entries passed.
-LFPS_AVX2 int64_t scan_mark_avx2(const float* x, int64_t n, float tau, uint8_t* mark, int sign) {
-  const __m256 tv = _mm256_set1_ps(tau);
-  int64_t i = 0, c = 0;
-  for (; i + 8 <= n; i += 8) {
-    unsigned msk = unsigned(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), tv, _CMP_GT_OQ)));
-    while (msk) {
-      mark[sign * (i + __builtin_ctz(msk))] = 1;
-      msk &= msk - 1;
-      ++c;
-    }
+// ---- Candidate bitmasks over tokens (bit j of word j / 64 is token j).
+
+// bits[pos ..] |= word (64 bits at any bit position; bits has a spare word at the end).
+inline void or_bits(uint64_t* bits, int64_t pos, uint64_t word) {
+  const int64_t w = pos >> 6;
+  const int r = int(pos & 63);
+  bits[w] |= word << r;
+  if (r) bits[w + 1] |= word >> (64 - r);
+}
+
+inline uint64_t reverse_bits(uint64_t x) {
+  x = ((x >> 1) & 0x5555555555555555ull) | ((x & 0x5555555555555555ull) << 1);
+  x = ((x >> 2) & 0x3333333333333333ull) | ((x & 0x3333333333333333ull) << 2);
+  x = ((x >> 4) & 0x0F0F0F0F0F0F0F0Full) | ((x & 0x0F0F0F0F0F0F0F0Full) << 4);
+  return __builtin_bswap64(x);
+}
+
+// Bit i of the results: x[i] > hi, x[i] > lo, for 64 entries from x.
+LFPS_AVX2 void above64_avx2(const float* x, float hi, float lo, uint64_t& mhi, uint64_t& mlo) {
+  const __m256 h = _mm256_set1_ps(hi), l = _mm256_set1_ps(lo);
+  uint64_t a = 0, b = 0;
+  for (int k = 0; k < 8; ++k) {
+    const __m256 v = _mm256_loadu_ps(x + 8 * k);
+    a |= uint64_t(unsigned(_mm256_movemask_ps(_mm256_cmp_ps(v, h, _CMP_GT_OQ)))) << (8 * k);
+    b |= uint64_t(unsigned(_mm256_movemask_ps(_mm256_cmp_ps(v, l, _CMP_GT_OQ)))) << (8 * k);
   }
-  for (; i < n; ++i)
-    if (x[i] > tau) {
-      mark[sign * i] = 1;
-      ++c;
-    }
+  mhi = a;
+  mlo = b;
+}
+
+void above64(const float* x, float hi, float lo, uint64_t& mhi, uint64_t& mlo) {
+  if (kHaveAvx2) return above64_avx2(x, hi, lo, mhi, mlo);
+  uint64_t a = 0, b = 0;
+  for (int k = 0; k < 64; ++k) {
+    a |= uint64_t(x[k] > hi) << k;
+    b |= uint64_t(x[k] > lo) << k;
+  }
+  mhi = a;
+  mlo = b;
+}
+
+// The scan of eqs. (7)-(8) over one owner's tables, O = [ns, n), t = n - 1: into T (words of
+// tokens, zeroed, one spare word) the tokens above a threshold (V[j - ns] > tau_v or S[t - j] >
+// tau_s), into M those above a mean (the expansion's condition of eq. 9). The slash table runs
+// backwards in token order: its words are bit-reversed. One pass over the 2 (n - ns) floats.
+void scan_tables(const float* xv, const float* xs, int64_t ns, int64_t n, float tau_v, float mu_v, float tau_s,
+                 float mu_s, uint64_t* T, uint64_t* M) {
+  const int64_t m = n - ns, t = n - 1;
+  int64_t i = 0;
+  for (; i + 64 <= m; i += 64) {
+    uint64_t th, tl;
+    above64(xv + i, tau_v, mu_v, th, tl);
+    or_bits(T, ns + i, th);
+    or_bits(M, ns + i, tl);
+    above64(xs + i, tau_s, mu_s, th, tl);  // delta = i + b is token t - i - b: bit 63 - b from t - i - 63
+    or_bits(T, t - i - 63, reverse_bits(th));
+    or_bits(M, t - i - 63, reverse_bits(tl));
+  }
+  for (; i < m; ++i) {
+    const int64_t jv = ns + i, js = t - i;
+    T[jv >> 6] |= uint64_t(xv[i] > tau_v) << (jv & 63);
+    M[jv >> 6] |= uint64_t(xv[i] > mu_v) << (jv & 63);
+    T[js >> 6] |= uint64_t(xs[i] > tau_s) << (js & 63);
+    M[js >> 6] |= uint64_t(xs[i] > mu_s) << (js & 63);
+  }
+}
+
+// Word w of the mask shifted by o tokens (bit p of the result is bit p - o of x; W words).
+inline uint64_t shifted_word(const uint64_t* x, int64_t W, int64_t w, int o) {
+  auto at = [&](int64_t i) { return i >= 0 && i < W ? x[i] : uint64_t(0); };
+  if (o >= 0) {
+    const int64_t q = o >> 6;
+    const int r = o & 63;
+    return (at(w - q) << r) | (r ? at(w - q - 1) >> (64 - r) : 0);
+  }
+  const int64_t q = (-o) >> 6;
+  const int r = (-o) & 63;
+  return (at(w + q) >> r) | (r ? at(w + q + 1) << (64 - r) : 0);
+}
+
+int64_t popcount(const uint64_t* x, int64_t W) {
+  int64_t c = 0;
+  for (int64_t w = 0; w < W; ++w) c += __builtin_popcountll(x[w]);
   return c;
 }
 
-int64_t scan_mark(const float* x, int64_t n, float tau, uint8_t* mark, int sign) {
-  if (kHaveAvx2) return scan_mark_avx2(x, n, tau, mark, sign);
-  int64_t c = 0;
-  for (int64_t i = 0; i < n; ++i)
-    if (x[i] > tau) {
-      mark[sign * i] = 1;
-      ++c;
-    }
-  return c;
-}
+// Per-thread scratch (the pool's threads persist).
+struct ThreadScratch {
+  std::vector<uint64_t> m, c;               // an owner's scan: above a mean; the candidates
+  std::vector<int32_t> rest;                // a step's candidates outside the forced window
+  std::vector<const std::byte*> rows;       // their K rows
+  std::vector<float> qa, score, agg, tmp;   // active queries [na][d], scores [na][nc], ranking
+  std::vector<uint32_t> keys;               // kth_largest's scratch
+  std::vector<int32_t> pos;                 // the chosen entries' positions in rest
+  std::vector<float> row;
+};
+thread_local ThreadScratch tls;
 
 double log_sum_exp(const double* s, size_t n) {
   double m = kNegInf;
@@ -160,14 +228,6 @@ double log_sum_exp(const double* s, size_t n) {
   return m + std::log(z);
 }
 
-// Per-thread scratch (the pool's threads persist): a mark per token, cleared after use.
-struct Scratch {
-  std::vector<uint8_t> mark;
-  std::vector<int32_t> cand, chosen, rest;
-  std::vector<float> row, score, agg;
-  std::vector<double> tmp;
-};
-thread_local Scratch tls;
 
 std::vector<int> parse_offsets(const std::string& s) {
   std::vector<int> out;
@@ -610,37 +670,58 @@ void Lfps::select(uint32_t layer, const float* q, const KVLayer& kv, Selection& 
     return;
   }
   const int64_t k_top = std::max<int64_t>(0, k_total - ns);
+  // Forced recent keys (an option not in the paper): attended whatever their score.
+  const int64_t lw = std::min(p_.local_window, std::min(n - p_.sinks, k_top));
   L.undo_tokens = n;  // set first: a throw half-way still rolls back the owners already updated
-  if (p_.kv_cap && !p_.per_kv_head && ctx_.shape.group() > 1)
-    ctx_.pool->parallel_for(int64_t(ctx_.shape.num_kv_heads), [&](int64_t h) { step_group(layer, int(h), q, kv, k_top, ns, out); });
-  else
-    ctx_.pool->parallel_for(owners_, [&](int64_t u) { step_owner(layer, int(u), q, kv, k_top, ns, out); });
+  // Two rounds on the pool: every owner's bypass test and candidate scan (steps B, A), then per set
+  // of keys (a KV head's under kv_budget=cap, else an owner's) the exact top-k, the lists and the
+  // owners' table updates (steps C, D).
+  ctx_.pool->parallel_for(owners_, [&](int64_t u) { prepare_owner(layer, int(u), q, kv, ns, out); });
+  const int G = ctx_.shape.group();
+  if (p_.kv_cap && !p_.per_kv_head && G > 1) {
+    ctx_.pool->parallel_for(int64_t(ctx_.shape.num_kv_heads), [&](int64_t h) {
+      std::vector<int> owners(static_cast<size_t>(G));
+      for (int g = 0; g < G; ++g) owners[size_t(g)] = int(h) * G + g;
+      step_keys(layer, int(h), owners.data(), G, q, kv, k_top, lw, ns, out);
+    });
+  } else {
+    ctx_.pool->parallel_for(owners_, [&](int64_t u) {
+      const int o = int(u);
+      step_keys(layer, p_.per_kv_head ? o : o / G, &o, 1, q, kv, k_top, lw, ns, out);
+    });
+  }
   for (int h = 0; h < hq; ++h) L.bypass_heads += L.bypass[size_t(h)];
   L.head_steps += hq;
 }
 
+std::vector<int32_t> Lfps::last_candidates(uint32_t layer, int owner) const {
+  const auto& bits = layers_[layer].heads[size_t(owner)].cand.v;
+  std::vector<int32_t> out;
+  for (size_t w = 0; w < bits.size(); ++w)
+    for (uint64_t x = bits[w]; x; x &= x - 1) out.push_back(int32_t(w * 64 + size_t(__builtin_ctzll(x))));
+  return out;
+}
+
 // Steps B and A of one owner: the bypass decision of the query heads it serves (bypassed heads get
-// their sink lists here) and, for the active ones, the candidates of eqs. (7)-(9) outside the forced
-// recent keys (`rest`, ascending). Returns false when every head served is bypassed.
-bool Lfps::prepare_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, int64_t k_top, int64_t ns_sel,
-                         Selection& out, std::vector<int>& active, std::vector<int32_t>& rest, int64_t& lw) {
+// their sink lists here) and, for the active ones, the candidates of eqs. (7)-(9) as a bitmask over
+// the tokens (H.cand). Returns false when every head served is bypassed.
+bool Lfps::prepare_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, int64_t ns_sel, Selection& out) {
   Layer& L = layers_[layer];
   Head& H = L.heads[size_t(u)];
   const int G = ctx_.shape.group(), d = int(ctx_.shape.head_dim);
   const int h = p_.per_kv_head ? u : u / G;                 // KV head
   const int h0 = p_.per_kv_head ? u * G : u, nh = p_.per_kv_head ? G : 1;  // query heads served
-  const int64_t n = kv.size(), t = n - 1, ns = p_.sinks, m = n - ns;
+  const int64_t n = kv.size(), ns = p_.sinks, m = n - ns;
   const float scale = ctx_.shape.softmax_scale;
-  Scratch& sc = tls;
+  ThreadScratch& sc = tls;
   sc.row.resize(size_t(d));
   H.last_upd.clear();
-  H.last_cand.clear();
   H.undo.clear();
   H.undo_rescaled = false;
   H.undo_g = H.g;
+  std::vector<int>& active = H.active.v;
   active.clear();
-  rest.clear();
-  lw = 0;
+  H.cand.v.clear();
 
   auto key = [&](int64_t j) -> const float* {
     convert_to_f32(kv.k_row(h, j), kv.dtype(), sc.row.data(), size_t(d));
@@ -691,199 +772,180 @@ bool Lfps::prepare_owner(uint32_t layer, int u, const float* q, const KVLayer& k
   }
   if (active.empty()) return false;  // every head served is bypassed: no candidates, no update
 
-  // ---- Step A: candidates (eqs. 7-9).
+  // ---- Step A: candidates (eqs. 7-9), as bitmasks over the tokens. C0 (eq. 7): above either
+  // threshold; M: above either mean; C = C0 u (C0 expanded by the offsets, eq. 9) n M.
   const TableStats st_v = stats_of(H.t[0], H.g), st_s = stats_of(H.t[1], H.g);
-  const float* xv = H.t[0].x.data();
-  const float* xs = H.t[1].x.data();
   auto stored = [&](double v) { return v == kNegInf ? -std::numeric_limits<float>::infinity() : float(v / H.g); };
-  const float tau_v = stored(st_v.tau), tau_s = stored(st_s.tau);
-  const float mu_v = stored(st_v.mean), mu_s = stored(st_s.mean);
-  if (sc.mark.size() < size_t(n) + 8) sc.mark.resize(size_t(n) + 4096, 0);
-  uint8_t* mark = sc.mark.data();
-  int64_t c0 = scan_mark(xv, m, tau_v, mark + ns, 1);  // vertical: j = ns + i
-  c0 += scan_mark(xs, m, tau_s, mark + t, -1);         // slash: j = t - delta
-  if (c0 == 0 && p_.empty_fallback) {
+  const int64_t W = (n + 63) / 64;
+  std::vector<uint64_t>& c0 = H.cand.v;
+  c0.assign(size_t(W) + 1, 0);
+  sc.m.assign(size_t(W) + 1, 0);
+  scan_tables(H.t[0].x.data(), H.t[1].x.data(), ns, n, stored(st_v.tau), stored(st_v.mean), stored(st_s.tau),
+              stored(st_s.mean), c0.data(), sc.m.data());
+  const uint64_t* M = sc.m.data();
+  if (popcount(c0.data(), W) == 0 && p_.empty_fallback) {
     // No entry above either threshold: the thresholds are scale-free and the tables would only decay,
     // so the head would never select again. Fall back to the means (alpha = 0) for this step.
-    scan_mark(xv, m, mu_v, mark + ns, 1);
-    scan_mark(xs, m, mu_s, mark + t, -1);
+    std::copy(M, M + W, c0.begin());
     ++H.fallback_n;
   }
-  // One ordered pass over the marks: C0 (mark 1) and its expansion (mark 2), eq. (9), collected in
-  // ascending token order so the key rows are then read front to back.
-  auto& cand = sc.cand;
-  cand.clear();
-  auto keep = [&](int64_t jj) { return xv[jj - ns] > mu_v || xs[t - jj] > mu_s; };  // above either mean
-  for (int64_t j = ns; j < n;) {
-    if ((j & 7) == 0 && j + 8 <= n) {
-      uint64_t w;
-      std::memcpy(&w, mark + j, 8);
-      if (w == 0) {
-        j += 8;
-        continue;
-      }
-    }
-    if (mark[j] == 1) {
-      for (int o : p_.offsets) {
-        const int64_t jj = j + o;
-        if (o == 0 || jj < ns || jj > t || mark[jj]) continue;
-        if (keep(jj)) {
-          mark[jj] = 2;
-          if (o < 0) cand.push_back(int32_t(jj));
-        }
-      }
-      cand.push_back(int32_t(j));
-    } else if (mark[j] == 2) {
-      cand.push_back(int32_t(j));
-    }
-    ++j;
+  std::vector<uint64_t>& c = sc.c;
+  c.assign(size_t(W) + 1, 0);
+  int64_t count = 0;
+  for (int64_t w = 0; w < W; ++w) {
+    uint64_t e = 0;
+    for (int o : p_.offsets)
+      if (o != 0) e |= shifted_word(c0.data(), W, w, o);
+    c[size_t(w)] = c0[size_t(w)] | (e & M[w]);
+    count += __builtin_popcountll(c[size_t(w)]);
   }
-  if (p_.offsets.front() < -1) std::sort(cand.begin(), cand.end());  // offsets are sorted ascending
-  // Forced recent keys (an option not in the paper): attended whatever their score.
-  lw = std::min(p_.local_window, std::min(m, k_top));
-  for (int32_t j : cand)
-    if (j < n - lw) rest.push_back(j);
-  for (int32_t j : cand) mark[j] = 0;
-  H.last_cand = cand;
-  H.cand_frac_sum += double(cand.size()) / double(m);
+  H.cand.v.swap(c);  // the buffers circulate between the owners and the threads
+  H.cand_frac_sum += double(count) / double(m);
   ++H.cand_n;
   return true;
 }
-
-// fill=recent: candidates (ascending, outside the forced recent keys [n - lw, n)) fewer than `want`
-// are completed with the most recent keys of O not among them. widen=recent (with kv_budget=cap):
-// the `want` most recent keys of O below n - lw join the candidates whatever their number (a query
-// the tables do not predict then gets streaming's recent keys from the exact top-k of step C).
-void Lfps::fill_recent(std::vector<int32_t>& rest, int64_t want, int64_t n, int64_t lw) const {
-  if (!p_.fill_recent) return;
-  const bool widen = p_.widen && p_.kv_cap;
-  if (!widen && int64_t(rest.size()) >= want) return;
-  const size_t had = rest.size();
-  size_t i = had;  // rest[0, i) are the candidates below j
-  for (int64_t j = n - lw - 1; j >= p_.sinks && (widen ? n - lw - j <= want : int64_t(rest.size()) < want); --j) {
-    while (i > 0 && rest[i - 1] > j) --i;
-    if (i > 0 && rest[i - 1] == j) continue;
-    rest.push_back(int32_t(j));
+// The keys step C ranks for a set of owners (their candidates' union below the forced window
+// [n - lw, n), ascending), completed with recent keys: fill=recent completes fewer than `want` with
+// the most recent keys of O not among them; widen=recent (with kv_budget=cap) adds the `want` most
+// recent keys of O below n - lw whatever their number (a query the tables do not predict then gets
+// streaming's recent keys from the exact top-k of step C).
+void Lfps::collect_rest(const Layer& L, const int* owners, int n_owners, int64_t n, int64_t lw, int64_t want,
+                        std::vector<int32_t>& rest) const {
+  const int64_t W = (n + 63) / 64, ns = p_.sinks, hi = n - lw;  // keys in [ns, hi)
+  ThreadScratch& sc = tls;
+  std::vector<uint64_t>& u = sc.c;
+  u.assign(size_t(W), 0);
+  for (int i = 0; i < n_owners; ++i) {
+    const auto& c = L.heads[size_t(owners[i])].cand.v;
+    if (c.empty()) continue;  // every head of the owner bypassed
+    for (int64_t w = 0; w < W; ++w) u[size_t(w)] |= c[size_t(w)];
   }
-  std::reverse(rest.begin() + int64_t(had), rest.end());  // appended newest first: make it ascending
-  std::inplace_merge(rest.begin(), rest.begin() + int64_t(had), rest.end());
+  auto clear_from = [&](int64_t j) {  // clears the bits of tokens >= j
+    if (j >= n) return;
+    u[size_t(j >> 6)] &= (uint64_t(1) << (j & 63)) - 1;
+    for (int64_t w = (j >> 6) + 1; w < W; ++w) u[size_t(w)] = 0;
+  };
+  clear_from(hi);
+  auto set_bit = [&](int64_t j) { u[size_t(j >> 6)] |= uint64_t(1) << (j & 63); };
+  if (p_.fill_recent && want > 0) {
+    if (p_.widen && p_.kv_cap) {
+      for (int64_t j = std::max(ns, hi - want); j < hi; ++j) set_bit(j);
+    } else {
+      int64_t have = popcount(u.data(), W);
+      for (int64_t j = hi - 1; j >= ns && have < want; --j)
+        if (!(u[size_t(j >> 6)] >> (j & 63) & 1)) {
+          set_bit(j);
+          ++have;
+        }
+    }
+  }
+  rest.clear();
+  for (int64_t w = 0; w < W; ++w)
+    for (uint64_t x = u[size_t(w)]; x; x &= x - 1) rest.push_back(int32_t(w * 64 + __builtin_ctzll(x)));
 }
 
 // Step C: exact scores of `rest` for the query heads `qheads` of KV head h; the `want` best (by the
-// score, or by the heads' summed softmax), then the forced recent keys [n - lw, n). sel: the chosen
-// keys; ssel [qheads][sel]: their scores.
+// score, or by the heads' summed softmax; ties to the older key), then the forced recent keys
+// [n - lw, n). sel: the chosen keys, ascending; ssel [qheads][sel]: their scores.
 void Lfps::score_select(const float* q, const KVLayer& kv, int h, const std::vector<int>& qheads,
                         const std::vector<int32_t>& rest, int64_t want, int64_t lw, std::vector<int32_t>& sel,
-                        std::vector<double>& ssel) const {
-  Scratch& sc = tls;
+                        std::vector<float>& ssel) const {
+  ThreadScratch& sc = tls;
   const int d = int(ctx_.shape.head_dim);
   const float scale = ctx_.shape.softmax_scale;
   const int64_t n = kv.size();
-  sc.row.resize(size_t(d));
   const int na = int(qheads.size());
-  const size_t nc = rest.size();
+  const int64_t nc = int64_t(rest.size());
+  sc.qa.resize(size_t(na) * d);
+  for (int a = 0; a < na; ++a) std::copy_n(q + size_t(qheads[size_t(a)]) * d, d, sc.qa.data() + size_t(a) * d);
+  // The candidates' rows, scored for all active heads at once by the CPU backend's gathered kernel.
+  sc.rows.resize(size_t(std::max<int64_t>(nc, lw)));
+  for (int64_t c = 0; c < nc; ++c) sc.rows[size_t(c)] = kv.k_row(h, rest[size_t(c)]);
   auto& score = sc.score;  // [na][nc]
-  score.resize(size_t(na) * nc);
-  const size_t row_bytes = size_t(d) * kv.elem_size();
-  for (size_t c = 0; c < nc; ++c) {
-    if (c + 6 < nc) {  // the rows are scattered: fetch ahead
-      const char* pf = reinterpret_cast<const char*>(kv.k_row(h, rest[c + 6]));
-      for (size_t b = 0; b < row_bytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
-    }
-    const std::byte* row = kv.k_row(h, rest[c]);
-    for (int a = 0; a < na; ++a)
-      score[size_t(a) * nc + c] = scale * dot_row(q + size_t(qheads[size_t(a)]) * d, row, kv.dtype(), d, sc.row.data());
-  }
-  // Positions into rest; the k best by the score (one head) or the group's summed softmax.
-  std::vector<int32_t> pos(nc);
-  for (size_t c = 0; c < nc; ++c) pos[c] = int32_t(c);
+  score.resize(size_t(na) * size_t(nc));
+  cpu::score_rows(kv.dtype(), d, na, sc.qa.data(), scale, sc.rows.data(), nc, score.data());
   const float* rank_by = score.data();
-  if (na > 1) {
-    sc.agg.assign(nc, 0.f);
+  if (na > 1 && nc > 0) {  // the group's summed softmax over the candidates
+    sc.agg.assign(size_t(nc), 0.f);
+    sc.tmp.resize(size_t(nc));
     for (int a = 0; a < na; ++a) {
-      const float* s = score.data() + size_t(a) * nc;
-      float mx = -std::numeric_limits<float>::infinity();
-      for (size_t c = 0; c < nc; ++c) mx = std::max(mx, s[c]);
-      double z = 0;
-      for (size_t c = 0; c < nc; ++c) z += std::exp(double(s[c] - mx));
-      for (size_t c = 0; c < nc; ++c) sc.agg[c] += float(std::exp(double(s[c] - mx)) / z);
+      std::copy_n(score.data() + size_t(a) * nc, nc, sc.tmp.data());
+      const float inv = float(1.0 / cpu::exp_shift(sc.tmp.data(), nc, cpu::max_of(sc.tmp.data(), nc)));
+      for (int64_t c = 0; c < nc; ++c) sc.agg[size_t(c)] += sc.tmp[size_t(c)] * inv;
     }
     rank_by = sc.agg.data();
   }
-  if (int64_t(nc) > want) {
-    auto better = [&](int32_t a, int32_t b) {
-      return rank_by[a] > rank_by[b] || (rank_by[a] == rank_by[b] && rest[size_t(a)] < rest[size_t(b)]);
-    };
-    if (want > 0) std::nth_element(pos.begin(), pos.begin() + (want - 1), pos.end(), better);
-    pos.resize(size_t(std::max<int64_t>(want, 0)));
-  }
-  // The selected non-sink keys: top-k + forced local; their scores per head.
-  const size_t ks = pos.size() + size_t(lw);
+  // The `take` best: every entry above the take-th largest, then its ties in ascending key order.
+  const int64_t take = std::clamp<int64_t>(want, 0, nc);
+  const size_t ks = size_t(take + lw);
   sel.clear();
   sel.reserve(ks);
-  ssel.assign(size_t(na) * ks, 0.0);
+  std::vector<int32_t>& pos = sc.pos;
+  pos.clear();
+  if (take == nc) {
+    for (int64_t c = 0; c < nc; ++c) pos.push_back(int32_t(c));
+  } else if (take > 0) {
+    const uint32_t kth = cpu::float_key(cpu::kth_largest(rank_by, nc, take, sc.keys));
+    int64_t above = 0;
+    for (int64_t c = 0; c < nc; ++c) above += cpu::float_key(rank_by[c]) > kth;
+    int64_t ties = take - above;
+    for (int64_t c = 0; c < nc; ++c) {
+      const uint32_t k = cpu::float_key(rank_by[c]);
+      if (k > kth || (k == kth && ties-- > 0)) pos.push_back(int32_t(c));
+    }
+  }
+  ssel.resize(size_t(na) * ks);
   for (size_t i = 0; i < pos.size(); ++i) {
     sel.push_back(rest[size_t(pos[i])]);
-    for (int a = 0; a < na; ++a) ssel[size_t(a) * ks + i] = score[size_t(a) * nc + size_t(pos[i])];
+    for (int a = 0; a < na; ++a) ssel[size_t(a) * ks + i] = score[size_t(a) * size_t(nc) + size_t(pos[i])];
   }
-  for (int64_t i = 0; i < lw; ++i) {
-    const int64_t j = n - lw + i;
-    sel.push_back(int32_t(j));
-    convert_to_f32(kv.k_row(h, j), kv.dtype(), sc.row.data(), size_t(d));
+  if (lw > 0) {
+    for (int64_t i = 0; i < lw; ++i) {
+      sel.push_back(int32_t(n - lw + i));
+      sc.rows[size_t(i)] = kv.k_row(h, n - lw + i);
+    }
+    sc.tmp.resize(size_t(na) * size_t(lw));
+    cpu::score_rows(kv.dtype(), d, na, sc.qa.data(), scale, sc.rows.data(), lw, sc.tmp.data());
     for (int a = 0; a < na; ++a)
-      ssel[size_t(a) * ks + pos.size() + size_t(i)] = double(scale) * dot(q + size_t(qheads[size_t(a)]) * d, sc.row.data(), d);
+      std::copy_n(sc.tmp.data() + size_t(a) * lw, lw, ssel.data() + size_t(a) * ks + pos.size());
   }
 }
 
-void Lfps::step_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, int64_t k_top, int64_t ns_sel,
-                      Selection& out) {
+// Steps C and D for one set of keys: the owners' union of candidates (one owner, or the G owners of
+// KV head h under kv_budget=cap with query-head tables), ranked by the active heads' summed softmax;
+// every active head attends the best k_top and updates its tables from its own softmax over them.
+void Lfps::step_keys(uint32_t layer, int h, const int* owners, int n_owners, const float* q, const KVLayer& kv,
+                     int64_t k_top, int64_t lw, int64_t ns_sel, Selection& out) {
+  Layer& L = layers_[layer];
   const int G = ctx_.shape.group();
-  const int h = p_.per_kv_head ? u : u / G, h0 = p_.per_kv_head ? u * G : u;
-  std::vector<int> active;
-  std::vector<int32_t> rest, sel;
-  std::vector<double> ssel;
-  int64_t lw = 0;
-  if (!prepare_owner(layer, u, q, kv, k_top, ns_sel, out, active, rest, lw)) return;
-  fill_recent(rest, k_top - lw, kv.size(), lw);
-  std::vector<int> qheads;
-  for (int a : active) qheads.push_back(h0 + a);
-  score_select(q, kv, h, qheads, rest, k_top - lw, lw, sel, ssel);
-  finish_owner(layer, u, q, kv, qheads, sel, ssel.data(), sel.size(), ns_sel, out);
-}
-
-// kv_budget=cap with query-head tables: the G owners of KV head h pick one set together: the union
-// of their candidates (filled with recent keys when short), ranked by the active heads' summed
-// softmax, the best k_top kept; every active head attends it and updates its tables from it.
-void Lfps::step_group(uint32_t layer, int h, const float* q, const KVLayer& kv, int64_t k_top, int64_t ns_sel,
-                      Selection& out) {
-  const int G = ctx_.shape.group();
-  std::vector<std::vector<int>> act(static_cast<size_t>(G));
-  std::vector<int32_t> uni, rest, sel, merged;
-  std::vector<int> qheads, owner_of;
-  int64_t lw = 0, lw_u = 0;
-  for (int g = 0; g < G; ++g) {
-    const int u = h * G + g;
-    if (!prepare_owner(layer, u, q, kv, k_top, ns_sel, out, act[size_t(g)], rest, lw_u)) continue;
-    lw = lw_u;
-    merged.clear();
-    std::set_union(uni.begin(), uni.end(), rest.begin(), rest.end(), std::back_inserter(merged));
-    uni.swap(merged);
-    qheads.push_back(u);
-    owner_of.push_back(g);
+  std::vector<int> qheads;  // the active query heads, in owner order
+  for (int i = 0; i < n_owners; ++i) {
+    const Head& H = L.heads[size_t(owners[i])];
+    const int h0 = p_.per_kv_head ? owners[i] * G : owners[i];
+    for (int g : H.active.v) qheads.push_back(h0 + g);
   }
   if (qheads.empty()) return;
-  fill_recent(uni, k_top - lw, kv.size(), lw);
-  std::vector<double> ssel;
-  score_select(q, kv, h, qheads, uni, k_top - lw, lw, sel, ssel);
+  std::vector<int32_t> rest, sel;
+  std::vector<float> ssel;
+  collect_rest(L, owners, n_owners, kv.size(), lw, k_top - lw, rest);
+  score_select(q, kv, h, qheads, rest, k_top - lw, lw, sel, ssel);
   const size_t ks = sel.size();
-  for (size_t a = 0; a < qheads.size(); ++a)
-    finish_owner(layer, qheads[a], q, kv, {qheads[a]}, sel, ssel.data() + a * ks, ks, ns_sel, out);
+  size_t a = 0;
+  for (int i = 0; i < n_owners; ++i) {
+    const Head& H = L.heads[size_t(owners[i])];
+    const int h0 = p_.per_kv_head ? owners[i] * G : owners[i];
+    if (H.active.v.empty()) continue;
+    std::vector<int> own;
+    for (int g : H.active.v) own.push_back(h0 + g);
+    finish_owner(layer, owners[i], q, kv, own, sel, ssel.data() + a * ks, ks, ns_sel, out);
+    a += own.size();
+  }
 }
 
 // The lists of the owner's active query heads (sinks + sel), the diagnostics and Step D.
-// ssel [qheads][ks]: the scores of sel for each of the owner's active query heads.
+// ssel [qheads][ks]: the scores of sel (ascending) for each of the owner's active query heads.
 void Lfps::finish_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, const std::vector<int>& qheads,
-                        const std::vector<int32_t>& sel, const double* ssel, size_t ks, int64_t ns_sel,
+                        const std::vector<int32_t>& sel, const float* ssel, size_t ks, int64_t ns_sel,
                         Selection& out) {
   Layer& L = layers_[layer];
   Head& H = L.heads[size_t(u)];
@@ -892,18 +954,15 @@ void Lfps::finish_owner(uint32_t layer, int u, const float* q, const KVLayer& kv
   const int64_t n = kv.size(), t = n - 1, ns = p_.sinks, m = n - ns;
   const float scale = ctx_.shape.softmax_scale;
   const int na = int(qheads.size());
-  Scratch& sc = tls;
+  ThreadScratch& sc = tls;
   sc.row.resize(size_t(d));
   H.retrieved_sum += double(ks);
-  {
-    std::vector<int32_t> sorted = sel;
-    std::sort(sorted.begin(), sorted.end());
-    for (int a = 0; a < na; ++a) {
-      auto& l = out.lists[size_t(qheads[size_t(a)])];
-      l.clear();
-      for (int64_t j = 0; j < ns_sel; ++j) l.push_back(int32_t(j));
-      l.insert(l.end(), sorted.begin(), sorted.end());
-    }
+  for (int a = 0; a < na; ++a) {
+    auto& l = out.lists[size_t(qheads[size_t(a)])];
+    l.clear();
+    l.reserve(size_t(ns_sel) + ks);
+    for (int64_t j = 0; j < ns_sel; ++j) l.push_back(int32_t(j));
+    l.insert(l.end(), sel.begin(), sel.end());
   }
 
   // Diagnostics: overlap with the exact top-|S| over O per active head (eq. 2, the paper's metric).
@@ -928,10 +987,16 @@ void Lfps::finish_owner(uint32_t layer, int u, const float* q, const KVLayer& kv
   // ---- Step D: table update, eq. (10): X = gamma X + a~, a~ = half the softmax over the selected
   // non-sink keys (summed over the group's active heads in per_kv_head mode).
   // (A head with no selected key still decays: a~ = 0 in eq. (10).)
-  std::vector<double> at(ks, 0.0);
-  for (int a = 0; a < na; ++a) {
-    const double lse = log_sum_exp(ssel + size_t(a) * ks, ks);
-    for (size_t i = 0; i < ks; ++i) at[i] += 0.5 * std::exp(ssel[size_t(a) * ks + i] - lse);
+  std::vector<float>& at = sc.agg;
+  at.assign(ks, 0.f);
+  if (ks > 0) {
+    sc.tmp.resize(ks);
+    for (int a = 0; a < na; ++a) {
+      std::copy_n(ssel + size_t(a) * ks, ks, sc.tmp.data());
+      const int64_t k = int64_t(ks);
+      const float half = float(0.5 / cpu::exp_shift(sc.tmp.data(), k, cpu::max_of(sc.tmp.data(), k)));
+      for (size_t i = 0; i < ks; ++i) at[i] += sc.tmp[i] * half;
+    }
   }
   H.g *= p_.gamma;  // lazy decay of every entry of both tables
   if (H.g < kRescaleBelow) {
@@ -951,9 +1016,9 @@ void Lfps::finish_owner(uint32_t layer, int u, const float* q, const KVLayer& kv
       H.undo.push_back({0, int32_t(iv), H.t[0].x[iv]});
       H.undo.push_back({1, int32_t(is), H.t[1].x[is]});
     }
-    H.t[0].set(iv, float(double(H.t[0].x[iv]) + at[i] * inv));
-    H.t[1].set(is, float(double(H.t[1].x[is]) + at[i] * inv));
-    H.last_upd.emplace_back(j, float(at[i]));
+    H.t[0].set(iv, float(double(H.t[0].x[iv]) + double(at[i]) * inv));
+    H.t[1].set(is, float(double(H.t[1].x[is]) + double(at[i]) * inv));
+    H.last_upd.emplace_back(j, at[i]);
   }
 }
 

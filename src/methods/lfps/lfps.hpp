@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/method.hpp"
+#include "core/scratch.hpp"
 
 namespace kvs::lfps {
 
@@ -100,9 +101,9 @@ class Lfps final : public Method {
   const std::vector<std::pair<int32_t, float>>& last_update(uint32_t layer, int owner) const {
     return layers_[layer].heads[size_t(owner)].last_upd;
   }
-  const std::vector<int32_t>& last_candidates(uint32_t layer, int owner) const {
-    return layers_[layer].heads[size_t(owner)].last_cand;
-  }
+  // The candidates (eqs. 7-9) of an owner's last decode step, ascending (empty in a copy of the
+  // method made since: they are per-step scratch).
+  std::vector<int32_t> last_candidates(uint32_t layer, int owner) const;
   bool last_bypassed(uint32_t layer, int q_head) const { return layers_[layer].bypass[size_t(q_head)] != 0; }
   // K-bar, V-bar of a KV head, rho of a query head.
   std::vector<double> mean_key(uint32_t layer, int kv_head) const;
@@ -127,7 +128,10 @@ class Lfps final : public Method {
     bool undo_rescaled = false;
     std::vector<float> undo_x[2];  // whole tables before a rescale in the last step
     std::vector<std::pair<int32_t, float>> last_upd;
-    std::vector<int32_t> last_cand;
+    // this step (scratch): the query heads served that are not bypassed (0..G-1 in per_kv_head
+    // mode), and the candidates as a bitmask over tokens [0, n)
+    Scratch<std::vector<int>> active;
+    Scratch<std::vector<uint64_t>> cand;
     // statistics of this owner (summed into the method's on demand)
     double cand_frac_sum = 0, overlap_sum = 0, retrieved_sum = 0;
     int64_t cand_n = 0, overlap_n = 0, fallback_n = 0;
@@ -157,16 +161,16 @@ class Lfps final : public Method {
   void check_built(uint32_t layer, const char* fn) const;
   void add_zero_entries(Layer& L, int64_t n_new);
   void add_priors(Layer& L, const KVLayer& kv, int64_t from, int64_t to);
-  void step_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, int64_t k_top, int64_t ns_sel, Selection& out);
-  void step_group(uint32_t layer, int h, const float* q, const KVLayer& kv, int64_t k_top, int64_t ns_sel, Selection& out);
-  bool prepare_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, int64_t k_top, int64_t ns_sel,
-                     Selection& out, std::vector<int>& active, std::vector<int32_t>& rest, int64_t& lw);
-  void fill_recent(std::vector<int32_t>& rest, int64_t want, int64_t n, int64_t lw) const;
+  bool prepare_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, int64_t ns_sel, Selection& out);
+  void step_keys(uint32_t layer, int h, const int* owners, int n_owners, const float* q, const KVLayer& kv,
+                 int64_t k_top, int64_t lw, int64_t ns_sel, Selection& out);
+  void collect_rest(const Layer& L, const int* owners, int n_owners, int64_t n, int64_t lw, int64_t want,
+                    std::vector<int32_t>& rest) const;
   void score_select(const float* q, const KVLayer& kv, int h, const std::vector<int>& qheads,
                     const std::vector<int32_t>& rest, int64_t want, int64_t lw, std::vector<int32_t>& sel,
-                    std::vector<double>& ssel) const;
+                    std::vector<float>& ssel) const;
   void finish_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, const std::vector<int>& qheads,
-                    const std::vector<int32_t>& sel, const double* ssel, size_t ks, int64_t ns_sel, Selection& out);
+                    const std::vector<int32_t>& sel, const float* ssel, size_t ks, int64_t ns_sel, Selection& out);
   TableStats stats_of(const Table& t, double g) const;
   double threshold_from(const TableStats& s) const;
   void apply_undo(Layer& L);
