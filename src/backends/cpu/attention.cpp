@@ -550,10 +550,13 @@ void merge_chunks(const float* part_o, const float* part_lse, int chunks, int G,
 // range split into chunks. keys_of(h) gives the number of keys of group h; kat(h, i) / vat(h, i)
 // the i-th key/value row of group h.
 template <class NKeys, class KAt, class VAt>
+// ids: the items' indices (q, o and lse at id * gq, and the id given to nkeys/kat/vat); null: 0..heads-1.
 void drive(const KVLayer& kv, const float* q, int heads, int gq, int d, float scale, NKeys nkeys,
-           KAt kat, VAt vat, float* o, float* lse, ThreadPool& pool, bool gathered) {
+           KAt kat, VAt vat, float* o, float* lse, ThreadPool& pool, bool gathered, const int* ids = nullptr) {
+  if (heads <= 0) return;
+  const auto id_of = [&](int h) { return ids ? ids[h] : h; };
   int64_t max_keys = 0;
-  for (int h = 0; h < heads; ++h) max_keys = std::max(max_keys, nkeys(h));
+  for (int h = 0; h < heads; ++h) max_keys = std::max(max_keys, nkeys(id_of(h)));
   // Enough chunks for the pool to balance, each at least one page of keys.
   const int64_t want = std::max<int64_t>(1, (4 * int64_t(pool.size()) + heads - 1) / heads);
   const int64_t chunk = std::max<int64_t>(kPageTokens, (max_keys + want - 1) / std::max<int64_t>(1, want));
@@ -563,7 +566,7 @@ void drive(const KVLayer& kv, const float* q, int heads, int gq, int d, float sc
   const Isa isa = pick_isa(d);
   const DType t = kv.dtype();
   pool.parallel_for(int64_t(heads) * chunks, [&](int64_t task) {
-    const int h = int(task / chunks);
+    const int h = id_of(int(task / chunks));
     const int c = int(task % chunks);
     TaskScratch sc;
     State st = sc.init(gq, d);
@@ -574,12 +577,12 @@ void drive(const KVLayer& kv, const float* q, int heads, int gq, int d, float sc
     auto ka = [&](int64_t i) { return kat(h, i); };
     auto va = [&](int64_t i) { return vat(h, i); };
     if (b < e) run_chunk(isa, st, sc.q.data(), t, b, e, ka, va, sc, gathered);
-    const size_t slot = size_t(h) * chunks + c;
+    const size_t slot = size_t(task / chunks) * chunks + c;
     finish(st, part_o.data() + slot * gq * d, part_lse.data() + slot * gq);
   });
   for (int h = 0; h < heads; ++h)
     merge_chunks(part_o.data() + size_t(h) * chunks * gq * d, part_lse.data() + size_t(h) * chunks * gq,
-                 chunks, gq, d, o + size_t(h) * gq * d, lse + size_t(h) * gq);
+                 chunks, gq, d, o + size_t(id_of(h)) * gq * d, lse + size_t(id_of(h)) * gq);
 }
 
 }  // namespace
@@ -605,10 +608,29 @@ void attend_gather_q(const KVLayer& kv, const float* q, int G,
                      const std::vector<std::vector<int32_t>>& lists, float scale, float* o,
                      float* lse, ThreadPool& pool) {
   const int d = kv.head_dim();
-  const int hq = kv.num_kv_heads() * G;
-  drive(kv, q, hq, 1, d, scale, [&](int h) { return int64_t(lists[size_t(h)].size()); },
+  const int hkv = kv.num_kv_heads();
+  // A KV head whose G query heads share one list (lfps's kv_budget=cap sets, or every head attending
+  // the same keys) is attended as a group: its rows are read once for the G heads, as for
+  // attend_gather_kv. The other query heads are attended one by one.
+  std::vector<int> grouped, single;
+  for (int h = 0; h < hkv; ++h) {
+    const auto& first = lists[size_t(h) * G];
+    bool same = true;
+    for (int g = 1; g < G && same; ++g) same = lists[size_t(h) * G + g] == first;
+    if (same && G > 1) {
+      grouped.push_back(h);
+    } else {
+      for (int g = 0; g < G; ++g) single.push_back(h * G + g);
+    }
+  }
+  drive(kv, q, int(grouped.size()), G, d, scale, [&](int h) { return int64_t(lists[size_t(h) * G].size()); },
+        [&](int h, int64_t i) { return kv.k_row(h, lists[size_t(h) * G][size_t(i)]); },
+        [&](int h, int64_t i) { return kv.v_row(h, lists[size_t(h) * G][size_t(i)]); }, o, lse, pool, true,
+        grouped.data());
+  drive(kv, q, int(single.size()), 1, d, scale, [&](int h) { return int64_t(lists[size_t(h)].size()); },
         [&](int h, int64_t i) { return kv.k_row(h / G, lists[size_t(h)][size_t(i)]); },
-        [&](int h, int64_t i) { return kv.v_row(h / G, lists[size_t(h)][size_t(i)]); }, o, lse, pool, true);
+        [&](int h, int64_t i) { return kv.v_row(h / G, lists[size_t(h)][size_t(i)]); }, o, lse, pool, true,
+        single.data());
 }
 
 void merge_states(float* o_a, float* lse_a, const float* o_b, const float* lse_b, int H, int d) {

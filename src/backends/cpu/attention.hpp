@@ -22,7 +22,8 @@ void attend_gather_kv(const KVLayer& kv, const float* q, int G,
                       const std::vector<std::vector<int32_t>>& lists, float scale, float* o,
                       float* lse, ThreadPool& pool);
 
-// lists[hq] for each query head (size Hq).
+// lists[hq] for each query head (size Hq). A KV head whose G lists are equal is attended as a
+// group (its rows read once for the G heads).
 void attend_gather_q(const KVLayer& kv, const float* q, int G,
                      const std::vector<std::vector<int32_t>>& lists, float scale, float* o,
                      float* lse, ThreadPool& pool);

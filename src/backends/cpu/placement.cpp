@@ -368,6 +368,14 @@ class CpuPlacement final : public Placement, public HostPart {
         break;
       case Selection::Kind::PerQueryHead: {
         const int G = cfg_.shape.group();
+        const size_t h0 = size_t(kv_head) * G;
+        bool same = h0 + size_t(G) <= sel.lists.size();  // the group's heads share one list (lfps)
+        for (int g = 1; g < G && same; ++g) same = sel.lists[h0 + size_t(g)] == sel.lists[h0];
+        if (same) {
+          out = sel.lists[h0];
+          if (!std::is_sorted(out.begin(), out.end())) std::sort(out.begin(), out.end());
+          break;
+        }
         for (int g = 0; g < G; ++g) {
           size_t h = size_t(kv_head) * G + g;
           if (h < sel.lists.size()) out.insert(out.end(), sel.lists[h].begin(), sel.lists[h].end());

@@ -210,11 +210,11 @@ int64_t popcount(const uint64_t* x, int64_t W) {
 // Per-thread scratch (the pool's threads persist).
 struct ThreadScratch {
   std::vector<uint64_t> m, c;               // an owner's scan: above a mean; the candidates
-  std::vector<int32_t> rest;                // a step's candidates outside the forced window
   std::vector<const std::byte*> rows;       // their K rows
   std::vector<float> qa, score, agg, tmp;   // active queries [na][d], scores [na][nc], ranking
   std::vector<uint32_t> keys;               // kth_largest's scratch
-  std::vector<int32_t> pos;                 // the chosen entries' positions in rest
+  std::vector<int32_t> pos, sel;            // a set's chosen keys: positions in rest; tokens
+  std::vector<float> ssel;                  // their scores [na][ks]
   std::vector<float> row;
 };
 thread_local ThreadScratch tls;
@@ -673,23 +673,44 @@ void Lfps::select(uint32_t layer, const float* q, const KVLayer& kv, Selection& 
   // Forced recent keys (an option not in the paper): attended whatever their score.
   const int64_t lw = std::min(p_.local_window, std::min(n - p_.sinks, k_top));
   L.undo_tokens = n;  // set first: a throw half-way still rolls back the owners already updated
-  // Two rounds on the pool: every owner's bypass test and candidate scan (steps B, A), then per set
-  // of keys (a KV head's under kv_budget=cap, else an owner's) the exact top-k, the lists and the
-  // owners' table updates (steps C, D).
+  // Four rounds on the pool, so that every thread works whatever the number of heads:
+  //  1. per owner: the bypass test and the candidate scan (steps B, A);
+  //  2. per set of keys (a KV head's under kv_budget=cap with query-head tables, else an owner's):
+  //     the owners' union of candidates, completed with recent keys;
+  //  3. per chunk of kScoreChunk keys of a set: the exact scores of the active heads (step C) and
+  //     each head's softmax statistics over the chunk;
+  //  4. per set: the best k_top by the heads' summed softmax, the lists and the owners' table
+  //     updates (step D).
   ctx_.pool->parallel_for(owners_, [&](int64_t u) { prepare_owner(layer, int(u), q, kv, ns, out); });
   const int G = ctx_.shape.group();
-  if (p_.kv_cap && !p_.per_kv_head && G > 1) {
-    ctx_.pool->parallel_for(int64_t(ctx_.shape.num_kv_heads), [&](int64_t h) {
-      std::vector<int> owners(static_cast<size_t>(G));
-      for (int g = 0; g < G; ++g) owners[size_t(g)] = int(h) * G + g;
-      step_keys(layer, int(h), owners.data(), G, q, kv, k_top, lw, ns, out);
-    });
-  } else {
-    ctx_.pool->parallel_for(owners_, [&](int64_t u) {
-      const int o = int(u);
-      step_keys(layer, p_.per_kv_head ? o : o / G, &o, 1, q, kv, k_top, lw, ns, out);
-    });
+  const bool group = p_.kv_cap && !p_.per_kv_head && G > 1;
+  std::vector<KeySet>& sets = sets_.v;
+  sets.resize(size_t(group ? int64_t(ctx_.shape.num_kv_heads) : owners_));
+  for (size_t i = 0; i < sets.size(); ++i) {
+    KeySet& S = sets[i];
+    S.owners.clear();
+    if (group) {
+      S.h = int(i);
+      for (int g = 0; g < G; ++g) S.owners.push_back(int(i) * G + g);
+    } else {
+      S.h = p_.per_kv_head ? int(i) : int(i) / G;
+      S.owners.push_back(int(i));
+    }
   }
+  ctx_.pool->parallel_for(int64_t(sets.size()), [&](int64_t i) { plan_set(L, sets[size_t(i)], n, lw, k_top - lw); });
+  int64_t tasks = 0;
+  for (KeySet& S : sets) {
+    S.first_task = tasks;
+    tasks += S.chunks;
+  }
+  ctx_.pool->parallel_for(tasks, [&](int64_t task) {
+    size_t i = 0;
+    while (i + 1 < sets.size() && sets[i + 1].first_task <= task) ++i;
+    score_chunk(q, kv, sets[i], task - sets[i].first_task);
+  });
+  ctx_.pool->parallel_for(int64_t(sets.size()), [&](int64_t i) {
+    choose_keys(layer, q, kv, sets[size_t(i)], k_top - lw, lw, ns, out);
+  });
   for (int h = 0; h < hq; ++h) L.bypass_heads += L.bypass[size_t(h)];
   L.head_steps += hq;
 }
@@ -804,28 +825,34 @@ bool Lfps::prepare_owner(uint32_t layer, int u, const float* q, const KVLayer& k
   ++H.cand_n;
   return true;
 }
-// The keys step C ranks for a set of owners (their candidates' union below the forced window
-// [n - lw, n), ascending), completed with recent keys: fill=recent completes fewer than `want` with
-// the most recent keys of O not among them; widen=recent (with kv_budget=cap) adds the `want` most
-// recent keys of O below n - lw whatever their number (a query the tables do not predict then gets
-// streaming's recent keys from the exact top-k of step C).
-void Lfps::collect_rest(const Layer& L, const int* owners, int n_owners, int64_t n, int64_t lw, int64_t want,
-                        std::vector<int32_t>& rest) const {
+// Round 2 for one set of keys: its active query heads, and the keys step C ranks: the owners' union
+// of candidates below the forced window [n - lw, n), ascending, completed with recent keys:
+// fill=recent completes fewer than `want` with the most recent keys of O not among them;
+// widen=recent (with kv_budget=cap) adds the `want` most recent keys of O below n - lw whatever
+// their number (a query the tables do not predict then gets streaming's recent keys from the exact
+// top-k of step C).
+void Lfps::plan_set(const Layer& L, KeySet& S, int64_t n, int64_t lw, int64_t want) const {
+  const int G = ctx_.shape.group();
+  S.qheads.clear();
+  S.rest.clear();
+  S.chunks = 0;
+  for (int u : S.owners) {
+    const int h0 = p_.per_kv_head ? u * G : u;
+    for (int g : L.heads[size_t(u)].active.v) S.qheads.push_back(h0 + g);
+  }
+  if (S.qheads.empty()) return;  // every head served is bypassed
   const int64_t W = (n + 63) / 64, ns = p_.sinks, hi = n - lw;  // keys in [ns, hi)
-  ThreadScratch& sc = tls;
-  std::vector<uint64_t>& u = sc.c;
+  std::vector<uint64_t>& u = tls.c;
   u.assign(size_t(W), 0);
-  for (int i = 0; i < n_owners; ++i) {
-    const auto& c = L.heads[size_t(owners[i])].cand.v;
+  for (int o : S.owners) {
+    const auto& c = L.heads[size_t(o)].cand.v;
     if (c.empty()) continue;  // every head of the owner bypassed
     for (int64_t w = 0; w < W; ++w) u[size_t(w)] |= c[size_t(w)];
   }
-  auto clear_from = [&](int64_t j) {  // clears the bits of tokens >= j
-    if (j >= n) return;
-    u[size_t(j >> 6)] &= (uint64_t(1) << (j & 63)) - 1;
-    for (int64_t w = (j >> 6) + 1; w < W; ++w) u[size_t(w)] = 0;
-  };
-  clear_from(hi);
+  if (hi < n) {  // clear the forced window's bits
+    u[size_t(hi >> 6)] &= (uint64_t(1) << (hi & 63)) - 1;
+    for (int64_t w = (hi >> 6) + 1; w < W; ++w) u[size_t(w)] = 0;
+  }
   auto set_bit = [&](int64_t j) { u[size_t(j >> 6)] |= uint64_t(1) << (j & 63); };
   if (p_.fill_recent && want > 0) {
     if (p_.widen && p_.kv_cap) {
@@ -839,47 +866,75 @@ void Lfps::collect_rest(const Layer& L, const int* owners, int n_owners, int64_t
         }
     }
   }
-  rest.clear();
   for (int64_t w = 0; w < W; ++w)
-    for (uint64_t x = u[size_t(w)]; x; x &= x - 1) rest.push_back(int32_t(w * 64 + __builtin_ctzll(x)));
+    for (uint64_t x = u[size_t(w)]; x; x &= x - 1) S.rest.push_back(int32_t(w * 64 + __builtin_ctzll(x)));
+  const size_t na = S.qheads.size(), nc = S.rest.size();
+  S.chunks = (int64_t(nc) + kScoreChunk - 1) / kScoreChunk;
+  S.score.resize(na * nc);
+  S.w.resize(na > 1 ? na * nc : 0);
+  S.cmax.resize(size_t(S.chunks) * na);
+  S.csum.resize(size_t(S.chunks) * na);
 }
 
-// Step C: exact scores of `rest` for the query heads `qheads` of KV head h; the `want` best (by the
-// score, or by the heads' summed softmax; ties to the older key), then the forced recent keys
-// [n - lw, n). sel: the chosen keys, ascending; ssel [qheads][sel]: their scores.
-void Lfps::score_select(const float* q, const KVLayer& kv, int h, const std::vector<int>& qheads,
-                        const std::vector<int32_t>& rest, int64_t want, int64_t lw, std::vector<int32_t>& sel,
-                        std::vector<float>& ssel) const {
+// Round 3, step C for chunk c of a set's keys: the exact scores of its active heads (the CPU
+// backend's gathered kernel, every head at once) and, with several heads, each head's maximum over
+// the chunk, exp(score - maximum) and their sum (the summed softmax's parts).
+void Lfps::score_chunk(const float* q, const KVLayer& kv, KeySet& S, int64_t c) const {
   ThreadScratch& sc = tls;
   const int d = int(ctx_.shape.head_dim);
-  const float scale = ctx_.shape.softmax_scale;
-  const int64_t n = kv.size();
-  const int na = int(qheads.size());
-  const int64_t nc = int64_t(rest.size());
+  const int na = int(S.qheads.size());
+  const int64_t nc = int64_t(S.rest.size()), b = c * kScoreChunk, e = std::min(nc, b + kScoreChunk), len = e - b;
   sc.qa.resize(size_t(na) * d);
-  for (int a = 0; a < na; ++a) std::copy_n(q + size_t(qheads[size_t(a)]) * d, d, sc.qa.data() + size_t(a) * d);
-  // The candidates' rows, scored for all active heads at once by the CPU backend's gathered kernel.
-  sc.rows.resize(size_t(std::max<int64_t>(nc, lw)));
-  for (int64_t c = 0; c < nc; ++c) sc.rows[size_t(c)] = kv.k_row(h, rest[size_t(c)]);
-  auto& score = sc.score;  // [na][nc]
-  score.resize(size_t(na) * size_t(nc));
-  cpu::score_rows(kv.dtype(), d, na, sc.qa.data(), scale, sc.rows.data(), nc, score.data());
-  const float* rank_by = score.data();
-  if (na > 1 && nc > 0) {  // the group's summed softmax over the candidates
+  for (int a = 0; a < na; ++a) std::copy_n(q + size_t(S.qheads[size_t(a)]) * d, d, sc.qa.data() + size_t(a) * d);
+  sc.rows.resize(size_t(len));
+  for (int64_t i = 0; i < len; ++i) sc.rows[size_t(i)] = kv.k_row(S.h, S.rest[size_t(b + i)]);
+  sc.score.resize(size_t(na) * size_t(len));
+  cpu::score_rows(kv.dtype(), d, na, sc.qa.data(), ctx_.shape.softmax_scale, sc.rows.data(), len, sc.score.data());
+  for (int a = 0; a < na; ++a) {
+    const float* s = sc.score.data() + size_t(a) * len;
+    std::copy_n(s, len, S.score.data() + size_t(a) * nc + b);
+    if (na == 1) continue;
+    float* w = S.w.data() + size_t(a) * nc + b;
+    std::copy_n(s, len, w);
+    const float mx = cpu::max_of(w, len);
+    S.cmax[size_t(c) * na + a] = mx;
+    S.csum[size_t(c) * na + a] = cpu::exp_shift(w, len, mx);
+  }
+}
+
+// Round 4 for one set: the `want` best of its keys (by the score, or by the active heads' summed
+// softmax; ties to the older key), then the forced recent keys [n - lw, n); every active head
+// attends them (sinks first) and its owner's tables are updated (step D).
+void Lfps::choose_keys(uint32_t layer, const float* q, const KVLayer& kv, KeySet& S, int64_t want, int64_t lw,
+                       int64_t ns_sel, Selection& out) {
+  if (S.qheads.empty()) return;
+  ThreadScratch& sc = tls;
+  const int d = int(ctx_.shape.head_dim), G = ctx_.shape.group();
+  const int64_t n = kv.size();
+  const int na = int(S.qheads.size());
+  const int64_t nc = int64_t(S.rest.size());
+  const float* rank_by = S.score.data();
+  if (na > 1 && nc > 0) {
+    // summed softmax: sum over heads a of w[a][i] * exp(cmax[chunk][a] - M_a) / Z_a
     sc.agg.assign(size_t(nc), 0.f);
-    sc.tmp.resize(size_t(nc));
     for (int a = 0; a < na; ++a) {
-      std::copy_n(score.data() + size_t(a) * nc, nc, sc.tmp.data());
-      const float inv = float(1.0 / cpu::exp_shift(sc.tmp.data(), nc, cpu::max_of(sc.tmp.data(), nc)));
-      for (int64_t c = 0; c < nc; ++c) sc.agg[size_t(c)] += sc.tmp[size_t(c)] * inv;
+      float M = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < S.chunks; ++c) M = std::max(M, S.cmax[size_t(c) * na + a]);
+      double Z = 0;
+      for (int64_t c = 0; c < S.chunks; ++c)
+        Z += S.csum[size_t(c) * na + a] * std::exp(double(S.cmax[size_t(c) * na + a]) - M);
+      for (int64_t c = 0; c < S.chunks; ++c) {
+        const float f = float(std::exp(double(S.cmax[size_t(c) * na + a]) - M) / Z);
+        const int64_t b = c * kScoreChunk, e = std::min(nc, b + kScoreChunk);
+        const float* w = S.w.data() + size_t(a) * nc;
+        for (int64_t i = b; i < e; ++i) sc.agg[size_t(i)] += w[i] * f;
+      }
     }
     rank_by = sc.agg.data();
   }
   // The `take` best: every entry above the take-th largest, then its ties in ascending key order.
   const int64_t take = std::clamp<int64_t>(want, 0, nc);
   const size_t ks = size_t(take + lw);
-  sel.clear();
-  sel.reserve(ks);
   std::vector<int32_t>& pos = sc.pos;
   pos.clear();
   if (take == nc) {
@@ -894,50 +949,37 @@ void Lfps::score_select(const float* q, const KVLayer& kv, int h, const std::vec
       if (k > kth || (k == kth && ties-- > 0)) pos.push_back(int32_t(c));
     }
   }
+  std::vector<int32_t>& sel = sc.sel;  // ascending: rest is, and the forced window lies above it
+  sel.clear();
+  std::vector<float>& ssel = sc.ssel;  // [na][ks]
   ssel.resize(size_t(na) * ks);
   for (size_t i = 0; i < pos.size(); ++i) {
-    sel.push_back(rest[size_t(pos[i])]);
-    for (int a = 0; a < na; ++a) ssel[size_t(a) * ks + i] = score[size_t(a) * size_t(nc) + size_t(pos[i])];
+    sel.push_back(S.rest[size_t(pos[i])]);
+    for (int a = 0; a < na; ++a) ssel[size_t(a) * ks + i] = S.score[size_t(a) * size_t(nc) + size_t(pos[i])];
   }
   if (lw > 0) {
+    sc.qa.resize(size_t(na) * d);
+    for (int a = 0; a < na; ++a) std::copy_n(q + size_t(S.qheads[size_t(a)]) * d, d, sc.qa.data() + size_t(a) * d);
+    sc.rows.resize(size_t(lw));
     for (int64_t i = 0; i < lw; ++i) {
       sel.push_back(int32_t(n - lw + i));
-      sc.rows[size_t(i)] = kv.k_row(h, n - lw + i);
+      sc.rows[size_t(i)] = kv.k_row(S.h, n - lw + i);
     }
-    sc.tmp.resize(size_t(na) * size_t(lw));
-    cpu::score_rows(kv.dtype(), d, na, sc.qa.data(), scale, sc.rows.data(), lw, sc.tmp.data());
+    sc.score.resize(size_t(na) * size_t(lw));
+    cpu::score_rows(kv.dtype(), d, na, sc.qa.data(), ctx_.shape.softmax_scale, sc.rows.data(), lw, sc.score.data());
     for (int a = 0; a < na; ++a)
-      std::copy_n(sc.tmp.data() + size_t(a) * lw, lw, ssel.data() + size_t(a) * ks + pos.size());
+      std::copy_n(sc.score.data() + size_t(a) * lw, lw, ssel.data() + size_t(a) * ks + pos.size());
   }
-}
-
-// Steps C and D for one set of keys: the owners' union of candidates (one owner, or the G owners of
-// KV head h under kv_budget=cap with query-head tables), ranked by the active heads' summed softmax;
-// every active head attends the best k_top and updates its tables from its own softmax over them.
-void Lfps::step_keys(uint32_t layer, int h, const int* owners, int n_owners, const float* q, const KVLayer& kv,
-                     int64_t k_top, int64_t lw, int64_t ns_sel, Selection& out) {
   Layer& L = layers_[layer];
-  const int G = ctx_.shape.group();
-  std::vector<int> qheads;  // the active query heads, in owner order
-  for (int i = 0; i < n_owners; ++i) {
-    const Head& H = L.heads[size_t(owners[i])];
-    const int h0 = p_.per_kv_head ? owners[i] * G : owners[i];
-    for (int g : H.active.v) qheads.push_back(h0 + g);
-  }
-  if (qheads.empty()) return;
-  std::vector<int32_t> rest, sel;
-  std::vector<float> ssel;
-  collect_rest(L, owners, n_owners, kv.size(), lw, k_top - lw, rest);
-  score_select(q, kv, h, qheads, rest, k_top - lw, lw, sel, ssel);
-  const size_t ks = sel.size();
   size_t a = 0;
-  for (int i = 0; i < n_owners; ++i) {
-    const Head& H = L.heads[size_t(owners[i])];
-    const int h0 = p_.per_kv_head ? owners[i] * G : owners[i];
+  std::vector<int> own;
+  for (int u : S.owners) {
+    const Head& H = L.heads[size_t(u)];
     if (H.active.v.empty()) continue;
-    std::vector<int> own;
+    const int h0 = p_.per_kv_head ? u * G : u;
+    own.clear();
     for (int g : H.active.v) own.push_back(h0 + g);
-    finish_owner(layer, owners[i], q, kv, own, sel, ssel.data() + a * ks, ks, ns_sel, out);
+    finish_owner(layer, u, q, kv, own, sel, ssel.data() + a * ks, ks, ns_sel, out);
     a += own.size();
   }
 }

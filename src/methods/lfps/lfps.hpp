@@ -162,13 +162,22 @@ class Lfps final : public Method {
   void add_zero_entries(Layer& L, int64_t n_new);
   void add_priors(Layer& L, const KVLayer& kv, int64_t from, int64_t to);
   bool prepare_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, int64_t ns_sel, Selection& out);
-  void step_keys(uint32_t layer, int h, const int* owners, int n_owners, const float* q, const KVLayer& kv,
-                 int64_t k_top, int64_t lw, int64_t ns_sel, Selection& out);
-  void collect_rest(const Layer& L, const int* owners, int n_owners, int64_t n, int64_t lw, int64_t want,
-                    std::vector<int32_t>& rest) const;
-  void score_select(const float* q, const KVLayer& kv, int h, const std::vector<int>& qheads,
-                    const std::vector<int32_t>& rest, int64_t want, int64_t lw, std::vector<int32_t>& sel,
-                    std::vector<float>& ssel) const;
+  // One set of keys of a step: a KV head's under kv_budget=cap with query-head tables, else an owner's.
+  struct KeySet {
+    int h = 0;                      // its KV head
+    std::vector<int> owners;        // the owners choosing it
+    std::vector<int> qheads;        // their active query heads
+    std::vector<int32_t> rest;      // the keys step C ranks (ascending)
+    std::vector<float> score, w;    // [qheads][rest]: scores; exp(score - its chunk's maximum)
+    std::vector<float> cmax;        // [chunk][qheads] the chunk's maximum score
+    std::vector<double> csum;       // [chunk][qheads] sum of its w
+    int64_t chunks = 0, first_task = 0;
+  };
+  static constexpr int64_t kScoreChunk = 4096;  // keys per scoring task
+  void plan_set(const Layer& L, KeySet& S, int64_t n, int64_t lw, int64_t want) const;
+  void score_chunk(const float* q, const KVLayer& kv, KeySet& S, int64_t c) const;
+  void choose_keys(uint32_t layer, const float* q, const KVLayer& kv, KeySet& S, int64_t want, int64_t lw,
+                   int64_t ns_sel, Selection& out);
   void finish_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, const std::vector<int>& qheads,
                     const std::vector<int32_t>& sel, const float* ssel, size_t ks, int64_t ns_sel, Selection& out);
   TableStats stats_of(const Table& t, double g) const;
@@ -179,6 +188,7 @@ class Lfps final : public Method {
   Params p_;
   int owners_;
   std::vector<Layer> layers_;
+  Scratch<std::vector<KeySet>> sets_;  // this step's sets of keys (select runs one layer at a time)
 };
 
 Params parse_params(const ParamSet& ps);
