@@ -50,12 +50,13 @@ struct Data {
 
 struct Rig {
   kvs::ModelShape shape;
-  kvs::ThreadPool pool{2};
+  kvs::ThreadPool pool;
   kvs::KVLayer kv;
   std::unique_ptr<kvs::lfps::Lfps> m;
   kvs::Budget budget;
-  Rig(const Data& D, const std::string& params, double frac)
+  Rig(const Data& D, const std::string& params, double frac, unsigned threads = 2)
       : shape{1, uint32_t(D.hq), uint32_t(D.hkv), uint32_t(D.d), float(1.0 / std::sqrt(double(D.d))), kvs::DType::F32},
+        pool(threads),
         kv(kvs::DType::F32, D.hkv, D.d) {
     budget.fraction = frac;
     const kvs::MethodSpec* spec = kvs::find_method("lfps");
@@ -343,6 +344,64 @@ TEST_CASE("lfps: alpha=-inf without bypass is exact top-k (selection and float64
 
 // theta = 0 bypasses every head: the output is the LSE merge of exact attention over the sinks and
 // the state (V-bar, log A_glob), A_glob = |O| exp(q.K-bar s + rho |q|^2 s^2 / 2) (documented output).
+// kv_budget=cap (the default): the G query heads of a KV head rank the union of their candidates
+// (with widen=recent's recent keys) by their summed softmax. Contexts of 12K tokens give unions of
+// two or more score chunks (4096 keys each, scored on different threads): the chosen keys must be the
+// best of that union by a float64 summed softmax (up to float rounding), every head of the group
+// attends the same list, and 1 and 3 threads choose bit-identically.
+TEST_CASE("lfps: the group's choice over several score chunks equals a float64 ranking of the union") {
+  for (const char* params : {"bypass=false", "bypass=false,alpha=-inf"}) {
+  CAPTURE(params);
+  Rng rng(41);
+  const int64_t P = 12000, steps = 6, ns = 4;
+  Data D(rng, 4, 2, 16, P + steps);
+  Rig r(D, params, 0.05, 3), r1(D, params, 0.05, 1);
+  r.prefill(D, P);
+  r1.prefill(D, P);
+  const int G = 2;
+  const double scale = r.shape.softmax_scale;
+  int64_t big = 0;
+  kvs::Selection sel, sel1;
+  for (int64_t s = 0; s < steps; ++s) {
+    const int64_t t = P + s, n = t + 1;
+    r.step(D, t, sel);
+    r1.step(D, t, sel1);
+    CHECK(sel.lists == sel1.lists);
+    for (int h = 0; h < 2; ++h) {
+      const auto& list = sel.lists[size_t(h * G)];
+      CHECK(sel.lists[size_t(h * G + 1)] == list);  // one set per KV head
+      REQUIRE(list.size() > size_t(ns));
+      const int64_t want = int64_t(list.size()) - ns;
+      std::set<int32_t> rest;
+      for (int g = 0; g < G; ++g)
+        for (int32_t j : r.m->last_candidates(0, h * G + g)) rest.insert(j);
+      for (int64_t j = std::max(ns, n - want); j < n; ++j) rest.insert(int32_t(j));  // widen=recent
+      big += rest.size() > 4096;
+      std::vector<double> agg(size_t(n), 0.0);
+      for (int g = 0; g < G; ++g) {
+        const int qh = h * G + g;
+        double mx = -kInf, z = 0;
+        for (int32_t j : rest) mx = std::max(mx, D.score(qh, t, j, scale));
+        for (int32_t j : rest) z += std::exp(D.score(qh, t, j, scale) - mx);
+        for (int32_t j : rest) agg[size_t(j)] += std::exp(D.score(qh, t, j, scale) - mx) / z;
+      }
+      std::set<int32_t> chosen(list.begin() + ns, list.end());
+      CHECK(chosen.size() == size_t(want));
+      CHECK(std::is_sorted(list.begin(), list.end()));
+      double lo = kInf, hi = 0, top = 0;
+      for (int32_t j : rest) {
+        top = std::max(top, agg[size_t(j)]);
+        if (chosen.count(j)) lo = std::min(lo, agg[size_t(j)]);
+        else hi = std::max(hi, agg[size_t(j)]);
+      }
+      for (int32_t j : chosen) CHECK(rest.count(j) == 1);
+      CHECK(lo >= hi - 1e-5 * top);  // nothing left out ranks above what was kept
+    }
+  }
+  CHECK(big > 0);  // unions of more than one score chunk were ranked
+  }
+}
+
 TEST_CASE("lfps: bypassed heads output sink attention merged with (V-bar, log A_glob)") {
   Rng rng(7);
   const int64_t P = 400;
