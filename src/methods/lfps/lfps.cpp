@@ -213,8 +213,7 @@ struct ThreadScratch {
   std::vector<const std::byte*> rows;       // their K rows
   std::vector<float> qa, score, agg, tmp;   // active queries [na][d], scores [na][nc], ranking
   std::vector<uint32_t> keys;               // kth_largest's scratch
-  std::vector<int32_t> pos, sel;            // a set's chosen keys: positions in rest; tokens
-  std::vector<float> ssel;                  // their scores [na][ks]
+  std::vector<int32_t> pos;                 // a set's chosen keys' positions in rest
   std::vector<float> row;
 };
 thread_local ThreadScratch tls;
@@ -673,14 +672,14 @@ void Lfps::select(uint32_t layer, const float* q, const KVLayer& kv, Selection& 
   // Forced recent keys (an option not in the paper): attended whatever their score.
   const int64_t lw = std::min(p_.local_window, std::min(n - p_.sinks, k_top));
   L.undo_tokens = n;  // set first: a throw half-way still rolls back the owners already updated
-  // Four rounds on the pool, so that every thread works whatever the number of heads:
+  // Five rounds on the pool, so that every thread works whatever the number of heads:
   //  1. per owner: the bypass test and the candidate scan (steps B, A);
   //  2. per set of keys (a KV head's under kv_budget=cap with query-head tables, else an owner's):
   //     the owners' union of candidates, completed with recent keys;
   //  3. per chunk of kScoreChunk keys of a set: the exact scores of the active heads (step C) and
   //     each head's softmax statistics over the chunk;
-  //  4. per set: the best k_top by the heads' summed softmax, the lists and the owners' table
-  //     updates (step D).
+  //  4. per set: the best k_top by the heads' summed softmax;
+  //  5. per owner: the lists of its heads and its table updates (step D).
   ctx_.pool->parallel_for(owners_, [&](int64_t u) { prepare_owner(layer, int(u), q, kv, ns, out); });
   const int G = ctx_.shape.group();
   const bool group = p_.kv_cap && !p_.per_kv_head && G > 1;
@@ -708,8 +707,21 @@ void Lfps::select(uint32_t layer, const float* q, const KVLayer& kv, Selection& 
     while (i + 1 < sets.size() && sets[i + 1].first_task <= task) ++i;
     score_chunk(q, kv, sets[i], task - sets[i].first_task);
   });
-  ctx_.pool->parallel_for(int64_t(sets.size()), [&](int64_t i) {
-    choose_keys(layer, q, kv, sets[size_t(i)], k_top - lw, lw, ns, out);
+  ctx_.pool->parallel_for(int64_t(sets.size()), [&](int64_t i) { choose_keys(q, kv, sets[size_t(i)], k_top - lw, lw); });
+  // 5. per owner: its heads' lists and its table updates (step D) from its heads' scores of the set.
+  ctx_.pool->parallel_for(owners_, [&](int64_t u) {
+    const KeySet& S = sets[size_t(group ? u / G : u)];
+    size_t a = 0;  // the owner's first active head among the set's
+    for (int o : S.owners) {
+      if (o == int(u)) break;
+      a += L.heads[size_t(o)].active.v.size();
+    }
+    const std::vector<int>& act = L.heads[size_t(u)].active.v;
+    if (act.empty()) return;
+    std::vector<int> own;
+    const int h0 = p_.per_kv_head ? int(u) * G : int(u);
+    for (int g : act) own.push_back(h0 + g);
+    finish_owner(layer, int(u), q, kv, own, S.sel, S.ssel.data() + a * S.sel.size(), S.sel.size(), ns, out);
   });
   for (int h = 0; h < hq; ++h) L.bypass_heads += L.bypass[size_t(h)];
   L.head_steps += hq;
@@ -903,13 +915,14 @@ void Lfps::score_chunk(const float* q, const KVLayer& kv, KeySet& S, int64_t c) 
 }
 
 // Round 4 for one set: the `want` best of its keys (by the score, or by the active heads' summed
-// softmax; ties to the older key), then the forced recent keys [n - lw, n); every active head
-// attends them (sinks first) and its owner's tables are updated (step D).
-void Lfps::choose_keys(uint32_t layer, const float* q, const KVLayer& kv, KeySet& S, int64_t want, int64_t lw,
-                       int64_t ns_sel, Selection& out) {
+// softmax; ties to the older key), then the forced recent keys [n - lw, n), with every active
+// head's scores of them (S.sel, S.ssel).
+void Lfps::choose_keys(const float* q, const KVLayer& kv, KeySet& S, int64_t want, int64_t lw) const {
+  S.sel.clear();
+  S.ssel.clear();
   if (S.qheads.empty()) return;
   ThreadScratch& sc = tls;
-  const int d = int(ctx_.shape.head_dim), G = ctx_.shape.group();
+  const int d = int(ctx_.shape.head_dim);
   const int64_t n = kv.size();
   const int na = int(S.qheads.size());
   const int64_t nc = int64_t(S.rest.size());
@@ -949,9 +962,9 @@ void Lfps::choose_keys(uint32_t layer, const float* q, const KVLayer& kv, KeySet
       if (k > kth || (k == kth && ties-- > 0)) pos.push_back(int32_t(c));
     }
   }
-  std::vector<int32_t>& sel = sc.sel;  // ascending: rest is, and the forced window lies above it
+  std::vector<int32_t>& sel = S.sel;  // ascending: rest is, and the forced window lies above it
   sel.clear();
-  std::vector<float>& ssel = sc.ssel;  // [na][ks]
+  std::vector<float>& ssel = S.ssel;  // [na][ks]
   ssel.resize(size_t(na) * ks);
   for (size_t i = 0; i < pos.size(); ++i) {
     sel.push_back(S.rest[size_t(pos[i])]);
@@ -969,18 +982,6 @@ void Lfps::choose_keys(uint32_t layer, const float* q, const KVLayer& kv, KeySet
     cpu::score_rows(kv.dtype(), d, na, sc.qa.data(), ctx_.shape.softmax_scale, sc.rows.data(), lw, sc.score.data());
     for (int a = 0; a < na; ++a)
       std::copy_n(sc.score.data() + size_t(a) * lw, lw, ssel.data() + size_t(a) * ks + pos.size());
-  }
-  Layer& L = layers_[layer];
-  size_t a = 0;
-  std::vector<int> own;
-  for (int u : S.owners) {
-    const Head& H = L.heads[size_t(u)];
-    if (H.active.v.empty()) continue;
-    const int h0 = p_.per_kv_head ? u * G : u;
-    own.clear();
-    for (int g : H.active.v) own.push_back(h0 + g);
-    finish_owner(layer, u, q, kv, own, sel, ssel.data() + a * ks, ks, ns_sel, out);
-    a += own.size();
   }
 }
 
@@ -1051,7 +1052,15 @@ void Lfps::finish_owner(uint32_t layer, int u, const float* q, const KVLayer& kv
     H.g = 1.0;
   }
   const double inv = 1.0 / H.g;
+  H.undo.reserve(H.undo_rescaled ? 0 : 2 * ks);
+  H.last_upd.reserve(ks);
+  constexpr size_t kAhead = 16;  // the entries are scattered over both tables: ask for them ahead
   for (size_t i = 0; i < ks; ++i) {
+    if (i + kAhead < ks) {
+      const int32_t jp = sel[i + kAhead];
+      _mm_prefetch(reinterpret_cast<const char*>(H.t[0].x.data() + (jp - ns)), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(H.t[1].x.data() + (t - jp)), _MM_HINT_T0);
+    }
     const int32_t j = sel[i];
     const size_t iv = size_t(j - ns), is = size_t(t - j);
     if (!H.undo_rescaled) {

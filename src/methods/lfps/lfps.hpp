@@ -171,13 +171,14 @@ class Lfps final : public Method {
     std::vector<float> score, w;    // [qheads][rest]: scores; exp(score - its chunk's maximum)
     std::vector<float> cmax;        // [chunk][qheads] the chunk's maximum score
     std::vector<double> csum;       // [chunk][qheads] sum of its w
+    std::vector<int32_t> sel;       // the chosen keys (ascending)
+    std::vector<float> ssel;        // [qheads][sel] their scores
     int64_t chunks = 0, first_task = 0;
   };
   static constexpr int64_t kScoreChunk = 4096;  // keys per scoring task
   void plan_set(const Layer& L, KeySet& S, int64_t n, int64_t lw, int64_t want) const;
   void score_chunk(const float* q, const KVLayer& kv, KeySet& S, int64_t c) const;
-  void choose_keys(uint32_t layer, const float* q, const KVLayer& kv, KeySet& S, int64_t want, int64_t lw,
-                   int64_t ns_sel, Selection& out);
+  void choose_keys(const float* q, const KVLayer& kv, KeySet& S, int64_t want, int64_t lw) const;
   void finish_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, const std::vector<int>& qheads,
                     const std::vector<int32_t>& sel, const float* ssel, size_t ks, int64_t ns_sel, Selection& out);
   TableStats stats_of(const Table& t, double g) const;
