@@ -213,7 +213,7 @@ struct ThreadScratch {
   std::vector<const std::byte*> rows;       // their K rows
   std::vector<float> qa, score, agg, tmp;   // active queries [na][d], scores [na][nc], ranking
   std::vector<uint32_t> keys;               // kth_largest's scratch
-  std::vector<int32_t> pos;                 // a set's chosen keys' positions in rest
+  std::vector<int32_t> pos, above, ties;    // a set's chosen keys' positions in rest; the choice's parts
   std::vector<float> row;
 };
 thread_local ThreadScratch tls;
@@ -954,13 +954,20 @@ void Lfps::choose_keys(const float* q, const KVLayer& kv, KeySet& S, int64_t wan
     for (int64_t c = 0; c < nc; ++c) pos.push_back(int32_t(c));
   } else if (take > 0) {
     const uint32_t kth = cpu::float_key(cpu::kth_largest(rank_by, nc, take, sc.keys));
-    int64_t above = 0;
-    for (int64_t c = 0; c < nc; ++c) above += cpu::float_key(rank_by[c]) > kth;
-    int64_t ties = take - above;
+    // One branchless pass: the entries above the k-th value, and those equal to it; then the
+    // first (take - above) of the ties merged in.
+    sc.above.resize(size_t(nc));
+    sc.ties.resize(size_t(nc));
+    int64_t n_above = 0, nt = 0;
     for (int64_t c = 0; c < nc; ++c) {
       const uint32_t k = cpu::float_key(rank_by[c]);
-      if (k > kth || (k == kth && ties-- > 0)) pos.push_back(int32_t(c));
+      sc.above[size_t(n_above)] = int32_t(c);
+      n_above += k > kth;
+      sc.ties[size_t(nt)] = int32_t(c);
+      nt += k == kth;
     }
+    pos.resize(size_t(take));
+    std::merge(sc.above.begin(), sc.above.begin() + n_above, sc.ties.begin(), sc.ties.begin() + (take - n_above), pos.begin());
   }
   std::vector<int32_t>& sel = S.sel;  // ascending: rest is, and the forced window lies above it
   sel.clear();
