@@ -549,8 +549,8 @@ void merge_chunks(const float* part_o, const float* part_lse, int chunks, int G,
 // Generic driver: `heads` groups, each with `gq` query heads starting at qhead0(h), over a key
 // range split into chunks. keys_of(h) gives the number of keys of group h; kat(h, i) / vat(h, i)
 // the i-th key/value row of group h.
+// ids: the groups' indices (q, o and lse at id * gq; the id is what nkeys/kat/vat get); null: 0..heads-1.
 template <class NKeys, class KAt, class VAt>
-// ids: the items' indices (q, o and lse at id * gq, and the id given to nkeys/kat/vat); null: 0..heads-1.
 void drive(const KVLayer& kv, const float* q, int heads, int gq, int d, float scale, NKeys nkeys,
            KAt kat, VAt vat, float* o, float* lse, ThreadPool& pool, bool gathered, const int* ids = nullptr) {
   if (heads <= 0) return;

@@ -703,9 +703,9 @@ void Lfps::select(uint32_t layer, const float* q, const KVLayer& kv, Selection& 
     tasks += S.chunks;
   }
   ctx_.pool->parallel_for(tasks, [&](int64_t task) {
-    size_t i = 0;
-    while (i + 1 < sets.size() && sets[i + 1].first_task <= task) ++i;
-    score_chunk(q, kv, sets[i], task - sets[i].first_task);
+    const auto it = std::upper_bound(sets.begin(), sets.end(), task,
+                                     [](int64_t t, const KeySet& S) { return t < S.first_task; }) - 1;
+    score_chunk(q, kv, *it, task - it->first_task);
   });
   ctx_.pool->parallel_for(int64_t(sets.size()), [&](int64_t i) { choose_keys(q, kv, sets[size_t(i)], k_top - lw, lw); });
   // 5. per owner: its heads' lists and its table updates (step D) from its heads' scores of the set.
@@ -888,6 +888,13 @@ void Lfps::plan_set(const Layer& L, KeySet& S, int64_t n, int64_t lw, int64_t wa
   S.csum.resize(size_t(S.chunks) * na);
 }
 
+// The queries of a set's active heads, contiguous ([qheads][d]).
+void Lfps::active_queries(const float* q, const KeySet& S, std::vector<float>& qa) const {
+  const int d = int(ctx_.shape.head_dim);
+  qa.resize(S.qheads.size() * size_t(d));
+  for (size_t a = 0; a < S.qheads.size(); ++a) std::copy_n(q + size_t(S.qheads[a]) * d, d, qa.data() + a * size_t(d));
+}
+
 // Round 3, step C for chunk c of a set's keys: the exact scores of its active heads (the CPU
 // backend's gathered kernel, every head at once) and, with several heads, each head's maximum over
 // the chunk, exp(score - maximum) and their sum (the summed softmax's parts).
@@ -896,8 +903,7 @@ void Lfps::score_chunk(const float* q, const KVLayer& kv, KeySet& S, int64_t c) 
   const int d = int(ctx_.shape.head_dim);
   const int na = int(S.qheads.size());
   const int64_t nc = int64_t(S.rest.size()), b = c * kScoreChunk, e = std::min(nc, b + kScoreChunk), len = e - b;
-  sc.qa.resize(size_t(na) * d);
-  for (int a = 0; a < na; ++a) std::copy_n(q + size_t(S.qheads[size_t(a)]) * d, d, sc.qa.data() + size_t(a) * d);
+  active_queries(q, S, sc.qa);
   sc.rows.resize(size_t(len));
   for (int64_t i = 0; i < len; ++i) sc.rows[size_t(i)] = kv.k_row(S.h, S.rest[size_t(b + i)]);
   sc.score.resize(size_t(na) * size_t(len));
@@ -978,8 +984,7 @@ void Lfps::choose_keys(const float* q, const KVLayer& kv, KeySet& S, int64_t wan
     for (int a = 0; a < na; ++a) ssel[size_t(a) * ks + i] = S.score[size_t(a) * size_t(nc) + size_t(pos[i])];
   }
   if (lw > 0) {
-    sc.qa.resize(size_t(na) * d);
-    for (int a = 0; a < na; ++a) std::copy_n(q + size_t(S.qheads[size_t(a)]) * d, d, sc.qa.data() + size_t(a) * d);
+    active_queries(q, S, sc.qa);
     sc.rows.resize(size_t(lw));
     for (int64_t i = 0; i < lw; ++i) {
       sel.push_back(int32_t(n - lw + i));
