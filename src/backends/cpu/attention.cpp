@@ -604,6 +604,14 @@ void attend_gather_kv(const KVLayer& kv, const float* q, int G,
         [&](int h, int64_t i) { return kv.v_row(h, lists[size_t(h)][size_t(i)]); }, o, lse, pool, true);
 }
 
+bool group_shares_list(const std::vector<std::vector<int32_t>>& lists, int h, int G) {
+  const size_t h0 = size_t(h) * size_t(G);
+  if (h0 + size_t(G) > lists.size()) return false;
+  for (int g = 1; g < G; ++g)
+    if (lists[h0 + size_t(g)] != lists[h0]) return false;
+  return true;
+}
+
 void attend_gather_q(const KVLayer& kv, const float* q, int G,
                      const std::vector<std::vector<int32_t>>& lists, float scale, float* o,
                      float* lse, ThreadPool& pool) {
@@ -614,10 +622,7 @@ void attend_gather_q(const KVLayer& kv, const float* q, int G,
   // attend_gather_kv. The other query heads are attended one by one.
   std::vector<int> grouped, single;
   for (int h = 0; h < hkv; ++h) {
-    const auto& first = lists[size_t(h) * G];
-    bool same = true;
-    for (int g = 1; g < G && same; ++g) same = lists[size_t(h) * G + g] == first;
-    if (same && G > 1) {
+    if (G > 1 && group_shares_list(lists, h, G)) {
       grouped.push_back(h);
     } else {
       for (int g = 0; g < G; ++g) single.push_back(h * G + g);

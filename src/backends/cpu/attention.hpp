@@ -22,6 +22,9 @@ void attend_gather_kv(const KVLayer& kv, const float* q, int G,
                       const std::vector<std::vector<int32_t>>& lists, float scale, float* o,
                       float* lse, ThreadPool& pool);
 
+// Whether the G query heads of KV head h hold equal lists (lists[h * G, h * G + G) exist and match).
+bool group_shares_list(const std::vector<std::vector<int32_t>>& lists, int h, int G);
+
 // lists[hq] for each query head (size Hq). A KV head whose G lists are equal is attended as a
 // group (its rows read once for the G heads).
 void attend_gather_q(const KVLayer& kv, const float* q, int G,

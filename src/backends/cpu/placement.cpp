@@ -368,11 +368,8 @@ class CpuPlacement final : public Placement, public HostPart {
         break;
       case Selection::Kind::PerQueryHead: {
         const int G = cfg_.shape.group();
-        const size_t h0 = size_t(kv_head) * G;
-        bool same = h0 + size_t(G) <= sel.lists.size();  // the group's heads share one list (lfps)
-        for (int g = 1; g < G && same; ++g) same = sel.lists[h0 + size_t(g)] == sel.lists[h0];
-        if (same) {
-          out = sel.lists[h0];
+        if (cpu::group_shares_list(sel.lists, int(kv_head), G)) {  // the group's heads share one list (lfps)
+          out = sel.lists[size_t(kv_head) * G];
           if (!std::is_sorted(out.begin(), out.end())) std::sort(out.begin(), out.end());
           break;
         }

@@ -75,52 +75,6 @@ float dot(const float* a, const float* b, int d) {
   return s;
 }
 
-// q . k for a key row in the storage dtype, converted in registers (no row buffer). d % 8 == 0.
-__attribute__((target("avx2,fma,f16c"))) float dot_row_avx2(const float* q, const std::byte* row, DType t, int d) {
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-  int i = 0;
-  switch (t) {
-    case DType::BF16:
-      for (; i + 16 <= d; i += 16) {
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * i));
-        const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(a)), 16));
-        const __m256 hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(a, 1)), 16));
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), lo, s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), hi, s1);
-      }
-      for (; i < d; i += 8) {
-        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i));
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16)), s0);
-      }
-      break;
-    case DType::F16:
-      for (; i < d; i += 8)
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i),
-                             _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i))), s0);
-      break;
-    case DType::F32: {
-      const float* k = reinterpret_cast<const float*>(row);
-      for (; i + 16 <= d; i += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_loadu_ps(k + i + 8), s1);
-      }
-      for (; i < d; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), s0);
-      break;
-    }
-  }
-  alignas(32) float r[8];
-  _mm256_store_ps(r, _mm256_add_ps(s0, s1));
-  return ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
-}
-
-const bool kHaveF16c = __builtin_cpu_supports("f16c");
-
-float dot_row(const float* q, const std::byte* row, DType t, int d, float* buf) {
-  if (kHaveAvx2 && kHaveF16c && d % 8 == 0) return dot_row_avx2(q, row, t, d);
-  convert_to_f32(row, t, buf, size_t(d));
-  return dot(q, buf, d);
-}
-
 // ---- Candidate bitmasks over tokens (bit j of word j / 64 is token j).
 
 // bits[pos ..] |= word (64 bits at any bit position; bits has a spare word at the end).
@@ -211,7 +165,7 @@ int64_t popcount(const uint64_t* x, int64_t W) {
 struct ThreadScratch {
   std::vector<uint64_t> m, c;               // an owner's scan: above a mean; the candidates
   std::vector<const std::byte*> rows;       // their K rows
-  std::vector<float> qa, score, agg, tmp;   // active queries [na][d], scores [na][nc], ranking
+  std::vector<float> qa, score, agg, tmp, lse;  // active queries [na][d], scores [na][nc], ranking
   std::vector<uint32_t> keys;               // kth_largest's scratch
   std::vector<int32_t> pos, above, ties;    // a set's chosen keys' positions in rest; the choice's parts
   std::vector<float> row;
@@ -888,11 +842,11 @@ void Lfps::plan_set(const Layer& L, KeySet& S, int64_t n, int64_t lw, int64_t wa
   S.csum.resize(size_t(S.chunks) * na);
 }
 
-// The queries of a set's active heads, contiguous ([qheads][d]).
-void Lfps::active_queries(const float* q, const KeySet& S, std::vector<float>& qa) const {
+// The queries of the query heads qheads, contiguous ([qheads][d]).
+void Lfps::gather_queries(const float* q, const std::vector<int>& qheads, std::vector<float>& qa) const {
   const int d = int(ctx_.shape.head_dim);
-  qa.resize(S.qheads.size() * size_t(d));
-  for (size_t a = 0; a < S.qheads.size(); ++a) std::copy_n(q + size_t(S.qheads[a]) * d, d, qa.data() + a * size_t(d));
+  qa.resize(qheads.size() * size_t(d));
+  for (size_t a = 0; a < qheads.size(); ++a) std::copy_n(q + size_t(qheads[a]) * d, d, qa.data() + a * size_t(d));
 }
 
 // Round 3, step C for chunk c of a set's keys: the exact scores of its active heads (the CPU
@@ -903,7 +857,7 @@ void Lfps::score_chunk(const float* q, const KVLayer& kv, KeySet& S, int64_t c) 
   const int d = int(ctx_.shape.head_dim);
   const int na = int(S.qheads.size());
   const int64_t nc = int64_t(S.rest.size()), b = c * kScoreChunk, e = std::min(nc, b + kScoreChunk), len = e - b;
-  active_queries(q, S, sc.qa);
+  gather_queries(q, S.qheads, sc.qa);
   sc.rows.resize(size_t(len));
   for (int64_t i = 0; i < len; ++i) sc.rows[size_t(i)] = kv.k_row(S.h, S.rest[size_t(b + i)]);
   sc.score.resize(size_t(na) * size_t(len));
@@ -984,7 +938,7 @@ void Lfps::choose_keys(const float* q, const KVLayer& kv, KeySet& S, int64_t wan
     for (int a = 0; a < na; ++a) ssel[size_t(a) * ks + i] = S.score[size_t(a) * size_t(nc) + size_t(pos[i])];
   }
   if (lw > 0) {
-    active_queries(q, S, sc.qa);
+    gather_queries(q, S.qheads, sc.qa);
     sc.rows.resize(size_t(lw));
     for (int64_t i = 0; i < lw; ++i) {
       sel.push_back(int32_t(n - lw + i));
@@ -1010,7 +964,6 @@ void Lfps::finish_owner(uint32_t layer, int u, const float* q, const KVLayer& kv
   const float scale = ctx_.shape.softmax_scale;
   const int na = int(qheads.size());
   ThreadScratch& sc = tls;
-  sc.row.resize(size_t(d));
   H.retrieved_sum += double(ks);
   for (int a = 0; a < na; ++a) {
     auto& l = out.lists[size_t(qheads[size_t(a)])];
@@ -1022,16 +975,19 @@ void Lfps::finish_owner(uint32_t layer, int u, const float* q, const KVLayer& kv
 
   // Diagnostics: overlap with the exact top-|S| over O per active head (eq. 2, the paper's metric).
   if (p_.diagnostics && ks > 0) {
-    std::vector<float> all(static_cast<size_t>(m));
+    std::vector<float> all(size_t(na) * size_t(m));  // [qheads][O]: every key's score
+    std::vector<const std::byte*> rows(static_cast<size_t>(m));
     std::vector<int32_t> idx(static_cast<size_t>(m));
     std::vector<uint8_t> in(static_cast<size_t>(m), 0);
     for (int32_t j : sel) in[size_t(j - ns)] = 1;
+    for (int64_t j = ns; j < n; ++j) rows[size_t(j - ns)] = kv.k_row(h, j);
+    gather_queries(q, qheads, sc.qa);
+    cpu::score_rows(kv.dtype(), d, na, sc.qa.data(), scale, rows.data(), m, all.data());
     for (int a = 0; a < na; ++a) {
-      const float* qq = q + size_t(qheads[size_t(a)]) * d;
-      for (int64_t j = ns; j < n; ++j) all[size_t(j - ns)] = scale * dot_row(qq, kv.k_row(h, j), kv.dtype(), d, sc.row.data());
+      const float* sa = all.data() + size_t(a) * size_t(m);
       for (int64_t i = 0; i < m; ++i) idx[size_t(i)] = int32_t(i);
       std::nth_element(idx.begin(), idx.begin() + int64_t(ks - 1), idx.end(),
-                       [&](int32_t x, int32_t y) { return all[size_t(x)] > all[size_t(y)] || (all[size_t(x)] == all[size_t(y)] && x < y); });
+                       [&](int32_t x, int32_t y) { return sa[x] > sa[y] || (sa[x] == sa[y] && x < y); });
       int64_t hit = 0;
       for (size_t i = 0; i < ks; ++i) hit += in[size_t(idx[i])];
       H.overlap_sum += double(hit) / double(ks);
@@ -1045,13 +1001,11 @@ void Lfps::finish_owner(uint32_t layer, int u, const float* q, const KVLayer& kv
   std::vector<float>& at = sc.agg;
   at.assign(ks, 0.f);
   if (ks > 0) {
-    sc.tmp.resize(ks);
-    for (int a = 0; a < na; ++a) {
-      std::copy_n(ssel + size_t(a) * ks, ks, sc.tmp.data());
-      const int64_t k = int64_t(ks);
-      const float half = float(0.5 / cpu::exp_shift(sc.tmp.data(), k, cpu::max_of(sc.tmp.data(), k)));
-      for (size_t i = 0; i < ks; ++i) at[i] += sc.tmp[i] * half;
-    }
+    sc.tmp.assign(ssel, ssel + size_t(na) * ks);
+    sc.lse.resize(size_t(na));
+    cpu::softmax_rows(sc.tmp.data(), na, int64_t(ks), int64_t(ks), sc.lse.data());
+    for (int a = 0; a < na; ++a)
+      for (size_t i = 0; i < ks; ++i) at[i] += 0.5f * sc.tmp[size_t(a) * ks + i];
   }
   H.g *= p_.gamma;  // lazy decay of every entry of both tables
   if (H.g < kRescaleBelow) {

@@ -177,7 +177,7 @@ class Lfps final : public Method {
   };
   static constexpr int64_t kScoreChunk = 4096;  // keys per scoring task
   void plan_set(const Layer& L, KeySet& S, int64_t n, int64_t lw, int64_t want) const;
-  void active_queries(const float* q, const KeySet& S, std::vector<float>& qa) const;
+  void gather_queries(const float* q, const std::vector<int>& qheads, std::vector<float>& qa) const;
   void score_chunk(const float* q, const KVLayer& kv, KeySet& S, int64_t c) const;
   void choose_keys(const float* q, const KVLayer& kv, KeySet& S, int64_t want, int64_t lw) const;
   void finish_owner(uint32_t layer, int u, const float* q, const KVLayer& kv, const std::vector<int>& qheads,
