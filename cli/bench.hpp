@@ -20,6 +20,7 @@ struct BenchOptions {
   double budget = 0.05;
   unsigned threads = 0;
   int64_t steps = 20, warmup = 3;
+  int64_t batch = 1;  // sessions of each kind, stepped together by kvs_decode_batch (1: kvs_session_decode)
   uint64_t seed = 1;
   double membw_mib = 0;
   bool no_membw = false;
@@ -27,8 +28,9 @@ struct BenchOptions {
   std::string kv_memory = "cuda";  // --backend cuda: where the KV cache lives (cuda or cuda_host)
 };
 
-// What bench_cpu measured: per-step wall times (after the warm-up) of the method and of `full`,
-// the method's phase times (update, select, attention), its session statistics and the
+// What bench_cpu measured: per-step wall times (after the warm-up) of the method and of `full`
+// (of the whole batch's step when o.batch > 1), the method's phase times (update, select,
+// attention; the mean over the batch's sessions), the first method session's statistics and the
 // statistics named in BenchOptions::stats (nullopt: the method does not know the name).
 struct BenchTiming {
   std::vector<double> method_us, full_us, phase_us[3];
@@ -40,7 +42,8 @@ struct BenchTiming {
 // Throws UsageError on a bad option (unknown method, context < 64, ...).
 void validate_options(const BenchOptions& o);
 // One layer of structured synthetic data (docs/synth.md): o.context prompt tokens, then
-// o.warmup + o.steps decode tokens.
+// (o.warmup + o.steps) * o.batch decode tokens (session b of a batch takes token b of each step's
+// run of o.batch).
 SynthTrace bench_data(const BenchOptions& o, DType dtype, unsigned threads);
 // CPU-backend (or hybrid) timing of o.method against full on `data` (from bench_data with the same o).
 BenchTiming bench_cpu(const BenchOptions& o, DType dtype, const SynthTrace& data);

@@ -32,6 +32,7 @@ void validate_options(const BenchOptions& o) {
   if (o.context < 64) throw UsageError("--context must be >= 64");
   if (o.steps < 1) throw UsageError("--steps must be >= 1");
   if (o.warmup < 0) throw UsageError("--warmup must be >= 0");
+  if (o.batch < 1 || o.batch > 64) throw UsageError("--batch must be in 1..64");
   if (!(o.budget > 0.0 && o.budget <= 1.0)) throw UsageError("--budget must be in (0, 1]");
   if (o.membw_mib < 0) throw UsageError("--membw-mib must be >= 0");
   if (o.device < 0) throw UsageError("--device must be >= 0");
@@ -43,6 +44,34 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
 }
 #endif
 
+// "one session per kind" or "batches of B sessions per kind (kvs_decode_batch)".
+static std::string batch_words(int64_t b) {
+  return b == 1 ? std::string("one session per kind")
+                : strfmt("batches of %lld sessions per kind (kvs_decode_batch)", static_cast<long long>(b));
+}
+
+// The o.batch sessions of each kind, each of which gets its own copy of the prompt: the method's
+// (p with o.method and o.params) and `full`'s (p with method "full"), and their handles.
+struct BenchSessions {
+  std::vector<Session> method, full;
+  std::vector<kvs_session_t> handles[2];  // [method, full]
+  BenchSessions(const BenchOptions& o, kvs_session_params p) {
+    kvs_session_params pf = p;
+    p.method = o.method.c_str();
+    p.method_params = o.params.empty() ? nullptr : o.params.c_str();
+    pf.method = "full";
+    const int64_t B = o.batch;
+    method.reserve(size_t(B));
+    full.reserve(size_t(B));
+    for (int64_t b = 0; b < B; ++b) {
+      method.emplace_back(p, B == 1 ? o.method : strfmt("%s[%lld]", o.method.c_str(), static_cast<long long>(b)));
+      full.emplace_back(pf, B == 1 ? std::string("full") : strfmt("full[%lld]", static_cast<long long>(b)));
+      handles[0].push_back(method.back().get());
+      handles[1].push_back(full.back().get());
+    }
+  }
+};
+
 SynthTrace bench_data(const BenchOptions& o, DType dtype, unsigned threads) {
   // Structured synthetic data (docs/synth.md), so data-dependent methods see realistic attention.
   SynthConfig cfg;
@@ -51,7 +80,7 @@ SynthTrace bench_data(const BenchOptions& o, DType dtype, unsigned threads) {
   cfg.kv_heads = o.kv_heads;
   cfg.head_dim = o.head_dim;
   cfg.prefill = o.context;
-  cfg.decode = o.warmup + o.steps;
+  cfg.decode = (o.warmup + o.steps) * o.batch;
   cfg.dtype = dtype;
   cfg.seed = o.seed;
   cfg.segments = uint32_t(std::clamp<int64_t>((o.context - cfg.sinks) / 256, 1, 16));
@@ -74,51 +103,63 @@ BenchTiming bench_cpu(const BenchOptions& o, DType dtype, const SynthTrace& data
   p.backend = parse_backend(o.backend);
   p.num_threads = o.threads;
   p.budget = o.budget;
-  kvs_session_params pf = p;
-  p.method = o.method.c_str();
-  p.method_params = o.params.empty() ? nullptr : o.params.c_str();
-  pf.method = "full";
-  Session method(p, o.method);
-  Session full(pf, "full");
+  BenchSessions ss(o, p);
+  const int64_t B = o.batch;
+  std::vector<Session>&methods = ss.method, &fulls = ss.full;
+  Session& method = methods[0];
 
   const int64_t P = o.context;
   {
     Activity busy("prefill and index build");
-    auto t0 = Clock::now();
-    method.prefill(0, q.rows_view(0, P), k.rows_view(0, P), v.rows_view(0, P));
-    r.prefill_ms = seconds_since(t0) * 1e3;
-    t0 = Clock::now();
-    method.build_index();
-    r.index_ms = seconds_since(t0) * 1e3;
-    full.prefill(0, q.rows_view(0, P), k.rows_view(0, P), v.rows_view(0, P));
-    full.build_index();
+    for (int64_t b = 0; b < B; ++b) {
+      auto t0 = Clock::now();
+      methods[size_t(b)].prefill(0, q.rows_view(0, P), k.rows_view(0, P), v.rows_view(0, P));
+      if (b == 0) r.prefill_ms = seconds_since(t0) * 1e3;
+      t0 = Clock::now();
+      methods[size_t(b)].build_index();
+      if (b == 0) r.index_ms = seconds_since(t0) * 1e3;
+      fulls[size_t(b)].prefill(0, q.rows_view(0, P), k.rows_view(0, P), v.rows_view(0, P));
+      fulls[size_t(b)].build_index();
+    }
   }
 
-  std::vector<float> out(static_cast<size_t>(o.q_heads) * o.head_dim), lse(o.q_heads);
-  const Tensor o_t(out.data(), DType::F32, {int64_t(o.q_heads), int64_t(o.head_dim)});
-  const Tensor lse_t(lse.data(), DType::F32, {int64_t(o.q_heads)});
+  const int64_t hq = o.q_heads, d = o.head_dim;
+  std::vector<float> out(static_cast<size_t>(B * hq * d)), lse(size_t(B * hq));
+  const Tensor o_t = B == 1 ? Tensor(out.data(), DType::F32, {hq, d}) : Tensor(out.data(), DType::F32, {B, hq, d});
+  const Tensor lse_t = B == 1 ? Tensor(lse.data(), DType::F32, {hq}) : Tensor(lse.data(), DType::F32, {B, hq});
   // Per-step wall time of the method's phases (session statistics; CPU decode only): streaming
-  // update, selection, exact attention.
+  // update, selection, exact attention; the mean over the batch's sessions.
   static const char* const kPhases[3] = {"decode_update_seconds", "decode_select_seconds", "decode_attend_seconds"};
   auto phase_totals = [&](double* out) {
     for (int p = 0; p < 3; ++p) {
       out[p] = 0;
-      kvs_error_destroy(kvs_session_method_stat(method.get(), kPhases[p], &out[p]));
+      for (const Session& s : methods) {
+        double x = 0;
+        kvs_error_destroy(kvs_session_method_stat(s.get(), kPhases[p], &x));
+        out[p] += x / double(B);
+      }
     }
   };
   {
     Progress bar("decoding", o.warmup + o.steps);
     for (int64_t i = 0; i < o.warmup + o.steps; ++i) {
-      const int64_t t = P + i;
-      const Tensor qt = q.row_view(t), kt = k.row_view(t), vt = v.row_view(t);
+      const int64_t t = P + i * B;  // session b decodes token t + b
+      const Tensor qt = B == 1 ? q.row_view(t) : q.rows_view(t, B);
+      const Tensor kt = B == 1 ? k.row_view(t) : k.rows_view(t, B);
+      const Tensor vt = B == 1 ? v.row_view(t) : v.rows_view(t, B);
       // Alternate which goes first, so neither always inherits the other's cache state.
       for (int turn = 0; turn < 2; ++turn) {
         const bool m = (turn == 0) == (i % 2 == 0);
-        Session& s = m ? method : full;
         double before[3], after[3];
         if (m) phase_totals(before);
         const auto t0 = Clock::now();
-        s.decode(0, qt, kt, vt, o_t, &lse_t);
+        if (B == 1) {
+          (m ? methods : fulls)[0].decode(0, qt, kt, vt, o_t, &lse_t);
+        } else {
+          std::vector<kvs_session_t>& h = ss.handles[m ? 0 : 1];
+          check(kvs_decode_batch(h.data(), size_t(B), 0, qt.get(), kt.get(), vt.get(), o_t.get(), lse_t.get(), nullptr),
+                strfmt("%s: kvs_decode_batch of layer 0", m ? o.method.c_str() : "full"));
+        }
         const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
         if (i >= o.warmup) (m ? r.method_us : r.full_us).push_back(us);
         if (m && i >= o.warmup) {
@@ -179,17 +220,18 @@ int run_bench(const BenchOptions& o) {
   const double es = double(dtype_size(dtype));
   const double row_bytes = double(o.kv_heads) * o.head_dim * 2.0 * es;  // one token's K and V
   const double mean_ctx = double(P + o.warmup) + double(o.steps + 1) / 2.0;
-  const double full_bytes = mean_ctx * row_bytes;
-  const double method_bytes = st.mean_selected_keys * row_bytes + double(st.index_bytes);
+  const double B = double(o.batch);  // a step reads every session's keys
+  const double full_bytes = B * mean_ctx * row_bytes;
+  const double method_bytes = B * (st.mean_selected_keys * row_bytes + double(st.index_bytes));
   const double achieved = full_step_us > 0 ? full_bytes / (full_step_us * 1e-6) / 1e9 : 0.0;
   const double method_gbps = step_us > 0 ? method_bytes / (step_us * 1e-6) / 1e9 : 0.0;
   const double speedup = step_us > 0 ? full_step_us / step_us : 0.0;
 
   std::printf("bench %s vs full: context %lld, %u q heads / %u kv heads, d %u, %s, budget %g, %s backend, "
-              "%u threads, median of %lld steps after %lld warm-up\n",
+              "%u threads, %s, median of %lld steps after %lld warm-up\n",
               o.method.c_str(), static_cast<long long>(P), o.q_heads, o.kv_heads, o.head_dim,
-              dtype_name(dtype), o.budget, o.backend.c_str(), threads, static_cast<long long>(o.steps),
-              static_cast<long long>(o.warmup));
+              dtype_name(dtype), o.budget, o.backend.c_str(), threads, batch_words(o.batch).c_str(),
+              static_cast<long long>(o.steps), static_cast<long long>(o.warmup));
   std::printf("  prefill %.1f ms, index build %.1f ms; index %s, KV %s\n", prefill_ms, index_ms,
               human_bytes(double(st.index_bytes)).c_str(), human_bytes(double(st.kv_bytes)).c_str());
   std::printf("  full     %10.1f us/step  reads %s  -> %.1f GB/s", full_step_us,
@@ -202,8 +244,8 @@ int run_bench(const BenchOptions& o) {
   const double ph[3] = {median(phase_us[0]), median(phase_us[1]), median(phase_us[2])};
   const bool have_phases = ph[0] + ph[1] + ph[2] > 0;  // CPU decode only
   if (have_phases)
-    std::printf("  %s phases, median us/step: update %.1f, select %.1f, attention %.1f\n", o.method.c_str(),
-                ph[0], ph[1], ph[2]);
+    std::printf("  %s phases, median us/step%s: update %.1f, select %.1f, attention %.1f\n", o.method.c_str(),
+                o.batch > 1 ? " (mean of the sessions)" : "", ph[0], ph[1], ph[2]);
   std::printf("  step time p50 / p99: full %.1f / %.1f us, %s %.1f / %.1f us\n", full_step_us,
               percentile(full_us, 99.0), o.method.c_str(), step_us, percentile(method_us, 99.0));
   if (!o.stats.empty()) {
@@ -225,6 +267,7 @@ int run_bench(const BenchOptions& o) {
                               {"dtype", dtype_name(dtype)},
                               {"budget", o.budget},
                               {"steps", o.steps},
+                              {"batch", o.batch},
                               {"step_us", step_us},
                               {"full_step_us", full_step_us},
                               {"speedup_vs_full", speedup},
@@ -300,7 +343,10 @@ double elapsed_us(cudaEvent_t a, cudaEvent_t b) {
 // array, so it is neither copied nor moved).
 class DeviceTensor {
  public:
-  DeviceTensor(const void* data, DType dtype, int device, std::initializer_list<int64_t> shape) {
+  DeviceTensor(const void* data, DType dtype, int device, std::initializer_list<int64_t> shape)
+      : DeviceTensor(data, dtype, device, std::vector<int64_t>(shape)) {}
+  DeviceTensor(const void* data, DType dtype, int device, const std::vector<int64_t>& shape) {
+    if (shape.size() > shape_.size()) throw CliError("bench: a device tensor of more than 3 dimensions");
     std::copy(shape.begin(), shape.end(), shape_.begin());
     t_.data = const_cast<void*>(data);
     t_.device = kvs_device{KVS_DEVICE_CUDA, device};
@@ -342,6 +388,21 @@ void upload_random(char* dst, size_t n, DType t, uint64_t seed, uint64_t what, u
     cuda_check(cudaStreamSynchronize(st), "cudaStreamSynchronize(upload)");
   }
 }
+
+// Random q [q_rows, Hq, d] and k, v [kv_rows, Hkv, d] on the device, from upload_random's streams
+// what = {q, k, v} of `seed`.
+struct RandomQKV {
+  DeviceBuffer q, k, v;
+  RandomQKV(int64_t q_rows, int64_t kv_rows, int64_t hq, int64_t hkv, int64_t d, DType t, uint64_t seed,
+            std::array<uint64_t, 3> what, unsigned threads, cudaStream_t st, const std::string& label)
+      : q(size_t(q_rows * hq * d) * dtype_size(t), ("cudaMalloc(" + label + " q)").c_str()),
+        k(size_t(kv_rows * hkv * d) * dtype_size(t), ("cudaMalloc(" + label + " K)").c_str()),
+        v(size_t(kv_rows * hkv * d) * dtype_size(t), ("cudaMalloc(" + label + " V)").c_str()) {
+    upload_random(q.get(), size_t(q_rows * hq * d), t, seed, what[0], threads, st);
+    upload_random(k.get(), size_t(kv_rows * hkv * d), t, seed, what[1], threads, st);
+    upload_random(v.get(), size_t(kv_rows * hkv * d), t, seed, what[2], threads, st);
+  }
+};
 
 // Best of `reps` device-to-device copies of `bytes`, in GB/s counting bytes read and written.
 double measure_copy_bandwidth(size_t bytes, cudaStream_t stream, int reps) {
@@ -389,12 +450,12 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
   else throw CliError("bench: --kv-memory: expected cuda or cuda_host, got '" + o.kv_memory + "'");
   p.num_threads = o.threads;
   p.budget = o.budget;
-  kvs_session_params pf = p;
-  p.method = o.method.c_str();
-  p.method_params = o.params.empty() ? nullptr : o.params.c_str();
-  pf.method = "full";
-  Session method(p, o.method);
-  Session full(pf, "full");
+  BenchSessions ss(o, p);
+  const int64_t B = o.batch;
+  std::vector<Session>&methods = ss.method, &fulls = ss.full;
+  Session& method = methods[0];
+  Session& full = fulls[0];
+  std::vector<kvs_session_t>* handles = ss.handles;
 
   CudaStream stream;
   const cudaStream_t st = stream.get();
@@ -419,22 +480,18 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
   double prefill_ms = 0, index_ms = 0;
   {
     Activity busy("uploading random K/V, prefill and index build");
-    DeviceBuffer kp(size_t(P) * hkv * d * es, "cudaMalloc(prompt K)");
-    DeviceBuffer vp(size_t(P) * hkv * d * es, "cudaMalloc(prompt V)");
-    DeviceBuffer qp(size_t(chunk) * hq * d * es, "cudaMalloc(prompt q)");
-    upload_random(kp.get(), size_t(P) * hkv * d, dtype, o.seed, 1, threads, st);
-    upload_random(vp.get(), size_t(P) * hkv * d, dtype, o.seed, 2, threads, st);
-    upload_random(qp.get(), size_t(chunk) * hq * d, dtype, o.seed, 3, threads, st);
-    for (int which = 0; which < 2; ++which) {
-      Session& s = which == 0 ? method : full;
+    const RandomQKV prompt(chunk, P, hq, hkv, d, dtype, o.seed, {3, 1, 2}, threads, st, "prompt");
+    const char *kp = prompt.k.get(), *vp = prompt.v.get(), *qp = prompt.q.get();
+    for (int64_t which = 0; which < 2 * B; ++which) {  // method[0], full[0], method[1], ...
+      Session& s = which % 2 == 0 ? methods[size_t(which / 2)] : fulls[size_t(which / 2)];
       const int64_t free0 = which == 0 ? device_free() : 0;
       auto t0 = Clock::now();
       for (int64_t c0 = 0; c0 < P; c0 += chunk) {
         const int64_t n = std::min(chunk, P - c0);
         const size_t off = size_t(c0) * hkv * d * es;
-        const DeviceTensor q(qp.get(), dtype, dev, {n, hq, d});
-        const DeviceTensor k(kp.get() + off, dtype, dev, {n, hkv, d});
-        const DeviceTensor v(vp.get() + off, dtype, dev, {n, hkv, d});
+        const DeviceTensor q(qp, dtype, dev, {n, hq, d});
+        const DeviceTensor k(kp + off, dtype, dev, {n, hkv, d});
+        const DeviceTensor v(vp + off, dtype, dev, {n, hkv, d});
         check(kvs_session_prefill(s.get(), 0, q.get(), k.get(), v.get(), nullptr, st),
               s.label() + ": prefill of layer 0");
       }
@@ -450,16 +507,13 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
     }
   }  // the sessions hold their own copies: the prompt buffers go (stream synchronised above)
 
-  // Each step's new token: q [S, Hq, d] and k, v [S, Hkv, d], random, uploaded before timing.
-  DeviceBuffer qs(size_t(S) * hq * d * es, "cudaMalloc(step q)");
-  DeviceBuffer ks(size_t(S) * hkv * d * es, "cudaMalloc(step k)");
-  DeviceBuffer vs(size_t(S) * hkv * d * es, "cudaMalloc(step v)");
-  upload_random(qs.get(), size_t(S) * hq * d, dtype, o.seed, 4, threads, st);
-  upload_random(ks.get(), size_t(S) * hkv * d, dtype, o.seed, 5, threads, st);
-  upload_random(vs.get(), size_t(S) * hkv * d, dtype, o.seed, 6, threads, st);
-  // fp32 outputs (one pair per session), as the CPU path.
-  DeviceBuffer out(2 * size_t(hq) * d * sizeof(float), "cudaMalloc(o)");
-  DeviceBuffer lse(2 * size_t(hq) * sizeof(float), "cudaMalloc(lse)");
+  // Each step's new tokens: q [S * B, Hq, d] and k, v [S * B, Hkv, d], random, uploaded before
+  // timing (session b of a batch takes row b of each step's B rows).
+  const RandomQKV steps(S * B, S * B, hq, hkv, d, dtype, o.seed, {4, 5, 6}, threads, st, "step");
+  const DeviceBuffer &qs = steps.q, &ks = steps.k, &vs = steps.v;
+  // fp32 outputs (one set per kind), as the CPU path.
+  DeviceBuffer out(2 * size_t(B * hq) * d * sizeof(float), "cudaMalloc(o)");
+  DeviceBuffer lse(2 * size_t(B * hq) * sizeof(float), "cudaMalloc(lse)");
   // L2 flush before every timed step: a write of max(2x L2, 256 MiB), which also hides the host's
   // enqueue time behind GPU work (the events time the GPU, the host time is reported apart).
   const size_t flush_bytes = std::max<size_t>(2 * size_t(std::max(prop.l2CacheSize, 0)), size_t(256) << 20);
@@ -470,21 +524,30 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
   std::vector<double> host_us[2];
   {
     Activity busy("decoding");
+    // [B, ...] tensors for a batch, [...] for one session.
+    auto shape = [B](std::initializer_list<int64_t> dims) {
+      std::vector<int64_t> v;
+      if (B > 1) v.push_back(B);
+      v.insert(v.end(), dims);
+      return v;
+    };
     for (int64_t i = 0; i < S; ++i) {
-      const DeviceTensor qt(qs.get() + size_t(i) * hq * d * es, dtype, dev, {hq, d});
-      const DeviceTensor kt(ks.get() + size_t(i) * hkv * d * es, dtype, dev, {hkv, d});
-      const DeviceTensor vt(vs.get() + size_t(i) * hkv * d * es, dtype, dev, {hkv, d});
+      const DeviceTensor qt(qs.get() + size_t(i * B) * hq * d * es, dtype, dev, shape({hq, d}));
+      const DeviceTensor kt(ks.get() + size_t(i * B) * hkv * d * es, dtype, dev, shape({hkv, d}));
+      const DeviceTensor vt(vs.get() + size_t(i * B) * hkv * d * es, dtype, dev, shape({hkv, d}));
       // Alternate which goes first, so neither always runs right after the other.
       for (int turn = 0; turn < 2; ++turn) {
         const int m = (turn == 0) == (i % 2 == 0) ? 0 : 1;  // 0 = method, 1 = full
-        Session& s = m == 0 ? method : full;
-        const DeviceTensor ot(out.get() + size_t(m) * hq * d * sizeof(float), DType::F32, dev, {hq, d});
-        const DeviceTensor lt(lse.get() + size_t(m) * hq * sizeof(float), DType::F32, dev, {hq});
+        const DeviceTensor ot(out.get() + size_t(m * B) * hq * d * sizeof(float), DType::F32, dev, shape({hq, d}));
+        const DeviceTensor lt(lse.get() + size_t(m * B) * hq * sizeof(float), DType::F32, dev, shape({hq}));
         cuda_check(cudaMemsetAsync(flush.get(), int(i & 0xff), flush_bytes, st), "cudaMemsetAsync(L2 flush)");
         cuda_check(cudaEventRecord(event(m, 0, i), st), "cudaEventRecord");
         const int64_t free0 = i == 0 && m == 0 ? device_free() : 0;
+        Session& s = m == 0 ? method : full;
         const auto t0 = Clock::now();
-        const kvs_error_t err = kvs_session_decode(s.get(), 0, qt.get(), kt.get(), vt.get(), ot.get(), lt.get(), st);
+        const kvs_error_t err =
+            B == 1 ? kvs_session_decode(s.get(), 0, qt.get(), kt.get(), vt.get(), ot.get(), lt.get(), st)
+                   : kvs_decode_batch(handles[m].data(), size_t(B), 0, qt.get(), kt.get(), vt.get(), ot.get(), lt.get(), st);
         const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
         if (err != nullptr) check(err, s.label() + ": decode of layer 0");
         if (i == 0 && m == 0) dev_step = taken(free0, device_free());
@@ -558,23 +621,25 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
   const double host_step = median(host_us[0]), host_full = median(host_us[1]);
   const double row_bytes = double(hkv) * d * 2.0 * double(es);  // one token's K and V
   const double mean_ctx = double(P + o.warmup) + double(o.steps + 1) / 2.0;
-  const double full_bytes = mean_ctx * row_bytes;
-  const double method_bytes = stt.mean_selected_keys * row_bytes + double(stt.index_bytes);
+  const double full_bytes = double(B) * mean_ctx * row_bytes;  // a step reads every session's keys
+  const double method_bytes = double(B) * (stt.mean_selected_keys * row_bytes + double(stt.index_bytes));
   const double achieved = full_step_us > 0 ? full_bytes / (full_step_us * 1e-6) / 1e9 : 0.0;
   const double method_gbps = step_us > 0 ? method_bytes / (step_us * 1e-6) / 1e9 : 0.0;
   const double speedup = step_us > 0 ? full_step_us / step_us : 0.0;
 
   std::printf("bench %s vs full: context %lld, %u q heads / %u kv heads, d %u, %s, budget %g, %s backend "
-              "on %s (device %d), KV in %s, median of %lld steps after %lld warm-up, L2 flushed (%s) before each\n",
+              "on %s (device %d), KV in %s, %s, median of %lld steps after %lld warm-up, L2 flushed (%s) before each\n",
               o.method.c_str(), static_cast<long long>(P), o.q_heads, o.kv_heads, o.head_dim, dtype_name(dtype),
               o.budget, o.backend.c_str(), device_name.c_str(), dev, backend == KVS_BACKEND_HYBRID || o.kv_memory == "cuda_host" ? "pinned host memory" : "GPU memory",
-              static_cast<long long>(o.steps), static_cast<long long>(o.warmup), human_bytes(double(flush_bytes)).c_str());
+              batch_words(B).c_str(), static_cast<long long>(o.steps), static_cast<long long>(o.warmup),
+              human_bytes(double(flush_bytes)).c_str());
   std::printf("  prefill %.1f ms, index build %.1f ms; index %s, KV %s\n", prefill_ms, index_ms,
               human_bytes(double(stt.index_bytes)).c_str(), human_bytes(double(stt.kv_bytes)).c_str());
   std::printf("  GPU memory of the %s session: %s after prefill and index build, %s more at its first decode "
-              "step (cudaMemGetInfo)\n",
-              o.method.c_str(), human_bytes(double(std::max<int64_t>(dev_prompt, 0))).c_str(),
-              human_bytes(double(std::max<int64_t>(dev_step, 0))).c_str());
+              "step%s (cudaMemGetInfo)\n",
+              B == 1 ? o.method.c_str() : (o.method + "[0]").c_str(),
+              human_bytes(double(std::max<int64_t>(dev_prompt, 0))).c_str(),
+              human_bytes(double(std::max<int64_t>(dev_step, 0))).c_str(), B == 1 ? "" : " (the whole batch's)");
   std::printf("  full     %10.1f us/step  reads %s  -> %.1f GB/s", full_step_us, human_bytes(full_bytes).c_str(),
               achieved);
   if (measured > 0)
@@ -615,6 +680,7 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
                  {"dtype", dtype_name(dtype)},
                  {"budget", o.budget},
                  {"steps", o.steps},
+                 {"batch", B},
                  {"step_us", step_us},
                  {"full_step_us", full_step_us},
                  {"device_bytes_prompt", std::max<int64_t>(dev_prompt, 0)},
@@ -661,6 +727,9 @@ Command add_bench_command(CLI::App& root) {
                   "library threads and bandwidth-probe (cuda: data-generation) threads (0 = all)");
   cmd->add_option("--steps", o->steps, "timed decode steps of each session");
   cmd->add_option("--warmup", o->warmup, "untimed decode steps first");
+  cmd->add_option("--batch", o->batch,
+                  "sessions of each kind (each with its own copy of the prompt), stepped together by "
+                  "kvs_decode_batch; times are of the whole batch's step (1..64)");
   cmd->add_option("--seed", o->seed, "seed of the synthetic data");
   cmd->add_option("--membw-mib", o->membw_mib,
                   "bandwidth probe buffer in MiB (0 = 4x LLC, 256 MiB..2 GiB; cuda: device copy, 0 = 1 GiB)");

@@ -125,7 +125,7 @@ Session::Session(const SessionConfig& cfg, std::shared_ptr<ThreadPool> pool) : c
   }
   ParamSet ps = ParamSet::parse(cfg_.method, spec_->params, cfg_.method_params.c_str());
   cfg_.method_params = ps.to_text();  // normalised, defaults included
-  pool_ = pool ? std::move(pool) : std::make_shared<ThreadPool>(cfg_.num_threads);
+  pool_ = pool ? std::move(pool) : ThreadPool::shared(cfg_.num_threads);
   placement_ = make_placement(cfg_, *spec_, ps, pool_);
   if (cfg_.lse_base == KVS_LSE_BASE_2 && !placement_->lse_base2())
     fail(KVS_STATUS_UNSUPPORTED, std::string("params->lse_base: KVS_LSE_BASE_2 is not supported on the ") +
@@ -712,7 +712,7 @@ std::unique_ptr<Session> Session::load_from(const std::shared_ptr<const io::Tabl
       bad(std::string("shape, budget or backend outside the session limits (") + e.what() + ")");
     }
     const auto& mp = hm.object(mh, "params");
-    auto pool = std::make_shared<ThreadPool>(cfg.num_threads);
+    auto pool = ThreadPool::shared(cfg.num_threads);
     try {
       const ParamSet ps = ParamSet::from_json(method, spec->params, mp);
       cfg.method_params = ps.to_text();

@@ -1,6 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "core/thread_pool.hpp"
 
+#include <algorithm>
+#include <map>
+
 namespace kvs {
 
 ThreadPool::ThreadPool(unsigned threads) {
@@ -29,37 +32,50 @@ ThreadPool::~ThreadPool() {
   for (auto& t : workers_) t.join();
 }
 
-void ThreadPool::run_tasks() {
-  for (;;) {
-    int64_t i;
-    const std::function<void(int64_t)>* fn;
-    {
-      std::lock_guard<std::mutex> g(m_);
-      if (next_ >= n_) return;
-      i = next_++;
-      fn = fn_;
-    }
-    try {
-      (*fn)(i);
-    } catch (...) {
-      std::lock_guard<std::mutex> g(m_);
-      if (!error_) error_ = std::current_exception();
-    }
-    std::lock_guard<std::mutex> g(m_);
-    if (++finished_ == n_) done_cv_.notify_all();
+std::shared_ptr<ThreadPool> ThreadPool::shared(unsigned threads) {
+  if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
+  static std::mutex mu;
+  // Never destroyed: a session may outlive static destructors.
+  static auto* pools = new std::map<unsigned, std::weak_ptr<ThreadPool>>;
+  std::lock_guard<std::mutex> g(mu);
+  std::weak_ptr<ThreadPool>& w = (*pools)[threads];
+  if (auto p = w.lock()) return p;
+  auto p = std::make_shared<ThreadPool>(threads);
+  w = p;
+  return p;
+}
+
+int64_t ThreadPool::take(Job& j) {
+  const int64_t i = j.next++;
+  if (j.next == j.n) {
+    auto it = std::find(open_.rbegin(), open_.rend(), &j);  // usually the newest
+    open_.erase(std::next(it).base());
   }
+  return i;
+}
+
+void ThreadPool::run(Job& j, int64_t i, std::unique_lock<std::mutex>& lk) {
+  lk.unlock();
+  std::exception_ptr err;
+  try {
+    (*j.fn)(i);
+  } catch (...) {
+    err = std::current_exception();
+  }
+  lk.lock();
+  if (err && !j.error) j.error = err;
+  // The caller may destroy j as soon as it sees the count (it waits under m_, held here).
+  if (++j.finished == j.n) j.done.notify_all();
 }
 
 void ThreadPool::worker_loop() {
-  uint64_t seen = 0;
+  std::unique_lock<std::mutex> lk(m_);
   for (;;) {
-    {
-      std::unique_lock<std::mutex> lk(m_);
-      cv_.wait(lk, [&] { return stop_ || (generation_ != seen && next_ < n_); });
-      if (stop_) return;
-      seen = generation_;
-    }
-    run_tasks();
+    cv_.wait(lk, [&] { return stop_ || !open_.empty(); });
+    if (stop_) return;
+    Job& j = *open_.back();
+    const int64_t i = take(j);
+    run(j, i, lk);
   }
 }
 
@@ -69,27 +85,18 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t)>& fn)
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
   }
-  std::lock_guard<std::mutex> run(run_mutex_);
-  {
-    std::lock_guard<std::mutex> g(m_);
-    fn_ = &fn;
-    n_ = n;
-    next_ = 0;
-    finished_ = 0;
-    error_ = nullptr;
-    ++generation_;
-  }
+  Job job{&fn, n};
+  std::unique_lock<std::mutex> lk(m_);
+  open_.push_back(&job);
   cv_.notify_all();
-  run_tasks();
-  std::exception_ptr err;
-  {
-    std::unique_lock<std::mutex> lk(m_);
-    done_cv_.wait(lk, [&] { return finished_ == n_; });
-    err = error_;
-    fn_ = nullptr;
-    n_ = 0;
+  // The caller runs its own job's tasks only (never another job's: a task of a nested job must not
+  // run inside one of this thread's tasks), then waits for those the workers took.
+  while (job.next < job.n) {
+    const int64_t i = take(job);
+    run(job, i, lk);
   }
-  if (err) std::rethrow_exception(err);
+  job.done.wait(lk, [&] { return job.finished == job.n; });
+  if (job.error) std::rethrow_exception(job.error);
 }
 
 }  // namespace kvs

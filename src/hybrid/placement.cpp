@@ -10,8 +10,9 @@
 //
 //   device -> pinned   q, k_new, v_new of the batch (async copies)
 //   host function      for every session: append the token, the method's update and select (its
-//                      extra state too) on the thread pool; the selection, the lengths and the page
-//                      table written to pinned buffers
+//                      extra state too), the sessions at once on the thread pool (one task each,
+//                      their own rounds nested); the selection, the lengths and the page table
+//                      written to pinned buffers
 //   pinned -> device   the page table (a few KB)
 //   device             dense attention (sessions whose selection is every key), gathered attention
 //                      per KV head and per query head (rows of the other kinds have count 0: those
@@ -52,6 +53,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -668,6 +670,17 @@ class HybridPlacement final : public Placement {
       return reinterpret_cast<T*>(static_cast<char*>(buf) + o);
     }
 
+    // fn(b) for every session b of the batch, as one job on the leader's pool (each session's own
+    // parallel rounds nest in it, so the threads one session's step leaves idle serve the others).
+    // Each task in a NoPinScope, as this host function's thread is.
+    void batch_for(const std::function<void(int64_t)>& fn) const {
+      if (ps.size() == 1) return fn(0);
+      ps[0]->host_->pool().parallel_for(int64_t(ps.size()), [&fn](int64_t b) {
+        NoPinScope no_pin;
+        fn(b);
+      });
+    }
+
     // Nothing to attend: the kernels queued after this host function read only these.
     void clear_selection() noexcept {
       const auto& sh = ps[0]->cfg_.shape;
@@ -701,7 +714,7 @@ class HybridPlacement final : public Placement {
       int32_t* cnt_q = at<int32_t>(L.cnt_q);
       uint8_t* on = at<uint8_t>(L.flags);
       clear_selection();
-      int64_t done = 0;
+      std::vector<uint8_t> took;  // per session: its host part took the step
       const char* err = nullptr;
       std::string what;
       kvs_status code = KVS_STATUS_INTERNAL;
@@ -720,11 +733,14 @@ class HybridPlacement final : public Placement {
           for (float f : *x)
             if (!std::isfinite(f))
               invalid(std::string(x == &q ? "q" : x == &k ? "k_new" : "v_new") + ": expected finite values, got NaN or inf");
+        took.assign(size_t(B), 0);
         std::vector<HostPart::Step> steps(static_cast<size_t>(B));
-        for (; done < B; ++done)
-          steps[size_t(done)] = ps[size_t(done)]->host_->select_step(
-              layer, q.data() + done * hq * d, k.data() + done * hkv * d, v.data() + done * hkv * d,
-              at<float>(L.extra_o) + done * hq * d, at<float>(L.extra_lse) + done * hq);
+        batch_for([&](int64_t b) {
+          steps[size_t(b)] = ps[size_t(b)]->host_->select_step(
+              layer, q.data() + b * hq * d, k.data() + b * hkv * d, v.data() + b * hkv * d,
+              at<float>(L.extra_o) + b * hq * d, at<float>(L.extra_lse) + b * hq);
+          took[size_t(b)] = 1;
+        });
         for (int64_t b = 0; b < B; ++b) {
           const Selection& sel = *steps[size_t(b)].sel;
           for (const auto& list : sel.lists)
@@ -746,10 +762,11 @@ class HybridPlacement final : public Placement {
         };
         if (split) {  // the rest of each selection attended here, merged with the method's extra state
           std::vector<double> kept(static_cast<size_t>(B));
-          for (int64_t b = 0; b < B; ++b)
+          batch_for([&](int64_t b) {
             kept[size_t(b)] = ps[size_t(b)]->host_->attend_rest(layer, q.data() + b * hq * d, steps[size_t(b)],
                                                                 sks[size_t(b)], at<float>(L.extra_o) + b * hq * d,
                                                                 at<float>(L.extra_lse) + b * hq);
+          });
           for (int64_t b = 0; b < B; ++b)
             settle(b, true, [&](HybridPlacement& p) {
               p.split_steps_ += 1;
@@ -797,9 +814,10 @@ class HybridPlacement final : public Placement {
         err = "unknown error";
       }
       // All or nothing: the sessions that advanced take their token back; the step attends nothing.
-      for (int64_t a = 0; a < done; ++a) {
+      for (size_t a = 0; a < took.size(); ++a) {
+        if (!took[a]) continue;
         try {
-          ps[size_t(a)]->host_->undo_step(layer);
+          ps[a]->host_->undo_step(layer);
         } catch (...) {
         }
       }

@@ -351,11 +351,11 @@ contains "$OUT" "phases, median us/step: update" "bench phase split"
 py "bench JSON schema" '
 import json, sys
 d = json.load(open(sys.argv[1]))
-keys = ["method", "backend", "context", "q_heads", "kv_heads", "head_dim", "dtype", "budget", "steps",
+keys = ["method", "backend", "context", "q_heads", "kv_heads", "head_dim", "dtype", "budget", "steps", "batch",
         "step_us", "full_step_us", "speedup_vs_full", "update_us", "select_us", "attention_us",
         "index_build_ms", "achieved_GBps", "measured_read_GBps", "index_bytes", "kv_bytes"]
 assert list(d) == keys, list(d)
-assert d["context"] == 1024 and d["steps"] == 3 and d["dtype"] == "bf16", d
+assert d["context"] == 1024 and d["steps"] == 3 and d["dtype"] == "bf16" and d["batch"] == 1, d
 assert d["step_us"] > 0 and d["full_step_us"] > 0 and d["speedup_vs_full"] > 0, d
 # The phases are parts of the step: each positive (the method updates, searches and attends), their
 # sum at most the step (medians of each part; the step adds the output conversion).
@@ -364,6 +364,16 @@ assert min(ph) > 0 and sum(ph) <= 1.5 * d["step_us"], d
 assert d["achieved_GBps"] > 0 and d["measured_read_GBps"] > 0 and d["kv_bytes"] > 0, d
 ' "$TMP/bench.json"
 expect 0 "bench full, no probe" "$KVS" bench --method full "${BENCH[@]}" --no-membw --dtype f16
+# --batch: three sessions of each kind stepped by kvs_decode_batch; the bytes read are the batch's.
+expect 0 "bench batch" "$KVS" bench --method "$BUILD_METHOD" "${BENCH[@]}" --no-membw --batch 3 --json "$TMP/bench3.json"
+contains "$OUT" "batches of 3 sessions per kind" "bench batch summary"
+py "bench batch JSON" '
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["batch"] == 3 and d["step_us"] > 0 and d["full_step_us"] > 0 and d["select_us"] > 0, d
+' "$TMP/bench3.json"
+contains "$OUT" "reads 1.5 MiB" "bench batch reads three sessions' KV (3 x 1027 tokens x 512 bytes)"
+expect 2 "bench batch 0" "$KVS" bench --method full "${BENCH[@]}" --batch 0
 # bench --backend cuda: a build without CUDA refuses (exit 2, pointing at bench/); a CUDA build on a
 # machine without a GPU says so (exit 1); with a GPU it runs.
 "$KVS" bench --method full --backend cuda --context 2048 --steps 2 --no-membw >"$OUT" 2>"$ERR"

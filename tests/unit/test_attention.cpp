@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <memory>
 #include <numeric>
+#include <stdexcept>
+#include <thread>
 
 #include "backends/cpu/attention.hpp"
 #include "core/thread_pool.hpp"
@@ -195,6 +197,59 @@ TEST_CASE("thread pool runs every index once and propagates exceptions") {
   CHECK_THROWS(pool.parallel_for(10, [&](int64_t i) { if (i == 5) throw std::runtime_error("x"); }));
   pool.parallel_for(4, [&](int64_t i) { hits[size_t(i)]++; });  // still usable
   CHECK(hits[3] == 2);
+}
+
+TEST_CASE("thread pool: nested and concurrent parallel_for calls each run every index once") {
+  for (unsigned threads : {1u, 2u, 4u}) {
+    kvs::ThreadPool pool(threads);
+    // Nested: 6 outer tasks, each running three rounds of 50 inner tasks (a session's step inside a
+    // batch's job); the sums are exact in integers.
+    std::vector<std::vector<int64_t>> sums(6, std::vector<int64_t>(3, 0));
+    pool.parallel_for(6, [&](int64_t o) {
+      for (int r = 0; r < 3; ++r) {
+        std::vector<int64_t> part(50, 0);
+        pool.parallel_for(50, [&](int64_t i) { part[size_t(i)] = (o + 1) * 1000 + r * 100 + i; });
+        sums[size_t(o)][size_t(r)] = std::accumulate(part.begin(), part.end(), int64_t(0));
+      }
+    });
+    for (int64_t o = 0; o < 6; ++o)
+      for (int r = 0; r < 3; ++r) CHECK(sums[size_t(o)][size_t(r)] == 50 * ((o + 1) * 1000 + r * 100) + 49 * 50 / 2);
+    // Four host threads calling at once, each many small jobs.
+    std::vector<std::thread> callers;
+    std::vector<int64_t> totals(4, 0);
+    for (int c = 0; c < 4; ++c)
+      callers.emplace_back([&, c] {
+        for (int rep = 0; rep < 200; ++rep) {
+          std::vector<int> hits(17, 0);
+          pool.parallel_for(17, [&](int64_t i) { hits[size_t(i)] += int(i) + c; });
+          totals[size_t(c)] += std::accumulate(hits.begin(), hits.end(), int64_t(0));
+        }
+      });
+    for (auto& t : callers) t.join();
+    for (int c = 0; c < 4; ++c) CHECK(totals[size_t(c)] == 200 * (16 * 17 / 2 + 17 * c));
+    // An exception in a nested job reaches its caller, then the outer caller; the pool stays usable.
+    CHECK_THROWS_WITH(pool.parallel_for(3, [&](int64_t o) {
+      pool.parallel_for(5, [&](int64_t i) {
+        if (o == 1 && i == 4) throw std::runtime_error("inner");
+      });
+    }), "inner");
+    std::vector<int> hits(9, 0);
+    pool.parallel_for(9, [&](int64_t i) { hits[size_t(i)]++; });
+    CHECK(std::count(hits.begin(), hits.end(), 1) == 9);
+  }
+}
+
+TEST_CASE("thread pool: sessions asking for the same thread count share one pool") {
+  auto a = kvs::ThreadPool::shared(3), b = kvs::ThreadPool::shared(3), c = kvs::ThreadPool::shared(2);
+  CHECK(a.get() == b.get());
+  CHECK(a.get() != c.get());
+  CHECK(a->size() == 3);
+  CHECK(c->size() == 2);
+  CHECK(kvs::ThreadPool::shared(0)->size() == std::max(1u, std::thread::hardware_concurrency()));
+  a.reset();
+  b.reset();  // the last holder: destroyed; the next call starts a new one
+  auto d = kvs::ThreadPool::shared(3);
+  CHECK(d->size() == 3);
 }
 
 TEST_CASE("attention scoring: score_rows and score_contig equal float64 dot products over dtypes, head dims and group sizes") {

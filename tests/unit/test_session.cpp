@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <numeric>
 #include <set>
@@ -544,6 +545,53 @@ TEST_CASE("decode_batch equals one decode per session; append writes causal outp
   int64_t n = 0;
   OK(kvs_session_layer_tokens(a.s, 0, &n));
   CHECK(n == 251);
+}
+
+TEST_CASE("decode_batch of every method: sessions of different lengths stepped as one pool job equal each stepped alone") {
+  Rng rng(21);
+  Data D(rng, 8, 2, 32, 700);
+  struct Case {
+    const char* method;
+    const char* params;
+  };
+  const std::vector<Case> cases = {{"full", nullptr},        {"exact_topk", nullptr},   {"streaming", nullptr},
+                                   {"quest", nullptr},       {"csattention", "centroids=8"}, {"ctkvr", nullptr},
+                                   {"lfps", nullptr},        {"hgca", nullptr},
+                                   {"retroinfer", "update_segment=64,local=16"}};
+  const int64_t lens[4] = {300, 430, 517, 610};
+  for (const auto& c : cases) {
+    INFO("method " << c.method);
+    auto p = params(D, c.method, KVS_SCALAR_BF16, 0.1);
+    p.method_params = c.params;
+    p.num_threads = 3;
+    Sess bs[4], rs[4];
+    for (int b = 0; b < 4; ++b) {
+      build(bs[b], D, p, lens[b]);
+      build(rs[b], D, p, lens[b]);
+    }
+    kvs_session_t batch[4] = {bs[0].s, bs[1].s, bs[2].s, bs[3].s};
+    const size_t qn = size_t(D.hq) * D.d, kn = size_t(D.hkv) * D.d;
+    for (int step = 0; step < 12; ++step) {
+      std::vector<float> q(4 * qn), k(4 * kn), v(4 * kn), o(4 * qn, NAN), lse(4 * size_t(D.hq), NAN);
+      for (int b = 0; b < 4; ++b) {
+        const int64_t t = lens[b] + step;
+        std::copy(D.qt(t), D.qt(t) + qn, q.begin() + b * qn);
+        std::copy(D.kt(t), D.kt(t) + kn, k.begin() + b * kn);
+        std::copy(D.vt(t), D.vt(t) + kn, v.begin() + b * kn);
+      }
+      T qt(q.data(), f32(), {4, D.hq, D.d}), kt(k.data(), f32(), {4, D.hkv, D.d}), vt(v.data(), f32(), {4, D.hkv, D.d});
+      T ot(o.data(), f32(), {4, D.hq, D.d}), lt(lse.data(), f32(), {4, D.hq});
+      OK(kvs_decode_batch(batch, 4, 0, &qt.t, &kt.t, &vt.t, &ot.t, &lt.t, nullptr));
+      for (int b = 0; b < 4; ++b) {
+        INFO("step " << step << ", session " << b);
+        std::vector<float> o1, l1;
+        decode(rs[b].s, D, 0, lens[b] + step, o1, l1);
+        CHECK(std::memcmp(o1.data(), o.data() + b * qn, qn * 4) == 0);
+        CHECK(std::memcmp(l1.data(), lse.data() + b * size_t(D.hq), size_t(D.hq) * 4) == 0);
+        for (uint32_t h = 0; h < uint32_t(D.hkv); ++h) CHECK(selection(bs[b].s, 0, h) == selection(rs[b].s, 0, h));
+      }
+    }
+  }
 }
 
 TEST_CASE("chunked prefill equals one prefill; prefill after build_index is refused") {

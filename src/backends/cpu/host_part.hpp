@@ -10,6 +10,7 @@
 #include "core/kv_store.hpp"
 #include "core/method.hpp"
 #include "core/placement.hpp"
+#include "core/thread_pool.hpp"
 
 namespace kvs {
 
@@ -38,11 +39,14 @@ class HostPart {
   // list (the mean over the selection's lists), timed into the session's decode_attend_seconds.
   virtual double attend_rest(uint32_t layer, const float* q, const Step& step, StaticKeys sk, float* o,
                              float* lse) = 0;
-  // Takes back the latest select_step of the layer (a later session of the batch failed).
+  // select_step and attend_rest of different sessions may run at once (on different threads).
+  // Takes back the latest select_step of the layer (another session of the batch failed).
   virtual void undo_step(uint32_t layer) = 0;
   // After the batch's steps all succeeded: the rollback history records the step's query.
   virtual void log_decode(uint32_t layer, const float* q) = 0;
   virtual KVLayer& kv_layer(uint32_t layer) = 0;
+  // The session's thread pool (the steps of a batch run as one job on its leader's).
+  virtual ThreadPool& pool() = 0;
 };
 
 // The host part of a cpu placement (null for any other placement).

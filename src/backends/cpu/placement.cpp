@@ -244,16 +244,23 @@ class CpuPlacement final : public Placement, public HostPart {
       check_finite(kf.data(), kv, t.fn, "k_new");
       check_finite(vf.data(), vv, t.fn, "v_new");
     }
-    for (int64_t b = 0; b < B; ++b) {
-      try {
-        reports[size_t(b)] = ps[size_t(b)]->decode_f32(layer, qf.data() + b * hq * d, ext ? nullptr : kf.data() + b * hkv * d,
-                                                       ext ? nullptr : vf.data() + b * hkv * d, of.data() + b * hq * d,
-                                                       lf.data() + b * hq);
-      } catch (...) {
-        // All or nothing: the sessions already advanced drop their new token again.
-        for (int64_t a = 0; a < b; ++a) ps[size_t(a)]->undo_step(layer);
-        throw;
-      }
+    // The sessions' steps as one job on the leader's pool: each session's own parallel rounds nest
+    // in it, so the threads one session's step leaves idle serve the others.
+    std::vector<uint8_t> took(static_cast<size_t>(B), 0);
+    auto one = [&](int64_t b) {
+      reports[size_t(b)] = ps[size_t(b)]->decode_f32(layer, qf.data() + b * hq * d, ext ? nullptr : kf.data() + b * hkv * d,
+                                                     ext ? nullptr : vf.data() + b * hkv * d, of.data() + b * hq * d,
+                                                     lf.data() + b * hq);
+      took[size_t(b)] = 1;
+    };
+    try {
+      if (B == 1) one(0);
+      else ps[0]->pool_->parallel_for(B, one);
+    } catch (...) {
+      // All or nothing: the sessions that advanced drop their new token again.
+      for (int64_t b = 0; b < B; ++b)
+        if (took[size_t(b)]) ps[size_t(b)]->undo_step(layer);
+      throw;
     }
     for (int64_t b = 0; b < B; ++b)  // (the query is copied only for a session that keeps a history)
       if (ps[size_t(b)]->logging())
@@ -638,6 +645,7 @@ class CpuPlacement final : public Placement, public HostPart {
   }
 
   KVLayer& kv_layer(uint32_t layer) override { return layers_[layer]; }
+  ThreadPool& pool() override { return *pool_; }
 
  private:
   // ---- rollback history (kvs_session_truncate) ----
