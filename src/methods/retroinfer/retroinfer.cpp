@@ -435,12 +435,30 @@ class RetroInfer final : public Method {
         // of the budget stayed unused, budget_overrun_tokens how far the steady zone exceeds it).
         const int64_t room = lay.room;
         st.budget_overrun = double(lay.overrun);
+        // cand[0, sorted) holds the best clusters in rank order, the rest unordered. Each time the
+        // walk reaches its end the prefix grows by the next `want` clusters at least (their count
+        // guessed from the room left and the mean cluster size, doubled): a radix select gives the
+        // want-th largest distance of the rest, a pass moves every cluster at or above it to the
+        // front, and only those are sorted (instead of partial_sorts over all C clusters).
+        const double mean_size = double(std::max<int64_t>(1, L.indexed_end - std::min(sinks_, n))) / double(std::max<int64_t>(1, nc));
         int64_t sorted = 0, i = 0, used = 0;
         while (i < nc) {
           if (i >= sorted) {
-            const int64_t upto = std::min(nc, std::max<int64_t>(2 * sorted, 64));
-            std::partial_sort(cand.begin() + sorted, cand.begin() + upto, cand.end(), better);
-            sorted = upto;
+            const int64_t rest = nc - sorted;
+            const int64_t want = std::max<int64_t>({64, sorted, int64_t(2.0 * double(room - used) / mean_size)});
+            auto first = cand.begin() + sorted;
+            if (want >= rest) {
+              std::sort(first, cand.end(), better);
+              sorted = nc;
+            } else {
+              auto& v = S.vals;
+              v.resize(size_t(rest));
+              for (int64_t j = 0; j < rest; ++j) v[size_t(j)] = dist[first[j]];
+              const float t = cpu::kth_largest(v.data(), rest, want, S.rtmp);
+              const auto mid = std::partition(first, cand.end(), [&](int32_t c) { return dist[size_t(c)] >= t; });
+              std::sort(first, mid, better);
+              sorted = int64_t(mid - cand.begin());
+            }
           }
           const int64_t sz = W.size[size_t(cand[size_t(i)])];
           if (sz > room - used) break;
@@ -490,7 +508,20 @@ class RetroInfer final : public Method {
         st.budget_unused = double(room - used);
         er = r + (part >= 0 ? 1 : 0);
         k2 = std::min(nc, er + L.e);
-        if (k2 > sorted && k2 < nc) std::nth_element(cand.begin() + sorted, cand.begin() + k2, cand.end(), better);
+        if (k2 > sorted && k2 < nc) {
+          // The next k2 - sorted clusters in rank order, unordered (nth_element's set): those above
+          // the (k2 - sorted)-th largest distance of the rest, then its ties lowest id first.
+          const int64_t rest = nc - sorted, want = k2 - sorted;
+          auto first = cand.begin() + sorted;
+          auto& v = S.vals;
+          v.resize(size_t(rest));
+          for (int64_t j = 0; j < rest; ++j) v[size_t(j)] = dist[first[j]];
+          const float t = cpu::kth_largest(v.data(), rest, want, S.rtmp);
+          const auto above = std::partition(first, cand.end(), [&](int32_t c) { return dist[size_t(c)] > t; });
+          const auto tied = std::partition(above, cand.end(), [&](int32_t c) { return dist[size_t(c)] == t; });
+          const auto end = first + want;  // above <= end <= tied
+          if (end < tied) std::nth_element(above, end, tied);
+        }
       }
       // 3. Exact part: steady zone + retrieval clusters (original positions, ascending).
       auto& list = out.lists[size_t(h)];
