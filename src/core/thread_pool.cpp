@@ -34,10 +34,10 @@ ThreadPool::~ThreadPool() {
 
 std::shared_ptr<ThreadPool> ThreadPool::shared(unsigned threads) {
   if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
-  static std::mutex mu;
-  // Never destroyed: a session may outlive static destructors.
+  // Never destroyed: a session may be created or outlive static destructors.
+  static auto* mu = new std::mutex;
   static auto* pools = new std::map<unsigned, std::weak_ptr<ThreadPool>>;
-  std::lock_guard<std::mutex> g(mu);
+  std::lock_guard<std::mutex> g(*mu);
   std::weak_ptr<ThreadPool>& w = (*pools)[threads];
   if (auto p = w.lock()) return p;
   auto p = std::make_shared<ThreadPool>(threads);

@@ -94,28 +94,6 @@ CTKVR_AVX512 float dot512(const float* a, const float* b, int d) {
   return r;
 }
 
-// out[g] = scale * q_g . k for the G rows of qg [G][d] and one stored key row (d % 16 == 0).
-CTKVR_AVX512 void score_row512(const std::byte* k, DType t, const float* qg, int G, int d, float scale, float* out) {
-  constexpr int kMaxG = 16;
-  for (int g0 = 0; g0 < G; g0 += kMaxG) {
-    const int gn = std::min(kMaxG, G - g0);
-    __m512 acc[kMaxG];
-    for (int g = 0; g < gn; ++g) acc[g] = _mm512_setzero_ps();
-    for (int i = 0; i < d; i += 16) {
-      __m512 kv;
-      if (t == DType::BF16)
-        kv = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + 2 * i))), 16));
-      else if (t == DType::F16)
-        kv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + 2 * i)));
-      else
-        kv = _mm512_loadu_ps(reinterpret_cast<const float*>(k) + i);
-      for (int g = 0; g < gn; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + size_t(g0 + g) * d + i), kv, acc[g]);
-    }
-    for (int g = 0; g < gn; ++g) out[g0 + g] = scale * _mm512_reduce_add_ps(acc[g]);
-  }
-}
-
 // exp on 16 lanes (the same polynomial as fast_exp).
 CTKVR_AVX512 inline __m512 exp512(__m512 x) {
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), _mm512_set1_ps(-87.3f));
@@ -216,12 +194,6 @@ void add_exp_row(float* agg, const float* x, float c, size_t n, bool take_max) {
 
 float dot(const float* a, const float* b, int d) { return use_avx512() ? dot512(a, b, d) : dot_scalar(a, b, d); }
 
-// Scores one stored key row against G query rows; kf is scratch of d floats.
-void score_row(const std::byte* k, DType t, const float* qg, int G, int d, float scale, float* out, float* kf) {
-  if (use_avx512() && d % 16 == 0) return score_row512(k, t, qg, G, d, scale, out);
-  convert_to_f32(k, t, kf, size_t(d));
-  for (int g = 0; g < G; ++g) out[g] = scale * dot_scalar(qg + size_t(g) * d, kf, d);
-}
 }  // namespace
 
 float aggregate(Agg a, const float* s, const float* lse, int G) {
@@ -362,7 +334,6 @@ using ctkvr::Fifo;
 using ctkvr::dot;
 using ctkvr::fast_exp;
 using ctkvr::kNegInf;
-using ctkvr::score_row;
 using ctkvr::lse_row;
 
 enum class Init { Last, Random, Initial, Equispaced };
@@ -791,7 +762,8 @@ class Ctkvr final : public Method {
   struct Workspace {
     std::vector<uint64_t> bits;
     std::vector<int32_t> all, rec, cand, top;
-    std::vector<float> sims, s, st, agg, kf, qn, sv;
+    std::vector<float> sims, st, agg, kf, qn, sv;
+    std::vector<const std::byte*> rows;  // the rerank's K rows
     std::vector<int32_t> cidx;
     std::vector<Entry> list;
     double beta_sum = 0, recalled_sum = 0, last_beta = 0;
@@ -812,22 +784,6 @@ class Ctkvr final : public Method {
         for (int g = 0; g < G; ++g) s[size_t(g)] = scale * dot(c + size_t(g) * d, kf.data(), d);
         f.offer(i, ctkvr::aggregate(agg_, s.data(), f.lse(i), G), int32_t(t));
       }
-    }
-  }
-
-  // Exact scores of keys `ids` for the group's query rows qg [G][d]: out [ids][G].
-  void score_rows(const KVLayer& kv, int h, const float* qg, const int32_t* ids, size_t m, float* out, Workspace& w) const {
-    const int G = ctx_.shape.group(), d = int(ctx_.shape.head_dim);
-    const float scale = ctx_.shape.softmax_scale;
-    w.kf.resize(size_t(d));
-    const size_t row_bytes = size_t(d) * kv.elem_size();
-    constexpr size_t ahead = 8;
-    for (size_t j = 0; j < m; ++j) {
-      if (j + ahead < m) {
-        const char* pf = reinterpret_cast<const char*>(kv.k_row(h, ids[j + ahead]));
-        for (size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(pf + b);
-      }
-      score_row(kv.k_row(h, ids[j]), kv.dtype(), qg, G, d, scale, out + j * G, w.kf.data());
     }
   }
 
@@ -918,20 +874,20 @@ class Ctkvr final : public Method {
     w.cand.insert(w.cand.end(), w.all.begin(), w.all.end());
     // 4. Rerank: exact scores, per-head normalisers over the candidates and the static set.
     const size_t m = w.cand.size(), nst = size_t(s_end + (n - l_begin));
-    w.s.resize((m + nst) * G);
-    score_rows(kv, h, qg, w.cand.data(), m, w.s.data(), w);
     std::vector<float> lse(size_t(G), 0.f);
-    // Per-head rows [G][m + nst] so the normalisers and the aggregation run on 16 lanes.
-    w.st.resize((m + nst) * G);
+    // Per-head rows [G][m + nst] (the candidates, then the static set) so the normalisers and the
+    // aggregation run on 16 lanes, scored by the gathered attention's score pass.
+    const size_t mt = agg_ == Agg::SumLogits ? m : m + nst;
+    w.top.clear();
     if (agg_ != Agg::SumLogits) {
-      w.top.clear();
       for (int64_t t = 0; t < s_end; ++t) w.top.push_back(int32_t(t));
       for (int64_t t = l_begin; t < n; ++t) w.top.push_back(int32_t(t));
-      score_rows(kv, h, qg, w.top.data(), nst, w.s.data() + m * G, w);
     }
-    const size_t mt = agg_ == Agg::SumLogits ? m : m + nst;
-    for (size_t j = 0; j < mt; ++j)
-      for (int g = 0; g < G; ++g) w.st[size_t(g) * mt + j] = w.s[j * G + size_t(g)];
+    w.rows.resize(mt);
+    for (size_t j = 0; j < m; ++j) w.rows[j] = kv.k_row(h, w.cand[j]);
+    for (size_t j = m; j < mt; ++j) w.rows[j] = kv.k_row(h, w.top[j - m]);
+    w.st.resize(mt * G);
+    cpu::score_rows(kv.dtype(), d, G, qg, ctx_.shape.softmax_scale, w.rows.data(), int64_t(mt), w.st.data());
     w.agg.assign(m, 0.f);
     for (int g = 0; g < G; ++g) {
       const float* row = w.st.data() + size_t(g) * mt;
