@@ -1,8 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "core/thread_pool.hpp"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <map>
+#include <new>
 
 namespace kvs {
 
@@ -32,13 +35,34 @@ ThreadPool::~ThreadPool() {
   for (auto& t : workers_) t.join();
 }
 
+namespace {
+// The shared pools by thread count. Never destroyed: a session may be created or outlive static
+// destructors. In a child process after fork() the parent's workers do not exist: the child
+// forgets the parent's pools (its sessions keep theirs, whose callers then run every task
+// themselves), so its new sessions start pools of their own.
+struct Registry {
+  std::mutex mu;
+  std::map<unsigned, std::weak_ptr<ThreadPool>> pools;
+};
+Registry* registry() {
+  static Registry* r = [] {
+    auto* reg = new Registry;
+    pthread_atfork(nullptr, nullptr, [] {
+      Registry* x = registry();
+      new (&x->mu) std::mutex;  // (another thread may have held it at the fork)
+      new (&x->pools) std::map<unsigned, std::weak_ptr<ThreadPool>>;  // the old map leaks
+    });
+    return reg;
+  }();
+  return r;
+}
+}  // namespace
+
 std::shared_ptr<ThreadPool> ThreadPool::shared(unsigned threads) {
   if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
-  // Never destroyed: a session may be created or outlive static destructors.
-  static auto* mu = new std::mutex;
-  static auto* pools = new std::map<unsigned, std::weak_ptr<ThreadPool>>;
-  std::lock_guard<std::mutex> g(*mu);
-  std::weak_ptr<ThreadPool>& w = (*pools)[threads];
+  Registry* reg = registry();
+  std::lock_guard<std::mutex> g(reg->mu);
+  std::weak_ptr<ThreadPool>& w = reg->pools[threads];
   if (auto p = w.lock()) return p;
   auto p = std::make_shared<ThreadPool>(threads);
   w = p;

@@ -2,7 +2,13 @@
 // CPU attention kernels and the session decode path against float64 references.
 #include <doctest/doctest.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
+#include <mutex>
+#include <set>
 #include <memory>
 #include <numeric>
 #include <stdexcept>
@@ -250,6 +256,28 @@ TEST_CASE("thread pool: sessions asking for the same thread count share one pool
   b.reset();  // the last holder: destroyed; the next call starts a new one
   auto d = kvs::ThreadPool::shared(3);
   CHECK(d->size() == 3);
+}
+
+TEST_CASE("thread pool: a child process after fork() gets pools of its own, with running workers") {
+  auto parent = kvs::ThreadPool::shared(3);
+  parent->parallel_for(8, [](int64_t) {});
+  const pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {  // the child: no doctest macros, the exit status says it
+    auto child = kvs::ThreadPool::shared(3);
+    std::mutex m;
+    std::set<std::thread::id> ids;
+    child->parallel_for(12, [&](int64_t) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      std::lock_guard<std::mutex> g(m);
+      ids.insert(std::this_thread::get_id());
+    });
+    _exit(child.get() != parent.get() && ids.size() > 1 ? 0 : 1);
+  }
+  int status = 0;
+  REQUIRE(waitpid(pid, &status, 0) == pid);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
 }
 
 TEST_CASE("attention scoring: score_rows and score_contig equal float64 dot products over dtypes, head dims and group sizes") {
