@@ -455,7 +455,6 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
   std::vector<Session>&methods = ss.method, &fulls = ss.full;
   Session& method = methods[0];
   Session& full = fulls[0];
-  std::vector<kvs_session_t>* handles = ss.handles;
 
   CudaStream stream;
   const cudaStream_t st = stream.get();
@@ -547,7 +546,7 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
         const auto t0 = Clock::now();
         const kvs_error_t err =
             B == 1 ? kvs_session_decode(s.get(), 0, qt.get(), kt.get(), vt.get(), ot.get(), lt.get(), st)
-                   : kvs_decode_batch(handles[m].data(), size_t(B), 0, qt.get(), kt.get(), vt.get(), ot.get(), lt.get(), st);
+                   : kvs_decode_batch(ss.handles[m].data(), size_t(B), 0, qt.get(), kt.get(), vt.get(), ot.get(), lt.get(), st);
         const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
         if (err != nullptr) check(err, s.label() + ": decode of layer 0");
         if (i == 0 && m == 0) dev_step = taken(free0, device_free());

@@ -9,8 +9,12 @@
 
 namespace kvs {
 
+namespace {
+unsigned resolve(unsigned threads) { return threads ? threads : std::max(1u, std::thread::hardware_concurrency()); }
+}  // namespace
+
 ThreadPool::ThreadPool(unsigned threads) {
-  if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
+  threads = resolve(threads);
   workers_.reserve(threads - 1);
   try {
     for (unsigned i = 1; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
@@ -59,7 +63,7 @@ Registry* registry() {
 }  // namespace
 
 std::shared_ptr<ThreadPool> ThreadPool::shared(unsigned threads) {
-  if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
+  threads = resolve(threads);
   Registry* reg = registry();
   std::lock_guard<std::mutex> g(reg->mu);
   std::weak_ptr<ThreadPool>& w = reg->pools[threads];

@@ -674,7 +674,6 @@ class HybridPlacement final : public Placement {
     // parallel rounds nest in it, so the threads one session's step leaves idle serve the others).
     // Each task in a NoPinScope, as this host function's thread is.
     void batch_for(const std::function<void(int64_t)>& fn) const {
-      if (ps.size() == 1) return fn(0);
       ps[0]->host_->pool().parallel_for(int64_t(ps.size()), [&fn](int64_t b) {
         NoPinScope no_pin;
         fn(b);

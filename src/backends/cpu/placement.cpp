@@ -254,8 +254,7 @@ class CpuPlacement final : public Placement, public HostPart {
       took[size_t(b)] = 1;
     };
     try {
-      if (B == 1) one(0);
-      else ps[0]->pool_->parallel_for(B, one);
+      ps[0]->pool_->parallel_for(B, one);  // (one session: on this thread)
     } catch (...) {
       // All or nothing: the sessions that advanced drop their new token again.
       for (int64_t b = 0; b < B; ++b)

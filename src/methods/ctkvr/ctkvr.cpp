@@ -761,7 +761,7 @@ class Ctkvr final : public Method {
   };
   struct Workspace {
     std::vector<uint64_t> bits;
-    std::vector<int32_t> all, rec, cand, top;
+    std::vector<int32_t> all, rec, cand;
     std::vector<float> sims, st, agg, kf, qn, sv;
     std::vector<const std::byte*> rows;  // the rerank's K rows
     std::vector<int32_t> cidx;
@@ -873,19 +873,17 @@ class Ctkvr final : public Method {
     w.cand = w.rec;
     w.cand.insert(w.cand.end(), w.all.begin(), w.all.end());
     // 4. Rerank: exact scores, per-head normalisers over the candidates and the static set.
-    const size_t m = w.cand.size(), nst = size_t(s_end + (n - l_begin));
+    const size_t m = w.cand.size();
     std::vector<float> lse(size_t(G), 0.f);
-    // Per-head rows [G][m + nst] (the candidates, then the static set) so the normalisers and the
+    // Per-head rows [G][mt] (the candidates, then the static set) so the normalisers and the
     // aggregation run on 16 lanes, scored by the gathered attention's score pass.
-    const size_t mt = agg_ == Agg::SumLogits ? m : m + nst;
-    w.top.clear();
+    w.rows.clear();
+    for (int32_t t : w.cand) w.rows.push_back(kv.k_row(h, t));
     if (agg_ != Agg::SumLogits) {
-      for (int64_t t = 0; t < s_end; ++t) w.top.push_back(int32_t(t));
-      for (int64_t t = l_begin; t < n; ++t) w.top.push_back(int32_t(t));
+      for (int64_t t = 0; t < s_end; ++t) w.rows.push_back(kv.k_row(h, t));
+      for (int64_t t = l_begin; t < n; ++t) w.rows.push_back(kv.k_row(h, t));
     }
-    w.rows.resize(mt);
-    for (size_t j = 0; j < m; ++j) w.rows[j] = kv.k_row(h, w.cand[j]);
-    for (size_t j = m; j < mt; ++j) w.rows[j] = kv.k_row(h, w.top[j - m]);
+    const size_t mt = w.rows.size();  // m, or m + the static set
     w.st.resize(mt * G);
     cpu::score_rows(kv.dtype(), d, G, qg, ctx_.shape.softmax_scale, w.rows.data(), int64_t(mt), w.st.data());
     w.agg.assign(m, 0.f);

@@ -440,6 +440,13 @@ class RetroInfer final : public Method {
         // guessed from the room left and the mean cluster size, doubled): a radix select gives the
         // want-th largest distance of the rest, a pass moves every cluster at or above it to the
         // front, and only those are sorted (instead of partial_sorts over all C clusters).
+        // The want-th largest distance of the clusters cand[from, nc) (radix select).
+        auto kth_of_rest = [&](int64_t from, int64_t want) {
+          auto& v = S.vals;
+          v.resize(size_t(nc - from));
+          for (int64_t j = from; j < nc; ++j) v[size_t(j - from)] = dist[cand[size_t(j)]];
+          return cpu::kth_largest(v.data(), nc - from, want, S.rtmp);
+        };
         const double mean_size = double(std::max<int64_t>(1, L.indexed_end - std::min(sinks_, n))) / double(std::max<int64_t>(1, nc));
         int64_t sorted = 0, i = 0, used = 0;
         while (i < nc) {
@@ -451,10 +458,7 @@ class RetroInfer final : public Method {
               std::sort(first, cand.end(), better);
               sorted = nc;
             } else {
-              auto& v = S.vals;
-              v.resize(size_t(rest));
-              for (int64_t j = 0; j < rest; ++j) v[size_t(j)] = dist[first[j]];
-              const float t = cpu::kth_largest(v.data(), rest, want, S.rtmp);
+              const float t = kth_of_rest(sorted, want);
               const auto mid = std::partition(first, cand.end(), [&](int32_t c) { return dist[size_t(c)] >= t; });
               std::sort(first, mid, better);
               sorted = int64_t(mid - cand.begin());
@@ -511,12 +515,9 @@ class RetroInfer final : public Method {
         if (k2 > sorted && k2 < nc) {
           // The next k2 - sorted clusters in rank order, unordered (nth_element's set): those above
           // the (k2 - sorted)-th largest distance of the rest, then its ties lowest id first.
-          const int64_t rest = nc - sorted, want = k2 - sorted;
+          const int64_t want = k2 - sorted;
           auto first = cand.begin() + sorted;
-          auto& v = S.vals;
-          v.resize(size_t(rest));
-          for (int64_t j = 0; j < rest; ++j) v[size_t(j)] = dist[first[j]];
-          const float t = cpu::kth_largest(v.data(), rest, want, S.rtmp);
+          const float t = kth_of_rest(sorted, want);
           const auto above = std::partition(first, cand.end(), [&](int32_t c) { return dist[size_t(c)] > t; });
           const auto tied = std::partition(above, cand.end(), [&](int32_t c) { return dist[size_t(c)] == t; });
           const auto end = first + want;  // above <= end <= tied
