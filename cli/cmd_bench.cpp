@@ -258,8 +258,12 @@ int run_bench(const BenchOptions& o) {
   }
 
   if (!o.json.empty()) {
+    nlohmann::ordered_json stats = nlohmann::ordered_json::object();
+    for (const auto& [name, v] : r.method_stats) stats[name] = v ? nlohmann::ordered_json(*v) : nlohmann::ordered_json(nullptr);
     const nlohmann::ordered_json j = {{"method", o.method},
+                              {"params", o.params},
                               {"backend", o.backend},
+                              {"threads", threads},
                               {"context", P},
                               {"q_heads", o.q_heads},
                               {"kv_heads", o.kv_heads},
@@ -270,6 +274,8 @@ int run_bench(const BenchOptions& o) {
                               {"batch", o.batch},
                               {"step_us", step_us},
                               {"full_step_us", full_step_us},
+                              {"step_p99_us", percentile(method_us, 99.0)},
+                              {"full_step_p99_us", percentile(full_us, 99.0)},
                               {"speedup_vs_full", speedup},
                               {"update_us", have_phases ? nlohmann::ordered_json(ph[0]) : nlohmann::ordered_json(nullptr)},
                               {"select_us", have_phases ? nlohmann::ordered_json(ph[1]) : nlohmann::ordered_json(nullptr)},
@@ -278,7 +284,8 @@ int run_bench(const BenchOptions& o) {
                               {"achieved_GBps", achieved},
                               {"measured_read_GBps", o.no_membw ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(measured)},
                               {"index_bytes", st.index_bytes},
-                              {"kv_bytes", st.kv_bytes}};
+                              {"kv_bytes", st.kv_bytes},
+                              {"stats", stats}};
     write_text_file(o.json, j.dump(2) + "\n");
     std::printf("wrote %s\n", o.json.c_str());
   }
@@ -654,6 +661,7 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
   const double batch_host = batch_host_us.empty() ? 0.0 : median(batch_host_us);
   std::printf("  host time of one kvs_batch_decode of full (median; CUDA graph replays %.0f, captures %.0f): %.1f us\n",
               graph_launches, graph_captures, batch_host);
+  nlohmann::ordered_json stats = nlohmann::ordered_json::object();
   if (!o.stats.empty()) {
     std::printf("  %s stats:", o.method.c_str());
     for (const auto& name : split(o.stats, ',')) {
@@ -661,6 +669,7 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
       kvs_error_t e = kvs_session_method_stat(method.get(), name.c_str(), &v);
       if (e == nullptr) std::printf(" %s=%.4g", name.c_str(), v);
       else std::printf(" %s=(unknown)", name.c_str());
+      stats[name] = e == nullptr ? nlohmann::ordered_json(v) : nlohmann::ordered_json(nullptr);
       kvs_error_destroy(e);
     }
     std::printf("\n");
@@ -669,7 +678,9 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
   if (!o.json.empty()) {
     using J = nlohmann::ordered_json;
     const J j = {{"method", o.method},
+                 {"params", o.params},
                  {"backend", o.backend},
+                 {"threads", threads},
                  {"kv_memory", backend == KVS_BACKEND_HYBRID ? std::string("cuda_host") : o.kv_memory},
                  {"device", device_name},
                  {"context", P},
@@ -682,6 +693,8 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
                  {"batch", B},
                  {"step_us", step_us},
                  {"full_step_us", full_step_us},
+                 {"step_p99_us", percentile(method_us, 99.0)},
+                 {"full_step_p99_us", percentile(full_us, 99.0)},
                  {"device_bytes_prompt", std::max<int64_t>(dev_prompt, 0)},
                  {"device_bytes_first_step", std::max<int64_t>(dev_step, 0)},
                  {"speedup_vs_full", speedup},
@@ -695,7 +708,8 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
                  {"achieved_GBps", achieved},
                  {"measured_read_GBps", o.no_membw ? J(nullptr) : J(measured)},
                  {"index_bytes", stt.index_bytes},
-                 {"kv_bytes", stt.kv_bytes}};
+                 {"kv_bytes", stt.kv_bytes},
+                 {"stats", stats}};
     write_text_file(o.json, j.dump(2) + "\n");
     std::printf("wrote %s\n", o.json.c_str());
   }

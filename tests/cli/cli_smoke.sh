@@ -345,18 +345,21 @@ one_error_line "eval a trace without decode steps"
 
 # ---- bench -------------------------------------------------------------------------------------
 BENCH=(--context 1024 --q-heads 4 --kv-heads 2 --head-dim 64 --steps 3 --warmup 1 --threads 2)
-expect 0 "bench" "$KVS" bench --method "$BUILD_METHOD" "${BENCH[@]}" --membw-mib 16 --json "$TMP/bench.json"
+expect 0 "bench" "$KVS" bench --method "$BUILD_METHOD" "${BENCH[@]}" --membw-mib 16 --stats no_such_stat --json "$TMP/bench.json"
 contains "$OUT" "speedup vs full" "bench summary"
 contains "$OUT" "phases, median us/step: update" "bench phase split"
 py "bench JSON schema" '
 import json, sys
 d = json.load(open(sys.argv[1]))
-keys = ["method", "backend", "context", "q_heads", "kv_heads", "head_dim", "dtype", "budget", "steps", "batch",
-        "step_us", "full_step_us", "speedup_vs_full", "update_us", "select_us", "attention_us",
-        "index_build_ms", "achieved_GBps", "measured_read_GBps", "index_bytes", "kv_bytes"]
+keys = ["method", "params", "backend", "threads", "context", "q_heads", "kv_heads", "head_dim", "dtype", "budget",
+        "steps", "batch", "step_us", "full_step_us", "step_p99_us", "full_step_p99_us", "speedup_vs_full",
+        "update_us", "select_us", "attention_us", "index_build_ms", "achieved_GBps", "measured_read_GBps",
+        "index_bytes", "kv_bytes", "stats"]
 assert list(d) == keys, list(d)
 assert d["context"] == 1024 and d["steps"] == 3 and d["dtype"] == "bf16" and d["batch"] == 1, d
+assert d["params"] == "" and d["threads"] == 2 and d["stats"] == {"no_such_stat": None}, d
 assert d["step_us"] > 0 and d["full_step_us"] > 0 and d["speedup_vs_full"] > 0, d
+assert d["step_p99_us"] >= d["step_us"] and d["full_step_p99_us"] >= d["full_step_us"], d
 # The phases are parts of the step: each positive (the method updates, searches and attends), their
 # sum at most the step (medians of each part; the step adds the output conversion).
 ph = [d["update_us"], d["select_us"], d["attention_us"]]
@@ -365,12 +368,14 @@ assert d["achieved_GBps"] > 0 and d["measured_read_GBps"] > 0 and d["kv_bytes"] 
 ' "$TMP/bench.json"
 expect 0 "bench full, no probe" "$KVS" bench --method full "${BENCH[@]}" --no-membw --dtype f16
 # --batch: three sessions of each kind stepped by kvs_decode_batch; the bytes read are the batch's.
-expect 0 "bench batch" "$KVS" bench --method "$BUILD_METHOD" "${BENCH[@]}" --no-membw --batch 3 --json "$TMP/bench3.json"
+expect 0 "bench batch" "$KVS" bench --method ctkvr --params rho=64,lambda=2 "${BENCH[@]}" --no-membw --batch 3 --stats recalled_centroids --json "$TMP/bench3.json"
 contains "$OUT" "batches of 3 sessions per kind" "bench batch summary"
 py "bench batch JSON" '
 import json, sys
 d = json.load(open(sys.argv[1]))
 assert d["batch"] == 3 and d["step_us"] > 0 and d["full_step_us"] > 0 and d["select_us"] > 0, d
+# The parameters and the method statistic asked for are recorded (ctkvr recalls at least lambda lists).
+assert d["method"] == "ctkvr" and d["params"] == "rho=64,lambda=2" and d["stats"]["recalled_centroids"] >= 2, d
 ' "$TMP/bench3.json"
 contains "$OUT" "reads 1.5 MiB" "bench batch reads three sessions' KV (3 x 1027 tokens x 512 bytes)"
 expect 2 "bench batch 0" "$KVS" bench --method full "${BENCH[@]}" --batch 0

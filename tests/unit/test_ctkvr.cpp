@@ -45,11 +45,12 @@ struct Data {
 
 // The method driven directly, as the session does (append, on_append, select).
 struct Direct {
-  kvs::ThreadPool pool{2};
+  kvs::ThreadPool pool;
   kvs::KVLayer kv;
   std::unique_ptr<kvs::Method> m;
   Data& D;
-  Direct(Data& D_, const char* params, int64_t budget_tokens = 0) : kv(kvs::DType::F32, D_.hkv, D_.d), D(D_) {
+  Direct(Data& D_, const char* params, int64_t budget_tokens = 0, unsigned threads = 2)
+      : pool(threads), kv(kvs::DType::F32, D_.hkv, D_.d), D(D_) {
     const kvs::MethodSpec* spec = kvs::find_method("ctkvr");
     REQUIRE(spec);
     kvs::MethodContext ctx{{1, uint32_t(D.hq), uint32_t(D.hkv), uint32_t(D.d), float(1.0 / std::sqrt(double(D.d))), kvs::DType::F32},
@@ -135,13 +136,21 @@ std::string tmp_path(const std::string& name) {
 
 }  // namespace
 
+// Also at N = 5000 with 4 threads for 2 KV heads: the rerank's rows are scored in two slices.
 TEST_CASE("ctkvr: with rho = N and the current query among the centroids, recall is exact") {
-  Rng rng(11);
-  Data D(rng, 8, 2, 32, 400);
-  const int64_t N = 300, K = 20;
+  struct Case {
+    int64_t N, K;
+    unsigned threads;
+  };
+  for (const Case cs : {Case{300, 20, 2}, Case{5000, 1500, 4}})
   for (const char* aggname : {"sum_softmax", "sum_logits"}) {
+    const int64_t N = cs.N, K = cs.K;
+    CAPTURE(N);
     CAPTURE(aggname);
-    Direct X(D, (std::string("centroids=64,rho=300,lambda=1,topk=20,sinks=4,local=8,dcu=false,aggregate=") + aggname).c_str());
+    Rng rng(11);
+    Data D(rng, 8, 2, 32, N + 100);
+    Direct X(D, ("centroids=64,rho=" + std::to_string(N) + ",lambda=1,topk=" + std::to_string(K) +
+                 ",sinks=4,local=8,dcu=false,aggregate=" + aggname).c_str(), 0, cs.threads);
     X.prefill(N);
     // Decode token N with the query of prompt position N - 1, which is a centroid.
     const kvs::Selection sel = X.step(N, D.qt(N - 1));
@@ -471,5 +480,136 @@ TEST_CASE("ctkvr: the selection does not depend on the threads") {
     OK(kvs_session_method_stat(S[0].s, "dedup_coefficient", &d0));
     OK(kvs_session_method_stat(S[2].s, "dedup_coefficient", &d2));
     CHECK(d0 == d2);
+  }
+}
+
+// recall=budget against a float64 model of the rule: centroids by cosine (at least lambda) until the
+// gathered lists hold k keys outside the static set; when every list is gathered and still short,
+// the most recent keys outside the static set and the lists. recall=lambda (the paper) stops at
+// lambda centroids and attends fewer keys.
+TEST_CASE("ctkvr: recall=budget gathers centroids until the rerank has k candidates, then recent keys") {
+  Rng rng(23);
+  Data D(rng, 8, 2, 32, 2100);
+  const int64_t N = 2000, K = 600, sinks = 4, local = 16;
+  const int G = D.hq / D.hkv, gd = G * D.d;
+  struct Case {
+    const char* params;
+    bool budget;
+  };
+  for (const Case cs : {Case{"centroids=64", true}, Case{"centroids=4", true}, Case{"centroids=64,recall=lambda", false},
+                        Case{"centroids=64,preset=paper", false}}) {
+    const std::string name = cs.params;
+    CAPTURE(name);
+    Direct X(D, (std::string("rho=64,lambda=2,topk=600,sinks=4,local=16,dcu=false,new_tokens=none,") + cs.params).c_str());
+    X.prefill(N);
+    // The lists before the step (dcu=false, new_tokens=none: the step does not change them).
+    const int64_t n = N + 1, s_end = sinks, l_begin = n - local;
+    std::vector<std::vector<std::vector<int32_t>>> lists(size_t(D.hkv));
+    std::vector<std::vector<double>> cos(size_t(D.hkv));
+    for (int h = 0; h < D.hkv; ++h) {
+      const auto& f = X.fifo(h);
+      const float* qg = D.qt(N) + size_t(h) * gd;
+      for (int i = 0; i < f.size(); ++i) {
+        double qc = 0, qq = 0, cc = 0;
+        for (int j = 0; j < gd; ++j) {
+          qc += double(qg[j]) * f.cent(i)[j];
+          qq += double(qg[j]) * qg[j];
+          cc += double(f.cent(i)[j]) * f.cent(i)[j];
+        }
+        cos[size_t(h)].push_back(qc / std::sqrt(qq * cc));
+        std::vector<int32_t> l;
+        for (int j = 0; j < f.list_len(i); ++j) l.push_back(f.list(i)[j].i);
+        lists[size_t(h)].push_back(l);
+      }
+    }
+    const kvs::Selection sel = X.step(N);
+    REQUIRE(sel.lists.size() == size_t(D.hkv));
+    double used_sum = 0, filled_sum = 0;
+    for (int h = 0; h < D.hkv; ++h) {
+      CAPTURE(h);
+      const int c = int(cos[size_t(h)].size());
+      std::vector<int> ord(static_cast<size_t>(c));
+      std::iota(ord.begin(), ord.end(), 0);
+      std::sort(ord.begin(), ord.end(), [&](int a, int b) { return cos[size_t(h)][size_t(a)] > cos[size_t(h)][size_t(b)]; });
+      std::set<int32_t> got;  // recalled keys outside the static set
+      int used = 0;
+      for (; used < c && (used < 2 || (cs.budget && int64_t(got.size()) < K)); ++used)
+        for (int32_t t : lists[size_t(h)][size_t(ord[size_t(used)])])
+          if (t >= s_end && t < l_begin) got.insert(t);
+      std::set<int32_t> retrieved(got);
+      int64_t filled = 0;
+      if (cs.budget)
+        for (int64_t t = l_begin - 1; t >= s_end && int64_t(retrieved.size()) < K; --t)
+          if (retrieved.insert(int32_t(t)).second) ++filled;
+      used_sum += used;
+      filled_sum += double(filled);
+      const auto& out = sel.lists[size_t(h)];
+      std::set<int32_t> outset(out.begin(), out.end());
+      REQUIRE(outset.size() == out.size());
+      // The static set, then min(K, retrieved) of the retrieved keys.
+      CHECK(int64_t(out.size()) == sinks + local + std::min<int64_t>(K, int64_t(retrieved.size())));
+      for (int64_t t = 0; t < sinks; ++t) CHECK(outset.count(int32_t(t)) == 1);
+      for (int64_t t = l_begin; t < n; ++t) CHECK(outset.count(int32_t(t)) == 1);
+      for (int32_t t : out)
+        if (t >= s_end && t < l_begin) CHECK(retrieved.count(t) == 1);
+      if (cs.budget) {
+        CHECK(int64_t(out.size()) == sinks + local + K);
+        if (filled > 0) CHECK(outset.size() == size_t(sinks + local) + retrieved.size());  // all kept, the fill exactly
+      } else {
+        CHECK(int64_t(retrieved.size()) < K);  // the paper's lambda lists hold fewer keys than k here
+      }
+    }
+    double used = -1, filled = -1;
+    REQUIRE(X.m->stat("recalled_centroids", &used));
+    REQUIRE(X.m->stat("filled_keys", &filled));
+    CHECK(used == doctest::Approx(used_sum / D.hkv));
+    CHECK(filled == doctest::Approx(filled_sum / D.hkv));
+    MESSAGE(name << ": centroids recalled " << used << ", recent keys filled " << filled);
+    if (name == "centroids=64") CHECK(used > 2);
+    if (name == "centroids=4") CHECK(filled > 0);
+  }
+}
+
+// A rerank of thousands of keys per head (scored in several tasks when the pool has threads to
+// spare) and its selection's attention against float64 attention over it.
+TEST_CASE("ctkvr: a selection of 1,500 keys per head equals float64 attention over it") {
+  Rng rng(31);
+  Data D(rng, 8, 2, 32, 6100);
+  for (const char* merge : {"merge=union", "merge=lse"}) {
+    CAPTURE(merge);
+    Sess S;
+    // 4 threads for 2 KV heads, over 4,096 candidates: the rerank's rows are scored in 2 slices.
+    const std::string mp = std::string("centroids=64,rho=1100,lambda=10,topk=1500,sinks=4,local=16,") + merge;
+    auto p = params(D, mp.c_str());
+    p.num_threads = 4;
+    OK(kvs_session_create(&p, &S.s));
+    sprefill(S.s, D, 0, 0, 6000);
+    OK(kvs_session_build_index(S.s, nullptr));
+    std::vector<float> o, lse;
+    const int G = D.hq / D.hkv;
+    double rec = 0;
+    for (int64_t t = 6000; t < 6004; ++t) {
+      sdecode(S.s, D, 0, t, o, lse);
+      const int64_t n = t + 1;
+      for (int h = 0; h < D.hkv; ++h) {
+        auto sel = selection(S.s, 0, uint32_t(h));
+        std::vector<int64_t> keys(sel.begin(), sel.end());
+        if (std::string(merge) == "merge=lse") {
+          for (int64_t j = 0; j < 4; ++j) keys.push_back(j);
+          for (int64_t j = n - 16; j < n; ++j) keys.push_back(j);
+        }
+        CHECK(keys.size() == 1500 + 4 + 16);
+        for (int g = 0; g < G; ++g) {
+          const int hq = h * G + g;
+          std::vector<double> ref;
+          double lref;
+          attention_ref(D.qt(t), D.k.data(), D.v.data(), hq, G, D.hkv, D.d, keys, 1.0 / std::sqrt(double(D.d)), ref, lref);
+          CHECK(rel_err(ref, o.data() + size_t(hq) * D.d, D.d) < 2e-5);
+          CHECK(std::abs(double(lse[size_t(hq)]) - lref) < 1e-4);
+        }
+      }
+    }
+    OK(kvs_session_method_stat(S.s, "recalled_keys", &rec));
+    CHECK(rec > 4096);
   }
 }

@@ -28,6 +28,7 @@
 
 #include "backends/cpu/attention.hpp"
 #include "backends/cpu/gemm.hpp"
+#include "backends/cpu/topk.hpp"
 #include "core/error.hpp"
 #include "core/method.hpp"
 #include "io/header.hpp"
@@ -364,7 +365,8 @@ class Ctkvr final : public Method {
         append_q_(int_param(p, "ctkvr", "append_queries", -1, kTok, "-1 = C, 0 = none")),
         dcu_(p.get_bool("dcu")),
         union_(p.get_string("merge") == "union"),
-        mean_head_(p.get_string("recall_sim") == "mean_head_cosine") {
+        mean_head_(p.get_string("recall_sim") == "mean_head_cosine"),
+        recall_budget_(p.get_string("recall") == "budget") {
     auto pos_int = [](int64_t v, int64_t hi, const char* name, const char* what) {
       if (v < 1 || v > hi) invalid(std::string("method_params: ctkvr ") + name + " must be " + what);
     };
@@ -731,16 +733,20 @@ class Ctkvr final : public Method {
   }
 
   bool stat(std::string_view name, double* out) const override {
-    double beta = 0, recalled = 0, steps = 0, last = 0;
+    double beta = 0, recalled = 0, steps = 0, last = 0, cents = 0, filled = 0;
     for (auto& w : ws_) {
       beta += w.beta_sum;
       recalled += w.recalled_sum;
+      cents += w.centroids_sum;
+      filled += w.filled_sum;
       steps += double(w.steps);
       last += w.last_beta;
     }
     if (name == "dedup_coefficient") *out = steps > 0 ? beta / steps : 0.0;
     else if (name == "last_dedup_coefficient") *out = ws_.empty() ? 0.0 : last / double(ws_.size());
     else if (name == "recalled_keys") *out = steps > 0 ? recalled / steps : 0.0;
+    else if (name == "recalled_centroids") *out = steps > 0 ? cents / steps : 0.0;
+    else if (name == "filled_keys") *out = steps > 0 ? filled / steps : 0.0;
     else if (name == "centroids") {
       double c = 0, m = 0;
       for (uint32_t l = 0; l < fifo_.size(); ++l)
@@ -766,7 +772,8 @@ class Ctkvr final : public Method {
     std::vector<const std::byte*> rows;  // the rerank's K rows
     std::vector<int32_t> cidx;
     std::vector<Entry> list;
-    double beta_sum = 0, recalled_sum = 0, last_beta = 0;
+    std::vector<uint32_t> radix;  // kth_largest's scratch
+    double beta_sum = 0, recalled_sum = 0, last_beta = 0, centroids_sum = 0, filled_sum = 0;
     int64_t steps = 0;
   };
 
@@ -829,26 +836,47 @@ class Ctkvr final : public Method {
     }
     w.cidx.resize(size_t(c));
     for (int i = 0; i < c; ++i) w.cidx[size_t(i)] = i;
-    const int lam = int(std::min<int64_t>(lambda_, c));
-    std::partial_sort(w.cidx.begin(), w.cidx.begin() + lam, w.cidx.end(), [&](int32_t a, int32_t b) {
+    auto closer = [&](int32_t a, int32_t b) {
       return w.sims[size_t(a)] > w.sims[size_t(b)] || (w.sims[size_t(a)] == w.sims[size_t(b)] && a > b);
-    });
-    // 2. Gather + deduplicate with the bitmap; 3. drop the static keys.
+    };
+    const int lam = int(std::min<int64_t>(lambda_, c));
+    std::partial_sort(w.cidx.begin(), w.cidx.begin() + lam, w.cidx.end(), closer);
+    // 2. Gather + deduplicate with the bitmap; 3. drop the static keys (got: the recalled keys
+    // outside the static set).
     const size_t words = size_t((n + 63) / 64);
     if (w.bits.size() < words) w.bits.resize(std::max(words, w.bits.size() * 2), 0);
     size_t n_all = 0;
-    for (int r = 0; r < lam; ++r) {
-      const int i = w.cidx[size_t(r)];
+    int64_t got = 0;
+    auto gather = [&](int i) {
       const Entry* l = f.list(i);
       for (int j = 0, e = f.list_len(i); j < e; ++j) {
         const int32_t t = l[j].i;
         uint64_t& word = w.bits[size_t(t) >> 6];
         const uint64_t bit = uint64_t(1) << (t & 63);
-        n_all += !(word & bit);
+        const bool fresh = !(word & bit);
+        n_all += fresh;
+        got += fresh && t >= s_end && t < l_begin;
         word |= bit;
       }
+    };
+    int used = 0;
+    for (; used < lam; ++used) gather(w.cidx[size_t(used)]);
+    // recall=budget: the next centroids by similarity until the rerank has its k candidates, then,
+    // when every list is gathered and still short, the most recent keys outside the static set.
+    int64_t filled = 0;
+    if (recall_budget_ && got < k) {
+      if (used < c) std::sort(w.cidx.begin() + used, w.cidx.end(), closer);
+      for (; used < c && got < k; ++used) gather(w.cidx[size_t(used)]);
+      for (int64_t t = l_begin - 1; t >= s_end && got < k; --t) {
+        uint64_t& word = w.bits[size_t(t) >> 6];
+        const uint64_t bit = uint64_t(1) << (t & 63);
+        if (word & bit) continue;
+        word |= bit;
+        ++got;
+        ++filled;
+      }
     }
-    const double beta = double(n_all) / (double(lambda_) * double(rho_));
+    const double beta = double(n_all) / (double(std::max<int64_t>(lambda_, used)) * double(rho_));
     // Policy (b): the tokens evicted from the window since the last step join the DCU candidates.
     w.all.clear();
     for (int64_t t = ev0; t < ev1; ++t)
@@ -868,6 +896,8 @@ class Ctkvr final : public Method {
     }
     w.beta_sum += beta;
     w.last_beta = beta;
+    w.centroids_sum += used;
+    w.filled_sum += double(filled);
     w.recalled_sum += double(w.rec.size());
     ++w.steps;
     w.cand = w.rec;
@@ -896,30 +926,40 @@ class Ctkvr final : public Method {
         ctkvr::add_exp_row(w.agg.data(), row, lse[size_t(g)], m, agg_ == Agg::MaxSoftmax);
       }
     }
-    // Top-k among the recalled keys (evicted DCU-only candidates are not attended this step).
+    // Top-k among the recalled keys (evicted DCU-only candidates are not attended this step): the
+    // k-th score by radix select, the keys above it, then the ties at it lowest token first (the
+    // recalled keys are in token order). The selection comes out in token order.
     const size_t nrec = w.rec.size();
-    w.cidx.resize(nrec);
-    for (size_t j = 0; j < nrec; ++j) w.cidx[j] = int32_t(j);
     const size_t kk = size_t(std::min<int64_t>(k, int64_t(nrec)));
-    auto better = [&](int32_t a, int32_t b) {
-      return w.agg[size_t(a)] > w.agg[size_t(b)] || (w.agg[size_t(a)] == w.agg[size_t(b)] && w.cand[size_t(a)] < w.cand[size_t(b)]);
-    };
-    if (kk > 0 && kk < nrec) std::nth_element(w.cidx.begin(), w.cidx.begin() + (kk - 1), w.cidx.end(), better);
+    const float kth = kk < nrec ? cpu::kth_largest(w.agg.data(), int64_t(nrec), int64_t(kk), w.radix) : kNegInf;
+    size_t above = 0;
+    for (size_t j = 0; j < nrec; ++j) above += w.agg[j] > kth;
+    size_t ties = kk - above;
     out.clear();
     if (union_)
       for (int64_t t = 0; t < s_end; ++t) out.push_back(int32_t(t));
-    for (size_t j = 0; j < kk; ++j) out.push_back(w.cand[size_t(w.cidx[j])]);
+    for (size_t j = 0; j < nrec; ++j) {
+      const bool keep = w.agg[j] > kth || (w.agg[j] == kth && ties > 0);
+      ties -= keep && !(w.agg[j] > kth);
+      if (keep) out.push_back(w.cand[j]);
+    }
     if (union_)
       for (int64_t t = l_begin; t < n; ++t) out.push_back(int32_t(t));
-    std::sort(out.begin(), out.end());
-    // 5. Dynamic centroid update: (q_t, top-rho of the candidates by the same score).
+    // 5. Dynamic centroid update: (q_t, top-rho of the candidates by the same score, ties lowest
+    // token first).
     if (dcu_) {
-      w.cidx.resize(m);
-      for (size_t j = 0; j < m; ++j) w.cidx[j] = int32_t(j);
       const size_t r = size_t(std::min<int64_t>(rho_, int64_t(m)));
-      if (r > 0 && r < m) std::nth_element(w.cidx.begin(), w.cidx.begin() + (r - 1), w.cidx.end(), better);
-      w.list.resize(r);
-      for (size_t j = 0; j < r; ++j) w.list[j] = Entry{w.agg[size_t(w.cidx[j])], w.cand[size_t(w.cidx[j])]};
+      const float rth = r < m ? cpu::kth_largest(w.agg.data(), int64_t(m), int64_t(r), w.radix) : kNegInf;
+      w.list.clear();
+      w.cidx.clear();  // the ties at the threshold
+      for (size_t j = 0; j < m; ++j) {
+        if (w.agg[j] > rth) w.list.push_back(Entry{w.agg[j], w.cand[j]});
+        else if (w.agg[j] == rth) w.cidx.push_back(w.cand[j]);
+      }
+      if (w.list.size() < r) {
+        std::sort(w.cidx.begin(), w.cidx.end());
+        for (size_t j = 0; w.list.size() < r; ++j) w.list.push_back(Entry{rth, w.cidx[j]});
+      }
       Fifo::Item popped;
       const bool full = f.size() == f.capacity();
       f.push_back(n - 1, qg, lse.data(), w.list.data(), int(r), &popped);
@@ -1011,7 +1051,7 @@ class Ctkvr final : public Method {
   MethodContext ctx_;
   int64_t C_, rho_, lambda_, topk_, sinks_, local_, seed_, append_q_;
   double static_share_;
-  bool dcu_, union_, mean_head_;
+  bool dcu_, union_, mean_head_, recall_budget_;
   Init init_;
   Agg agg_;
   NewTokens new_;
@@ -1042,7 +1082,15 @@ MethodSpec ctkvr_spec() {
       0.05,
       {{"centroids", "int", "640", "C: FIFO capacity (centroids per KV head); paper: accuracy flat from ~320"},
        {"rho", "int", "1024", "keys per centroid's posting list (the value is lost from the paper's text, about 2k; we chose 1024)"},
-       {"lambda", "int", "5", "centroids recalled per step (paper: stable from ~5)"},
+       {"preset", "enum:kvsieve|paper", "kvsieve",
+        "paper: the paper's settings: static_share=0 (the fixed sinks + local), recall=lambda (parameters given "
+        "explicitly win); kvsieve: static_share=0.5, recall=budget"},
+       {"lambda", "int", "5", "centroids recalled per step (paper: stable from ~5); with recall=budget at least this many"},
+       {"recall", "enum:budget|lambda", "budget",
+        "budget: beyond lambda, further centroids by similarity until the rerank has its k candidates, then the most "
+        "recent keys when every list is gathered (the selection holds k keys at every context length) [ours]; lambda: "
+        "exactly lambda centroids (the paper; at long contexts lambda * rho recalled keys are fewer than k)",
+        "lambda"},
        {"topk", "int", "0", "keys kept after rerank (paper: 512/1024); 0 = session budget minus the static keys"},
        {"sinks", "int", "4", "first tokens in the static set (the paper does not say; 4 as MagicPIG and RetroInfer)"},
        {"local", "int", "64", "most recent tokens in the static set (the paper does not say; our choice)"},
