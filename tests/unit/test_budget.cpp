@@ -131,3 +131,8 @@ TEST_CASE("budget discipline: ctkvr, 256 .. 64K tokens") { sweep("ctkvr", kSmall
 TEST_CASE("budget discipline: ctkvr with 4 centroids (the lists run out), 256 .. 64K tokens") {
   sweep("ctkvr", kSmall, "centroids=4");
 }
+// Where recall=budget matters: lambda = 5 lists of 1024 keys against budgets of 2.6K-210K keys; 64
+// centroids (a cheaper index) hold at most 64K, so at 1M the recent keys fill the rest.
+TEST_CASE("budget discipline: ctkvr with 64 centroids at 256K and 1M tokens") {
+  sweep("ctkvr", {262144, 1 << 20}, "centroids=64");
+}
