@@ -184,7 +184,7 @@ int run_suite_command(const EvalCliOptions& c, EvalOptions o) {
   for (size_t i = 0; i < reps.front().methods.size(); ++i) {
     const auto& first = reps.front().methods[i];
     double kept = 0, mass = 0, p5 = 0, err = 0, worst = 2;
-    bool over = false;  // over the budget on some trace
+    bool over = false, under = false;  // over the budget on some trace; under it on some trace
     std::string worst_trace;
     for (size_t t = 0; t < reps.size(); ++t) {
       const auto& m = reps[t].methods[i];
@@ -193,16 +193,19 @@ int run_suite_command(const EvalCliOptions& c, EvalOptions o) {
       p5 += m.mass_recall_p5;
       err += m.output_rel_err;
       over = over || m.over_budget > 0;
+      under = under || m.under_budget;
       if (m.mass_recall < worst) {
         worst = m.mass_recall;
         worst_trace = entries[t].path;
       }
     }
     const double n = double(reps.size());
-    table.add_row({first.name, strfmt("%.3g", first.budget), strfmt("%.1f%%%s", 100.0 * kept / n, over ? " !" : ""),
+    table.add_row({first.name, strfmt("%.3g", first.budget),
+                   strfmt("%.1f%%%s", 100.0 * kept / n, over ? " !" : under ? " ~" : ""),
                    strfmt("%.3f", mass / n),
                    strfmt("%.3f", p5 / n), strfmt("%.2e", err / n), strfmt("%.3f %s", worst, worst_trace.c_str())});
     summary.push_back({{"name", first.name}, {"budget", first.budget}, {"kept_fraction", kept / n}, {"over_budget", over},
+                       {"under_budget", under},
                        {"mass_recall", mass / n}, {"mass_recall_p5", p5 / n}, {"output_rel_err", err / n},
                        {"worst_mass_recall", worst}, {"worst_trace", worst_trace}});
   }

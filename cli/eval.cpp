@@ -37,6 +37,7 @@ struct Accum {
   int64_t nonfinite = 0;
   int64_t over = 0;        // selections above the budget's keys
   double max_over = 0.0;   // largest |S| / budget keys among them
+  double granted = 0.0;    // sum over the selections of the budget's keys / n (beside kept)
   bool warned_selection = false;
 };
 
@@ -46,6 +47,9 @@ struct Runner {
   Accum acc;
   double budget = 0.0;  // the session's budget fraction
 };
+
+// A method whose selections hold on average fewer than this share of the budget's keys is marked.
+constexpr double kUnderBudget = 0.9;
 
 // Exact keys a budget fraction grants over n tokens (the library's rule: ceil, clamped to [1, n]).
 int64_t budget_keys(double fraction, int64_t n) {
@@ -93,6 +97,7 @@ void score_step(Runner& r, const ExactAttention& ex, uint32_t layer, int64_t t,
     ++a.recall_n;
     if (r.name != "full" && r.budget > 0) {
       const int64_t kb = budget_keys(r.budget, n);
+      a.granted += double(kb) / double(n);
       if (k > kb) {
         ++a.over;
         a.max_over = std::max(a.max_over, double(k) / double(kb));
@@ -373,6 +378,15 @@ EvalReport run_eval(const EvalOptions& opts) {
       res.over_budget = a.over;
       res.selections = a.recall_n;
       res.max_over_ratio = a.max_over;
+      // Under: on average fewer than 0.9 x the keys the budget grants (the selections' mean).
+      const double granted = mean(a.granted, a.recall_n);
+      res.under_budget = granted > 0 && res.kept_fraction < kUnderBudget * granted;
+      if (res.under_budget)
+        std::fprintf(stderr,
+                     "kvsieve: warning: %s attends %.2f%% of the keys on average, under %.1f x the %.2f%% the budget "
+                     "%g grants; its row is marked '~' (under_budget in the JSON): it is cheaper, and less "
+                     "accurate, than a row that keeps to the budget\n",
+                     m.c_str(), 100.0 * res.kept_fraction, kUnderBudget, 100.0 * granted, budget);
       if (a.over > 0)
         std::fprintf(stderr,
                      "kvsieve: warning: %s attends more keys than the budget %g grants in %lld of %lld "
@@ -396,6 +410,8 @@ EvalReport run_eval(const EvalOptions& opts) {
   return rep;
 }
 
+static const char* budget_mark(const MethodResult& m) { return m.over_budget > 0 ? " !" : m.under_budget ? " ~" : ""; }
+
 std::string render_eval_table(const EvalReport& r) {
   TextTable table({"method", "budget", "kept", "recall@k", "mass recall", "mass p5", "worst layer", "out err",
                    "out err p95", "lse err", "step us", "speed vs full"},
@@ -408,7 +424,7 @@ std::string render_eval_table(const EvalReport& r) {
       worst = strfmt("L%u %.3f", w->first, w->second);
     }
     table.add_row({m.name, strfmt("%.3g", m.budget),
-                   strfmt("%.1f%%%s", 100.0 * m.kept_fraction, m.over_budget > 0 ? " !" : ""),
+                   strfmt("%.1f%%%s", 100.0 * m.kept_fraction, budget_mark(m)),
                    strfmt("%.3f", m.recall_at_k), strfmt("%.3f", m.mass_recall), strfmt("%.3f", m.mass_recall_p5),
                    worst,
                    strfmt("%.2e", m.output_rel_err), strfmt("%.2e", m.output_rel_err_p95),
@@ -435,6 +451,7 @@ nlohmann::ordered_json eval_json(const EvalReport& r) {
                        {"over_budget_selections", m.over_budget},
                        {"selections", m.selections},
                        {"max_over_budget_ratio", m.max_over_ratio},
+                       {"under_budget", m.under_budget},
                        {"params", m.params},
                        {"recall_at_k", m.recall_at_k},
                        {"mass_recall", m.mass_recall},

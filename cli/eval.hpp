@@ -41,6 +41,7 @@ struct MethodResult {
   // |S| / budget keys among them.
   int64_t over_budget = 0, selections = 0;
   double max_over_ratio = 0;
+  bool under_budget = false;  // kept fraction under 0.9 x the budget's, on average
   nlohmann::ordered_json params;  // the parameters the session resolved (defaults included)
   int64_t nonfinite = 0;          // outputs with NaN/inf (counted as error inf)
   std::vector<std::pair<std::string, double>> stats;  // the requested statistics the method knows

@@ -179,7 +179,7 @@ assert d["steps"] == 6 and d["layers"] == 2, (d["steps"], d["layers"])
 assert d["budgets"] == [0.1] and d["backend"] == "cpu", d
 assert isinstance(d["threads"], int) and d["threads"] >= 1, d["threads"]
 keys = ["name", "budget", "kept_fraction", "over_budget", "over_budget_selections", "selections",
-        "max_over_budget_ratio", "params", "recall_at_k", "mass_recall", "mass_recall_p5", "layer_mass_recall",
+        "max_over_budget_ratio", "under_budget", "params", "recall_at_k", "mass_recall", "mass_recall_p5", "layer_mass_recall",
         "output_rel_err", "output_rel_err_p95", "lse_abs_err", "step_us", "full_step_us", "nonfinite_outputs"]
 by = {m["name"]: m for m in d["methods"]}
 assert list(by) == ["full", "exact_topk"], list(by)
@@ -203,6 +203,18 @@ assert 0.09 <= x["kept_fraction"] <= 0.12, x["kept_fraction"]
 assert f["params"] == {}, f["params"]
 assert set(x["params"]) >= {"sinks", "local"}, x["params"]
 ' "$TMP/eval.json"
+# A method under 0.9 x the budget's keys (ctkvr with the paper's recall of one list of 4 keys) is
+# marked '~' with a warning; one that keeps the budget is not.
+expect 0 "eval under budget" "$KVS" eval --trace "$T1" --methods exact_topk,ctkvr --params ctkvr:recall=lambda,rho=4,lambda=1 \
+  --budget 0.1 --json "$TMP/eval_under.json"
+contains "$OUT" "% ~" "eval marks a row under the budget"
+contains "$ERR" "ctkvr attends" "eval warns about a row under the budget"
+py "eval under_budget in the JSON" '
+import json, sys
+by = {m["name"]: m for m in json.load(open(sys.argv[1]))["methods"]}
+assert by["ctkvr"]["under_budget"] is True and by["ctkvr"]["kept_fraction"] < 0.09, by["ctkvr"]
+assert by["exact_topk"]["under_budget"] is False and by["exact_topk"]["over_budget"] is False, by["exact_topk"]
+' "$TMP/eval_under.json"
 # --suite: every trace of a list, then per method the mean over the traces and the worst.
 mkdir -p "$TMP/suite"
 cp "$T1" "$TMP/suite/a.safetensors"
