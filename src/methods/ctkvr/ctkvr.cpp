@@ -1080,11 +1080,11 @@ MethodSpec ctkvr_spec() {
       "FIFO centroid update",
       1u << KVS_BACKEND_CPU,
       0.05,
-      {{"centroids", "int", "640", "C: FIFO capacity (centroids per KV head); paper: accuracy flat from ~320"},
-       {"rho", "int", "1024", "keys per centroid's posting list (the value is lost from the paper's text, about 2k; we chose 1024)"},
-       {"preset", "enum:kvsieve|paper", "kvsieve",
+      {{"preset", "enum:kvsieve|paper", "kvsieve",
         "paper: the paper's settings: static_share=0 (the fixed sinks + local), recall=lambda (parameters given "
         "explicitly win); kvsieve: static_share=0.5, recall=budget"},
+       {"centroids", "int", "640", "C: FIFO capacity (centroids per KV head); paper: accuracy flat from ~320"},
+       {"rho", "int", "1024", "keys per centroid's posting list (the value is lost from the paper's text, about 2k; we chose 1024)"},
        {"lambda", "int", "5", "centroids recalled per step (paper: stable from ~5); with recall=budget at least this many"},
        {"recall", "enum:budget|lambda", "budget",
         "budget: beyond lambda, further centroids by similarity until the rerank has its k candidates, then the most "
