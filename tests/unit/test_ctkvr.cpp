@@ -575,3 +575,40 @@ TEST_CASE("ctkvr: recall=budget gathers centroids until the rerank has k candida
     if (name == "centroids=4") CHECK(filled > 0);
   }
 }
+
+// Scores that are NaN (a tables file's KV may hold infinities; here a query entry of +inf makes
+// the group's scores +-inf and their softmax NaN): they rank last instead of breaking the selects
+// (found by fuzz_tables: the update's list read past its ties when the rerank kept every candidate).
+// One list of rho = 64 keys and topk above it: every recalled key is kept, so the update's list
+// must be drawn from the selection.
+TEST_CASE("ctkvr: NaN scores rank last; the selection and the update's list stay valid") {
+  Rng rng(41);
+  Data D(rng, 8, 2, 32, 700);
+  Direct X(D, "centroids=16,rho=64,lambda=1,recall=lambda,topk=600,sinks=4,local=8");
+  X.prefill(600);
+  for (int64_t t = 600; t < 606; ++t) {
+    std::vector<float> q(D.qt(t), D.qt(t) + size_t(D.hq) * D.d);
+    q[0] = INFINITY;  // query head 0: KV head 0's group
+    const kvs::Selection sel = X.step(t, q.data());
+    REQUIRE(sel.lists.size() == size_t(D.hkv));
+    for (int h = 0; h < D.hkv; ++h) {
+      CAPTURE(t);
+      CAPTURE(h);
+      const auto& l = sel.lists[size_t(h)];
+      CHECK(std::is_sorted(l.begin(), l.end()));
+      CHECK(std::adjacent_find(l.begin(), l.end()) == l.end());
+      const std::set<int32_t> in(l.begin(), l.end());
+      const auto& f = X.fifo(h);
+      const int i = f.size() - 1;  // the centroid this step pushed
+      CHECK(f.pos(i) == t);
+      CHECK(f.list_len(i) > 0);
+      std::set<int32_t> seen;
+      for (int e = 0; e < f.list_len(i); ++e) {
+        const int32_t tok = f.list(i)[e].i;
+        CHECK(in.count(tok) == 1);
+        CHECK((tok >= 4 && tok < t + 1 - 8));  // a recalled key, not a static one
+        CHECK(seen.insert(tok).second);
+      }
+    }
+  }
+}

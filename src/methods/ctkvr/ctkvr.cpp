@@ -926,6 +926,10 @@ class Ctkvr final : public Method {
         ctkvr::add_exp_row(w.agg.data(), row, lse[size_t(g)], m, agg_ == Agg::MaxSoftmax);
       }
     }
+    // A NaN score (keys so large that their dot products overflow, e.g. from a loaded file) ranks
+    // last: the selects below order by value and count ties, which NaN would break.
+    for (size_t j = 0; j < m; ++j)
+      if (std::isnan(w.agg[j])) w.agg[j] = kNegInf;
     // Top-k among the recalled keys (evicted DCU-only candidates are not attended this step): the
     // k-th score by radix select, the keys above it, then the ties at it lowest token first (the
     // recalled keys are in token order). The selection comes out in token order.
@@ -934,7 +938,7 @@ class Ctkvr final : public Method {
     const float kth = kk < nrec ? cpu::kth_largest(w.agg.data(), int64_t(nrec), int64_t(kk), w.radix) : kNegInf;
     size_t above = 0;
     for (size_t j = 0; j < nrec; ++j) above += w.agg[j] > kth;
-    size_t ties = kk - above;
+    size_t ties = kk > above ? kk - above : 0;
     out.clear();
     if (union_)
       for (int64_t t = 0; t < s_end; ++t) out.push_back(int32_t(t));
@@ -958,11 +962,11 @@ class Ctkvr final : public Method {
       }
       if (w.list.size() < r) {
         std::sort(w.cidx.begin(), w.cidx.end());
-        for (size_t j = 0; w.list.size() < r; ++j) w.list.push_back(Entry{rth, w.cidx[j]});
+        for (size_t j = 0; w.list.size() < r && j < w.cidx.size(); ++j) w.list.push_back(Entry{rth, w.cidx[j]});
       }
       Fifo::Item popped;
       const bool full = f.size() == f.capacity();
-      f.push_back(n - 1, qg, lse.data(), w.list.data(), int(r), &popped);
+      f.push_back(n - 1, qg, lse.data(), w.list.data(), int(w.list.size()), &popped);
       if (full && popped.pos < n - 1) undo.popped.push_back(std::move(popped));
     }
   }
