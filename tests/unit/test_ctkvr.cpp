@@ -135,7 +135,7 @@ std::string tmp_path(const std::string& name) {
 
 }  // namespace
 
-// Also at N = 5000, k = 1500: the top-k's radix select over 4,988 candidates.
+// Also at N = 5000, k = 1500: the top-k's radix select over 4,989 candidates.
 TEST_CASE("ctkvr: with rho = N and the current query among the centroids, recall is exact") {
   struct Case {
     int64_t N, K;
