@@ -28,6 +28,9 @@ struct BenchOptions {
   std::string kv_memory = "cuda";  // --backend cuda: where the KV cache lives (cuda or cuda_host)
 };
 
+// Method statistics by name (nullopt: the method does not know the name).
+using MethodStats = std::vector<std::pair<std::string, std::optional<double>>>;
+
 // What bench_cpu measured: per-step wall times (after the warm-up) of the method and of `full`
 // (of the whole batch's step when o.batch > 1), the method's phase times (update, select,
 // attention; the mean over the batch's sessions), the first method session's statistics and the
@@ -36,7 +39,7 @@ struct BenchTiming {
   std::vector<double> method_us, full_us, phase_us[3];
   double prefill_ms = 0, index_ms = 0;
   kvs_session_stats stats{};
-  std::vector<std::pair<std::string, std::optional<double>>> method_stats;
+  MethodStats method_stats;
 };
 
 // Throws UsageError on a bad option (unknown method, context < 64, ...).

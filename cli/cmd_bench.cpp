@@ -44,6 +44,35 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
 }
 #endif
 
+// The statistics named in `names` (comma-separated) of session s (nullopt: the method does not
+// know the name).
+static MethodStats read_method_stats(kvs_session_t s, const std::string& names) {
+  MethodStats out;
+  for (const auto& name : split(names, ',')) {
+    double v = 0;
+    kvs_error_t e = kvs_session_method_stat(s, name.c_str(), &v);
+    out.emplace_back(name, e == nullptr ? std::optional<double>(v) : std::nullopt);
+    kvs_error_destroy(e);
+  }
+  return out;
+}
+
+// "  <method> stats: a=1 b=(unknown)" (nothing without --stats), and the same as a JSON object.
+static void print_method_stats(const BenchOptions& o, const MethodStats& st) {
+  if (o.stats.empty()) return;
+  std::printf("  %s stats:", o.method.c_str());
+  for (const auto& [name, v] : st) {
+    if (v) std::printf(" %s=%.4g", name.c_str(), *v);
+    else std::printf(" %s=(unknown)", name.c_str());
+  }
+  std::printf("\n");
+}
+static nlohmann::ordered_json method_stats_json(const MethodStats& st) {
+  nlohmann::ordered_json j = nlohmann::ordered_json::object();
+  for (const auto& [name, v] : st) j[name] = v ? nlohmann::ordered_json(*v) : nlohmann::ordered_json(nullptr);
+  return j;
+}
+
 // "one session per kind" or "batches of B sessions per kind (kvs_decode_batch)".
 static std::string batch_words(int64_t b) {
   return b == 1 ? std::string("one session per kind")
@@ -171,12 +200,7 @@ BenchTiming bench_cpu(const BenchOptions& o, DType dtype, const SynthTrace& data
     }
   }
   r.stats = method.stats();
-  for (const auto& name : split(o.stats, ',')) {
-    double v = 0;
-    kvs_error_t e = kvs_session_method_stat(method.get(), name.c_str(), &v);
-    r.method_stats.emplace_back(name, e == nullptr ? std::optional<double>(v) : std::nullopt);
-    kvs_error_destroy(e);
-  }
+  r.method_stats = read_method_stats(method.get(), o.stats);
   return r;
 }
 
@@ -248,18 +272,9 @@ int run_bench(const BenchOptions& o) {
                 o.batch > 1 ? " (mean of the sessions)" : "", ph[0], ph[1], ph[2]);
   std::printf("  step time p50 / p99: full %.1f / %.1f us, %s %.1f / %.1f us\n", full_step_us,
               percentile(full_us, 99.0), o.method.c_str(), step_us, percentile(method_us, 99.0));
-  if (!o.stats.empty()) {
-    std::printf("  %s stats:", o.method.c_str());
-    for (const auto& [name, v] : r.method_stats) {
-      if (v) std::printf(" %s=%.4g", name.c_str(), *v);
-      else std::printf(" %s=(unknown)", name.c_str());
-    }
-    std::printf("\n");
-  }
+  print_method_stats(o, r.method_stats);
 
   if (!o.json.empty()) {
-    nlohmann::ordered_json stats = nlohmann::ordered_json::object();
-    for (const auto& [name, v] : r.method_stats) stats[name] = v ? nlohmann::ordered_json(*v) : nlohmann::ordered_json(nullptr);
     const nlohmann::ordered_json j = {{"method", o.method},
                               {"params", o.params},
                               {"backend", o.backend},
@@ -285,7 +300,7 @@ int run_bench(const BenchOptions& o) {
                               {"measured_read_GBps", o.no_membw ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(measured)},
                               {"index_bytes", st.index_bytes},
                               {"kv_bytes", st.kv_bytes},
-                              {"stats", stats}};
+                              {"stats", method_stats_json(r.method_stats)}};
     write_text_file(o.json, j.dump(2) + "\n");
     std::printf("wrote %s\n", o.json.c_str());
   }
@@ -661,19 +676,8 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
   const double batch_host = batch_host_us.empty() ? 0.0 : median(batch_host_us);
   std::printf("  host time of one kvs_batch_decode of full (median; CUDA graph replays %.0f, captures %.0f): %.1f us\n",
               graph_launches, graph_captures, batch_host);
-  nlohmann::ordered_json stats = nlohmann::ordered_json::object();
-  if (!o.stats.empty()) {
-    std::printf("  %s stats:", o.method.c_str());
-    for (const auto& name : split(o.stats, ',')) {
-      double v = 0;
-      kvs_error_t e = kvs_session_method_stat(method.get(), name.c_str(), &v);
-      if (e == nullptr) std::printf(" %s=%.4g", name.c_str(), v);
-      else std::printf(" %s=(unknown)", name.c_str());
-      stats[name] = e == nullptr ? nlohmann::ordered_json(v) : nlohmann::ordered_json(nullptr);
-      kvs_error_destroy(e);
-    }
-    std::printf("\n");
-  }
+  const MethodStats stats = read_method_stats(method.get(), o.stats);
+  print_method_stats(o, stats);
 
   if (!o.json.empty()) {
     using J = nlohmann::ordered_json;
@@ -709,7 +713,7 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
                  {"measured_read_GBps", o.no_membw ? J(nullptr) : J(measured)},
                  {"index_bytes", stt.index_bytes},
                  {"kv_bytes", stt.kv_bytes},
-                 {"stats", stats}};
+                 {"stats", method_stats_json(stats)}};
     write_text_file(o.json, j.dump(2) + "\n");
     std::printf("wrote %s\n", o.json.c_str());
   }

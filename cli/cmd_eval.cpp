@@ -201,7 +201,7 @@ int run_suite_command(const EvalCliOptions& c, EvalOptions o) {
     }
     const double n = double(reps.size());
     table.add_row({first.name, strfmt("%.3g", first.budget),
-                   strfmt("%.1f%%%s", 100.0 * kept / n, over ? " !" : under ? " ~" : ""),
+                   strfmt("%.1f%%%s", 100.0 * kept / n, budget_mark(over, under)),
                    strfmt("%.3f", mass / n),
                    strfmt("%.3f", p5 / n), strfmt("%.2e", err / n), strfmt("%.3f %s", worst, worst_trace.c_str())});
     summary.push_back({{"name", first.name}, {"budget", first.budget}, {"kept_fraction", kept / n}, {"over_budget", over},

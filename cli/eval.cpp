@@ -410,7 +410,7 @@ EvalReport run_eval(const EvalOptions& opts) {
   return rep;
 }
 
-static const char* budget_mark(const MethodResult& m) { return m.over_budget > 0 ? " !" : m.under_budget ? " ~" : ""; }
+const char* budget_mark(bool over, bool under) { return over ? " !" : under ? " ~" : ""; }
 
 std::string render_eval_table(const EvalReport& r) {
   TextTable table({"method", "budget", "kept", "recall@k", "mass recall", "mass p5", "worst layer", "out err",
@@ -424,7 +424,7 @@ std::string render_eval_table(const EvalReport& r) {
       worst = strfmt("L%u %.3f", w->first, w->second);
     }
     table.add_row({m.name, strfmt("%.3g", m.budget),
-                   strfmt("%.1f%%%s", 100.0 * m.kept_fraction, budget_mark(m)),
+                   strfmt("%.1f%%%s", 100.0 * m.kept_fraction, budget_mark(m.over_budget > 0, m.under_budget)),
                    strfmt("%.3f", m.recall_at_k), strfmt("%.3f", m.mass_recall), strfmt("%.3f", m.mass_recall_p5),
                    worst,
                    strfmt("%.2e", m.output_rel_err), strfmt("%.2e", m.output_rel_err_p95),

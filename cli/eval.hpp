@@ -75,6 +75,9 @@ std::map<std::string, std::string> parse_method_params(const std::vector<std::st
 
 EvalReport run_eval(const EvalOptions& opts);
 
+// The mark after a kept fraction: " !" over the budget (some selection), " ~" under 0.9 x it (on
+// average), else "".
+const char* budget_mark(bool over, bool under);
 std::string render_eval_table(const EvalReport& r);
 // The JSON document of docs/cli.md ("kvsieve eval", JSON output).
 nlohmann::ordered_json eval_json(const EvalReport& r);

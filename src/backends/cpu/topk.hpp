@@ -90,4 +90,24 @@ inline float kth_largest(const float* x, int64_t n, int64_t k, std::vector<uint3
   }
   return key_float(prefix);
 }
+
+// Appends to out the tokens of the k best of n (token, score) pairs given in token-ascending
+// order: scores descending, ties to the lower token, written in token order (all n when k >= n).
+// The k-th score by kth_largest, then one pass. tmp: kth_largest's scratch.
+inline void append_top_k(const int32_t* tok, const float* sc, int64_t n, int64_t k, std::vector<int32_t>& out,
+                         std::vector<uint32_t>& tmp) {
+  if (k <= 0) return;
+  if (k >= n) {
+    out.insert(out.end(), tok, tok + n);
+    return;
+  }
+  const float vk = kth_largest(sc, n, k, tmp);
+  int64_t above = 0;
+  for (int64_t i = 0; i < n; ++i) above += sc[i] > vk;
+  int64_t ties = k - above;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = sc[i];
+    if (v > vk || (v == vk && ties-- > 0)) out.push_back(tok[i]);
+  }
+}
 }  // namespace kvs::cpu

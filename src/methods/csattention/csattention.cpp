@@ -815,21 +815,7 @@ class CSAttention final : public Method {
   static void top_by_score(const int32_t* tok, const float* sc, int64_t nc, int64_t k, std::vector<int32_t>& out,
                            std::vector<uint32_t>& rtmp) {
     out.clear();
-    if (k <= 0) return;
-    out.reserve(size_t(k));
-    if (k >= nc) {
-      out.assign(tok, tok + nc);
-      return;
-    }
-    // The k-th best score; all better ones, then the ties by ascending token.
-    const float vk = cpu::kth_largest(sc, nc, k, rtmp);
-    int64_t above = 0;
-    for (int64_t i = 0; i < nc; ++i) above += sc[i] > vk;
-    int64_t ties = k - above;
-    for (int64_t i = 0; i < nc; ++i) {
-      const float v = sc[i];
-      if (v > vk || (v == vk && ties-- > 0)) out.push_back(tok[i]);
-    }
+    cpu::append_top_k(tok, sc, nc, k, out, rtmp);
   }
 
   // Exact rerank of the candidates S.rtok (token order) of table head h: keeps `rest` of them in out.

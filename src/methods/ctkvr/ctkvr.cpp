@@ -770,7 +770,8 @@ class Ctkvr final : public Method {
     std::vector<int32_t> all, rec, cand;
     std::vector<float> sims, st, agg, kf, qn, sv;
     std::vector<const std::byte*> rows;  // the rerank's K rows
-    std::vector<int32_t> cidx;
+    std::vector<int32_t> cidx;           // centroids in order of similarity
+    std::vector<int32_t> ties;           // the update's candidates at its threshold
     std::vector<Entry> list;
     std::vector<uint32_t> radix;  // kth_largest's scratch
     double beta_sum = 0, recalled_sum = 0, last_beta = 0, centroids_sum = 0, filled_sum = 0;
@@ -847,16 +848,20 @@ class Ctkvr final : public Method {
     if (w.bits.size() < words) w.bits.resize(std::max(words, w.bits.size() * 2), 0);
     size_t n_all = 0;
     int64_t got = 0;
+    auto mark = [&](int64_t t) {  // sets t's bit; true if it was clear
+      uint64_t& word = w.bits[size_t(t) >> 6];
+      const uint64_t bit = uint64_t(1) << (t & 63);
+      const bool fresh = !(word & bit);
+      word |= bit;
+      return fresh;
+    };
     auto gather = [&](int i) {
       const Entry* l = f.list(i);
       for (int j = 0, e = f.list_len(i); j < e; ++j) {
         const int32_t t = l[j].i;
-        uint64_t& word = w.bits[size_t(t) >> 6];
-        const uint64_t bit = uint64_t(1) << (t & 63);
-        const bool fresh = !(word & bit);
+        const bool fresh = mark(t);
         n_all += fresh;
         got += fresh && t >= s_end && t < l_begin;
-        word |= bit;
       }
     };
     int used = 0;
@@ -867,14 +872,11 @@ class Ctkvr final : public Method {
     if (recall_budget_ && got < k) {
       if (used < c) std::sort(w.cidx.begin() + used, w.cidx.end(), closer);
       for (; used < c && got < k; ++used) gather(w.cidx[size_t(used)]);
-      for (int64_t t = l_begin - 1; t >= s_end && got < k; --t) {
-        uint64_t& word = w.bits[size_t(t) >> 6];
-        const uint64_t bit = uint64_t(1) << (t & 63);
-        if (word & bit) continue;
-        word |= bit;
-        ++got;
-        ++filled;
-      }
+      for (int64_t t = l_begin - 1; t >= s_end && got < k; --t)
+        if (mark(t)) {
+          ++got;
+          ++filled;
+        }
     }
     const double beta = double(n_all) / (double(std::max<int64_t>(lambda_, used)) * double(rho_));
     // Policy (b): the tokens evicted from the window since the last step join the DCU candidates.
@@ -930,39 +932,30 @@ class Ctkvr final : public Method {
     // last: the selects below order by value and count ties, which NaN would break.
     for (size_t j = 0; j < m; ++j)
       if (std::isnan(w.agg[j])) w.agg[j] = kNegInf;
-    // Top-k among the recalled keys (evicted DCU-only candidates are not attended this step): the
-    // k-th score by radix select, the keys above it, then the ties at it lowest token first (the
-    // recalled keys are in token order). The selection comes out in token order.
-    const size_t nrec = w.rec.size();
-    const size_t kk = size_t(std::min<int64_t>(k, int64_t(nrec)));
-    const float kth = kk < nrec ? cpu::kth_largest(w.agg.data(), int64_t(nrec), int64_t(kk), w.radix) : kNegInf;
-    size_t above = 0;
-    for (size_t j = 0; j < nrec; ++j) above += w.agg[j] > kth;
-    size_t ties = kk > above ? kk - above : 0;
+    // Top-k among the recalled keys (evicted DCU-only candidates are not attended this step; the
+    // recalled keys come first in cand, in token order), ties to the lower token. The selection
+    // comes out in token order.
     out.clear();
     if (union_)
       for (int64_t t = 0; t < s_end; ++t) out.push_back(int32_t(t));
-    for (size_t j = 0; j < nrec; ++j) {
-      const bool keep = w.agg[j] > kth || (w.agg[j] == kth && ties > 0);
-      ties -= keep && !(w.agg[j] > kth);
-      if (keep) out.push_back(w.cand[j]);
-    }
+    cpu::append_top_k(w.cand.data(), w.agg.data(), int64_t(w.rec.size()), k, out, w.radix);
     if (union_)
       for (int64_t t = l_begin; t < n; ++t) out.push_back(int32_t(t));
     // 5. Dynamic centroid update: (q_t, top-rho of the candidates by the same score, ties lowest
     // token first).
     if (dcu_) {
       const size_t r = size_t(std::min<int64_t>(rho_, int64_t(m)));
+      // (cand is not in token order here: the evicted candidates follow the recalled ones.)
       const float rth = r < m ? cpu::kth_largest(w.agg.data(), int64_t(m), int64_t(r), w.radix) : kNegInf;
       w.list.clear();
-      w.cidx.clear();  // the ties at the threshold
+      w.ties.clear();
       for (size_t j = 0; j < m; ++j) {
         if (w.agg[j] > rth) w.list.push_back(Entry{w.agg[j], w.cand[j]});
-        else if (w.agg[j] == rth) w.cidx.push_back(w.cand[j]);
+        else if (w.agg[j] == rth) w.ties.push_back(w.cand[j]);
       }
       if (w.list.size() < r) {
-        std::sort(w.cidx.begin(), w.cidx.end());
-        for (size_t j = 0; w.list.size() < r && j < w.cidx.size(); ++j) w.list.push_back(Entry{rth, w.cidx[j]});
+        std::sort(w.ties.begin(), w.ties.end());
+        for (size_t j = 0; w.list.size() < r && j < w.ties.size(); ++j) w.list.push_back(Entry{rth, w.ties[j]});
       }
       Fifo::Item popped;
       const bool full = f.size() == f.capacity();
