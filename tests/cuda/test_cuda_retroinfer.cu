@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "backends/cuda/retro.cuh"
 #include "capi_check.hpp"
 #include "session_pair.hpp"
 #include "kvsieve/kvsieve.h"
@@ -400,6 +401,15 @@ int run_retroinfer_tests(bool small) {
   run_case("update_segment=64,segment_size=512", KVS_SCALAR_BF16, 32, 8, 128, 1500, 2, small ? 140 : 300, 0.05);
   // The index built on the GPU session (its KV read back and clustered on the host).
   run_case("", KVS_SCALAR_BF16, 32, 8, 128, n, 2, steps, 0.05, /*gpu_build=*/true);
+  // The zones kernel with its keys in global memory (the path past about 40K clusters per KV head,
+  // written by a separate kernel) gives the same zones.
+  kvs::cuda::detail::set_retro_zone_global(true);
+  run_case("", KVS_SCALAR_BF16, 32, 8, 128, n, 2, steps, 0.05);
+  run_case("budget=paper,meta_dtype=f32", KVS_SCALAR_F16, 16, 4, 64, n, 1, steps, 0.05, false, false);
+  kvs::cuda::detail::set_retro_zone_global(false);
+  // More clusters than the zones kernel's threads (several keys per thread) and than an estimate
+  // chunk many times over (the index built on the GPU: 24K tokens).
+  if (!small) run_case("", KVS_SCALAR_BF16, 32, 8, 128, 24000, 2, 6, 0.05, /*gpu_build=*/true);
   run_roundtrip();
   run_build_agreement(small ? 3000 : 12000);
   // The wave buffer: evictions (a cache of 1% of the rows), index updates while decoding, batches.

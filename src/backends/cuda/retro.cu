@@ -23,6 +23,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "backends/cuda/launch.cuh"
@@ -36,10 +37,11 @@ constexpr int kChunk = 256;           // clusters per CTA of the logits and esti
 constexpr int kChunkThreads = 256;
 constexpr int kZoneThreads = 1024;
 constexpr int kZoneWarps = kZoneThreads / 32;
+static_assert(kZoneWarps == 32, "warps_before reads one warp total per lane");
+constexpr int kZoneHists = 8;  // radix histograms of block_select, each shared by 4 warps
 constexpr int kMaxGD = 2048;          // G * d: the query group held in shared memory
 constexpr uint32_t kNoKey = 0xffffffffu;  // an empty cluster: never ranked
 
-__device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
 
@@ -80,6 +82,8 @@ struct Args {
   uint8_t* zone;    // [rows][Cc]: 0 none, 1 retrieval, 2 part, 3 estimation
   float* estp;      // [rows][nch][G][d + 1]: numerators, then the weight sum
   uint32_t* pkeys;  // [rows][Pm]: exact scores of the part cluster's rows (ordered bits)
+  int32_t zone_smem;  // the zones kernel computes the keys into its shared memory (no dist kernel)
+  int32_t* roff;      // [rows][Cc]: a retrieval cluster's first place in the list after the steady sinks
 };
 
 __device__ __forceinline__ bool indexed(const RetroSession& s) { return s.mode >= kRetroPaper && s.C > 0; }
@@ -157,8 +161,34 @@ __global__ void __launch_bounds__(kChunkThreads) logits_kernel(const Args a) {
   }
 }
 
+// Elements [16 / sizeof(M) * i, ...) of a row (16 bytes) as floats (read-only data: the meta index
+// does not change during a step).
+template <typename M>
+__device__ __forceinline__ void load_piece(const M* row, int i, float* x) {
+  if constexpr (sizeof(M) == 4) {
+    const float4 u = __ldg(reinterpret_cast<const float4*>(row) + i);
+    x[0] = u.x, x[1] = u.y, x[2] = u.z, x[3] = u.w;
+  } else {
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(row) + i);
+    const M* e = reinterpret_cast<const M*>(&u);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = to_f32(e[j]);
+  }
+}
+
+template <typename M, int D>
+struct RowSplit {
+  static constexpr int kPieces = D * int(sizeof(M)) / 16;   // 16-byte pieces per row
+  static constexpr int kLpr = kPieces < 32 ? kPieces : 32;  // lanes per row
+  static constexpr int kPpl = kPieces / kLpr;               // pieces per lane
+  static constexpr int kEpp = 16 / int(sizeof(M));          // elements per piece
+  static constexpr int kEl = kPpl * kEpp;                   // elements per lane
+};
+
 // Each head's softmax from the chunk pairs, then a thread per cluster: its distance (the group's
-// summed softmax) as ordered bits (>= +0); empty clusters never rank.
+// summed softmax) as ordered bits (>= +0); empty clusters never rank. Only when the keys do not fit
+// the zones kernel's shared memory (zone_smem = 0); otherwise that kernel computes them itself
+// (zone_keys, the same arithmetic).
 __global__ void __launch_bounds__(kChunkThreads) dist_kernel(const Args a) {
   __shared__ float M[64], inv[64];
   const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -201,7 +231,9 @@ struct ZoneSmem {
     Reduce::TempStorage reduce;
   };
   int hist[256];
-  int whist[kZoneWarps][256];
+  int whist[kZoneHists][256];
+  float M[64], inv[64];  // zone_keys: each head's softmax maximum and 1 / sum
+  long long wsum[3][kZoneWarps];  // warps_before's buffers
   uint32_t T;
   long long above, lim;
   long long carry, carry2;
@@ -218,19 +250,35 @@ __device__ void block_select(const uint32_t* keys, int n, const int32_t* w, long
   bool all = false;
   for (int pass = 0; pass < 4 && !all; ++pass) {
     const int shift = 24 - 8 * pass;
-    // Keys share their top digits (distances are small positive floats), so each warp counts into
-    // its own histogram (same-address atomics stay within a warp), summed per digit after.
-    for (int i = threadIdx.x; i < kZoneWarps * 256; i += kZoneThreads) (&sm.whist[0][0])[i] = 0;
+    // Four warps share a histogram (fewer to clear and add up per pass), summed per digit after.
+    for (int i = threadIdx.x; i < kZoneHists * 256; i += kZoneThreads) (&sm.whist[0][0])[i] = 0;
     __syncthreads();
-    int* wh = sm.whist[threadIdx.x / 32];
-    for (int i = threadIdx.x; i < n; i += kZoneThreads) {
-      const uint32_t k = keys[i];
-      if (k != kNoKey && (k & mask) == prefix) atomicAdd(&wh[(k >> shift) & 255], w ? w[i] : 1);
+    // A warp whose counted keys share one digit (the first passes: distances share their top
+    // bits) adds their sum with one atomic instead of 32 colliding ones.
+    int* wh = sm.whist[threadIdx.x / 32 % kZoneHists];
+    auto count = [&](int i) {
+      const uint32_t k = i < n ? keys[i] : kNoKey;
+      const bool in = k != kNoKey && (k & mask) == prefix;
+      const int dg = int((k >> shift) & 255u), v = in ? (w ? __ldg(w + i) : 1) : 0;
+      const unsigned act = __ballot_sync(0xffffffffu, in);
+      if (!act) return;
+      const int d0 = __shfl_sync(0xffffffffu, dg, __ffs(act) - 1);
+      if (__all_sync(0xffffffffu, !in || dg == d0)) {
+        const int sum = __reduce_add_sync(0xffffffffu, v);
+        if (threadIdx.x % 32 == 0) atomicAdd(&wh[d0], sum);
+      } else if (in) {
+        atomicAdd(&wh[dg], v);
+      }
+    };
+    for (int base = 0; base < n; base += 4 * kZoneThreads) {  // uniform bounds (warp votes); four keys in flight
+#pragma unroll
+      for (int j = 0; j < 4; ++j) count(base + j * kZoneThreads + int(threadIdx.x));
     }
     __syncthreads();
     if (threadIdx.x < 256) {
       int t = 0;
-      for (int j = 0; j < kZoneWarps; ++j) t += sm.whist[j][threadIdx.x];
+#pragma unroll
+      for (int j = 0; j < kZoneHists; ++j) t += sm.whist[j][threadIdx.x];
       sm.hist[threadIdx.x] = t;
     }
     __syncthreads();
@@ -287,12 +335,119 @@ __device__ void block_select(const uint32_t* keys, int n, const int32_t* w, long
   __syncthreads();
 }
 
+// The dist kernel's work inside the zones kernel (zone_smem): each head's softmax from the chunk
+// pairs (a warp per head), then every cluster's key into shared memory, and the heads' maxima for
+// the estimate kernels.
+// The id-order walks of the zones kernel give each warp a contiguous block of cluster ids, read
+// kRoundIds consecutive ids at a time (kLaneIds consecutive ones per lane; a contiguous range per
+// thread would put a warp's reads in one shared-memory bank); a cluster's place in id order is its
+// warp's prefix, the warp's earlier rounds, the lanes before it (a warp scan) and its lane's ids
+// before it.
+struct WarpBlock {
+  int begin, end;  // this warp's ids [begin, end)
+};
+constexpr int kLaneIds = 4;               // consecutive ids per lane in a round
+constexpr int kRoundIds = 32 * kLaneIds;  // ids per warp round
+__device__ __forceinline__ WarpBlock warp_block(int C) {
+  const int per = (C + kZoneWarps * kRoundIds - 1) / (kZoneWarps * kRoundIds) * kRoundIds;  // ids per warp
+  const int b = min(C, int(threadIdx.x / 32) * per);
+  return {b, min(C, b + per)};
+}
+
+// Inclusive scan over the warp's lanes.
+template <typename V>
+__device__ __forceinline__ V warp_incl(V x) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const V y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  return x;
+}
+
+__device__ __forceinline__ long long warp_sum(long long x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// Every warp passes its total (any lane: the same value); returns the sum of the warps before it,
+// and the block's total in *all. buf: kZoneWarps entries of shared memory, free on entry and exit.
+__device__ __forceinline__ long long warps_before(long long total, long long* buf, long long* all) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) buf[warp] = total;
+  __syncthreads();
+  const long long x = buf[lane];  // kZoneWarps == 32
+  const long long inc = warp_incl(x);
+  *all = __shfl_sync(0xffffffffu, inc, 31);
+  const long long before = __shfl_sync(0xffffffffu, inc - x, warp);
+  __syncthreads();
+  return before;
+}
+
+extern __shared__ uint32_t zkeys[];  // the zones kernel's dynamic shared memory: the keys (zone_smem)
+
+__device__ void zone_keys(const Args& a, const RetroSession& s, int row, int h, ZoneSmem& sm) {
+  const int G = a.G, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int nchs = (s.C + kChunk - 1) / kChunk;
+  for (int g = warp; g < G; g += kZoneWarps) {
+    float m = -INFINITY, l = 0.f;
+    for (int k = lane; k < nchs; k += 32) {
+      const float2 p = a.cstats[(int64_t(row) * a.nch + k) * G + g];
+      lse_add(m, l, p.x, p.y);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, m, o), l2 = __shfl_xor_sync(0xffffffffu, l, o);
+      lse_add(m, l, m2, l2);
+    }
+    if (lane == 0) {
+      sm.M[g] = m;
+      sm.inv[g] = l > 0.f ? 1.f / l : 0.f;
+      a.gmax[int64_t(row) * G + g] = m;
+    }
+  }
+  __syncthreads();
+  const float* lg = a.logits + int64_t(row) * G * a.Cc;
+  const int C = s.C;
+  const int32_t* size = s.size + int64_t(h) * C;
+  constexpr int U = 4;  // clusters per thread in flight
+  for (int c0 = tid; c0 < C; c0 += U * kZoneThreads) {
+    int32_t z[U];
+    float dsum[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * kZoneThreads;
+      z[u] = c < C ? __ldg(size + c) : 0;
+      dsum[u] = 0.f;
+    }
+    for (int g = 0; g < G; ++g) {
+      const float* lgg = lg + int64_t(g) * a.Cc;
+      float x[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) x[u] = c0 + u * kZoneThreads < C ? __ldg(lgg + c0 + u * kZoneThreads) : 0.f;
+#pragma unroll
+      for (int u = 0; u < U; ++u) dsum[u] += __expf(x[u] - sm.M[g]) * sm.inv[g];
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * kZoneThreads;
+      if (c < C) zkeys[c] = z[u] > 0 ? __float_as_uint(fmaxf(dsum[u], 0.f)) : kNoKey;
+    }
+  }
+  __syncthreads();
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
   __shared__ ZoneSmem sm;
+  __shared__ RetroSession ss;  // the session's fields: read from shared memory after every store
   const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
   const int row = b * a.Hkv + h, G = a.G;
-  const RetroSession& s = a.sessions[b];
+  if (tid == 0) ss = a.sessions[b];
+  __syncthreads();
+  const RetroSession& s = ss;
   int32_t* out = a.idx + int64_t(row) * a.max_sel;
   int32_t* st = s.stats ? s.stats + int64_t(h) * kRetroStats : nullptr;
   const int64_t cap = a.max_sel;  // writes past the capacity are dropped (the host sizes it)
@@ -313,8 +468,12 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
   const int32_t* size = s.size + int64_t(h) * C;
   const int32_t* start = s.start + int64_t(h) * C;
   const int32_t* pos = s.pos + int64_t(h) * s.R;
-  uint32_t* keys = a.keys + int64_t(row) * a.Cc;
-  uint8_t* zone = a.zone + int64_t(row) * a.Cc;
+  // With zone_smem the keys and the zones live in shared memory (the final zones also written to
+  // global memory for the estimate kernel).
+  uint8_t* const gzone = a.zone + int64_t(row) * a.Cc;
+  uint8_t* zone = a.zone_smem ? reinterpret_cast<uint8_t*>(zkeys + a.Cc) : gzone;
+  const uint32_t* keys = a.zone_smem ? zkeys : a.keys + int64_t(row) * a.Cc;
+  if (a.zone_smem) zone_keys(a, s, row, h, sm);
 
   long long nc_part = 0;
   for (int c = tid; c < C; c += kZoneThreads) nc_part += keys[c] != kNoKey;
@@ -331,26 +490,43 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
   block_select(keys, C, session ? size : nullptr, r_target, sm);
   const uint32_t T1 = sm.T;
   const long long lim1 = sm.lim;
-  // Each thread walks a contiguous range of cluster ids; one scan over the threads gives the ties
-  // before its range (in id order).
-  const int per = (C + kZoneThreads - 1) / kZoneThreads, cb = min(C, tid * per), ce = min(C, cb + per);
+  // Ties at T1 in id order: the first that does not fit is the part cluster; the others before
+  // it join the zone.
+  const WarpBlock wb = warp_block(C);
+  const int lane = tid % 32;
   if (tid == 0) sm.part = -1;
   __syncthreads();
   long long used_part = 0, r_part = 0;
   {
-    long long v = 0, before;
-    for (int c = cb; c < ce; ++c)
-      if (keys[c] == T1) v += session ? size[c] : 1;
-    Scan(sm.scan).ExclusiveSum(v, before);
-    for (int c = cb; c < ce; ++c) {
-      const uint32_t k = keys[c];
-      const bool tie = k != kNoKey && k == T1;
-      const long long w = tie ? (session ? size[c] : 1) : 0;
-      const bool in1 = k != kNoKey && (k > T1 || (tie && before + w <= lim1));
-      if (tie && before <= lim1 && before + w > lim1) sm.part = c;  // the first tie that does not fit
-      zone[c] = in1 ? 1 : 0;
-      if (in1) used_part += size[c], ++r_part;
-      before += w;
+    auto tie_w = [&](int c) -> int {
+      return c < wb.end && keys[c] == T1 ? (session ? __ldg(size + c) : 1) : 0;
+    };
+    long long wt = 0;
+    for (int c0 = wb.begin + kLaneIds * lane; c0 < wb.end; c0 += kRoundIds)
+#pragma unroll
+      for (int j = 0; j < kLaneIds; ++j) wt += tie_w(c0 + j);
+    long long all;
+    long long run = warps_before(warp_sum(wt), sm.wsum[0], &all);
+    for (int r0 = wb.begin; r0 < wb.end; r0 += kRoundIds) {
+      const int cl = r0 + kLaneIds * lane;
+      int w[kLaneIds], lw = 0;
+#pragma unroll
+      for (int j = 0; j < kLaneIds; ++j) lw += (w[j] = tie_w(cl + j));
+      const int inc = warp_incl(lw);
+      long long before = run + inc - lw;
+      run += __shfl_sync(0xffffffffu, inc, 31);
+#pragma unroll
+      for (int j = 0; j < kLaneIds; ++j) {
+        const int c = cl + j;
+        if (c >= wb.end) break;
+        const uint32_t k = keys[c];
+        const bool tie = k != kNoKey && k == T1;
+        const bool in1 = k != kNoKey && (k > T1 || (tie && before + w[j] <= lim1));
+        if (tie && before <= lim1 && before + w[j] > lim1) sm.part = c;  // the first tie that does not fit
+        zone[c] = in1 ? 1 : 0;
+        if (in1) used_part += __ldg(size + c), ++r_part;
+        before += w[j];
+      }
     }
   }
   __syncthreads();
@@ -380,35 +556,48 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
   const long long sk = s.sk;
   long long est_c = 0, est_t = 0;
   {
-    // Ties at T2 (low 32 bits) and retrieval rows (high) before this thread's range, in one scan.
-    unsigned long long v = 0, before;
-    for (int c = cb; c < ce; ++c)
-      v += (keys[c] == T2 ? 1ull : 0ull) + (zone[c] == 1 ? (unsigned long long)size[c] << 32 : 0ull);
-    __syncthreads();
-    cub::BlockScan<unsigned long long, kZoneThreads>(sm.scan_u).ExclusiveSum(v, before);
-    long long ties = (long long)(before & 0xffffffffull), at = (long long)(before >> 32);
-    for (int c = cb; c < ce; ++c) {
-      const uint32_t k = keys[c];
-      const bool tie = k != kNoKey && k == T2;
-      const bool in2 = k != kNoKey && (k > T2 || (tie && ties + 1 <= lim2));
-      ties += tie;
-      const int z = zone[c] == 1 ? 1 : c == part ? 2 : in2 ? 3 : 0;
-      zone[c] = uint8_t(z);
-      if (z == 3) ++est_c, est_t += size[c];
-      if (z == 1) {  // the cluster's positions after the steady sinks, eight loads in flight
-        const int m = size[c];
-        const int32_t* src = pos + start[c];
-        int32_t* dst = out + sk + at;
-        const long long room_left = cap - sk - at;
-        for (int j0 = 0; j0 < m; j0 += 8) {
-          int32_t t[8];
+    // In id order: the ties at T2 before a cluster (taken while within lim2), and the rows of the
+    // retrieval clusters before it (its rows' place in the list). A round's sums fit 32 bits.
+    auto counts = [&](int c, int& tie, int& rows) {
+      tie = rows = 0;
+      if (c >= wb.end) return;
+      tie = keys[c] == T2;
+      if (zone[c] == 1) rows = __ldg(size + c);
+    };
+    long long t0 = 0, t1 = 0;
+    for (int c0 = wb.begin + kLaneIds * lane; c0 < wb.end; c0 += kRoundIds)
 #pragma unroll
-          for (int j = 0; j < 8; ++j) t[j] = j0 + j < m ? src[j0 + j] : 0;
+      for (int j = 0; j < kLaneIds; ++j) {
+        int x, y;
+        counts(c0 + j, x, y);
+        t0 += x, t1 += y;
+      }
+    long long all;
+    long long ties = warps_before(warp_sum(t0), sm.wsum[0], &all);
+    long long at = warps_before(warp_sum(t1), sm.wsum[1], &all);
+    int32_t* roff = a.roff + int64_t(row) * a.Cc;
+    for (int r0 = wb.begin; r0 < wb.end; r0 += kRoundIds) {
+      const int cl = r0 + kLaneIds * lane;
+      int x[kLaneIds], y[kLaneIds], lx = 0, ly = 0;
 #pragma unroll
-          for (int j = 0; j < 8; ++j)
-            if (j0 + j < m && j0 + j < room_left) dst[j0 + j] = t[j];
-        }
-        at += m;
+      for (int j = 0; j < kLaneIds; ++j) counts(cl + j, x[j], y[j]), lx += x[j], ly += y[j];
+      const int ix = warp_incl(lx), iy = warp_incl(ly);
+      long long tb = ties + ix - lx, ab = at + iy - ly;
+      ties += __shfl_sync(0xffffffffu, ix, 31);
+      at += __shfl_sync(0xffffffffu, iy, 31);
+#pragma unroll
+      for (int j = 0; j < kLaneIds; ++j) {
+        const int c = cl + j;
+        if (c >= wb.end) break;
+        const uint32_t k = keys[c];
+        const bool tie = k != kNoKey && k == T2;
+        const bool in2 = k != kNoKey && (k > T2 || (tie && tb + 1 <= lim2));
+        const int z = zone[c] == 1 ? 1 : c == part ? 2 : in2 ? 3 : 0;
+        zone[c] = uint8_t(z);
+        if (a.zone_smem) gzone[c] = uint8_t(z);  // the final zones, for the estimate kernel
+        if (z == 3) ++est_c, est_t += __ldg(size + c);
+        if (z == 1) roff[c] = int32_t(ab);  // its rows' place after the steady sinks: the estimate kernel copies them
+        tb += x[j], ab += y[j];
       }
     }
   }
@@ -418,16 +607,30 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
   const long long est_tokens = Reduce(sm.reduce).Sum(est_t);
   __syncthreads();
   if (s.wave_ids) {  // the clusters whose rows this step reads, in id order (the wave buffer's LRU)
-    long long v = 0, before;
-    for (int c = cb; c < ce; ++c) v += zone[c] == 1 || zone[c] == 2;
-    Scan(sm.scan).ExclusiveSum(v, before);
+    auto read = [&](int c) -> long long { return c < wb.end && (zone[c] == 1 || zone[c] == 2); };
+    long long t = 0;
+    for (int c0 = wb.begin + kLaneIds * lane; c0 < wb.end; c0 += kRoundIds)
+#pragma unroll
+      for (int j = 0; j < kLaneIds; ++j) t += read(c0 + j);
+    long long all;
+    long long before = warps_before(warp_sum(t), sm.wsum[0], &all);
     int32_t* ids = s.wave_ids + int64_t(h) * s.wave_cap;
-    for (int c = cb; c < ce; ++c)
-      if (zone[c] == 1 || zone[c] == 2) {
-        if (before < s.wave_cap) ids[before] = c;
-        ++before;
-      }
-    if (tid == kZoneThreads - 1) s.wave_cnt[h] = int32_t(lmin(before, s.wave_cap));
+    for (int r0 = wb.begin; r0 < wb.end; r0 += kRoundIds) {
+      const int cl = r0 + kLaneIds * lane;
+      int v[kLaneIds], lv = 0;
+#pragma unroll
+      for (int j = 0; j < kLaneIds; ++j) lv += (v[j] = int(read(cl + j)));
+      const int inc = warp_incl(lv);
+      long long at = before + inc - lv;
+      before += __shfl_sync(0xffffffffu, inc, 31);
+#pragma unroll
+      for (int j = 0; j < kLaneIds; ++j)
+        if (v[j]) {
+          if (at < s.wave_cap) ids[at] = cl + j;
+          ++at;
+        }
+    }
+    if (tid == 0) s.wave_cnt[h] = int32_t(lmin(all, s.wave_cap));
     __syncthreads();
   }
 
@@ -436,7 +639,10 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
   long long at = sk + used;
   if (part >= 0) {
     const int m = size[part], p0 = start[part];
-    uint32_t* pk = a.pkeys + int64_t(row) * a.Pm;
+    // A cluster of at most kZoneThreads rows keeps its scores in shared memory (the histograms'
+    // space, free now) and is ranked by comparisons; a larger one by the radix select.
+    const bool small = m <= kZoneThreads;
+    uint32_t* pk = small ? reinterpret_cast<uint32_t*>(&sm.whist[0][0]) : a.pkeys + int64_t(row) * a.Pm;
     const void* qb = a.q.at ? *a.q.at : a.q.data;
     const int warp = tid / 32, lane = tid % 32;
     constexpr int E = D / 32;
@@ -461,6 +667,24 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
       }
     }
     __syncthreads();
+    if (small) {
+      // Row j is taken when fewer than pm rows rank before it: a larger score, or an equal one at
+      // an earlier row (the radix select's rule); taken rows in row order.
+      bool in = false;
+      if (tid < m) {
+        const uint32_t kj = pk[tid];
+        int rank = 0;
+        for (int i = 0; i < m; ++i) {
+          const uint32_t ki = pk[i];
+          rank += ki > kj || (ki == kj && i < int(tid));
+        }
+        in = rank < pm;
+      }
+      long long ex;
+      Scan(sm.scan).ExclusiveSum(in ? 1ll : 0ll, ex);
+      if (in && at + ex < cap) out[at + ex] = __ldg(pos + p0 + tid);
+      __syncthreads();
+    } else {
     block_select(pk, m, nullptr, pm, sm);
     const uint32_t T3 = sm.T;
     const long long lim3 = sm.lim;
@@ -481,6 +705,7 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
       __syncthreads();
       if (tid == kZoneThreads - 1) sm.carry = before + v, sm.carry2 += ex2 + (in ? 1 : 0);
       __syncthreads();
+    }
     }
     used += pm;
     at += pm;
@@ -521,78 +746,158 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
 }
 
 // ---- 3. estimation partial sums -------------------------------------------------------------
-// Per chunk: the estimation clusters listed, their weights e^(logit - M_g) for 8 heads at a time
-// in shared memory, then a thread per dimension accumulates the 8 heads' numerators (each meta
-// element read once per 8 heads) and the first 8 threads the weight sums.
+// Per chunk: the estimation clusters listed in id order (one ballot per 32 clusters, all loads at
+// once), their weights e^(logit - M_g) for 8 heads at a time in shared memory; then the value-mean
+// rows are read whole (RowSplit lanes per row, kSlots rows at once, four per slot in flight), each
+// lane accumulating its elements for the 8 heads, and the slots' sums are added in slot order.
 constexpr int kEstThreads = 128;
-template <typename M>
+template <typename M, int D>
 __global__ void __launch_bounds__(kEstThreads) estimate_kernel(const Args a) {
+  using RS = RowSplit<M, D>;
+  constexpr int kWarps = kEstThreads / 32, kSlots = kEstThreads / RS::kLpr, U = 4;
+  static_assert(kChunk == 2 * kEstThreads, "two clusters per thread");
   __shared__ int list[kChunk];
   __shared__ float wsh[kChunk][8];
   __shared__ float csz[kChunk];
-  __shared__ int nlist;
+  __shared__ int wcount[2][kWarps];
+  __shared__ float red[kSlots][D];
+  __shared__ int ret[kChunk];
+  __shared__ int nret;
   const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const RetroSession& s = a.sessions[b];
-  const int c0 = chunk * kChunk, G = a.G, D = a.d;
+  const int c0 = chunk * kChunk, G = a.G, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int row = b * a.Hkv + h;
   float* part = a.estp + (int64_t(row) * a.nch + chunk) * G * (D + 1);
   if (!indexed(s) || c0 >= s.C) return;
   const int c1 = min(c0 + kChunk, s.C);
   const uint8_t* zone = a.zone + int64_t(row) * a.Cc;
-  if (threadIdx.x < 32) {  // the chunk's estimation clusters in id order (so the sums' order is fixed)
-    int at = 0;
-    for (int c = c0 + int(threadIdx.x); c - int(threadIdx.x) < c1; c += 32) {
-      const bool in = c < c1 && zone[c] == 3;
-      const unsigned bal = __ballot_sync(0xffffffffu, in);
-      if (in) list[at + __popc(bal & ((1u << threadIdx.x) - 1u))] = c;
-      at += __popc(bal);
-    }
-    if (threadIdx.x == 0) nlist = at;
-  }
+  const int ca = c0 + tid, cb = c0 + kEstThreads + tid;
+  const int za = ca < c1 ? zone[ca] : 0, zb = cb < c1 ? zone[cb] : 0;
+  const bool ina = za == 3, inb = zb == 3;
+  const unsigned bala = __ballot_sync(0xffffffffu, ina), balb = __ballot_sync(0xffffffffu, inb);
+  if (lane == 0) wcount[0][warp] = __popc(bala), wcount[1][warp] = __popc(balb);
+  // The chunk's retrieval clusters (any order): their rows' positions copied into the exact list
+  // at the places the zones kernel gave them, a warp per cluster.
+  if (tid == 0) nret = 0;
   __syncthreads();
-  const int nl = nlist;
+  if (za == 1) ret[atomicAdd(&nret, 1)] = ca;
+  if (zb == 1) ret[atomicAdd(&nret, 1)] = cb;
+  __syncthreads();
+  {
+    const int32_t* sz = s.size + int64_t(h) * s.C;
+    const int32_t* st = s.start + int64_t(h) * s.C;
+    const int32_t* pos = s.pos + int64_t(h) * s.R;
+    const int32_t* roff = a.roff + int64_t(row) * a.Cc;
+    int32_t* out = a.idx + int64_t(row) * a.max_sel;
+    const long long sk = s.sk, cap = a.max_sel;
+    for (int i = warp; i < nret; i += kWarps) {
+      const int c = ret[i];
+      const int m = __ldg(sz + c), p0 = __ldg(st + c);
+      const long long d = sk + roff[c];
+      for (int j = lane; j < m; j += 32)
+        if (d + j < cap) out[d + j] = __ldg(pos + p0 + j);
+    }
+  }
+  int offa = 0, offb = 0, na = 0, nb = 0;  // the list: the first half's clusters, then the second's
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    offa += w < warp ? wcount[0][w] : 0;
+    offb += w < warp ? wcount[1][w] : 0;
+    na += wcount[0][w];
+    nb += wcount[1][w];
+  }
+  const int nl = na + nb;
+  const unsigned below = (1u << lane) - 1u;
+  if (ina) list[offa + __popc(bala & below)] = ca;
+  if (inb) list[na + offb + __popc(balb & below)] = cb;
+  __syncthreads();
   const int32_t* size = s.size + int64_t(h) * s.C;
-  for (int i = threadIdx.x; i < nl; i += kEstThreads) csz[i] = float(size[list[i]]);
+  for (int i = tid; i < nl; i += kEstThreads) csz[i] = float(size[list[i]]);
   const M* vm = static_cast<const M*>(s.vmeta) + int64_t(h) * s.C * D;
   const float* lg = a.logits + int64_t(row) * G * a.Cc;
   const float* gm = a.gmax + int64_t(row) * G;
   // 16-bit meta rows are value means: weight e^(logit - M) * size; fp32 rows are value sums.
   constexpr bool kMeans = sizeof(M) == 2;
+  const int slot = tid / RS::kLpr, piece = tid % RS::kLpr;
   for (int g0 = 0; g0 < G; g0 += 8) {
     const int ng = min(8, G - g0);
     __syncthreads();
-    for (int i = threadIdx.x; i < nl * 8; i += kEstThreads) {
+    for (int i = tid; i < nl * 8; i += kEstThreads) {
       const int li = i / 8, gg = i % 8;
       wsh[li][gg] = gg < ng ? __expf(lg[int64_t(g0 + gg) * a.Cc + list[li]] - gm[g0 + gg]) : 0.f;
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < D; e += kEstThreads) {
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int i0 = 0; i0 < nl; i0 += 8) {
-        float x[8];  // eight rows' loads in flight at once
+    float acc[8][RS::kEl];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) x[j] = i0 + j < nl ? to_f32(vm[int64_t(list[i0 + j]) * D + e]) : 0.f;
+    for (int gg = 0; gg < 8; ++gg)
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          if (i0 + j >= nl) break;
-          const float xv = kMeans ? x[j] * csz[i0 + j] : x[j];
+      for (int e = 0; e < RS::kEl; ++e) acc[gg][e] = 0.f;
+    for (int i0 = slot; i0 < nl; i0 += kSlots * U) {
+      float x[U][RS::kEl];
 #pragma unroll
-          for (int gg = 0; gg < 8; ++gg) acc[gg] = fmaf(wsh[i0 + j][gg], xv, acc[gg]);
+      for (int u = 0; u < U; ++u) {
+        const int i = i0 + u * kSlots;
+        const M* r = vm + int64_t(list[i < nl ? i : i0]) * D;
+#pragma unroll
+        for (int p = 0; p < RS::kPpl; ++p) load_piece(r, p * RS::kLpr + piece, &x[u][p * RS::kEpp]);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = i0 + u * kSlots;
+        if (i >= nl) break;
+        const float sz = kMeans ? csz[i] : 1.f;
+#pragma unroll
+        for (int gg = 0; gg < 8; ++gg) {
+          if (gg >= ng) break;
+          const float wt = wsh[i][gg];
+#pragma unroll
+          for (int e = 0; e < RS::kEl; ++e) acc[gg][e] = fmaf(wt, x[u][e] * sz, acc[gg][e]);
         }
       }
-      for (int gg = 0; gg < ng; ++gg) part[(g0 + gg) * (D + 1) + e] = acc[gg];
     }
-    if (threadIdx.x < ng) {
+#pragma unroll
+    for (int gg = 0; gg < 8; ++gg) {
+      if (gg >= ng) break;
+#pragma unroll
+      for (int p = 0; p < RS::kPpl; ++p)
+#pragma unroll
+        for (int e = 0; e < RS::kEpp; ++e) red[slot][(p * RS::kLpr + piece) * RS::kEpp + e] = acc[gg][p * RS::kEpp + e];
+      __syncthreads();
+      for (int e = tid; e < D; e += kEstThreads) {
+        float t = 0.f;
+#pragma unroll
+        for (int j = 0; j < kSlots; ++j) t += red[j][e];
+        part[(g0 + gg) * (D + 1) + e] = t;
+      }
+      __syncthreads();
+    }
+    if (tid < ng) {
       float den = 0.f;
-      for (int i = 0; i < nl; ++i) den = fmaf(wsh[i][threadIdx.x], csz[i], den);
-      part[(g0 + threadIdx.x) * (D + 1) + D] = den;
+      for (int i = 0; i < nl; ++i) den = fmaf(wsh[i][tid], csz[i], den);
+      part[(g0 + tid) * (D + 1) + D] = den;
     }
   }
 }
 
 // ---- 4. the estimation zone's state -----------------------------------------------------------
-// grid (G, Hkv, B), a thread per dimension: the chunks' partial sums (eight loads in flight).
+// grid (G, Hkv, B), a thread per dimension: the chunks' partial sums in chunk order, sixteen loads
+// in flight. A programmatic dependent launch of the estimate kernel: it waits for it first.
+__device__ __forceinline__ float sum_chunks(const float* p, int64_t stride, int n) {
+  float t = 0.f;
+  int c = 0;
+  for (; c + 16 <= n; c += 16) {
+    float v[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) v[j] = p[(c + j) * stride];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) t += v[j];
+  }
+  for (; c < n; ++c) t += p[c * stride];
+  return t;
+}
+
 __global__ void __launch_bounds__(kEstThreads) est_merge_kernel(const Args a) {
+  pdl_wait();
   const int g = blockIdx.x, h = blockIdx.y, b = blockIdx.z, G = a.G, D = a.d;
   const int row = b * a.Hkv + h;
   const RetroSession& s = a.sessions[b];
@@ -600,13 +905,9 @@ __global__ void __launch_bounds__(kEstThreads) est_merge_kernel(const Args a) {
   const float* base = a.estp + int64_t(row) * a.nch * G * (D + 1) + int64_t(g) * (D + 1);
   const int64_t stride = int64_t(G) * (D + 1);
   const int64_t qrow = int64_t(b) * a.Hq + int64_t(h) * G + g;
-  float den = 0.f;
-#pragma unroll 8
-  for (int c = 0; c < nchs; ++c) den += base[c * stride + D];
+  const float den = sum_chunks(base + D, stride, nchs);
   for (int e = threadIdx.x; e < D; e += kEstThreads) {
-    float num = 0.f;
-#pragma unroll 8
-    for (int c = 0; c < nchs; ++c) num += base[c * stride + e];
+    const float num = sum_chunks(base + e, stride, nchs);
     a.est_o[qrow * D + e] = den > 0.f ? num / den : 0.f;
   }
   if (threadIdx.x == 0) a.est_lse[qrow] = den > 0.f ? a.gmax[int64_t(row) * G + g] + logf(den) : -INFINITY;
@@ -615,7 +916,7 @@ __global__ void __launch_bounds__(kEstThreads) est_merge_kernel(const Args a) {
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 struct Carve {
-  size_t logits, cstats, gmax, keys, zone, estp, pkeys, total;
+  size_t logits, cstats, gmax, keys, zone, estp, pkeys, roff, total;
 };
 Carve carve(const AttnShape& s, int32_t Cc, int32_t Pm) {
   const size_t rows = size_t(s.batch) * s.num_kv_heads, G = size_t(s.num_q_heads / s.num_kv_heads);
@@ -634,23 +935,51 @@ Carve carve(const AttnShape& s, int32_t Cc, int32_t Pm) {
   c.zone = take(rows * size_t(Cc));
   c.estp = take(rows * nch * G * (size_t(s.head_dim) + 1) * 4);
   c.pkeys = take(rows * size_t(Pm) * 4);
+  c.roff = take(rows * size_t(Cc) * 4);
   c.total = at;
   return c;
 }
 
+// The zones kernel keeps the keys and the zones in shared memory up to this many bytes (5 bytes a
+// cluster: 36864 clusters per KV head, contexts of about 590K tokens in clusters of 16); past it
+// they stay in global memory, the keys written by the dist kernel.
+constexpr size_t kZoneSmemMax = 180 * 1024;
+std::atomic<bool> g_zone_global{false};  // detail::set_retro_zone_global (tests)
+
+// Whether zones_kernel<T, D> may take kZoneSmemMax dynamic bytes; asked once per instantiation and
+// process (assumes every GPU in the process is the same model).
+template <typename T, int D>
+bool zone_smem_allowed() {
+  static std::atomic<int> state{0};  // 0: not asked, 1: allowed, 2: refused
+  int v = state.load(std::memory_order_acquire);
+  if (v == 0) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(zones_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kZoneSmemMax));
+    if (e != cudaSuccess) (void)cudaGetLastError();
+    v = e == cudaSuccess ? 1 : 2;
+    state.store(v, std::memory_order_release);
+  }
+  return v == 1;
+}
+
 template <typename M, typename T, int D>
-Status launch_all(const Args& a, cudaStream_t st) {
+Status launch_all(Args a, cudaStream_t st) {
   const dim3 chunks(unsigned(a.nch), unsigned(a.Hkv), unsigned(a.B));
+  const size_t zsm = (size_t(a.Cc) * (sizeof(uint32_t) + 1) + 15) / 16 * 16;
+  a.zone_smem = zsm <= kZoneSmemMax && !g_zone_global.load(std::memory_order_relaxed) && zone_smem_allowed<T, D>();
   logits_kernel<M, D><<<chunks, kChunkThreads, 0, st>>>(a);
   KVS_LAUNCH_CHECK("retro logits_kernel launch");
-  dist_kernel<<<chunks, kChunkThreads, 0, st>>>(a);
-  KVS_LAUNCH_CHECK("retro dist_kernel launch");
-  zones_kernel<T, D><<<dim3(unsigned(a.Hkv), unsigned(a.B)), kZoneThreads, 0, st>>>(a);
+  if (!a.zone_smem) {
+    dist_kernel<<<chunks, kChunkThreads, 0, st>>>(a);
+    KVS_LAUNCH_CHECK("retro dist_kernel launch");
+  }
+  zones_kernel<T, D><<<dim3(unsigned(a.Hkv), unsigned(a.B)), kZoneThreads, a.zone_smem ? zsm : 0, st>>>(a);
   KVS_LAUNCH_CHECK("retro zones_kernel launch");
-  estimate_kernel<M><<<chunks, kEstThreads, 0, st>>>(a);
+  estimate_kernel<M, D><<<chunks, kEstThreads, 0, st>>>(a);
   KVS_LAUNCH_CHECK("retro estimate_kernel launch");
-  est_merge_kernel<<<dim3(unsigned(a.G), unsigned(a.Hkv), unsigned(a.B)), kEstThreads, 0, st>>>(a);
-  KVS_LAUNCH_CHECK("retro est_merge_kernel launch");
+  KVS_CUDA_TRY(launch_kernel(est_merge_kernel, dim3(unsigned(a.G), unsigned(a.Hkv), unsigned(a.B)), dim3(kEstThreads),
+                             0, st, /*pdl=*/true, 1, a),
+               "retro est_merge_kernel launch");
   return {};
 }
 
@@ -672,6 +1001,10 @@ Status by_meta(const Args& a, Scalar meta, cudaStream_t st) {
 }
 
 }  // namespace
+
+namespace detail {
+void set_retro_zone_global(bool on) noexcept { g_zone_global.store(on, std::memory_order_relaxed); }
+}  // namespace detail
 
 size_t retro_select_workspace_bytes(const AttnShape& shape, int32_t max_clusters, int32_t max_cluster_rows) noexcept {
   if (shape.batch < 1 || shape.num_kv_heads < 1 || shape.num_q_heads % shape.num_kv_heads != 0) return 0;
@@ -720,6 +1053,7 @@ Status retro_select(const AttnShape& shape, const Query& q, const PagedKv& kv, S
   a.zone = reinterpret_cast<uint8_t*>(w + c.zone);
   a.estp = reinterpret_cast<float*>(w + c.estp);
   a.pkeys = reinterpret_cast<uint32_t*>(w + c.pkeys);
+  a.roff = reinterpret_cast<int32_t*>(w + c.roff);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (kv_dtype == Scalar::BF16) return by_meta<__nv_bfloat16>(a, cfg.meta, st);
   return by_meta<__half>(a, cfg.meta, st);

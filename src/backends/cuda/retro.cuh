@@ -94,6 +94,13 @@ Status retro_select(const AttnShape& shape, const Query& q, const PagedKv& kv, S
                     int32_t max_cluster_rows, int32_t* idx, int32_t* cnt, int32_t max_selected, float* est_o,
                     float* est_lse, const Workspace& ws, void* stream) noexcept;
 
+namespace detail {
+// Process-wide: the zones kernel reads the cluster keys from global memory, written by a separate
+// kernel (the path of more clusters than its shared memory holds, about 650K tokens in clusters of
+// 16), whatever the cluster count. For tests only.
+void set_retro_zone_global(bool on) noexcept;
+}  // namespace detail
+
 // ---- the wave buffer (KV in pinned host memory) -------------------------------------------------
 // The step's page table: row b (stride entries) = session b's cache pages, then its pages from
 // kv (max_pages entries of row b), then its staging pages, then null; the first own_cap entries

@@ -400,7 +400,7 @@ class RetroCuda final : public DeviceMethod {
     *sum = *last = 0;
     if (!stats_.p) return;
     const DeviceStats d = fetch_stats();
-    for (int h = 0; h < shape_.num_kv_heads; ++h) {  // the last list's length: retrieval + fill + steady tokens
+    for (int h = 0; h < int(shape_.num_kv_heads); ++h) {  // the last list's length: retrieval + fill + steady tokens
       const int32_t* x = d.rows.data() + size_t(h) * cuda::kRetroStats;
       *last += double(x[1] + x[4] + x[6]) / shape_.num_kv_heads;
     }
