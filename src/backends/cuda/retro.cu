@@ -1,20 +1,23 @@
 // SPDX-License-Identifier: Apache-2.0
-// RetroInfer's decode step (retro.cuh). Five launches per step:
+// RetroInfer's decode step (retro.cuh). Four launches per step (five past kZoneSmemMax):
 //   1. logits   grid (chunks of 256 clusters, Hkv, B): scale * q_g . centroid for the group's G
 //               query heads (a thread per cluster), and per chunk and head the softmax's running
 //               (max, sum) pair.
-//   2. dist     the same grid: the chunk pairs combined into each head's softmax; the distance of
-//               each cluster (the group's summed softmax, as an fp32 key ordered as its bits).
-//   3. zones    grid (Hkv, B), 1024 threads: the retrieval zone by a radix select on the keys
-//               (counted: the top r; or weighted by cluster size: the longest rank-order prefix
-//               that fits the room),
-//               the estimation zone by a counted radix select; ties at a threshold go to the lower
-//               cluster id (a block scan in id order), so the zones are the CPU's rank-order zones;
-//               then the exact list: steady zone, the retrieval clusters' positions, the best rows
-//               of the next cluster by exact score (scaled mode), the unclustered tail and sinks.
-//   4. estimate grid (chunks, Hkv, B): per chunk, the estimation clusters' weighted value means
-//               (eqs. 2-4: e^(logit - M) * size * mean) and weights, as partial sums.
-//   5. merge    grid (G, Hkv, B): the partial sums into the zone's state (o, lse) per query head.
+//  (1b. dist    only when a head's clusters do not fit the zones kernel's shared memory: the same
+//               grid writes each cluster's distance to global memory; otherwise zones does it.)
+//   2. zones    grid (Hkv, B), 1024 threads: the chunk pairs combined into each head's softmax and
+//               each cluster's distance (the group's summed softmax, as an fp32 key ordered as its
+//               bits), kept in shared memory with the zones; the retrieval zone by a radix select
+//               on the keys (counted: the top r; or weighted by cluster size: the longest
+//               rank-order prefix that fits the room), the estimation zone by a counted radix
+//               select; ties at a threshold go to the lower cluster id (warp scans in id order), so
+//               the zones are the CPU's rank-order zones; then the exact list: steady zone, the
+//               place of each retrieval cluster's rows (roff), the best rows of the next cluster by
+//               exact score (scaled mode), the unclustered tail and sinks.
+//   3. estimate grid (chunks, Hkv, B): per chunk, the retrieval clusters' positions copied into the
+//               list at their places, and the estimation clusters' weighted value means (eqs. 2-4:
+//               e^(logit - M) * size * mean) and weights, as partial sums.
+//   4. merge    grid (G, Hkv, B): the partial sums into the zone's state (o, lse) per query head.
 // The CPU reference computes the same quantities in another order (distances and sums round
 // differently), so near-ties may rank differently; tests compare within that.
 #include <cub/block/block_reduce.cuh>
