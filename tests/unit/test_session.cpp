@@ -12,6 +12,7 @@
 #include <set>
 #include <string>
 
+#include "backends/cpu/host_part.hpp"
 #include "core/error.hpp"
 #include "core/params.hpp"
 #include "io/tables.hpp"
@@ -589,6 +590,71 @@ TEST_CASE("decode_batch of every method: sessions of different lengths stepped a
         CHECK(std::memcmp(o1.data(), o.data() + b * qn, qn * 4) == 0);
         CHECK(std::memcmp(l1.data(), lse.data() + b * size_t(D.hq), size_t(D.hq) * 4) == 0);
         for (uint32_t h = 0; h < uint32_t(D.hkv); ++h) CHECK(selection(bs[b].s, 0, h) == selection(rs[b].s, 0, h));
+      }
+    }
+  }
+}
+
+TEST_CASE("decode_batch of every method: a session failing mid-batch leaves every session of the batch as it was") {
+  // A failure past the argument checks (testing::fail_step_at: the step of the session whose layer
+  // holds that many tokens fails after its method's update and selection) while the batch's sessions
+  // step at once on the pool: the call fails, no session keeps the token, and the batch then decodes
+  // bit for bit like sessions that never saw the call (methods' state rolled back exactly).
+  Rng rng(23);
+  Data D(rng, 8, 2, 32, 700);
+  struct Case {
+    const char* method;
+    const char* params;
+  };
+  const std::vector<Case> cases = {{"full", nullptr},        {"exact_topk", nullptr},   {"streaming", nullptr},
+                                   {"quest", nullptr},       {"csattention", "centroids=8"}, {"ctkvr", nullptr},
+                                   {"lfps", nullptr},        {"hgca", nullptr},
+                                   {"retroinfer", "update_segment=64,local=16"}};
+  const int64_t lens[3] = {300, 430, 517};
+  const size_t qn = size_t(D.hq) * D.d, kn = size_t(D.hkv) * D.d;
+  for (const auto& c : cases) {
+    for (int failing = 0; failing < 3; ++failing) {
+      INFO("method " << c.method << ", failing session " << failing);
+      auto p = params(D, c.method, KVS_SCALAR_BF16, 0.1);
+      p.method_params = c.params;
+      p.num_threads = 3;
+      Sess bs[3], rs[3];
+      for (int b = 0; b < 3; ++b) {
+        build(bs[b], D, p, lens[b]);
+        build(rs[b], D, p, lens[b]);
+      }
+      kvs_session_t batch[3] = {bs[0].s, bs[1].s, bs[2].s};
+      for (int step = 0; step < 8; ++step) {
+        std::vector<float> q(3 * qn), k(3 * kn), v(3 * kn), o(3 * qn, NAN), lse(3 * size_t(D.hq), NAN);
+        for (int b = 0; b < 3; ++b) {
+          const int64_t t = lens[b] + step;
+          std::copy(D.qt(t), D.qt(t) + qn, q.begin() + b * qn);
+          std::copy(D.kt(t), D.kt(t) + kn, k.begin() + b * kn);
+          std::copy(D.vt(t), D.vt(t) + kn, v.begin() + b * kn);
+        }
+        T qt(q.data(), f32(), {3, D.hq, D.d}), kt(k.data(), f32(), {3, D.hkv, D.d}), vt(v.data(), f32(), {3, D.hkv, D.d});
+        T ot(o.data(), f32(), {3, D.hq, D.d}), lt(lse.data(), f32(), {3, D.hq});
+        if (step == 3) {  // this call fails in one session; the others have stepped (or step) beside it
+          kvs::testing::fail_step_at(lens[failing] + step);
+          Err e{kvs_decode_batch(batch, 3, 0, &qt.t, &kt.t, &vt.t, &ot.t, &lt.t, nullptr)};
+          kvs::testing::fail_step_at(-1);
+          CHECK(e.code() == KVS_STATUS_INTERNAL);
+          CHECK(e.msg().find("injected failure") != std::string::npos);
+          for (int b = 0; b < 3; ++b) {
+            int64_t n = 0;
+            OK(kvs_session_layer_tokens(bs[b].s, 0, &n));
+            CHECK(n == lens[b] + step);
+          }
+        }
+        OK(kvs_decode_batch(batch, 3, 0, &qt.t, &kt.t, &vt.t, &ot.t, &lt.t, nullptr));
+        for (int b = 0; b < 3; ++b) {
+          INFO("step " << step << ", session " << b);
+          std::vector<float> o1, l1;
+          decode(rs[b].s, D, 0, lens[b] + step, o1, l1);
+          CHECK(std::memcmp(o1.data(), o.data() + b * qn, qn * 4) == 0);
+          CHECK(std::memcmp(l1.data(), lse.data() + b * size_t(D.hq), size_t(D.hq) * 4) == 0);
+          for (uint32_t h = 0; h < uint32_t(D.hkv); ++h) CHECK(selection(bs[b].s, 0, h) == selection(rs[b].s, 0, h));
+        }
       }
     }
   }

@@ -52,4 +52,12 @@ class HostPart {
 // The host part of a cpu placement (null for any other placement).
 HostPart* host_part(Placement* p);
 
+namespace testing {
+// Unit tests only (a hidden symbol, not part of the C ABI): from now on, the decode step of a cpu or
+// hybrid session whose layer holds `tokens` tokens before the step fails after its method's update
+// and selection, with KVS_STATUS_INTERNAL "injected failure" - a failure past every argument check,
+// as running out of memory there would be. -1 turns it off (the default).
+void fail_step_at(int64_t tokens);
+}  // namespace testing
+
 }  // namespace kvs

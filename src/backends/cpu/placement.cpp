@@ -3,6 +3,7 @@
 // reference), attention on the thread pool. The decode data flow of docs/architecture.md:
 // append -> Method::on_append -> Method::select -> attend -> Method::extra -> merge.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -23,6 +24,8 @@ namespace kvs {
 
 // ---- the cpu backend -------------------------------------------------------------------------
 namespace {
+
+std::atomic<int64_t> g_fail_step_at{-1};  // testing::fail_step_at
 
 class CpuBackend final : public Backend {
  public:
@@ -556,6 +559,8 @@ class CpuPlacement final : public Placement, public HostPart {
       const auto t2 = Clock::now();  // the checks and the count below are timed with the attention
       const int64_t n = lay.size();
       check_selection(sel, n);
+      if (n0 == g_fail_step_at.load(std::memory_order_relaxed))
+        fail(KVS_STATUS_INTERNAL, "injected failure (testing::fail_step_at)");
       last_n_[layer] = n;
       const size_t lists = sel.kind == Selection::Kind::PerKvHead ? s.num_kv_heads : s.num_q_heads;
       if (sel.kind != Selection::Kind::All && sel.lists.size() != lists)
@@ -742,6 +747,8 @@ class CpuPlacement final : public Placement, public HostPart {
 }  // namespace
 
 HostPart* host_part(Placement* p) { return dynamic_cast<CpuPlacement*>(p); }
+
+void testing::fail_step_at(int64_t tokens) { g_fail_step_at.store(tokens, std::memory_order_relaxed); }
 
 std::unique_ptr<Placement> make_cpu_placement(const SessionConfig& cfg, const MethodSpec& spec, const ParamSet& ps,
                                               std::shared_ptr<ThreadPool> pool) {
