@@ -230,13 +230,12 @@ using Reduce = cub::BlockReduce<long long, kZoneThreads>;
 struct ZoneSmem {
   union {
     Scan::TempStorage scan;
-    cub::BlockScan<unsigned long long, kZoneThreads>::TempStorage scan_u;
     Reduce::TempStorage reduce;
   };
   int hist[256];
   int whist[kZoneHists][256];
   float M[64], inv[64];  // zone_keys: each head's softmax maximum and 1 / sum
-  long long wsum[3][kZoneWarps];  // warps_before's buffers
+  long long wsum[2][kZoneWarps];  // warps_before's buffers
   uint32_t T;
   long long above, lim;
   long long carry, carry2;
@@ -338,9 +337,6 @@ __device__ void block_select(const uint32_t* keys, int n, const int32_t* w, long
   __syncthreads();
 }
 
-// The dist kernel's work inside the zones kernel (zone_smem): each head's softmax from the chunk
-// pairs (a warp per head), then every cluster's key into shared memory, and the heads' maxima for
-// the estimate kernels.
 // The id-order walks of the zones kernel give each warp a contiguous block of cluster ids, read
 // kRoundIds consecutive ids at a time (kLaneIds consecutive ones per lane; a contiguous range per
 // thread would put a warp's reads in one shared-memory bank); a cluster's place in id order is its
@@ -391,6 +387,9 @@ __device__ __forceinline__ long long warps_before(long long total, long long* bu
 
 extern __shared__ uint32_t zkeys[];  // the zones kernel's dynamic shared memory: the keys (zone_smem)
 
+// The dist kernel's work inside the zones kernel (zone_smem): each head's softmax from the chunk
+// pairs (a warp per head), then every cluster's key into shared memory, and the heads' maxima for
+// the estimate kernels.
 __device__ void zone_keys(const Args& a, const RetroSession& s, int row, int h, ZoneSmem& sm) {
   const int G = a.G, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int nchs = (s.C + kChunk - 1) / kChunk;
