@@ -548,49 +548,76 @@ TEST_CASE("decode_batch equals one decode per session; append writes causal outp
   CHECK(n == 251);
 }
 
-TEST_CASE("decode_batch of every method: sessions of different lengths stepped as one pool job equal each stepped alone") {
-  Rng rng(21);
-  Data D(rng, 8, 2, 32, 700);
-  struct Case {
-    const char* method;
-    const char* params;
-  };
-  const std::vector<Case> cases = {{"full", nullptr},        {"exact_topk", nullptr},   {"streaming", nullptr},
-                                   {"quest", nullptr},       {"csattention", "centroids=8"}, {"ctkvr", nullptr},
-                                   {"lfps", nullptr},        {"hgca", nullptr},
-                                   {"retroinfer", "update_segment=64,local=16"}};
-  const int64_t lens[4] = {300, 430, 517, 610};
-  for (const auto& c : cases) {
-    INFO("method " << c.method);
+// The batch tests of every method: a batch of sessions of different prompt lengths, each with a
+// reference session of the same length stepped alone.
+struct BatchCase {
+  const char* method;
+  const char* params;
+};
+const std::vector<BatchCase> kBatchCases = {
+    {"full", nullptr},  {"exact_topk", nullptr}, {"streaming", nullptr}, {"quest", nullptr},
+    {"csattention", "centroids=8"}, {"ctkvr", nullptr}, {"lfps", nullptr}, {"hgca", nullptr},
+    {"retroinfer", "update_segment=64,local=16"}};
+
+struct BatchRun {
+  Data& D;
+  std::vector<int64_t> lens;
+  std::vector<Sess> bs, rs;  // the batch's sessions and their references
+  std::vector<kvs_session_t> batch;
+  size_t qn, kn;
+  std::vector<float> q, k, v, o, lse;  // the step's tensors
+
+  BatchRun(Data& data, const BatchCase& c, std::vector<int64_t> lengths)
+      : D(data), lens(std::move(lengths)), bs(lens.size()), rs(lens.size()) {
     auto p = params(D, c.method, KVS_SCALAR_BF16, 0.1);
     p.method_params = c.params;
     p.num_threads = 3;
-    Sess bs[4], rs[4];
-    for (int b = 0; b < 4; ++b) {
+    for (size_t b = 0; b < lens.size(); ++b) {
       build(bs[b], D, p, lens[b]);
       build(rs[b], D, p, lens[b]);
+      batch.push_back(bs[b].s);
     }
-    kvs_session_t batch[4] = {bs[0].s, bs[1].s, bs[2].s, bs[3].s};
-    const size_t qn = size_t(D.hq) * D.d, kn = size_t(D.hkv) * D.d;
+    qn = size_t(D.hq) * D.d;
+    kn = size_t(D.hkv) * D.d;
+  }
+  // kvs_decode_batch of decode step `step` (token lens[b] + step of session b).
+  kvs_error_t decode(int step) {
+    const int64_t B = int64_t(lens.size());
+    q.assign(B * qn, 0.f), k.assign(B * kn, 0.f), v.assign(B * kn, 0.f);
+    o.assign(B * qn, NAN), lse.assign(B * size_t(D.hq), NAN);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t t = lens[size_t(b)] + step;
+      std::copy(D.qt(t), D.qt(t) + qn, q.begin() + b * qn);
+      std::copy(D.kt(t), D.kt(t) + kn, k.begin() + b * kn);
+      std::copy(D.vt(t), D.vt(t) + kn, v.begin() + b * kn);
+    }
+    T qt(q.data(), f32(), {B, D.hq, D.d}), kt(k.data(), f32(), {B, D.hkv, D.d}), vt(v.data(), f32(), {B, D.hkv, D.d});
+    T ot(o.data(), f32(), {B, D.hq, D.d}), lt(lse.data(), f32(), {B, D.hq});
+    return kvs_decode_batch(batch.data(), size_t(B), 0, &qt.t, &kt.t, &vt.t, &ot.t, &lt.t, nullptr);
+  }
+  // After a decode(step) that succeeded: every session's output, LSE and selection bit for bit those
+  // of its reference stepped alone.
+  void check_alone(int step) {
+    for (size_t b = 0; b < lens.size(); ++b) {
+      INFO("step " << step << ", session " << b);
+      std::vector<float> o1, l1;
+      ::decode(rs[b].s, D, 0, lens[b] + step, o1, l1);
+      CHECK(std::memcmp(o1.data(), o.data() + b * qn, qn * 4) == 0);
+      CHECK(std::memcmp(l1.data(), lse.data() + b * size_t(D.hq), size_t(D.hq) * 4) == 0);
+      for (uint32_t h = 0; h < uint32_t(D.hkv); ++h) CHECK(selection(bs[b].s, 0, h) == selection(rs[b].s, 0, h));
+    }
+  }
+};
+
+TEST_CASE("decode_batch of every method: sessions of different lengths stepped as one pool job equal each stepped alone") {
+  Rng rng(21);
+  Data D(rng, 8, 2, 32, 700);
+  for (const auto& c : kBatchCases) {
+    INFO("method " << c.method);
+    BatchRun R(D, c, {300, 430, 517, 610});
     for (int step = 0; step < 12; ++step) {
-      std::vector<float> q(4 * qn), k(4 * kn), v(4 * kn), o(4 * qn, NAN), lse(4 * size_t(D.hq), NAN);
-      for (int b = 0; b < 4; ++b) {
-        const int64_t t = lens[b] + step;
-        std::copy(D.qt(t), D.qt(t) + qn, q.begin() + b * qn);
-        std::copy(D.kt(t), D.kt(t) + kn, k.begin() + b * kn);
-        std::copy(D.vt(t), D.vt(t) + kn, v.begin() + b * kn);
-      }
-      T qt(q.data(), f32(), {4, D.hq, D.d}), kt(k.data(), f32(), {4, D.hkv, D.d}), vt(v.data(), f32(), {4, D.hkv, D.d});
-      T ot(o.data(), f32(), {4, D.hq, D.d}), lt(lse.data(), f32(), {4, D.hq});
-      OK(kvs_decode_batch(batch, 4, 0, &qt.t, &kt.t, &vt.t, &ot.t, &lt.t, nullptr));
-      for (int b = 0; b < 4; ++b) {
-        INFO("step " << step << ", session " << b);
-        std::vector<float> o1, l1;
-        decode(rs[b].s, D, 0, lens[b] + step, o1, l1);
-        CHECK(std::memcmp(o1.data(), o.data() + b * qn, qn * 4) == 0);
-        CHECK(std::memcmp(l1.data(), lse.data() + b * size_t(D.hq), size_t(D.hq) * 4) == 0);
-        for (uint32_t h = 0; h < uint32_t(D.hkv); ++h) CHECK(selection(bs[b].s, 0, h) == selection(rs[b].s, 0, h));
-      }
+      OK(R.decode(step));
+      R.check_alone(step);
     }
   }
 }
@@ -602,59 +629,25 @@ TEST_CASE("decode_batch of every method: a session failing mid-batch leaves ever
   // bit for bit like sessions that never saw the call (methods' state rolled back exactly).
   Rng rng(23);
   Data D(rng, 8, 2, 32, 700);
-  struct Case {
-    const char* method;
-    const char* params;
-  };
-  const std::vector<Case> cases = {{"full", nullptr},        {"exact_topk", nullptr},   {"streaming", nullptr},
-                                   {"quest", nullptr},       {"csattention", "centroids=8"}, {"ctkvr", nullptr},
-                                   {"lfps", nullptr},        {"hgca", nullptr},
-                                   {"retroinfer", "update_segment=64,local=16"}};
-  const int64_t lens[3] = {300, 430, 517};
-  const size_t qn = size_t(D.hq) * D.d, kn = size_t(D.hkv) * D.d;
-  for (const auto& c : cases) {
+  for (const auto& c : kBatchCases) {
     for (int failing = 0; failing < 3; ++failing) {
       INFO("method " << c.method << ", failing session " << failing);
-      auto p = params(D, c.method, KVS_SCALAR_BF16, 0.1);
-      p.method_params = c.params;
-      p.num_threads = 3;
-      Sess bs[3], rs[3];
-      for (int b = 0; b < 3; ++b) {
-        build(bs[b], D, p, lens[b]);
-        build(rs[b], D, p, lens[b]);
-      }
-      kvs_session_t batch[3] = {bs[0].s, bs[1].s, bs[2].s};
+      BatchRun R(D, c, {300, 430, 517});
       for (int step = 0; step < 8; ++step) {
-        std::vector<float> q(3 * qn), k(3 * kn), v(3 * kn), o(3 * qn, NAN), lse(3 * size_t(D.hq), NAN);
-        for (int b = 0; b < 3; ++b) {
-          const int64_t t = lens[b] + step;
-          std::copy(D.qt(t), D.qt(t) + qn, q.begin() + b * qn);
-          std::copy(D.kt(t), D.kt(t) + kn, k.begin() + b * kn);
-          std::copy(D.vt(t), D.vt(t) + kn, v.begin() + b * kn);
-        }
-        T qt(q.data(), f32(), {3, D.hq, D.d}), kt(k.data(), f32(), {3, D.hkv, D.d}), vt(v.data(), f32(), {3, D.hkv, D.d});
-        T ot(o.data(), f32(), {3, D.hq, D.d}), lt(lse.data(), f32(), {3, D.hq});
         if (step == 3) {  // this call fails in one session; the others have stepped (or step) beside it
-          kvs::testing::fail_step_at(lens[failing] + step);
-          Err e{kvs_decode_batch(batch, 3, 0, &qt.t, &kt.t, &vt.t, &ot.t, &lt.t, nullptr)};
+          kvs::testing::fail_step_at(R.lens[size_t(failing)] + step);
+          Err e{R.decode(step)};
           kvs::testing::fail_step_at(-1);
           CHECK(e.code() == KVS_STATUS_INTERNAL);
           CHECK(e.msg().find("injected failure") != std::string::npos);
-          for (int b = 0; b < 3; ++b) {
+          for (size_t b = 0; b < 3; ++b) {
             int64_t n = 0;
-            OK(kvs_session_layer_tokens(bs[b].s, 0, &n));
-            CHECK(n == lens[b] + step);
+            OK(kvs_session_layer_tokens(R.bs[b].s, 0, &n));
+            CHECK(n == R.lens[b] + step);
           }
         }
-        OK(kvs_decode_batch(batch, 3, 0, &qt.t, &kt.t, &vt.t, &ot.t, &lt.t, nullptr));
-        for (int b = 0; b < 3; ++b) {
-          INFO("step " << step << ", session " << b);
-          std::vector<float> o1, l1;
-          decode(rs[b].s, D, 0, lens[b] + step, o1, l1);
-          CHECK(std::memcmp(o1.data(), o.data() + b * qn, qn * 4) == 0);
-          CHECK(std::memcmp(l1.data(), lse.data() + b * size_t(D.hq), size_t(D.hq) * 4) == 0);
-          for (uint32_t h = 0; h < uint32_t(D.hkv); ++h) CHECK(selection(bs[b].s, 0, h) == selection(rs[b].s, 0, h));
-        }
+        OK(R.decode(step));
+        R.check_alone(step);
       }
     }
   }
