@@ -188,6 +188,34 @@ struct RowSplit {
   static constexpr int kEl = kPpl * kEpp;                   // elements per lane
 };
 
+// Each head's softmax over the clusters from the logits kernel's chunk pairs, a warp per head (the
+// CTA's warps take the heads in turn): M[g] its maximum, inv[g] 1 / its sum; gmax (when set) gets M.
+__device__ __forceinline__ void head_softmax(const Args& a, int row, int nchs, float* M, float* inv, float* gmax) {
+  const int G = a.G, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int g = warp; g < G; g += int(blockDim.x / 32)) {
+    float m = -INFINITY, l = 0.f;
+    for (int k = lane; k < nchs; k += 32) {
+      const float2 p = a.cstats[(int64_t(row) * a.nch + k) * G + g];
+      lse_add(m, l, p.x, p.y);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, m, o), l2 = __shfl_xor_sync(0xffffffffu, l, o);
+      lse_add(m, l, m2, l2);
+    }
+    if (lane == 0) {
+      M[g] = m;
+      inv[g] = l > 0.f ? 1.f / l : 0.f;
+      if (gmax) gmax[int64_t(row) * G + g] = m;
+    }
+  }
+}
+
+// A cluster's key from its summed softmax (ordered bits, >= +0); an empty cluster never ranks.
+__device__ __forceinline__ uint32_t cluster_key(int32_t size, float dsum) {
+  return size > 0 ? __float_as_uint(fmaxf(dsum, 0.f)) : kNoKey;
+}
+
 // Each head's softmax from the chunk pairs, then a thread per cluster: its distance (the group's
 // summed softmax) as ordered bits (>= +0); empty clusters never rank. Only when the keys do not fit
 // the zones kernel's shared memory (zone_smem = 0); otherwise that kernel computes them itself
@@ -199,27 +227,14 @@ __global__ void __launch_bounds__(kChunkThreads) dist_kernel(const Args a) {
   const int c0 = chunk * kChunk;
   if (!indexed(s) || c0 >= s.C) return;
   const int G = a.G, row = b * a.Hkv + h;
-  const int nchs = (s.C + kChunk - 1) / kChunk;
-  for (int g = threadIdx.x; g < G; g += kChunkThreads) {
-    float m = -INFINITY, l = 0.f;
-    for (int k = 0; k < nchs; ++k) {
-      const float2 p = a.cstats[(int64_t(row) * a.nch + k) * G + g];
-      lse_add(m, l, p.x, p.y);
-    }
-    M[g] = m;
-    inv[g] = l > 0.f ? 1.f / l : 0.f;
-    if (chunk == 0) a.gmax[int64_t(row) * G + g] = m;
-  }
+  head_softmax(a, row, (s.C + kChunk - 1) / kChunk, M, inv, chunk == 0 ? a.gmax : nullptr);
   __syncthreads();
   const int c = c0 + threadIdx.x;
   if (c >= s.C) return;
   const float* lg = a.logits + int64_t(row) * G * a.Cc;
-  uint32_t k = kNoKey;
-  if (s.size[int64_t(h) * s.C + c] > 0) {
-    float dsum = 0.f;
-    for (int g = 0; g < G; ++g) dsum += __expf(lg[int64_t(g) * a.Cc + c] - M[g]) * inv[g];
-    k = __float_as_uint(fmaxf(dsum, 0.f));
-  }
+  float dsum = 0.f;
+  for (int g = 0; g < G; ++g) dsum += __expf(lg[int64_t(g) * a.Cc + c] - M[g]) * inv[g];
+  const uint32_t k = cluster_key(s.size[int64_t(h) * s.C + c], dsum);
   a.keys[int64_t(row) * a.Cc + c] = k;
 }
 
@@ -235,7 +250,7 @@ struct ZoneSmem {
   int hist[256];
   int whist[kZoneHists][256];
   float M[64], inv[64];  // zone_keys: each head's softmax maximum and 1 / sum
-  long long wsum[2][kZoneWarps];  // warps_before's buffers
+  long long wsum[kZoneWarps];  // warps_before's buffer
   uint32_t T;
   long long above, lim;
   long long carry, carry2;
@@ -385,31 +400,46 @@ __device__ __forceinline__ long long warps_before(long long total, long long* bu
   return before;
 }
 
+// One id-order walk of the CTA: every thread calls it. value(c) is cluster c's share (0 past the
+// warp's block; V: int, or two 32-bit counts packed in an unsigned long long whose sums stay
+// below 2^32 in each half); visit(c, before, v) is called for each id of the warp's block with
+// the sum of the shares of the ids before it in id order (over the whole CTA). Returns the CTA's
+// total. buf: warps_before's buffer.
+template <typename V, typename Value, typename Visit>
+__device__ __forceinline__ long long walk_ids(const WarpBlock& wb, long long* buf, Value value, Visit visit) {
+  const int lane = threadIdx.x % 32;
+  long long t = 0;
+  for (int c0 = wb.begin + kLaneIds * lane; c0 < wb.end; c0 += kRoundIds)
+#pragma unroll
+    for (int j = 0; j < kLaneIds; ++j) t += (long long)value(c0 + j);
+  long long all;
+  long long run = warps_before(warp_sum(t), buf, &all);
+  for (int r0 = wb.begin; r0 < wb.end; r0 += kRoundIds) {
+    const int cl = r0 + kLaneIds * lane;
+    V v[kLaneIds], lv = 0;
+#pragma unroll
+    for (int j = 0; j < kLaneIds; ++j) lv += (v[j] = value(cl + j));
+    const V inc = warp_incl(lv);
+    long long before = run + (long long)(inc - lv);
+    run += (long long)__shfl_sync(0xffffffffu, inc, 31);
+#pragma unroll
+    for (int j = 0; j < kLaneIds; ++j) {
+      if (cl + j >= wb.end) break;
+      visit(cl + j, before, v[j]);
+      before += (long long)v[j];
+    }
+  }
+  return all;
+}
+
 extern __shared__ uint32_t zkeys[];  // the zones kernel's dynamic shared memory: the keys (zone_smem)
 
 // The dist kernel's work inside the zones kernel (zone_smem): each head's softmax from the chunk
 // pairs (a warp per head), then every cluster's key into shared memory, and the heads' maxima for
 // the estimate kernels.
 __device__ void zone_keys(const Args& a, const RetroSession& s, int row, int h, ZoneSmem& sm) {
-  const int G = a.G, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int nchs = (s.C + kChunk - 1) / kChunk;
-  for (int g = warp; g < G; g += kZoneWarps) {
-    float m = -INFINITY, l = 0.f;
-    for (int k = lane; k < nchs; k += 32) {
-      const float2 p = a.cstats[(int64_t(row) * a.nch + k) * G + g];
-      lse_add(m, l, p.x, p.y);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, m, o), l2 = __shfl_xor_sync(0xffffffffu, l, o);
-      lse_add(m, l, m2, l2);
-    }
-    if (lane == 0) {
-      sm.M[g] = m;
-      sm.inv[g] = l > 0.f ? 1.f / l : 0.f;
-      a.gmax[int64_t(row) * G + g] = m;
-    }
-  }
+  const int G = a.G, tid = threadIdx.x;
+  head_softmax(a, row, (s.C + kChunk - 1) / kChunk, sm.M, sm.inv, a.gmax);
   __syncthreads();
   const float* lg = a.logits + int64_t(row) * G * a.Cc;
   const int C = s.C;
@@ -435,7 +465,7 @@ __device__ void zone_keys(const Args& a, const RetroSession& s, int row, int h, 
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + u * kZoneThreads;
-      if (c < C) zkeys[c] = z[u] > 0 ? __float_as_uint(fmaxf(dsum[u], 0.f)) : kNoKey;
+      if (c < C) zkeys[c] = cluster_key(z[u], dsum[u]);
     }
   }
   __syncthreads();
@@ -495,42 +525,20 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
   // Ties at T1 in id order: the first that does not fit is the part cluster; the others before
   // it join the zone.
   const WarpBlock wb = warp_block(C);
-  const int lane = tid % 32;
   if (tid == 0) sm.part = -1;
   __syncthreads();
   long long used_part = 0, r_part = 0;
-  {
-    auto tie_w = [&](int c) -> int {
-      return c < wb.end && keys[c] == T1 ? (session ? __ldg(size + c) : 1) : 0;
-    };
-    long long wt = 0;
-    for (int c0 = wb.begin + kLaneIds * lane; c0 < wb.end; c0 += kRoundIds)
-#pragma unroll
-      for (int j = 0; j < kLaneIds; ++j) wt += tie_w(c0 + j);
-    long long all;
-    long long run = warps_before(warp_sum(wt), sm.wsum[0], &all);
-    for (int r0 = wb.begin; r0 < wb.end; r0 += kRoundIds) {
-      const int cl = r0 + kLaneIds * lane;
-      int w[kLaneIds], lw = 0;
-#pragma unroll
-      for (int j = 0; j < kLaneIds; ++j) lw += (w[j] = tie_w(cl + j));
-      const int inc = warp_incl(lw);
-      long long before = run + inc - lw;
-      run += __shfl_sync(0xffffffffu, inc, 31);
-#pragma unroll
-      for (int j = 0; j < kLaneIds; ++j) {
-        const int c = cl + j;
-        if (c >= wb.end) break;
+  walk_ids<int>(
+      wb, sm.wsum,
+      [&](int c) -> int { return c < wb.end && keys[c] == T1 ? (session ? __ldg(size + c) : 1) : 0; },
+      [&](int c, long long before, int w) {
         const uint32_t k = keys[c];
         const bool tie = k != kNoKey && k == T1;
-        const bool in1 = k != kNoKey && (k > T1 || (tie && before + w[j] <= lim1));
-        if (tie && before <= lim1 && before + w[j] > lim1) sm.part = c;  // the first tie that does not fit
+        const bool in1 = k != kNoKey && (k > T1 || (tie && before + w <= lim1));
+        if (tie && before <= lim1 && before + w > lim1) sm.part = c;  // the first tie that does not fit
         zone[c] = in1 ? 1 : 0;
         if (in1) used_part += __ldg(size + c), ++r_part;
-        before += w[j];
-      }
-    }
-  }
+      });
   __syncthreads();
   const long long used1 = Reduce(sm.reduce).Sum(used_part);
   __syncthreads();
@@ -558,50 +566,26 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
   const long long sk = s.sk;
   long long est_c = 0, est_t = 0;
   {
-    // In id order: the ties at T2 before a cluster (taken while within lim2), and the rows of the
-    // retrieval clusters before it (its rows' place in the list). A round's sums fit 32 bits.
-    auto counts = [&](int c, int& tie, int& rows) {
-      tie = rows = 0;
-      if (c >= wb.end) return;
-      tie = keys[c] == T2;
-      if (zone[c] == 1) rows = __ldg(size + c);
-    };
-    long long t0 = 0, t1 = 0;
-    for (int c0 = wb.begin + kLaneIds * lane; c0 < wb.end; c0 += kRoundIds)
-#pragma unroll
-      for (int j = 0; j < kLaneIds; ++j) {
-        int x, y;
-        counts(c0 + j, x, y);
-        t0 += x, t1 += y;
-      }
-    long long all;
-    long long ties = warps_before(warp_sum(t0), sm.wsum[0], &all);
-    long long at = warps_before(warp_sum(t1), sm.wsum[1], &all);
+    // In id order: the ties at T2 before a cluster (taken while within lim2; low 32 bits), and the
+    // rows of the retrieval clusters before it (its rows' place in the list; high 32 bits).
     int32_t* roff = a.roff + int64_t(row) * a.Cc;
-    for (int r0 = wb.begin; r0 < wb.end; r0 += kRoundIds) {
-      const int cl = r0 + kLaneIds * lane;
-      int x[kLaneIds], y[kLaneIds], lx = 0, ly = 0;
-#pragma unroll
-      for (int j = 0; j < kLaneIds; ++j) counts(cl + j, x[j], y[j]), lx += x[j], ly += y[j];
-      const int ix = warp_incl(lx), iy = warp_incl(ly);
-      long long tb = ties + ix - lx, ab = at + iy - ly;
-      ties += __shfl_sync(0xffffffffu, ix, 31);
-      at += __shfl_sync(0xffffffffu, iy, 31);
-#pragma unroll
-      for (int j = 0; j < kLaneIds; ++j) {
-        const int c = cl + j;
-        if (c >= wb.end) break;
-        const uint32_t k = keys[c];
-        const bool tie = k != kNoKey && k == T2;
-        const bool in2 = k != kNoKey && (k > T2 || (tie && tb + 1 <= lim2));
-        const int z = zone[c] == 1 ? 1 : c == part ? 2 : in2 ? 3 : 0;
-        zone[c] = uint8_t(z);
-        if (a.zone_smem) gzone[c] = uint8_t(z);  // the final zones, for the estimate kernel
-        if (z == 3) ++est_c, est_t += __ldg(size + c);
-        if (z == 1) roff[c] = int32_t(ab);  // its rows' place after the steady sinks: the estimate kernel copies them
-        tb += x[j], ab += y[j];
-      }
-    }
+    walk_ids<unsigned long long>(
+        wb, sm.wsum,
+        [&](int c) -> unsigned long long {
+          if (c >= wb.end) return 0;
+          return (keys[c] == T2 ? 1ull : 0ull) + (zone[c] == 1 ? (unsigned long long)__ldg(size + c) << 32 : 0ull);
+        },
+        [&](int c, long long before, unsigned long long) {
+          const long long tb = before & 0xffffffffll, ab = before >> 32;
+          const uint32_t k = keys[c];
+          const bool tie = k != kNoKey && k == T2;
+          const bool in2 = k != kNoKey && (k > T2 || (tie && tb + 1 <= lim2));
+          const int z = zone[c] == 1 ? 1 : c == part ? 2 : in2 ? 3 : 0;
+          zone[c] = uint8_t(z);
+          if (a.zone_smem) gzone[c] = uint8_t(z);  // the final zones, for the estimate kernel
+          if (z == 3) ++est_c, est_t += __ldg(size + c);
+          if (z == 1) roff[c] = int32_t(ab);  // its rows' place after the steady sinks: the estimate kernel copies them
+        });
   }
   __syncthreads();
   const long long est_clusters = Reduce(sm.reduce).Sum(est_c);
@@ -609,29 +593,12 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
   const long long est_tokens = Reduce(sm.reduce).Sum(est_t);
   __syncthreads();
   if (s.wave_ids) {  // the clusters whose rows this step reads, in id order (the wave buffer's LRU)
-    auto read = [&](int c) -> long long { return c < wb.end && (zone[c] == 1 || zone[c] == 2); };
-    long long t = 0;
-    for (int c0 = wb.begin + kLaneIds * lane; c0 < wb.end; c0 += kRoundIds)
-#pragma unroll
-      for (int j = 0; j < kLaneIds; ++j) t += read(c0 + j);
-    long long all;
-    long long before = warps_before(warp_sum(t), sm.wsum[0], &all);
     int32_t* ids = s.wave_ids + int64_t(h) * s.wave_cap;
-    for (int r0 = wb.begin; r0 < wb.end; r0 += kRoundIds) {
-      const int cl = r0 + kLaneIds * lane;
-      int v[kLaneIds], lv = 0;
-#pragma unroll
-      for (int j = 0; j < kLaneIds; ++j) lv += (v[j] = int(read(cl + j)));
-      const int inc = warp_incl(lv);
-      long long at = before + inc - lv;
-      before += __shfl_sync(0xffffffffu, inc, 31);
-#pragma unroll
-      for (int j = 0; j < kLaneIds; ++j)
-        if (v[j]) {
-          if (at < s.wave_cap) ids[at] = cl + j;
-          ++at;
-        }
-    }
+    const long long all = walk_ids<int>(
+        wb, sm.wsum, [&](int c) -> int { return c < wb.end && (zone[c] == 1 || zone[c] == 2); },
+        [&](int c, long long before, int v) {
+          if (v && before < s.wave_cap) ids[before] = c;
+        });
     if (tid == 0) s.wave_cnt[h] = int32_t(lmin(all, s.wave_cap));
     __syncthreads();
   }

@@ -808,8 +808,6 @@ class CSAttention final : public Method {
     return j;
   }
 
-  // One table head's search: nearest centroids, reduce-by-key of the chosen lists, Top-rest.
-  // No allocations once the scratch has grown to the context.
   // out = the k best of the nc (token, score) pairs (token-ascending input), by score descending and
   // then token ascending, in token order.
   static void top_by_score(const int32_t* tok, const float* sc, int64_t nc, int64_t k, std::vector<int32_t>& out,
@@ -839,6 +837,8 @@ class CSAttention final : public Method {
     top_by_score(S.rtok.data(), S.ragg.data(), nc, rest, out, S.rtmp);
   }
 
+  // One table head's search: nearest centroids, reduce-by-key of the chosen lists, Top-rest.
+  // No allocations once the scratch has grown to the context.
   void search_head(LayerState& L, int h, Scratch& S, const float* q, const KVLayer& kv, int64_t n, int64_t s_end,
                    int64_t w_begin, int64_t rest) {
     if (int64_t(S.acc.size()) < n) S.acc.resize(size_t(n), -0.0f);
