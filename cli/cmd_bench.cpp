@@ -270,8 +270,9 @@ int run_bench(const BenchOptions& o) {
   if (have_phases)
     std::printf("  %s phases, median us/step%s: update %.1f, select %.1f, attention %.1f\n", o.method.c_str(),
                 o.batch > 1 ? " (mean of the sessions)" : "", ph[0], ph[1], ph[2]);
-  std::printf("  step time p50 / p99: full %.1f / %.1f us, %s %.1f / %.1f us\n", full_step_us,
-              percentile(full_us, 99.0), o.method.c_str(), step_us, percentile(method_us, 99.0));
+  std::printf("  step time p50 / p99 / mean: full %.1f / %.1f / %.1f us, %s %.1f / %.1f / %.1f us\n", full_step_us,
+              percentile(full_us, 99.0), mean(full_us), o.method.c_str(), step_us, percentile(method_us, 99.0),
+              mean(method_us));
   print_method_stats(o, r.method_stats);
 
   if (!o.json.empty()) {
@@ -291,6 +292,8 @@ int run_bench(const BenchOptions& o) {
                               {"full_step_us", full_step_us},
                               {"step_p99_us", percentile(method_us, 99.0)},
                               {"full_step_p99_us", percentile(full_us, 99.0)},
+                              {"step_mean_us", mean(method_us)},
+                              {"full_step_mean_us", mean(full_us)},
                               {"speedup_vs_full", speedup},
                               {"update_us", have_phases ? nlohmann::ordered_json(ph[0]) : nlohmann::ordered_json(nullptr)},
                               {"select_us", have_phases ? nlohmann::ordered_json(ph[1]) : nlohmann::ordered_json(nullptr)},
@@ -669,8 +672,9 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
   std::printf("  %-8s %10.1f us/step  reads <= %s (%.0f keys/KV head + index)  -> %.1f GB/s\n", o.method.c_str(),
               step_us, human_bytes(method_bytes).c_str(), stt.mean_selected_keys, method_gbps);
   std::printf("  speedup vs full: %.2fx\n", speedup);
-  std::printf("  step time p50 / p99 (CUDA events): full %.1f / %.1f us, %s %.1f / %.1f us\n", full_step_us,
-              percentile(full_us, 99.0), o.method.c_str(), step_us, percentile(method_us, 99.0));
+  std::printf("  step time p50 / p99 / mean (CUDA events): full %.1f / %.1f / %.1f us, %s %.1f / %.1f / %.1f us\n",
+              full_step_us, percentile(full_us, 99.0), mean(full_us), o.method.c_str(), step_us,
+              percentile(method_us, 99.0), mean(method_us));
   std::printf("  host time of one decode call (median): full %.1f us, %s %.1f us\n", host_full, o.method.c_str(),
               host_step);
   const double batch_host = batch_host_us.empty() ? 0.0 : median(batch_host_us);
@@ -699,6 +703,8 @@ int run_bench_cuda(const BenchOptions& o, DType dtype, unsigned threads, int32_t
                  {"full_step_us", full_step_us},
                  {"step_p99_us", percentile(method_us, 99.0)},
                  {"full_step_p99_us", percentile(full_us, 99.0)},
+                 {"step_mean_us", mean(method_us)},
+                 {"full_step_mean_us", mean(full_us)},
                  {"device_bytes_prompt", std::max<int64_t>(dev_prompt, 0)},
                  {"device_bytes_first_step", std::max<int64_t>(dev_step, 0)},
                  {"speedup_vs_full", speedup},

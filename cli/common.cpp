@@ -688,6 +688,13 @@ void write_text_file(const std::string& path, const std::string& text) {
 
 double median(std::vector<double> v) { return percentile(std::move(v), 50.0); }
 
+double mean(const std::vector<double>& v) {
+  if (v.empty()) return 0.0;
+  double s = 0.0;
+  for (double x : v) s += x;
+  return s / double(v.size());
+}
+
 double percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0.0;
   std::sort(v.begin(), v.end());

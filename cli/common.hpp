@@ -327,5 +327,7 @@ void write_text_file(const std::string& path, const std::string& text);
 double median(std::vector<double> v);
 // p-th percentile (0..100) with linear interpolation between closest ranks; 0 when empty.
 double percentile(std::vector<double> v, double p);
+// The arithmetic mean (0 for none): with the median, it shows work a method does every few steps.
+double mean(const std::vector<double>& v);
 
 }  // namespace kvcli

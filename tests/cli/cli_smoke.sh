@@ -364,14 +364,16 @@ py "bench JSON schema" '
 import json, sys
 d = json.load(open(sys.argv[1]))
 keys = ["method", "params", "backend", "threads", "context", "q_heads", "kv_heads", "head_dim", "dtype", "budget",
-        "steps", "batch", "step_us", "full_step_us", "step_p99_us", "full_step_p99_us", "speedup_vs_full",
-        "update_us", "select_us", "attention_us", "index_build_ms", "achieved_GBps", "measured_read_GBps",
+        "steps", "batch", "step_us", "full_step_us", "step_p99_us", "full_step_p99_us", "step_mean_us",
+        "full_step_mean_us", "speedup_vs_full", "update_us", "select_us", "attention_us", "index_build_ms", "achieved_GBps", "measured_read_GBps",
         "index_bytes", "kv_bytes", "stats"]
 assert list(d) == keys, list(d)
 assert d["context"] == 1024 and d["steps"] == 3 and d["dtype"] == "bf16" and d["batch"] == 1, d
 assert d["params"] == "" and d["threads"] == 2 and d["stats"] == {"no_such_stat": None}, d
 assert d["step_us"] > 0 and d["full_step_us"] > 0 and d["speedup_vs_full"] > 0, d
 assert d["step_p99_us"] >= d["step_us"] and d["full_step_p99_us"] >= d["full_step_us"], d
+# The mean of positive step times lies between their smallest and largest (p99 <= max).
+assert 0 < d["step_mean_us"] and 0 < d["full_step_mean_us"], d
 # The phases are parts of the step: each positive (the method updates, searches and attends), their
 # sum at most the step (medians of each part; the step adds the output conversion).
 ph = [d["update_us"], d["select_us"], d["attention_us"]]

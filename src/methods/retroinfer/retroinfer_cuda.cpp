@@ -65,7 +65,7 @@ class RetroCuda final : public DeviceMethod {
  public:
   RetroCuda(const MethodContext& ctx, const ParamSet& ps)
       : shape_(ctx.shape), host_(find_method("retroinfer")->create(ctx, ps)), rules_(retro::rules(*host_)),
-        layers_(ctx.shape.num_layers) {
+        layers_(ctx.shape.num_layers), pool_(ctx.pool) {
     if (rules_.rank_model)
       fail(KVS_STATUS_UNSUPPORTED, "method_params: retroinfer rank_dtype=model is not supported on the cuda backend "
                                    "(cpu only); use rank_dtype=f32");
@@ -480,8 +480,8 @@ class RetroCuda final : public DeviceMethod {
   };
 
   RetroCuda(const RetroCuda& o)
-      : shape_(o.shape_), host_(o.host_->clone()), rules_(o.rules_), layers_(o.layers_.size()), device_(o.device_),
-        cache_ratio_(o.cache_ratio_), misses_(o.misses_) {
+      : shape_(o.shape_), host_(o.host_->clone()), rules_(o.rules_), layers_(o.layers_.size()), pool_(o.pool_),
+        device_(o.device_), cache_ratio_(o.cache_ratio_), misses_(o.misses_) {
     for (size_t l = 0; l < layers_.size(); ++l) layers_[l].built = o.layers_[l].built;
     hot_.resize(layers_.size());
     install_clusterer();  // the copied host method's points at `o`
@@ -543,41 +543,58 @@ class RetroCuda final : public DeviceMethod {
         fail(KVS_STATUS_UNSUPPORTED, "retroinfer (cuda): layer " + std::to_string(layer) +
                                          " mixes fp16 and bf16 meta rows (values beyond fp16's range); use meta_dtype=bf16");
     M.meta = mdt == DType::F32 ? cuda::Scalar::F32 : mdt == DType::F16 ? cuda::Scalar::F16 : cuda::Scalar::BF16;
+    // The whole meta index goes up again at each change (an update appends clusters to every head,
+    // which moves every head's rows in this layout). It is staged in pinned memory kept between
+    // changes and packed by the pool's threads, head by head: fresh pageable vectors cost their page
+    // faults on every update (27 ms of a 33 ms upload at 128K on an H200 host, 100 of 120 ms at 512K;
+    // docs/perf.md) and a pageable copy runs at a fraction of the bus.
     const size_t es = dtype_size(mdt), row = size_t(d) * es;
-    std::vector<std::byte> cent(size_t(hkv * C) * row), vm(size_t(hkv * C) * row);
-    std::vector<int32_t> size(size_t(hkv * C)), start(size_t(hkv * C)), pos(size_t(hkv * R));
-    for (int64_t h = 0; h < hkv; ++h) {
+    auto al = [](size_t x) { return (x + 255) / 256 * 256; };
+    const size_t meta_bytes = size_t(hkv * C) * row, o_vm = al(meta_bytes), o_size = o_vm + al(meta_bytes),
+                 o_start = o_size + al(size_t(hkv * C) * 4), o_pos = o_start + al(size_t(hkv * C) * 4),
+                 total = o_pos + size_t(hkv * R) * 4;
+    // A step still running (on any stream) may read the old copy, and the last upload may still read
+    // the staging: wait for the device first (an index change is rare: a build, an update every
+    // update_segment tokens, a rollback, a load).
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(retroinfer index upload)");
+    index_stage_.reserve(total, "cudaHostAlloc(retroinfer index staging)");
+    char* sb = index_stage_.at<char>(0);
+    std::vector<int64_t> top(static_cast<size_t>(hkv)), largest(static_cast<size_t>(hkv));
+    auto pack = [&](int64_t h) {
       const auto& H = heads[size_t(h)];
       const bool f32 = mdt == DType::F32;
-      std::memcpy(cent.data() + size_t(h * C) * row, f32 ? static_cast<const void*>(H.centroids.data()) : H.dcent.data(),
+      std::memcpy(sb + size_t(h * C) * row, f32 ? static_cast<const void*>(H.centroids.data()) : H.dcent.data(),
                   size_t(C) * row);
-      std::memcpy(vm.data() + size_t(h * C) * row, f32 ? static_cast<const void*>(H.value_sum.data()) : H.dvmean.data(),
-                  size_t(C) * row);
-      std::memcpy(size.data() + size_t(h * C), H.size.data(), size_t(C) * 4);
-      for (int64_t c = 0; c < C; ++c) start[size_t(h * C + c)] = int32_t(H.start[size_t(c)]);
-      std::memcpy(pos.data() + size_t(h * R), H.pos.data(), size_t(R) * 4);
+      std::memcpy(sb + o_vm + size_t(h * C) * row,
+                  f32 ? static_cast<const void*>(H.value_sum.data()) : H.dvmean.data(), size_t(C) * row);
+      std::memcpy(sb + o_size + size_t(h * C) * 4, H.size.data(), size_t(C) * 4);
+      int32_t* start = reinterpret_cast<int32_t*>(sb + o_start) + h * C;
+      for (int64_t c = 0; c < C; ++c) start[c] = int32_t(H.start[size_t(c)]);
+      std::memcpy(sb + o_pos + size_t(h * R) * 4, H.pos.data(), size_t(R) * 4);
       // plan()'s bound for budget=paper: the r largest clusters of any head.
-      std::vector<int32_t> s(H.size);
+      std::vector<int32_t> sz(H.size);
       const int64_t r = std::min<int64_t>(ix.r, C);
-      std::partial_sort(s.begin(), s.begin() + r, s.end(), std::greater<>());
-      int64_t top = 0;
-      for (int64_t i = 0; i < r; ++i) top += s[size_t(i)];
-      M.top_r_rows = std::max(M.top_r_rows, top);
-      M.max_size = std::max<int64_t>(M.max_size, *std::max_element(H.size.begin(), H.size.end()));
-    }
-    // A step still running (on any stream) may read the old copy: wait for the device first (an
-    // index change is rare: a build, an update every update_segment tokens, a rollback, a load).
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(retroinfer index upload)");
-    auto up = [&](DevBuf& buf, const void* src, size_t bytes, const char* what) {
-      buf.reserve(bytes, device_, what);
-      check(cudaMemcpyAsync(buf.p, src, bytes, cudaMemcpyHostToDevice, S(stream)), what);
+      std::partial_sort(sz.begin(), sz.begin() + r, sz.end(), std::greater<>());
+      int64_t t = 0;
+      for (int64_t i = 0; i < r; ++i) t += sz[size_t(i)];
+      top[size_t(h)] = t;
+      largest[size_t(h)] = *std::max_element(H.size.begin(), H.size.end());
     };
-    up(M.cent, cent.data(), cent.size(), "retroinfer centroids");
-    up(M.vmeta, vm.data(), vm.size(), "retroinfer value means");
-    up(M.size, size.data(), size.size() * 4, "retroinfer sizes");
-    up(M.start, start.data(), start.size() * 4, "retroinfer starts");
-    up(M.pos, pos.data(), pos.size() * 4, "retroinfer positions");
-    // The host staging is freed on return: wait for the copies.
+    if (pool_) pool_->parallel_for(hkv, pack);
+    else for (int64_t h = 0; h < hkv; ++h) pack(h);
+    M.top_r_rows = *std::max_element(top.begin(), top.end());
+    M.max_size = *std::max_element(largest.begin(), largest.end());
+    auto up = [&](DevBuf& buf, size_t off, size_t bytes, const char* what) {
+      buf.reserve(bytes, device_, what);
+      check(cudaMemcpyAsync(buf.p, sb + off, bytes, cudaMemcpyHostToDevice, S(stream)), what);
+    };
+    up(M.cent, 0, meta_bytes, "retroinfer centroids");
+    up(M.vmeta, o_vm, meta_bytes, "retroinfer value means");
+    up(M.size, o_size, size_t(hkv * C) * 4, "retroinfer sizes");
+    up(M.start, o_start, size_t(hkv * C) * 4, "retroinfer starts");
+    up(M.pos, o_pos, size_t(hkv * R) * 4, "retroinfer positions");
+    // The copies done before any step reads the new index, whatever its stream (the staging, one
+    // layer's meta index in pinned memory, stays with the session for the next change).
     check(cudaStreamSynchronize(S(stream)), "cudaStreamSynchronize(retroinfer index upload)");
     M.C = int32_t(C);
     M.R = int32_t(R);
@@ -989,6 +1006,8 @@ class RetroCuda final : public DeviceMethod {
   std::unique_ptr<Method> host_;
   retro::Rules rules_;
   std::vector<Layer> layers_;
+  ThreadPool* pool_ = nullptr;        // the session's (packs the meta index for an upload)
+  cudautil::PinnedBuf index_stage_;   // sync_mirror's staging, kept between index changes
   int device_ = 0;
   mutable cuda::Scalar meta_ = cuda::Scalar::F32;  // plan(): the batch's meta dtype
   mutable DevBuf stats_;  // [Hkv][kRetroStats] int32: this session's rows of the last step
