@@ -557,7 +557,8 @@ class RetroCuda final : public DeviceMethod {
     // the staging: wait for the device first (an index change is rare: a build, an update every
     // update_segment tokens, a rollback, a load).
     check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(retroinfer index upload)");
-    index_stage_.reserve(total, "cudaHostAlloc(retroinfer index staging)");
+    // An eighth more than the build needs: the updates that follow fit (cudaHostAlloc is slow).
+    if (total > index_stage_.bytes) index_stage_.reserve(total + total / 8, "cudaHostAlloc(retroinfer index staging)");
     char* sb = index_stage_.at<char>(0);
     std::vector<int64_t> top(static_cast<size_t>(hkv)), largest(static_cast<size_t>(hkv));
     auto pack = [&](int64_t h) {
