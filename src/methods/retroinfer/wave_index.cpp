@@ -37,6 +37,15 @@ int64_t update_cluster_count(int64_t u, int64_t avg_cluster_size, int64_t align)
 
 namespace {
 
+// Grows v's capacity to n plus an eighth whenever n does not fit: the index's vectors grow by an
+// update at a time, and the build sizes them exactly, so without the room the first update after a
+// build copied the whole index (72 ms at 128K, 290 ms at 512K on an H200 host, for one 1024-token
+// segment). Untouched capacity costs address space only.
+template <class V>
+void reserve_room(V& v, size_t n) {
+  if (n > v.capacity()) v.reserve(n + n / 8);
+}
+
 constexpr int64_t kRowBlock = 256;
 
 void normalise(float* c, int d) {
@@ -207,10 +216,8 @@ void WaveHead::sync_decode(DType t, int d) {
       have = 0;
     }
   }
-  if (size_t(C) * rb > dcent.capacity()) {  // room for the updates to come, as append_clusters
-    dcent.reserve(size_t(C) * rb * 9 / 8);
-    dvmean.reserve(size_t(C) * rb * 9 / 8);
-  }
+  reserve_room(dcent, size_t(C) * rb);
+  reserve_room(dvmean, size_t(C) * rb);
   dcent.resize(size_t(C) * rb);
   dvmean.resize(size_t(C) * rb);
   for (int64_t c = have; c < C; ++c) {
@@ -247,19 +254,13 @@ void append_clusters(WaveHead& head, const KVLayer& kv, int h, int64_t tok_begin
   const int64_t r0 = head.rows(), c0 = head.clusters();
   std::vector<int64_t> cnt(static_cast<size_t>(C), 0);
   for (int64_t i = 0; i < m; ++i) ++cnt[size_t(assign[i])];
-  // Room for the updates to come: an eighth more than needed whenever a vector must move (the build
-  // sizes them exactly, and the first update then copied the whole index: 72 ms at 128K, 290 ms at
-  // 512K on an H200 host, for one 1024-token segment). Untouched capacity costs address space only.
-  auto room = [](auto& v, size_t n) {
-    if (n > v.capacity()) v.reserve(n + n / 8);
-  };
-  room(head.centroids, size_t(c0 + C) * d);
-  room(head.value_sum, size_t(c0 + C) * d);
-  room(head.size, size_t(c0 + C));
-  room(head.start, size_t(c0 + C));
-  room(head.pos, size_t(r0 + m));
-  room(head.keys, size_t(r0 + m) * rb);
-  room(head.values, size_t(r0 + m) * rb);
+  reserve_room(head.centroids, size_t(c0 + C) * d);  // room for the updates to come
+  reserve_room(head.value_sum, size_t(c0 + C) * d);
+  reserve_room(head.size, size_t(c0 + C));
+  reserve_room(head.start, size_t(c0 + C));
+  reserve_room(head.pos, size_t(r0 + m));
+  reserve_room(head.keys, size_t(r0 + m) * rb);
+  reserve_room(head.values, size_t(r0 + m) * rb);
   head.centroids.insert(head.centroids.end(), centroids, centroids + size_t(C) * d);
   head.value_sum.resize(size_t(c0 + C) * d, 0.f);
   head.size.resize(size_t(c0 + C));
