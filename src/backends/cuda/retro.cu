@@ -124,8 +124,8 @@ __global__ void __launch_bounds__(kChunkThreads) logits_kernel(const Args a) {
   __syncthreads();
   const int c = c0 + threadIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const bool valid = c < s.C;
-  const bool counted = valid && (!a.mask_before || s.size[int64_t(h) * s.C + c] > 0);
-  const M* cent = static_cast<const M*>(s.cent) + (int64_t(h) * s.C + (valid ? c : 0)) * D;
+  const bool counted = valid && (!a.mask_before || s.size[int64_t(h) * s.cs + c] > 0);
+  const M* cent = static_cast<const M*>(s.cent) + (int64_t(h) * s.cs + (valid ? c : 0)) * D;
   float* out = a.logits + int64_t(row) * G * a.Cc;
   for (int g0 = 0; g0 < G; g0 += 8) {
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(kChunkThreads) dist_kernel(const Args a) {
   const float* lg = a.logits + int64_t(row) * G * a.Cc;
   float dsum = 0.f;
   for (int g = 0; g < G; ++g) dsum += __expf(lg[int64_t(g) * a.Cc + c] - M[g]) * inv[g];
-  const uint32_t k = cluster_key(s.size[int64_t(h) * s.C + c], dsum);
+  const uint32_t k = cluster_key(s.size[int64_t(h) * s.cs + c], dsum);
   a.keys[int64_t(row) * a.Cc + c] = k;
 }
 
@@ -443,7 +443,7 @@ __device__ void zone_keys(const Args& a, const RetroSession& s, int row, int h, 
   __syncthreads();
   const float* lg = a.logits + int64_t(row) * G * a.Cc;
   const int C = s.C;
-  const int32_t* size = s.size + int64_t(h) * C;
+  const int32_t* size = s.size + int64_t(h) * s.cs;
   constexpr int U = 4;  // clusters per thread in flight
   for (int c0 = tid; c0 < C; c0 += U * kZoneThreads) {
     int32_t z[U];
@@ -497,9 +497,9 @@ __global__ void __launch_bounds__(kZoneThreads) zones_kernel(const Args a) {
     return;
   }
   const int C = s.C;
-  const int32_t* size = s.size + int64_t(h) * C;
-  const int32_t* start = s.start + int64_t(h) * C;
-  const int32_t* pos = s.pos + int64_t(h) * s.R;
+  const int32_t* size = s.size + int64_t(h) * s.cs;
+  const int32_t* start = s.start + int64_t(h) * s.cs;
+  const int32_t* pos = s.pos + int64_t(h) * s.rs;
   // With zone_smem the keys and the zones live in shared memory (the final zones also written to
   // global memory for the estimate kernel).
   uint8_t* const gzone = a.zone + int64_t(row) * a.Cc;
@@ -753,9 +753,9 @@ __global__ void __launch_bounds__(kEstThreads) estimate_kernel(const Args a) {
   if (zb == 1) ret[atomicAdd(&nret, 1)] = cb;
   __syncthreads();
   {
-    const int32_t* sz = s.size + int64_t(h) * s.C;
-    const int32_t* st = s.start + int64_t(h) * s.C;
-    const int32_t* pos = s.pos + int64_t(h) * s.R;
+    const int32_t* sz = s.size + int64_t(h) * s.cs;
+    const int32_t* st = s.start + int64_t(h) * s.cs;
+    const int32_t* pos = s.pos + int64_t(h) * s.rs;
     const int32_t* roff = a.roff + int64_t(row) * a.Cc;
     int32_t* out = a.idx + int64_t(row) * a.max_sel;
     const long long sk = s.sk, cap = a.max_sel;
@@ -780,9 +780,9 @@ __global__ void __launch_bounds__(kEstThreads) estimate_kernel(const Args a) {
   if (ina) list[offa + __popc(bala & below)] = ca;
   if (inb) list[na + offb + __popc(balb & below)] = cb;
   __syncthreads();
-  const int32_t* size = s.size + int64_t(h) * s.C;
+  const int32_t* size = s.size + int64_t(h) * s.cs;
   for (int i = tid; i < nl; i += kEstThreads) csz[i] = float(size[list[i]]);
-  const M* vm = static_cast<const M*>(s.vmeta) + int64_t(h) * s.C * D;
+  const M* vm = static_cast<const M*>(s.vmeta) + int64_t(h) * s.cs * D;
   const float* lg = a.logits + int64_t(row) * G * a.Cc;
   const float* gm = a.gmax + int64_t(row) * G;
   // 16-bit meta rows are value means: weight e^(logit - M) * size; fp32 rows are value sums.
@@ -1053,7 +1053,7 @@ __global__ void wave_table_kernel(PagedKv kv, const RetroSession* sessions, cons
 
 // A CTA per move at a time (grid-stride over *count): the rows' K and V copied in 16-byte pieces
 // (or 2-byte ones when a row is not a multiple of 16 bytes), then their virtual positions.
-__global__ void wave_moves_kernel(PagedKv kv, int32_t hkv, int32_t d, const int32_t* pos, int32_t R, int32_t* vpos,
+__global__ void wave_moves_kernel(PagedKv kv, int32_t hkv, int32_t d, const int32_t* pos, int32_t rs, int32_t* vpos,
                                   int32_t* tok2v, int32_t T, int32_t tok_base, PagedKv stage,
                                   const int64_t* stage_map, uint32_t epoch, const WaveMove* moves,
                                   const int32_t* count) {
@@ -1062,7 +1062,7 @@ __global__ void wave_moves_kernel(PagedKv kv, int32_t hkv, int32_t d, const int3
   const int per = wide ? d * 2 / 16 : d;  // pieces per row
   for (int32_t m = blockIdx.x; m < n; m += gridDim.x) {
     const WaveMove mv = moves[m];
-    const int32_t* p = pos + int64_t(mv.h) * R + mv.row0;
+    const int32_t* p = pos + int64_t(mv.h) * rs + mv.row0;
     if (mv.block >= 0)
       for (int e = threadIdx.x; e < mv.rows * 2 * per; e += blockDim.x) {
         const int r = e / (2 * per), is_v = (e / per) & 1, i = e % per;
@@ -1078,7 +1078,7 @@ __global__ void wave_moves_kernel(PagedKv kv, int32_t hkv, int32_t d, const int3
       }
     for (int r = threadIdx.x; r < mv.rows; r += blockDim.x) {
       const int32_t v = mv.block >= 0 ? mv.block * kWaveBlockRows + r : tok_base + p[r];
-      vpos[int64_t(mv.h) * R + mv.row0 + r] = v;
+      vpos[int64_t(mv.h) * rs + mv.row0 + r] = v;
       if (tok2v && p[r] < T) tok2v[int64_t(mv.h) * T + p[r]] = v;
     }
   }
@@ -1192,14 +1192,14 @@ Status retro_wave_stage(const PagedKv& kv, Scalar kv_dtype, int32_t row, int32_t
 }
 
 Status retro_wave_moves(const PagedKv& kv, Scalar kv_dtype, int32_t num_kv_heads, int32_t head_dim,
-                        const int32_t* pos, int32_t R, int32_t* vpos, int32_t* tok2v, int32_t T, int32_t tok_base,
+                        const int32_t* pos, int32_t rs, int32_t* vpos, int32_t* tok2v, int32_t T, int32_t tok_base,
                         const PagedKv& stage, const int64_t* stage_map, uint32_t epoch, const WaveMove* moves,
                         const int32_t* count, int32_t max_moves, void* stream) noexcept {
   if (kv_dtype != Scalar::BF16 && kv_dtype != Scalar::F16) return unsupported("retro_wave_moves: KV dtype must be BF16 or F16");
   if (!pos || !vpos || !moves || !count || num_kv_heads < 1 || head_dim < 1) return invalid("retro_wave_moves: bad argument");
   if (max_moves < 1) return Status{};
   const int grid = std::min<int32_t>(max_moves, 264);  // 2048 CTAs measured slower (the bus is the limit)
-  wave_moves_kernel<<<grid, 128, 0, static_cast<cudaStream_t>(stream)>>>(kv, num_kv_heads, head_dim, pos, R, vpos,
+  wave_moves_kernel<<<grid, 128, 0, static_cast<cudaStream_t>(stream)>>>(kv, num_kv_heads, head_dim, pos, rs, vpos,
                                                                           tok2v, T, tok_base, stage, stage_map, epoch,
                                                                           moves, count);
   return launch_status("retro_wave_moves");

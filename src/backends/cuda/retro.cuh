@@ -10,11 +10,12 @@
 // sync, no allocation, noexcept, Status).
 //
 // Meta index of one session and layer (device; the CPU method's WaveHead, docs "Layout"), per KV
-// head h at offset h * C (rows: h * C * d; positions: h * R):
-//   cent  [Hkv][C][d]  centroids in the meta dtype (F32, F16 or BF16)
-//   vmeta [Hkv][C][d]  value means (16-bit meta dtype) or value sums (F32)
-//   size  [Hkv][C] int32, start [Hkv][C] int32 (first row of the cluster), pos [Hkv][R] int32
-//   (original token positions, cluster by cluster, ascending inside a cluster).
+// head h at offset h * cs (rows: h * cs * d; positions: h * rs), cs >= C and rs >= R: room per
+// head for the clusters an update appends, so that an update sends only its own:
+//   cent  [Hkv][cs][d]  centroids in the meta dtype (F32, F16 or BF16), the first C of each head
+//   vmeta [Hkv][cs][d]  value means (16-bit meta dtype) or value sums (F32)
+//   size  [Hkv][cs] int32, start [Hkv][cs] int32 (first row of the cluster), pos [Hkv][rs] int32
+//   (original token positions, cluster by cluster, ascending inside a cluster; the first R).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -46,6 +47,7 @@ struct RetroSession {
   const int32_t* start;
   const int32_t* pos;
   int32_t C, R;          // clusters and rows per KV head (0: nothing indexed)
+  int32_t cs, rs;        // a KV head's stride in clusters (size, start, cent, vmeta) and in rows (pos)
   int32_t mode;          // RetroMode
   int32_t n;             // tokens after the step's append
   int32_t sk, lb;        // steady zone: [0, sk) and [lb, n)
@@ -113,7 +115,8 @@ Status retro_wave_table(const PagedKv& kv, int32_t batch, const RetroSession* se
 // (their K and V rows copied there from their token positions, their virtual positions set to
 // block * kWaveBlockRows + i), or leave the cache (block < 0: virtual positions back to
 // tok_base + position). kv: the session's own table (B = 1, cache pages first); pos: token
-// positions [Hkv][R]; vpos: virtual positions [Hkv][R]. *count moves (device or mapped memory).
+// positions [Hkv][rs]; vpos: virtual positions [Hkv][rs] (rs: RetroSession::rs). *count moves
+// (device or mapped memory).
 constexpr int32_t kWaveBlockRows = 8;
 struct WaveMove {
   int32_t h, row0, rows, block;
@@ -123,7 +126,7 @@ struct WaveMove {
 // stage_map (optional): rows staged by this step (epoch) are copied from their staging slot j,
 // row j of stage (B = 1: the staging pages).
 Status retro_wave_moves(const PagedKv& kv, Scalar kv_dtype, int32_t num_kv_heads, int32_t head_dim,
-                        const int32_t* pos, int32_t R, int32_t* vpos, int32_t* tok2v, int32_t T, int32_t tok_base,
+                        const int32_t* pos, int32_t rs, int32_t* vpos, int32_t* tok2v, int32_t T, int32_t tok_base,
                         const PagedKv& stage, const int64_t* stage_map, uint32_t epoch, const WaveMove* moves,
                         const int32_t* count, int32_t max_moves, void* stream) noexcept;
 

@@ -49,6 +49,7 @@ struct LayerIndex {
   int64_t indexed_end = 0;      // tokens [sinks, indexed_end) are clustered
   int64_t r = 0, e = 0;         // retrieval / estimation zone sizes in clusters
   uint64_t generation = 0;      // a new value after every change (retro::IndexView)
+  uint64_t lineage = 0;         // a new value after every change but an append (retro::IndexView)
   int64_t clusters() const { return heads.empty() ? 0 : heads[0].clusters(); }
 };
 
@@ -193,7 +194,7 @@ class RetroInfer final : public Method {
   void build_index(uint32_t layer, const KVLayer& kv) override {
     auto& L = layers_[layer];
     L = LayerIndex{};
-    L.generation = ++generation_;
+    L.generation = L.lineage = ++generation_;
     L.indexed_end = sinks_;
     const int64_t n_idx = kv.size() - local_ - sinks_;
     // Short prompts (n < sinks + local + update_segment) stay in the steady zone until enough
@@ -219,7 +220,7 @@ class RetroInfer final : public Method {
 
   void truncate(uint32_t layer, int64_t n) override {
     auto& L = layers_[layer];
-    L.generation = ++generation_;
+    L.generation = L.lineage = ++generation_;
     const size_t rb = size_t(ctx_.shape.head_dim) * dtype_size(ctx_.shape.kv_dtype);
     // A chunk exists only while its tokens are outside the local window; drop those that are not.
     while (!L.chunks.empty() && L.chunks.back().tok_end > n - local_) {
@@ -693,7 +694,7 @@ class RetroInfer final : public Method {
     for (uint32_t l = 0; l < layers_.size(); ++l) {
       auto& L = layers_[l];
       L = LayerIndex{};
-      L.generation = ++generation_;
+      L.generation = L.lineage = ++generation_;
       L.indexed_end = sinks_;
       const auto key = std::to_string(l);
       if (!layers.contains(key)) continue;
@@ -967,7 +968,7 @@ const RetroInfer& as_retro(const Method& m) {
 
 IndexView index_view(const Method& m, uint32_t layer) {
   const auto& L = as_retro(m).layers_[layer];
-  return IndexView{&L.heads, L.indexed_end, L.r, L.e, L.generation};
+  return IndexView{&L.heads, L.indexed_end, L.r, L.e, L.generation, L.lineage};
 }
 StepLayout step_layout(const Method& m, uint32_t layer, int64_t n, int64_t budget_keys) {
   return as_retro(m).layout(layer, n, budget_keys);

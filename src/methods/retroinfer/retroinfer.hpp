@@ -18,6 +18,9 @@ struct IndexView {
   int64_t indexed_end = 0;                       // tokens [sinks, indexed_end) are clustered
   int64_t r = 0, e = 0;                          // budget=paper retrieval clusters; estimation clusters
   uint64_t generation = 0;                       // differs after any change to the layer's index
+  // Differs after any change other than clusters appended (an update): while it holds, the
+  // clusters, rows and meta rows seen before are unchanged (a device copy need only send the new).
+  uint64_t lineage = 0;
 };
 
 // How one step of a session lays out its zones before any cluster is ranked (the CPU method's

@@ -87,7 +87,10 @@ class RetroCuda final : public DeviceMethod {
       cudaStreamSynchronize(side_);
       cudaStreamDestroy(side_);
     }
-    for (auto& L : layers_) L.wave.release_events();
+    for (auto& L : layers_) {
+      L.wave.release_events();
+      if (L.mirror.uploaded) cudaEventDestroy(L.mirror.uploaded);
+    }
   }
 
   // ---- index: the host method's, mirrored ----
@@ -225,6 +228,8 @@ class RetroCuda final : public DeviceMethod {
       s.pos = M.pos.as<int32_t>();
       s.C = M.C;
       s.R = M.R;
+      s.cs = M.cs;
+      s.rs = M.rs;
       s.mode = int32_t(lay.mode);
       s.n = int32_t(n);
       s.sk = int32_t(lay.sk);
@@ -440,16 +445,20 @@ class RetroCuda final : public DeviceMethod {
   struct Mirror {
     DevBuf cent, vmeta, size, start, pos;
     int32_t C = 0, R = 0;
+    int32_t cs = 0, rs = 0;                 // per-head strides (capacity) in clusters and rows
     cuda::Scalar meta = cuda::Scalar::F32;  // of cent and vmeta
     int64_t max_size = 0, top_r_rows = 0;  // largest cluster; most rows the top r clusters can hold
-    uint64_t generation = 0;
+    uint64_t generation = 0, lineage = 0;  // the host index's (retro::IndexView) at the last upload
+    cudaEvent_t uploaded = nullptr;         // recorded after the last upload's copies (~RetroCuda frees it)
+    bool upload_pending = false;            // that upload was not waited for (an append), on:
+    void* upload_stream = nullptr;
     uint64_t bytes() const { return cent.bytes + vmeta.bytes + size.bytes + start.bytes + pos.bytes; }
   };
   // One layer's wave buffer (off: the KV is in GPU memory, cache_ratio = 0, or nothing indexed).
   struct Wave {
     bool on = false, pending = false;  // pending: admitted is recorded for the last step
     int32_t blocks = 0;                // cache blocks per KV head
-    int32_t cache_pages = 0, tok_base = 0, C = 0, R = 0;
+    int32_t cache_pages = 0, tok_base = 0, C = 0, R = 0, rs = 0;  // rs: vpos's stride (the mirror's)
     uint64_t generation = 0;           // of the mirror it was laid out for
     std::vector<std::shared_ptr<DevicePage>> pages;
     DevBuf page_ptrs, own_table, vpos, tok2v;  // tok2v [Hkv][T]: each clustered token's virtual position
@@ -505,20 +514,22 @@ class RetroCuda final : public DeviceMethod {
     const size_t pb = cuda::paged_kv_page_bytes(int32_t(shape_.num_kv_heads), int32_t(kPageTokens),
                                                 int32_t(shape_.head_dim), int32_t(dtype_size(shape_.kv_dtype)));
     const int64_t pages = (n + kPageTokens - 1) / kPageTokens;
-    std::vector<const void*> table(static_cast<size_t>(pages));
     check(cudaStreamSynchronize(S(v.stream)), "cudaStreamSynchronize(retroinfer index)");
-    if (pages > 0)
-      check(cudaMemcpy(table.data(), v.kv.pages, size_t(pages) * sizeof(void*), cudaMemcpyDeviceToHost),
-            "cudaMemcpy(retroinfer page table)");
     auto blank = std::make_shared<Page>(pb);
     std::memset(blank->data(), 0, pb);
     std::vector<std::shared_ptr<Page>> hp(static_cast<size_t>(pages), blank);
-    if (t1 > t0)
-      for (int64_t p = t0 / kPageTokens; p < (t1 + kPageTokens - 1) / kPageTokens; ++p) {
+    if (t1 > t0) {  // the table's entries of the pages wanted, then those pages
+      const int64_t p0 = t0 / kPageTokens, p1 = (t1 + kPageTokens - 1) / kPageTokens;
+      std::vector<const void*> table(static_cast<size_t>(p1 - p0));
+      check(cudaMemcpy(table.data(), v.kv.pages + p0, table.size() * sizeof(void*), cudaMemcpyDeviceToHost),
+            "cudaMemcpy(retroinfer page table)");
+      for (int64_t p = p0; p < p1; ++p) {
         auto page = std::make_shared<Page>(pb);
-        check(cudaMemcpy(page->data(), table[size_t(p)], pb, cudaMemcpyDeviceToHost), "cudaMemcpy(retroinfer KV page)");
+        check(cudaMemcpy(page->data(), table[size_t(p - p0)], pb, cudaMemcpyDeviceToHost),
+              "cudaMemcpy(retroinfer KV page)");
         hp[size_t(p)] = std::move(page);
       }
+    }
     KVLayer kv(shape_.kv_dtype, int(shape_.num_kv_heads), int(shape_.head_dim));
     kv.adopt(std::move(hp), n);
     return kv;
@@ -529,49 +540,69 @@ class RetroCuda final : public DeviceMethod {
   void sync_mirror(uint32_t layer, void* stream) {
     auto& M = layers_[layer].mirror;
     const auto ix = retro::index_view(*host_, layer);
-    if (M.generation == ix.generation && M.generation != 0) return;
+    if (M.generation == ix.generation && M.generation != 0) {
+      if (M.upload_pending && stream != M.upload_stream)  // a step on another stream waits for the copies
+        check(cudaStreamWaitEvent(S(stream), M.uploaded, 0), "cudaStreamWaitEvent(retroinfer index upload)");
+      return;
+    }
     const auto& heads = *ix.heads;
-    M.generation = ix.generation;
-    M.C = 0;
-    M.R = 0;
-    M.max_size = M.top_r_rows = 0;
-    if (heads.empty() || heads[0].clusters() == 0) return;
+    if (heads.empty() || heads[0].clusters() == 0) {
+      M.C = M.R = 0;
+      M.max_size = M.top_r_rows = 0;
+      M.generation = ix.generation;
+      return;
+    }
     const int64_t hkv = int64_t(heads.size()), C = heads[0].clusters(), R = heads[0].rows(), d = shape_.head_dim;
     const DType mdt = heads[0].mdt;
     for (const auto& h : heads)
       if (h.mdt != mdt)  // fp16 meta falls back to bf16 per head (wave_index.hpp): one dtype per layer here
         fail(KVS_STATUS_UNSUPPORTED, "retroinfer (cuda): layer " + std::to_string(layer) +
                                          " mixes fp16 and bf16 meta rows (values beyond fp16's range); use meta_dtype=bf16");
-    M.meta = mdt == DType::F32 ? cuda::Scalar::F32 : mdt == DType::F16 ? cuda::Scalar::F16 : cuda::Scalar::BF16;
-    // The whole meta index goes up again at each change (an update appends clusters to every head,
-    // which moves every head's rows in this layout). It is staged in pinned memory kept between
-    // changes and packed by the pool's threads, head by head: fresh pageable vectors cost their page
-    // faults on every update (27 ms of a 33 ms upload at 128K on an H200 host, 100 of 120 ms at 512K;
-    // docs/perf.md) and a pageable copy runs at a fraction of the bus.
+    const cuda::Scalar meta = mdt == DType::F32 ? cuda::Scalar::F32 : mdt == DType::F16 ? cuda::Scalar::F16 : cuda::Scalar::BF16;
+    // The device layout leaves every head room for more clusters and rows (strides cs and rs): an
+    // update that only appended clusters, and fits, sends its own clusters and rows and nothing
+    // else, without waiting for the steps in flight (they read the first C clusters only). Any
+    // other change sends the whole index, with an eighth to spare.
+    const bool append = M.C > 0 && M.lineage == ix.lineage && M.meta == meta && C >= M.C && R >= M.R &&
+                        C <= M.cs && R <= M.rs;
+    const int64_t c0 = append ? M.C : 0, r0 = append ? M.R : 0, nc = C - c0, nr = R - r0;
+    if (append) {
+      // The last upload's copies may still read the staging.
+      check(cudaEventSynchronize(M.uploaded), "cudaEventSynchronize(retroinfer index upload)");
+    } else {
+      // A step still running (on any stream) may read the old copy, and the last upload may still
+      // read the staging: wait for the device (a rebuild, a rollback or a load is rare).
+      check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(retroinfer index upload)");
+      M.C = M.R = 0;
+      // (At 128K tokens, 8192 clusters a head: room for 128 updates of 64 tokens; the session tests'
+      // small indexes outgrow it in a few updates, so both paths run there.)
+      M.cs = int32_t(std::min<int64_t>(C + std::max<int64_t>(C / 8, 16), INT32_MAX));
+      M.rs = int32_t(std::min<int64_t>(R + std::max<int64_t>(R / 8, 256), INT32_MAX));
+    }
+    M.meta = meta;
+    M.lineage = ix.lineage;
+    // Staged in pinned memory kept between changes and packed by the pool's threads, head by head
+    // (fresh pageable vectors cost their page faults on every update: 27 ms of a 33 ms upload at
+    // 128K on an H200 host; docs/perf.md), then one strided copy per array.
     const size_t es = dtype_size(mdt), row = size_t(d) * es;
     auto al = [](size_t x) { return (x + 255) / 256 * 256; };
-    const size_t meta_bytes = size_t(hkv * C) * row, o_vm = al(meta_bytes), o_size = o_vm + al(meta_bytes),
-                 o_start = o_size + al(size_t(hkv * C) * 4), o_pos = o_start + al(size_t(hkv * C) * 4),
-                 total = o_pos + size_t(hkv * R) * 4;
-    // A step still running (on any stream) may read the old copy, and the last upload may still read
-    // the staging: wait for the device first (an index change is rare: a build, an update every
-    // update_segment tokens, a rollback, a load).
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(retroinfer index upload)");
-    // An eighth more than the build needs: the updates that follow fit (cudaHostAlloc is slow).
+    const size_t meta_bytes = size_t(hkv * nc) * row, o_vm = al(meta_bytes), o_size = o_vm + al(meta_bytes),
+                 o_start = o_size + al(size_t(hkv * nc) * 4), o_pos = o_start + al(size_t(hkv * nc) * 4),
+                 total = o_pos + size_t(hkv * nr) * 4;
     if (total > index_stage_.bytes) index_stage_.reserve(total + total / 8, "cudaHostAlloc(retroinfer index staging)");
     char* sb = index_stage_.at<char>(0);
     std::vector<int64_t> top(static_cast<size_t>(hkv)), largest(static_cast<size_t>(hkv));
     auto pack = [&](int64_t h) {
       const auto& H = heads[size_t(h)];
       const bool f32 = mdt == DType::F32;
-      std::memcpy(sb + size_t(h * C) * row, f32 ? static_cast<const void*>(H.centroids.data()) : H.dcent.data(),
-                  size_t(C) * row);
-      std::memcpy(sb + o_vm + size_t(h * C) * row,
-                  f32 ? static_cast<const void*>(H.value_sum.data()) : H.dvmean.data(), size_t(C) * row);
-      std::memcpy(sb + o_size + size_t(h * C) * 4, H.size.data(), size_t(C) * 4);
-      int32_t* start = reinterpret_cast<int32_t*>(sb + o_start) + h * C;
-      for (int64_t c = 0; c < C; ++c) start[c] = int32_t(H.start[size_t(c)]);
-      std::memcpy(sb + o_pos + size_t(h * R) * 4, H.pos.data(), size_t(R) * 4);
+      const char* cent = static_cast<const char*>(f32 ? static_cast<const void*>(H.centroids.data()) : H.dcent.data());
+      const char* vm = static_cast<const char*>(f32 ? static_cast<const void*>(H.value_sum.data()) : H.dvmean.data());
+      std::memcpy(sb + size_t(h * nc) * row, cent + size_t(c0) * row, size_t(nc) * row);
+      std::memcpy(sb + o_vm + size_t(h * nc) * row, vm + size_t(c0) * row, size_t(nc) * row);
+      std::memcpy(sb + o_size + size_t(h * nc) * 4, H.size.data() + c0, size_t(nc) * 4);
+      int32_t* start = reinterpret_cast<int32_t*>(sb + o_start) + h * nc;
+      for (int64_t c = 0; c < nc; ++c) start[c] = int32_t(H.start[size_t(c0 + c)]);
+      std::memcpy(sb + o_pos + size_t(h * nr) * 4, H.pos.data() + r0, size_t(nr) * 4);
       // plan()'s bound for budget=paper: the r largest clusters of any head.
       std::vector<int32_t> sz(H.size);
       const int64_t r = std::min<int64_t>(ix.r, C);
@@ -585,20 +616,32 @@ class RetroCuda final : public DeviceMethod {
     else for (int64_t h = 0; h < hkv; ++h) pack(h);
     M.top_r_rows = *std::max_element(top.begin(), top.end());
     M.max_size = *std::max_element(largest.begin(), largest.end());
-    auto up = [&](DevBuf& buf, size_t off, size_t bytes, const char* what) {
-      buf.reserve(bytes, device_, what);
-      check(cudaMemcpyAsync(buf.p, sb + off, bytes, cudaMemcpyHostToDevice, S(stream)), what);
+    // Head h's new entries [c0, C) of an array of w bytes each go to h * stride + c0.
+    auto up = [&](DevBuf& buf, size_t off, size_t w, int64_t first, int64_t n, int64_t stride, const char* what) {
+      if (!append) buf.reserve(size_t(hkv * stride) * w, device_, what);
+      if (n > 0)
+        check(cudaMemcpy2DAsync(static_cast<char*>(buf.p) + size_t(first) * w, size_t(stride) * w, sb + off,
+                                size_t(n) * w, size_t(n) * w, size_t(hkv), cudaMemcpyHostToDevice, S(stream)),
+              what);
     };
-    up(M.cent, 0, meta_bytes, "retroinfer centroids");
-    up(M.vmeta, o_vm, meta_bytes, "retroinfer value means");
-    up(M.size, o_size, size_t(hkv * C) * 4, "retroinfer sizes");
-    up(M.start, o_start, size_t(hkv * C) * 4, "retroinfer starts");
-    up(M.pos, o_pos, size_t(hkv * R) * 4, "retroinfer positions");
-    // The copies done before any step reads the new index, whatever its stream (the staging, one
-    // layer's meta index in pinned memory, stays with the session for the next change).
-    check(cudaStreamSynchronize(S(stream)), "cudaStreamSynchronize(retroinfer index upload)");
+    up(M.cent, 0, row, c0, nc, M.cs, "retroinfer centroids");
+    up(M.vmeta, o_vm, row, c0, nc, M.cs, "retroinfer value means");
+    up(M.size, o_size, 4, c0, nc, M.cs, "retroinfer sizes");
+    up(M.start, o_start, 4, c0, nc, M.cs, "retroinfer starts");
+    up(M.pos, o_pos, 4, r0, nr, M.rs, "retroinfer positions");
+    if (!M.uploaded) check(cudaEventCreateWithFlags(&M.uploaded, cudaEventDisableTiming), "cudaEventCreate(retroinfer index)");
+    check(cudaEventRecord(M.uploaded, S(stream)), "cudaEventRecord(retroinfer index upload)");
+    if (append) {
+      M.upload_pending = true;  // a step on another stream waits for the copies (above)
+      M.upload_stream = stream;
+    } else {
+      // The copies done before any step reads the new index, whatever its stream.
+      check(cudaStreamSynchronize(S(stream)), "cudaStreamSynchronize(retroinfer index upload)");
+      M.upload_pending = false;
+    }
     M.C = int32_t(C);
     M.R = int32_t(R);
+    M.generation = ix.generation;  // last: a failure above leaves the mirror to be sent again
   }
 
   // ---- the wave buffer ----
@@ -645,7 +688,7 @@ class RetroCuda final : public DeviceMethod {
     }
     const auto& heads = *retro::index_view(*host_, layer).heads;
     const int hkv = int(shape_.num_kv_heads);
-    const int32_t C = M.C, R = M.R;
+    const int32_t C = M.C, R = M.R, RS = M.rs;  // vpos has pos's layout (stride RS)
     constexpr int32_t kRows = cuda::kWaveBlockRows, kPerPage = int32_t(kPageTokens) / kRows;
     // The cache stays where the index only grew (an update appends clusters; a rollback or a
     // rebuild does not).
@@ -685,7 +728,7 @@ class RetroCuda final : public DeviceMethod {
     W.start.resize(size_t(hkv));
     W.size.resize(size_t(hkv));
     W.pos.resize(size_t(hkv));
-    std::vector<int32_t> vp(size_t(hkv) * size_t(R));
+    std::vector<int32_t> vp(size_t(hkv) * size_t(RS));
     for (int h = 0; h < hkv; ++h) {
       const auto& H = heads[size_t(h)];
       auto& HC = W.heads[size_t(h)];
@@ -693,7 +736,7 @@ class RetroCuda final : public DeviceMethod {
       W.start[size_t(h)].assign(H.start.begin(), H.start.end());
       W.size[size_t(h)] = H.size;
       W.pos[size_t(h)] = H.pos;
-      int32_t* row = vp.data() + size_t(h) * R;
+      int32_t* row = vp.data() + size_t(h) * RS;
       for (int32_t r = 0; r < R; ++r) row[r] = W.tok_base + H.pos[size_t(r)];
       for (int32_t c = 0; c < C; ++c)
         for (int32_t blk = HC.first_block(c), k = 0; blk >= 0; blk = HC.next_block(blk), ++k)
@@ -710,7 +753,7 @@ class RetroCuda final : public DeviceMethod {
       for (int h = 0; h < hkv; ++h) {
         int32_t* row = tv.data() + size_t(h) * T;
         for (int32_t t = 0; t < T; ++t) row[t] = W.tok_base + t;
-        const int32_t* vr = vp.data() + size_t(h) * R;
+        const int32_t* vr = vp.data() + size_t(h) * RS;
         const auto& pos = heads[size_t(h)].pos;
         for (int32_t r = 0; r < R; ++r)
           if (pos[size_t(r)] < T) row[pos[size_t(r)]] = vr[r];
@@ -740,6 +783,7 @@ class RetroCuda final : public DeviceMethod {
     }
     W.C = C;
     W.R = R;
+    W.rs = RS;
     W.generation = M.generation;
     W.on = true;
     check(cudaStreamSynchronize(S(v.stream)), "cudaStreamSynchronize(retroinfer wave buffer)");  // vp is freed next
@@ -812,7 +856,7 @@ class RetroCuda final : public DeviceMethod {
     const cuda::PagedKv stage{SG.ptrs.as<const void*>(), SG.cap / int32_t(kPageTokens), like.page_tokens,
                               like.page_shift};
     check(cuda::retro_wave_moves(own, cuda::Scalar(int32_t(shape_.kv_dtype)), int32_t(shape_.num_kv_heads),
-                                 int32_t(shape_.head_dim), layers_[layer].mirror.pos.as<int32_t>(), W.R,
+                                 int32_t(shape_.head_dim), layers_[layer].mirror.pos.as<int32_t>(), W.rs,
                                  W.vpos.as<int32_t>(), misses_ == Misses::Copy ? W.tok2v.as<int32_t>() : nullptr, W.T,
                                  W.tok_base, stage,
                                  staged ? W.stage_map.as<int64_t>() : nullptr, W.epoch, mv,
@@ -929,23 +973,32 @@ class RetroCuda final : public DeviceMethod {
     k.iterations = cfg.iterations;
     k.centre = cfg.centre;
     k.raw_init = cfg.raw_init;
-    // Scratch for this run only (the build's, not the steps'): freed on return.
-    DevBuf ws, da, dc;
-    ws.reserve(cuda::retro_kmeans_workspace_bytes(hkv, d, k), device_, "cudaMalloc(retroinfer k-means)");
-    da.reserve(size_t(hkv) * size_t(n) * 4, device_, "cudaMalloc(retroinfer k-means)");
-    dc.reserve(size_t(hkv) * size_t(k.clusters) * d * 4, device_, "cudaMalloc(retroinfer k-means)");
-    check(cuda::retro_kmeans(cur_->kv, cuda::Scalar(int32_t(shape_.kv_dtype)), hkv, d, int32_t(b), k, da.as<int32_t>(),
-                             dc.as<float>(), cuda::Workspace{ws.p, ws.bytes}, cur_->stream),
+    // Scratch in one allocation: an update's (small) kept for the next update, a build's freed on
+    // return (a cudaMalloc and a cudaFree, which waits for the device, on every update otherwise).
+    const size_t ws_bytes = cuda::retro_kmeans_workspace_bytes(hkv, d, k), a_bytes = size_t(hkv) * size_t(n) * 4,
+                 c_bytes = size_t(hkv) * size_t(k.clusters) * d * 4;
+    auto al = [](size_t x) { return (x + 255) / 256 * 256; };
+    const size_t need = al(ws_bytes) + al(a_bytes) + c_bytes;
+    DevBuf local;
+    DevBuf& scratch = need <= kKeptKMeansBytes ? kmeans_scratch_ : local;
+    scratch.reserve(need, device_, "cudaMalloc(retroinfer k-means)");
+    char* base = static_cast<char*>(scratch.p);
+    int32_t* da = reinterpret_cast<int32_t*>(base + al(ws_bytes));
+    float* dc = reinterpret_cast<float*>(base + al(ws_bytes) + al(a_bytes));
+    check(cuda::retro_kmeans(cur_->kv, cuda::Scalar(int32_t(shape_.kv_dtype)), hkv, d, int32_t(b), k, da, dc,
+                             cuda::Workspace{base, ws_bytes}, cur_->stream),
           "retro_kmeans");
-    assign.assign(size_t(hkv), std::vector<int32_t>(size_t(n)));
-    cent.assign(size_t(hkv), std::vector<float>(size_t(k.clusters) * d));
+    // Both results in one copy each, then split by head.
+    std::vector<int32_t> ha(a_bytes / 4);
+    std::vector<float> hc(c_bytes / 4);
+    check(cudaMemcpyAsync(ha.data(), da, a_bytes, cudaMemcpyDeviceToHost, S(cur_->stream)), "cudaMemcpy(retroinfer assignments)");
+    check(cudaMemcpyAsync(hc.data(), dc, c_bytes, cudaMemcpyDeviceToHost, S(cur_->stream)), "cudaMemcpy(retroinfer centroids)");
     check(cudaStreamSynchronize(S(cur_->stream)), "cudaStreamSynchronize(retroinfer k-means)");
+    assign.resize(size_t(hkv));
+    cent.resize(size_t(hkv));
     for (int h = 0; h < hkv; ++h) {
-      check(cudaMemcpy(assign[size_t(h)].data(), da.as<int32_t>() + size_t(h) * n, size_t(n) * 4, cudaMemcpyDeviceToHost),
-            "cudaMemcpy(retroinfer assignments)");
-      check(cudaMemcpy(cent[size_t(h)].data(), dc.as<float>() + size_t(h) * k.clusters * d, size_t(k.clusters) * d * 4,
-                       cudaMemcpyDeviceToHost),
-            "cudaMemcpy(retroinfer centroids)");
+      assign[size_t(h)].assign(ha.begin() + int64_t(h) * n, ha.begin() + int64_t(h + 1) * n);
+      cent[size_t(h)].assign(hc.begin() + int64_t(h) * k.clusters * d, hc.begin() + int64_t(h + 1) * k.clusters * d);
     }
   }
 
@@ -1008,6 +1061,10 @@ class RetroCuda final : public DeviceMethod {
   retro::Rules rules_;
   std::vector<Layer> layers_;
   ThreadPool* pool_ = nullptr;        // the session's (packs the meta index for an upload)
+  // An update's k-means scratch (retro_kmeans's workspace, assignments, centroids), kept when at
+  // most kKeptKMeansBytes (an update's is a few hundred KiB; a build's, larger, is freed).
+  static constexpr size_t kKeptKMeansBytes = size_t(4) << 20;
+  mutable DevBuf kmeans_scratch_;
   cudautil::PinnedBuf index_stage_;   // sync_mirror's staging, kept between index changes
   int device_ = 0;
   mutable cuda::Scalar meta_ = cuda::Scalar::F32;  // plan(): the batch's meta dtype
