@@ -975,7 +975,7 @@ StepLayout step_layout(const Method& m, uint32_t layer, int64_t n, int64_t budge
 }
 Rules rules(const Method& m) {
   const auto& r = as_retro(m);
-  return Rules{r.sinks_, r.local_, r.update_, r.mask_after_, r.rank_model_};
+  return Rules{r.sinks_, r.local_, r.update_, r.mask_after_, r.rank_model_, !r.session_budget_};
 }
 void set_clusterer(Method& m, Clusterer c) { const_cast<RetroInfer&>(as_retro(m)).clusterer_ = std::move(c); }
 void record_steps(Method& m, const StepFigures& f, double sum_unused, double sum_overrun, int64_t steps) {

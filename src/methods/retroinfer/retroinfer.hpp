@@ -38,6 +38,7 @@ struct Rules {
   int64_t sinks = 0, local = 0, update_segment = 0;
   bool mask_after = true;    // mask_empty=after_softmax
   bool rank_model = false;   // rank_dtype=model
+  bool paper = false;        // budget=paper (the steps' zones by the r_fixed largest-ranked clusters)
 };
 
 // m must be the CPU retroinfer method (retroinfer_spec().create): anything else is an internal error.

@@ -520,15 +520,26 @@ class RetroCuda final : public DeviceMethod {
     std::vector<std::shared_ptr<Page>> hp(static_cast<size_t>(pages), blank);
     if (t1 > t0) {  // the table's entries of the pages wanted, then those pages
       const int64_t p0 = t0 / kPageTokens, p1 = (t1 + kPageTokens - 1) / kPageTokens;
+      // On the layer's stream (a plain cudaMemcpy would also wait for every other blocking stream).
       std::vector<const void*> table(static_cast<size_t>(p1 - p0));
-      check(cudaMemcpy(table.data(), v.kv.pages + p0, table.size() * sizeof(void*), cudaMemcpyDeviceToHost),
+      check(cudaMemcpyAsync(table.data(), v.kv.pages + p0, table.size() * sizeof(void*), cudaMemcpyDeviceToHost,
+                            S(v.stream)),
             "cudaMemcpy(retroinfer page table)");
+      check(cudaStreamSynchronize(S(v.stream)), "cudaStreamSynchronize(retroinfer page table)");
+      // An update's few pages through pinned staging kept by the session (copies in flight
+      // together); a build's whole prompt page by page (pageable).
+      const bool staged = size_t(p1 - p0) * pb <= kKeptDownloadBytes;
+      if (staged) download_stage_.reserve(size_t(p1 - p0) * pb, "cudaHostAlloc(retroinfer KV readback)");
       for (int64_t p = p0; p < p1; ++p) {
-        auto page = std::make_shared<Page>(pb);
-        check(cudaMemcpy(page->data(), table[size_t(p - p0)], pb, cudaMemcpyDeviceToHost),
+        hp[size_t(p)] = std::make_shared<Page>(pb);
+        void* dst = staged ? static_cast<void*>(download_stage_.at<char>(size_t(p - p0) * pb)) : hp[size_t(p)]->data();
+        check(cudaMemcpyAsync(dst, table[size_t(p - p0)], pb, cudaMemcpyDeviceToHost, S(v.stream)),
               "cudaMemcpy(retroinfer KV page)");
-        hp[size_t(p)] = std::move(page);
       }
+      check(cudaStreamSynchronize(S(v.stream)), "cudaStreamSynchronize(retroinfer KV pages)");
+      if (staged)
+        for (int64_t p = p0; p < p1; ++p)
+          std::memcpy(hp[size_t(p)]->data(), download_stage_.at<char>(size_t(p - p0) * pb), pb);
     }
     KVLayer kv(shape_.kv_dtype, int(shape_.num_kv_heads), int(shape_.head_dim));
     kv.adopt(std::move(hp), n);
@@ -603,19 +614,20 @@ class RetroCuda final : public DeviceMethod {
       int32_t* start = reinterpret_cast<int32_t*>(sb + o_start) + h * nc;
       for (int64_t c = 0; c < nc; ++c) start[c] = int32_t(H.start[size_t(c0 + c)]);
       std::memcpy(sb + o_pos + size_t(h * nr) * 4, H.pos.data() + r0, size_t(nr) * 4);
-      // plan()'s bound for budget=paper: the r largest clusters of any head.
-      std::vector<int32_t> sz(H.size);
+      // plan()'s bounds: the largest cluster (of the new ones, after an append) and, for
+      // budget=paper only, the rows of the r largest clusters (a selection over every cluster).
+      largest[size_t(h)] = nc > 0 ? *std::max_element(H.size.begin() + c0, H.size.end()) : 0;
       const int64_t r = std::min<int64_t>(ix.r, C);
-      std::partial_sort(sz.begin(), sz.begin() + r, sz.end(), std::greater<>());
-      int64_t t = 0;
-      for (int64_t i = 0; i < r; ++i) t += sz[size_t(i)];
-      top[size_t(h)] = t;
-      largest[size_t(h)] = *std::max_element(H.size.begin(), H.size.end());
+      if (rules_.paper && r > 0) {
+        std::vector<int32_t> sz(H.size);
+        std::nth_element(sz.begin(), sz.begin() + (r - 1), sz.end(), std::greater<>());
+        for (int64_t i = 0; i < r; ++i) top[size_t(h)] += sz[size_t(i)];
+      }
     };
     if (pool_) pool_->parallel_for(hkv, pack);
     else for (int64_t h = 0; h < hkv; ++h) pack(h);
     M.top_r_rows = *std::max_element(top.begin(), top.end());
-    M.max_size = *std::max_element(largest.begin(), largest.end());
+    M.max_size = std::max<int64_t>(append ? M.max_size : 0, *std::max_element(largest.begin(), largest.end()));
     // Head h's new entries [c0, C) of an array of w bytes each go to h * stride + c0.
     auto up = [&](DevBuf& buf, size_t off, size_t w, int64_t first, int64_t n, int64_t stride, const char* what) {
       if (!append) buf.reserve(size_t(hkv * stride) * w, device_, what);
@@ -1065,6 +1077,10 @@ class RetroCuda final : public DeviceMethod {
   // most kKeptKMeansBytes (an update's is a few hundred KiB; a build's, larger, is freed).
   static constexpr size_t kKeptKMeansBytes = size_t(4) << 20;
   mutable DevBuf kmeans_scratch_;
+  // An update's KV readback staging, kept when at most kKeptDownloadBytes (an update of 1024
+  // tokens reads 65 pages, 4 MiB at 8 KV heads, d 128, bf16).
+  static constexpr size_t kKeptDownloadBytes = size_t(8) << 20;
+  mutable cudautil::PinnedBuf download_stage_;
   cudautil::PinnedBuf index_stage_;   // sync_mirror's staging, kept between index changes
   int device_ = 0;
   mutable cuda::Scalar meta_ = cuda::Scalar::F32;  // plan(): the batch's meta dtype
