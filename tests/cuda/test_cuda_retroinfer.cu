@@ -76,6 +76,36 @@ void run_case(const char* params, kvs_scalar_type kvdt, int hq, int hkv, int d, 
   destroy_pairs(cpu, gpu);
 }
 
+// Index updates while the steps alternate between two streams: an update that only appends
+// clusters sends them on the step's stream without waiting for it, so a step on the other stream
+// must wait for those copies (the mirror's event); the index outgrows its room partway (a whole
+// upload), and the outputs and selections stay the CPU's.
+void run_two_streams() {
+  const int hq = 32, hkv = 8, d = 128, steps = 330;
+  const int64_t n0 = 1500;
+  const kvs_scalar_type kvdt = KVS_SCALAR_BF16;
+  std::vector<Seq> seqs{make_seq(n0 + steps + 4, hq, hkv, d, 4242)};
+  kvs_session_params p = one_layer_params("retroinfer", kvdt, hq, hkv, d, 0.05);
+  p.method_params = "update_segment=64,segment_size=512";
+  std::vector<kvs_session_t> cpu, gpu;
+  if (!make_pairs(p, seqs, hq, hkv, d, kvdt, n0, false, cpu, gpu)) return;
+  cudaStream_t st[2];
+  cudaStreamCreateWithFlags(&st[0], cudaStreamNonBlocking);
+  cudaStreamCreateWithFlags(&st[1], cudaStreamNonBlocking);
+  std::vector<int64_t> pos{n0};
+  Cmp c;
+  for (int s = 0; s < steps; ++s, ++pos[0]) step(cpu, gpu, seqs, pos, hq, hkv, d, kvdt, st[s & 1], c);
+  double updates = 0;
+  kvs_session_method_stat(gpu[0], "index_updates", &updates);
+  CAPI_CHECK(updates >= 4, "two streams: index updates while decoding: %g", updates);
+  CAPI_CHECK(c.err < 1e-2 && c.lse < 2e-2 && c.count_equal && c.min_overlap >= 0.95,
+             "two streams: rel err %.3g, lse err %.3g, counts equal %d, least overlap %.4f", c.err, c.lse,
+             int(c.count_equal), c.min_overlap);
+  std::printf("session two streams: rel err %.2e, least overlap %.4f, %g updates\n", c.err, c.min_overlap, updates);
+  for (cudaStream_t x : st) cudaStreamDestroy(x);
+  destroy_pairs(cpu, gpu);
+}
+
 // The GPU session moved back to the CPU after decoding through index updates decodes like the CPU
 // session that saw the same tokens (same clusters, same zones).
 void run_roundtrip() {
@@ -411,6 +441,7 @@ int run_retroinfer_tests(bool small) {
   // chunk many times over (the index built on the GPU: 24K tokens).
   if (!small) run_case("", KVS_SCALAR_BF16, 32, 8, 128, 24000, 2, 6, 0.05, /*gpu_build=*/true);
   run_roundtrip();
+  run_two_streams();
   run_build_agreement(small ? 3000 : 12000);
   // The wave buffer: evictions (a cache of 1% of the rows), index updates while decoding, batches.
   run_wave("cache_ratio=0.01", 1, n, small ? 14 : 40);

@@ -129,6 +129,10 @@ class RetroCuda final : public DeviceMethod {
     Clustering scope(this, &v);
     host_->build_index(layer, kv);
     layers_[layer].built = true;
+    // The updates' KV read-back staging now, not at the first update's step (a cudaHostAlloc of a
+    // few MiB took milliseconds there): update_segment tokens span at most this many pages.
+    const size_t update_bytes = size_t(rules_.update_segment / kPageTokens + 2) * page_bytes();
+    if (update_bytes <= kKeptDownloadBytes) download_stage_.reserve(update_bytes, "cudaHostAlloc(retroinfer KV readback)");
   }
   void reserve(uint32_t layer, int64_t, void* stream) override {
     if (!stats_.p) {  // the last step's rows, then the running sums (zeroed once)
