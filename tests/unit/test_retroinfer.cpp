@@ -24,6 +24,9 @@
 #include "io/safetensors.hpp"
 #include "io/tables.hpp"
 #include "kvsieve/kvsieve.h"
+#include "backends/cpu/gemm.hpp"
+#include "core/method.hpp"
+#include "methods/retroinfer/retroinfer.hpp"
 #include "methods/retroinfer/wave_cache.hpp"
 #include "methods/retroinfer/wave_index.hpp"
 #include "capi_helpers.hpp"
@@ -568,6 +571,61 @@ TEST_CASE("retroinfer: incremental updates cluster each update_segment alone, ap
     CHECK(stat(S.s, "index_updates") == up + 1);
     CHECK(full_error(D, 1384, o, lse) < 1.0);
   }
+}
+
+TEST_CASE("retroinfer: the index view's lineage holds across appended clusters only (what a device copy may send)") {
+  // The cuda placement sends only the clusters an update appended while the lineage holds; this is
+  // the contract it relies on: an update keeps the lineage and every cluster, row and meta row seen
+  // before, bit for bit; a truncation, a rebuild or a load starts a new lineage.
+  Rng rng(23);
+  Data D(rng, 4, 2, 16, 1400);
+  kvs::ThreadPool pool(2);
+  const kvs::MethodSpec* spec = kvs::find_method("retroinfer");
+  REQUIRE(spec);
+  kvs::MethodContext ctx{{1, uint32_t(D.hq), uint32_t(D.hkv), uint32_t(D.d), float(1.0 / std::sqrt(double(D.d))),
+                          kvs::DType::BF16},
+                         {}, &pool, int32_t(kvs::cpu::resolve_gemm(KVS_GEMM_AUTO))};
+  auto m = spec->create(ctx, kvs::ParamSet::parse("retroinfer", spec->params,
+                                                  "update_segment=128,local=16,cluster_size=8,segment_size=256"));
+  CHECK_FALSE(kvs::retro::rules(*m).paper);
+  CHECK(kvs::retro::rules(*spec->create(ctx, kvs::ParamSet::parse("retroinfer", spec->params, "budget=paper"))).paper);
+  kvs::KVLayer kv(kvs::DType::BF16, D.hkv, D.d);
+  kv.append(D.k.data(), D.v.data(), 1000);
+  m->build_index(0, kv);
+  const auto v0 = kvs::retro::index_view(*m, 0);
+  REQUIRE(v0.heads->size() == size_t(D.hkv));
+  const std::vector<kvs::retro::WaveHead> before = *v0.heads;  // a copy
+  const uint64_t lin = v0.lineage;
+  CHECK(lin != 0);
+  int64_t t = 1000;
+  while (kvs::retro::index_view(*m, 0).generation == v0.generation) {
+    REQUIRE(t < 1400);
+    kv.append(D.kt(t), D.vt(t), 1);
+    m->on_append(0, D.qt(t), 1, kv, true);
+    ++t;
+  }
+  const auto v1 = kvs::retro::index_view(*m, 0);
+  CHECK(v1.lineage == lin);
+  for (int h = 0; h < D.hkv; ++h) {
+    const auto &a = before[size_t(h)], &b = (*v1.heads)[size_t(h)];
+    const int64_t C = a.clusters(), R = a.rows();
+    REQUIRE(b.clusters() > C);
+    REQUIRE(b.rows() > R);
+    CHECK(std::equal(a.size.begin(), a.size.end(), b.size.begin()));
+    CHECK(std::equal(a.start.begin(), a.start.end(), b.start.begin()));
+    CHECK(std::equal(a.pos.begin(), a.pos.end(), b.pos.begin()));
+    CHECK(std::memcmp(a.centroids.data(), b.centroids.data(), a.centroids.size() * 4) == 0);
+    CHECK(std::memcmp(a.value_sum.data(), b.value_sum.data(), a.value_sum.size() * 4) == 0);
+    CHECK(a.mdt == b.mdt);
+    CHECK(std::memcmp(a.dcent.data(), b.dcent.data(), a.dcent.size()) == 0);
+    CHECK(std::memcmp(a.dvmean.data(), b.dvmean.data(), a.dvmean.size()) == 0);
+    CHECK(b.start[size_t(C)] == R);  // the new clusters' rows follow the old ones
+  }
+  m->truncate(0, t - 1);
+  const uint64_t lin2 = kvs::retro::index_view(*m, 0).lineage;
+  CHECK(lin2 != lin);
+  m->build_index(0, kv);
+  CHECK(kvs::retro::index_view(*m, 0).lineage != lin2);
 }
 
 TEST_CASE("retroinfer: short prompts stay dense until update_segment tokens accumulate") {
