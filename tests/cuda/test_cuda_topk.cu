@@ -558,6 +558,13 @@ void run_scores_tests() {
   run_scores(BF, F32, 256, 2, 2, 16, {LL}, LL, false, 0, 16);
   run_scores(F16, F16, 128, 1, 3, 64, {LL, 20}, LL, false, 4, 0);
   if (!g_small) run_scores(BF, F32, 128, 16, 1, 16, {20000}, 20000, false, 2, 16);
+  // The group mode's logits on the CUDA cores where the tensor-core kernel is the default (d <= 128,
+  // groups of 3+): the same checks (float64, and topk_group_select against topk_scores + topk_rows).
+  kvs::cuda::detail::set_topk_score_mma(false);
+  run_scores(BF, F32, 128, 4, 2, 16, {L, L / 3 + 5, 1}, L, false, 4, 64);
+  run_scores(F16, F16, 64, 8, 2, 256, {L, 17}, L, false, 0, 0, 4.f);
+  run_scores(BF, F32, 128, 4, 2, 16, {LL, LL - 3000, 1, 0}, LL, false, 4, 64);
+  kvs::cuda::detail::set_topk_score_mma(true);
 }
 
 // ---- graph capture: topk_scores + topk_rows captured once, replayed, same result -------------------

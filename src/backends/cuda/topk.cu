@@ -201,6 +201,18 @@ __global__ void __launch_bounds__(kSmallThreads, 1) topk_small_kernel(const Rows
 
 // Benchmark knobs (detail::set_topk_tuning): 0 = automatic.
 std::atomic<int> g_force_cluster{0}, g_force_chunk{0}, g_last_cluster{0};
+// The group mode's logits on the tensor cores (topk_logits_mma_kernel) where they apply: off with
+// KVS_TOPK_SCORE_MMA=0 (environment, read once; a benchmark knob) or detail::set_topk_score_mma.
+std::atomic<int> g_score_mma{-1};
+bool score_mma_enabled() {
+  int v = g_score_mma.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* e = std::getenv("KVS_TOPK_SCORE_MMA");
+    v = (e && *e) ? (std::atoi(e) != 0) : 1;
+    g_score_mma.store(v, std::memory_order_relaxed);
+  }
+  return v != 0;
+}
 
 // =================================================================================================
 // Score pass
@@ -403,6 +415,175 @@ __global__ void __launch_bounds__(kScoreThreads, 2) topk_logits_kernel(const Sco
       a.part_m[hrow * a.nchunks + blockIdx.x] = M;
       a.part_l[hrow * a.nchunks + blockIdx.x] = L;
     }
+  }
+}
+
+// The group mode's logits on the tensor cores (d <= 128): the dense decode's tensor-core kernel
+// (cuda_attention.cu) without its values. Each warp streams tiles of 16 keys through a private
+// cp.async ring (STAGES deep, rows swizzled in shared memory), and S = q K^T comes from m16n8k16
+// MMAs with the group's query heads as the rows (8 per CTA, zero past the group; q pre-scaled into
+// base 2 and split into three parts exact in T). Lane (qr, qc) ends a tile
+// with keys 2qc, 2qc + 1, 8 + 2qc, 9 + 2qc of head qr: written as the CUDA-core kernel writes them
+// (z [.., t, ZT], ZT the group tile of the workspace layout), with the chunk's (max, sum) per head.
+// The CUDA-core kernel read 268 MB of keys at 2.7 TB/s on an H200 (98 us at 128K, 8 KV heads).
+constexpr int kMmaScoreWarps = 4, kMmaScoreStages = 3;
+template <typename T, int D, int ZT>
+__global__ void __launch_bounds__(kMmaScoreWarps * 32) topk_logits_mma_kernel(const ScoreArgs a) {
+  constexpr int NW = kMmaScoreWarps, STAGES = kMmaScoreStages;
+  constexpr int R = 16;          // keys per warp tile (<= P: a tile is in one page)
+  constexpr int TILE = R * D;    // elements of one K tile
+  constexpr int CPR = D / 8;     // 16-byte chunks per row
+  constexpr int RPP = 32 / CPR;  // rows per copy pass
+  constexpr int PASSES = R / RPP;
+  constexpr int KS = D / 16;     // k-steps of QK^T
+  static_assert(D <= 128 && ZT <= 8, "tensor-core logits: d <= 128, at most 8 heads a CTA");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ float red_m[NW][8], red_l[NW][8];
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int qr_ = lane >> 2, qc = lane & 3;
+  const int kvh = int(blockIdx.y) / a.ngroups, qg = int(blockIdx.y) % a.ngroups, b = blockIdx.z;
+  const int g0 = qg * ZT;
+  const int len = min(max(a.lengths[b], 0), a.max_len);
+  const int t0 = int(blockIdx.x) * a.chunk;
+  const int t1 = min(len, t0 + a.chunk);
+  if (t0 >= t1) return;
+
+  // q in three parts (hi + mid + lo, each exact in T): the products with the keys are then as
+  // exact as the CUDA-core kernel's fp32 dots (two parts leave about 2^-17 of q, enough to move a
+  // near-tie across the top-k's threshold).
+  uint32_t qa_hi[KS][2], qa_mid[KS][2], qa_lo[KS][2];
+  const bool live = qr_ < ZT && g0 + qr_ < a.G;
+  {
+    const int64_t row = int64_t(b) * a.Hq + int64_t(kvh) * a.G + g0 + min(qr_, a.G - 1 - g0);
+    const void* const qbase = a.q_at ? *a.q_at : a.q;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int d0 = ks * 16 + h * 8 + qc * 2;
+        float x0, x1;
+        if (a.q_f32) {
+          const float2 v = __ldg(reinterpret_cast<const float2*>(static_cast<const float*>(qbase) + row * D + d0));
+          x0 = v.x;
+          x1 = v.y;
+        } else {
+          const T* qp = static_cast<const T*>(qbase) + row * D + d0;
+          x0 = float(qp[0]);
+          x1 = float(qp[1]);
+        }
+        x0 = live ? x0 * a.qmul : 0.f;
+        x1 = live ? x1 * a.qmul : 0.f;
+        const float h0 = Mma<T>::round(x0), h1 = Mma<T>::round(x1);
+        const float m0 = Mma<T>::round(x0 - h0), m1 = Mma<T>::round(x1 - h1);
+        qa_hi[ks][h] = Mma<T>::pack(h0, h1);
+        qa_mid[ks][h] = Mma<T>::pack(m0, m1);
+        qa_lo[ks][h] = Mma<T>::pack(x0 - h0 - m0, x1 - h1 - m1);
+      }
+  }
+
+  const KvStrides kst = kv_strides(a.kv, a.Hkv, D);
+  const int64_t hoff = int64_t(kvh) * kst.head;
+  const int shift = a.kv.page_shift, pmask = a.kv.page_tokens - 1;
+  const void* const* pages = a.kv.pages + int64_t(b) * a.kv.max_pages;
+  const uint64_t pol_z = policy_evict_last();
+  const int ntiles = (t1 - t0 + R - 1) / R;
+  const int my_tiles = ntiles > warp ? (ntiles - warp + NW - 1) / NW : 0;
+  auto tile_base = [&](int j) { return t0 + (warp + j * NW) * R; };
+  T* wsm = reinterpret_cast<T*>(smem_raw) + warp * STAGES * TILE;
+  const int cc = lane % CPR, r0 = lane / CPR;
+  auto issue = [&](int j, int stage) {
+    const int tb = tile_base(j);
+    const T* pg = static_cast<const T*>(pages[tb >> shift]) + hoff;
+    T* ks = wsm + stage * TILE;
+#pragma unroll
+    for (int p = 0; p < PASSES; ++p) {
+      const int row = p * RPP + r0, t = tb + row;
+      const bool ok = t < t1;
+      const T* sp = pg + int64_t((ok ? t : tb) & pmask) * kst.token + cc * 8;
+      cp_async16(ks + row * D + ((cc ^ (row & 7)) * 8), sp, ok);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < my_tiles) issue(s, s);
+    cp_async_commit();
+  }
+
+  float* zrow = a.out + ((int64_t(b) * a.Hkv + kvh) * a.ngroups + qg) * int64_t(a.max_len) * ZT + qr_;
+  float run_m = -INFINITY, run_l = 0.f;
+  for (int j = 0; j < my_tiles; ++j) {
+    __syncwarp();  // every lane is done reading the stage refilled below
+    if (j + STAGES - 1 < my_tiles) issue(j + STAGES - 1, (j + STAGES - 1) % STAGES);
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();
+    __syncwarp();  // other lanes' copies of tile j are visible to this lane's ldmatrix
+    const T* ks = wsm + (j % STAGES) * TILE;
+    float sc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+      for (int kk = 0; kk < D / 32; ++kk) {
+        const int row = nb * 8 + (lane & 7);
+        const int chunk = 4 * kk + (lane >> 3);
+        uint32_t x0, x1, x2, x3;
+        ldsm_x4(ks + row * D + ((chunk ^ (lane & 7)) * 8), x0, x1, x2, x3);
+        Mma<T>::mma(sc[nb], qa_lo[2 * kk][0], qa_lo[2 * kk][1], x0, x1);  // smallest parts first
+        Mma<T>::mma(sc[nb], qa_lo[2 * kk + 1][0], qa_lo[2 * kk + 1][1], x2, x3);
+        Mma<T>::mma(sc[nb], qa_mid[2 * kk][0], qa_mid[2 * kk][1], x0, x1);
+        Mma<T>::mma(sc[nb], qa_mid[2 * kk + 1][0], qa_mid[2 * kk + 1][1], x2, x3);
+        Mma<T>::mma(sc[nb], qa_hi[2 * kk][0], qa_hi[2 * kk][1], x0, x1);
+        Mma<T>::mma(sc[nb], qa_hi[2 * kk + 1][0], qa_hi[2 * kk + 1][1], x2, x3);
+      }
+    if (live) {
+      const int tb = tile_base(j);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int t = tb + (i >> 1) * 8 + qc * 2 + (i & 1);
+        if (t < t1) {
+          const float s = sc[i >> 1][i & 1];
+          st_hint(zrow + int64_t(t) * ZT, s, pol_z);
+          if (s > run_m) {
+            run_l = run_l * exp2f(run_m - s) + 1.f;
+            run_m = s;
+          } else {
+            run_l += exp2f(s - run_m);
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  pdl_launch_dependents();  // the group-score kernel's prologue may start (it waits for this grid)
+  // Each head's (max, sum) over the quad's lanes, then the warps.
+#pragma unroll
+  for (int o = 1; o <= 2; o <<= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, run_m, o), l2 = __shfl_xor_sync(0xffffffffu, run_l, o);
+    const float M = fmaxf(run_m, m2);
+    float L = 0.f;
+    if (M != -INFINITY) {
+      if (run_m != -INFINITY) L += run_l * exp2f(run_m - M);
+      if (m2 != -INFINITY) L += l2 * exp2f(m2 - M);
+    }
+    run_m = M;
+    run_l = L;
+  }
+  if (qc == 0) {
+    red_m[warp][qr_] = run_m;
+    red_l[warp][qr_] = run_l;
+  }
+  __syncthreads();
+  const int g = threadIdx.x;
+  if (g < ZT && g0 + g < a.G) {
+    float M = -INFINITY;
+    for (int w = 0; w < NW; ++w) M = fmaxf(M, red_m[w][g]);
+    float L = 0.f;
+    if (M != -INFINITY)
+      for (int w = 0; w < NW; ++w)
+        if (red_m[w][g] != -INFINITY) L += red_l[w][g] * exp2f(red_m[w][g] - M);
+    const int64_t hrow = int64_t(b) * a.Hq + int64_t(kvh) * a.G + g0 + g;
+    a.part_m[hrow * a.nchunks + blockIdx.x] = M;
+    a.part_l[hrow * a.nchunks + blockIdx.x] = L;
   }
 }
 
@@ -657,8 +838,48 @@ void set_group_outputs(ScoreArgs& a, const Workspace& ws, const ScoreLayout& L) 
 
 // The score pass's first kernel: the logits (group mode, then a.out, a.part_* and a.chunk,
 // a.nchunks describe them) or the per-head scores.
+// The group mode's tensor-core logits (topk_logits_mma_kernel), for d <= 128 and groups of 4 or 8
+// heads: chunks a multiple of the CTA's 64-key round (at least kMinChunk, so the workspace's chunk
+// statistics hold them), as many CTAs as fill the device a few times over.
+template <typename T, int D, int GT>
+Status launch_logits_mma(ScoreArgs& a, const Workspace& ws, const ScoreLayout& L, cudaStream_t st) {
+  constexpr int kSmem = kMmaScoreWarps * kMmaScoreStages * 16 * D * int(sizeof(T));  // 48 KB at d 128
+  int sms = 0;
+  if (Status e = sm_count(&sms); !e.ok()) return e;
+  static std::atomic<int> occ_cache{0};
+  int occ = occ_cache.load(std::memory_order_relaxed);
+  if (occ == 0) {  // (with the static reductions the CTA needs more than the default 48 KB)
+    KVS_CUDA_TRY(cudaFuncSetAttribute(topk_logits_mma_kernel<T, D, GT>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
+                 "cudaFuncSetAttribute(topk_logits_mma_kernel)");
+    KVS_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, topk_logits_mma_kernel<T, D, GT>,
+                                                               kMmaScoreWarps * 32, kSmem),
+                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor(topk_logits_mma_kernel)");
+    occ = std::max(occ, 1);
+    occ_cache.store(occ, std::memory_order_relaxed);
+  }
+  const int64_t rows = int64_t(a.B) * a.Hkv * a.ngroups;
+  constexpr int kRound = 16 * kMmaScoreWarps;
+  const int64_t wave = int64_t(sms) * occ;
+  // About four waves of CTAs, each at least kMinChunk keys. (One wave of longer chunks, as the
+  // dense decode runs, measured 518 against 416 us a step at 512K on an H200, and 134.6 then
+  // 158.0 against 137.6 us at 128K in two calls: a wave that just fits is fragile.)
+  const int64_t per_row = std::max<int64_t>(1, 4 * wave / rows);
+  int64_t chunk = ceil_div(ceil_div(std::max(a.max_len, 1), per_row), kRound) * kRound;
+  if (const int fc = g_force_chunk.load(std::memory_order_relaxed); fc > 0) chunk = ceil_div(fc, kRound) * kRound;
+  chunk = std::min<int64_t>(std::max<int64_t>(chunk, kMinChunk), kMaxChunk);
+  a.chunk = int(chunk);
+  a.nchunks = int(ceil_div(a.max_len, chunk));
+  set_group_outputs(a, ws, L);
+  topk_logits_mma_kernel<T, D, GT>
+      <<<dim3(unsigned(a.nchunks), unsigned(a.Hkv * a.ngroups), unsigned(a.B)), kMmaScoreWarps * 32, kSmem, st>>>(a);
+  KVS_LAUNCH_CHECK("topk_logits_mma_kernel launch");
+  return {};
+}
+
 template <typename T, int D, int GT>
 Status launch_logits(ScoreArgs& a, bool per_head, const Workspace& ws, const ScoreLayout& L, cudaStream_t st) {
+  if constexpr (D <= 128 && GT >= 4)
+    if (!per_head && score_mma_enabled()) return launch_logits_mma<T, D, GT>(a, ws, L, st);
   int sms = 0, occ = 0;
   if (Status e = sm_count(&sms); !e.ok()) return e;
   auto kern = per_head ? topk_logits_kernel<T, D, GT, false> : topk_logits_kernel<T, D, GT, true>;
@@ -991,6 +1212,7 @@ void set_topk_tuning(int cluster, int score_chunk) noexcept {
   g_force_chunk.store(score_chunk, std::memory_order_relaxed);
 }
 int32_t topk_rows_last_cluster() noexcept { return g_last_cluster.load(std::memory_order_relaxed); }
+void set_topk_score_mma(bool on) noexcept { g_score_mma.store(on ? 1 : 0, std::memory_order_relaxed); }
 }  // namespace detail
 
 }  // namespace kvs::cuda

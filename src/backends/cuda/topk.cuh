@@ -96,6 +96,10 @@ namespace detail {
 void set_topk_tuning(int cluster, int score_chunk) noexcept;
 // The cluster size of the last topk_rows or fused topk_group_select launch in this process.
 int32_t topk_rows_last_cluster() noexcept;
+// Tests and benchmarks, process-wide: the group mode's logits on the tensor cores (the default,
+// for head_dim <= 128 and groups of 3 or more query heads) or on the CUDA cores (also
+// KVS_TOPK_SCORE_MMA=0 in the environment).
+void set_topk_score_mma(bool on) noexcept;
 }  // namespace detail
 
 }  // namespace kvs::cuda
