@@ -621,6 +621,21 @@ TEST_CASE("retroinfer: the index view's lineage holds across appended clusters o
     CHECK(std::memcmp(a.dvmean.data(), b.dvmean.data(), a.dvmean.size()) == 0);
     CHECK(b.start[size_t(C)] == R);  // the new clusters' rows follow the old ones
   }
+  // An update whose keys leave fp16's range: the heads' meta copy (fp16 for a bf16 KV by default)
+  // is encoded again in bf16, every row of it: a new lineage.
+  REQUIRE((*v1.heads)[0].mdt == kvs::DType::F16);
+  const uint64_t g1 = v1.generation;
+  while (kvs::retro::index_view(*m, 0).generation == g1) {
+    REQUIRE(t < 1400);
+    std::vector<float> big(D.kt(t), D.kt(t) + size_t(D.hkv) * D.d);
+    for (float& x : big) x *= 1e5f;
+    kv.append(big.data(), D.vt(t), 1);
+    m->on_append(0, D.qt(t), 1, kv, true);
+    ++t;
+  }
+  const auto v2 = kvs::retro::index_view(*m, 0);
+  for (const auto& H : *v2.heads) CHECK(H.mdt == kvs::DType::BF16);
+  CHECK(v2.lineage != lin);
   m->truncate(0, t - 1);
   const uint64_t lin2 = kvs::retro::index_view(*m, 0).lineage;
   CHECK(lin2 != lin);

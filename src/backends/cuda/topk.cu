@@ -449,9 +449,11 @@ __global__ void __launch_bounds__(kMmaScoreWarps * 32) topk_logits_mma_kernel(co
   const int t1 = min(len, t0 + a.chunk);
   if (t0 >= t1) return;
 
-  // q in three parts (hi + mid + lo, each exact in T): the products with the keys are then as
-  // exact as the CUDA-core kernel's fp32 dots (two parts leave about 2^-17 of q, enough to move a
-  // near-tie across the top-k's threshold).
+  // q in three parts (hi + mid + lo, each exact in T): with bf16 the products with the keys are
+  // then as exact as the CUDA-core kernel's fp32 dots (two parts leave about 2^-17 of q, enough to
+  // move a near-tie across the top-k's threshold). With fp16 the lower parts of a small q fall into
+  // fp16's subnormals (about 22 bits of q kept), and q * scale * log2(e) must stay within fp16's
+  // range (65504), as in the dense decode's tensor-core kernel.
   uint32_t qa_hi[KS][2], qa_mid[KS][2], qa_lo[KS][2];
   const bool live = qr_ < ZT && g0 + qr_ < a.G;
   {
@@ -848,7 +850,8 @@ Status launch_logits_mma(ScoreArgs& a, const Workspace& ws, const ScoreLayout& L
   if (Status e = sm_count(&sms); !e.ok()) return e;
   static std::atomic<int> occ_cache{0};
   int occ = occ_cache.load(std::memory_order_relaxed);
-  if (occ == 0) {  // (with the static reductions the CTA needs more than the default 48 KB)
+  if (occ == 0) {  // (with the static reductions the CTA needs more than the default 48 KB; set on the
+                   // device current at the first launch, as setup_occupancy does for the decode kernels)
     KVS_CUDA_TRY(cudaFuncSetAttribute(topk_logits_mma_kernel<T, D, GT>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
                  "cudaFuncSetAttribute(topk_logits_mma_kernel)");
     KVS_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, topk_logits_mma_kernel<T, D, GT>,

@@ -840,6 +840,8 @@ class RetroInfer final : public Method {
     }
     if (L.heads.empty()) L.heads.resize(size_t(hkv));
     const int64_t c0 = L.clusters();
+    std::vector<DType> mdt_before;
+    for (const auto& H : L.heads) mdt_before.push_back(H.mdt);
     ctx_.pool->parallel_for(hkv, [&](int64_t h) {
       retro::append_clusters(L.heads[size_t(h)], kv, int(h), b, m, assign[size_t(h)].data(), cent[size_t(h)].data(), C);
       L.heads[size_t(h)].sync_decode(decode_dtype(), d);
@@ -848,6 +850,10 @@ class RetroInfer final : public Method {
     L.e += e_add;
     L.indexed_end = e;
     L.generation = ++generation_;
+    // An append keeps the lineage (retro::IndexView), unless a head's 16-bit meta copy was encoded
+    // again in bf16 (a value past fp16's range): its rows seen before changed.
+    for (size_t h = 0; h < L.heads.size(); ++h)
+      if (L.heads[h].mdt != mdt_before[h]) L.lineage = L.generation;
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     L.chunks.push_back(Chunk{b, e, c0, c0 + C, s, r_add, e_add, ms});
   }

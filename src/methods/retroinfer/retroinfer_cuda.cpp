@@ -91,6 +91,7 @@ class RetroCuda final : public DeviceMethod {
       L.wave.release_events();
       if (L.mirror.uploaded) cudaEventDestroy(L.mirror.uploaded);
     }
+    if (stage_read_) cudaEventDestroy(stage_read_);
   }
 
   // ---- index: the host method's, mirrored ----
@@ -582,8 +583,9 @@ class RetroCuda final : public DeviceMethod {
                         C <= M.cs && R <= M.rs;
     const int64_t c0 = append ? M.C : 0, r0 = append ? M.R : 0, nc = C - c0, nr = R - r0;
     if (append) {
-      // The last upload's copies may still read the staging.
-      check(cudaEventSynchronize(M.uploaded), "cudaEventSynchronize(retroinfer index upload)");
+      // The staging is the session's, shared by its layers: the last upload's copies (any layer's)
+      // may still read it.
+      if (stage_read_) check(cudaEventSynchronize(stage_read_), "cudaEventSynchronize(retroinfer index staging)");
     } else {
       // A step still running (on any stream) may read the old copy, and the last upload may still
       // read the staging: wait for the device (a rebuild, a rollback or a load is rare).
@@ -640,11 +642,21 @@ class RetroCuda final : public DeviceMethod {
                                 size_t(n) * w, size_t(n) * w, size_t(hkv), cudaMemcpyHostToDevice, S(stream)),
               what);
     };
-    up(M.cent, 0, row, c0, nc, M.cs, "retroinfer centroids");
-    up(M.vmeta, o_vm, row, c0, nc, M.cs, "retroinfer value means");
-    up(M.size, o_size, 4, c0, nc, M.cs, "retroinfer sizes");
-    up(M.start, o_start, 4, c0, nc, M.cs, "retroinfer starts");
-    up(M.pos, o_pos, 4, r0, nr, M.rs, "retroinfer positions");
+    if (!stage_read_) check(cudaEventCreateWithFlags(&stage_read_, cudaEventDisableTiming), "cudaEventCreate(retroinfer index)");
+    {
+      // After the copies, however this block ends (a copy that fails leaves the ones before it
+      // queued): the next upload waits for this event before it packs the staging again.
+      struct StageRead {
+        cudaEvent_t e;
+        void* st;
+        ~StageRead() { cudaEventRecord(e, S(st)); }
+      } stage_read{stage_read_, stream};
+      up(M.cent, 0, row, c0, nc, M.cs, "retroinfer centroids");
+      up(M.vmeta, o_vm, row, c0, nc, M.cs, "retroinfer value means");
+      up(M.size, o_size, 4, c0, nc, M.cs, "retroinfer sizes");
+      up(M.start, o_start, 4, c0, nc, M.cs, "retroinfer starts");
+      up(M.pos, o_pos, 4, r0, nr, M.rs, "retroinfer positions");
+    }
     if (!M.uploaded) check(cudaEventCreateWithFlags(&M.uploaded, cudaEventDisableTiming), "cudaEventCreate(retroinfer index)");
     check(cudaEventRecord(M.uploaded, S(stream)), "cudaEventRecord(retroinfer index upload)");
     if (append) {
@@ -697,6 +709,9 @@ class RetroCuda final : public DeviceMethod {
     if (want == W.on && (!want || (W.generation == M.generation && W.own_cap >= W.cache_pages + int64_t(v.kv.max_pages))))
       return;
     quiesce();
+    // A step still running on another stream may read vpos and tok2v, rewritten below (an update
+    // that only appended clusters no longer waits for the device in sync_mirror).
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(retroinfer wave buffer)");
     W.pending = false;
     if (!want) {
       W.on = false;
@@ -1086,6 +1101,7 @@ class RetroCuda final : public DeviceMethod {
   static constexpr size_t kKeptDownloadBytes = size_t(8) << 20;
   mutable cudautil::PinnedBuf download_stage_;
   cudautil::PinnedBuf index_stage_;   // sync_mirror's staging, kept between index changes
+  cudaEvent_t stage_read_ = nullptr;  // recorded after each upload's copies from index_stage_
   int device_ = 0;
   mutable cuda::Scalar meta_ = cuda::Scalar::F32;  // plan(): the batch's meta dtype
   mutable DevBuf stats_;  // [Hkv][kRetroStats] int32: this session's rows of the last step
