@@ -598,12 +598,19 @@ TEST_CASE("retroinfer: the index view's lineage holds across appended clusters o
   const uint64_t lin = v0.lineage;
   CHECK(lin != 0);
   int64_t t = 1000;
-  while (kvs::retro::index_view(*m, 0).generation == v0.generation) {
-    REQUIRE(t < 1400);
-    kv.append(D.kt(t), D.vt(t), 1);
-    m->on_append(0, D.qt(t), 1, kv, true);
-    ++t;
-  }
+  // Decode tokens (their keys scaled by key_scale) until the next index update.
+  auto until_update = [&](float key_scale) {
+    const uint64_t g = kvs::retro::index_view(*m, 0).generation;
+    while (kvs::retro::index_view(*m, 0).generation == g) {
+      REQUIRE(t < 1400);
+      std::vector<float> k(D.kt(t), D.kt(t) + size_t(D.hkv) * D.d);
+      for (float& x : k) x *= key_scale;
+      kv.append(k.data(), D.vt(t), 1);
+      m->on_append(0, D.qt(t), 1, kv, true);
+      ++t;
+    }
+  };
+  until_update(1.f);
   const auto v1 = kvs::retro::index_view(*m, 0);
   CHECK(v1.lineage == lin);
   for (int h = 0; h < D.hkv; ++h) {
@@ -624,15 +631,7 @@ TEST_CASE("retroinfer: the index view's lineage holds across appended clusters o
   // An update whose keys leave fp16's range: the heads' meta copy (fp16 for a bf16 KV by default)
   // is encoded again in bf16, every row of it: a new lineage.
   REQUIRE((*v1.heads)[0].mdt == kvs::DType::F16);
-  const uint64_t g1 = v1.generation;
-  while (kvs::retro::index_view(*m, 0).generation == g1) {
-    REQUIRE(t < 1400);
-    std::vector<float> big(D.kt(t), D.kt(t) + size_t(D.hkv) * D.d);
-    for (float& x : big) x *= 1e5f;
-    kv.append(big.data(), D.vt(t), 1);
-    m->on_append(0, D.qt(t), 1, kv, true);
-    ++t;
-  }
+  until_update(1e5f);
   const auto v2 = kvs::retro::index_view(*m, 0);
   for (const auto& H : *v2.heads) CHECK(H.mdt == kvs::DType::BF16);
   CHECK(v2.lineage != lin);

@@ -201,18 +201,21 @@ __global__ void __launch_bounds__(kSmallThreads, 1) topk_small_kernel(const Rows
 
 // Benchmark knobs (detail::set_topk_tuning): 0 = automatic.
 std::atomic<int> g_force_cluster{0}, g_force_chunk{0}, g_last_cluster{0};
-// The group mode's logits on the tensor cores (topk_logits_mma_kernel) where they apply: off with
-// KVS_TOPK_SCORE_MMA=0 (environment, read once; a benchmark knob) or detail::set_topk_score_mma.
-std::atomic<int> g_score_mma{-1};
-bool score_mma_enabled() {
-  int v = g_score_mma.load(std::memory_order_relaxed);
+// A benchmark knob: on unless the environment variable `name` is set to 0 (read once into flag,
+// -1 until then; a setter may store 0 or 1 first).
+bool env_flag(std::atomic<int>& flag, const char* name) {
+  int v = flag.load(std::memory_order_relaxed);
   if (v < 0) {
-    const char* e = std::getenv("KVS_TOPK_SCORE_MMA");
+    const char* e = std::getenv(name);
     v = (e && *e) ? (std::atoi(e) != 0) : 1;
-    g_score_mma.store(v, std::memory_order_relaxed);
+    flag.store(v, std::memory_order_relaxed);
   }
   return v != 0;
 }
+// The group mode's logits on the tensor cores (topk_logits_mma_kernel) where they apply: off with
+// KVS_TOPK_SCORE_MMA=0 or detail::set_topk_score_mma.
+std::atomic<int> g_score_mma{-1};
+bool score_mma_enabled() { return env_flag(g_score_mma, "KVS_TOPK_SCORE_MMA"); }
 
 // =================================================================================================
 // Score pass
@@ -1097,15 +1100,7 @@ Status launch_logits_of(ScoreArgs& a, Scalar kv_dtype, int D, int GT, bool per_h
 // The fused select (topk_group_select_kernel): off with KVS_TOPK_FUSED=0 (environment, read once;
 // a benchmark knob).
 std::atomic<int> g_fused{-1};
-bool fused_enabled() {
-  int v = g_fused.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* e = std::getenv("KVS_TOPK_FUSED");
-    v = (e && *e) ? (std::atoi(e) != 0) : 1;
-    g_fused.store(v, std::memory_order_relaxed);
-  }
-  return v != 0;
-}
+bool fused_enabled() { return env_flag(g_fused, "KVS_TOPK_FUSED"); }
 
 ClusterOccupancy g_fused_occupancy[4];  // per GT: 1, 2, 4, 8
 using FusedKernel = void (*)(const ScoreArgs, const RowsArgs);
