@@ -8,7 +8,8 @@
 // of the next, the fill), steady_share=0, budget=paper, mask_empty=before_softmax, the meta index
 // in fp32 / bf16, prompts below the indexing threshold, the incremental index update while
 // decoding, an appended turn, batches of sessions of different lengths, the index built on the
-// GPU session, and a GPU session moved back to the CPU after updates.
+// GPU session, a GPU session moved back to the CPU after updates, and updates across layers with a
+// rollback into the tokens the next update's clustering ran ahead over.
 // Built into kvsieve_cuda_tests (main in test_cuda_attention.cu calls run_retroinfer_tests()).
 #include <cuda_runtime.h>
 
@@ -391,6 +392,139 @@ void run_wave_layers(int64_t n0, int steps) {
   for (kvs_session_t t : {dev, host, fork}) kvs_session_destroy(t);
 }
 
+// Index updates across layers (each layer's own clustering run ahead, the staging of the meta
+// index uploads shared): 3 layers decoded layer by layer, a turn appended outside a step that
+// crosses update_segment several times in every layer back to back, then a rollback into the
+// tokens the next update's clustering already ran over (update_segment > local, so the rollback
+// floor lies inside them), and other tokens decoded in their place across that update. The GPU
+// session, moved from the CPU one, must decode as the CPU does throughout (a stale clustering
+// would cluster the tokens rolled back).
+void run_layer_updates() {
+  const int hq = 16, hkv = 4, d = 128, L = 3, seg = 64, local = 32;
+  const int64_t n0 = 1400, turn = 150;
+  const kvs_scalar_type kvdt = KVS_SCALAR_BF16;
+  const int64_t T = n0 + 600;
+  std::vector<Seq> xs, alt;  // per layer; alt: the tokens decoded after the rollback
+  for (int l = 0; l < L; ++l) {
+    xs.push_back(make_seq(T, hq, hkv, d, uint32_t(7100 + l)));
+    alt.push_back(make_seq(T, hq, hkv, d, uint32_t(7300 + l)));
+  }
+  kvs_session_params p = one_layer_params("retroinfer", kvdt, hq, hkv, d, 0.05);
+  p.num_layers = L;
+  p.method_params = "update_segment=64,local=32,segment_size=512";
+  p.max_rollback = 256;  // the CPU session's rollback (the cuda one goes back to its floor without it)
+  kvs_session_t cpu = nullptr, gpu = nullptr;
+  if (!ok(kvs_session_create(&p, &cpu), "layer updates: create")) return;
+  // Tokens [t0, t1) of every layer's x appended (prefill or a turn): host fp32 on the CPU, device
+  // 16-bit on the GPU.
+  auto add_all = [&](kvs_session_t s, bool dev, int64_t t0, int64_t t1, bool prefill) {
+    const int64_t n = t1 - t0;
+    for (uint32_t l = 0; l < uint32_t(L); ++l) {
+      const Seq& x = xs[l];
+      std::vector<float> q(x.q.begin() + t0 * hq * d, x.q.begin() + t1 * hq * d);
+      std::vector<float> k(x.k.begin() + t0 * hkv * d, x.k.begin() + t1 * hkv * d);
+      std::vector<float> v(x.v.begin() + t0 * hkv * d, x.v.begin() + t1 * hkv * d);
+      kvs_error_t e;
+      if (!dev) {
+        Tensor tq(q.data(), KVS_DEVICE_CPU, F32, {n, hq, d}), tk(k.data(), KVS_DEVICE_CPU, F32, {n, hkv, d}),
+            tv(v.data(), KVS_DEVICE_CPU, F32, {n, hkv, d});
+        e = prefill ? kvs_session_prefill(s, l, &tq.t, &tk.t, &tv.t, nullptr, nullptr)
+                    : kvs_session_append(s, l, &tq.t, &tk.t, &tv.t, nullptr, nullptr);
+      } else {
+        float* dq = upload(q);
+        uint16_t* dk = upload(to16(k, kvdt));
+        uint16_t* dv = upload(to16(v, kvdt));
+        Tensor tq(dq, KVS_DEVICE_CUDA, F32, {n, hq, d}), tk(dk, KVS_DEVICE_CUDA, dt16(kvdt), {n, hkv, d}),
+            tv(dv, KVS_DEVICE_CUDA, dt16(kvdt), {n, hkv, d});
+        e = kvs_session_append(s, l, &tq.t, &tk.t, &tv.t, nullptr, nullptr);
+        cudaDeviceSynchronize();
+        cudaFree(dq);
+        cudaFree(dk);
+        cudaFree(dv);
+      }
+      ok(e, "layer updates: add tokens");
+    }
+  };
+  add_all(cpu, false, 0, n0, true);
+  ok(kvs_session_build_index(cpu, nullptr), "layer updates: build");
+  if (!ok(kvs_session_to(cpu, KVS_BACKEND_CUDA, 0, &gpu), "layer updates: to cuda")) {
+    kvs_session_destroy(cpu);
+    return;
+  }
+  Cmp c;
+  int64_t pos = n0;
+  // Token t of the layers' rows (xs, or alt) decoded by both sessions, layer by layer.
+  auto decode = [&](const std::vector<Seq>& rows, int64_t t) {
+    for (uint32_t l = 0; l < uint32_t(L); ++l) {
+      const Seq& x = rows[l];
+      std::vector<float> q(x.q.begin() + t * hq * d, x.q.begin() + (t + 1) * hq * d);
+      std::vector<float> k(x.k.begin() + t * hkv * d, x.k.begin() + (t + 1) * hkv * d);
+      std::vector<float> v(x.v.begin() + t * hkv * d, x.v.begin() + (t + 1) * hkv * d);
+      std::vector<float> ref(size_t(hq) * d), rlse(hq), out(size_t(hq) * d), lse(hq);
+      Tensor tq(q.data(), KVS_DEVICE_CPU, F32, {hq, d}), tk(k.data(), KVS_DEVICE_CPU, F32, {hkv, d}),
+          tv(v.data(), KVS_DEVICE_CPU, F32, {hkv, d}), to(ref.data(), KVS_DEVICE_CPU, F32, {hq, d}),
+          tl(rlse.data(), KVS_DEVICE_CPU, F32, {hq});
+      ok(kvs_session_decode(cpu, l, &tq.t, &tk.t, &tv.t, &to.t, &tl.t, nullptr), "layer updates: decode cpu");
+      float* dq = upload(q);
+      uint16_t* dk = upload(to16(k, kvdt));
+      uint16_t* dv = upload(to16(v, kvdt));
+      float *dout = nullptr, *dlse = nullptr;
+      cudaMalloc(&dout, out.size() * 4);
+      cudaMalloc(&dlse, lse.size() * 4);
+      Tensor gq(dq, KVS_DEVICE_CUDA, F32, {hq, d}), gk(dk, KVS_DEVICE_CUDA, dt16(kvdt), {hkv, d}),
+          gv(dv, KVS_DEVICE_CUDA, dt16(kvdt), {hkv, d}), go(dout, KVS_DEVICE_CUDA, F32, {hq, d}),
+          gl(dlse, KVS_DEVICE_CUDA, F32, {hq});
+      ok(kvs_session_decode(gpu, l, &gq.t, &gk.t, &gv.t, &go.t, &gl.t, nullptr), "layer updates: decode cuda");
+      cudaDeviceSynchronize();
+      cudaMemcpy(out.data(), dout, out.size() * 4, cudaMemcpyDeviceToHost);
+      cudaMemcpy(lse.data(), dlse, lse.size() * 4, cudaMemcpyDeviceToHost);
+      for (void* ptr : {static_cast<void*>(dq), static_cast<void*>(dk), static_cast<void*>(dv), static_cast<void*>(dout),
+                        static_cast<void*>(dlse)})
+        cudaFree(ptr);
+      fold_errors(out, ref, lse, rlse, d, c.err, c.lse);
+    }
+  };
+  auto stat = [](kvs_session_t s, const char* name) {
+    double x = -1;
+    kvs_error_destroy(kvs_session_method_stat(s, name, &x));
+    return x;
+  };
+  for (int s = 0; s < 100; ++s, ++pos) decode(xs, pos);
+  const double u1 = stat(gpu, "index_updates");
+  add_all(cpu, false, pos, pos + turn, false);
+  add_all(gpu, true, pos, pos + turn, false);
+  pos += turn;
+  const double u2 = stat(gpu, "index_updates");
+  for (int s = 0; s < 40; ++s, ++pos) decode(xs, pos);
+  // On to where the next update's tokens [lo, lo + seg) are stored (its clustering run ahead) and
+  // the update not yet due, then back to lo + local + 8, inside them.
+  const int64_t lo = int64_t(stat(gpu, "indexed_tokens")) / L + 4;  // summed over the layers; 4 sinks
+  CAPI_CHECK(stat(cpu, "indexed_tokens") == stat(gpu, "indexed_tokens") && pos >= lo + local,
+             "layer updates: indexed tokens cpu %g, cuda %g", stat(cpu, "indexed_tokens"), stat(gpu, "indexed_tokens"));
+  while (pos < lo + seg + 16) decode(xs, pos++);
+  const double u3 = stat(gpu, "index_updates");
+  const int64_t back = lo + local + 8;
+  ok(kvs_session_truncate(cpu, back), "layer updates: truncate cpu");
+  ok(kvs_session_truncate(gpu, back), "layer updates: truncate cuda");
+  const Cmp before = c;
+  c = Cmp{};
+  for (pos = back; pos < back + 100; ++pos) decode(alt, pos);
+  const double u4 = stat(gpu, "index_updates");
+  CAPI_CHECK(u2 >= u1 + 3 * 2 && u4 > u3 && stat(cpu, "index_updates") == u4,
+             "layer updates: updates (all layers) before the turn %g, after it %g, before the rollback %g, after it %g "
+             "(cpu %g)",
+             u1, u2, u3, u4, stat(cpu, "index_updates"));
+  CAPI_CHECK(before.err < 1e-2 && before.lse < 2e-2, "layer updates: before the rollback rel err %.3g, lse err %.3g",
+             before.err, before.lse);
+  CAPI_CHECK(c.err < 1e-2 && c.lse < 2e-2, "layer updates: other tokens after the rollback: rel err %.3g, lse err %.3g",
+             c.err, c.lse);
+  std::printf("session retroinfer 3 layers, updates (a turn, a rollback into the clustering run ahead): rel err %.2e / "
+              "%.2e after the rollback, %g updates\n",
+              before.err, c.err, u4);
+  kvs_session_destroy(cpu);
+  kvs_session_destroy(gpu);
+}
+
 // rank_dtype=model is the CPU's alone: refused on the cuda backend, naming the parameter.
 void run_errors() {
   kvs_session_params p = one_layer_params("retroinfer", KVS_SCALAR_BF16, 8, 2, 64, 0.05);
@@ -442,6 +576,7 @@ int run_retroinfer_tests(bool small) {
   if (!small) run_case("", KVS_SCALAR_BF16, 32, 8, 128, 24000, 2, 6, 0.05, /*gpu_build=*/true);
   run_roundtrip();
   run_two_streams();
+  run_layer_updates();
   run_build_agreement(small ? 3000 : 12000);
   // The wave buffer: evictions (a cache of 1% of the rows), index updates while decoding, batches.
   run_wave("cache_ratio=0.01", 1, n, small ? 14 : 40);

@@ -171,4 +171,9 @@ Status retro_kmeans(const PagedKv& kv, Scalar kv_dtype, int32_t num_kv_heads, in
                     const RetroKMeans& k, int32_t* assign, float* centroids, const Workspace& ws,
                     void* stream) noexcept;
 
+// Pages [p0, p0 + np) of one sequence's paged KV (kv: B = 1), page_bytes each (a multiple of 16),
+// copied back to back to dst: device memory, or mapped pinned host memory by its device address
+// (an index update's tokens read back in stream order, without waiting for the stream).
+Status retro_copy_pages(const PagedKv& kv, int32_t p0, int32_t np, size_t page_bytes, void* dst, void* stream) noexcept;
+
 }  // namespace kvs::cuda

@@ -252,7 +252,29 @@ Status run(const KArgs& a0, const RetroKMeans& k, int32_t* assign, float* cent, 
   return pass(a.n, a.C, 1, a.n, 1);
 }
 
+// Page p0 + blockIdx.y to dst + blockIdx.y * words, 16 bytes a thread at a time.
+__global__ void copy_pages_kernel(const void* const* pages, int32_t p0, size_t words, uint4* dst) {
+  const uint4* src = static_cast<const uint4*>(pages[p0 + int32_t(blockIdx.y)]);
+  uint4* out = dst + size_t(blockIdx.y) * words;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < words; i += size_t(gridDim.x) * blockDim.x)
+    out[i] = src[i];
+}
+
 }  // namespace
+
+Status retro_copy_pages(const PagedKv& kv, int32_t p0, int32_t np, size_t page_bytes, void* dst, void* stream) noexcept {
+  if (!kv.pages || !dst) return invalid("retro_copy_pages: null argument");
+  if (p0 < 0 || np < 1 || np > 65535 || (kv.max_pages > 0 && int64_t(p0) + np > kv.max_pages))
+    return invalid("retro_copy_pages: pages out of the sequence's table");
+  if (page_bytes == 0 || page_bytes % 16 != 0 || reinterpret_cast<uintptr_t>(dst) % 16 != 0)
+    return invalid("retro_copy_pages: page_bytes and dst must be multiples of 16 bytes");
+  const size_t words = page_bytes / 16;
+  const unsigned x = unsigned(std::min<size_t>((words + 255) / 256, 64));
+  copy_pages_kernel<<<dim3(x, unsigned(np)), 256, 0, static_cast<cudaStream_t>(stream)>>>(kv.pages, p0, words,
+                                                                                         static_cast<uint4*>(dst));
+  KVS_LAUNCH_CHECK("retro copy_pages_kernel launch");
+  return {};
+}
 
 size_t retro_kmeans_workspace_bytes(int32_t num_kv_heads, int32_t head_dim, const RetroKMeans& k) noexcept {
   if (num_kv_heads < 1 || head_dim < 1 || k.clusters < 1) return 0;

@@ -876,13 +876,19 @@ class RetroInfer final : public Method {
   void update(uint32_t layer, const KVLayer& kv) {
     auto& L = layers_[layer];
     while (kv.size() - local_ - L.indexed_end > update_) {
-      const int64_t C = std::min(retro::update_cluster_count(update_, cluster_size_, align_), update_);
+      const int64_t C = update_kmeans().clusters;
       // UPDATE_NPROBE and UPDATE_ES: Python round, at least 1 cluster each (estimation 0 stays off:
       // the authors' max(..., 1) would estimate one cluster per update even then).
       const int64_t r_add = retrieval_ > 0 ? std::max<int64_t>(retro::round_half_even(double(C) * retrieval_), 1) : 0;
       const int64_t e_add = estimation_ > 0 ? std::max<int64_t>(retro::round_half_even(double(C) * estimation_), 1) : 0;
       add_chunk(layer, kv, L.indexed_end, L.indexed_end + update_, 1, C, r_add, e_add);
     }
+  }
+
+  // The k-means of one update (update_segment tokens, one segment): C clusters (UPDATE_CENTROIDS).
+  retro::KMeansConfig update_kmeans() const {
+    const int64_t C = std::min(retro::update_cluster_count(update_, cluster_size_, align_), update_);
+    return retro::KMeansConfig{C, 1, int(iterations_), centre_, raw_init_};
   }
 
   // recall@k of the clustering (Fig. 17b): clusters in rank order until they hold >= k tokens;
@@ -981,7 +987,7 @@ StepLayout step_layout(const Method& m, uint32_t layer, int64_t n, int64_t budge
 }
 Rules rules(const Method& m) {
   const auto& r = as_retro(m);
-  return Rules{r.sinks_, r.local_, r.update_, r.mask_after_, r.rank_model_, !r.session_budget_};
+  return Rules{r.sinks_, r.local_, r.update_, r.mask_after_, r.rank_model_, !r.session_budget_, r.update_kmeans()};
 }
 void set_clusterer(Method& m, Clusterer c) { const_cast<RetroInfer&>(as_retro(m)).clusterer_ = std::move(c); }
 void record_steps(Method& m, const StepFigures& f, double sum_unused, double sum_overrun, int64_t steps) {

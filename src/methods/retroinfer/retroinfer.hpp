@@ -39,6 +39,7 @@ struct Rules {
   bool mask_after = true;    // mask_empty=after_softmax
   bool rank_model = false;   // rank_dtype=model
   bool paper = false;        // budget=paper (the steps' zones by the r_fixed largest-ranked clusters)
+  KMeansConfig update_kmeans;  // the k-means of an incremental update (update_segment tokens, one segment)
 };
 
 // m must be the CPU retroinfer method (retroinfer_spec().create): anything else is an internal error.

@@ -90,6 +90,10 @@ class RetroCuda final : public DeviceMethod {
     for (auto& L : layers_) {
       L.wave.release_events();
       if (L.mirror.uploaded) cudaEventDestroy(L.mirror.uploaded);
+      if (L.ahead.done) {  // its copies write into pinned memory freed with it
+        cudaEventSynchronize(L.ahead.done);
+        cudaEventDestroy(L.ahead.done);
+      }
     }
     if (stage_read_) cudaEventDestroy(stage_read_);
   }
@@ -113,6 +117,7 @@ class RetroCuda final : public DeviceMethod {
     update(layer, v, tokens, 1, true);
     sync_mirror(layer, v.stream);
     sync_wave(layer, v);
+    cluster_ahead(layer, v);
   }
   // The steady zone of the step (sinks, local window, the unclustered tail the fill may take).
   HotTokens hot_tokens(uint32_t layer, int64_t tokens, int64_t budget) const override {
@@ -128,6 +133,7 @@ class RetroCuda final : public DeviceMethod {
   void build_index(uint32_t layer, const DeviceLayerView& v) override {
     KVLayer kv = download(v, v.tokens, std::min<int64_t>(rules_.sinks, v.tokens), v.tokens);
     Clustering scope(this, &v);
+    layers_[layer].ahead.issued = false;  // the index starts again: so does the next update
     host_->build_index(layer, kv);
     layers_[layer].built = true;
     // The updates' KV read-back staging now, not at the first update's step (a cudaHostAlloc of a
@@ -142,7 +148,12 @@ class RetroCuda final : public DeviceMethod {
     }
     sync_mirror(layer, stream);
   }
-  void truncate(uint32_t layer, int64_t n) override { host_->truncate(layer, n); }
+  void truncate(uint32_t layer, int64_t n) override {
+    host_->truncate(layer, n);
+    // Tokens the next update's clustering ran ahead over may be gone (then written again).
+    auto& A = layers_[layer].ahead;
+    if (A.issued && n < A.b + rules_.update_segment) A.issued = false;
+  }
   // A rollback keeps every clustered token and the local window after them: the clusters are not
   // undone here (the cpu backend's max_rollback keeps copies of the index for that).
   // Its index update reads KV pages back into a host KV layer (download), in the host store's pages.
@@ -395,7 +406,10 @@ class RetroCuda final : public DeviceMethod {
   void save(io::TablesWriter& w) const override { host_->save(w); }
   void load(const io::TablesFile& f, const nlohmann::json& meta) override {
     host_->load(f, meta);
-    for (auto& L : layers_) L.built = true;  // the session builds no layer it loaded
+    for (auto& L : layers_) {
+      L.built = true;  // the session builds no layer it loaded
+      L.ahead.issued = false;
+    }
   }
   std::unique_ptr<DeviceMethod> clone(void*) const override {
     auto c = std::unique_ptr<RetroCuda>(new RetroCuda(*this));
@@ -487,9 +501,22 @@ class RetroCuda final : public DeviceMethod {
       zones_done = staged = admitted = nullptr;
     }
   };
+  // The next update's clustering, run ahead (cluster_ahead): the update_segment tokens [b, b + m)
+  // the layer's next update will cluster are stored `local` steps before the update is due, so
+  // their pages are read back and their k-means runs then, in stream order and without waiting;
+  // the update finds both done instead of draining the stream for them (docs/perf.md).
+  struct Ahead {
+    bool issued = false;  // for tokens [b, b + cfg's update_segment)
+    int64_t b = 0, p0 = 0, np = 0;  // np pages from p0 cover the tokens
+    DevBuf scratch;                 // retro_kmeans's workspace, then assignments and centroids
+    cudautil::PinnedBuf host;       // the pages, then assignments [Hkv][m], then centroids [Hkv][C][d]
+    size_t o_assign = 0, o_cent = 0;
+    cudaEvent_t done = nullptr;     // recorded after the copies into `host`
+  };
   struct Layer {
     Mirror mirror;
     Wave wave;
+    Ahead ahead;
     bool built = false, prompt_chunk = false;
   };
 
@@ -970,18 +997,93 @@ class RetroCuda final : public DeviceMethod {
   // index and the local window of a layer of n tokens, the oldest update_segment of them are
   // clustered alone and appended (stored tokens only: [indexed_end, n - local)).
   void update(uint32_t layer, const DeviceLayerView& v, int64_t n, int64_t added, bool decode) {
-    const int64_t lo = retro::index_view(*host_, layer).indexed_end;
-    if (n - rules_.local - lo <= rules_.update_segment) return;
-    KVLayer kv = download(v, n, lo, n - rules_.local);
-    Clustering scope(this, &v);
+    const int64_t lo = retro::index_view(*host_, layer).indexed_end, seg = rules_.update_segment;
+    if (n - rules_.local - lo <= seg) return;
+    // One update (not an appended turn's several) of the tokens clustered ahead: their pages and
+    // clusters are read from the run ahead's copies (waiting for them, normally long done).
+    Ahead& A = layers_[layer].ahead;
+    const bool ahead = A.issued && A.b == lo && n - rules_.local - lo <= 2 * seg;
+    A.issued = false;  // used now, or behind the index once this update is done
+    KVLayer kv = ahead ? ahead_layer(A, n) : download(v, n, lo, n - rules_.local);
+    Clustering scope(this, &v, ahead ? &A : nullptr);
     host_->on_append(layer, nullptr, added, kv, decode);
+  }
+  // Runs the layer's next update's clustering ahead once its tokens are stored (see Ahead), when
+  // its copies fit the session's bound (layers past it update as before, draining the stream).
+  void cluster_ahead(uint32_t layer, const DeviceLayerView& v) {
+    Ahead& A = layers_[layer].ahead;
+    const retro::KMeansConfig& cfg = rules_.update_kmeans;
+    const int64_t m = rules_.update_segment, b = retro::index_view(*host_, layer).indexed_end;
+    if (A.issued || !layers_[layer].built || m < 1 || b + m > v.tokens) return;
+    const int hkv = int(shape_.num_kv_heads), d = int(shape_.head_dim);
+    const size_t pb = page_bytes();
+    const int64_t p0 = b / kPageTokens, np = (b + m + kPageTokens - 1) / kPageTokens - p0;
+    cuda::RetroKMeans k;
+    k.n = int32_t(m);
+    k.clusters = int32_t(cfg.clusters);
+    k.segments = int32_t(cfg.segments);
+    k.iterations = cfg.iterations;
+    k.centre = cfg.centre;
+    k.raw_init = cfg.raw_init;
+    auto al = [](size_t x) { return (x + 255) / 256 * 256; };
+    const size_t ws = cuda::retro_kmeans_workspace_bytes(hkv, d, k), a_bytes = size_t(hkv) * size_t(m) * 4,
+                 c_bytes = size_t(hkv) * size_t(cfg.clusters) * size_t(d) * 4;
+    const size_t dev_need = al(ws) + al(a_bytes) + c_bytes, host_need = al(size_t(np) * pb) + al(a_bytes) + c_bytes;
+    if (A.scratch.bytes + A.host.bytes == 0 && ahead_bytes_ + dev_need + host_need > kAheadBytes) return;
+    // A run dropped unread (a rollback) may still be writing the buffers.
+    if (A.done) check(cudaEventSynchronize(A.done), "cudaEventSynchronize(retroinfer clustering ahead)");
+    else check(cudaEventCreateWithFlags(&A.done, cudaEventDisableTiming), "cudaEventCreate(retroinfer clustering ahead)");
+    ahead_bytes_ -= A.scratch.bytes + A.host.bytes;
+    A.scratch.reserve(dev_need, device_, "cudaMalloc(retroinfer clustering ahead)");
+    A.host.reserve(host_need, "cudaHostAlloc(retroinfer clustering ahead)");
+    ahead_bytes_ += A.scratch.bytes + A.host.bytes;
+    A.o_assign = al(size_t(np) * pb);
+    A.o_cent = A.o_assign + al(a_bytes);
+    char* base = static_cast<char*>(A.scratch.p);
+    int32_t* da = reinterpret_cast<int32_t*>(base + al(ws));
+    float* dc = reinterpret_cast<float*>(base + al(ws) + al(a_bytes));
+    check(cuda::retro_copy_pages(v.kv, int32_t(p0), int32_t(np), pb, A.host.d, v.stream), "retro_copy_pages");
+    check(cuda::retro_kmeans(v.kv, cuda::Scalar(int32_t(shape_.kv_dtype)), hkv, d, int32_t(b), k, da, dc,
+                             cuda::Workspace{base, ws}, v.stream),
+          "retro_kmeans (ahead)");
+    check(cudaMemcpyAsync(A.host.at<char>(A.o_assign), da, a_bytes, cudaMemcpyDeviceToHost, S(v.stream)),
+          "cudaMemcpy(retroinfer assignments ahead)");
+    check(cudaMemcpyAsync(A.host.at<char>(A.o_cent), dc, c_bytes, cudaMemcpyDeviceToHost, S(v.stream)),
+          "cudaMemcpy(retroinfer centroids ahead)");
+    check(cudaEventRecord(A.done, S(v.stream)), "cudaEventRecord(retroinfer clustering ahead)");
+    A.b = b;
+    A.p0 = p0;
+    A.np = np;
+    A.issued = true;
+  }
+  // A host KV layer of n tokens holding the run ahead's pages (the others one shared zero page,
+  // never read), once its copies are done.
+  KVLayer ahead_layer(const Ahead& A, int64_t n) const {
+    check(cudaEventSynchronize(A.done), "cudaEventSynchronize(retroinfer clustering ahead)");
+    const size_t pb = page_bytes();
+    auto blank = std::make_shared<Page>(pb);
+    std::memset(blank->data(), 0, pb);
+    std::vector<std::shared_ptr<Page>> hp(static_cast<size_t>((n + kPageTokens - 1) / kPageTokens), blank);
+    for (int64_t p = 0; p < A.np; ++p) {
+      hp[size_t(A.p0 + p)] = std::make_shared<Page>(pb);
+      std::memcpy(hp[size_t(A.p0 + p)]->data(), A.host.at<char>(size_t(p) * pb), pb);
+    }
+    KVLayer kv(shape_.kv_dtype, int(shape_.num_kv_heads), int(shape_.head_dim));
+    kv.adopt(std::move(hp), n);
+    return kv;
   }
   // The layer the host method's k-means reads (cluster()), set for one build or update, cleared
   // however it ends.
   struct Clustering {
     RetroCuda* m;
-    Clustering(RetroCuda* mm, const DeviceLayerView* v) : m(mm) { m->cur_ = v; }
-    ~Clustering() { m->cur_ = nullptr; }
+    Clustering(RetroCuda* mm, const DeviceLayerView* v, const Ahead* a = nullptr) : m(mm) {
+      m->cur_ = v;
+      m->cur_ahead_ = a;
+    }
+    ~Clustering() {
+      m->cur_ = nullptr;
+      m->cur_ahead_ = nullptr;
+    }
     Clustering(const Clustering&) = delete;
     Clustering& operator=(const Clustering&) = delete;
   };
@@ -997,6 +1099,20 @@ class RetroCuda final : public DeviceMethod {
                std::vector<std::vector<float>>& cent) const {
     if (!cur_) fail(KVS_STATUS_INTERNAL, "retroinfer (cuda): a clustering outside a build or an update");
     const int hkv = int(shape_.num_kv_heads), d = int(shape_.head_dim);
+    const retro::KMeansConfig& uc = rules_.update_kmeans;
+    if (cur_ahead_ && b == cur_ahead_->b && n == rules_.update_segment && cfg.clusters == uc.clusters &&
+        cfg.segments == uc.segments && cfg.iterations == uc.iterations && cfg.centre == uc.centre &&
+        cfg.raw_init == uc.raw_init) {  // run ahead (ahead_layer waited for its copies)
+      const int32_t* ha = cur_ahead_->host.at<int32_t>(cur_ahead_->o_assign);
+      const float* hc = cur_ahead_->host.at<float>(cur_ahead_->o_cent);
+      assign.resize(size_t(hkv));
+      cent.resize(size_t(hkv));
+      for (int h = 0; h < hkv; ++h) {
+        assign[size_t(h)].assign(ha + int64_t(h) * n, ha + int64_t(h + 1) * n);
+        cent[size_t(h)].assign(hc + int64_t(h) * cfg.clusters * d, hc + int64_t(h + 1) * cfg.clusters * d);
+      }
+      return;
+    }
     cuda::RetroKMeans k;
     k.n = int32_t(n);
     k.clusters = int32_t(cfg.clusters);
@@ -1113,6 +1229,11 @@ class RetroCuda final : public DeviceMethod {
   mutable int32_t max_clusters_ = 1, max_rows_ = 1;
   mutable std::vector<retro::StepLayout> layouts_;  // plan()'s, per session of the batch, for fill_args
   const DeviceLayerView* cur_ = nullptr;  // the layer a build or an update is clustering
+  const Ahead* cur_ahead_ = nullptr;       // that update's clustering, run ahead
+  // Clustering ahead: the bytes its layers hold (device and pinned), at most kAheadBytes (at
+  // update_segment=64, 8 KV heads, d 128, bf16, about 0.5 MiB a layer; at 1024, about 9 MiB).
+  static constexpr size_t kAheadBytes = size_t(64) << 20;
+  size_t ahead_bytes_ = 0;
   // The wave buffer.
   double cache_ratio_ = 0.05;
   enum class Misses { Stage, Copy, Inplace } misses_ = Misses::Stage;  // wave_misses
