@@ -57,7 +57,7 @@ small_params() {
   case $1 in
     csattention) echo centroids=8,subspaces=4 ;;
     ctkvr) echo centroids=16,rho=32,local=8 ;;
-    retroinfer) echo update_segment=16,cluster_size=8,local=8,sinks=2 ;;
+    retroinfer) echo update_segment=16,index_min=0,cluster_size=8,local=8,sinks=2 ;;
     quest) echo page_size=8 ;;
     *) echo "" ;;
   esac

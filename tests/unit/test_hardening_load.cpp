@@ -206,9 +206,9 @@ TEST_CASE("hardening: every method's loader range-checks its header numbers") {
       {"hgca", nullptr, [](json& m) { m["layers"]["x"] = m["layers"]["0"]; }, "method.meta.layers: key 'x' is not a layer"},
       {"hgca", nullptr, [](json& m) { m["layers"]["+1"] = m["layers"]["0"]; }, "key '+1' is not a layer"},
       {"hgca", nullptr, [](json& m) { m["layers"]["99999999999999999999"] = m["layers"]["0"]; }, "is not a layer"},
-      {"retroinfer", "update_segment=64,local=16", [](json& m) { m["layers"]["0"]["clusters"] = 1e20; },
+      {"retroinfer", "update_segment=64,index_min=0,local=16", [](json& m) { m["layers"]["0"]["clusters"] = 1e20; },
        "method.meta.layers.0.clusters"},
-      {"retroinfer", "update_segment=64,local=16", [](json& m) { m["layers"]["0"]["chunks"][0]["tokens"][1] = 1e20; },
+      {"retroinfer", "update_segment=64,index_min=0,local=16", [](json& m) { m["layers"]["0"]["chunks"][0]["tokens"][1] = 1e20; },
        "method.meta.layers.0.chunks.0.tokens.1"},
   };
   for (const auto& c : cases) {
@@ -233,7 +233,7 @@ TEST_CASE("hardening: a layer's token count in the header must fit the method's 
     const char* params;
   };
   const std::vector<Case> cases = {{"csattention", "centroids=8"}, {"lfps", nullptr},  {"hgca", nullptr},
-                                   {"retroinfer", "update_segment=64,local=16"}, {"ctkvr", nullptr},
+                                   {"retroinfer", "update_segment=64,index_min=0,local=16"}, {"ctkvr", nullptr},
                                    {"quest", nullptr}};
   for (const auto& c : cases) {
     Sess A;
@@ -418,7 +418,7 @@ TEST_CASE("hardening: window and FIFO memory grows with what they hold, not with
   {
     // cluster_align 4096 with one token per cluster asks for 4096 clusters over 64 tokens.
     Sess A;
-    build(A, D, params(D, "retroinfer", "cluster_align=4096,cluster_size=1,update_segment=32,local=8,sinks=4", 1), 64);
+    build(A, D, params(D, "retroinfer", "cluster_align=4096,cluster_size=1,update_segment=32,index_min=0,local=8,sinks=4", 1), 64);
     OK(kvs_session_get_stats(A.s, &st));
     CHECK(st.index_bytes < (uint64_t(256) << 10));
     std::vector<float> o, l;

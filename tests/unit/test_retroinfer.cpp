@@ -273,7 +273,7 @@ TEST_CASE("retroinfer: with every cluster a singleton the estimation equals exac
   // Singletons: one cluster per token, no alignment, one segment; everything estimated. The
   // normalised k-means start keeps every token in its own cluster (a key's best normalised
   // centroid is itself); the authors' raw start can move a key to a longer one.
-  const char* singleton = "cluster_size=1,cluster_align=1,segment_size=0,update_segment=64,sinks=4,local=8,retrieval=0,estimation=1,"
+  const char* singleton = "cluster_size=1,cluster_align=1,segment_size=0,update_segment=64,index_min=0,sinks=4,local=8,retrieval=0,estimation=1,"
       "kmeans_init=normalised";
   Sess S;
   auto p = params(D, singleton);
@@ -291,14 +291,14 @@ TEST_CASE("retroinfer: with every cluster a singleton the estimation equals exac
   }
   // The same clusters, all retrieved exactly instead: equal as well.
   Sess R;
-  auto pr = params(D, "cluster_size=1,cluster_align=1,segment_size=0,update_segment=64,sinks=4,local=8,retrieval=1,estimation=0");
+  auto pr = params(D, "cluster_size=1,cluster_align=1,segment_size=0,update_segment=64,index_min=0,sinks=4,local=8,retrieval=1,estimation=0");
   OK(kvs_session_create(&pr, &R.s));
   prefill(R.s, D, 300);
   decode(R.s, D, 300, o, lse);
   CHECK(full_error(D, 300, o, lse) < 2e-5);
   // Non-trivial check: with clusters of 16 the same all-estimated configuration is not exact.
   Sess A;
-  auto pa = params(D, "cluster_size=16,cluster_align=1,segment_size=0,update_segment=64,sinks=4,local=8,retrieval=0,estimation=1");
+  auto pa = params(D, "cluster_size=16,cluster_align=1,segment_size=0,update_segment=64,index_min=0,sinks=4,local=8,retrieval=0,estimation=1");
   OK(kvs_session_create(&pa, &A.s));
   prefill(A.s, D, 300);
   decode(A.s, D, 300, o, lse);
@@ -320,7 +320,7 @@ TEST_CASE("retroinfer: a 16-bit meta index at decode (meta_dtype) agrees with th
     const kvs_scalar_type kt = cs.kv;
     Rng rng(17);
     Data D(rng, 8, 2, 32, 4200, 1.0f, 211);
-    const std::string single = "cluster_size=1,cluster_align=1,segment_size=0,update_segment=64,sinks=4,local=8,retrieval=0,estimation=1,"
+    const std::string single = "cluster_size=1,cluster_align=1,segment_size=0,update_segment=64,index_min=0,sinks=4,local=8,retrieval=0,estimation=1,"
       "kmeans_init=normalised";
     for (int config = 0; config < 2; ++config) {
       const std::string base = config == 0 ? single : std::string("sinks=4");
@@ -512,7 +512,7 @@ TEST_CASE("retroinfer: incremental updates cluster each update_segment alone, ap
     CAPTURE(int(kt));
     Rng rng(19);
     Data D(rng, 4, 2, 16, 1400);
-    const char* mp = "update_segment=128,local=16,cluster_size=8,segment_size=256";
+    const char* mp = "update_segment=128,index_min=0,local=16,cluster_size=8,segment_size=256";
     Sess S;
     auto p = params(D, mp, 0.0, kt);
     OK(kvs_session_create(&p, &S.s));
@@ -586,7 +586,7 @@ TEST_CASE("retroinfer: the index view's lineage holds across appended clusters o
                           kvs::DType::BF16},
                          {}, &pool, int32_t(kvs::cpu::resolve_gemm(KVS_GEMM_AUTO))};
   auto m = spec->create(ctx, kvs::ParamSet::parse("retroinfer", spec->params,
-                                                  "update_segment=128,local=16,cluster_size=8,segment_size=256"));
+                                                  "update_segment=128,index_min=0,local=16,cluster_size=8,segment_size=256"));
   CHECK_FALSE(kvs::retro::rules(*m).paper);
   CHECK(kvs::retro::rules(*spec->create(ctx, kvs::ParamSet::parse("retroinfer", spec->params, "budget=paper"))).paper);
   kvs::KVLayer kv(kvs::DType::BF16, D.hkv, D.d);
@@ -642,22 +642,30 @@ TEST_CASE("retroinfer: the index view's lineage holds across appended clusters o
   CHECK(kvs::retro::index_view(*m, 0).lineage != lin2);
 }
 
-TEST_CASE("retroinfer: short prompts stay dense until update_segment tokens accumulate") {
-  Rng rng(23);
-  Data D(rng, 4, 2, 16, 1300);
-  Sess S;
-  auto p = params(D, "");
-  OK(kvs_session_create(&p, &S.s));
-  prefill(S.s, D, 1000);  // 1000 - 68 < 1024: no index
-  CHECK(stat(S.s, "clusters") == 0);
-  std::vector<float> o, lse;
-  decode(S.s, D, 1000, o, lse);
-  CHECK(full_error(D, 1000, o, lse) < 2e-5);
-  for (int64_t t = 1001; t < 1092; ++t) decode(S.s, D, t, o, lse);  // 1092 tokens: 1024 waiting, not yet clustered
-  CHECK(stat(S.s, "clusters") == 0);
-  decode(S.s, D, 1092, o, lse);  // 1093 tokens: 1093 - 68 > 1024, the first 1024 are clustered
-  CHECK(stat(S.s, "clusters") == 64);
-  CHECK(stat(S.s, "indexed_tokens") == 1024);
+TEST_CASE("retroinfer: short prompts stay dense until index_min tokens accumulate") {
+  // index_min (1024 by default) clusterable tokens (past 4 sinks, before 64 local) before the first
+  // index; then update_segment (64 by default, 8 clusters each) at a time. index_min=0 is the
+  // authors' rule (update_segment): with update_segment=1024, one chunk of 64 clusters.
+  for (const char* mp : {"", "index_min=0,update_segment=1024"}) {
+    CAPTURE(mp);
+    Rng rng(23);
+    Data D(rng, 4, 2, 16, 1300);
+    Sess S;
+    auto p = params(D, mp);
+    OK(kvs_session_create(&p, &S.s));
+    prefill(S.s, D, 1000);  // 1000 - 68 < 1024: no index
+    CHECK(stat(S.s, "clusters") == 0);
+    std::vector<float> o, lse;
+    decode(S.s, D, 1000, o, lse);
+    CHECK(full_error(D, 1000, o, lse) < 2e-5);
+    for (int64_t t = 1001; t < 1092; ++t) decode(S.s, D, t, o, lse);  // 1092 tokens: 1024 waiting, not yet clustered
+    CHECK(stat(S.s, "clusters") == 0);
+    decode(S.s, D, 1092, o, lse);  // 1093 tokens: 1093 - 68 > 1024, the first 1024 are clustered
+    CHECK(stat(S.s, "indexed_tokens") == 1024);
+    CHECK(stat(S.s, "clusters") == (*mp ? 64 : 16 * 8));
+    for (int64_t t = 1093; t < 1157; ++t) decode(S.s, D, t, o, lse);  // 1157 tokens: 1024 + 64 + 1 waiting
+    CHECK(stat(S.s, "indexed_tokens") == (*mp ? 1024 : 1088));
+  }
 }
 
 TEST_CASE("retroinfer: parameter errors name the parameter") {

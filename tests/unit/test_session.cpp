@@ -557,7 +557,7 @@ struct BatchCase {
 const std::vector<BatchCase> kBatchCases = {
     {"full", nullptr},  {"exact_topk", nullptr}, {"streaming", nullptr}, {"quest", nullptr},
     {"csattention", "centroids=8"}, {"ctkvr", nullptr}, {"lfps", nullptr}, {"hgca", nullptr},
-    {"retroinfer", "update_segment=64,local=16"}};
+    {"retroinfer", "update_segment=64,index_min=0,local=16"}};
 
 struct BatchRun {
   Data& D;

@@ -169,6 +169,7 @@ class RetroInfer final : public Method {
         retrieval_(p.get_float("retrieval")),
         estimation_(p.get_float("estimation")),
         update_(int_param(p, "retroinfer", "update_segment", 1, kTok)),
+        index_min_(int_param(p, "retroinfer", "index_min", 0, kTok, "0 = update_segment")),
         session_budget_(p.get_string("budget") == "session"),
         steady_share_(p.get_float("steady_share")),
         centre_(p.get_bool("centre")),
@@ -197,9 +198,9 @@ class RetroInfer final : public Method {
     L.generation = L.lineage = ++generation_;
     L.indexed_end = sinks_;
     const int64_t n_idx = kv.size() - local_ - sinks_;
-    // Short prompts (n < sinks + local + update_segment) stay in the steady zone until enough
-    // tokens accumulate (retroinfer_cache.py).
-    if (n_idx >= update_) {
+    // Short prompts (n < sinks + local + index_min) stay in the steady zone until enough tokens
+    // accumulate (retroinfer_cache.py, where index_min is update_segment).
+    if (n_idx >= min_index()) {
       // Segment and cluster counts from the whole prompt (config.py is given the context length),
       // or from the clustered tokens only (cluster_basis=indexed).
       const int64_t basis = from_prompt_ ? kv.size() : n_idx;
@@ -873,8 +874,11 @@ class RetroInfer final : public Method {
   // authors check before appending a decode token (decode_update_kv_cache: a steady zone of
   // sinks + local + UPDATE_SEGMENT is clustered, then the token appended); this runs after the
   // append, hence "more than": the same tokens are clustered at the same step.
+  // A layer without an index waits for more than index_min such tokens (the prompt's rule), then
+  // clusters them update_segment at a time.
   void update(uint32_t layer, const KVLayer& kv) {
     auto& L = layers_[layer];
+    if (L.chunks.empty() && kv.size() - local_ - L.indexed_end <= min_index()) return;
     while (kv.size() - local_ - L.indexed_end > update_) {
       const int64_t C = update_kmeans().clusters;
       // UPDATE_NPROBE and UPDATE_ES: Python round, at least 1 cluster each (estimation 0 stays off:
@@ -885,6 +889,8 @@ class RetroInfer final : public Method {
     }
   }
 
+  // The fewest clusterable tokens (past the sinks, before the local window) a layer is indexed at.
+  int64_t min_index() const { return index_min_ > 0 ? index_min_ : update_; }
   // The k-means of one update (update_segment tokens, one segment): C clusters (UPDATE_CENTROIDS).
   retro::KMeansConfig update_kmeans() const {
     const int64_t C = std::min(retro::update_cluster_count(update_, cluster_size_, align_), update_);
@@ -948,6 +954,7 @@ class RetroInfer final : public Method {
   int64_t sinks_, local_, cluster_size_, segment_size_, iterations_, align_;
   double retrieval_, estimation_;
   int64_t update_;
+  int64_t index_min_;  // 0: update_ (min_index())
   bool session_budget_;
   double steady_share_;
   bool centre_;
@@ -987,7 +994,8 @@ StepLayout step_layout(const Method& m, uint32_t layer, int64_t n, int64_t budge
 }
 Rules rules(const Method& m) {
   const auto& r = as_retro(m);
-  return Rules{r.sinks_, r.local_, r.update_, r.mask_after_, r.rank_model_, !r.session_budget_, r.update_kmeans()};
+  return Rules{r.sinks_, r.local_, r.update_, r.mask_after_, r.rank_model_, !r.session_budget_, r.update_kmeans(),
+               r.min_index()};
 }
 void set_clusterer(Method& m, Clusterer c) { const_cast<RetroInfer&>(as_retro(m)).clusterer_ = std::move(c); }
 void record_steps(Method& m, const StepFigures& f, double sum_unused, double sum_overrun, int64_t steps) {
@@ -1030,7 +1038,12 @@ MethodSpec retroinfer_spec() {
        {"mask_empty", "enum:after_softmax|before_softmax", "after_softmax",
         "empty clusters in the ranking: dropped after the group's softmaxes over every centroid are summed (the "
         "authors' code), or left out of the softmax", "after_softmax"},
-       {"update_segment", "int", "1024", "generated tokens clustered on their own and appended (UPDATE_SEGMENT); also the minimum prompt to index", "1024"},
+       {"update_segment", "int", "64",
+        "generated tokens clustered on their own and appended (the authors' UPDATE_SEGMENT is 1024)", "1024"},
+       {"index_min", "int", "1024",
+        "clusterable tokens (past the sinks, before the local window) a layer needs before it is indexed, at the "
+        "build or, past it, at the first update; shorter contexts take the steady zone (streaming's keys); "
+        "0 = update_segment (the authors' rule)", "0"},
        {"budget", "enum:paper|session", "session",
         "session: the exact keys (steady zone + retrieval zone) fill the session budget: the steady zone takes at "
         "most steady_share of it, whole clusters in rank order the rest, then part of the next cluster and "

@@ -40,6 +40,7 @@ struct Rules {
   bool rank_model = false;   // rank_dtype=model
   bool paper = false;        // budget=paper (the steps' zones by the r_fixed largest-ranked clusters)
   KMeansConfig update_kmeans;  // the k-means of an incremental update (update_segment tokens, one segment)
+  int64_t index_min = 0;       // clusterable tokens a layer without an index waits for (more than this)
 };
 
 // m must be the CPU retroinfer method (retroinfer_spec().create): anything else is an internal error.

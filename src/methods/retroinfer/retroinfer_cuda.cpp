@@ -997,8 +997,10 @@ class RetroCuda final : public DeviceMethod {
   // index and the local window of a layer of n tokens, the oldest update_segment of them are
   // clustered alone and appended (stored tokens only: [indexed_end, n - local)).
   void update(uint32_t layer, const DeviceLayerView& v, int64_t n, int64_t added, bool decode) {
-    const int64_t lo = retro::index_view(*host_, layer).indexed_end, seg = rules_.update_segment;
+    const auto ix = retro::index_view(*host_, layer);
+    const int64_t lo = ix.indexed_end, seg = rules_.update_segment;
     if (n - rules_.local - lo <= seg) return;
+    if (ix.heads->empty() && n - rules_.local - lo <= rules_.index_min) return;  // the CPU method's rule
     // One update (not an appended turn's several) of the tokens clustered ahead: their pages and
     // clusters are read from the run ahead's copies (waiting for them, normally long done).
     Ahead& A = layers_[layer].ahead;
@@ -1013,8 +1015,10 @@ class RetroCuda final : public DeviceMethod {
   void cluster_ahead(uint32_t layer, const DeviceLayerView& v) {
     Ahead& A = layers_[layer].ahead;
     const retro::KMeansConfig& cfg = rules_.update_kmeans;
-    const int64_t m = rules_.update_segment, b = retro::index_view(*host_, layer).indexed_end;
+    const auto ix = retro::index_view(*host_, layer);
+    const int64_t m = rules_.update_segment, b = ix.indexed_end;
     if (A.issued || !layers_[layer].built || m < 1 || b + m > v.tokens) return;
+    if (ix.heads->empty() && rules_.index_min > m) return;  // the layer's first update is several at once
     const int hkv = int(shape_.num_kv_heads), d = int(shape_.head_dim);
     const size_t pb = page_bytes();
     const int64_t p0 = b / kPageTokens, np = (b + m + kPageTokens - 1) / kPageTokens - p0;
