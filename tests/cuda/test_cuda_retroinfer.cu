@@ -45,7 +45,11 @@ void run_case(const char* params, kvs_scalar_type kvdt, int hq, int hkv, int d, 
   cudaStreamCreate(&stream);
   std::vector<int64_t> pos(static_cast<size_t>(B), 0);
   for (int b = 0; b < B; ++b) pos[size_t(b)] = n0 + 37 * b;
+  // Outputs compared where the selections are the CPU's (skip_flips), and those must be nearly all
+  // of them: the GPU ranks clusters with sums in another order, and its k-means (an update's) adds
+  // with fp32 atomics, so a near-tie at a zone boundary may go the other way.
   Cmp c;
+  c.skip_flips = true;
   run_steps(cpu, gpu, seqs, pos, steps, hq, hkv, d, kvdt, stream, c);
   CAPI_CHECK(c.err < 1e-2 && c.lse < 2e-2, "%s: decode rel err %.3g, lse err %.3g", name, c.err, c.lse);
   CAPI_CHECK((c.count_equal || !counts_equal) && c.min_overlap >= 0.95,
@@ -62,8 +66,12 @@ void run_case(const char* params, kvs_scalar_type kvdt, int hq, int hkv, int d, 
   }
   // A turn appended outside a step (the update rule sees it), then steps.
   Cmp a;
+  a.skip_flips = true;
   append_turn(cpu, gpu, seqs, pos, turn, hq, hkv, d, kvdt);
   run_steps(cpu, gpu, seqs, pos, 3, hq, hkv, d, kvdt, stream, a);
+  CAPI_CHECK((c.flipped + a.flipped) * 10 <= c.rows + a.rows,
+             "%s: session-steps whose selections differ from the CPU's (near-ties): %lld of %lld", name,
+             (long long)(c.flipped + a.flipped), (long long)(c.rows + a.rows));
   CAPI_CHECK(a.err < 1e-2 && a.lse < 2e-2 && (a.count_equal || !counts_equal) && a.min_overlap >= 0.95,
              "%s: after an appended turn: rel err %.3g, lse err %.3g, counts equal %d, least overlap %.4f", name, a.err,
              a.lse, int(a.count_equal), a.min_overlap);
@@ -71,8 +79,10 @@ void run_case(const char* params, kvs_scalar_type kvdt, int hq, int hkv, int d, 
   kvs_session_method_stat(cpu[0], "index_updates", &updates_c);
   kvs_session_method_stat(gpu[0], "index_updates", &updates_g);
   CAPI_CHECK(updates_c == updates_g, "%s: index updates: cpu %g, cuda %g", name, updates_c, updates_g);
-  std::printf("session %s: rel err %.2e, lse err %.2e, least overlap %.4f; after the turn %.2e / %.4f; %g updates\n",
-              name, c.err, c.lse, c.min_overlap, a.err, a.min_overlap, updates_g);
+  std::printf("session %s: rel err %.2e, lse err %.2e, least overlap %.4f; after the turn %.2e / %.4f; %g updates; "
+              "%lld of %lld session-steps with a near-tie left out\n",
+              name, c.err, c.lse, c.min_overlap, a.err, a.min_overlap, updates_g, (long long)(c.flipped + a.flipped),
+              (long long)(c.rows + a.rows));
   cudaStreamDestroy(stream);
   destroy_pairs(cpu, gpu);
 }
