@@ -73,7 +73,7 @@ DEFAULT_BUDGET = 0.05
 # (method, method params) and (context, batch) of the default table.
 DEFAULT_METHODS = (("full", ""), ("exact_topk", ""), ("quest", "page_size=16"), ("streaming", ""), ("csattention", ""))
 # Methods whose index build is timed against a causal flash prefill of the same layer's prompt.
-TIME_PREFILL = ("csattention",)
+TIME_PREFILL = ("csattention", "retroinfer")
 DEFAULT_SHAPES = ((131072, 1), (524288, 1), (131072, 8), (8192, 1))
 
 # Peer backends in the order they are tried (name, torch.nn.attention.SDPBackend member); math is
