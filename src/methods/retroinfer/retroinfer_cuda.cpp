@@ -541,37 +541,62 @@ class RetroCuda final : public DeviceMethod {
   }
 
   // A host KV layer holding tokens [t0, t1) of the device layer (n tokens stored): the pages
-  // covering them read back; the other pages are one shared zero page (never read).
+  // covering them read back; the other pages are one shared zero page (never read). One kernel
+  // (retro_copy_pages) at a time copies a chunk of pages into mapped pinned staging, in stream
+  // order, and the host copies each chunk into its pages while the next one comes: an update's few
+  // pages through the staging the session keeps, a build's prompt through two chunks of
+  // kBuildChunkBytes freed afterwards (page by page into pageable memory, a build of 128K tokens
+  // spent 240 ms here on an H200, 820 ms at 512K; docs/perf.md).
   KVLayer download(const DeviceLayerView& v, int64_t n, int64_t t0, int64_t t1) const {
-    const size_t pb = cuda::paged_kv_page_bytes(int32_t(shape_.num_kv_heads), int32_t(kPageTokens),
-                                                int32_t(shape_.head_dim), int32_t(dtype_size(shape_.kv_dtype)));
+    const size_t pb = page_bytes();
     const int64_t pages = (n + kPageTokens - 1) / kPageTokens;
-    check(cudaStreamSynchronize(S(v.stream)), "cudaStreamSynchronize(retroinfer index)");
     auto blank = std::make_shared<Page>(pb);
     std::memset(blank->data(), 0, pb);
     std::vector<std::shared_ptr<Page>> hp(static_cast<size_t>(pages), blank);
-    if (t1 > t0) {  // the table's entries of the pages wanted, then those pages
-      const int64_t p0 = t0 / kPageTokens, p1 = (t1 + kPageTokens - 1) / kPageTokens;
-      // On the layer's stream (a plain cudaMemcpy would also wait for every other blocking stream).
-      std::vector<const void*> table(static_cast<size_t>(p1 - p0));
-      check(cudaMemcpyAsync(table.data(), v.kv.pages + p0, table.size() * sizeof(void*), cudaMemcpyDeviceToHost,
-                            S(v.stream)),
-            "cudaMemcpy(retroinfer page table)");
-      check(cudaStreamSynchronize(S(v.stream)), "cudaStreamSynchronize(retroinfer page table)");
-      // An update's few pages through pinned staging kept by the session (copies in flight
-      // together); a build's whole prompt page by page (pageable).
-      const bool staged = size_t(p1 - p0) * pb <= kKeptDownloadBytes;
-      if (staged) download_stage_.reserve(size_t(p1 - p0) * pb, "cudaHostAlloc(retroinfer KV readback)");
-      for (int64_t p = p0; p < p1; ++p) {
-        hp[size_t(p)] = std::make_shared<Page>(pb);
-        void* dst = staged ? static_cast<void*>(download_stage_.at<char>(size_t(p - p0) * pb)) : hp[size_t(p)]->data();
-        check(cudaMemcpyAsync(dst, table[size_t(p - p0)], pb, cudaMemcpyDeviceToHost, S(v.stream)),
-              "cudaMemcpy(retroinfer KV page)");
+    if (t1 > t0) {
+      const int64_t p0 = t0 / kPageTokens, p1 = (t1 + kPageTokens - 1) / kPageTokens, np = p1 - p0;
+      cudautil::PinnedBuf local;
+      cudautil::PinnedBuf* buf = &download_stage_;
+      int64_t chunk = np, slots = 1;
+      if (size_t(np) * pb <= kKeptDownloadBytes) {
+        download_stage_.reserve(size_t(np) * pb, "cudaHostAlloc(retroinfer KV readback)");
+      } else {
+        chunk = std::clamp<int64_t>(int64_t(kBuildChunkBytes / pb), 1, 65535);
+        slots = 2;
+        local.reserve(size_t(2 * chunk) * pb, "cudaHostAlloc(retroinfer KV readback)");
+        buf = &local;
       }
-      check(cudaStreamSynchronize(S(v.stream)), "cudaStreamSynchronize(retroinfer KV pages)");
-      if (staged)
-        for (int64_t p = p0; p < p1; ++p)
-          std::memcpy(hp[size_t(p)]->data(), download_stage_.at<char>(size_t(p - p0) * pb), pb);
+      struct Events {
+        cudaEvent_t e[2] = {nullptr, nullptr};
+        ~Events() {
+          for (cudaEvent_t x : e) {
+            if (!x) continue;
+            cudaEventSynchronize(x);  // no copy may still write `local` when it is freed
+            cudaEventDestroy(x);
+          }
+        }
+      } ev;
+      for (int64_t k = 0; k < slots; ++k)
+        check(cudaEventCreateWithFlags(&ev.e[k], cudaEventDisableTiming), "cudaEventCreate(retroinfer KV readback)");
+      const int64_t chunks = (np + chunk - 1) / chunk;
+      auto issue = [&](int64_t i) {
+        const int64_t q0 = p0 + i * chunk, q = std::min(chunk, p1 - q0), slot = i % slots;
+        check(cuda::retro_copy_pages(v.kv, int32_t(q0), int32_t(q), pb, buf->dev<char>(size_t(slot * chunk) * pb),
+                                     v.stream),
+              "retro_copy_pages (KV readback)");
+        check(cudaEventRecord(ev.e[slot], S(v.stream)), "cudaEventRecord(retroinfer KV readback)");
+      };
+      for (int64_t i = 0; i < std::min(chunks, slots); ++i) issue(i);
+      for (int64_t i = 0; i < chunks; ++i) {
+        const int64_t q0 = p0 + i * chunk, q = std::min(chunk, p1 - q0), slot = i % slots;
+        for (int64_t p = q0; p < q0 + q; ++p) hp[size_t(p)] = std::make_shared<Page>(pb);
+        check(cudaEventSynchronize(ev.e[slot]), "cudaEventSynchronize(retroinfer KV readback)");
+        const char* src = buf->at<char>(size_t(slot * chunk) * pb);
+        auto copy = [&](int64_t k) { std::memcpy(hp[size_t(q0 + k)]->data(), src + size_t(k) * pb, pb); };
+        if (pool_ && q > 1) pool_->parallel_for(q, copy);
+        else for (int64_t k = 0; k < q; ++k) copy(k);
+        if (i + slots < chunks) issue(i + slots);
+      }
     }
     KVLayer kv(shape_.kv_dtype, int(shape_.num_kv_heads), int(shape_.head_dim));
     kv.adopt(std::move(hp), n);
@@ -1219,6 +1244,7 @@ class RetroCuda final : public DeviceMethod {
   // An update's KV readback staging, kept when at most kKeptDownloadBytes (an update of 1024
   // tokens reads 65 pages, 4 MiB at 8 KV heads, d 128, bf16).
   static constexpr size_t kKeptDownloadBytes = size_t(8) << 20;
+  static constexpr size_t kBuildChunkBytes = size_t(16) << 20;  // a build's read-back: two chunks in flight
   mutable cudautil::PinnedBuf download_stage_;
   cudautil::PinnedBuf index_stage_;   // sync_mirror's staging, kept between index changes
   cudaEvent_t stage_read_ = nullptr;  // recorded after each upload's copies from index_stage_
