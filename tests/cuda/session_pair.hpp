@@ -55,9 +55,9 @@ struct Cmp {
   int64_t rows = 0, flipped = 0;
 };
 
-// Appends tokens [t0, t1) of seq: on the CPU from host fp32, on the GPU from device tensors.
+// Appends tokens [t0, t1) of seq to `layer`: on the CPU from host fp32, on the GPU from device tensors.
 bool add(kvs_session_t s, bool gpu, const Seq& x, int hq, int hkv, int d, kvs_scalar_type kvdt, int64_t t0, int64_t t1,
-         bool append, const char* what) {
+         bool append, const char* what, uint32_t layer = 0) {
   const int64_t n = t1 - t0;
   std::vector<float> q(x.q.begin() + t0 * hq * d, x.q.begin() + t1 * hq * d);
   std::vector<float> k(x.k.begin() + t0 * hkv * d, x.k.begin() + t1 * hkv * d);
@@ -66,16 +66,16 @@ bool add(kvs_session_t s, bool gpu, const Seq& x, int hq, int hkv, int d, kvs_sc
   if (!gpu) {
     Tensor tq(q.data(), KVS_DEVICE_CPU, F32, {n, hq, d}), tk(k.data(), KVS_DEVICE_CPU, F32, {n, hkv, d}),
         tv(v.data(), KVS_DEVICE_CPU, F32, {n, hkv, d});
-    e = append ? kvs_session_append(s, 0, &tq.t, &tk.t, &tv.t, nullptr, nullptr)
-               : kvs_session_prefill(s, 0, &tq.t, &tk.t, &tv.t, nullptr, nullptr);
+    e = append ? kvs_session_append(s, layer, &tq.t, &tk.t, &tv.t, nullptr, nullptr)
+               : kvs_session_prefill(s, layer, &tq.t, &tk.t, &tv.t, nullptr, nullptr);
   } else {
     float* dq = upload(q);
     uint16_t* dk = upload(to16(k, kvdt));
     uint16_t* dv = upload(to16(v, kvdt));
     Tensor tq(dq, KVS_DEVICE_CUDA, F32, {n, hq, d}), tk(dk, KVS_DEVICE_CUDA, dt16(kvdt), {n, hkv, d}),
         tv(dv, KVS_DEVICE_CUDA, dt16(kvdt), {n, hkv, d});
-    e = append ? kvs_session_append(s, 0, &tq.t, &tk.t, &tv.t, nullptr, nullptr)
-               : kvs_session_prefill(s, 0, &tq.t, &tk.t, &tv.t, nullptr, nullptr);
+    e = append ? kvs_session_append(s, layer, &tq.t, &tk.t, &tv.t, nullptr, nullptr)
+               : kvs_session_prefill(s, layer, &tq.t, &tk.t, &tv.t, nullptr, nullptr);
     cudaDeviceSynchronize();
     cudaFree(dq);
     cudaFree(dk);

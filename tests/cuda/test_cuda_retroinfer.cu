@@ -428,32 +428,8 @@ void run_layer_updates() {
   // Tokens [t0, t1) of every layer's x appended (prefill or a turn): host fp32 on the CPU, device
   // 16-bit on the GPU.
   auto add_all = [&](kvs_session_t s, bool dev, int64_t t0, int64_t t1, bool prefill) {
-    const int64_t n = t1 - t0;
-    for (uint32_t l = 0; l < uint32_t(L); ++l) {
-      const Seq& x = xs[l];
-      std::vector<float> q(x.q.begin() + t0 * hq * d, x.q.begin() + t1 * hq * d);
-      std::vector<float> k(x.k.begin() + t0 * hkv * d, x.k.begin() + t1 * hkv * d);
-      std::vector<float> v(x.v.begin() + t0 * hkv * d, x.v.begin() + t1 * hkv * d);
-      kvs_error_t e;
-      if (!dev) {
-        Tensor tq(q.data(), KVS_DEVICE_CPU, F32, {n, hq, d}), tk(k.data(), KVS_DEVICE_CPU, F32, {n, hkv, d}),
-            tv(v.data(), KVS_DEVICE_CPU, F32, {n, hkv, d});
-        e = prefill ? kvs_session_prefill(s, l, &tq.t, &tk.t, &tv.t, nullptr, nullptr)
-                    : kvs_session_append(s, l, &tq.t, &tk.t, &tv.t, nullptr, nullptr);
-      } else {
-        float* dq = upload(q);
-        uint16_t* dk = upload(to16(k, kvdt));
-        uint16_t* dv = upload(to16(v, kvdt));
-        Tensor tq(dq, KVS_DEVICE_CUDA, F32, {n, hq, d}), tk(dk, KVS_DEVICE_CUDA, dt16(kvdt), {n, hkv, d}),
-            tv(dv, KVS_DEVICE_CUDA, dt16(kvdt), {n, hkv, d});
-        e = kvs_session_append(s, l, &tq.t, &tk.t, &tv.t, nullptr, nullptr);
-        cudaDeviceSynchronize();
-        cudaFree(dq);
-        cudaFree(dk);
-        cudaFree(dv);
-      }
-      ok(e, "layer updates: add tokens");
-    }
+    for (uint32_t l = 0; l < uint32_t(L); ++l)
+      add(s, dev, xs[l], hq, hkv, d, kvdt, t0, t1, !prefill, "layer updates: add tokens", l);
   };
   add_all(cpu, false, 0, n0, true);
   ok(kvs_session_build_index(cpu, nullptr), "layer updates: build");

@@ -61,6 +61,29 @@ using cudautil::check;
 using cudautil::DevBuf;
 using cudautil::S;
 
+size_t al256(size_t x) { return (x + 255) / 256 * 256; }
+
+// One GPU k-means of n tokens (retro_kmeans) and its scratch in one allocation: the workspace,
+// then the assignments [Hkv][n] int32 and the centroids [Hkv][C][d] fp32, 256-byte aligned.
+struct KMeansRun {
+  cuda::RetroKMeans k;
+  size_t ws_bytes = 0, a_bytes = 0, c_bytes = 0, bytes = 0;
+  KMeansRun(const retro::KMeansConfig& cfg, int64_t n, int hkv, int d) {
+    k.n = int32_t(n);
+    k.clusters = int32_t(cfg.clusters);
+    k.segments = int32_t(cfg.segments);
+    k.iterations = cfg.iterations;
+    k.centre = cfg.centre;
+    k.raw_init = cfg.raw_init;
+    ws_bytes = cuda::retro_kmeans_workspace_bytes(hkv, d, k);
+    a_bytes = size_t(hkv) * size_t(n) * 4;
+    c_bytes = size_t(hkv) * size_t(cfg.clusters) * size_t(d) * 4;
+    bytes = al256(ws_bytes) + al256(a_bytes) + c_bytes;
+  }
+  int32_t* assign(char* base) const { return reinterpret_cast<int32_t*>(base + al256(ws_bytes)); }
+  float* centroids(char* base) const { return reinterpret_cast<float*>(base + al256(ws_bytes) + al256(a_bytes)); }
+};
+
 class RetroCuda final : public DeviceMethod {
  public:
   RetroCuda(const MethodContext& ctx, const ParamSet& ps)
@@ -654,9 +677,8 @@ class RetroCuda final : public DeviceMethod {
     // (fresh pageable vectors cost their page faults on every update: 27 ms of a 33 ms upload at
     // 128K on an H200 host; docs/perf.md), then one strided copy per array.
     const size_t es = dtype_size(mdt), row = size_t(d) * es;
-    auto al = [](size_t x) { return (x + 255) / 256 * 256; };
-    const size_t meta_bytes = size_t(hkv * nc) * row, o_vm = al(meta_bytes), o_size = o_vm + al(meta_bytes),
-                 o_start = o_size + al(size_t(hkv * nc) * 4), o_pos = o_start + al(size_t(hkv * nc) * 4),
+    const size_t meta_bytes = size_t(hkv * nc) * row, o_vm = al256(meta_bytes), o_size = o_vm + al256(meta_bytes),
+                 o_start = o_size + al256(size_t(hkv * nc) * 4), o_pos = o_start + al256(size_t(hkv * nc) * 4),
                  total = o_pos + size_t(hkv * nr) * 4;
     if (total > index_stage_.bytes) index_stage_.reserve(total + total / 8, "cudaHostAlloc(retroinfer index staging)");
     char* sb = index_stage_.at<char>(0);
@@ -1047,17 +1069,8 @@ class RetroCuda final : public DeviceMethod {
     const int hkv = int(shape_.num_kv_heads), d = int(shape_.head_dim);
     const size_t pb = page_bytes();
     const int64_t p0 = b / kPageTokens, np = (b + m + kPageTokens - 1) / kPageTokens - p0;
-    cuda::RetroKMeans k;
-    k.n = int32_t(m);
-    k.clusters = int32_t(cfg.clusters);
-    k.segments = int32_t(cfg.segments);
-    k.iterations = cfg.iterations;
-    k.centre = cfg.centre;
-    k.raw_init = cfg.raw_init;
-    auto al = [](size_t x) { return (x + 255) / 256 * 256; };
-    const size_t ws = cuda::retro_kmeans_workspace_bytes(hkv, d, k), a_bytes = size_t(hkv) * size_t(m) * 4,
-                 c_bytes = size_t(hkv) * size_t(cfg.clusters) * size_t(d) * 4;
-    const size_t dev_need = al(ws) + al(a_bytes) + c_bytes, host_need = al(size_t(np) * pb) + al(a_bytes) + c_bytes;
+    const KMeansRun k(cfg, m, hkv, d);
+    const size_t dev_need = k.bytes, host_need = al256(size_t(np) * pb) + al256(k.a_bytes) + k.c_bytes;
     if (A.scratch.bytes + A.host.bytes == 0 && ahead_bytes_ + dev_need + host_need > kAheadBytes) return;
     // A run dropped unread (a rollback) may still be writing the buffers.
     if (A.done) check(cudaEventSynchronize(A.done), "cudaEventSynchronize(retroinfer clustering ahead)");
@@ -1066,18 +1079,16 @@ class RetroCuda final : public DeviceMethod {
     A.scratch.reserve(dev_need, device_, "cudaMalloc(retroinfer clustering ahead)");
     A.host.reserve(host_need, "cudaHostAlloc(retroinfer clustering ahead)");
     ahead_bytes_ += A.scratch.bytes + A.host.bytes;
-    A.o_assign = al(size_t(np) * pb);
-    A.o_cent = A.o_assign + al(a_bytes);
+    A.o_assign = al256(size_t(np) * pb);
+    A.o_cent = A.o_assign + al256(k.a_bytes);
     char* base = static_cast<char*>(A.scratch.p);
-    int32_t* da = reinterpret_cast<int32_t*>(base + al(ws));
-    float* dc = reinterpret_cast<float*>(base + al(ws) + al(a_bytes));
     check(cuda::retro_copy_pages(v.kv, int32_t(p0), int32_t(np), pb, A.host.d, v.stream), "retro_copy_pages");
-    check(cuda::retro_kmeans(v.kv, cuda::Scalar(int32_t(shape_.kv_dtype)), hkv, d, int32_t(b), k, da, dc,
-                             cuda::Workspace{base, ws}, v.stream),
+    check(cuda::retro_kmeans(v.kv, cuda::Scalar(int32_t(shape_.kv_dtype)), hkv, d, int32_t(b), k.k, k.assign(base),
+                             k.centroids(base), cuda::Workspace{base, k.ws_bytes}, v.stream),
           "retro_kmeans (ahead)");
-    check(cudaMemcpyAsync(A.host.at<char>(A.o_assign), da, a_bytes, cudaMemcpyDeviceToHost, S(v.stream)),
+    check(cudaMemcpyAsync(A.host.at<char>(A.o_assign), k.assign(base), k.a_bytes, cudaMemcpyDeviceToHost, S(v.stream)),
           "cudaMemcpy(retroinfer assignments ahead)");
-    check(cudaMemcpyAsync(A.host.at<char>(A.o_cent), dc, c_bytes, cudaMemcpyDeviceToHost, S(v.stream)),
+    check(cudaMemcpyAsync(A.host.at<char>(A.o_cent), k.centroids(base), k.c_bytes, cudaMemcpyDeviceToHost, S(v.stream)),
           "cudaMemcpy(retroinfer centroids ahead)");
     check(cudaEventRecord(A.done, S(v.stream)), "cudaEventRecord(retroinfer clustering ahead)");
     A.b = b;
@@ -1132,49 +1143,40 @@ class RetroCuda final : public DeviceMethod {
     if (cur_ahead_ && b == cur_ahead_->b && n == rules_.update_segment && cfg.clusters == uc.clusters &&
         cfg.segments == uc.segments && cfg.iterations == uc.iterations && cfg.centre == uc.centre &&
         cfg.raw_init == uc.raw_init) {  // run ahead (ahead_layer waited for its copies)
-      const int32_t* ha = cur_ahead_->host.at<int32_t>(cur_ahead_->o_assign);
-      const float* hc = cur_ahead_->host.at<float>(cur_ahead_->o_cent);
-      assign.resize(size_t(hkv));
-      cent.resize(size_t(hkv));
-      for (int h = 0; h < hkv; ++h) {
-        assign[size_t(h)].assign(ha + int64_t(h) * n, ha + int64_t(h + 1) * n);
-        cent[size_t(h)].assign(hc + int64_t(h) * cfg.clusters * d, hc + int64_t(h + 1) * cfg.clusters * d);
-      }
+      split_heads(cur_ahead_->host.at<int32_t>(cur_ahead_->o_assign), cur_ahead_->host.at<float>(cur_ahead_->o_cent),
+                  n, cfg.clusters, assign, cent);
       return;
     }
-    cuda::RetroKMeans k;
-    k.n = int32_t(n);
-    k.clusters = int32_t(cfg.clusters);
-    k.segments = int32_t(cfg.segments);
-    k.iterations = cfg.iterations;
-    k.centre = cfg.centre;
-    k.raw_init = cfg.raw_init;
     // Scratch in one allocation: an update's (small) kept for the next update, a build's freed on
     // return (a cudaMalloc and a cudaFree, which waits for the device, on every update otherwise).
-    const size_t ws_bytes = cuda::retro_kmeans_workspace_bytes(hkv, d, k), a_bytes = size_t(hkv) * size_t(n) * 4,
-                 c_bytes = size_t(hkv) * size_t(k.clusters) * d * 4;
-    auto al = [](size_t x) { return (x + 255) / 256 * 256; };
-    const size_t need = al(ws_bytes) + al(a_bytes) + c_bytes;
+    const KMeansRun k(cfg, n, hkv, d);
     DevBuf local;
-    DevBuf& scratch = need <= kKeptKMeansBytes ? kmeans_scratch_ : local;
-    scratch.reserve(need, device_, "cudaMalloc(retroinfer k-means)");
+    DevBuf& scratch = k.bytes <= kKeptKMeansBytes ? kmeans_scratch_ : local;
+    scratch.reserve(k.bytes, device_, "cudaMalloc(retroinfer k-means)");
     char* base = static_cast<char*>(scratch.p);
-    int32_t* da = reinterpret_cast<int32_t*>(base + al(ws_bytes));
-    float* dc = reinterpret_cast<float*>(base + al(ws_bytes) + al(a_bytes));
-    check(cuda::retro_kmeans(cur_->kv, cuda::Scalar(int32_t(shape_.kv_dtype)), hkv, d, int32_t(b), k, da, dc,
-                             cuda::Workspace{base, ws_bytes}, cur_->stream),
+    check(cuda::retro_kmeans(cur_->kv, cuda::Scalar(int32_t(shape_.kv_dtype)), hkv, d, int32_t(b), k.k, k.assign(base),
+                             k.centroids(base), cuda::Workspace{base, k.ws_bytes}, cur_->stream),
           "retro_kmeans");
     // Both results in one copy each, then split by head.
-    std::vector<int32_t> ha(a_bytes / 4);
-    std::vector<float> hc(c_bytes / 4);
-    check(cudaMemcpyAsync(ha.data(), da, a_bytes, cudaMemcpyDeviceToHost, S(cur_->stream)), "cudaMemcpy(retroinfer assignments)");
-    check(cudaMemcpyAsync(hc.data(), dc, c_bytes, cudaMemcpyDeviceToHost, S(cur_->stream)), "cudaMemcpy(retroinfer centroids)");
+    std::vector<int32_t> ha(k.a_bytes / 4);
+    std::vector<float> hc(k.c_bytes / 4);
+    check(cudaMemcpyAsync(ha.data(), k.assign(base), k.a_bytes, cudaMemcpyDeviceToHost, S(cur_->stream)),
+          "cudaMemcpy(retroinfer assignments)");
+    check(cudaMemcpyAsync(hc.data(), k.centroids(base), k.c_bytes, cudaMemcpyDeviceToHost, S(cur_->stream)),
+          "cudaMemcpy(retroinfer centroids)");
     check(cudaStreamSynchronize(S(cur_->stream)), "cudaStreamSynchronize(retroinfer k-means)");
+    split_heads(ha.data(), hc.data(), n, cfg.clusters, assign, cent);
+  }
+  // assign [Hkv][n] and centroids [Hkv][C][d] back to back, split by KV head.
+  void split_heads(const int32_t* ha, const float* hc, int64_t n, int64_t C, std::vector<std::vector<int32_t>>& assign,
+                   std::vector<std::vector<float>>& cent) const {
+    const int hkv = int(shape_.num_kv_heads);
+    const int64_t cd = C * int64_t(shape_.head_dim);
     assign.resize(size_t(hkv));
     cent.resize(size_t(hkv));
     for (int h = 0; h < hkv; ++h) {
-      assign[size_t(h)].assign(ha.begin() + int64_t(h) * n, ha.begin() + int64_t(h + 1) * n);
-      cent[size_t(h)].assign(hc.begin() + int64_t(h) * k.clusters * d, hc.begin() + int64_t(h + 1) * k.clusters * d);
+      assign[size_t(h)].assign(ha + int64_t(h) * n, ha + int64_t(h + 1) * n);
+      cent[size_t(h)].assign(hc + int64_t(h) * cd, hc + int64_t(h + 1) * cd);
     }
   }
 
