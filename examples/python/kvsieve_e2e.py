@@ -56,9 +56,10 @@ PRESETS = {
     # current token is attended: 1 sink, as for ctkvr. alpha_scale 60 is lfps's calibration for
     # these 512-token traces (the library default, 600, is calibrated at 4K; docs/methods/lfps.md).
     "lfps": "sinks=1,alpha_scale=60",
-    # retroinfer's default steady zone (4 + 64 + up to 1024 generated) would make the trace dense;
+    # retroinfer's default steady zone (4 + 64, and no index below 1024 tokens) would make the trace
+    # streaming; index_min=0: indexed from update_segment tokens, as the authors do;
     # the session budget, a small window and small clusters, as docs/methods/retroinfer.md.
-    "retroinfer": "budget=session,local=4,update_segment=16,cluster_size=4",
+    "retroinfer": "budget=session,local=4,update_segment=16,index_min=0,cluster_size=4",
     # hgca has no budget: the session budget sizes its window (at least 2 blocks); blocks of 4
     # tokens let the window follow the budget down to 8 tokens. beta stays at the paper's 1.
     "hgca": "block_size=4",
