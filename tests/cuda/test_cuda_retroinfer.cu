@@ -544,12 +544,12 @@ int run_retroinfer_tests(bool small) {
            false, false);
   run_case("meta_dtype=bf16,cluster_size=8", KVS_SCALAR_BF16, 16, 4, 256, n, 2, steps, 0.05);
   run_case("", KVS_SCALAR_BF16, 8, 8, 64, n, 1, steps, 0.2);  // G = 1
-  // Below the indexing threshold (sinks + local + update_segment): streaming's list, or everything.
-  run_case("update_segment=1024", KVS_SCALAR_BF16, 16, 4, 128, 600, 2, steps, 0.05);
-  run_case("steady_share=0,update_segment=1024", KVS_SCALAR_BF16, 16, 4, 128, 600, 1, steps, 0.05);
+  // Below the indexing threshold (sinks + local + index_min): streaming's list, or everything.
+  run_case("", KVS_SCALAR_BF16, 16, 4, 128, 600, 2, steps, 0.05);
+  run_case("steady_share=0", KVS_SCALAR_BF16, 16, 4, 128, 600, 1, steps, 0.05);
   // A short prompt indexed (index_min=0: from 4 + 64 + update_segment = 132 tokens), updated every
   // 64 tokens while decoding.
-  run_case("index_min=0", KVS_SCALAR_BF16, 16, 4, 128, 200, 2, small ? 70 : 140, 0.1);
+  run_case("index_min=0,update_segment=64", KVS_SCALAR_BF16, 16, 4, 128, 200, 2, small ? 70 : 140, 0.1);
   // Index updates while decoding (every 64 tokens past the index).
   run_case("update_segment=64,segment_size=512", KVS_SCALAR_BF16, 32, 8, 128, 1500, 2, small ? 140 : 300, 0.05);
   // The index built on the GPU session (its KV read back and clustered on the host).

@@ -1038,8 +1038,9 @@ MethodSpec retroinfer_spec() {
        {"mask_empty", "enum:after_softmax|before_softmax", "after_softmax",
         "empty clusters in the ranking: dropped after the group's softmaxes over every centroid are summed (the "
         "authors' code), or left out of the softmax", "after_softmax"},
-       {"update_segment", "int", "64",
-        "generated tokens clustered on their own and appended (the authors' UPDATE_SEGMENT is 1024)", "1024"},
+       {"update_segment", "int", "1024",
+        "generated tokens clustered on their own and appended (UPDATE_SEGMENT); 64 is more accurate in long "
+        "generations (docs/accuracy.md)", "1024"},
        {"index_min", "int", "1024",
         "clusterable tokens (past the sinks, before the local window) a layer needs before it is indexed, at the "
         "build or, past it, at the first update; shorter contexts take the steady zone (streaming's keys); "
