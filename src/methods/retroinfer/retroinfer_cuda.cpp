@@ -1263,8 +1263,9 @@ class RetroCuda final : public DeviceMethod {
   const DeviceLayerView* cur_ = nullptr;  // the layer a build or an update is clustering
   const Ahead* cur_ahead_ = nullptr;       // that update's clustering, run ahead
   // Clustering ahead: the bytes its layers hold (device and pinned), at most kAheadBytes (at
-  // update_segment=64, 8 KV heads, d 128, bf16, about 0.5 MiB a layer; at 1024, about 9 MiB).
-  static constexpr size_t kAheadBytes = size_t(64) << 20;
+  // update_segment=64, 8 KV heads, d 128, bf16, about 0.5 MiB a layer: 32 layers; at 1024, about 5
+  // MiB: three layers, where running ahead saves less).
+  static constexpr size_t kAheadBytes = size_t(16) << 20;
   size_t ahead_bytes_ = 0;
   // The wave buffer.
   double cache_ratio_ = 0.05;
