@@ -1042,9 +1042,9 @@ MethodSpec retroinfer_spec() {
         "generated tokens clustered on their own and appended (UPDATE_SEGMENT); 64 is more accurate in long "
         "generations (docs/accuracy.md)", "1024"},
        {"index_min", "int", "1024",
-        "clusterable tokens (past the sinks, before the local window) a layer needs before it is indexed, at the "
-        "build or, past it, at the first update; shorter contexts take the steady zone (streaming's keys); "
-        "0 = update_segment (the authors' rule)", "0"},
+        "clusterable tokens (past the sinks, before the local window) a layer needs before it is indexed: at the "
+        "build, or at the first update once more than max(index_min, update_segment) wait; shorter contexts take "
+        "the steady zone (streaming's keys); 0 = update_segment (the authors' rule)", "0"},
        {"budget", "enum:paper|session", "session",
         "session: the exact keys (steady zone + retrieval zone) fill the session budget: the steady zone takes at "
         "most steady_share of it, whole clusters in rank order the rest, then part of the next cluster and "
