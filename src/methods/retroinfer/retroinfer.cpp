@@ -878,8 +878,7 @@ class RetroInfer final : public Method {
   // clusters them update_segment at a time.
   void update(uint32_t layer, const KVLayer& kv) {
     auto& L = layers_[layer];
-    if (L.chunks.empty() && kv.size() - local_ - L.indexed_end <= min_index()) return;
-    while (kv.size() - local_ - L.indexed_end > update_) {
+    while (update_due(L, kv.size())) {
       const int64_t C = update_kmeans().clusters;
       // UPDATE_NPROBE and UPDATE_ES: Python round, at least 1 cluster each (estimation 0 stays off:
       // the authors' max(..., 1) would estimate one cluster per update even then).
@@ -891,6 +890,10 @@ class RetroInfer final : public Method {
 
   // The fewest clusterable tokens (past the sinks, before the local window) a layer is indexed at.
   int64_t min_index() const { return index_min_ > 0 ? index_min_ : update_; }
+  bool update_due(const LayerIndex& L, int64_t n) const {
+    const int64_t waiting = n - local_ - L.indexed_end;
+    return waiting > update_ && (!L.chunks.empty() || waiting > min_index());
+  }
   // The k-means of one update (update_segment tokens, one segment): C clusters (UPDATE_CENTROIDS).
   retro::KMeansConfig update_kmeans() const {
     const int64_t C = std::min(retro::update_cluster_count(update_, cluster_size_, align_), update_);
@@ -943,6 +946,7 @@ class RetroInfer final : public Method {
   }
 
   friend retro::IndexView retro::index_view(const Method&, uint32_t);
+  friend bool retro::update_due(const Method&, uint32_t, int64_t);
   friend retro::StepLayout retro::step_layout(const Method&, uint32_t, int64_t, int64_t);
   friend retro::Rules retro::rules(const Method&);
   friend void retro::record_steps(Method&, const retro::StepFigures&, double, double, int64_t);
@@ -988,6 +992,10 @@ const RetroInfer& as_retro(const Method& m) {
 IndexView index_view(const Method& m, uint32_t layer) {
   const auto& L = as_retro(m).layers_[layer];
   return IndexView{&L.heads, L.indexed_end, L.r, L.e, L.generation, L.lineage};
+}
+bool update_due(const Method& m, uint32_t layer, int64_t n) {
+  const auto& r = as_retro(m);
+  return r.update_due(r.layers_[layer], n);
 }
 StepLayout step_layout(const Method& m, uint32_t layer, int64_t n, int64_t budget_keys) {
   return as_retro(m).layout(layer, n, budget_keys);

@@ -45,6 +45,8 @@ struct Rules {
 
 // m must be the CPU retroinfer method (retroinfer_spec().create): anything else is an internal error.
 IndexView index_view(const Method& m, uint32_t layer);
+// True when the layer, holding n tokens, is due an index update (the CPU method's on_append rule).
+bool update_due(const Method& m, uint32_t layer, int64_t n);
 StepLayout step_layout(const Method& m, uint32_t layer, int64_t n, int64_t budget_keys);
 Rules rules(const Method& m);
 // The CPU method's step statistics replaced (for its stat()): the last step's figures (KV head

@@ -572,10 +572,7 @@ class RetroCuda final : public DeviceMethod {
   // spent 240 ms here on an H200, 820 ms at 512K; docs/perf.md).
   KVLayer download(const DeviceLayerView& v, int64_t n, int64_t t0, int64_t t1) const {
     const size_t pb = page_bytes();
-    const int64_t pages = (n + kPageTokens - 1) / kPageTokens;
-    auto blank = std::make_shared<Page>(pb);
-    std::memset(blank->data(), 0, pb);
-    std::vector<std::shared_ptr<Page>> hp(static_cast<size_t>(pages), blank);
+    std::vector<std::shared_ptr<Page>> hp = blank_pages(n);
     if (t1 > t0) {
       const int64_t p0 = t0 / kPageTokens, p1 = (t1 + kPageTokens - 1) / kPageTokens, np = p1 - p0;
       cudautil::PinnedBuf local;
@@ -612,15 +609,29 @@ class RetroCuda final : public DeviceMethod {
       for (int64_t i = 0; i < std::min(chunks, slots); ++i) issue(i);
       for (int64_t i = 0; i < chunks; ++i) {
         const int64_t q0 = p0 + i * chunk, q = std::min(chunk, p1 - q0), slot = i % slots;
-        for (int64_t p = q0; p < q0 + q; ++p) hp[size_t(p)] = std::make_shared<Page>(pb);
         check(cudaEventSynchronize(ev.e[slot]), "cudaEventSynchronize(retroinfer KV readback)");
-        const char* src = buf->at<char>(size_t(slot * chunk) * pb);
-        auto copy = [&](int64_t k) { std::memcpy(hp[size_t(q0 + k)]->data(), src + size_t(k) * pb, pb); };
-        if (pool_ && q > 1) pool_->parallel_for(q, copy);
-        else for (int64_t k = 0; k < q; ++k) copy(k);
+        fill_pages(hp, q0, q, buf->at<char>(size_t(slot * chunk) * pb));
         if (i + slots < chunks) issue(i + slots);
       }
     }
+    return host_layer(std::move(hp), n);
+  }
+  // Page slots for n tokens, every one the same zero page (never read).
+  std::vector<std::shared_ptr<Page>> blank_pages(int64_t n) const {
+    const size_t pb = page_bytes();
+    auto blank = std::make_shared<Page>(pb);
+    std::memset(blank->data(), 0, pb);
+    return std::vector<std::shared_ptr<Page>>(static_cast<size_t>((n + kPageTokens - 1) / kPageTokens), blank);
+  }
+  // Pages [p0, p0 + np) as new host pages copied from src (np pages back to back; on the pool).
+  void fill_pages(std::vector<std::shared_ptr<Page>>& hp, int64_t p0, int64_t np, const char* src) const {
+    const size_t pb = page_bytes();
+    for (int64_t p = p0; p < p0 + np; ++p) hp[size_t(p)] = std::make_shared<Page>(pb);
+    auto copy = [&](int64_t k) { std::memcpy(hp[size_t(p0 + k)]->data(), src + size_t(k) * pb, pb); };
+    if (pool_ && np > 1) pool_->parallel_for(np, copy);
+    else for (int64_t k = 0; k < np; ++k) copy(k);
+  }
+  KVLayer host_layer(std::vector<std::shared_ptr<Page>> hp, int64_t n) const {
     KVLayer kv(shape_.kv_dtype, int(shape_.num_kv_heads), int(shape_.head_dim));
     kv.adopt(std::move(hp), n);
     return kv;
@@ -1044,10 +1055,8 @@ class RetroCuda final : public DeviceMethod {
   // index and the local window of a layer of n tokens, the oldest update_segment of them are
   // clustered alone and appended (stored tokens only: [indexed_end, n - local)).
   void update(uint32_t layer, const DeviceLayerView& v, int64_t n, int64_t added, bool decode) {
-    const auto ix = retro::index_view(*host_, layer);
-    const int64_t lo = ix.indexed_end, seg = rules_.update_segment;
-    if (n - rules_.local - lo <= seg) return;
-    if (ix.heads->empty() && n - rules_.local - lo <= rules_.index_min) return;  // the CPU method's rule
+    if (!retro::update_due(*host_, layer, n)) return;
+    const int64_t lo = retro::index_view(*host_, layer).indexed_end, seg = rules_.update_segment;
     // One update (not an appended turn's several) of the tokens clustered ahead: their pages and
     // clusters are read from the run ahead's copies (waiting for them, normally long done).
     Ahead& A = layers_[layer].ahead;
@@ -1100,17 +1109,9 @@ class RetroCuda final : public DeviceMethod {
   // never read), once its copies are done.
   KVLayer ahead_layer(const Ahead& A, int64_t n) const {
     check(cudaEventSynchronize(A.done), "cudaEventSynchronize(retroinfer clustering ahead)");
-    const size_t pb = page_bytes();
-    auto blank = std::make_shared<Page>(pb);
-    std::memset(blank->data(), 0, pb);
-    std::vector<std::shared_ptr<Page>> hp(static_cast<size_t>((n + kPageTokens - 1) / kPageTokens), blank);
-    for (int64_t p = 0; p < A.np; ++p) {
-      hp[size_t(A.p0 + p)] = std::make_shared<Page>(pb);
-      std::memcpy(hp[size_t(A.p0 + p)]->data(), A.host.at<char>(size_t(p) * pb), pb);
-    }
-    KVLayer kv(shape_.kv_dtype, int(shape_.num_kv_heads), int(shape_.head_dim));
-    kv.adopt(std::move(hp), n);
-    return kv;
+    std::vector<std::shared_ptr<Page>> hp = blank_pages(n);
+    fill_pages(hp, A.p0, A.np, A.host.at<char>(0));
+    return host_layer(std::move(hp), n);
   }
   // The layer the host method's k-means reads (cluster()), set for one build or update, cleared
   // however it ends.
@@ -1139,10 +1140,8 @@ class RetroCuda final : public DeviceMethod {
                std::vector<std::vector<float>>& cent) const {
     if (!cur_) fail(KVS_STATUS_INTERNAL, "retroinfer (cuda): a clustering outside a build or an update");
     const int hkv = int(shape_.num_kv_heads), d = int(shape_.head_dim);
-    const retro::KMeansConfig& uc = rules_.update_kmeans;
-    if (cur_ahead_ && b == cur_ahead_->b && n == rules_.update_segment && cfg.clusters == uc.clusters &&
-        cfg.segments == uc.segments && cfg.iterations == uc.iterations && cfg.centre == uc.centre &&
-        cfg.raw_init == uc.raw_init) {  // run ahead (ahead_layer waited for its copies)
+    if (cur_ahead_ && b == cur_ahead_->b && n == rules_.update_segment &&
+        cfg == rules_.update_kmeans) {  // run ahead (ahead_layer waited for its copies)
       split_heads(cur_ahead_->host.at<int32_t>(cur_ahead_->o_assign), cur_ahead_->host.at<float>(cur_ahead_->o_cent),
                   n, cfg.clusters, assign, cent);
       return;

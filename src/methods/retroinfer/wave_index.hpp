@@ -43,6 +43,7 @@ struct KMeansConfig {
   bool centre = true;    // subtract the keys' mean before clustering (added back to the centroids)
   bool raw_init = true;  // initial centroids: the raw keys at the authors' positions (kmeans.py), or,
                          // false, per-segment positions L2-normalised
+  bool operator==(const KMeansConfig&) const = default;
 };
 
 // Segmented spherical k-means over H independent heads (kmeans.segment_k_means):
