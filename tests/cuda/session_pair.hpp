@@ -85,11 +85,11 @@ bool add(kvs_session_t s, bool gpu, const Seq& x, int hq, int hkv, int d, kvs_sc
 }
 
 // The keys of s's last step at layer 0, KV head h (kvs_session_last_selection).
-std::vector<int32_t> last_keys(kvs_session_t s, uint32_t h) {
+std::vector<int32_t> last_keys(kvs_session_t s, uint32_t h, uint32_t layer = 0) {
   size_t n = 0;
-  kvs_session_last_selection(s, 0, h, nullptr, 0, &n);
+  kvs_session_last_selection(s, layer, h, nullptr, 0, &n);
   std::vector<int32_t> keys(n);
-  kvs_session_last_selection(s, 0, h, keys.data(), n, &n);
+  kvs_session_last_selection(s, layer, h, keys.data(), n, &n);
   keys.resize(n);
   return keys;
 }

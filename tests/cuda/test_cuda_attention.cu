@@ -584,6 +584,7 @@ int run_graph_passed();
 int run_csattention_tests(bool small);  // csattention sessions against the cpu (test_cuda_csattention.cu)
 int run_csattention_passed();
 int run_retroinfer_tests(bool small);  // retroinfer sessions against the cpu (test_cuda_retroinfer.cu)
+int run_retroinfer_layer_updates(int times);  // run_layer_updates alone, N times
 int run_retroinfer_passed();
 int run_caller_kv_tests(bool small);  // sessions over a caller's paged KV cache (test_cuda_caller_kv.cu)
 int run_caller_kv_passed();
@@ -605,6 +606,7 @@ int main(int argc, char** argv) {
   int stress = 0;
   bool only_csa = false, only_csa_build = false, only_quest = false, only_retro = false, only_caller = false,
        only_graphs = false, only_topk = false;
+  int retro_updates = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--small") g_small = true;
@@ -612,6 +614,7 @@ int main(int argc, char** argv) {
     if (a == "--only-csa-build") only_csa_build = true;  // the csattention index build tests alone
     if (a == "--only-quest") only_quest = true;  // the quest kernels' tests alone
     if (a == "--only-retroinfer") only_retro = true;  // the retroinfer session tests alone
+    if (a == "--retro-layer-updates" && i + 1 < argc) retro_updates = std::atoi(argv[++i]);  // that test, N times
     if (a == "--only-caller-kv") only_caller = true;  // sessions over a caller's KV cache alone
     if (a == "--only-graphs") only_graphs = true;  // batched steps as CUDA graphs against eager ones alone
     if (a == "--only-topk") only_topk = true;  // the exact_topk kernels' tests alone (score pass, radix top-k)
@@ -626,6 +629,7 @@ int main(int argc, char** argv) {
 #ifndef KVS_NO_SESSION_TESTS
   if (only_csa) return run_csattention_tests(g_small) ? 1 : 0;
   if (only_retro) return run_retroinfer_tests(g_small) ? 1 : 0;
+  if (retro_updates > 0) return run_retroinfer_layer_updates(retro_updates) ? 1 : 0;
   if (only_caller) return run_caller_kv_tests(g_small) ? 1 : 0;
   if (only_graphs) return run_graph_tests(g_small) ? 1 : 0;
 #endif

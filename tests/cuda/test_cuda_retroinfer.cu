@@ -284,6 +284,13 @@ void run_wave(const char* params, int B, int64_t n0, int steps) {
   kvs_session_method_stat(host[0], "wave_cache_bytes", &cache);
   CAPI_CHECK(hit > 0 && hit <= 1 && bus > 0 && cache > 0, "%s: wave stats: hit rate %g, bus bytes/step %g, cache bytes %g",
              name, hit, bus, cache);
+  // An update that appends clusters extends the wave buffer (no new layout; every output above
+  // checked it against the GPU-KV session's).
+  double layouts = -1, extends = -1;
+  kvs_session_method_stat(host[0], "wave_layouts", &layouts);
+  kvs_session_method_stat(host[0], "wave_extends", &extends);
+  CAPI_CHECK(layouts >= 1 && (updates ? extends >= 1 : extends == 0), "%s: wave layouts %g, extends %g", name, layouts,
+             extends);
   // Rolled back as far as the cuda backend goes (the prompt, or the clustered tokens and the local
   // window after an update) and on: the same again.
   for (int b = 0; b < B; ++b) {
@@ -314,8 +321,8 @@ void run_wave(const char* params, int B, int64_t n0, int steps) {
                int(f.count_equal), f.min_overlap);
     kvs_session_destroy(back);
   }
-  std::printf("session %s: hit rate %.3f, bus bytes per layer step %.0f, cache %.1f MiB, vs cpu rel err %.2e\n", name,
-              hit, bus, cache / 1048576.0, c.err);
+  std::printf("session %s: hit rate %.3f, bus bytes per layer step %.0f, cache %.1f MiB, layouts %g, extends %g, vs cpu "
+              "rel err %.2e\n", name, hit, bus, cache / 1048576.0, layouts, extends, c.err);
   cudaStreamDestroy(stream);
   for (auto* v : {&cpu, &dev, &host})
     for (kvs_session_t s : *v) kvs_session_destroy(s);
@@ -467,7 +474,14 @@ void run_layer_updates() {
       for (void* ptr : {static_cast<void*>(dq), static_cast<void*>(dk), static_cast<void*>(dv), static_cast<void*>(dout),
                         static_cast<void*>(dlse)})
         cudaFree(ptr);
-      fold_errors(out, ref, lse, rlse, d, c.err, c.lse);
+      // Each session clusters the updates' tokens on its own (the GPU's k-means sums in fp32
+      // atomics, the CPU's in fp64): a near-tie may put a token in another cluster, and a loud key
+      // between retrieval and estimation. Compared where the selections agree (Cmp::skip_flips).
+      bool same = true;
+      for (uint32_t h = 0; h < uint32_t(hkv); ++h) same &= last_keys(cpu, h, l) == last_keys(gpu, h, l);
+      ++c.rows;
+      c.flipped += !same;
+      if (same) fold_errors(out, ref, lse, rlse, d, c.err, c.lse);
     }
   };
   auto stat = [](kvs_session_t s, const char* name) {
@@ -500,13 +514,15 @@ void run_layer_updates() {
              "layer updates: updates (all layers) before the turn %g, after it %g, before the rollback %g, after it %g "
              "(cpu %g)",
              u1, u2, u3, u4, stat(cpu, "index_updates"));
-  CAPI_CHECK(before.err < 1e-2 && before.lse < 2e-2, "layer updates: before the rollback rel err %.3g, lse err %.3g",
-             before.err, before.lse);
-  CAPI_CHECK(c.err < 1e-2 && c.lse < 2e-2, "layer updates: other tokens after the rollback: rel err %.3g, lse err %.3g",
-             c.err, c.lse);
+  CAPI_CHECK(before.err < 1e-2 && before.lse < 2e-2 && before.flipped * 10 <= before.rows,
+             "layer updates: before the rollback rel err %.3g, lse err %.3g, selections differing %lld of %lld", before.err,
+             before.lse, (long long)before.flipped, (long long)before.rows);
+  CAPI_CHECK(c.err < 1e-2 && c.lse < 2e-2 && c.flipped * 10 <= c.rows,
+             "layer updates: other tokens after the rollback: rel err %.3g, lse err %.3g, selections differing %lld of %lld",
+             c.err, c.lse, (long long)c.flipped, (long long)c.rows);
   std::printf("session retroinfer 3 layers, updates (a turn, a rollback into the clustering run ahead): rel err %.2e / "
-              "%.2e after the rollback, %g updates\n",
-              before.err, c.err, u4);
+              "%.2e after the rollback, %g updates, selections differing %lld / %lld layer steps\n",
+              before.err, c.err, u4, (long long)(before.flipped + c.flipped), (long long)(before.rows + c.rows));
   kvs_session_destroy(cpu);
   kvs_session_destroy(gpu);
 }
@@ -530,6 +546,13 @@ void run_errors() {
 int run_retroinfer_passed() { return g_pass; }
 
 // Returns the number of failures.
+// run_layer_updates alone, `times` times (its near-ties come and go with the GPU k-means' sums).
+int run_retroinfer_layer_updates(int times) {
+  for (int i = 0; i < times; ++i) run_layer_updates();
+  std::printf("retroinfer layer updates x%d: %d passed, %d failed\n", times, g_pass, g_fail);
+  return g_fail;
+}
+
 int run_retroinfer_tests(bool small) {
   const int64_t n = small ? 1400 : 5000;
   const int steps = small ? 6 : 30;
@@ -570,6 +593,9 @@ int run_retroinfer_tests(bool small) {
   // The wave buffer: evictions (a cache of 1% of the rows), index updates while decoding, batches.
   run_wave("cache_ratio=0.01", 1, n, small ? 14 : 40);
   run_wave("cache_ratio=0.2,update_segment=64,segment_size=512", 2, 1500, small ? 70 : 150);
+  // Updates every 16 steps past the room the layouts leave (the mirror's rows and clusters, the
+  // wave buffer's tokens): extended, then laid out again (the cache kept), then extended.
+  run_wave("cache_ratio=0.1,update_segment=16,local=16,segment_size=512", 1, 1200, small ? 150 : 300);
   run_wave("cache_ratio=0.05,budget=paper", 3, n, small ? 8 : 20);
   run_wave("cache_ratio=0.01,wave_misses=inplace", 2, n, small ? 14 : 40);
   run_wave("cache_ratio=0.01,wave_misses=copy", 1, n, small ? 14 : 40);

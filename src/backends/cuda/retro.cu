@@ -1054,7 +1054,7 @@ __global__ void wave_table_kernel(PagedKv kv, const RetroSession* sessions, cons
 // A CTA per move at a time (grid-stride over *count): the rows' K and V copied in 16-byte pieces
 // (or 2-byte ones when a row is not a multiple of 16 bytes), then their virtual positions.
 __global__ void wave_moves_kernel(PagedKv kv, int32_t hkv, int32_t d, const int32_t* pos, int32_t rs, int32_t* vpos,
-                                  int32_t* tok2v, int32_t T, int32_t tok_base, PagedKv stage,
+                                  int32_t* tok2v, int32_t T, int32_t ts, int32_t tok_base, PagedKv stage,
                                   const int64_t* stage_map, uint32_t epoch, const WaveMove* moves,
                                   const int32_t* count) {
   const int32_t n = *count;
@@ -1068,7 +1068,7 @@ __global__ void wave_moves_kernel(PagedKv kv, int32_t hkv, int32_t d, const int3
         const int r = e / (2 * per), is_v = (e / per) & 1, i = e % per;
         const uint16_t* src = nullptr;
         if (stage_map && p[r] < T) {
-          const int64_t sm = stage_map[int64_t(mv.h) * T + p[r]];
+          const int64_t sm = stage_map[int64_t(mv.h) * ts + p[r]];
           if (uint32_t(uint64_t(sm) >> 32) == epoch) src = kv_row<uint16_t>(stage, hkv, d, 0, mv.h, int32_t(sm & 0xffffffff), is_v);
         }
         if (!src) src = kv_row<uint16_t>(kv, hkv, d, 0, mv.h, tok_base + p[r], is_v);
@@ -1079,7 +1079,7 @@ __global__ void wave_moves_kernel(PagedKv kv, int32_t hkv, int32_t d, const int3
     for (int r = threadIdx.x; r < mv.rows; r += blockDim.x) {
       const int32_t v = mv.block >= 0 ? mv.block * kWaveBlockRows + r : tok_base + p[r];
       vpos[int64_t(mv.h) * rs + mv.row0 + r] = v;
-      if (tok2v && p[r] < T) tok2v[int64_t(mv.h) * T + p[r]] = v;
+      if (tok2v && p[r] < T) tok2v[int64_t(mv.h) * ts + p[r]] = v;
     }
   }
 }
@@ -1089,8 +1089,8 @@ __global__ void wave_moves_kernel(PagedKv kv, int32_t hkv, int32_t d, const int3
 // for d > 128), the loads of the four issued before the stores.
 constexpr int kStageTile = 256;  // list entries per CTA of the staging kernel (8 warps x 32)
 __global__ void __launch_bounds__(256) wave_stage_kernel(PagedKv kv, int32_t row, int32_t hkv, int32_t d, int32_t* idx,
-                                                         const int32_t* cnt, int32_t max_sel, int32_t T, int32_t tok_base,
-                                                         int32_t stage_base, int32_t stage_cap, int64_t* stage_map,
+                                                         const int32_t* cnt, int32_t max_sel, int32_t T, int32_t ts,
+                                                         int32_t tok_base, int32_t stage_base, int32_t stage_cap, int64_t* stage_map,
                                                          int32_t* stage_tok, int32_t* stage_cnt, uint32_t epoch) {
   const int h = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t r = int64_t(row) * hkv + h;
@@ -1113,7 +1113,7 @@ __global__ void __launch_bounds__(256) wave_stage_kernel(PagedKv kv, int32_t row
   const int32_t j = base + __popc(bal & ((1u << lane) - 1u));
   if (miss && j < stage_cap) {
     l[i] = stage_base + j;
-    stage_map[int64_t(h) * T + t] = int64_t((uint64_t(epoch) << 32) | uint32_t(j));
+    stage_map[int64_t(h) * ts + t] = int64_t((uint64_t(epoch) << 32) | uint32_t(j));
     stage_tok[int64_t(h) * stage_cap + j] = t;
   }
   unsigned m = bal;
@@ -1152,17 +1152,31 @@ __global__ void __launch_bounds__(256) wave_stage_kernel(PagedKv kv, int32_t row
 
 constexpr int kRemapTile = 1024;  // list entries per CTA of the remap
 __global__ void wave_remap_kernel(int32_t row, int32_t hkv, int32_t* idx, const int32_t* cnt, int32_t max_sel,
-                                  const int32_t* tok2v, int32_t T, int32_t tok_base) {
+                                  const int32_t* tok2v, int32_t T, int32_t ts, int32_t tok_base) {
   const int h = blockIdx.x;
   const int64_t r = int64_t(row) * hkv + h;
   const int32_t n = min(max(cnt[r], 0), max_sel);
   int32_t* l = idx + r * max_sel;
-  const int32_t* m = tok2v + int64_t(h) * T;
+  const int32_t* m = tok2v + int64_t(h) * ts;
   for (int64_t tile = blockIdx.y; tile * kRemapTile < n; tile += gridDim.y)
     for (int64_t i = tile * kRemapTile + threadIdx.x; i < n && i < (tile + 1) * kRemapTile; i += blockDim.x) {
       const int32_t t = l[i] - tok_base;
       if (t >= 0 && t < T) l[i] = m[t];
     }
+}
+
+// The rows [r0, r1) and tokens [t0, t1) an index update appended (retro_wave_extend), per KV head
+// (blockIdx.y).
+__global__ void wave_extend_kernel(const int32_t* pos, int32_t rs, int32_t* vpos, int32_t r0, int32_t r1, int32_t tok_base,
+                                   int32_t* tok2v, int64_t* stage_map, int32_t ts, int32_t t0, int32_t t1) {
+  const int64_t h = blockIdx.y;
+  for (int32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < max(r1 - r0, t1 - t0); i += gridDim.x * blockDim.x) {
+    if (i < r1 - r0) vpos[h * rs + r0 + i] = tok_base + pos[h * rs + r0 + i];
+    if (i < t1 - t0) {
+      if (tok2v) tok2v[h * ts + t0 + i] = tok_base + t0 + i;
+      if (stage_map) stage_map[h * ts + t0 + i] = 0;
+    }
+  }
 }
 
 }  // namespace
@@ -1175,43 +1189,58 @@ Status retro_wave_table(const PagedKv& kv, int32_t batch, const RetroSession* se
 }
 
 Status retro_wave_stage(const PagedKv& kv, Scalar kv_dtype, int32_t row, int32_t num_kv_heads, int32_t head_dim,
-                        int32_t* idx, const int32_t* cnt, int32_t max_selected, int32_t T, int32_t tok_base,
-                        int32_t stage_base, int32_t stage_cap, int64_t* stage_map, int32_t* stage_tok,
+                        int32_t* idx, const int32_t* cnt, int32_t max_selected, int32_t T, int32_t ts,
+                        int32_t tok_base, int32_t stage_base, int32_t stage_cap, int64_t* stage_map, int32_t* stage_tok,
                         int32_t* stage_cnt, uint32_t epoch, void* stream) noexcept {
   if (kv_dtype != Scalar::BF16 && kv_dtype != Scalar::F16) return unsupported("retro_wave_stage: KV dtype must be BF16 or F16");
   if (head_dim % 8 != 0 || head_dim > 256) return unsupported("retro_wave_stage: head_dim must be a multiple of 8, <= 256");
-  if (!idx || !cnt || !stage_map || !stage_tok || !stage_cnt || num_kv_heads < 1 || max_selected < 1)
+  if (!idx || !cnt || !stage_map || !stage_tok || !stage_cnt || num_kv_heads < 1 || max_selected < 1 || ts < T)
     return invalid("retro_wave_stage: bad argument");
   if (T < 1 || stage_cap < 1) return Status{};
   const dim3 grid(unsigned(num_kv_heads), unsigned(std::min(65535, (max_selected + kStageTile - 1) / kStageTile)));
   wave_stage_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(kv, row, num_kv_heads, head_dim, idx, cnt,
-                                                                         max_selected, T, tok_base, stage_base,
+                                                                         max_selected, T, ts, tok_base, stage_base,
                                                                          stage_cap, stage_map, stage_tok, stage_cnt,
                                                                          epoch);
   return launch_status("retro_wave_stage");
 }
 
 Status retro_wave_moves(const PagedKv& kv, Scalar kv_dtype, int32_t num_kv_heads, int32_t head_dim,
-                        const int32_t* pos, int32_t rs, int32_t* vpos, int32_t* tok2v, int32_t T, int32_t tok_base,
-                        const PagedKv& stage, const int64_t* stage_map, uint32_t epoch, const WaveMove* moves,
-                        const int32_t* count, int32_t max_moves, void* stream) noexcept {
+                        const int32_t* pos, int32_t rs, int32_t* vpos, int32_t* tok2v, int32_t T, int32_t ts,
+                        int32_t tok_base, const PagedKv& stage, const int64_t* stage_map, uint32_t epoch,
+                        const WaveMove* moves, const int32_t* count, int32_t max_moves, void* stream) noexcept {
   if (kv_dtype != Scalar::BF16 && kv_dtype != Scalar::F16) return unsupported("retro_wave_moves: KV dtype must be BF16 or F16");
-  if (!pos || !vpos || !moves || !count || num_kv_heads < 1 || head_dim < 1) return invalid("retro_wave_moves: bad argument");
+  if (!pos || !vpos || !moves || !count || num_kv_heads < 1 || head_dim < 1 || ts < T)
+    return invalid("retro_wave_moves: bad argument");
   if (max_moves < 1) return Status{};
   const int grid = std::min<int32_t>(max_moves, 264);  // 2048 CTAs measured slower (the bus is the limit)
   wave_moves_kernel<<<grid, 128, 0, static_cast<cudaStream_t>(stream)>>>(kv, num_kv_heads, head_dim, pos, rs, vpos,
-                                                                          tok2v, T, tok_base, stage, stage_map, epoch,
+                                                                          tok2v, T, ts, tok_base, stage, stage_map, epoch,
                                                                           moves, count);
   return launch_status("retro_wave_moves");
 }
 
 Status retro_wave_remap(int32_t row, int32_t num_kv_heads, int32_t* idx, const int32_t* cnt, int32_t max_selected,
-                        const int32_t* tok2v, int32_t T, int32_t tok_base, void* stream) noexcept {
-  if (!idx || !cnt || !tok2v || num_kv_heads < 1 || max_selected < 1) return invalid("retro_wave_remap: bad argument");
+                        const int32_t* tok2v, int32_t T, int32_t ts, int32_t tok_base, void* stream) noexcept {
+  if (!idx || !cnt || !tok2v || num_kv_heads < 1 || max_selected < 1 || ts < T)
+    return invalid("retro_wave_remap: bad argument");
   const dim3 grid(unsigned(num_kv_heads), unsigned(std::min(65535, (max_selected + kRemapTile - 1) / kRemapTile)));
   wave_remap_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(row, num_kv_heads, idx, cnt, max_selected,
-                                                                         tok2v, T, tok_base);
+                                                                         tok2v, T, ts, tok_base);
   return launch_status("retro_wave_remap");
+}
+
+Status retro_wave_extend(int32_t num_kv_heads, const int32_t* pos, int32_t rs, int32_t* vpos, int32_t r0, int32_t r1,
+                         int32_t tok_base, int32_t* tok2v, int64_t* stage_map, int32_t ts, int32_t t0, int32_t t1,
+                         void* stream) noexcept {
+  if (!pos || !vpos || num_kv_heads < 1 || r0 < 0 || r1 < r0 || r1 > rs || t0 < 0 || t1 < t0 || ((tok2v || stage_map) && t1 > ts))
+    return invalid("retro_wave_extend: bad argument");
+  const int32_t n = std::max(r1 - r0, t1 - t0);
+  if (n == 0) return Status{};
+  const dim3 grid(unsigned(std::min(1024, (n + 255) / 256)), unsigned(num_kv_heads));
+  wave_extend_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(pos, rs, vpos, r0, r1, tok_base, tok2v,
+                                                                          stage_map, ts, t0, t1);
+  return launch_status("retro_wave_extend");
 }
 
 }  // namespace kvs::cuda

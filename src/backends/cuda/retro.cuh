@@ -121,31 +121,38 @@ constexpr int32_t kWaveBlockRows = 8;
 struct WaveMove {
   int32_t h, row0, rows, block;
 };
-// tok2v (optional, [Hkv][T]): each clustered token's virtual position, kept as vpos is (T tokens
-// per head: positions t < T of every row moved).
+// tok2v (optional, [Hkv][ts], ts >= T): each clustered token's virtual position, kept as vpos is
+// (T tokens per head: positions t < T of every row moved).
 // stage_map (optional): rows staged by this step (epoch) are copied from their staging slot j,
 // row j of stage (B = 1: the staging pages).
 Status retro_wave_moves(const PagedKv& kv, Scalar kv_dtype, int32_t num_kv_heads, int32_t head_dim,
-                        const int32_t* pos, int32_t rs, int32_t* vpos, int32_t* tok2v, int32_t T, int32_t tok_base,
-                        const PagedKv& stage, const int64_t* stage_map, uint32_t epoch, const WaveMove* moves,
-                        const int32_t* count, int32_t max_moves, void* stream) noexcept;
+                        const int32_t* pos, int32_t rs, int32_t* vpos, int32_t* tok2v, int32_t T, int32_t ts,
+                        int32_t tok_base, const PagedKv& stage, const int64_t* stage_map, uint32_t epoch,
+                        const WaveMove* moves, const int32_t* count, int32_t max_moves, void* stream) noexcept;
 
 // The execution buffer (wave_misses=stage): each listed token t in [0, T) of session row `row`
 // (virtual position tok_base + t: not cached) has its K and V rows copied, a warp per row, into
 // staging slot j (virtual position stage_base + j, j < stage_cap, taken in any order by a counter
 // per KV head: stage_cnt [Hkv], zeroed before) and its list entry replaced by that position;
-// stage_map [Hkv][T] (epoch << 32 | j) and stage_tok [Hkv][stage_cap] (t) record the slots for
-// the step's admissions and for reading the list back. kv: the step's table.
+// stage_map [Hkv][ts] (ts >= T; epoch << 32 | j) and stage_tok [Hkv][stage_cap] (t) record the
+// slots for the step's admissions and for reading the list back. kv: the step's table.
 Status retro_wave_stage(const PagedKv& kv, Scalar kv_dtype, int32_t row, int32_t num_kv_heads, int32_t head_dim,
-                        int32_t* idx, const int32_t* cnt, int32_t max_selected, int32_t T, int32_t tok_base,
-                        int32_t stage_base, int32_t stage_cap, int64_t* stage_map, int32_t* stage_tok,
+                        int32_t* idx, const int32_t* cnt, int32_t max_selected, int32_t T, int32_t ts,
+                        int32_t tok_base, int32_t stage_base, int32_t stage_cap, int64_t* stage_map, int32_t* stage_tok,
                         int32_t* stage_cnt, uint32_t epoch, void* stream) noexcept;
 
 // After the moves of the step (misses admitted before the attention): each listed token t in
 // [0, T) (virtual position tok_base + t) of session row `row` (lists idx[(row * Hkv + h) *
-// max_selected + i], i < cnt) replaced by tok2v[h][t], its cache slot when admitted.
+// max_selected + i], i < cnt) replaced by tok2v[h][t] (stride ts), its cache slot when admitted.
 Status retro_wave_remap(int32_t row, int32_t num_kv_heads, int32_t* idx, const int32_t* cnt, int32_t max_selected,
-                        const int32_t* tok2v, int32_t T, int32_t tok_base, void* stream) noexcept;
+                        const int32_t* tok2v, int32_t T, int32_t ts, int32_t tok_base, void* stream) noexcept;
+
+// An index update that appended clusters (rows [r0, r1) of every KV head, tokens [t0, t1)), none
+// of them cached: vpos[h][r] = tok_base + pos[h][r] (stride rs), and where given tok2v[h][t] =
+// tok_base + t and stage_map[h][t] = 0 (stride ts). The rows and tokens before are left as they are.
+Status retro_wave_extend(int32_t num_kv_heads, const int32_t* pos, int32_t rs, int32_t* vpos, int32_t r0, int32_t r1,
+                         int32_t tok_base, int32_t* tok2v, int64_t* stage_map, int32_t ts, int32_t t0, int32_t t1,
+                         void* stream) noexcept;
 
 }  // namespace kvs::cuda
 

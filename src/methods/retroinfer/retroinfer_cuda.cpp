@@ -375,7 +375,7 @@ class RetroCuda final : public DeviceMethod {
         check(cudaMemsetAsync(W.stage_cnt.p, 0, size_t(shape_.num_kv_heads) * 4, S(st.stream)),
               "cudaMemsetAsync(retroinfer staging)");
         check(cuda::retro_wave_stage(kv, st.kv_dtype, int32_t(b), int32_t(shape_.num_kv_heads),
-                                     int32_t(shape_.head_dim), idx, cnt, p.max_selected, W.T, W.tok_base,
+                                     int32_t(shape_.head_dim), idx, cnt, p.max_selected, W.T, W.ts, W.tok_base,
                                      W.stage_base, W.stage_cap, W.stage_map.as<int64_t>(), W.stage_tok.as<int32_t>(),
                                      W.stage_cnt.as<int32_t>(), W.epoch, st.stream),
               "retro_wave_stage");
@@ -387,7 +387,7 @@ class RetroCuda final : public DeviceMethod {
       // the cache (each missed row crosses the bus once).
       check(cudaStreamWaitEvent(S(st.stream), W.admitted, 0), "cudaStreamWaitEvent(wave buffer)");
       check(cuda::retro_wave_remap(int32_t(b), int32_t(shape_.num_kv_heads), idx, cnt, p.max_selected,
-                                   W.tok2v.as<int32_t>(), W.T, W.tok_base, st.stream),
+                                   W.tok2v.as<int32_t>(), W.T, W.ts, W.tok_base, st.stream),
             "retro_wave_remap");
     }
   }
@@ -466,6 +466,10 @@ class RetroCuda final : public DeviceMethod {
       *out = double(host_->index_bytes());
       return true;
     }
+    if (name == "wave_layouts" || name == "wave_extends") {  // host counts (sync_wave, extend_wave)
+      *out = double(name == "wave_layouts" ? wave_layouts_ : wave_extends_);
+      return true;
+    }
     if (name == "wave_hit_rate" || name == "wave_pcie_bytes" || name == "wave_cache_bytes" ||
         name == "wave_host_seconds") {
       quiesce();
@@ -501,11 +505,12 @@ class RetroCuda final : public DeviceMethod {
     bool on = false, pending = false;  // pending: admitted is recorded for the last step
     int32_t blocks = 0;                // cache blocks per KV head
     int32_t cache_pages = 0, tok_base = 0, C = 0, R = 0, rs = 0;  // rs: vpos's stride (the mirror's)
-    uint64_t generation = 0;           // of the mirror it was laid out for
+    uint64_t generation = 0, lineage = 0;  // of the mirror it was laid out for (extend: appended to since)
     std::vector<std::shared_ptr<DevicePage>> pages;
     DevBuf page_ptrs, own_table, vpos, tok2v;  // tok2v [Hkv][T]: each clustered token's virtual position
-    int32_t T = 0;                             // tokens [0, T) in tok2v (the clustered ones and the sinks)
-    DevBuf stage_map, stage_tok, stage_cnt;    // wave_misses=stage: [Hkv][T] int64, [Hkv][cap], [Hkv]
+    int32_t T = 0, ts = 0;                     // tokens [0, T) in tok2v (the clustered ones and the sinks), stride ts
+    DevBuf stage_map, stage_tok, stage_cnt;    // wave_misses=stage: [Hkv][ts] int64, [Hkv][cap], [Hkv]
+    int32_t ids_cap = 0;                       // clusters per head `ids` has room for
     uint32_t epoch = 0;                        // the step's tag in stage_map
     int32_t stage_base = 0, stage_cap = 0;     // the last step's staging positions
     int64_t own_cap = 0;
@@ -791,8 +796,9 @@ class RetroCuda final : public DeviceMethod {
     const Mirror& M = layers_[layer].mirror;
     const bool want = v.host_kv && cache_ratio_ > 0 && M.C > 0;
     W.table_cap = v.kv.max_pages;
-    if (want == W.on && (!want || (W.generation == M.generation && W.own_cap >= W.cache_pages + int64_t(v.kv.max_pages))))
-      return;
+    const int64_t need = W.cache_pages + int64_t(v.kv.max_pages);
+    if (want == W.on && (!want || (W.generation == M.generation && W.own_cap >= need))) return;
+    if (want && W.on && extend_wave(layer, v, need)) return;
     quiesce();
     // A step still running on another stream may read vpos and tok2v, rewritten below (an update
     // that only appended clusters no longer waits for the device in sync_mirror).
@@ -863,11 +869,13 @@ class RetroCuda final : public DeviceMethod {
     check(cudaMemcpyAsync(W.vpos.p, vp.data(), vp.size() * 4, cudaMemcpyHostToDevice, S(v.stream)),
           "cudaMemcpyAsync(retroinfer wave buffer positions)");
     const int32_t T = int32_t(retro::index_view(*host_, layer).indexed_end);
+    const int32_t ts = int32_t(std::min<int64_t>(int64_t(T) + std::max<int64_t>(T / 8, 256), INT32_MAX));
     W.T = T;
+    W.ts = ts;
     if (misses_ == Misses::Copy) {  // the same by token (the list's remap after the admissions)
-      std::vector<int32_t> tv(size_t(hkv) * size_t(T));
+      std::vector<int32_t> tv(size_t(hkv) * size_t(ts));
       for (int h = 0; h < hkv; ++h) {
-        int32_t* row = tv.data() + size_t(h) * T;
+        int32_t* row = tv.data() + size_t(h) * ts;
         for (int32_t t = 0; t < T; ++t) row[t] = W.tok_base + t;
         const int32_t* vr = vp.data() + size_t(h) * RS;
         const auto& pos = heads[size_t(h)].pos;
@@ -879,16 +887,18 @@ class RetroCuda final : public DeviceMethod {
             "cudaMemcpyAsync(retroinfer wave buffer positions)");
     }
     if (misses_ == Misses::Stage) {  // tags 0: nothing staged (epochs start at 1)
-      W.stage_map.reserve(std::max<size_t>(size_t(hkv) * size_t(T) * 8, 8), device_, "retroinfer wave buffer staging");
+      W.stage_map.reserve(std::max<size_t>(size_t(hkv) * size_t(ts) * 8, 8), device_, "retroinfer wave buffer staging");
       check(cudaMemsetAsync(W.stage_map.p, 0, W.stage_map.bytes, S(v.stream)), "cudaMemsetAsync(retroinfer staging)");
       W.epoch = 0;
     }
-    W.ids.reserve((size_t(hkv) * size_t(C) + size_t(hkv)) * 4, "cudaHostAlloc(retroinfer wave buffer ids)");
+    // Room for the updates to come (extend_wave): the mirror's clusters, an eighth more tokens.
+    W.ids_cap = std::max(C, M.cs);
+    W.ids.reserve((size_t(hkv) * size_t(W.ids_cap) + size_t(hkv)) * 4, "cudaHostAlloc(retroinfer wave buffer ids)");
     W.max_moves = 2 * W.blocks * hkv;
     W.moves.reserve(size_t(W.max_moves) * sizeof(cuda::WaveMove) + 16, "cudaHostAlloc(retroinfer wave buffer moves)");
-    const int64_t need = W.cache_pages + int64_t(v.kv.max_pages);
-    if (W.own_cap < need) {
-      const int64_t cap = std::max(need, 2 * W.own_cap);
+    const int64_t own_need = W.cache_pages + int64_t(v.kv.max_pages);
+    if (W.own_cap < own_need) {
+      const int64_t cap = std::max(own_need, 2 * W.own_cap);
       W.own_table.reserve(size_t(cap) * sizeof(void*), device_, "retroinfer wave buffer table");
       W.own_cap = cap;
     }
@@ -901,8 +911,46 @@ class RetroCuda final : public DeviceMethod {
     W.R = R;
     W.rs = RS;
     W.generation = M.generation;
+    W.lineage = M.lineage;
     W.on = true;
+    ++wave_layouts_;
     check(cudaStreamSynchronize(S(v.stream)), "cudaStreamSynchronize(retroinfer wave buffer)");  // vp is freed next
+  }
+  // An index update that only appended clusters (the mirror's lineage and row stride kept, within
+  // the room the layout left): their rows and tokens enter the wave buffer uncached, set on the
+  // device in stream order (retro_wave_extend, from the mirror's positions) and appended to the
+  // host's copies. The steps in flight read only the rows and tokens before, left as they are; the
+  // host waits only for the layer's last decision and moves (they read the copies and the cache
+  // maps). The whole layout again instead was O(clustered tokens) of host work, a copy and two
+  // device synchronisations a layer, at every update (docs/perf.md). False: lay out anew.
+  bool extend_wave(uint32_t layer, const DeviceLayerView& v, int64_t need) {
+    Wave& W = layers_[layer].wave;
+    const Mirror& M = layers_[layer].mirror;
+    const auto ix = retro::index_view(*host_, layer);
+    const int32_t C = M.C, R = M.R, T = int32_t(ix.indexed_end);
+    if (M.lineage != W.lineage || M.generation != ix.generation || M.rs != W.rs || C < W.C || R < W.R || T < W.T ||
+        C > W.ids_cap || T > W.ts || W.own_cap < need)
+      return false;
+    if (W.pending) check(cudaEventSynchronize(W.admitted), "cudaEventSynchronize(retroinfer wave buffer)");
+    const auto& heads = *ix.heads;
+    for (size_t h = 0; h < heads.size(); ++h) {
+      const auto& H = heads[h];
+      W.start[h].insert(W.start[h].end(), H.start.begin() + W.C, H.start.end());
+      W.size[h].insert(W.size[h].end(), H.size.begin() + W.C, H.size.end());
+      W.pos[h].insert(W.pos[h].end(), H.pos.begin() + W.R, H.pos.end());
+      W.heads[h].grow(C);
+      W.missed[h].reserve(size_t(C));
+    }
+    check(cuda::retro_wave_extend(int32_t(heads.size()), M.pos.as<int32_t>(), W.rs, W.vpos.as<int32_t>(), W.R, R,
+                                  W.tok_base, misses_ == Misses::Copy ? W.tok2v.as<int32_t>() : nullptr,
+                                  misses_ == Misses::Stage ? W.stage_map.as<int64_t>() : nullptr, W.ts, W.T, T, v.stream),
+          "retro_wave_extend");
+    W.C = C;
+    W.R = R;
+    W.T = T;
+    W.generation = M.generation;
+    ++wave_extends_;
+    return true;
   }
 
   // Staging for `rows` rows per KV head in the layer's parity buffer, and the layer's slot records
@@ -974,7 +1022,7 @@ class RetroCuda final : public DeviceMethod {
     check(cuda::retro_wave_moves(own, cuda::Scalar(int32_t(shape_.kv_dtype)), int32_t(shape_.num_kv_heads),
                                  int32_t(shape_.head_dim), layers_[layer].mirror.pos.as<int32_t>(), W.rs,
                                  W.vpos.as<int32_t>(), misses_ == Misses::Copy ? W.tok2v.as<int32_t>() : nullptr, W.T,
-                                 W.tok_base, stage,
+                                 W.ts, W.tok_base, stage,
                                  staged ? W.stage_map.as<int64_t>() : nullptr, W.epoch, mv,
                                  reinterpret_cast<const int32_t*>(mv + W.max_moves), W.max_moves, side_),
           "retro_wave_moves");
@@ -1285,6 +1333,7 @@ class RetroCuda final : public DeviceMethod {
   mutable DevBuf batch_table_;     // the step's page table of a batch (B > 1)
   double wave_hit_rows_ = 0, wave_miss_rows_ = 0, wave_pcie_ = 0, wave_host_s_ = 0;
   int64_t wave_steps_ = 0;
+  int64_t wave_layouts_ = 0, wave_extends_ = 0;  // layers' wave buffers laid out anew, and extended by an update
   std::string wave_error_;         // why a decision failed (recover_wave reports it)
   std::atomic<bool> wave_broken_{false};  // a decision, or a step between its decision and its moves, failed
 };
