@@ -644,9 +644,9 @@ TEST_CASE("retroinfer: the index view's lineage holds across appended clusters o
 
 TEST_CASE("retroinfer: short prompts stay dense until index_min tokens accumulate") {
   // index_min (1024 by default) clusterable tokens (past 4 sinks, before 64 local) before the first
-  // index, whatever update_segment; then update_segment at a time: at the default (1024), one chunk
-  // of 64 clusters; at 64, sixteen chunks of 8.
-  for (const char* mp : {"", "update_segment=64"}) {
+  // index, whatever update_segment; then update_segment at a time: at 1024, one chunk of 64
+  // clusters; at the default (64), sixteen chunks of 8.
+  for (const char* mp : {"update_segment=1024", ""}) {
     CAPTURE(mp);
     Rng rng(23);
     Data D(rng, 4, 2, 16, 1300);
@@ -662,9 +662,9 @@ TEST_CASE("retroinfer: short prompts stay dense until index_min tokens accumulat
     CHECK(stat(S.s, "clusters") == 0);
     decode(S.s, D, 1092, o, lse);  // 1093 tokens: 1093 - 68 > 1024, the first 1024 are clustered
     CHECK(stat(S.s, "indexed_tokens") == 1024);
-    CHECK(stat(S.s, "clusters") == (*mp ? 16 * 8 : 64));
+    CHECK(stat(S.s, "clusters") == (*mp ? 64 : 16 * 8));
     for (int64_t t = 1093; t < 1157; ++t) decode(S.s, D, t, o, lse);  // 1157 tokens: 1024 + 64 + 1 waiting
-    CHECK(stat(S.s, "indexed_tokens") == (*mp ? 1088 : 1024));
+    CHECK(stat(S.s, "indexed_tokens") == (*mp ? 1024 : 1088));
   }
 }
 

@@ -1046,9 +1046,9 @@ MethodSpec retroinfer_spec() {
        {"mask_empty", "enum:after_softmax|before_softmax", "after_softmax",
         "empty clusters in the ranking: dropped after the group's softmaxes over every centroid are summed (the "
         "authors' code), or left out of the softmax", "after_softmax"},
-       {"update_segment", "int", "1024",
-        "generated tokens clustered on their own and appended (UPDATE_SEGMENT); 64 is more accurate in long "
-        "generations (docs/accuracy.md)", "1024"},
+       {"update_segment", "int", "64",
+        "generated tokens clustered on their own and appended once that many wait past the index "
+        "(UPDATE_SEGMENT; chosen on the tuning texts: docs/accuracy.md)", "1024"},
        {"index_min", "int", "1024",
         "clusterable tokens (past the sinks, before the local window) a layer needs before it is indexed: at the "
         "build, or at the first update once more than max(index_min, update_segment) wait; shorter contexts take "
