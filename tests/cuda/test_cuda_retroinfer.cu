@@ -13,12 +13,15 @@
 // Built into kvsieve_cuda_tests (main in test_cuda_attention.cu calls run_retroinfer_tests()).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
+#include <random>
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "backends/cuda/retro.cuh"
+#include "core/dtype.hpp"
 #include "capi_check.hpp"
 #include "session_pair.hpp"
 #include "kvsieve/kvsieve.h"
@@ -212,6 +215,150 @@ void run_build_agreement(int64_t n0) {
   std::printf("gpu k-means vs cpu k-means (n=%lld): %g clusters, selections overlap mean %.4f, worst %.4f\n",
               (long long)n0, c1, mean_overlap, r.min_overlap);
   for (kvs_session_t s : {cpu, gpu, moved}) kvs_session_destroy(s);
+}
+
+// retro_kmeans itself (the index build's and updates' k-means), on keys with a common offset (the
+// centring matters) in one sequence of pages of 64 tokens, each page an allocation of its own.
+// One iteration is the final global pass alone, against the initial centroids (the centred keys at
+// the authors' rows): every row's centroid must be the float64 argmax over the same fp32 inputs,
+// up to a near-tie (within 2e-5 |x| |c|max), at least 99% of rows exactly; the centroids returned
+// must be the float64 means of the rows assigned plus the mean. With segments and spherical passes
+// the tensor-core assignment must agree with the CUDA-core one (a separate kernel) on 99% of rows.
+void run_kmeans_kernel(kvs_scalar_type kvdt, int d, int n, int C, int segments, int iterations) {
+  namespace cuda = kvs::cuda;
+  const int hkv = 2, P = 64;
+  const int np = (n + P - 1) / P;
+  const cuda::Scalar st = kvdt == KVS_SCALAR_BF16 ? cuda::Scalar::BF16 : cuda::Scalar::F16;
+  std::mt19937 rng(uint32_t(900 + d + n + C + segments + iterations));
+  std::normal_distribution<float> nd;
+  std::vector<float> off(size_t(hkv) * d);
+  for (auto& x : off) x = 2.f * nd(rng);
+  std::vector<float> dirs(size_t(12) * d);
+  for (auto& x : dirs) x = nd(rng);
+  // keys[h][t][i] as stored (16-bit), in pages [K: Hkv][P][d] then V.
+  std::vector<float> keys(size_t(hkv) * n * d);
+  const size_t pe = size_t(2) * hkv * P * d;
+  std::vector<float> pages(pe * np, 0.f);
+  for (int h = 0; h < hkv; ++h)
+    for (int t = 0; t < n; ++t)
+      for (int i = 0; i < d; ++i) {
+        const float v = off[size_t(h) * d + i] + dirs[size_t(t % 12) * d + i] + 0.7f * nd(rng);
+        pages[size_t(t / P) * pe + (size_t(h) * P + t % P) * d + i] = v;
+      }
+  const std::vector<uint16_t> p16 = to16(pages, kvdt);
+  for (int h = 0; h < hkv; ++h)
+    for (int t = 0; t < n; ++t)
+      for (int i = 0; i < d; ++i) {
+        const uint16_t u = p16[size_t(t / P) * pe + (size_t(h) * P + t % P) * d + i];
+        keys[(size_t(h) * n + t) * d + i] = kvdt == KVS_SCALAR_BF16 ? kvs::bf16_to_f32(u) : kvs::f16_to_f32(u);
+      }
+  uint16_t* pool = upload(p16);
+  std::vector<const void*> table(static_cast<size_t>(np));
+  std::vector<uint16_t*> scattered(static_cast<size_t>(np));  // page p in an allocation of its own
+  for (int p = 0; p < np; ++p) {
+    cudaMalloc(&scattered[size_t(p)], pe * 2);
+    cudaMemcpy(scattered[size_t(p)], pool + size_t(p) * pe, pe * 2, cudaMemcpyDeviceToDevice);
+    table[size_t(p)] = scattered[size_t(p)];
+  }
+  const void** dtable = upload(table);
+  cuda::PagedKv kv{};
+  kv.pages = dtable;
+  kv.max_pages = np;
+  kv.page_tokens = P;
+  kv.page_shift = 6;
+  cuda::RetroKMeans k;
+  k.n = n;
+  k.clusters = C;
+  k.segments = segments;
+  k.iterations = iterations;
+  const size_t wsb = cuda::retro_kmeans_workspace_bytes(hkv, d, k);
+  void *ws = nullptr, *assign = nullptr, *cent = nullptr;
+  cudaMalloc(&ws, wsb);
+  cudaMalloc(&assign, size_t(hkv) * n * 4);
+  cudaMalloc(&cent, size_t(hkv) * C * d * 4);
+  auto run = [&](bool mma, std::vector<int32_t>& a, std::vector<float>& c) {
+    cuda::detail::set_retro_kmeans_mma(mma);
+    const cuda::Status e = cuda::retro_kmeans(kv, st, hkv, d, 0, k, static_cast<int32_t*>(assign), static_cast<float*>(cent),
+                                              cuda::Workspace{ws, wsb}, nullptr);
+    cudaDeviceSynchronize();
+    a.resize(size_t(hkv) * n);
+    c.resize(size_t(hkv) * C * d);
+    cudaMemcpy(a.data(), assign, a.size() * 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(c.data(), cent, c.size() * 4, cudaMemcpyDeviceToHost);
+    return e.ok() && cudaGetLastError() == cudaSuccess;
+  };
+  std::vector<int32_t> am, ac;
+  std::vector<float> cm, cc;
+  const bool ran = run(true, am, cm) && run(false, ac, cc);
+  cuda::detail::set_retro_kmeans_mma(true);
+  char name[160];
+  std::snprintf(name, sizeof name, "retro_kmeans %s d=%d n=%d C=%d segments=%d iterations=%d",
+                kvdt == KVS_SCALAR_BF16 ? "bf16" : "f16", d, n, C, segments, iterations);
+  CAPI_CHECK(ran, "%s: launch", name);
+  int64_t agree = 0, exact = 0, bad = 0;
+  double cent_err = 0;
+  for (int h = 0; h < hkv; ++h) {
+    // The mean as the kernel has it (fp64 sums, rounded to fp32), the centred rows in fp32.
+    std::vector<float> mu(static_cast<size_t>(d));
+    for (int i = 0; i < d; ++i) {
+      double s = 0;
+      for (int t = 0; t < n; ++t) s += keys[(size_t(h) * n + t) * d + i];
+      mu[size_t(i)] = float(s / n);
+    }
+    std::vector<float> x(size_t(n) * d);
+    for (int t = 0; t < n; ++t)
+      for (int i = 0; i < d; ++i) x[size_t(t) * d + i] = keys[(size_t(h) * n + t) * d + i] - mu[size_t(i)];
+    for (int t = 0; t < n; ++t) agree += am[size_t(h) * n + t] == ac[size_t(h) * n + t];
+    if (iterations == 1) {
+      std::vector<float> c0(size_t(C) * d);  // raw init: row floor(c n / C + n / (2C))
+      double cmax = 0;
+      for (int c = 0; c < C; ++c) {
+        const int64_t r = std::min<int64_t>(n - 1, int64_t(std::floor(double(c) * n / C + double(n) / (2.0 * C))));
+        double nn = 0;
+        for (int i = 0; i < d; ++i) nn += double(c0[size_t(c) * d + i] = x[size_t(r) * d + i]) * c0[size_t(c) * d + i];
+        cmax = std::max(cmax, std::sqrt(nn));
+      }
+      for (int t = 0; t < n; ++t) {
+        double best = -1e300, xn = 0;
+        int bi = 0;
+        std::vector<double> dots(static_cast<size_t>(C));
+        for (int i = 0; i < d; ++i) xn += double(x[size_t(t) * d + i]) * x[size_t(t) * d + i];
+        for (int c = 0; c < C; ++c) {
+          double s = 0;
+          for (int i = 0; i < d; ++i) s += double(x[size_t(t) * d + i]) * c0[size_t(c) * d + i];
+          dots[size_t(c)] = s;
+          if (s > best) best = s, bi = c;
+        }
+        const int32_t g = am[size_t(h) * n + t];
+        exact += g == bi;
+        bad += !(g >= 0 && g < C && dots[size_t(g)] >= best - 2e-5 * std::sqrt(xn) * cmax);
+      }
+      // Centroids: the members' mean (fp64 here) plus mu; an empty cluster its initial row plus mu.
+      std::vector<double> sum(size_t(C) * d, 0.0);
+      std::vector<int64_t> cnt(size_t(C), 0);
+      for (int t = 0; t < n; ++t) {
+        const int32_t g = std::clamp(am[size_t(h) * n + t], 0, C - 1);
+        ++cnt[size_t(g)];
+        for (int i = 0; i < d; ++i) sum[size_t(g) * d + i] += x[size_t(t) * d + i];
+      }
+      for (int c = 0; c < C; ++c)
+        for (int i = 0; i < d; ++i) {
+          const double ref = (cnt[size_t(c)] ? sum[size_t(c) * d + i] / double(cnt[size_t(c)]) : c0[size_t(c) * d + i]) + mu[size_t(i)];
+          cent_err = std::max(cent_err, std::fabs(ref - double(cm[(size_t(h) * C + c) * d + i])));
+        }
+    }
+  }
+  const double rows = double(hkv) * n;
+  if (iterations == 1)
+    CAPI_CHECK(bad == 0 && double(exact) >= 0.99 * rows && cent_err < 1e-3,
+               "%s: rows off the float64 argmax by more than a near-tie %lld, exact %lld of %.0f, centroid error %.3g",
+               name, (long long)bad, (long long)exact, rows, cent_err);
+  CAPI_CHECK(double(agree) >= 0.99 * rows, "%s: tensor-core vs CUDA-core assignment agree on %lld of %.0f rows", name,
+             (long long)agree, rows);
+  std::printf("%s: tensor-core vs CUDA-core agree %.4f%s\n", name, double(agree) / rows,
+              iterations == 1 ? (", float64 argmax exact " + std::to_string(double(exact) / rows)).c_str() : "");
+  for (void* q : {ws, assign, cent, static_cast<void*>(pool), static_cast<void*>(dtable)}) cudaFree(q);
+  for (uint16_t* q : scattered) cudaFree(q);
 }
 
 // The wave buffer: a session with its KV in pinned host memory (a GPU block cache of cache_ratio of
@@ -586,6 +733,10 @@ int run_retroinfer_tests(bool small) {
   // More clusters than the zones kernel's threads (several keys per thread) and than an estimate
   // chunk many times over (the index built on the GPU: 24K tokens).
   if (!small) run_case("", KVS_SCALAR_BF16, 32, 8, 128, 24000, 2, 6, 0.05, /*gpu_build=*/true);
+  for (int d : {64, 128, 256}) run_kmeans_kernel(KVS_SCALAR_BF16, d, 1000, 72, 1, 1);
+  run_kmeans_kernel(KVS_SCALAR_F16, 128, 1000, 72, 1, 1);
+  run_kmeans_kernel(KVS_SCALAR_BF16, 128, small ? 3000 : 9000, 96, 3, 10);
+  run_kmeans_kernel(KVS_SCALAR_F16, 64, 2000, 136, 2, 4);
   run_roundtrip();
   run_two_streams();
   run_layer_updates();

@@ -2,17 +2,32 @@
 // Device helpers of the decode kernels (cuda_attention.cu; topk.cu takes the conversions): 16-bit
 // element conversions, a one-instruction exp2, cp.async copies into shared memory, ldmatrix, and
 // mma.sync m16n8k16 with an A operand whose rows 8..15 are zero (8 query heads) plus the hi + lo
-// split that carries an fp32 query through a 16-bit A operand.
-// Device-only; include from .cu files.
+// split that carries an fp32 query through a 16-bit A operand; mma.sync m16n8k8 on tf32 with the
+// 3xTF32 split (retro_kmeans.cu); and env_flag, the host's benchmark switches.
+// Include from .cu files.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 namespace kvs::cuda::kutil {
+
+// A benchmark knob: on unless the environment variable `name` is set to 0 (read once into flag,
+// -1 until then; a setter may store 0 or 1 first). Host code.
+inline bool env_flag(std::atomic<int>& flag, const char* name) {
+  int v = flag.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* e = std::getenv(name);
+    v = (e && *e) ? (std::atoi(e) != 0) : 1;
+    flag.store(v, std::memory_order_relaxed);
+  }
+  return v != 0;
+}
 
 template <typename T>
 struct Cvt;
@@ -133,6 +148,27 @@ __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_
   const float h0 = Mma<T>::round(x0), h1 = Mma<T>::round(x1);
   hi = Mma<T>::pack(h0, h1);
   lo = Mma<T>::pack(x0 - h0, x1 - h1);
+}
+
+// mma.sync m16n8k8 with tf32 operands, fp32 accumulate: c += A (16 x 8, row) * B (8 x 8, col).
+// Fragments (g = lane / 4, t = lane % 4): a[0] (g, t), a[1] (g + 8, t), a[2] (g, t + 4), a[3]
+// (g + 8, t + 4); b[0] (k t, n g), b[1] (k t + 4, n g); c[0..1] (g, 2t..2t+1), c[2..3] (g + 8, ...).
+__device__ __forceinline__ uint32_t tf32(float x) {
+  uint32_t u;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(u) : "f"(x));
+  return u;
+}
+// x as big + small tf32 parts (3xTF32: big*big + big*small + small*big keeps about fp32's accuracy).
+__device__ __forceinline__ void tf32_split(float x, uint32_t& big, uint32_t& small) {
+  big = tf32(x);
+  small = tf32(x - __uint_as_float(big));
+}
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 }  // namespace kvs::cuda::kutil

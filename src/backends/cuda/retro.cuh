@@ -101,6 +101,9 @@ namespace detail {
 // kernel (the path of more clusters than its shared memory holds, about 650K tokens in clusters of
 // 16), whatever the cluster count. For tests only.
 void set_retro_zone_global(bool on) noexcept;
+// Process-wide: retro_kmeans assigns on the tensor cores (default; 3xTF32) or, off, on the CUDA
+// cores in fp32 (the environment's KVS_RETRO_KMEANS_MMA=0 does the same). For tests and benchmarks.
+void set_retro_kmeans_mma(bool on) noexcept;
 }  // namespace detail
 
 // ---- the wave buffer (KV in pinned host memory) -------------------------------------------------

@@ -3,22 +3,30 @@
 // the stored keys, read from the paged KV in place (centred on the fly, never copied).
 //   mean     grid (row blocks, Hkv): the keys' mean per head (fp64 partial sums, atomics)
 //   init     the initial centroids from the (centred) keys at the authors' positions
-//   assign   grid (segments x row tiles, Hkv), 256 threads: a 64-row tile against the segment's
-//            centroids in tiles of 64 (fp32, shared memory, 4 x 4 outputs per thread), keeping
-//            per row the largest inner product (lowest index on ties)
+//   assign   grid (segments x row tiles, Hkv), 256 threads: a 128-row tile against the segment's
+//            centroids in tiles of 64 on the tensor cores (assign_mma_kernel: 3xTF32, about fp32's
+//            accuracy), keeping per row the largest inner product (lowest index on ties); the
+//            CUDA-core kernel (assign_kernel: 64-row tiles, 4 x 4 fp32 outputs per thread) with
+//            KVS_RETRO_KMEANS_MMA=0 or detail::set_retro_kmeans_mma(false)
 //   update   the members' sums and counts (fp32 / int atomics), then the centroids: normalised
 //            means (spherical passes) or means plus the keys' mean (the final pass)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
+#include "backends/cuda/kernel_util.cuh"
 #include "backends/cuda/retro.cuh"
 #include "backends/cuda/status.cuh"
 
 namespace kvs::cuda {
 namespace {
+using kutil::mma_tf32;
+using kutil::tf32_split;
+
+std::atomic<int> g_kmeans_mma{-1};  // assign_mma_kernel (KVS_RETRO_KMEANS_MMA, detail::set_retro_kmeans_mma)
 
 constexpr int kTile = 64;       // rows and centroids per tile of the assignment
 constexpr int kThreads = 256;   // 16 x 16 threads, 4 x 4 outputs each
@@ -157,6 +165,94 @@ __global__ void __launch_bounds__(kThreads) assign_kernel(const KArgs a, int m, 
   }
 }
 
+// assign_kernel on the tensor cores: 8 warps, 16 rows each, against 64 centroids at a time (8
+// n-tiles of m16n8k8 tf32 MMAs). Both operands enter as big + small tf32 parts (3 MMAs: small*big,
+// big*small, big*big; the centred key and the centroid keep about fp32's 24 bits), so the inner
+// products are fp32's to a few ulps: near-ties may still pick the other centroid, as the fp32 sums'
+// order does. Rows and centroids in shared memory, padded to D + 4 floats (conflict-free fragments).
+constexpr int kMmaRows = 128, kMmaCents = 64, kMmaThreads = 256;
+template <int D>
+constexpr size_t mma_smem() {
+  return size_t(kMmaRows + kMmaCents) * (D + 4) * sizeof(float);
+}
+template <typename T, int D>
+__global__ void __launch_bounds__(kMmaThreads) assign_mma_kernel(const KArgs a, int m, int Cs, int tiles,
+                                                                 const float* cent, int32_t* assign) {
+  constexpr int P = D + 4;
+  extern __shared__ float sh[];
+  float* Xs = sh;                  // [kMmaRows][P]
+  float* Cm = sh + kMmaRows * P;   // [kMmaCents][P]
+  const int h = blockIdx.y, seg = blockIdx.x / tiles, tile = blockIdx.x % tiles;
+  const int r0 = tile * kMmaRows, rows = min(kMmaRows, m - r0);
+  if (rows <= 0) return;
+  const int base = seg * m + r0, cb = seg * Cs;
+  for (int e = threadIdx.x; e < kMmaRows * D; e += kMmaThreads) {
+    const int r = e / D, i = e % D;
+    Xs[r * P + i] = r < rows ? xval<T>(a, h, base + r, i) : 0.f;
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const float* x0 = Xs + (warp * 16 + g) * P;
+  const float* x1 = x0 + 8 * P;
+  float best[2] = {-INFINITY, -INFINITY};
+  int bidx[2] = {0x7fffffff, 0x7fffffff};
+  const float* cg = cent + (int64_t(h) * a.C + cb) * D;
+  for (int c0 = 0; c0 < Cs; c0 += kMmaCents) {
+    const int nc = min(kMmaCents, Cs - c0);
+    __syncthreads();
+    for (int e = threadIdx.x * 4; e < kMmaCents * D; e += kMmaThreads * 4) {
+      const int c = e / D, i = e % D;
+      const float4 v = c < nc ? *reinterpret_cast<const float4*>(cg + int64_t(c0 + c) * D + i) : make_float4(0, 0, 0, 0);
+      *reinterpret_cast<float4*>(Cm + c * P + i) = v;
+    }
+    __syncthreads();
+    float acc[8][4] = {};
+#pragma unroll 2
+    for (int k0 = 0; k0 < D; k0 += 8) {
+      uint32_t ab[4], as[4];
+      tf32_split(x0[k0 + t], ab[0], as[0]);
+      tf32_split(x1[k0 + t], ab[1], as[1]);
+      tf32_split(x0[k0 + t + 4], ab[2], as[2]);
+      tf32_split(x1[k0 + t + 4], ab[3], as[3]);
+#pragma unroll
+      for (int nb = 0; nb < 8; ++nb) {
+        const float* cr = Cm + (nb * 8 + g) * P + k0;
+        uint32_t bb0, bs0, bb1, bs1;
+        tf32_split(cr[t], bb0, bs0);
+        tf32_split(cr[t + 4], bb1, bs1);
+        mma_tf32(acc[nb], as, bb0, bb1);  // the small parts first
+        mma_tf32(acc[nb], ab, bs0, bs1);
+        mma_tf32(acc[nb], ab, bb0, bb1);
+      }
+    }
+    // Each thread sees columns 2t, 2t + 1 of every n-tile, in increasing centroid order: a tie
+    // keeps the lower index.
+#pragma unroll
+    for (int nb = 0; nb < 8; ++nb)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int c = nb * 8 + 2 * t + j;
+        if (c >= nc) continue;
+        if (acc[nb][j] > best[0]) best[0] = acc[nb][j], bidx[0] = c0 + c;
+        if (acc[nb][2 + j] > best[1]) best[1] = acc[nb][2 + j], bidx[1] = c0 + c;
+      }
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) {
+      const float v = __shfl_xor_sync(0xffffffffu, best[i], o);
+      const int b = __shfl_xor_sync(0xffffffffu, bidx[i], o);
+      if (v > best[i] || (v == best[i] && b < bidx[i])) best[i] = v, bidx[i] = b;
+    }
+  if (t == 0)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = warp * 16 + g + 8 * i;
+      // Nothing compares above -inf (a NaN row): the segment's first centroid, as the CPU's loop.
+      if (r < rows) assign[int64_t(h) * a.n + base + r] = cb + (bidx[i] == 0x7fffffff ? 0 : bidx[i]);
+    }
+}
+
 // Members' sums and counts of rows [0, rows).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) sum_kernel(const KArgs a, int rows, const int32_t* assign, float* sum,
@@ -226,15 +322,29 @@ Status run(const KArgs& a0, const RetroKMeans& k, int32_t* assign, float* cent, 
   }
   init_kernel<T><<<dim3(unsigned(a.C), unsigned(a.hkv)), 128, 0, st>>>(a, k.segments, k.raw_init, cent);
   KVS_LAUNCH_CHECK("retro init_kernel launch");
+  const bool mma = kutil::env_flag(g_kmeans_mma, "KVS_RETRO_KMEANS_MMA");
   const size_t smem = size_t(2) * a.d * kTile * sizeof(float);
-  KVS_CUDA_TRY(cudaFuncSetAttribute(assign_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-               "retro assign_kernel attribute");
+  auto assign_mma = a.d == 64 ? assign_mma_kernel<T, 64> : a.d == 128 ? assign_mma_kernel<T, 128> : assign_mma_kernel<T, 256>;
+  const size_t smem_mma = a.d == 64 ? mma_smem<64>() : a.d == 128 ? mma_smem<128>() : mma_smem<256>();
+  if (mma)
+    KVS_CUDA_TRY(cudaFuncSetAttribute(assign_mma, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_mma)),
+                 "retro assign_mma_kernel attribute");
+  else
+    KVS_CUDA_TRY(cudaFuncSetAttribute(assign_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+                 "retro assign_kernel attribute");
   const int m = a.n / k.segments, Cs = a.C / k.segments;
   auto pass = [&](int rows_per_seg, int cents, int segs, int rows, int final_pass) -> Status {
-    const int tiles = (rows_per_seg + kTile - 1) / kTile;
-    assign_kernel<T><<<dim3(unsigned(segs * tiles), unsigned(a.hkv)), kThreads, smem, st>>>(a, rows_per_seg, cents,
-                                                                                           tiles, cent, assign);
-    KVS_LAUNCH_CHECK("retro assign_kernel launch");
+    if (mma) {
+      const int tiles = (rows_per_seg + kMmaRows - 1) / kMmaRows;
+      assign_mma<<<dim3(unsigned(segs * tiles), unsigned(a.hkv)), kMmaThreads, smem_mma, st>>>(a, rows_per_seg, cents,
+                                                                                              tiles, cent, assign);
+      KVS_LAUNCH_CHECK("retro assign_mma_kernel launch");
+    } else {
+      const int tiles = (rows_per_seg + kTile - 1) / kTile;
+      assign_kernel<T><<<dim3(unsigned(segs * tiles), unsigned(a.hkv)), kThreads, smem, st>>>(a, rows_per_seg, cents,
+                                                                                             tiles, cent, assign);
+      KVS_LAUNCH_CHECK("retro assign_kernel launch");
+    }
     KVS_CUDA_TRY(cudaMemsetAsync(sum, 0, size_t(a.hkv) * a.C * a.d * 4, st), "retro kmeans memset");
     KVS_CUDA_TRY(cudaMemsetAsync(cnt, 0, size_t(a.hkv) * a.C * 4, st), "retro kmeans memset");
     const int64_t elems = int64_t(rows) * a.d;
@@ -261,6 +371,10 @@ __global__ void copy_pages_kernel(const void* const* pages, int32_t p0, size_t w
 }
 
 }  // namespace
+
+namespace detail {
+void set_retro_kmeans_mma(bool on) noexcept { g_kmeans_mma.store(on ? 1 : 0, std::memory_order_relaxed); }
+}  // namespace detail
 
 Status retro_copy_pages(const PagedKv& kv, int32_t p0, int32_t np, size_t page_bytes, void* dst, void* stream) noexcept {
   if (!kv.pages || !dst) return invalid("retro_copy_pages: null argument");

@@ -201,17 +201,6 @@ __global__ void __launch_bounds__(kSmallThreads, 1) topk_small_kernel(const Rows
 
 // Benchmark knobs (detail::set_topk_tuning): 0 = automatic.
 std::atomic<int> g_force_cluster{0}, g_force_chunk{0}, g_last_cluster{0};
-// A benchmark knob: on unless the environment variable `name` is set to 0 (read once into flag,
-// -1 until then; a setter may store 0 or 1 first).
-bool env_flag(std::atomic<int>& flag, const char* name) {
-  int v = flag.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* e = std::getenv(name);
-    v = (e && *e) ? (std::atoi(e) != 0) : 1;
-    flag.store(v, std::memory_order_relaxed);
-  }
-  return v != 0;
-}
 // The group mode's logits on the tensor cores (topk_logits_mma_kernel) where they apply: off with
 // KVS_TOPK_SCORE_MMA=0 or detail::set_topk_score_mma.
 std::atomic<int> g_score_mma{-1};
