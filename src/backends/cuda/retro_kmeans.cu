@@ -4,7 +4,7 @@
 //   mean     grid (row blocks, Hkv): the keys' mean per head (fp64 partial sums, atomics)
 //   init     the initial centroids from the (centred) keys at the authors' positions
 //   assign   grid (segments x row tiles, Hkv), 256 threads: a 128-row tile against the segment's
-//            centroids in tiles of 64 on the tensor cores (assign_mma_kernel: 3xTF32, about fp32's
+//            centroids in tiles of 64 (32 at d 256) on the tensor cores (assign_mma_kernel: 3xTF32, about fp32's
 //            accuracy), keeping per row the largest inner product (lowest index on ties); the
 //            CUDA-core kernel (assign_kernel: 64-row tiles, 4 x 4 fp32 outputs per thread) with
 //            KVS_RETRO_KMEANS_MMA=0 or detail::set_retro_kmeans_mma(false)
@@ -165,27 +165,44 @@ __global__ void __launch_bounds__(kThreads) assign_kernel(const KArgs a, int m, 
   }
 }
 
-// assign_kernel on the tensor cores: 8 warps, 16 rows each, against 64 centroids at a time (8
-// n-tiles of m16n8k8 tf32 MMAs). Both operands enter as big + small tf32 parts (3 MMAs: small*big,
-// big*small, big*big; the centred key and the centroid keep about fp32's 24 bits), so the inner
-// products are fp32's to a few ulps: near-ties may still pick the other centroid, as the fp32 sums'
-// order does. Rows and centroids in shared memory, padded to D + 4 floats (conflict-free fragments).
-constexpr int kMmaRows = 128, kMmaCents = 64, kMmaThreads = 256;
+// assign_kernel on the tensor cores: 8 warps, 16 rows each, against CENTS centroids at a time
+// (CENTS / 8 n-tiles of m16n8k8 tf32 MMAs). Both operands enter as big + small tf32 parts (3 MMAs:
+// small*big, big*small, big*big; the centred key and the centroid keep about fp32's 24 bits), so
+// the inner products are fp32's to a few ulps: near-ties may still pick the other centroid, as the
+// fp32 sums' order does. The rows stay fp32 in shared memory (each warp splits its fragments); a
+// centroid tile is split once, as it is stored, into (big, small) pairs, while the next tile's
+// floats are already in registers (loaded during the MMAs). Rows padded to D + 4 elements
+// (conflict-free fragments). CENTS = 64, or 32 at D = 256 (shared memory).
+constexpr int kMmaRows = 128, kMmaThreads = 256;
+template <int D>
+inline constexpr int kMmaCents = D > 128 ? 32 : 64;
 template <int D>
 constexpr size_t mma_smem() {
-  return size_t(kMmaRows + kMmaCents) * (D + 4) * sizeof(float);
+  return size_t(kMmaRows) * (D + 4) * sizeof(float) + size_t(kMmaCents<D>) * (D + 4) * sizeof(uint2);
 }
 template <typename T, int D>
 __global__ void __launch_bounds__(kMmaThreads) assign_mma_kernel(const KArgs a, int m, int Cs, int tiles,
                                                                  const float* cent, int32_t* assign) {
-  constexpr int P = D + 4;
-  extern __shared__ float sh[];
-  float* Xs = sh;                  // [kMmaRows][P]
-  float* Cm = sh + kMmaRows * P;   // [kMmaCents][P]
+  constexpr int P = D + 4, CENTS = kMmaCents<D>, NB = CENTS / 8;
+  constexpr int LPT = CENTS * D / (4 * kMmaThreads);  // float4s of a centroid tile per thread
+  static_assert(LPT * 4 * kMmaThreads == CENTS * D, "tile / threads");
+  extern __shared__ float4 sh4[];
+  float* Xs = reinterpret_cast<float*>(sh4);                   // [kMmaRows][P] fp32
+  uint2* Cb = reinterpret_cast<uint2*>(Xs + kMmaRows * P);     // [CENTS][P] (big, small)
   const int h = blockIdx.y, seg = blockIdx.x / tiles, tile = blockIdx.x % tiles;
   const int r0 = tile * kMmaRows, rows = min(kMmaRows, m - r0);
   if (rows <= 0) return;
   const int base = seg * m + r0, cb = seg * Cs;
+  const float* cg = cent + (int64_t(h) * a.C + cb) * D;
+  float4 pre[LPT];
+  auto fetch = [&](int c0) {
+#pragma unroll
+    for (int u = 0; u < LPT; ++u) {
+      const int e = (threadIdx.x + u * kMmaThreads) * 4, c = e / D, i = e % D;
+      pre[u] = c0 + c < Cs ? *reinterpret_cast<const float4*>(cg + int64_t(c0 + c) * D + i) : make_float4(0, 0, 0, 0);
+    }
+  };
+  fetch(0);
   for (int e = threadIdx.x; e < kMmaRows * D; e += kMmaThreads) {
     const int r = e / D, i = e % D;
     Xs[r * P + i] = r < rows ? xval<T>(a, h, base + r, i) : 0.f;
@@ -195,17 +212,24 @@ __global__ void __launch_bounds__(kMmaThreads) assign_mma_kernel(const KArgs a, 
   const float* x1 = x0 + 8 * P;
   float best[2] = {-INFINITY, -INFINITY};
   int bidx[2] = {0x7fffffff, 0x7fffffff};
-  const float* cg = cent + (int64_t(h) * a.C + cb) * D;
-  for (int c0 = 0; c0 < Cs; c0 += kMmaCents) {
-    const int nc = min(kMmaCents, Cs - c0);
-    __syncthreads();
-    for (int e = threadIdx.x * 4; e < kMmaCents * D; e += kMmaThreads * 4) {
-      const int c = e / D, i = e % D;
-      const float4 v = c < nc ? *reinterpret_cast<const float4*>(cg + int64_t(c0 + c) * D + i) : make_float4(0, 0, 0, 0);
-      *reinterpret_cast<float4*>(Cm + c * P + i) = v;
+  for (int c0 = 0; c0 < Cs; c0 += CENTS) {
+    const int nc = min(CENTS, Cs - c0);
+    __syncthreads();  // the last tile's fragments are read
+#pragma unroll
+    for (int u = 0; u < LPT; ++u) {
+      const int e = (threadIdx.x + u * kMmaThreads) * 4, c = e / D, i = e % D;
+      uint32_t b[4], sm[4];
+      tf32_split(pre[u].x, b[0], sm[0]);
+      tf32_split(pre[u].y, b[1], sm[1]);
+      tf32_split(pre[u].z, b[2], sm[2]);
+      tf32_split(pre[u].w, b[3], sm[3]);
+      uint4* dst = reinterpret_cast<uint4*>(Cb + c * P + i);
+      dst[0] = make_uint4(b[0], sm[0], b[1], sm[1]);
+      dst[1] = make_uint4(b[2], sm[2], b[3], sm[3]);
     }
     __syncthreads();
-    float acc[8][4] = {};
+    if (c0 + CENTS < Cs) fetch(c0 + CENTS);  // in flight during the MMAs below
+    float acc[NB][4] = {};
 #pragma unroll 2
     for (int k0 = 0; k0 < D; k0 += 8) {
       uint32_t ab[4], as[4];
@@ -214,20 +238,18 @@ __global__ void __launch_bounds__(kMmaThreads) assign_mma_kernel(const KArgs a, 
       tf32_split(x0[k0 + t + 4], ab[2], as[2]);
       tf32_split(x1[k0 + t + 4], ab[3], as[3]);
 #pragma unroll
-      for (int nb = 0; nb < 8; ++nb) {
-        const float* cr = Cm + (nb * 8 + g) * P + k0;
-        uint32_t bb0, bs0, bb1, bs1;
-        tf32_split(cr[t], bb0, bs0);
-        tf32_split(cr[t + 4], bb1, bs1);
-        mma_tf32(acc[nb], as, bb0, bb1);  // the small parts first
-        mma_tf32(acc[nb], ab, bs0, bs1);
-        mma_tf32(acc[nb], ab, bb0, bb1);
+      for (int nb = 0; nb < NB; ++nb) {
+        const uint2* cr = Cb + (nb * 8 + g) * P + k0;
+        const uint2 y0 = cr[t], y1 = cr[t + 4];
+        mma_tf32(acc[nb], as, y0.x, y1.x);  // the small parts first
+        mma_tf32(acc[nb], ab, y0.y, y1.y);
+        mma_tf32(acc[nb], ab, y0.x, y1.x);
       }
     }
     // Each thread sees columns 2t, 2t + 1 of every n-tile, in increasing centroid order: a tie
     // keeps the lower index.
 #pragma unroll
-    for (int nb = 0; nb < 8; ++nb)
+    for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int c = nb * 8 + 2 * t + j;
