@@ -192,6 +192,12 @@ void run_build_agreement(int64_t n0) {
   add(gpu, true, x, hq, hkv, d, kvdt, 0, n0, false, "prefill cuda");
   ok(kvs_session_build_index(cpu, nullptr), "build cpu");
   ok(kvs_session_build_index(gpu, nullptr), "build cuda");
+  // The build's parts: its read-back and its GPU k-means, within the whole (build_ms).
+  double rb = -1, km = -1, all = -1;
+  kvs_session_method_stat(gpu, "build_readback_ms", &rb);
+  kvs_session_method_stat(gpu, "build_kmeans_ms", &km);
+  kvs_session_method_stat(gpu, "build_ms", &all);
+  CAPI_CHECK(rb > 0 && km > 0 && km < all, "gpu build stats: read-back %g ms, k-means %g ms, build %g ms", rb, km, all);
   if (!ok(kvs_session_to(gpu, KVS_BACKEND_CPU, 0, &moved), "to cpu")) return;
   double c1 = 0, c2 = 0;
   kvs_session_method_stat(cpu, "clusters", &c1);

@@ -154,8 +154,11 @@ class RetroCuda final : public DeviceMethod {
     return {std::max(lay.sk, lay.sinks_end), std::min(lay.lb, indexed_end)};
   }
   void build_index(uint32_t layer, const DeviceLayerView& v) override {
+    const auto t0 = std::chrono::steady_clock::now();
     KVLayer kv = download(v, v.tokens, std::min<int64_t>(rules_.sinks, v.tokens), v.tokens);
+    build_readback_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     Clustering scope(this, &v);
+    cur_build_ = true;
     layers_[layer].ahead.issued = false;  // the index starts again: so does the next update
     host_->build_index(layer, kv);
     layers_[layer].built = true;
@@ -468,6 +471,10 @@ class RetroCuda final : public DeviceMethod {
     }
     if (name == "wave_layouts" || name == "wave_extends") {  // host counts (sync_wave, extend_wave)
       *out = double(name == "wave_layouts" ? wave_layouts_ : wave_extends_);
+      return true;
+    }
+    if (name == "build_readback_ms" || name == "build_kmeans_ms") {  // the index builds' parts (build_index)
+      *out = name == "build_readback_ms" ? build_readback_ms_ : build_kmeans_ms_;
       return true;
     }
     if (name == "wave_hit_rate" || name == "wave_pcie_bytes" || name == "wave_cache_bytes" ||
@@ -1172,6 +1179,7 @@ class RetroCuda final : public DeviceMethod {
     ~Clustering() {
       m->cur_ = nullptr;
       m->cur_ahead_ = nullptr;
+      m->cur_build_ = false;
     }
     Clustering(const Clustering&) = delete;
     Clustering& operator=(const Clustering&) = delete;
@@ -1194,6 +1202,7 @@ class RetroCuda final : public DeviceMethod {
                   n, cfg.clusters, assign, cent);
       return;
     }
+    const auto t0 = std::chrono::steady_clock::now();
     // Scratch in one allocation: an update's (small) kept for the next update, a build's freed on
     // return (a cudaMalloc and a cudaFree, which waits for the device, on every update otherwise).
     const KMeansRun k(cfg, n, hkv, d);
@@ -1213,6 +1222,7 @@ class RetroCuda final : public DeviceMethod {
           "cudaMemcpy(retroinfer centroids)");
     check(cudaStreamSynchronize(S(cur_->stream)), "cudaStreamSynchronize(retroinfer k-means)");
     split_heads(ha.data(), hc.data(), n, cfg.clusters, assign, cent);
+    if (cur_build_) build_kmeans_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   }
   // assign [Hkv][n] and centroids [Hkv][C][d] back to back, split by KV head.
   void split_heads(const int32_t* ha, const float* hc, int64_t n, int64_t C, std::vector<std::vector<int32_t>>& assign,
@@ -1309,6 +1319,12 @@ class RetroCuda final : public DeviceMethod {
   mutable std::vector<retro::StepLayout> layouts_;  // plan()'s, per session of the batch, for fill_args
   const DeviceLayerView* cur_ = nullptr;  // the layer a build or an update is clustering
   const Ahead* cur_ahead_ = nullptr;       // that update's clustering, run ahead
+  bool cur_build_ = false;                 // the clustering is an index build's
+  // The index builds' read-backs and GPU k-means (results copied back included), summed over
+  // layers and builds, ms (stats build_readback_ms, build_kmeans_ms; the host's layout is the
+  // host method's build_ms less the k-means).
+  double build_readback_ms_ = 0;
+  mutable double build_kmeans_ms_ = 0;
   // Clustering ahead: the bytes its layers hold (device and pinned), at most kAheadBytes (at
   // update_segment=64, 8 KV heads, d 128, bf16, about 0.5 MiB a layer: 32 layers; at 1024, about 5
   // MiB: three layers, where running ahead saves less).
