@@ -265,29 +265,48 @@ void append_clusters(WaveHead& head, const KVLayer& kv, int h, int64_t tok_begin
   head.value_sum.resize(size_t(c0 + C) * d, 0.f);
   head.size.resize(size_t(c0 + C));
   head.start.resize(size_t(c0 + C));
-  int64_t at = r0;
-  std::vector<int64_t> next(static_cast<size_t>(C));
-  for (int64_t c = 0; c < C; ++c) {
-    head.size[size_t(c0 + c)] = int32_t(cnt[size_t(c)]);
-    head.start[size_t(c0 + c)] = at;
-    next[size_t(c)] = at;
-    at += cnt[size_t(c)];
+  // The rows in cluster order (ascending positions inside each cluster: a stable counting sort),
+  // then appended in that order: the new rows are written once, front to back (no zero fill, no
+  // scattered stores), and each cluster's value sum is added up in one pass over its rows, in the
+  // same order (ascending positions) as before.
+  std::vector<int32_t> src(static_cast<size_t>(m));
+  {
+    std::vector<int64_t> next(static_cast<size_t>(C));
+    int64_t at = 0;
+    for (int64_t c = 0; c < C; ++c) {
+      head.size[size_t(c0 + c)] = int32_t(cnt[size_t(c)]);
+      head.start[size_t(c0 + c)] = r0 + at;
+      next[size_t(c)] = at;
+      at += cnt[size_t(c)];
+    }
+    for (int64_t i = 0; i < m; ++i) src[size_t(next[size_t(assign[i])]++)] = int32_t(i);
   }
-  head.pos.resize(size_t(r0 + m));
-  head.keys.resize(size_t(r0 + m) * rb);
-  head.values.resize(size_t(r0 + m) * rb);
-  std::vector<double> vs(size_t(C) * d, 0.0);
+  constexpr int64_t kAhead = 8;  // rows are gathered in cluster order: ask for them a few rows ahead
+  for (int64_t j = 0; j < m; ++j) {
+    if (j + kAhead < m) {
+      const int64_t ta = tok_begin + src[size_t(j + kAhead)];
+      for (size_t o = 0; o < rb; o += 64) {
+        __builtin_prefetch(kv.k_row(h, ta) + o);
+        __builtin_prefetch(kv.v_row(h, ta) + o);
+      }
+    }
+    const int64_t t = tok_begin + src[size_t(j)];
+    head.pos.push_back(int32_t(t));
+    head.keys.insert(head.keys.end(), kv.k_row(h, t), kv.k_row(h, t) + rb);
+    head.values.insert(head.values.end(), kv.v_row(h, t), kv.v_row(h, t) + rb);
+  }
+  std::vector<double> vs(static_cast<size_t>(d));
   std::vector<float> row(static_cast<size_t>(d));
-  for (int64_t i = 0; i < m; ++i) {  // ascending positions: stable inside each cluster
-    const int64_t c = assign[i], t = tok_begin + i, dst = next[size_t(c)]++;
-    head.pos[size_t(dst)] = int32_t(t);
-    std::memcpy(head.keys.data() + size_t(dst) * rb, kv.k_row(h, t), rb);
-    std::memcpy(head.values.data() + size_t(dst) * rb, kv.v_row(h, t), rb);
-    convert_to_f32(kv.v_row(h, t), kv.dtype(), row.data(), size_t(d));
-    double* v = vs.data() + size_t(c) * d;
-    for (int j = 0; j < d; ++j) v[j] += row[size_t(j)];
+  for (int64_t c = 0; c < C; ++c) {
+    std::fill(vs.begin(), vs.end(), 0.0);
+    const int64_t b = head.start[size_t(c0 + c)];
+    for (int64_t j = b; j < b + cnt[size_t(c)]; ++j) {
+      convert_to_f32(head.values.data() + size_t(j) * rb, kv.dtype(), row.data(), size_t(d));
+      for (int i = 0; i < d; ++i) vs[size_t(i)] += row[size_t(i)];
+    }
+    float* out = head.value_sum.data() + size_t(c0 + c) * d;
+    for (int i = 0; i < d; ++i) out[i] = float(vs[size_t(i)]);
   }
-  for (size_t j = 0; j < vs.size(); ++j) head.value_sum[size_t(c0) * d + j] = float(vs[j]);
 }
 
 void cluster_attention(const WaveHead& head, const float* q, int d, float scale, const std::vector<int32_t>& ids,
