@@ -104,6 +104,7 @@ void set_retro_zone_global(bool on) noexcept;
 // Process-wide: retro_kmeans assigns on the tensor cores (default; 3xTF32) or, off, on the CUDA
 // cores in fp32 (the environment's KVS_RETRO_KMEANS_MMA=0 does the same). For tests and benchmarks.
 void set_retro_kmeans_mma(bool on) noexcept;
+bool retro_kmeans_mma() noexcept;  // the switch as it stands (the environment's, or the last set)
 }  // namespace detail
 
 // ---- the wave buffer (KV in pinned host memory) -------------------------------------------------

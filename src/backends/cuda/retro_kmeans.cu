@@ -344,10 +344,15 @@ Status run(const KArgs& a0, const RetroKMeans& k, int32_t* assign, float* cent, 
   }
   init_kernel<T><<<dim3(unsigned(a.C), unsigned(a.hkv)), 128, 0, st>>>(a, k.segments, k.raw_init, cent);
   KVS_LAUNCH_CHECK("retro init_kernel launch");
-  const bool mma = kutil::env_flag(g_kmeans_mma, "KVS_RETRO_KMEANS_MMA");
   const size_t smem = size_t(2) * a.d * kTile * sizeof(float);
   auto assign_mma = a.d == 64 ? assign_mma_kernel<T, 64> : a.d == 128 ? assign_mma_kernel<T, 128> : assign_mma_kernel<T, 256>;
   const size_t smem_mma = a.d == 64 ? mma_smem<64>() : a.d == 128 ? mma_smem<128>() : mma_smem<256>();
+  // The tensor-core kernel where the device's blocks hold its shared memory (Hopper's 227 KB do at
+  // every d; a smaller opt-in limit falls back to the CUDA-core kernel).
+  int dev = 0, optin = 0;
+  KVS_CUDA_TRY(cudaGetDevice(&dev), "retro kmeans device");
+  KVS_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), "retro kmeans device");
+  const bool mma = kutil::env_flag(g_kmeans_mma, "KVS_RETRO_KMEANS_MMA") && smem_mma <= size_t(optin);
   if (mma)
     KVS_CUDA_TRY(cudaFuncSetAttribute(assign_mma, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_mma)),
                  "retro assign_mma_kernel attribute");
@@ -396,6 +401,7 @@ __global__ void copy_pages_kernel(const void* const* pages, int32_t p0, size_t w
 
 namespace detail {
 void set_retro_kmeans_mma(bool on) noexcept { g_kmeans_mma.store(on ? 1 : 0, std::memory_order_relaxed); }
+bool retro_kmeans_mma() noexcept { return kutil::env_flag(g_kmeans_mma, "KVS_RETRO_KMEANS_MMA"); }
 }  // namespace detail
 
 Status retro_copy_pages(const PagedKv& kv, int32_t p0, int32_t np, size_t page_bytes, void* dst, void* stream) noexcept {

@@ -940,6 +940,11 @@ class RetroCuda final : public DeviceMethod {
       return false;
     if (W.pending) check(cudaEventSynchronize(W.admitted), "cudaEventSynchronize(retroinfer wave buffer)");
     const auto& heads = *ix.heads;
+    // The launch first: a failure leaves the host's copies as they were (the next sync lays out).
+    check(cuda::retro_wave_extend(int32_t(heads.size()), M.pos.as<int32_t>(), W.rs, W.vpos.as<int32_t>(), W.R, R,
+                                  W.tok_base, misses_ == Misses::Copy ? W.tok2v.as<int32_t>() : nullptr,
+                                  misses_ == Misses::Stage ? W.stage_map.as<int64_t>() : nullptr, W.ts, W.T, T, v.stream),
+          "retro_wave_extend");
     for (size_t h = 0; h < heads.size(); ++h) {
       const auto& H = heads[h];
       W.start[h].insert(W.start[h].end(), H.start.begin() + W.C, H.start.end());
@@ -948,10 +953,6 @@ class RetroCuda final : public DeviceMethod {
       W.heads[h].grow(C);
       W.missed[h].reserve(size_t(C));
     }
-    check(cuda::retro_wave_extend(int32_t(heads.size()), M.pos.as<int32_t>(), W.rs, W.vpos.as<int32_t>(), W.R, R,
-                                  W.tok_base, misses_ == Misses::Copy ? W.tok2v.as<int32_t>() : nullptr,
-                                  misses_ == Misses::Stage ? W.stage_map.as<int64_t>() : nullptr, W.ts, W.T, T, v.stream),
-          "retro_wave_extend");
     W.C = C;
     W.R = R;
     W.T = T;
