@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "backends/cpu/attention.hpp"
+#include "random_layer.hpp"
 
 int main(int argc, char** argv) {
   const unsigned threads = argc > 1 ? unsigned(std::atoi(argv[1])) : 2;
@@ -24,13 +25,9 @@ int main(int argc, char** argv) {
   const int reps = argc > 3 ? std::atoi(argv[3]) : 15;
   const double frac = argc > 4 ? std::atof(argv[4]) : 0.0;
   const int hkv = 8, d = 128, G = 4;
-  kvs::KVLayer layer(kvs::DType::BF16, hkv, d);
   std::mt19937 rng(1);
   std::normal_distribution<float> nd;
-  std::vector<float> k(size_t(1024) * hkv * d), v(k.size());
-  for (auto& x : k) x = nd(rng);
-  for (auto& x : v) x = nd(rng);
-  for (int64_t i = 0; i < N; i += 1024) layer.append(k.data(), v.data(), std::min<int64_t>(1024, N - i));
+  const kvs::KVLayer layer = random_layer(hkv, d, N, rng);
   kvs::ThreadPool pool(threads);
   std::vector<float> q(size_t(G) * hkv * d), o(q.size()), lse(size_t(G) * hkv);
   for (auto& x : q) x = nd(rng);

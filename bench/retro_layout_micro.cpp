@@ -17,6 +17,7 @@
 #include "core/kv_store.hpp"
 #include "core/thread_pool.hpp"
 #include "methods/retroinfer/wave_index.hpp"
+#include "random_layer.hpp"
 
 int main(int argc, char** argv) {
   const unsigned threads = argc > 1 ? unsigned(std::atoi(argv[1])) : 2;
@@ -27,13 +28,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: kvsieve_retro_layout_micro THREADS CONTEXT(>= 16) [REPS]\n");
     return 2;
   }
-  kvs::KVLayer layer(kvs::DType::BF16, hkv, d);
   std::mt19937 rng(1);
-  std::normal_distribution<float> nd;
-  std::vector<float> k(size_t(1024) * hkv * d), v(k.size());
-  for (auto& x : k) x = nd(rng);
-  for (auto& x : v) x = nd(rng);
-  for (int64_t t = 0; t < N; t += 1024) layer.append(k.data(), v.data(), std::min<int64_t>(1024, N - t));
+  const kvs::KVLayer layer = random_layer(hkv, d, N, rng);
   const int64_t C = N / 16;
   std::vector<std::vector<int32_t>> assign(size_t(hkv), std::vector<int32_t>(static_cast<size_t>(N)));
   for (auto& a : assign)
