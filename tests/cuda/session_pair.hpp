@@ -129,6 +129,25 @@ StepRows cpu_step(std::vector<kvs_session_t>& cpu, const std::vector<Seq>& seqs,
   return r;
 }
 
+// The last selections of one layer of two sessions, every KV head (sorted token lists: the CPU's
+// the reference) folded into c (counts, overlap, rows, flipped). True when the step's output
+// should be compared: the selections agree, or c does not skip flips.
+bool compare_selections(kvs_session_t cpu, kvs_session_t gpu, int hkv, uint32_t layer, Cmp& c) {
+  bool same = true;
+  for (uint32_t h = 0; h < uint32_t(hkv); ++h) {
+    const std::vector<int32_t> sc = last_keys(cpu, h, layer), sg = last_keys(gpu, h, layer);
+    const size_t nc = sc.size(), ng = sg.size();
+    size_t common = 0;
+    for (int32_t x : sg) common += std::binary_search(sc.begin(), sc.end(), x);
+    c.count_equal &= nc == ng;
+    c.min_overlap = std::min(c.min_overlap, nc ? double(common) / double(nc) : 1.0);
+    same &= nc == ng && common == nc;
+  }
+  ++c.rows;
+  c.flipped += !same;
+  return same || !c.skip_flips;
+}
+
 // One decode step of token pos[b] for every session: the CPU one by one, the GPU as one batch.
 void step(std::vector<kvs_session_t>& cpu, std::vector<kvs_session_t>& gpu, const std::vector<Seq>& seqs,
           const std::vector<int64_t>& pos, int hq, int hkv, int d, kvs_scalar_type kvdt, cudaStream_t stream, Cmp& c) {
@@ -137,19 +156,7 @@ void step(std::vector<kvs_session_t>& cpu, std::vector<kvs_session_t>& gpu, cons
   std::vector<float> out, lse;
   gpu_decode_batch(gpu, r.q, to16(r.k, kvdt), to16(r.v, kvdt), hq, hkv, d, kvdt, stream, out, lse);
   for (int b = 0; b < B; ++b) {
-    bool same = true;
-    for (uint32_t h = 0; h < uint32_t(hkv); ++h) {
-      const std::vector<int32_t> sc = last_keys(cpu[size_t(b)], h), sg = last_keys(gpu[size_t(b)], h);
-      const size_t nc = sc.size(), ng = sg.size();
-      size_t common = 0;
-      for (int32_t x : sg) common += std::binary_search(sc.begin(), sc.end(), x);
-      c.count_equal &= nc == ng;
-      c.min_overlap = std::min(c.min_overlap, nc ? double(common) / double(nc) : 1.0);
-      same &= nc == ng && common == nc;
-    }
-    ++c.rows;
-    c.flipped += !same;
-    if (same || !c.skip_flips) {
+    if (compare_selections(cpu[size_t(b)], gpu[size_t(b)], hkv, 0, c)) {
       const size_t o = size_t(b) * hq * d, l = size_t(b) * hq;
       fold_errors(std::vector<float>(out.begin() + o, out.begin() + o + size_t(hq) * d),
                   std::vector<float>(r.ref.begin() + o, r.ref.begin() + o + size_t(hq) * d),

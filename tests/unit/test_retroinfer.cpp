@@ -644,9 +644,9 @@ TEST_CASE("retroinfer: the index view's lineage holds across appended clusters o
 
 TEST_CASE("retroinfer: short prompts stay dense until index_min tokens accumulate") {
   // index_min (1024 by default) clusterable tokens (past 4 sinks, before 64 local) before the first
-  // index, whatever update_segment; then update_segment at a time: at 1024, one chunk of 64
-  // clusters; at the default (64), sixteen chunks of 8.
-  for (const char* mp : {"update_segment=1024", ""}) {
+  // index; then update_segment (64 by default, 8 clusters each) at a time. index_min=0 is the
+  // authors' rule (update_segment): with update_segment=1024, one chunk of 64 clusters.
+  for (const char* mp : {"", "index_min=0,update_segment=1024"}) {
     CAPTURE(mp);
     Rng rng(23);
     Data D(rng, 4, 2, 16, 1300);

@@ -62,6 +62,11 @@ using cudautil::DevBuf;
 using cudautil::S;
 
 size_t al256(size_t x) { return (x + 255) / 256 * 256; }
+// x and an eighth more (at least `least`), below 2^31: the room a device layout keeps for the
+// index updates to come (the mirror's clusters and rows, the wave buffer's per-token maps).
+int32_t with_room(int64_t x, int64_t least) {
+  return int32_t(std::min<int64_t>(x + std::max<int64_t>(x / 8, least), INT32_MAX));
+}
 
 // One GPU k-means of n tokens (retro_kmeans) and its scratch in one allocation: the workspace,
 // then the assignments [Hkv][n] int32 and the centroids [Hkv][C][d] fp32, 256-byte aligned.
@@ -157,8 +162,7 @@ class RetroCuda final : public DeviceMethod {
     const auto t0 = std::chrono::steady_clock::now();
     KVLayer kv = download(v, v.tokens, std::min<int64_t>(rules_.sinks, v.tokens), v.tokens);
     build_readback_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    Clustering scope(this, &v);
-    cur_build_ = true;
+    Clustering scope(this, &v, nullptr, /*build=*/true);
     layers_[layer].ahead.issued = false;  // the index starts again: so does the next update
     host_->build_index(layer, kv);
     layers_[layer].built = true;
@@ -691,8 +695,8 @@ class RetroCuda final : public DeviceMethod {
       M.C = M.R = 0;
       // (At 128K tokens, 8192 clusters a head: room for 128 updates of 64 tokens; the session tests'
       // small indexes outgrow it in a few updates, so both paths run there.)
-      M.cs = int32_t(std::min<int64_t>(C + std::max<int64_t>(C / 8, 16), INT32_MAX));
-      M.rs = int32_t(std::min<int64_t>(R + std::max<int64_t>(R / 8, 256), INT32_MAX));
+      M.cs = with_room(C, 16);
+      M.rs = with_room(R, 256);
     }
     M.meta = meta;
     M.lineage = ix.lineage;
@@ -876,7 +880,7 @@ class RetroCuda final : public DeviceMethod {
     check(cudaMemcpyAsync(W.vpos.p, vp.data(), vp.size() * 4, cudaMemcpyHostToDevice, S(v.stream)),
           "cudaMemcpyAsync(retroinfer wave buffer positions)");
     const int32_t T = int32_t(retro::index_view(*host_, layer).indexed_end);
-    const int32_t ts = int32_t(std::min<int64_t>(int64_t(T) + std::max<int64_t>(T / 8, 256), INT32_MAX));
+    const int32_t ts = with_room(T, 256);
     W.T = T;
     W.ts = ts;
     if (misses_ == Misses::Copy) {  // the same by token (the list's remap after the admissions)
@@ -1173,9 +1177,10 @@ class RetroCuda final : public DeviceMethod {
   // however it ends.
   struct Clustering {
     RetroCuda* m;
-    Clustering(RetroCuda* mm, const DeviceLayerView* v, const Ahead* a = nullptr) : m(mm) {
+    Clustering(RetroCuda* mm, const DeviceLayerView* v, const Ahead* a = nullptr, bool build = false) : m(mm) {
       m->cur_ = v;
       m->cur_ahead_ = a;
+      m->cur_build_ = build;
     }
     ~Clustering() {
       m->cur_ = nullptr;
