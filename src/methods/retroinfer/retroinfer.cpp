@@ -93,8 +93,8 @@ struct HeadScratch {
   std::vector<float> E, dist, num, a;
   std::vector<double> dens;
   std::vector<int32_t> cand, zr, ze, zo;
-  std::vector<float> mx, vals, rank;
-  std::vector<uint64_t> bits;
+  std::vector<float> mx, vals, rank, part;
+  std::vector<uint64_t> bits, cbits;
   std::vector<uint32_t> rtmp;
 };
 
@@ -348,11 +348,14 @@ class RetroInfer final : public Method {
       cpu::score_contig(m16 ? W.mdt : DType::F32, d, G, qg, scale,
                         m16 ? W.dcent.data() : reinterpret_cast<const std::byte*>(W.centroids.data()), C, E);
       auto& cand = S.cand;
-      cand.clear();
+      cand.resize(size_t(C));
       const int32_t* csize = W.size.data();
-      for (int64_t c = 0; c < C; ++c)
-        if (csize[c] > 0) cand.push_back(int32_t(c));
-      const int64_t nc = int64_t(cand.size());
+      int64_t nc = 0;
+      for (int64_t c = 0; c < C; ++c) {  // the non-empty clusters, without a branch
+        cand[size_t(nc)] = int32_t(c);
+        nc += csize[c] > 0;
+      }
+      cand.resize(size_t(nc));
       const bool any_empty = nc < C && !mask_after_;
       // rank_dtype=model on a 16-bit KV: the distances come from rounded copies of the logits
       // (rank_row_model); E keeps the fp32 weights the estimation zone reads (the authors'
@@ -478,20 +481,15 @@ class RetroInfer final : public Method {
           part = cand[size_t(r)];
           const int64_t b = W.start[size_t(part)], m = W.size[size_t(part)];
           pm = std::min(room - used, m);
+          // The cluster's key rows are contiguous (cluster order): one score pass of the group over
+          // them (the centroid GEMV's kernel), then the largest logit per row.
           auto& sc = S.vals;
-          sc.resize(size_t(m));
-          std::vector<float> row(static_cast<size_t>(d));
+          S.part.resize(size_t(G) * m);
           const size_t rb = size_t(d) * dtype_size(ctx_.shape.kv_dtype);
-          for (int64_t j = 0; j < m; ++j) {
-            convert_to_f32(W.keys.data() + size_t(b + j) * rb, ctx_.shape.kv_dtype, row.data(), size_t(d));
-            float best = -std::numeric_limits<float>::infinity();
-            for (int g = 0; g < G; ++g) {
-              float x = 0;
-              for (int i2 = 0; i2 < d; ++i2) x += qg[size_t(g) * d + i2] * row[size_t(i2)];
-              best = std::max(best, x);
-            }
-            sc[size_t(j)] = best;
-          }
+          cpu::score_contig(ctx_.shape.kv_dtype, d, G, qg, scale, W.keys.data() + size_t(b) * rb, m, S.part.data());
+          sc.assign(S.part.begin(), S.part.begin() + m);
+          for (int g = 1; g < G; ++g)
+            for (int64_t j = 0; j < m; ++j) sc[size_t(j)] = std::max(sc[size_t(j)], S.part[size_t(g) * m + j]);
           auto& ord = S.zo;
           ord.resize(size_t(m));
           for (int64_t j = 0; j < m; ++j) ord[size_t(j)] = int32_t(j);
@@ -538,14 +536,20 @@ class RetroInfer final : public Method {
       const int64_t lo = std::min(sinks_, n);
       auto& bits = S.bits;
       bits.assign(size_t((L.indexed_end - lo + 63) / 64), 0);
+      // (The clusters' positions lie anywhere in W.pos: each is asked for a few clusters ahead.)
+      constexpr int64_t kPosAhead = 4;
+      for (int64_t i = 0; i < std::min(r, kPosAhead); ++i) __builtin_prefetch(W.pos.data() + W.start[size_t(cand[size_t(i)])]);
       for (int64_t i = 0; i < r; ++i) {
+        if (i + kPosAhead < r) __builtin_prefetch(W.pos.data() + W.start[size_t(cand[size_t(i + kPosAhead)])]);
         const int32_t c = cand[size_t(i)];
         const int32_t* p = W.pos.data() + W.start[size_t(c)];
-        for (int32_t j = 0; j < W.size[size_t(c)]; ++j) {
+        const int32_t m = W.size[size_t(c)];
+        uint64_t* bw = bits.data();
+        for (int32_t j = 0; j < m; ++j) {
           const uint64_t o = uint64_t(p[j] - lo);
-          bits[o >> 6] |= uint64_t(1) << (o & 63);
+          bw[o >> 6] |= uint64_t(1) << (o & 63);
         }
-        rt += W.size[size_t(c)];
+        rt += m;
       }
       for (int64_t j = 0; j < pm; ++j) {
         const uint64_t o = uint64_t(W.pos[size_t(W.start[size_t(part)] + S.zo[size_t(j)])] - lo);
@@ -561,7 +565,15 @@ class RetroInfer final : public Method {
         // Meta rows in ascending cluster order (address order, prefetched ahead), each read once for
         // the whole group; fp32 numerators, fp64 denominators. 16-bit meta rows hold value means,
         // so their weight is E_i * size_i (VS_i = size_i * mean_i).
-        if (!est_sorted) std::sort(cand.begin() + er, cand.begin() + k2);
+        if (!est_sorted) {
+          // Ascending cluster ids through a bitmap over the clusters instead of a sort.
+          auto& eb = S.cbits;
+          eb.assign(size_t((C + 63) / 64), 0);
+          for (int64_t i = er; i < k2; ++i) eb[size_t(cand[size_t(i)]) >> 6] |= uint64_t(1) << (cand[size_t(i)] & 63);
+          int32_t* w = cand.data() + er;
+          for (size_t x = 0; x < eb.size(); ++x)
+            for (uint64_t y = eb[x]; y; y &= y - 1) *w++ = int32_t(int64_t(x) * 64 + __builtin_ctzll(y));
+        }
         const DType mt = m16 ? W.mdt : DType::F32;
         const size_t mrb = size_t(d) * dtype_size(mt);
         const std::byte* meta = m16 ? W.dvmean.data() : reinterpret_cast<const std::byte*>(W.value_sum.data());
