@@ -362,6 +362,29 @@ TEST_CASE("attention values: accumulate_rows adds float64 weighted sums of gathe
       if (v > ref) ref = v;
     CHECK(kvs::cpu::max_of(x.data(), n) == ref);
   }
+  // argmax: the first maximum (ties from a few distinct values, the maximum anywhere: first,
+  // last, in the vector body or the tail), NaNs skipped, 0 for nothing.
+  CHECK(kvs::cpu::argmax(nullptr, 0) == 0);
+  for (int rep = 0; rep < 200; ++rep) {
+    const int64_t n = rng.uniform(1, 70);
+    auto x = rng.normals(size_t(n));
+    const int levels = 1 + rep % 4;  // 1: every value tied
+    for (auto& v : x) v = std::floor(v * float(levels) / 2.f);
+    if (rep % 5 == 0 && n > 3) x[size_t(rep % n)] = NAN;
+    double best = -INFINITY;  // the largest value that is not NaN, then its first position
+    for (float v : x)
+      if (!std::isnan(v)) best = std::max(best, double(v));
+    int64_t ref = 0;
+    while (ref < n && double(x[size_t(ref)]) != best) ++ref;
+    INFO("n " << n << " rep " << rep);
+    CHECK(kvs::cpu::argmax(x.data(), n) == ref);
+  }
+  {
+    std::vector<float> x(9, NAN);
+    CHECK(kvs::cpu::argmax(x.data(), 9) == 0);
+    x[8] = -INFINITY;
+    CHECK(kvs::cpu::argmax(x.data(), 9) == 8);
+  }
   // softmax_rows: rows of a strided matrix to softmax weights, and their LSE.
   for (int64_t n : {1, 5, 64, 300}) {
     const int G = 3;

@@ -791,6 +791,19 @@ float max_of(const float* x, int64_t n) {
   return *std::max_element(m8, m8 + 8);
 }
 
+int64_t argmax(const float* x, int64_t n) {
+  const float m = max_of(x, n);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    bool any = false;
+    for (int j = 0; j < 8; ++j) any |= x[i + j] == m;
+    if (any) break;
+  }
+  for (; i < n; ++i)
+    if (x[i] == m) return i;
+  return 0;
+}
+
 void softmax_rows(float* x, int G, int64_t n, int64_t ld, float* lse) {
   for (int g = 0; g < G; ++g) {
     float* xg = x + size_t(g) * size_t(ld);

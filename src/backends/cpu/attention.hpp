@@ -62,6 +62,10 @@ void accumulate_rows(DType t, int d, int G, const float* w, int64_t ldw, const s
 void softmax_rows(float* x, int G, int64_t n, int64_t ld, float* lse);
 // max(x[0..n)), -inf for n = 0 (NaNs are skipped), in eight independent lanes.
 float max_of(const float* x, int64_t n);
+// The index of the first maximum of x[0..n) (NaNs are skipped; 0 when n = 0 or every value is NaN):
+// max_of, then the first position holding it, eight values at a time. The k-means assignments'
+// argmax over a row of centroid similarities, without a running maximum's dependency chain.
+int64_t argmax(const float* x, int64_t n);
 // x[i] <- exp(x[i] - m) for n values with the vectorised exponential of the softmax update (|rel
 // err| < 2e-7; arguments are clamped to [-87.3, 88.3], so -inf gives ~1e-38, not 0); returns the
 // sum of the results (fp32 SIMD partial sums added in fp64).

@@ -14,6 +14,7 @@
 #include <numeric>
 #include <random>
 
+#include "backends/cpu/attention.hpp"
 #include "core/error.hpp"
 #include "methods/csattention/csattention.hpp"
 
@@ -64,10 +65,7 @@ void assign_rows(const float* X, int64_t rows, int db, const float* cent, int C,
                  std::vector<float>& sims, int32_t* assign) {
   sims.resize(size_t(rows) * C);
   cpu::sgemm(gemm, false, true, rows, C, db, 1.f, X, db, cent, db, 0.f, sims.data(), C);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* s = sims.data() + size_t(r) * C;
-    assign[r] = int32_t(std::max_element(s, s + C) - s);
-  }
+  for (int64_t r = 0; r < rows; ++r) assign[r] = int32_t(cpu::argmax(sims.data() + size_t(r) * C, C));
 }
 
 }  // namespace

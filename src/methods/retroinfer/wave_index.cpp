@@ -7,6 +7,7 @@
 #include <limits>
 #include <numeric>
 
+#include "backends/cpu/attention.hpp"
 #include "core/error.hpp"
 
 namespace kvs::retro {
@@ -63,14 +64,7 @@ void assign_rows(const float* X, int64_t rows, int d, const float* cent, int64_t
   for (int64_t b = 0; b < rows; b += kRowBlock) {
     const int64_t r = std::min(kRowBlock, rows - b);
     cpu::sgemm(gemm, false, true, r, k, d, 1.f, X + size_t(b) * d, d, cent, d, 0.f, scratch.data(), k);
-    for (int64_t i = 0; i < r; ++i) {
-      const float* s = scratch.data() + size_t(i) * size_t(k);
-      int64_t best = 0;
-      float bv = s[0];
-      for (int64_t c = 1; c < k; ++c)
-        if (s[c] > bv) bv = s[c], best = c;
-      out[b + i] = int32_t(best);
-    }
+    for (int64_t i = 0; i < r; ++i) out[b + i] = int32_t(cpu::argmax(scratch.data() + size_t(i) * size_t(k), k));
   }
 }
 
