@@ -323,6 +323,7 @@ class CSAttention final : public Method {
   const Params& params() const { return P_; }
   LayerTables tables(uint32_t layer) {
     auto& L = layers_[layer];
+    L.minv.clear();  // the caller may write the lists
     return LayerTables{&L.built, &L.dense_fallback, &L.L, &L.C, &L.indexed, &L.step, &L.cent, &L.idx, &L.v16, &L.v32, &L.cached};
   }
 
@@ -404,6 +405,7 @@ class CSAttention final : public Method {
     L.built = true;
     L.dense_fallback = false;
     L.undo.clear();
+    L.minv.clear();
     L.step = 0;
     L.cached.clear();
     std::vector<float>().swap(L.qrows);
@@ -424,43 +426,61 @@ class CSAttention final : public Method {
     if (L.indexed >= n) return;
     const int64_t t0 = L.indexed;
     std::vector<std::vector<Undo>> logs(static_cast<size_t>(TH_));
+    const size_t lists = size_t(TH_) * size_t(m_) * size_t(L.C);
+    if (L.minv.size() != lists && L.L > 0) {
+      L.minv.resize(lists);
+      for (size_t i = 0; i < lists; ++i) L.minv[i] = f16_ ? score_f(L.v16[i * size_t(L.L)]) : L.v32[i * size_t(L.L)];
+    }
     auto work = [&](int64_t th) {
       const int h = int(th), kvh = per_query_ ? h / G_ : h;
       std::vector<float> k(static_cast<size_t>(d_)), sc(size_t(m_) * size_t(L.C));
+      float* minv = L.minv.data() + size_t(h) * m_ * size_t(L.C);  // [m][C] of this head
       for (int64_t t = t0; t < n; ++t) {
         convert_to_f32(kv.k_row(kvh, t), kv.dtype(), k.data(), size_t(d_));
-        // All m*C centroid scores first, asking for every list's root (its minimum) meanwhile: the
-        // m*C lists lie far apart, so the roots are independent cache misses that can overlap.
         for (int b = 0; b < m_; ++b) {
           const int db = db_[size_t(b)], off = off_[size_t(b)];
           const float* cent = centroids(L, h, b);
+          const float* kb = k.data() + off;
           for (int64_t j = 0; j < L.C; ++j) {
             const float* c = cent + size_t(j) * db;
-            float s = 0.f;
-            for (int i = 0; i < db; ++i) s += c[i] * k[size_t(off + i)];
-            sc[size_t(b) * L.C + size_t(j)] = s;
-            const size_t base = list_base(L, h, b, j);
-            if (f16_) __builtin_prefetch(&L.v16[base]);
-            else __builtin_prefetch(&L.v32[base]);
+            // Eight partial sums (vectorised by the compiler; one running sum is a dependency chain).
+            float s8[8] = {};
+            int i = 0;
+            for (; i + 8 <= db; i += 8)
+              for (int u = 0; u < 8; ++u) s8[u] += c[i + u] * kb[i + u];
+            for (; i < db; ++i) s8[0] += c[i] * kb[i];
+            sc[size_t(b) * L.C + size_t(j)] = ((s8[0] + s8[4]) + (s8[1] + s8[5])) + ((s8[2] + s8[6]) + (s8[3] + s8[7]));
           }
         }
-        for (int b = 0; b < m_; ++b) {
-          for (int64_t j = 0; j < L.C; ++j) {
-            const float s = sc[size_t(b) * L.C + size_t(j)];
-            const size_t base = list_base(L, h, b, j);
-            Undo u{base, int32_t(t), 0, 0};
-            bool ins;
-            if (f16_) {
-              uint16_t ev;
-              ins = heap_try_insert(&L.idx[base], &L.v16[base], L.L, int32_t(t), s, &u.old_idx, &ev);
-              u.old_bits = ev;
-            } else {
-              float ev;
-              ins = heap_try_insert(&L.idx[base], &L.v32[base], L.L, int32_t(t), s, &u.old_idx, &ev);
-              std::memcpy(&u.old_bits, &ev, 4);
-            }
-            if (ins) logs[size_t(h)].push_back(u);
+        // A list is touched only when the key enters it: its stored score above the list's
+        // minimum (heap_try_insert's own test, on the same stored value), which after the first
+        // steps few keys pass; the m*C lists lie far apart, each a cache miss.
+        for (int64_t i = 0; i < m_ * L.C; ++i) {
+          const float s = sc[size_t(i)];
+          float stored;
+          if (f16_) {
+            uint16_t sv;
+            score_store(sv, s);
+            stored = score_f(sv);
+          } else {
+            stored = s;
           }
+          if (L.L <= 0 || !(stored > minv[i])) continue;
+          const size_t base = list_base(L, h, int(i / L.C), i % L.C);
+          Undo u{base, int32_t(t), 0, 0};
+          bool ins;
+          if (f16_) {
+            uint16_t ev;
+            ins = heap_try_insert(&L.idx[base], &L.v16[base], L.L, int32_t(t), s, &u.old_idx, &ev);
+            u.old_bits = ev;
+            minv[i] = score_f(L.v16[base]);
+          } else {
+            float ev;
+            ins = heap_try_insert(&L.idx[base], &L.v32[base], L.L, int32_t(t), s, &u.old_idx, &ev);
+            std::memcpy(&u.old_bits, &ev, 4);
+            minv[i] = L.v32[base];
+          }
+          if (ins) logs[size_t(h)].push_back(u);
         }
       }
     };
@@ -495,9 +515,11 @@ class CSAttention final : public Method {
       if (f16_) {
         L.v16[u.base + size_t(p)] = uint16_t(u.old_bits);
         heap_make(idx, &L.v16[u.base], L.L);
+        if (!L.minv.empty()) L.minv[u.base / size_t(L.L)] = score_f(L.v16[u.base]);
       } else {
         std::memcpy(&L.v32[u.base + size_t(p)], &u.old_bits, 4);
         heap_make(idx, &L.v32[u.base], L.L);
+        if (!L.minv.empty()) L.minv[u.base / size_t(L.L)] = L.v32[u.base];
       }
     }
     if (n < first_logged && n < L.indexed) {
@@ -654,6 +676,7 @@ class CSAttention final : public Method {
       }
       L.built = true;
       L.undo.clear();
+      L.minv.clear();
     }
   }
 
@@ -717,6 +740,10 @@ class CSAttention final : public Method {
     std::vector<uint16_t> v16;   // [TH][m][C][L] fp16 scores (score_dtype=f16)
     std::vector<float> v32;      // fp32 scores (score_dtype=f32)
     std::vector<Undo> undo;      // inserts of the latest call, by token
+    // Each list's minimum (its heap root's score) in one dense array [TH][m][C], kept by on_append
+    // so that a new key touches only the lists it enters; empty = to be read from the roots (after
+    // a build, a load, a truncation or a hand-out of the tables).
+    std::vector<float> minv;
     // Search period.
     int64_t step = 0;
     std::vector<std::vector<int32_t>> cached;
