@@ -19,7 +19,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "backends/cpu/gemm.hpp"
 #include "backends/cpu/topk.hpp"
+#include "core/kv_store.hpp"
+#include "core/method.hpp"
+#include "core/params.hpp"
+#include "core/thread_pool.hpp"
 #include "io/tables.hpp"
 #include "kvsieve/kvsieve.h"
 #include "methods/csattention/csattention.hpp"
@@ -281,6 +286,56 @@ TEST_CASE("csattention: streaming lists equal a float64 brute-force top-L over e
     CHECK(checked == D.hkv * m * C);
     MESSAGE(std::string(dt) << ": " << checked << " lists checked, " << boundary << " keys within rounding of a threshold");
     std::remove(path.c_str());
+  }
+}
+
+TEST_CASE("csattention: a failed call's inserts undone (truncate) leave the lists as if they never came") {
+  // The method's own rollback (a call that fails after its inserts): the lists and the minima the
+  // streaming update keeps beside them go back, so later keys enter exactly as without that call.
+  Rng rng(31);
+  Data D(rng, 4, 2, 32, 480);
+  kvs::ThreadPool pool(2);
+  const kvs::MethodSpec* spec = kvs::find_method("csattention");
+  REQUIRE(spec);
+  const kvs::MethodContext ctx{{1, uint32_t(D.hq), uint32_t(D.hkv), uint32_t(D.d), float(1.0 / std::sqrt(double(D.d))),
+                                kvs::DType::F32},
+                               {}, &pool, int32_t(kvs::cpu::resolve_gemm(KVS_GEMM_AUTO))};
+  for (const char* dt : {"f16", "f32"}) {
+    const std::string mp = std::string("subspaces=4,centroids=8,list_len=40,iters=3,batch=64,score_dtype=") + dt;
+    const int64_t N = 300;
+    auto a = spec->create(ctx, kvs::ParamSet::parse("csattention", spec->params, mp.c_str()));
+    auto b = spec->create(ctx, kvs::ParamSet::parse("csattention", spec->params, mp.c_str()));
+    kvs::KVLayer ka(kvs::DType::F32, D.hkv, D.d), kb(kvs::DType::F32, D.hkv, D.d);
+    ka.append(D.kt(0), D.vt(0), N);
+    kb.append(D.kt(0), D.vt(0), N);
+    for (auto* m : {a.get(), b.get()}) m->on_prefill(0, D.qt(0), N, m == a.get() ? ka : kb);
+    a->build_index(0, ka);
+    b->build_index(0, kb);
+    for (int64_t t = N; t < N + 40; ++t) {  // both stream the same keys (the minima get used)
+      ka.append(D.kt(t), D.vt(t), 1);
+      kb.append(D.kt(t), D.vt(t), 1);
+      a->on_append(0, D.qt(t), 1, ka, true);
+      b->on_append(0, D.qt(t), 1, kb, true);
+    }
+    // a: a call of 60 louder keys (they enter many lists, raising their minima), undone
+    std::vector<float> loud(D.kt(N + 40), D.kt(N + 40) + size_t(60) * D.hkv * D.d);
+    for (float& x : loud) x *= 3.f;
+    ka.append(loud.data(), D.vt(N + 40), 60);
+    a->on_append(0, D.qt(N + 40), 60, ka, false);
+    ka.truncate(N + 40);
+    a->truncate(0, N + 40);
+    // then both take the same 100 keys
+    ka.append(D.kt(N + 40), D.vt(N + 40), 100);
+    kb.append(D.kt(N + 40), D.vt(N + 40), 100);
+    a->on_append(0, D.qt(N + 40), 100, ka, false);
+    b->on_append(0, D.qt(N + 40), 100, kb, false);
+    const kvs::csa::LayerTables ta = kvs::csa::tables_of(*a, 0);
+    const kvs::csa::LayerTables tb = kvs::csa::tables_of(*b, 0);
+    INFO("score_dtype " << dt);
+    CHECK(*ta.indexed == N + 140);
+    CHECK(*ta.idx == *tb.idx);
+    CHECK(*ta.v16 == *tb.v16);
+    CHECK(*ta.v32 == *tb.v32);
   }
 }
 
