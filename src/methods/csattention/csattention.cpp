@@ -426,8 +426,12 @@ class CSAttention final : public Method {
     if (L.indexed >= n) return;
     const int64_t t0 = L.indexed;
     std::vector<std::vector<Undo>> logs(static_cast<size_t>(TH_));
+    if (L.L <= 0) {  // no list to enter
+      L.indexed = n;
+      return;
+    }
     const size_t lists = size_t(TH_) * size_t(m_) * size_t(L.C);
-    if (L.minv.size() != lists && L.L > 0) {
+    if (L.minv.size() != lists) {
       L.minv.resize(lists);
       for (size_t i = 0; i < lists; ++i) L.minv[i] = f16_ ? score_f(L.v16[i * size_t(L.L)]) : L.v32[i * size_t(L.L)];
     }
@@ -465,7 +469,7 @@ class CSAttention final : public Method {
           } else {
             stored = s;
           }
-          if (L.L <= 0 || !(stored > minv[i])) continue;
+          if (!(stored > minv[i])) continue;
           const size_t base = list_base(L, h, int(i / L.C), i % L.C);
           Undo u{base, int32_t(t), 0, 0};
           bool ins;

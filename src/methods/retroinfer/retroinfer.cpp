@@ -536,11 +536,7 @@ class RetroInfer final : public Method {
       const int64_t lo = std::min(sinks_, n);
       auto& bits = S.bits;
       bits.assign(size_t((L.indexed_end - lo + 63) / 64), 0);
-      // (The clusters' positions lie anywhere in W.pos: each is asked for a few clusters ahead.)
-      constexpr int64_t kPosAhead = 4;
-      for (int64_t i = 0; i < std::min(r, kPosAhead); ++i) __builtin_prefetch(W.pos.data() + W.start[size_t(cand[size_t(i)])]);
       for (int64_t i = 0; i < r; ++i) {
-        if (i + kPosAhead < r) __builtin_prefetch(W.pos.data() + W.start[size_t(cand[size_t(i + kPosAhead)])]);
         const int32_t c = cand[size_t(i)];
         const int32_t* p = W.pos.data() + W.start[size_t(c)];
         const int32_t m = W.size[size_t(c)];
