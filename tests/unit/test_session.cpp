@@ -224,6 +224,56 @@ TEST_CASE("exact_topk at budget 1.0 equals full; at 5% it picks the group-summed
   }
 }
 
+TEST_CASE("exact_topk with sinks and a local window: forced keys first (sinks, then the window's oldest), the rest by the group's summed softmax") {
+  Rng rng(21);
+  Data D(rng, 8, 2, 32, 820);
+  // budget 5% at ~810 tokens: 41 keys = 3 sinks + 5 window + 33 chosen; 0.5%: 5 keys = 3 sinks + the
+  // window's 2 oldest, nothing chosen.
+  for (double budget : {0.05, 0.005}) {
+    Sess K;
+    auto pk = params(D, "exact_topk", KVS_SCALAR_F32, budget);
+    pk.method_params = "sinks=3,local=5";
+    OK(kvs_session_create(&pk, &K.s));
+    prefill(K.s, D, 1, 800);
+    OK(kvs_session_build_index(K.s, nullptr));
+    std::vector<float> o, lse;
+    for (int64_t t = 800; t < 806; ++t) {
+      decode(K.s, D, 1, t, o, lse);
+      const int64_t n = t + 1, k = int64_t(std::ceil(budget * double(n)));
+      const int G = 4;
+      for (uint32_t h = 0; h < 2; ++h) {
+        std::vector<double> agg(size_t(n), 0.0);  // float64 group-summed softmax
+        for (int g = 0; g < G; ++g) {
+          std::vector<double> sc(static_cast<size_t>(n));
+          double mx = -1e300, z = 0;
+          for (int64_t j = 0; j < n; ++j) {
+            double a = 0;
+            for (int i = 0; i < 32; ++i) a += double(D.qt(t)[(h * G + g) * 32 + i]) * double(D.k[(size_t(j) * 2 + h) * 32 + i]);
+            sc[size_t(j)] = a / std::sqrt(32.0);
+            mx = std::max(mx, sc[size_t(j)]);
+          }
+          for (double x : sc) z += std::exp(x - mx);
+          for (int64_t j = 0; j < n; ++j) agg[size_t(j)] += std::exp(sc[size_t(j)] - mx) / z;
+        }
+        std::set<int32_t> want;
+        for (int32_t j = 0; j < 3 && int64_t(want.size()) < k; ++j) want.insert(j);
+        for (int64_t j = n - 5; j < n && int64_t(want.size()) < k; ++j) want.insert(int32_t(j));
+        std::vector<int32_t> mid(static_cast<size_t>(n - 8));
+        std::iota(mid.begin(), mid.end(), 3);
+        const int64_t rest = k - int64_t(want.size());
+        std::partial_sort(mid.begin(), mid.begin() + rest, mid.end(),
+                          [&](int32_t a, int32_t b) { return agg[size_t(a)] > agg[size_t(b)]; });
+        want.insert(mid.begin(), mid.begin() + rest);
+        const auto got = selection(K.s, 1, h);
+        INFO("budget " << budget << " t " << t << " h " << h);
+        CHECK(std::is_sorted(got.begin(), got.end()));
+        CHECK(std::set<int32_t>(got.begin(), got.end()) == want);
+        CHECK(int64_t(got.size()) == k);
+      }
+    }
+  }
+}
+
 TEST_CASE("streaming selects the sinks and the recent window") {
   Rng rng(3);
   Data D(rng, 4, 4, 16, 600);

@@ -32,49 +32,47 @@ class ExactTopk final : public Method {
     const int hkv = int(ctx_.shape.num_kv_heads);
     const int64_t k = ctx_.budget.keys(n, 0.05);
     out.kind = per_query_ ? Selection::Kind::PerQueryHead : Selection::Kind::PerKvHead;
-    out.lists.assign(size_t(per_query_ ? hkv * G : hkv), {});
-    // Forced keys: first sinks_ and last local_ tokens (within the budget).
-    std::vector<char> forced(size_t(n), 0);
-    std::vector<int32_t> forced_list;
-    for (int64_t t = 0; t < std::min(sinks_, n); ++t) forced[size_t(t)] = 1;
-    for (int64_t t = std::max<int64_t>(0, n - local_); t < n; ++t) forced[size_t(t)] = 1;
-    for (int64_t t = 0; t < n; ++t)
-      if (forced[size_t(t)]) forced_list.push_back(int32_t(t));
-    if (int64_t(forced_list.size()) > k) forced_list.resize(size_t(k));  // sinks first
-    std::vector<int32_t> cand;
-    cand.reserve(size_t(n));
-    for (int64_t t = 0; t < n; ++t)
-      if (!forced[size_t(t)]) cand.push_back(int32_t(t));
-    const int64_t rest = k - int64_t(forced_list.size());
-
-    std::vector<float> scores(size_t(G) * n), agg(static_cast<size_t>(n));
-    for (int h = 0; h < hkv; ++h) {
-      cpu::score_keys(kv, h, q + size_t(h) * G * d, G, n, ctx_.shape.softmax_scale, scores.data(), *ctx_.pool);
-      if (per_query_) {
-        for (int g = 0; g < G; ++g) {
-          auto& l = out.lists[size_t(h * G + g)];
-          l = forced_list;
-          std::vector<int32_t> c = cand;
-          cpu::topk_of(scores.data() + size_t(g) * n, c, rest, l);
-          std::sort(l.begin(), l.end());
-        }
-      } else {
-        std::fill(agg.begin(), agg.end(), 0.f);
-        for (int g = 0; g < G; ++g) {
-          const float* s = scores.data() + size_t(g) * n;
-          const float mx = *std::max_element(s, s + n);
-          double z = 0;
-          for (int64_t t = 0; t < n; ++t) z += std::exp(double(s[t] - mx));
-          const float inv = float(1.0 / z);
-          for (int64_t t = 0; t < n; ++t) agg[size_t(t)] += std::exp(s[t] - mx) * inv;
-        }
-        auto& l = out.lists[size_t(h)];
-        l = forced_list;
-        std::vector<int32_t> c = cand;
-        cpu::topk_of(agg.data(), c, rest, l);
-        std::sort(l.begin(), l.end());
-      }
+    out.lists.resize(size_t(per_query_ ? hkv * G : hkv));
+    // Forced keys: the sinks [0, s_end) and the local window [w_begin, n), within the budget with
+    // the sinks first (then the window's oldest tokens); the candidates are the range between.
+    const int64_t s_end = std::min(sinks_, n), w_begin = std::max(s_end, n - local_);
+    const int64_t nf_s = std::min(s_end, k), nf_l = std::min(n - w_begin, k - nf_s);
+    const int64_t rest = k - nf_s - nf_l;
+    // Every head's exact scores (each call spread over the pool), then one task per list: the
+    // group's summed softmax (the vectorised exponential), the top `rest` of the candidates by a
+    // radix select and one pass (ties to the lower token), written in token order.
+    scores_.resize(size_t(hkv) * G * size_t(n));
+    for (int h = 0; h < hkv; ++h)
+      cpu::score_keys(kv, h, q + size_t(h) * G * d, G, n, ctx_.shape.softmax_scale, scores_.data() + size_t(h) * G * n,
+                      *ctx_.pool);
+    if (int64_t(tok_.size()) < n) {
+      const size_t from = tok_.size();
+      tok_.resize(size_t(n));
+      for (size_t t = from; t < tok_.size(); ++t) tok_[t] = int32_t(t);
     }
+    if (!per_query_) agg_.resize(size_t(hkv) * n);
+    ctx_.pool->parallel_for(int64_t(out.lists.size()), [&](int64_t i) {
+      const float* rank = scores_.data() + size_t(i) * n;  // per query head: its own scores
+      if (!per_query_) {
+        float* a = agg_.data() + size_t(i) * n;
+        for (int g = 0; g < G; ++g) {
+          float* s = scores_.data() + (size_t(i) * G + g) * n;
+          const float inv = float(1.0 / cpu::exp_shift(s, n, cpu::max_of(s, n)));
+          if (g == 0) {
+            for (int64_t t = 0; t < n; ++t) a[t] = s[t] * inv;
+          } else {
+            for (int64_t t = 0; t < n; ++t) a[t] += s[t] * inv;
+          }
+        }
+        rank = a;
+      }
+      auto& l = out.lists[size_t(i)];
+      l.clear();
+      for (int64_t t = 0; t < nf_s; ++t) l.push_back(int32_t(t));
+      thread_local std::vector<uint32_t> tmp;
+      cpu::append_top_k(tok_.data() + s_end, rank + s_end, w_begin - s_end, rest, l, tmp);
+      for (int64_t t = w_begin; t < w_begin + nf_l; ++t) l.push_back(int32_t(t));
+    });
   }
   bool exact_truncate() const override { return true; }  // no index: every key scored per step
   std::unique_ptr<Method> clone() const override { return std::make_unique<ExactTopk>(*this); }
@@ -83,6 +81,8 @@ class ExactTopk final : public Method {
   MethodContext ctx_;
   bool per_query_;
   int64_t sinks_, local_;
+  std::vector<float> scores_, agg_;  // [Hkv][G][n] exact scores, [Hkv][n] the group's summed softmax
+  std::vector<int32_t> tok_;         // 0, 1, 2, ...: the candidates' tokens
 };
 
 }  // namespace
