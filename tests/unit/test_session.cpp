@@ -165,6 +165,26 @@ TEST_CASE("decode phase timings: three session statistics, zero before decoding,
   kvs_error_destroy(e);
 }
 
+// The group's summed softmax in float64 of KV head h's query heads at token t over keys [0, n):
+// exact_topk's ranking.
+std::vector<double> group_softmax_ref(Data& D, int64_t t, uint32_t h, int64_t n) {
+  const int G = D.hq / D.hkv, d = D.d, hkv = D.hkv;
+  std::vector<double> agg(size_t(n), 0.0);
+  for (int g = 0; g < G; ++g) {
+    std::vector<double> sc(static_cast<size_t>(n));
+    double mx = -1e300, z = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      double a = 0;
+      for (int i = 0; i < d; ++i) a += double(D.qt(t)[(h * G + g) * d + i]) * double(D.k[(size_t(j) * hkv + h) * d + i]);
+      sc[size_t(j)] = a / std::sqrt(double(d));
+      mx = std::max(mx, sc[size_t(j)]);
+    }
+    for (double x : sc) z += std::exp(x - mx);
+    for (int64_t j = 0; j < n; ++j) agg[size_t(j)] += std::exp(sc[size_t(j)] - mx) / z;
+  }
+  return agg;
+}
+
 TEST_CASE("exact_topk at budget 1.0 equals full; at 5% it picks the group-summed-softmax top-k") {
   Rng rng(2);
   Data D(rng, 8, 2, 32, 900);
@@ -196,19 +216,7 @@ TEST_CASE("exact_topk at budget 1.0 equals full; at 5% it picks the group-summed
         if (std::string(mode) == "mode=per_kv_head") {
           CHECK(int64_t(sel[h].size()) == k);
           // Reference top-k by the group's summed softmax in float64.
-          std::vector<double> agg(size_t(n), 0.0);
-          for (int g = 0; g < G; ++g) {
-            std::vector<double> s(static_cast<size_t>(n));
-            double mx = -1e300, z = 0;
-            for (int64_t j = 0; j < n; ++j) {
-              double a = 0;
-              for (int i = 0; i < 32; ++i) a += double(D.qt(t)[(h * G + g) * 32 + i]) * double(D.k[(size_t(j) * 2 + h) * 32 + i]);
-              s[size_t(j)] = a / std::sqrt(32.0);
-              mx = std::max(mx, s[size_t(j)]);
-            }
-            for (double x : s) z += std::exp(x - mx);
-            for (int64_t j = 0; j < n; ++j) agg[size_t(j)] += std::exp(s[size_t(j)] - mx) / z;
-          }
+          const std::vector<double> agg = group_softmax_ref(D, t, h, n);
           std::vector<int32_t> idx(static_cast<size_t>(n));
           std::iota(idx.begin(), idx.end(), 0);
           std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int32_t a, int32_t b) { return agg[size_t(a)] > agg[size_t(b)]; });
@@ -240,21 +248,8 @@ TEST_CASE("exact_topk with sinks and a local window: forced keys first (sinks, t
     for (int64_t t = 800; t < 806; ++t) {
       decode(K.s, D, 1, t, o, lse);
       const int64_t n = t + 1, k = int64_t(std::ceil(budget * double(n)));
-      const int G = 4;
       for (uint32_t h = 0; h < 2; ++h) {
-        std::vector<double> agg(size_t(n), 0.0);  // float64 group-summed softmax
-        for (int g = 0; g < G; ++g) {
-          std::vector<double> sc(static_cast<size_t>(n));
-          double mx = -1e300, z = 0;
-          for (int64_t j = 0; j < n; ++j) {
-            double a = 0;
-            for (int i = 0; i < 32; ++i) a += double(D.qt(t)[(h * G + g) * 32 + i]) * double(D.k[(size_t(j) * 2 + h) * 32 + i]);
-            sc[size_t(j)] = a / std::sqrt(32.0);
-            mx = std::max(mx, sc[size_t(j)]);
-          }
-          for (double x : sc) z += std::exp(x - mx);
-          for (int64_t j = 0; j < n; ++j) agg[size_t(j)] += std::exp(sc[size_t(j)] - mx) / z;
-        }
+        const std::vector<double> agg = group_softmax_ref(D, t, h, n);
         std::set<int32_t> want;
         for (int32_t j = 0; j < 3 && int64_t(want.size()) < k; ++j) want.insert(j);
         for (int64_t j = n - 5; j < n && int64_t(want.size()) < k; ++j) want.insert(int32_t(j));
