@@ -59,6 +59,45 @@ TEST_CASE("quest_page_scores equals the scalar bound summed over the group, bit 
   CHECK_FALSE(kvs::quest_simd_limit(4));
 }
 
+TEST_CASE("quest_page_scores16 (bounds in a 16-bit KV dtype) equals quest_page_scores on the decoded bounds, bit for bit") {
+  struct Reset {
+    ~Reset() { kvs::quest_simd_limit(0); }
+  } reset;
+  for (int level = 3; level >= 1; --level) {
+    REQUIRE(kvs::quest_simd_limit(level));
+    if (kvs::quest_simd_level() != level) continue;
+    for (kvs::DType t : {kvs::DType::BF16, kvs::DType::F16}) {
+      Rng rng(11);
+      for (int d : {16, 64, 128, 8, 24})
+        for (int ng : {1, 4, 9})
+          for (int hkv : {1, 3}) {
+            const int64_t pages = 23;
+            std::vector<float> f = rng.normals(size_t(pages) * hkv * 2 * d), q = rng.normals(size_t(ng) * d);
+            for (size_t i = 0; i < f.size(); i += 7) f[i] = (i % 2) ? 0.f : -0.f;
+            for (size_t i = 3; i < f.size(); i += 11) f[i] *= 300.f;
+            std::vector<uint16_t> h(f.size());
+            for (size_t i = 0; i < f.size(); ++i) {  // the dtype's values (what a KV of it holds)
+              h[i] = t == kvs::DType::BF16 ? kvs::f32_to_bf16(f[i]) : kvs::f32_to_f16(f[i]);
+              f[i] = t == kvs::DType::BF16 ? kvs::bf16_to_f32(h[i]) : kvs::f16_to_f32(h[i]);
+            }
+            for (int64_t p = 0; p < pages; ++p)
+              for (int hh = 0; hh < hkv; ++hh)
+                for (int i = 0; i < d; ++i) {
+                  const size_t a = (size_t(p) * hkv + hh) * 2 * d + i, b = a + d;
+                  if (f[b] > f[a]) std::swap(f[a], f[b]), std::swap(h[a], h[b]);  // max >= min
+                }
+            for (int hh = 0; hh < hkv; ++hh) {
+              std::vector<float> want(size_t(pages), NAN), got(size_t(pages), NAN);
+              kvs::quest_page_scores(q.data(), ng, f.data(), pages, hkv, hh, d, want.data());
+              kvs::quest_page_scores16(q.data(), ng, h.data(), t, pages, hkv, hh, d, got.data());
+              INFO("level " << level << " dtype " << kvs::dtype_name(t) << " d " << d << " heads " << ng << " hkv " << hkv);
+              REQUIRE(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)) == 0);
+            }
+          }
+    }
+  }
+}
+
 TEST_CASE("quest_page_scores bounds every key of the page (float64)") {
   Rng rng(9);
   const int d = 128, P = 16, pages = 20, G = 4;

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "core/dtype.hpp"
+
 namespace kvs {
 // Pages a step attends for n tokens in pages of page_size, budget k keys, the current (last) page
 // included: page_budget=fit (the current page of c tokens plus floor((k - c) / page_size) pages; a
@@ -47,6 +49,10 @@ inline float quest_upper_bound(const float* q, const float* page_max, const floa
 // and AVX2 paths keep its 16 partial sums as vector lanes and add them in its order, and the
 // group's heads share each page's loads.
 void quest_page_scores(const float* q, int ng, const float* bounds, int64_t pages, int hkv, int h, int d, float* score);
+// The same over bounds stored in a 16-bit KV dtype t (bf16 or fp16; the bounds of such a KV are its
+// values, so they hold them exactly): the same scores, bit for bit, from half the bytes.
+void quest_page_scores16(const float* q, int ng, const uint16_t* bounds, DType t, int64_t pages, int hkv, int h, int d,
+                         float* score);
 // The instruction set quest_page_scores uses: 1 scalar, 2 AVX2, 3 AVX-512 (what the machine has,
 // at most the limit). quest_simd_limit(level) caps it process-wide (0: no cap; for tests), and so
 // does KVS_QUEST_SIMD=1|2|3 in the environment (read once); false for a level outside 0..3.
