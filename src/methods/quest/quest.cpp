@@ -198,7 +198,8 @@ void quest_page_scores16(const float* q, int ng, const uint16_t* bounds, DType t
               : page_scores256<DType::F16>(q, ng, bounds, pages, hkv, h, d, score);
   }
 #endif
-  std::vector<float> mm(size_t(2) * d);
+  thread_local std::vector<float> mm;  // (select calls this once per page: no allocation per call)
+  mm.resize(size_t(2) * d);
   for (int64_t p = 0; p < pages; ++p) {
     const uint16_t* b = bounds + (size_t(p) * hkv + size_t(h)) * 2 * d;
     for (int i = 0; i < 2 * d; ++i) mm[size_t(i)] = t == DType::BF16 ? bf16_to_f32(b[i]) : f16_to_f32(b[i]);
