@@ -171,8 +171,11 @@ namespace kvs::cuda {
 // part), then one global assignment of every row against all C centroids and the un-normalised
 // member means plus the mean. Initial centroids: the (centred) rows floor(c n / C + n / (2 C)) of
 // the whole run (raw_init), or per segment the rows floor(c m / Cs + m / (2 Cs)) normalised.
-// Outputs: assign [Hkv][n] int32 in [0, C), centroids [Hkv][C][d] fp32. Member sums in fp32
-// atomics (the CPU sums in fp64): near-ties may assign differently.
+// Outputs: assign [Hkv][n] int32 in [0, C), centroids [Hkv][C][d] fp32. Each cluster's members are
+// summed in fp64 in row order, as the CPU does, and nothing depends on the order threads run in:
+// the same keys give the same outputs bit for bit on every run. The assignment's inner products
+// (3xTF32 on the tensor cores, or fp32) differ from the CPU's (oneDNN's fp32 GEMM) by rounding, so
+// a near-tie may assign differently there.
 struct RetroKMeans {
   int32_t n = 0, clusters = 0, segments = 1, iterations = 10;
   bool centre = true, raw_init = true;

@@ -8,8 +8,13 @@
 //            accuracy), keeping per row the largest inner product (lowest index on ties); the
 //            CUDA-core kernel (assign_kernel: 64-row tiles, 4 x 4 fp32 outputs per thread) with
 //            KVS_RETRO_KMEANS_MMA=0 or detail::set_retro_kmeans_mma(false)
-//   update   the members' sums and counts (fp32 / int atomics), then the centroids: normalised
-//            means (spherical passes) or means plus the keys' mean (the final pass)
+//   update   the rows sorted by (head, cluster) (a stable radix sort: a cluster's members in row
+//            order), then one warp per cluster sums its members in fp64 in that order (as the
+//            CPU's loop does) and writes the centroid: the normalised mean (spherical passes) or
+//            the mean plus the keys' mean (the final pass)
+// No atomics on floating-point values anywhere: the same keys give the same assignments and
+// centroids bit for bit on every run (the mean's block partials are added in block order too).
+#include <cub/device/device_radix_sort.cuh>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -46,19 +51,25 @@ __device__ __forceinline__ float xval(const KArgs& a, int h, int r, int i) {
   return f32(kv_row<T>(a.kv, a.hkv, a.d, 0, h, a.t0 + r, 0)[i]) - a.mu[h * a.d + i];
 }
 
+constexpr int kMeanBlocks = 512;  // row blocks of the mean: partial sums part [block][hkv][d]
+
 template <typename T>
-__global__ void __launch_bounds__(kThreads) mean_kernel(const KArgs a, double* acc) {
+__global__ void __launch_bounds__(kThreads) mean_kernel(const KArgs a, double* part) {
   const int h = blockIdx.y;
   for (int i = threadIdx.x; i < a.d; i += kThreads) {
     double s = 0;
     for (int r = blockIdx.x; r < a.n; r += gridDim.x) s += f32(kv_row<T>(a.kv, a.hkv, a.d, 0, h, a.t0 + r, 0)[i]);
-    atomicAdd(acc + h * a.d + i, s);
+    part[(int64_t(blockIdx.x) * a.hkv + h) * a.d + i] = s;
   }
 }
 
-__global__ void mean_finish_kernel(const double* acc, float* mu, int total, double n) {
+// mu [hkv][d] = the blocks' partial sums added in block order, over n.
+__global__ void mean_finish_kernel(const double* part, int blocks, float* mu, int total, double n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < total) mu[i] = float(acc[i] / n);
+  if (i >= total) return;
+  double s = 0;
+  for (int b = 0; b < blocks; ++b) s += part[int64_t(b) * total + i];
+  mu[i] = float(s / n);
 }
 
 // v[0, d) (written by this block, ss: each thread's part of its squared norm) scaled to unit length
@@ -275,52 +286,102 @@ __global__ void __launch_bounds__(kMmaThreads) assign_mma_kernel(const KArgs a, 
     }
 }
 
-// Members' sums and counts of rows [0, rows).
-template <typename T>
-__global__ void __launch_bounds__(kThreads) sum_kernel(const KArgs a, int rows, const int32_t* assign, float* sum,
-                                                       int* cnt) {
-  const int h = blockIdx.y;
-  const int64_t e = int64_t(blockIdx.x) * kThreads + threadIdx.x;
-  const int r = int(e / a.d), i = int(e % a.d);
-  if (r >= rows) return;
-  const int c = assign[int64_t(h) * a.n + r];
-  atomicAdd(sum + (int64_t(h) * a.C + c) * a.d + i, xval<T>(a, h, r, i));
-  if (i == 0) atomicAdd(cnt + int64_t(h) * a.C + c, 1);
+// Sort keys of rows [0, rows) of every head: key = h * C + cluster, value = the row.
+__global__ void sort_keys_kernel(const KArgs a, int rows, const int32_t* assign, uint32_t* keys, int32_t* vals) {
+  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= int64_t(a.hkv) * rows) return;
+  const int h = int(e / rows), r = int(e % rows);
+  keys[e] = uint32_t(h) * uint32_t(a.C) + uint32_t(assign[int64_t(h) * a.n + r]);
+  vals[e] = r;
 }
 
-// Centroid (h, c) from its members: the normalised mean (final = 0; empty: unchanged), or the
-// mean plus mu (final = 1; empty: the centroid plus mu).
-__global__ void centroid_kernel(const KArgs a, const float* sum, const int* cnt, float* cent, int final_pass) {
-  const int h = blockIdx.y, c = blockIdx.x;
-  const int64_t at = (int64_t(h) * a.C + c) * a.d;
-  const int k = cnt[int64_t(h) * a.C + c];
+// The members of key k are sorted positions [first[k], last[k]) (both zeroed before: empty = none).
+__global__ void bounds_kernel(const uint32_t* keys, int64_t N, int32_t* first, int32_t* last) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= N) return;
+  const uint32_t k = keys[i];
+  if (i == 0 || keys[i - 1] != k) first[k] = int32_t(i);
+  if (i == N - 1 || keys[i + 1] != k) last[k] = int32_t(i + 1);
+}
+
+// Centroid (h, c) = key blockIdx.x * 8 + warp, from its members (rows[first, last), in row order),
+// summed in fp64 in that order: the normalised mean (final = 0; empty: unchanged), or the mean
+// plus mu (final = 1; empty: the centroid plus mu). D = d / 32 elements per lane.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) members_kernel(const KArgs a, const int32_t* rows, const int32_t* first,
+                                                           const int32_t* last, float* cent, int final_pass) {
+  const int lane = threadIdx.x % 32;
+  const int64_t key = int64_t(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
+  if (key >= int64_t(a.hkv) * a.C) return;
+  const int h = int(key / a.C);
+  const int32_t f = first[key], l = last[key];
+  const float* mu = a.mu + h * a.d;
+  float* out = cent + key * a.d;
+  double s[D];
+#pragma unroll
+  for (int q = 0; q < D; ++q) s[q] = 0;
+  for (int32_t j = f; j < l; ++j) {
+    const T* row = kv_row<T>(a.kv, a.hkv, a.d, 0, h, a.t0 + rows[j], 0);
+#pragma unroll
+    for (int q = 0; q < D; ++q) s[q] += double(f32(row[lane + 32 * q]) - mu[lane + 32 * q]);  // xval's value
+  }
+  const int k = l - f;
   if (final_pass) {
-    for (int i = threadIdx.x; i < a.d; i += blockDim.x)
-      cent[at + i] = (k > 0 ? float(double(sum[at + i]) / double(k)) : cent[at + i]) + a.mu[h * a.d + i];
+#pragma unroll
+    for (int q = 0; q < D; ++q) {
+      const int i = lane + 32 * q;
+      out[i] = (k > 0 ? float(s[q] / double(k)) : out[i]) + mu[i];
+    }
     return;
   }
   if (k == 0) return;
+  float v[D];
   double ss = 0;
-  for (int i = threadIdx.x; i < a.d; i += blockDim.x) {
-    const float v = float(double(sum[at + i]) / double(k));
-    cent[at + i] = v;
-    ss += double(v) * v;
+#pragma unroll
+  for (int q = 0; q < D; ++q) {
+    v[q] = float(s[q] / double(k));
+    ss += double(v[q]) * v[q];
   }
-  scale_to_unit(cent + at, a.d, ss);
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float inv = ss > 0 ? float(1.0 / sqrt(ss)) : 1.f;  // the CPU's normalise: unchanged at norm 0
+#pragma unroll
+  for (int q = 0; q < D; ++q) out[lane + 32 * q] = ss > 0 ? v[q] * inv : v[q];
 }
 
 size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
 
+// Bits of the sort keys h * C + c (at least 1).
+int key_bits(int32_t hkv, int32_t C) {
+  int b = 1;
+  while (b < 32 && (uint64_t(1) << b) < uint64_t(hkv) * uint64_t(C)) ++b;
+  return b;
+}
+
 struct Carve {
-  size_t acc, mu, sum, cnt, total;
+  size_t part, mu, keys, keys2, vals, vals2, first, last, temp, temp_bytes, total;
 };
+// The workspace: the mean's partials, mu, the sort's keys and values (two buffers each) for every row,
+// each cluster's member bounds, the sort's own temporary storage. 0 bytes of temp: the size query
+// failed (reported by retro_kmeans).
 Carve carve(int32_t hkv, int32_t d, const RetroKMeans& k) {
   Carve c{};
-  c.acc = 0;
-  c.mu = c.acc + align_up(size_t(hkv) * d * 8);
-  c.sum = c.mu + align_up(size_t(hkv) * d * 4);
-  c.cnt = c.sum + align_up(size_t(hkv) * k.clusters * d * 4);
-  c.total = c.cnt + align_up(size_t(hkv) * k.clusters * 4);
+  const size_t rows = size_t(hkv) * size_t(k.n), keys = size_t(hkv) * size_t(k.clusters);
+  c.part = 0;
+  c.mu = c.part + align_up(size_t(kMeanBlocks) * hkv * d * 8);
+  c.keys = c.mu + align_up(size_t(hkv) * d * 4);
+  c.keys2 = c.keys + align_up(rows * 4);
+  c.vals = c.keys2 + align_up(rows * 4);
+  c.vals2 = c.vals + align_up(rows * 4);
+  c.first = c.vals2 + align_up(rows * 4);
+  c.last = c.first + align_up(keys * 4);
+  c.temp = c.last + align_up(keys * 4);
+  size_t tb = 0;
+  cub::DoubleBuffer<uint32_t> kb(nullptr, nullptr);
+  cub::DoubleBuffer<int32_t> vb(nullptr, nullptr);
+  if (cub::DeviceRadixSort::SortPairs(nullptr, tb, kb, vb, int64_t(rows), 0, key_bits(hkv, k.clusters)) != cudaSuccess)
+    tb = 0;
+  c.temp_bytes = tb;
+  c.total = c.temp + align_up(tb);
   return c;
 }
 
@@ -328,18 +389,22 @@ template <typename T>
 Status run(const KArgs& a0, const RetroKMeans& k, int32_t* assign, float* cent, char* w, const Carve& cv,
            cudaStream_t st) {
   KArgs a = a0;
-  double* acc = reinterpret_cast<double*>(w + cv.acc);
+  double* part = reinterpret_cast<double*>(w + cv.part);
   float* mu = reinterpret_cast<float*>(w + cv.mu);
-  float* sum = reinterpret_cast<float*>(w + cv.sum);
-  int* cnt = reinterpret_cast<int*>(w + cv.cnt);
+  uint32_t* keys = reinterpret_cast<uint32_t*>(w + cv.keys);
+  uint32_t* keys2 = reinterpret_cast<uint32_t*>(w + cv.keys2);
+  int32_t* vals = reinterpret_cast<int32_t*>(w + cv.vals);
+  int32_t* vals2 = reinterpret_cast<int32_t*>(w + cv.vals2);
+  int32_t* first = reinterpret_cast<int32_t*>(w + cv.first);
+  int32_t* last = reinterpret_cast<int32_t*>(w + cv.last);
   const size_t hd = size_t(a.hkv) * a.d;
-  KVS_CUDA_TRY(cudaMemsetAsync(acc, 0, hd * 8, st), "retro kmeans memset");
   KVS_CUDA_TRY(cudaMemsetAsync(mu, 0, hd * 4, st), "retro kmeans memset");
   a.mu = mu;
   if (k.centre) {
-    mean_kernel<T><<<dim3(unsigned(std::min(a.n, 512)), unsigned(a.hkv)), kThreads, 0, st>>>(a, acc);
+    const int blocks = std::min(a.n, kMeanBlocks);
+    mean_kernel<T><<<dim3(unsigned(blocks), unsigned(a.hkv)), kThreads, 0, st>>>(a, part);
     KVS_LAUNCH_CHECK("retro mean_kernel launch");
-    mean_finish_kernel<<<unsigned((hd + 255) / 256), 256, 0, st>>>(acc, mu, int(hd), double(a.n));
+    mean_finish_kernel<<<unsigned((hd + 255) / 256), 256, 0, st>>>(part, blocks, mu, int(hd), double(a.n));
     KVS_LAUNCH_CHECK("retro mean_finish_kernel launch");
   }
   init_kernel<T><<<dim3(unsigned(a.C), unsigned(a.hkv)), 128, 0, st>>>(a, k.segments, k.raw_init, cent);
@@ -372,14 +437,22 @@ Status run(const KArgs& a0, const RetroKMeans& k, int32_t* assign, float* cent, 
                                                                                              tiles, cent, assign);
       KVS_LAUNCH_CHECK("retro assign_kernel launch");
     }
-    KVS_CUDA_TRY(cudaMemsetAsync(sum, 0, size_t(a.hkv) * a.C * a.d * 4, st), "retro kmeans memset");
-    KVS_CUDA_TRY(cudaMemsetAsync(cnt, 0, size_t(a.hkv) * a.C * 4, st), "retro kmeans memset");
-    const int64_t elems = int64_t(rows) * a.d;
-    sum_kernel<T><<<dim3(unsigned((elems + kThreads - 1) / kThreads), unsigned(a.hkv)), kThreads, 0, st>>>(
-        a, rows, assign, sum, cnt);
-    KVS_LAUNCH_CHECK("retro sum_kernel launch");
-    centroid_kernel<<<dim3(unsigned(a.C), unsigned(a.hkv)), 128, 0, st>>>(a, sum, cnt, cent, final_pass);
-    KVS_LAUNCH_CHECK("retro centroid_kernel launch");
+    const int64_t N = int64_t(a.hkv) * rows;
+    sort_keys_kernel<<<unsigned((N + 255) / 256), 256, 0, st>>>(a, rows, assign, keys, vals);
+    KVS_LAUNCH_CHECK("retro sort_keys_kernel launch");
+    size_t tb = cv.temp_bytes;
+    cub::DoubleBuffer<uint32_t> kb(keys, keys2);  // (the sorted pairs end in either buffer: Current())
+    cub::DoubleBuffer<int32_t> vb(vals, vals2);
+    KVS_CUDA_TRY(cub::DeviceRadixSort::SortPairs(w + cv.temp, tb, kb, vb, N, 0, key_bits(a.hkv, a.C), st),
+                 "retro kmeans sort");
+    KVS_CUDA_TRY(cudaMemsetAsync(first, 0, size_t(a.hkv) * a.C * 4, st), "retro kmeans memset");
+    KVS_CUDA_TRY(cudaMemsetAsync(last, 0, size_t(a.hkv) * a.C * 4, st), "retro kmeans memset");
+    bounds_kernel<<<unsigned((N + 255) / 256), 256, 0, st>>>(kb.Current(), N, first, last);
+    KVS_LAUNCH_CHECK("retro bounds_kernel launch");
+    const unsigned blocks = unsigned((int64_t(a.hkv) * a.C + kThreads / 32 - 1) / (kThreads / 32));
+    auto members = a.d == 64 ? members_kernel<T, 2> : a.d == 128 ? members_kernel<T, 4> : members_kernel<T, 8>;
+    members<<<blocks, kThreads, 0, st>>>(a, vb.Current(), first, last, cent, final_pass);
+    KVS_LAUNCH_CHECK("retro members_kernel launch");
     return {};
   };
   for (int it = 0; it + 1 < k.iterations; ++it) {
@@ -434,6 +507,7 @@ Status retro_kmeans(const PagedKv& kv, Scalar kv_dtype, int32_t num_kv_heads, in
   if (kv_dtype != Scalar::BF16 && kv_dtype != Scalar::F16) return unsupported("retro_kmeans: KV dtype must be BF16 or F16");
   if (!assign || !centroids || !kv.pages || t0 < 0) return invalid("retro_kmeans: null argument");
   const Carve cv = carve(num_kv_heads, head_dim, k);
+  if (cv.temp_bytes == 0) return invalid("retro_kmeans: the sort's workspace size query failed");
   if (!ws.ptr || ws.bytes < cv.total) return invalid("retro_kmeans: workspace too small (ask retro_kmeans_workspace_bytes)");
   KArgs a{};
   a.kv = kv;
