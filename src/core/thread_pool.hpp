@@ -4,7 +4,18 @@
 // from different threads or nested (a task that calls parallel_for): each caller runs its own
 // job's tasks, and idle workers take tasks from the newest job that has some left, so a batch of
 // sessions stepped one per task keeps every thread busy through each session's rounds.
+//
+// A method's step is a few rounds of a few tasks each (one per KV head, say), so what a round costs
+// beyond its tasks matters as much as the tasks. Tasks are handed out and counted without a lock:
+// a job lives in one of the pool's slots (the pool's memory, not the caller's), whose state word
+// holds a generation and the next task, taken by compare-and-swap, so a worker looking at a slot
+// whose job has ended and been replaced takes nothing from it. Waking a sleeping thread costs tens
+// of microseconds on virtual machines (an inter-processor interrupt), as long as a short task: a
+// worker that found nothing to do spins for a while (spin_us, below) before it sleeps, and so does
+// a caller waiting for its job's last tasks, so the rounds of one step follow each other without
+// wake-ups. A job wakes only as many sleeping workers as it has tasks beyond the caller's.
 #pragma once
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -33,26 +44,51 @@ class ThreadPool {
   // from fn are rethrown (the first one) after every task finished. May be called from a task.
   void parallel_for(int64_t n, const std::function<void(int64_t)>& fn);
 
+  // How long a thread with nothing to do spins before it sleeps, in microseconds:
+  // KVS_POOL_SPIN_US in the environment when the pool starts (0 = never spin), else the default.
+  static constexpr unsigned kDefaultSpinUs = 50;
+  unsigned spin_us() const { return spin_us_; }
+
  private:
-  struct Job {
-    const std::function<void(int64_t)>* fn;
-    int64_t n;
-    int64_t next = 0;      // the next task to hand out
-    int64_t finished = 0;  // tasks done
+  using Fn = std::function<void(int64_t)>;
+  static constexpr int kSlots = 64;                     // jobs open at once; more run on their callers alone
+  static constexpr uint32_t kClosed = 0xffffffffu;      // a slot's next task while it is being set up
+  static constexpr int64_t kMaxTasks = int64_t(kClosed) - 1;  // a larger n runs in rounds of this many
+  struct alignas(64) Slot {
+    std::atomic<uint64_t> state{0};     // generation << 32 | the next task to hand out
+    std::atomic<const Fn*> fn{nullptr};
+    std::atomic<int64_t> n{0};
+    std::atomic<uint64_t> seq{0};       // the job's number: workers take from the newest job first
+    std::atomic<int64_t> finished{0};   // tasks done
+    std::atomic<bool> failed{false};    // a task threw: error holds the first exception
+    std::atomic<bool> waiting{false};   // the caller sleeps on done_
     std::exception_ptr error;
-    std::condition_variable done;  // the caller waits here for the tasks other threads took
   };
-  // With m_ held: the next task of j, taking j off open_ when it was its last.
-  int64_t take(Job& j);
-  // Runs task i of j without m_, then, with m_ held again, counts it.
-  void run(Job& j, int64_t i, std::unique_lock<std::mutex>& lk);
+
+  // Takes the next task of slot b: true with its index and function. False when the job has none
+  // left (or the slot's job changed under it).
+  bool claim(int b, int64_t& i, const Fn*& fn);
+  // Runs task i of s, records a first exception, counts it done (waking a sleeping caller).
+  void run(Slot& s, int64_t i, const Fn* fn);
+  // A worker: the newest job's next task, run; false if no job had one.
+  bool run_any();
+  bool has_work() const { return active_.load() != 0; }
+  // Spins up to spin_us_ until done() holds; returns done().
+  template <typename F>
+  bool spin_until(F done) const;
   void worker_loop();
 
   std::vector<std::thread> workers_;
-  std::mutex m_;
-  std::condition_variable cv_;  // workers wait for a job with tasks left
-  std::vector<Job*> open_;      // jobs with tasks not yet handed out, newest last
-  bool stop_ = false;
+  Slot slots_[kSlots];
+  std::atomic<uint64_t> used_{0};     // slots taken by a caller
+  std::atomic<uint64_t> active_{0};   // slots whose job has tasks left to hand out
+  std::atomic<uint64_t> jobs_{0};     // jobs opened so far
+  std::atomic<int> sleeping_{0};      // workers waiting on cv_
+  std::atomic<bool> stop_{false};
+  std::mutex m_;                      // only for sleeping and waking: cv_, done_
+  std::condition_variable cv_;        // workers wait for a job with tasks left
+  std::condition_variable done_;      // callers wait for their job's last tasks
+  unsigned spin_us_ = kDefaultSpinUs;
 };
 
 }  // namespace kvs

@@ -6,7 +6,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <functional>
 #include <mutex>
 #include <set>
 #include <memory>
@@ -243,6 +246,35 @@ TEST_CASE("thread pool: nested and concurrent parallel_for calls each run every 
     pool.parallel_for(9, [&](int64_t i) { hits[size_t(i)]++; });
     CHECK(std::count(hits.begin(), hits.end(), 1) == 9);
   }
+}
+
+TEST_CASE("thread pool: jobs nested deeper than its 64 slots, exceptions through them, the spin setting") {
+  for (const char* spin : {"0", "50"}) {
+    setenv("KVS_POOL_SPIN_US", spin, 1);
+    kvs::ThreadPool pool(4);
+    CHECK(pool.spin_us() == unsigned(std::atoi(spin)));
+    // 80 levels of nested jobs, each open while the next runs: the deepest ones find no free slot
+    // and run on their callers alone, and every index still runs once.
+    std::vector<std::atomic<int>> hits(80 * 3);
+    std::function<void(int)> level = [&](int depth) {
+      pool.parallel_for(3, [&, depth](int64_t i) {
+        hits[size_t(depth * 3 + i)]++;
+        if (i == 0 && depth + 1 < 80) level(depth + 1);
+        if (i == 2 && depth == 79) throw std::runtime_error("deepest");
+      });
+    };
+    CHECK_THROWS_WITH(level(0), "deepest");
+    CHECK(std::all_of(hits.begin(), hits.end(), [](const std::atomic<int>& h) { return h.load() == 1; }));
+    std::vector<int> again(1000, 0);  // every slot free again
+    pool.parallel_for(1000, [&](int64_t i) { again[size_t(i)]++; });
+    CHECK(std::count(again.begin(), again.end(), 1) == 1000);
+  }
+  for (const char* bad : {"-1", "20000", "fast", "5x"}) {  // not a whole number in 0..10000: the default
+    setenv("KVS_POOL_SPIN_US", bad, 1);
+    CHECK(kvs::ThreadPool(2).spin_us() == kvs::ThreadPool::kDefaultSpinUs);
+  }
+  unsetenv("KVS_POOL_SPIN_US");
+  CHECK(kvs::ThreadPool(2).spin_us() == kvs::ThreadPool::kDefaultSpinUs);
 }
 
 TEST_CASE("thread pool: sessions asking for the same thread count share one pool") {
