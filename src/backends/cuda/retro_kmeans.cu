@@ -505,6 +505,8 @@ Status retro_kmeans(const PagedKv& kv, Scalar kv_dtype, int32_t num_kv_heads, in
       k.n / k.segments < 1)
     return invalid("retro_kmeans: expected n >= segments >= 1, clusters a positive multiple of segments, iterations >= 1");
   if (kv_dtype != Scalar::BF16 && kv_dtype != Scalar::F16) return unsupported("retro_kmeans: KV dtype must be BF16 or F16");
+  if (int64_t(num_kv_heads) * k.n > INT32_MAX || int64_t(num_kv_heads) * k.clusters > INT32_MAX)
+    return invalid("retro_kmeans: num_kv_heads x n and num_kv_heads x clusters must be below 2^31 (the sort's keys and rows)");
   if (!assign || !centroids || !kv.pages || t0 < 0) return invalid("retro_kmeans: null argument");
   const Carve cv = carve(num_kv_heads, head_dim, k);
   if (cv.temp_bytes == 0) return invalid("retro_kmeans: the sort's workspace size query failed");

@@ -787,11 +787,34 @@ bool Lfps::prepare_owner(uint32_t layer, int u, const float* q, const KVLayer& k
   }
   std::vector<uint64_t>& c = sc.c;
   c.assign(size_t(W) + 1, 0);
-  for (int64_t w = 0; w < W; ++w) {
-    uint64_t e = 0;
-    for (int o : p_.offsets)
-      if (o != 0) e |= shifted_word(c0.data(), W, w, o);
-    c[size_t(w)] = c0[size_t(w)] | (e & M[w]);
+  int offs[8], no = 0;  // the nonzero offsets; all within a word's reach (the defaults): neighbours only
+  bool near = p_.offsets.size() <= 8;
+  for (int o : p_.offsets) {
+    if (o == 0 || !near) continue;
+    offs[no++] = o;
+    near &= o > -64 && o < 64;
+  }
+  if (near) {
+    const uint64_t* x = c0.data();
+    uint64_t prev = 0, cur = W > 0 ? x[0] : 0;
+    for (int64_t w = 0; w < W; ++w) {
+      const uint64_t next = w + 1 < W ? x[w + 1] : 0;
+      uint64_t e = 0;
+      for (int k = 0; k < no; ++k) {
+        const int o = offs[k];
+        e |= o > 0 ? (cur << o) | (prev >> (64 - o)) : (cur >> -o) | (next << (64 + o));
+      }
+      c[size_t(w)] = cur | (e & M[w]);
+      prev = cur;
+      cur = next;
+    }
+  } else {
+    for (int64_t w = 0; w < W; ++w) {
+      uint64_t e = 0;
+      for (int o : p_.offsets)
+        if (o != 0) e |= shifted_word(c0.data(), W, w, o);
+      c[size_t(w)] = c0[size_t(w)] | (e & M[w]);
+    }
   }
   const int64_t count = popcount(c.data(), W);
   H.cand.v.swap(c);  // the buffers circulate between the owners and the threads
@@ -1026,24 +1049,47 @@ void Lfps::finish_owner(uint32_t layer, int u, const float* q, const KVLayer& kv
     H.g = 1.0;
   }
   const double inv = 1.0 / H.g;
-  H.undo.reserve(H.undo_rescaled ? 0 : 2 * ks);
-  H.last_upd.reserve(ks);
+  const size_t u0 = H.undo.size(), l0 = H.last_upd.size();
+  if (!H.undo_rescaled) H.undo.resize(u0 + 2 * ks);
+  H.last_upd.resize(l0 + ks);
+  Undo* undo = H.undo.data() + u0;
+  std::pair<int32_t, float>* upd = H.last_upd.data() + l0;
+  float* x0 = H.t[0].x.data();
+  float* x1 = H.t[1].x.data();
+  // Table::set's power-sum changes added up here and into the tables once: kept in the tables they
+  // were one chain of dependent adds through memory, the loop's cost.
+  double d0[4] = {0, 0, 0, 0}, d1[4] = {0, 0, 0, 0};
+  auto change = [](double* dp, double a, double b) {
+    const double a2 = a * a, b2 = b * b;
+    dp[0] += b - a;
+    dp[1] += b2 - a2;
+    dp[2] += b2 * b - a2 * a;
+    dp[3] += b2 * b2 - a2 * a2;
+  };
   constexpr size_t kAhead = 16;  // the entries are scattered over both tables: ask for them ahead
   for (size_t i = 0; i < ks; ++i) {
     if (i + kAhead < ks) {
       const int32_t jp = sel[i + kAhead];
-      _mm_prefetch(reinterpret_cast<const char*>(H.t[0].x.data() + (jp - ns)), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(H.t[1].x.data() + (t - jp)), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(x0 + (jp - ns)), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(x1 + (t - jp)), _MM_HINT_T0);
     }
     const int32_t j = sel[i];
     const size_t iv = size_t(j - ns), is = size_t(t - j);
+    const float a0 = x0[iv], a1 = x1[is];
     if (!H.undo_rescaled) {
-      H.undo.push_back({0, int32_t(iv), H.t[0].x[iv]});
-      H.undo.push_back({1, int32_t(is), H.t[1].x[is]});
+      undo[2 * i] = {0, int32_t(iv), a0};
+      undo[2 * i + 1] = {1, int32_t(is), a1};
     }
-    H.t[0].set(iv, float(double(H.t[0].x[iv]) + double(at[i]) * inv));
-    H.t[1].set(is, float(double(H.t[1].x[is]) + double(at[i]) * inv));
-    H.last_upd.emplace_back(j, at[i]);
+    const float b0 = float(double(a0) + double(at[i]) * inv), b1 = float(double(a1) + double(at[i]) * inv);
+    change(d0, a0, b0);
+    change(d1, a1, b1);
+    x0[iv] = b0;
+    x1[is] = b1;
+    upd[i] = {j, at[i]};
+  }
+  for (int p = 0; p < 4; ++p) {
+    H.t[0].s[p] += d0[p];
+    H.t[1].s[p] += d1[p];
   }
 }
 
