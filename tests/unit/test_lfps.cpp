@@ -167,6 +167,63 @@ TEST_CASE("lfps: initial tables and priors equal a float64 recomputation of eq. 
   }
 }
 
+// The expansion of eq. (9) with other offsets: within a word's reach (-5, -2, 3, 7: read from each
+// word and its neighbours) and at the limit (-64, 64, and more than eight offsets: the general path),
+// against brute force from the tables as they were before each step.
+TEST_CASE("lfps: candidates with other expansion offsets equal brute force") {
+  for (const char* offs : {"-5;-2;0;3;7", "-64;-5;0;3;64", "-9;-8;-7;-6;-5;-4;-3;-2;-1;1"}) {
+    CAPTURE(offs);
+    Rng rng(29);
+    const int64_t P = 150, steps = 60, ns = 4;
+    Data D(rng, 4, 2, 16, P + steps);
+    Rig r(D, std::string("bypass=false,alpha_scale=30,offsets=") + offs, 0.08);
+    r.prefill(D, P);
+    std::vector<int> o;
+    std::string rest = offs;
+    for (size_t at; (at = rest.find(';')) != std::string::npos; rest = rest.substr(at + 1)) o.push_back(std::stoi(rest.substr(0, at)));
+    o.push_back(std::stoi(rest));
+    kvs::Selection sel;
+    int64_t checked = 0, expanded = 0;
+    for (int64_t s = 0; s < steps; ++s) {
+      const int64_t t = P + s, n = t + 1;
+      std::vector<std::vector<double>> V(static_cast<size_t>(r.m->owners())), S(V.size());
+      for (int u = 0; u < r.m->owners(); ++u) {
+        V[size_t(u)] = r.m->table(0, u, 0);
+        S[size_t(u)] = r.m->table(0, u, 1);
+        V[size_t(u)].push_back(0.0);  // the new token's entries
+        S[size_t(u)].push_back(0.0);
+      }
+      r.step(D, t, sel);
+      for (int u = 0; u < r.m->owners(); ++u) {
+        const auto& v = V[size_t(u)];
+        const auto& sl = S[size_t(u)];
+        const auto sv = r.m->brute_stats(v), ss = r.m->brute_stats(sl);
+        auto above = [&](int64_t j, bool mean) {
+          return v[size_t(j - ns)] > (mean ? sv.mean : sv.tau) || sl[size_t(t - j)] > (mean ? ss.mean : ss.tau);
+        };
+        std::set<int64_t> c0, c;
+        for (int64_t j = ns; j < n; ++j)
+          if (above(j, false)) c0.insert(j);
+        if (c0.empty())
+          for (int64_t j = ns; j < n; ++j)
+            if (above(j, true)) c0.insert(j);
+        c = c0;
+        for (int64_t j : c0)
+          for (int x : o) {
+            const int64_t jj = j + x;
+            if (x != 0 && jj >= ns && jj <= t && above(jj, true)) c.insert(jj);
+          }
+        expanded += int64_t(c.size() - c0.size());
+        const auto got = r.m->last_candidates(0, u);
+        CHECK(std::set<int64_t>(got.begin(), got.end()) == c);
+        ++checked;
+      }
+    }
+    CHECK(checked == steps * r.m->owners());
+    CHECK(expanded > 0);  // the offsets added candidates
+  }
+}
+
 // The mandatory property: lazy decay (global scale, rescaled every ~270 steps) and the incremental
 // power sums equal an explicit O(N)-per-step replay of eq. (10) after many steps; the update is
 // half the softmax over the selected non-sink keys; candidates follow eqs. (7)-(9) exactly.
