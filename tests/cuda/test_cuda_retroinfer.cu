@@ -315,11 +315,11 @@ void run_kmeans_kernel(kvs_scalar_type kvdt, int d, int n, int C, int segments, 
     return;
   }
   // Deterministic: a second run of each kernel gives the same assignments and centroids bit for bit.
-  CAPI_CHECK(am == am2 && ac == ac2 && std::memcmp(cm.data(), cm2.data(), cm.size() * 4) == 0 &&
-                 std::memcmp(cc.data(), cc2.data(), cc.size() * 4) == 0,
-             "%s: a second run differs (assignments %s, centroids %s)", name, am == am2 && ac == ac2 ? "same" : "differ",
-             std::memcmp(cm.data(), cm2.data(), cm.size() * 4) == 0 && std::memcmp(cc.data(), cc2.data(), cc.size() * 4) == 0
-                 ? "same" : "differ");
+  const bool same_assign = am == am2 && ac == ac2;
+  const bool same_cent = std::memcmp(cm.data(), cm2.data(), cm.size() * 4) == 0 &&
+                         std::memcmp(cc.data(), cc2.data(), cc.size() * 4) == 0;
+  CAPI_CHECK(same_assign && same_cent, "%s: a second run differs (assignments %s, centroids %s)", name,
+             same_assign ? "same" : "differ", same_cent ? "same" : "differ");
   int64_t agree = 0, exact = 0, bad = 0;
   double cent_err = 0;
   for (int h = 0; h < hkv; ++h) {

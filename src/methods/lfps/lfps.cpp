@@ -226,12 +226,16 @@ void Table::pop_to(size_t m) {
   if (x.empty()) s[0] = s[1] = s[2] = s[3] = 0;
 }
 
-void Table::set(size_t i, float v) {
-  const double a = x[i], b = v, a2 = a * a, b2 = b * b;
+void Table::add_change(double* s, double a, double b) {
+  const double a2 = a * a, b2 = b * b;
   s[0] += b - a;
   s[1] += b2 - a2;
   s[2] += b2 * b - a2 * a;
   s[3] += b2 * b2 - a2 * a2;
+}
+
+void Table::set(size_t i, float v) {
+  add_change(s, x[i], v);
   x[i] = v;
 }
 
@@ -1059,13 +1063,6 @@ void Lfps::finish_owner(uint32_t layer, int u, const float* q, const KVLayer& kv
   // Table::set's power-sum changes added up here and into the tables once: kept in the tables they
   // were one chain of dependent adds through memory, the loop's cost.
   double d0[4] = {0, 0, 0, 0}, d1[4] = {0, 0, 0, 0};
-  auto change = [](double* dp, double a, double b) {
-    const double a2 = a * a, b2 = b * b;
-    dp[0] += b - a;
-    dp[1] += b2 - a2;
-    dp[2] += b2 * b - a2 * a;
-    dp[3] += b2 * b2 - a2 * a2;
-  };
   constexpr size_t kAhead = 16;  // the entries are scattered over both tables: ask for them ahead
   for (size_t i = 0; i < ks; ++i) {
     if (i + kAhead < ks) {
@@ -1081,8 +1078,8 @@ void Lfps::finish_owner(uint32_t layer, int u, const float* q, const KVLayer& kv
       undo[2 * i + 1] = {1, int32_t(is), a1};
     }
     const float b0 = float(double(a0) + double(at[i]) * inv), b1 = float(double(a1) + double(at[i]) * inv);
-    change(d0, a0, b0);
-    change(d1, a1, b1);
+    Table::add_change(d0, a0, b0);
+    Table::add_change(d1, a1, b1);
     x0[iv] = b0;
     x1[is] = b1;
     upd[i] = {j, at[i]};

@@ -24,6 +24,8 @@ struct Table {
   void push_zero() { x.push_back(0.f); }
   void pop_to(size_t m);
   void set(size_t i, float v);  // updates the power sums
+  // Adds to s[0..3] what replacing the value a by b changes in the power sums.
+  static void add_change(double* s, double a, double b);
   void recompute();             // power sums from scratch (O(m))
 };
 
