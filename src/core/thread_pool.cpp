@@ -109,15 +109,18 @@ std::shared_ptr<ThreadPool> ThreadPool::shared(unsigned threads) {
 }
 
 template <typename F>
-bool ThreadPool::spin_until(F done) const {
+bool ThreadPool::spin_until(F done, bool while_open) const {
   if (spin_us_ == 0) return done();
-  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+  const auto start = std::chrono::steady_clock::now();
+  const auto until = start + std::chrono::microseconds(spin_us_);
+  const auto open_until = start + std::chrono::microseconds(std::max(spin_us_, kOpenSpinUs));
   for (;;) {
     for (int i = 0; i < 64; ++i) {
       if (done()) return true;
       cpu_relax();
     }
-    if (std::chrono::steady_clock::now() >= until) return done();
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= until && !(while_open && now < open_until && used_.load() != 0)) return done();
   }
 }
 
@@ -189,8 +192,9 @@ void ThreadPool::worker_loop() {
   for (;;) {
     if (stop_.load()) return;
     if (run_any()) continue;
-    // Nothing to take: spin a while for the next job (the next round of the step that just ran), then sleep.
-    if (spin_until([&] { return has_work() || stop_.load(); })) continue;
+    // Nothing to take: spin a while for the next job (the next round of the step that just ran),
+    // longer while a job is open (its tasks may open nested jobs: a KV head's parts), then sleep.
+    if (spin_until([&] { return has_work() || stop_.load(); }, true)) continue;
     std::unique_lock<std::mutex> lk(m_);
     sleeping_.fetch_add(1);
     cv_.wait(lk, [&] { return stop_.load() || has_work(); });
@@ -247,7 +251,7 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t)>& fn)
   int64_t i;
   const Fn* f;
   while (claim(b, i, f)) run(s, i, f);
-  if (!spin_until([&] { return s.finished.load() == n; })) {
+  if (!spin_until([&] { return s.finished.load() == n; }, false)) {
     std::unique_lock<std::mutex> lk(m_);
     s.waiting.store(true);
     done_.wait(lk, [&] { return s.finished.load() == n; });

@@ -15,6 +15,7 @@
 // a caller waiting for its job's last tasks, so the rounds of one step follow each other without
 // wake-ups. A job wakes only as many sleeping workers as it has tasks beyond the caller's.
 #pragma once
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -47,6 +48,10 @@ class ThreadPool {
   // How long a thread with nothing to do spins before it sleeps, in microseconds:
   // KVS_POOL_SPIN_US in the environment when the pool starts (0 = never spin), else the default.
   static constexpr unsigned kDefaultSpinUs = 50;
+  // While some job is still open (a caller waits for its tasks), an idle worker spins up to this
+  // long instead: a task of that job may open a nested one (a KV head's work cut into parts), and
+  // a sleeping worker takes tens of microseconds to wake. Not with spin_us() = 0.
+  static constexpr unsigned kOpenSpinUs = 1000;
   unsigned spin_us() const { return spin_us_; }
 
  private:
@@ -73,9 +78,10 @@ class ThreadPool {
   // A worker: the newest job's next task, run; false if no job had one.
   bool run_any();
   bool has_work() const { return active_.load() != 0; }
-  // Spins up to spin_us_ until done() holds; returns done().
+  // Spins up to spin_us_ until done() holds (up to kOpenSpinUs while a job is open, with
+  // while_open); returns done().
   template <typename F>
-  bool spin_until(F done) const;
+  bool spin_until(F done, bool while_open) const;
   void worker_loop();
 
   std::vector<std::thread> workers_;
@@ -90,5 +96,33 @@ class ThreadPool {
   std::condition_variable done_;      // callers wait for their job's last tasks
   unsigned spin_us_ = kDefaultSpinUs;
 };
+
+// Where a step runs one task per KV head (8, say) on a pool of more threads (16), a head's long
+// loops are cut into parts so that every thread works: parts_per_task is how many parts each of
+// `tasks` concurrent tasks gets (the pool's threads per task, 1 to max_parts), parallel_ranges runs
+// fn(begin, end) over [0, n) cut into that many ranges as one (nested) job. Range boundaries are
+// multiples of `align`, so a kernel that works in blocks of `align` rows sees the same blocks
+// whatever the cut (the results do not depend on the thread count); ranges shorter than
+// `min_len` are not worth a task, and one part runs fn(0, n) on the calling thread.
+inline int64_t parts_per_task(const ThreadPool& pool, int64_t tasks, int64_t max_parts = 4) {
+  const int64_t per = int64_t(pool.size()) / (tasks > 0 ? tasks : 1);
+  return per < 1 ? 1 : (per > max_parts ? max_parts : per);
+}
+template <class F>
+void parallel_ranges(ThreadPool& pool, int64_t n, int64_t parts, int64_t align, int64_t min_len, F&& fn) {
+  if (n <= 0) return;
+  const int64_t units = (n + align - 1) / align;
+  const int64_t by_len = n / (min_len > 0 ? min_len : 1);
+  if (parts > units) parts = units;
+  if (parts > by_len) parts = by_len;
+  if (parts <= 1) {
+    fn(int64_t(0), n);
+    return;
+  }
+  pool.parallel_for(parts, [&](int64_t p) {
+    const int64_t b = units * p / parts * align, e = std::min(n, units * (p + 1) / parts * align);
+    if (b < e) fn(b, e);
+  });
+}
 
 }  // namespace kvs

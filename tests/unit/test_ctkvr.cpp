@@ -455,23 +455,32 @@ TEST_CASE("ctkvr: init strategies pick the documented prompt positions; bad para
 TEST_CASE("ctkvr: the selection does not depend on the threads") {
   // 1, 4 and 8 threads over 2 KV heads: the same keys, outputs within float rounding (the
   // attention's chunks follow the threads), through decode steps, a chat turn and the update.
-  for (const char* mp : {"centroids=24,rho=64,lambda=3", "centroids=24,rho=64,lambda=3,new_tokens=dcu,topk=20"}) {
+  // The third case is large enough for a head's centroids (300 >= 128) and rerank rows (> 1024)
+  // to be cut into parts at 4 and 8 threads (pool threads per KV head).
+  struct Case {
+    const char* mp;
+    int64_t prompt, steps;
+  };
+  for (const Case cs : {Case{"centroids=24,rho=64,lambda=3", 700, 160}, Case{"centroids=24,rho=64,lambda=3,new_tokens=dcu,topk=20", 700, 160},
+                        Case{"centroids=300,rho=64,lambda=150,topk=400", 4000, 120}}) {
+    const char* mp = cs.mp;
+    const int64_t P = cs.prompt, turn = P + 80;
     Rng rng(23);
-    Data D(rng, 8, 2, 32, 900);
+    Data D(rng, 8, 2, 32, P + cs.steps + 40);
     std::vector<Sess> S(3);
     const uint32_t threads[3] = {1, 4, 8};
     for (int i = 0; i < 3; ++i) {
       auto p = params(D, mp);
       p.num_threads = threads[i];
       OK(kvs_session_create(&p, &S[size_t(i)].s));
-      sprefill(S[size_t(i)].s, D, 0, 0, 700);
+      sprefill(S[size_t(i)].s, D, 0, 0, P);
       OK(kvs_session_build_index(S[size_t(i)].s, nullptr));
     }
     std::vector<float> o[3], l[3];
-    for (int64_t t = 700; t < 860; ++t) {
-      if (t == 780)  // a chat turn: the tokens leaving the window go through insert_tokens, not the fused pass
+    for (int64_t t = P; t < P + cs.steps; ++t) {
+      if (t == turn)  // a chat turn: the tokens leaving the window go through insert_tokens, not the fused pass
         for (auto& s : S) sprefill(s.s, D, 0, t, 20, true);
-      if (t >= 780 && t < 800) continue;
+      if (t >= turn && t < turn + 20) continue;
       for (int i = 0; i < 3; ++i) sdecode(S[size_t(i)].s, D, 0, t, o[i], l[i]);
       INFO(mp << " step " << t);
       for (uint32_t h = 0; h < 2; ++h) {

@@ -435,6 +435,45 @@ TEST_CASE("retroinfer: decode selection = steady zone + whole retrieval clusters
   for (float x : o) REQUIRE(std::isfinite(x));
 }
 
+TEST_CASE("retroinfer: the selection does not depend on the threads") {
+  // 1, 4 and 8 threads over 2 KV heads, about 2100 clusters a head: at 4 and 8 threads (2 and 4
+  // pool threads per KV head) the centroid GEMV's rows are cut into 2 and 4 parts. The same
+  // zones, keys and estimation zone; outputs within float rounding (the attention's chunks follow
+  // the threads).
+  Rng rng(29);
+  Data D(rng, 8, 2, 32, 34100);
+  const int64_t P = 34000;
+  std::vector<Sess> S(3);
+  const uint32_t threads[3] = {1, 4, 8};
+  for (int i = 0; i < 3; ++i) {
+    auto p = params(D, "budget=session", 0.05);
+    p.num_threads = threads[i];
+    OK(kvs_session_create(&p, &S[size_t(i)].s));
+    prefill(S[size_t(i)].s, D, P);
+  }
+  CHECK(stat(S[0].s, "clusters") >= 2048);
+  std::vector<float> o[3], l[3];
+  for (int64_t t = P; t < P + 12; ++t) {
+    for (int i = 0; i < 3; ++i) decode(S[size_t(i)].s, D, t, o[i], l[i]);
+    CAPTURE(t);
+    for (uint32_t h = 0; h < uint32_t(D.hkv); ++h) {
+      std::vector<int32_t> sel[3];
+      for (int i = 0; i < 3; ++i) {
+        size_t n = 0;
+        OK(kvs_session_last_selection(S[size_t(i)].s, 0, h, nullptr, 0, &n));
+        sel[i].resize(n);
+        OK(kvs_session_last_selection(S[size_t(i)].s, 0, h, sel[i].data(), n, &n));
+      }
+      CHECK(sel[1] == sel[0]);
+      CHECK(sel[2] == sel[0]);
+    }
+    for (const char* st : {"estimation_clusters", "estimation_tokens", "retrieval_tokens"})
+      for (int i = 1; i < 3; ++i) CHECK(stat(S[size_t(i)].s, st) == stat(S[0].s, st));
+    for (int i = 1; i < 3; ++i)
+      for (size_t j = 0; j < o[0].size(); ++j) REQUIRE(std::fabs(o[i][j] - o[0][j]) <= 1e-5f * (1.f + std::fabs(o[0][j])));
+  }
+}
+
 TEST_CASE("retroinfer: budget=session (default) attends exactly the budget: scaled steady zone, clusters, fill") {
   Rng rng(17);
   Data D(rng, 8, 2, 32, 2200);

@@ -687,8 +687,9 @@ namespace {
 // column order: st.x2 stays false), kBlock rows at a time. gathered: the rows are scattered, so the
 // current block's rows go to L1 and the next block's to L2 key by key (Prefetch), as in run_chunk.
 template <class RowAt>
-void score_rows_at(DType t, int d, int G, const float* q, float scale, int64_t n, float* out, RowAt row,
+void score_rows_at(DType t, int d, int G, const float* q, float scale, int64_t n, float* out, int64_t ld, RowAt row,
                    bool gathered) {
+  if (ld <= 0) ld = n;
   const Isa isa = pick_isa(d);
   std::vector<float> qs(size_t(G) * d);
   for (size_t i = 0; i < qs.size(); ++i) qs[i] = q[i] * scale;
@@ -696,7 +697,7 @@ void score_rows_at(DType t, int d, int G, const float* q, float scale, int64_t n
     std::vector<float> buf(static_cast<size_t>(d));
     for (int64_t j = 0; j < n; ++j) {
       Scalar::convert(row(j), t, d, buf.data());
-      for (int g = 0; g < G; ++g) out[size_t(g) * n + j] = Scalar::dot(qs.data() + size_t(g) * d, buf.data(), d);
+      for (int g = 0; g < G; ++g) out[size_t(g) * ld + j] = Scalar::dot(qs.data() + size_t(g) * d, buf.data(), d);
     }
     return;
   }
@@ -718,20 +719,21 @@ void score_rows_at(DType t, int d, int G, const float* q, float scale, int64_t n
     pf.next_cnt = next_cnt;
     const Prefetch* p = gathered ? &pf : nullptr;
     heads_pass_any(isa, t, st, qs.data(), cnt, kr[cur], kr[cur], s.data(), false, p);
-    for (int g = 0; g < G; ++g) std::memcpy(out + size_t(g) * n + b, s.data() + size_t(g) * kBlock, size_t(cnt) * 4);
+    for (int g = 0; g < G; ++g) std::memcpy(out + size_t(g) * ld + b, s.data() + size_t(g) * kBlock, size_t(cnt) * 4);
     cnt = next_cnt;
   }
 }
 }  // namespace
 
 void score_rows(DType t, int d, int G, const float* q, float scale, const std::byte* const* k_rows, int64_t n,
-                float* out) {
-  score_rows_at(t, d, G, q, scale, n, out, [&](int64_t i) { return k_rows[i]; }, true);
+                float* out, int64_t ld) {
+  score_rows_at(t, d, G, q, scale, n, out, ld, [&](int64_t i) { return k_rows[i]; }, true);
 }
 
-void score_contig(DType t, int d, int G, const float* q, float scale, const std::byte* rows, int64_t n, float* out) {
+void score_contig(DType t, int d, int G, const float* q, float scale, const std::byte* rows, int64_t n, float* out,
+                  int64_t ld) {
   const size_t rb = size_t(d) * dtype_size(t);
-  score_rows_at(t, d, G, q, scale, n, out, [&](int64_t i) { return rows + size_t(i) * rb; }, false);
+  score_rows_at(t, d, G, q, scale, n, out, ld, [&](int64_t i) { return rows + size_t(i) * rb; }, false);
 }
 
 void accumulate_rows(DType t, int d, int G, const float* w, int64_t ldw, const std::byte* const* v_rows, int64_t n,

@@ -44,14 +44,17 @@ void score_keys(const KVLayer& kv, int h, const float* q_group, int G, int64_t n
 // attend_rows: o [G][d], lse [G] over rows k_rows[i], v_rows[i], i < n (n = 0: the empty state).
 void attend_rows(DType t, int d, int G, const float* q, float scale, const std::byte* const* k_rows,
                  const std::byte* const* v_rows, int64_t n, float* o, float* lse);
-// score_rows: out[g][i] = scale * q_g . k_rows[i] (out: [G][n]).
+// score_rows: out[g * ld + i] = scale * q_g . k_rows[i] (ld = 0: n, out [G][n]). A row's score is
+// the same whichever range of rows a call covers when ranges start at multiples of 64 (the block
+// kernel's blocks), so a method may score parts of its rows on several threads.
 void score_rows(DType t, int d, int G, const float* q, float scale, const std::byte* const* k_rows, int64_t n,
-                float* out);
+                float* out, int64_t ld = 0);
 // score_contig: out[g][i] = scale * q_g . row_i for n rows stored contiguously at rows (row i at
 // rows + i * d elements of dtype t), with the block kernel's score pass (the SIMD kernels of the
 // dense decode; several keys and heads per pass). out: [G][n]. For methods that score a matrix of
-// centroids per step (a GEMV over n x d).
-void score_contig(DType t, int d, int G, const float* q, float scale, const std::byte* rows, int64_t n, float* out);
+// centroids per step (a GEMV over n x d). ld as for score_rows.
+void score_contig(DType t, int d, int G, const float* q, float scale, const std::byte* rows, int64_t n, float* out,
+                  int64_t ld = 0);
 // accumulate_rows: o[g] += sum_i w[g * ldw + i] * v_rows[i] for i < n (o: [G][d] fp32). With
 // score_rows and exp_shift, attention over rows whose scores a method already holds (HGCA's window
 // and its widened far set): the K rows are not read again.

@@ -768,7 +768,7 @@ class Ctkvr final : public Method {
   struct Workspace {
     std::vector<uint64_t> bits;
     std::vector<int32_t> all, rec, cand;
-    std::vector<float> sims, st, agg, kf, qn, sv;
+    std::vector<float> sims, st, agg, kf, qn;
     std::vector<const std::byte*> rows;  // the rerank's K rows
     std::vector<int32_t> cidx;           // centroids in order of similarity
     std::vector<int32_t> ties;           // the update's candidates at its threshold
@@ -816,25 +816,30 @@ class Ctkvr final : public Method {
     const int nins = int(ins1 - ins0);
     w.kf.resize(size_t(std::max(nins, 1)) * d);
     for (int r = 0; r < nins; ++r) convert_to_f32(kv.k_row(h, ins0 + r), kv.dtype(), w.kf.data() + size_t(r) * d, size_t(d));
-    w.sv.resize(size_t(G));
     const float scale = ctx_.shape.softmax_scale;
-    for (int i = 0; i < c; ++i) {
-      const float* cc = f.cent(i);
-      for (int r = 0; r < nins; ++r) {  // tokens leaving the window (7.3 (a)), while the centroid is in cache
-        for (int g = 0; g < G; ++g) w.sv[size_t(g)] = scale * dot(cc + size_t(g) * d, w.kf.data() + size_t(r) * d, d);
-        f.offer(i, ctkvr::aggregate(agg_, w.sv.data(), f.lse(i), G), int32_t(ins0 + r));
+    // With more pool threads than KV heads, the centroids and the rerank's rows are cut into parts
+    // (each centroid's list and similarity, each row's score, are its own: the same numbers).
+    const int64_t parts = parts_per_task(*ctx_.pool, int64_t(ctx_.shape.num_kv_heads));
+    parallel_ranges(*ctx_.pool, c, parts, 1, 128, [&](int64_t i0, int64_t i1) {
+      std::vector<float> sv(static_cast<size_t>(G));
+      for (int i = int(i0); i < int(i1); ++i) {
+        const float* cc = f.cent(i);
+        for (int r = 0; r < nins; ++r) {  // tokens leaving the window (7.3 (a)), while the centroid is in cache
+          for (int g = 0; g < G; ++g) sv[size_t(g)] = scale * dot(cc + size_t(g) * d, w.kf.data() + size_t(r) * d, d);
+          f.offer(i, ctkvr::aggregate(agg_, sv.data(), f.lse(i), G), int32_t(ins0 + r));
+        }
+        float sim = 0;
+        if (mean_head_) {
+          const float* hn = f.hnorm(i);
+          for (int g = 0; g < G; ++g)
+            sim += dot(qg + size_t(g) * d, cc + size_t(g) * d, d) / std::max(qn[g] * hn[g], 1e-30f);
+          sim /= float(G);
+        } else {
+          sim = dot(qg, cc, G * d) / std::max(qall * f.cnorm(i), 1e-30f);
+        }
+        w.sims[size_t(i)] = sim;
       }
-      float sim = 0;
-      if (mean_head_) {
-        const float* hn = f.hnorm(i);
-        for (int g = 0; g < G; ++g)
-          sim += dot(qg + size_t(g) * d, cc + size_t(g) * d, d) / std::max(qn[g] * hn[g], 1e-30f);
-        sim /= float(G);
-      } else {
-        sim = dot(qg, cc, G * d) / std::max(qall * f.cnorm(i), 1e-30f);
-      }
-      w.sims[size_t(i)] = sim;
-    }
+    });
     w.cidx.resize(size_t(c));
     for (int i = 0; i < c; ++i) w.cidx[size_t(i)] = i;
     auto closer = [&](int32_t a, int32_t b) {
@@ -917,7 +922,9 @@ class Ctkvr final : public Method {
     }
     const size_t mt = w.rows.size();  // m, or m + the static set
     w.st.resize(mt * G);
-    cpu::score_rows(kv.dtype(), d, G, qg, ctx_.shape.softmax_scale, w.rows.data(), int64_t(mt), w.st.data());
+    parallel_ranges(*ctx_.pool, int64_t(mt), parts, 64, 512, [&](int64_t b, int64_t e) {
+      cpu::score_rows(kv.dtype(), d, G, qg, scale, w.rows.data() + b, e - b, w.st.data() + b, int64_t(mt));
+    });
     w.agg.assign(m, 0.f);
     for (int g = 0; g < G; ++g) {
       const float* row = w.st.data() + size_t(g) * mt;

@@ -345,8 +345,14 @@ class RetroInfer final : public Method {
       S.mx.assign(size_t(G), -std::numeric_limits<float>::infinity());
       float* E = S.E.data();
       float* dist = S.dist.data();
-      cpu::score_contig(m16 ? W.mdt : DType::F32, d, G, qg, scale,
-                        m16 ? W.dcent.data() : reinterpret_cast<const std::byte*>(W.centroids.data()), C, E);
+      //    With more pool threads than KV heads the GEMV's rows are cut into parts (block-aligned:
+      //    the same logits whatever the cut).
+      const DType cdt = m16 ? W.mdt : DType::F32;
+      const std::byte* crows = m16 ? W.dcent.data() : reinterpret_cast<const std::byte*>(W.centroids.data());
+      const size_t crb = size_t(d) * dtype_size(cdt);
+      parallel_ranges(*ctx_.pool, C, parts_per_task(*ctx_.pool, hkv), 64, 512, [&](int64_t b, int64_t e) {
+        cpu::score_contig(cdt, d, G, qg, scale, crows + size_t(b) * crb, e - b, E + b, C);
+      });
       auto& cand = S.cand;
       cand.resize(size_t(C));
       const int32_t* csize = W.size.data();
