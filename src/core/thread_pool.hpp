@@ -108,22 +108,21 @@ inline int64_t parts_per_task(const ThreadPool& pool, int64_t tasks, int64_t max
   const int64_t per = int64_t(pool.size()) / (tasks > 0 ? tasks : 1);
   return per < 1 ? 1 : (per > max_parts ? max_parts : per);
 }
-// The cuts of [0, n) into at most `parts` ranges as parallel_ranges makes them: cuts[p] to
-// cuts[p + 1] for p < cuts.size() - 1 (one range [0, n) when it does not cut; none for n <= 0).
-inline void range_cuts(int64_t n, int64_t parts, int64_t align, int64_t min_len, std::vector<int64_t>& cuts) {
-  cuts.clear();
+template <class F>
+void parallel_ranges(ThreadPool& pool, int64_t n, int64_t parts, int64_t align, int64_t min_len, F&& fn) {
   if (n <= 0) return;
   const int64_t units = (n + align - 1) / align;
   const int64_t by_len = n / (min_len > 0 ? min_len : 1);
-  parts = std::max<int64_t>(1, std::min({parts, units, by_len}));
-  for (int64_t p = 0; p <= parts; ++p) cuts.push_back(std::min(n, units * p / parts * align));
-}
-template <class F>
-void parallel_ranges(ThreadPool& pool, int64_t n, int64_t parts, int64_t align, int64_t min_len, F&& fn) {
-  std::vector<int64_t> cuts;
-  range_cuts(n, parts, align, min_len, cuts);
-  if (cuts.size() == 2) fn(int64_t(0), n);
-  if (cuts.size() > 2) pool.parallel_for(int64_t(cuts.size()) - 1, [&](int64_t p) { fn(cuts[size_t(p)], cuts[size_t(p) + 1]); });
+  if (parts > units) parts = units;
+  if (parts > by_len) parts = by_len;
+  if (parts <= 1) {
+    fn(int64_t(0), n);
+    return;
+  }
+  pool.parallel_for(parts, [&](int64_t p) {
+    const int64_t b = units * p / parts * align, e = std::min(n, units * (p + 1) / parts * align);
+    if (b < e) fn(b, e);
+  });
 }
 
 }  // namespace kvs

@@ -504,51 +504,6 @@ TEST_CASE("csattention: the candidate collection's fallback (lists added again, 
   }
 }
 
-TEST_CASE("csattention: the selection does not depend on the threads (a search cut into token ranges)") {
-  // 1, 4 and 8 threads over 2 KV heads (2 search tasks): at 4 and 8 threads a search over 70000
-  // tokens is cut into 2 and 4 token ranges (parts of at least 16384 tokens), each adding the
-  // picked lists' entries of its tokens, sampling and collecting them. The same keys, union sizes
-  // and outputs (the attention's chunks follow the threads: within float rounding), with the
-  // sampled threshold and with the fallback forced (lists added again, every touched slot
-  // collected), and with the f32 lists.
-  Rng rng(31);
-  Data D(rng, 8, 2, 32, 70100);
-  const int64_t P = 70000;
-  for (const char* mp : {"centroids=16,subspaces=4,iters=2", "centroids=16,subspaces=4,iters=2,score_dtype=f32,rerank=2"}) {
-    for (const bool force : {false, true}) {
-      INFO(mp << (force ? " (fallback forced)" : ""));
-      std::vector<Sess> S(3);
-      const uint32_t threads[3] = {1, 4, 8};
-      for (int i = 0; i < 3; ++i) {
-        auto p = params(D, mp, 1, 0.05);
-        p.num_threads = threads[i];
-        OK(kvs_session_create(&p, &S[size_t(i)].s));
-        prefill(S[size_t(i)].s, D, 0, 0, P);
-        OK(kvs_session_build_index(S[size_t(i)].s, nullptr));
-      }
-      std::vector<float> o[3], l[3];
-      kvs::csa::g_force_recollect = force;
-      for (int64_t t = P; t < P + 6; ++t) {
-        for (int i = 0; i < 3; ++i) decode(S[size_t(i)].s, D, 0, t, o[i], l[i]);
-        CAPTURE(t);
-        for (uint32_t h = 0; h < 2; ++h) {
-          const auto ref = selection(S[0].s, 0, h);
-          CHECK(ref.size() > 3000);
-          CHECK(selection(S[1].s, 0, h) == ref);
-          CHECK(selection(S[2].s, 0, h) == ref);
-        }
-        for (int i = 1; i < 3; ++i)
-          for (size_t j = 0; j < o[0].size(); ++j) REQUIRE(std::fabs(o[i][j] - o[0][j]) <= 1e-5f * (1.f + std::fabs(o[0][j])));
-      }
-      kvs::csa::g_force_recollect = false;
-      double u[3];
-      for (int i = 0; i < 3; ++i) OK(kvs_session_method_stat(S[size_t(i)].s, "mean_union", &u[i]));
-      CHECK(u[1] == u[0]);
-      CHECK(u[2] == u[0]);
-    }
-  }
-}
-
 TEST_CASE("csattention: save/load round trip reproduces decode outputs bit for bit, with and without KV") {
   Rng rng(13);
   Data D(rng, 8, 2, 32, 760);

@@ -71,85 +71,61 @@ inline bool touched(float v) {
   return u != kUntouched;
 }
 
-// The scatters add only the entries whose token lies in [lo, hi) (a search cut into token ranges
-// on several threads; lo = 0, hi = INT32_MAX: every entry). A token's entries are added in the
-// same order whatever the ranges, so its sum is the same bits.
-constexpr int32_t kAllTokens = std::numeric_limits<int32_t>::max();
-
 template <class S>
-void scatter_portable(const int32_t* idx, const S* val, int64_t L, float w, float off, float* acc, int32_t lo,
-                      int32_t hi) {
+void scatter_portable(const int32_t* idx, const S* val, int64_t L, float w, float off, float* acc) {
   for (int64_t i = 0; i < L; ++i) {
-    if (idx[i] < lo || idx[i] >= hi) continue;
     const float v = w * score_f(val[i]) + off;
     acc[idx[i]] += v + 0.0f;
   }
 }
 
-// AVX-512: 16 entries a gather/add/scatter, masked to [lo, hi) when a range is given.
-__attribute__((target("avx512f,f16c"))) inline __mmask16 range_mask(__m512i ix, int32_t lo, int32_t hi) {
-  if (lo == 0 && hi == kAllTokens) return __mmask16(0xFFFF);
-  return _mm512_cmpge_epi32_mask(ix, _mm512_set1_epi32(lo)) & _mm512_cmplt_epi32_mask(ix, _mm512_set1_epi32(hi));
-}
-
 __attribute__((target("avx512f,f16c"))) void scatter_f16_avx512(const int32_t* idx, const uint16_t* val, int64_t L,
-                                                           float w, float off, float* acc, int32_t lo, int32_t hi) {
+                                                           float w, float off, float* acc) {
   const __m512 wv = _mm512_set1_ps(w), ov = _mm512_set1_ps(off), zero = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= L; i += 16) {
     const __m512i ix = _mm512_loadu_si512(idx + i);
-    const __mmask16 m = range_mask(ix, lo, hi);
     const __m512 v = _mm512_add_ps(
         _mm512_add_ps(_mm512_mul_ps(wv, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(val + i)))), ov),
         zero);
-    const __m512 a = _mm512_mask_i32gather_ps(zero, m, ix, acc, 4);
-    _mm512_mask_i32scatter_ps(acc, m, ix, _mm512_add_ps(a, v), 4);
+    const __m512 a = _mm512_mask_i32gather_ps(zero, __mmask16(0xFFFF), ix, acc, 4);
+    _mm512_i32scatter_ps(acc, ix, _mm512_add_ps(a, v), 4);
   }
   for (; i < L; ++i) {
-    if (idx[i] < lo || idx[i] >= hi) continue;
     const float v = w * _cvtsh_ss(val[i]) + off;
     acc[idx[i]] += v + 0.0f;
   }
 }
 
 __attribute__((target("avx512f,f16c"))) void scatter_f32_avx512(const int32_t* idx, const float* val, int64_t L, float w,
-                                                           float off, float* acc, int32_t lo, int32_t hi) {
+                                                           float off, float* acc) {
   const __m512 wv = _mm512_set1_ps(w), ov = _mm512_set1_ps(off), zero = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= L; i += 16) {
     const __m512i ix = _mm512_loadu_si512(idx + i);
-    const __mmask16 m = range_mask(ix, lo, hi);
     const __m512 v = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(wv, _mm512_loadu_ps(val + i)), ov), zero);
-    const __m512 a = _mm512_mask_i32gather_ps(zero, m, ix, acc, 4);
-    _mm512_mask_i32scatter_ps(acc, m, ix, _mm512_add_ps(a, v), 4);
+    const __m512 a = _mm512_mask_i32gather_ps(zero, __mmask16(0xFFFF), ix, acc, 4);
+    _mm512_i32scatter_ps(acc, ix, _mm512_add_ps(a, v), 4);
   }
   for (; i < L; ++i) {
-    if (idx[i] < lo || idx[i] >= hi) continue;
     const float v = w * val[i] + off;
     acc[idx[i]] += v + 0.0f;
   }
 }
 
 __attribute__((target("avx2,f16c"))) void scatter_f16_f16c(const int32_t* idx, const uint16_t* val, int64_t L, float w,
-                                                          float off, float* acc, int32_t lo, int32_t hi) {
+                                                          float off, float* acc) {
   alignas(32) float vf[8];
   const __m256 wv = _mm256_set1_ps(w), ov = _mm256_set1_ps(off), zero = _mm256_setzero_ps();
-  const bool all = lo == 0 && hi == kAllTokens;
   int64_t i = 0;
   for (; i + 8 <= L; i += 8) {
     _mm256_store_ps(
         vf, _mm256_add_ps(
                 _mm256_add_ps(_mm256_mul_ps(wv, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(val + i)))), ov),
                 zero));
-    if (all) {
-      for (int l = 0; l < 8; ++l) acc[idx[i + l]] += vf[l];
-    } else {
-      for (int l = 0; l < 8; ++l)
-        if (idx[i + l] >= lo && idx[i + l] < hi) acc[idx[i + l]] += vf[l];
-    }
+    for (int l = 0; l < 8; ++l) acc[idx[i + l]] += vf[l];
   }
   for (; i < L; ++i) {
-    if (idx[i] < lo || idx[i] >= hi) continue;
     const float v = w * _cvtsh_ss(val[i]) + off;
     acc[idx[i]] += v + 0.0f;
   }
@@ -582,10 +558,9 @@ class CSAttention final : public Method {
       if (int64_t(scratch_.size()) < T) scratch_.resize(size_t(T));
       head_union_.resize(size_t(TH_));
       std::atomic<int64_t> next{0};
-      const int64_t parts = parts_per_task(*ctx_.pool, T);
       ctx_.pool->parallel_for(T, [&](int64_t task) {
         for (int64_t th; (th = next.fetch_add(1)) < TH_;)
-          search_head(L, int(th), scratch_[size_t(task)], q, kv, n, s_end, w_begin, rest, parts);
+          search_head(L, int(th), scratch_[size_t(task)], q, kv, n, s_end, w_begin, rest);
       });
       ++searches_;
       for (int64_t u : head_union_) union_sum_ += double(u);
@@ -786,14 +761,7 @@ class CSAttention final : public Method {
     std::vector<int32_t> rtok;   // rerank: candidates
     std::vector<const std::byte*> rrows;
     std::vector<float> rsc, ragg;
-    // A search cut into token ranges: the cuts, each part's samples, candidates and touched slots.
-    std::vector<int64_t> cuts;
-    std::vector<std::vector<float>> psmp;
-    std::vector<int64_t> pnc, pnt;
   };
-  // A search's token range is cut into parts of at least this many tokens (each part reads every
-  // picked list entry, so short parts would mostly reread).
-  static constexpr int64_t kMinSearchPart = 16384;
 
   void thin(LayerState& L, size_t row) {
     L.stride *= 2;
@@ -903,7 +871,7 @@ class CSAttention final : public Method {
   // One table head's search: nearest centroids, reduce-by-key of the chosen lists, Top-rest.
   // No allocations once the scratch has grown to the context.
   void search_head(LayerState& L, int h, Scratch& S, const float* q, const KVLayer& kv, int64_t n, int64_t s_end,
-                   int64_t w_begin, int64_t rest, int64_t parts) {
+                   int64_t w_begin, int64_t rest) {
     if (int64_t(S.acc.size()) < n) S.acc.resize(size_t(n), -0.0f);
     // (subspace, centroid) picks with their summed weights over the group's query heads.
     auto& picks = S.picks;
@@ -947,110 +915,50 @@ class CSAttention final : public Method {
       S.csc.resize(size_t(n));
     }
     if (S.rtmp.size() < size_t(n)) S.rtmp.resize(size_t(n));
-    // With more pool threads than search tasks, the token range is cut into parts (a nested job
-    // each time): every part adds the picked lists' entries of its tokens (masked scatters: each
-    // part reads every picked entry, and writes only its slice of the accumulator), takes its
-    // samples, and collects its candidates. A token's sum, the samples and the candidates in token
-    // order are those of one part, so the selection does not depend on the threads.
-    range_cuts(n, parts, 64, kMinSearchPart, S.cuts);
-    const size_t np = S.cuts.size() - 1;
-    S.psmp.resize(np);
-    S.pnc.assign(np, 0);
-    S.pnt.assign(np, 0);
-    for (size_t p = 0; p < np; ++p) S.psmp[p].reserve(size_t(S.cuts[p + 1] - S.cuts[p]) / 32 + 2);
-    S.smp.reserve(size_t(n) / 32 + np + 1);
-    constexpr int64_t kStride = 32;
+    S.smp.reserve(size_t(n) / 32 + 1);
     float* acc = S.acc.data();
-    auto each_part = [&](auto&& fn) {
-      if (np == 1) fn(size_t(0));
-      else ctx_.pool->parallel_for(int64_t(np), [&](int64_t p) { fn(size_t(p)); });
-    };
-    auto scatter = [&](bool sample) {
-      each_part([&](size_t p) {
-        const int64_t b = S.cuts[p], e = S.cuts[p + 1];
-        scatter_picks(L, h, picks, acc, np == 1 ? 0 : int32_t(b), np == 1 ? kAllTokens : int32_t(e));
-        if (!sample) return;
-        // The samples of the candidate range [s_end, w_begin) at s_end + 16 + 32 i in this part.
-        auto& v = S.psmp[p];
-        v.clear();
-        const int64_t lo = std::max(b, s_end), hi = std::min(e, w_begin);
-        const int64_t first = s_end + kStride / 2;
-        for (int64_t t = lo <= first ? first : first + (lo - first + kStride - 1) / kStride * kStride; t < hi; t += kStride)
-          if (touched(acc[t])) v.push_back(acc[t]);
-      });
-    };
+    scatter_picks(L, h, picks, acc);
     // Top-rest of the union outside the forced keys, by (score desc, token asc). A threshold tau
     // from a 1/32 sample of the candidate range keeps ~1.2x the candidates needed (collected in
     // token order); if fewer pass, the lists are added again (the same sums, bit for bit) and
     // everything touched is collected. Exact either way. The k-th largest values come from a radix
     // select (touched scores are never -0.0 or NaN, so it gives the value nth_element would). The
-    // collection resets every slot it reads, the forced ranges are reset here. Each part writes its
-    // candidates from its first token's place on (the first part from 0), then they are moved
-    // together in part order.
+    // collection resets every slot it reads, the forced ranges are reset here.
     auto collect = [&](float tau, int64_t* nc) {
-      each_part([&](size_t p) {
-        const int64_t b = std::max(S.cuts[p], s_end), e = std::min(S.cuts[p + 1], w_begin);
-        int64_t k = 0;
-        int64_t nt = 0;
-        if (b < e) {
-          int32_t* tok = S.ctok.data() + (p == 0 ? 0 : b);
-          float* sc = S.csc.data() + (p == 0 ? 0 : b);
-          nt = kHaveAvx512 ? collect_avx512(acc, b, e, tau, tok, sc, &k)
-               : kHaveF16c ? collect_avx2(acc, b, e, tau, tok, sc, &k)
-                           : collect_portable(acc, b, e, tau, tok, sc, &k);
-        }
-        S.pnc[p] = k;
-        S.pnt[p] = nt;
-      });
-      int64_t at = 0, nt = 0;
-      for (size_t p = 0; p < np; ++p) {
-        const int64_t b = p == 0 ? 0 : std::max(S.cuts[p], s_end);
-        if (S.pnc[p] > 0 && b != at) {
-          std::memmove(S.ctok.data() + at, S.ctok.data() + b, size_t(S.pnc[p]) * sizeof(int32_t));
-          std::memmove(S.csc.data() + at, S.csc.data() + b, size_t(S.pnc[p]) * sizeof(float));
-        }
-        at += S.pnc[p];
-        nt += S.pnt[p];
-      }
-      *nc = at;
-      return nt;
+      *nc = 0;
+      return kHaveAvx512 ? collect_avx512(acc, s_end, w_begin, tau, S.ctok.data(), S.csc.data(), nc)
+             : kHaveF16c ? collect_avx2(acc, s_end, w_begin, tau, S.ctok.data(), S.csc.data(), nc)
+                         : collect_portable(acc, s_end, w_begin, tau, S.ctok.data(), S.csc.data(), nc);
     };
     // Candidates the search must deliver: rest, or rerank*rest for the exact rerank (rerank >= 1).
     const int64_t cand = rerank_ > 0 ? std::llround(rerank_ * double(rest)) : rest;
     const float ninf = -std::numeric_limits<float>::infinity();
     float tau = ninf;
-    // From the first scatter until everything touched is collected or reset, an exception (a
-    // nested job's, say) would leave this thread's accumulator dirty for its next search: it is
-    // cleared whole before the exception goes on.
-    int64_t nc = 0, nt = 0;
-    try {
-      scatter(rest > 0);
-      if (rest > 0) {
-        const int64_t want = cand + cand / 5 + 8 * kStride;  // candidates aimed at
-        S.smp.clear();
-        for (const auto& v : S.psmp) S.smp.insert(S.smp.end(), v.begin(), v.end());
-        const int64_t j = want / kStride;
-        if (int64_t(S.smp.size()) > j) tau = cpu::kth_largest(S.smp.data(), int64_t(S.smp.size()), j + 1, S.rtmp);
-      }
-      // The forced ranges (sinks, window) are not collected: counted and reset here.
-      auto reset_forced = [&] {
-        int64_t c = 0;
-        for (const auto& [b, e] : {std::pair<int64_t, int64_t>{0, s_end}, {w_begin, n}})
-          for (int64_t t = b; t < e; ++t) {
-            c += touched(acc[t]);
-            acc[t] = -0.0f;
-          }
-        return c;
-      };
-      nt = reset_forced() + collect(rest > 0 ? tau : std::numeric_limits<float>::infinity(), &nc);
-      if (rest > 0 && (nc < cand || csa::g_force_recollect.load(std::memory_order_relaxed)) && tau != ninf) {
-        scatter(false);
-        collect(ninf, &nc);
-        reset_forced();
-      }
-    } catch (...) {
-      std::fill(acc, acc + n, -0.0f);
-      throw;
+    if (rest > 0) {
+      constexpr int64_t kStride = 32;
+      const int64_t want = cand + cand / 5 + 8 * kStride;  // candidates aimed at
+      S.smp.clear();
+      for (int64_t t = s_end + kStride / 2; t < w_begin; t += kStride)
+        if (touched(acc[t])) S.smp.push_back(acc[t]);
+      const int64_t j = want / kStride;
+      if (int64_t(S.smp.size()) > j) tau = cpu::kth_largest(S.smp.data(), int64_t(S.smp.size()), j + 1, S.rtmp);
+    }
+    // The forced ranges (sinks, window) are not collected: counted and reset here.
+    auto reset_forced = [&] {
+      int64_t c = 0;
+      for (const auto& [b, e] : {std::pair<int64_t, int64_t>{0, s_end}, {w_begin, n}})
+        for (int64_t t = b; t < e; ++t) {
+          c += touched(acc[t]);
+          acc[t] = -0.0f;
+        }
+      return c;
+    };
+    int64_t nc = 0;
+    int64_t nt = reset_forced() + collect(rest > 0 ? tau : std::numeric_limits<float>::infinity(), &nc);
+    if (rest > 0 && (nc < cand || csa::g_force_recollect.load(std::memory_order_relaxed)) && tau != ninf) {
+      scatter_picks(L, h, picks, acc);
+      collect(ninf, &nc);
+      reset_forced();
     }
     head_union_[size_t(h)] = nt;
     auto& out = L.cached[size_t(h)];
@@ -1067,8 +975,7 @@ class CSAttention final : public Method {
 
   // Adds the picked lists (distinct, sorted by list) into the accumulator: each list once, with the
   // summed weight of the heads that picked it.
-  void scatter_picks(const LayerState& L, int h, const std::vector<std::pair<int64_t, float>>& picks, float* acc,
-                     int32_t lo = 0, int32_t hi = kAllTokens) const {
+  void scatter_picks(const LayerState& L, int h, const std::vector<std::pair<int64_t, float>>& picks, float* acc) const {
     for (size_t i = 0; i < picks.size();) {
       float w = 0.f;
       size_t j = i;
@@ -1079,12 +986,12 @@ class CSAttention final : public Method {
       // root), so each entry adds w (V - min) and every key's absent terms share one constant.
       const float off = missing_min_ ? -(w * (f16_ ? score_f(L.v16[base]) : L.v32[base])) : 0.f;
       if (f16_) {
-        if (kScatter512) scatter_f16_avx512(idx, &L.v16[base], L.L, w, off, acc, lo, hi);
-        else if (kHaveF16c) scatter_f16_f16c(idx, &L.v16[base], L.L, w, off, acc, lo, hi);
-        else scatter_portable(idx, &L.v16[base], L.L, w, off, acc, lo, hi);
+        if (kScatter512) scatter_f16_avx512(idx, &L.v16[base], L.L, w, off, acc);
+        else if (kHaveF16c) scatter_f16_f16c(idx, &L.v16[base], L.L, w, off, acc);
+        else scatter_portable(idx, &L.v16[base], L.L, w, off, acc);
       } else {
-        if (kHaveAvx512) scatter_f32_avx512(idx, &L.v32[base], L.L, w, off, acc, lo, hi);
-        else scatter_portable(idx, &L.v32[base], L.L, w, off, acc, lo, hi);
+        if (kHaveAvx512) scatter_f32_avx512(idx, &L.v32[base], L.L, w, off, acc);
+        else scatter_portable(idx, &L.v32[base], L.L, w, off, acc);
       }
       i = j;
     }
