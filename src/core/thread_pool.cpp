@@ -114,13 +114,20 @@ bool ThreadPool::spin_until(F done, bool while_open) const {
   const auto start = std::chrono::steady_clock::now();
   const auto until = start + std::chrono::microseconds(spin_us_);
   const auto open_until = start + std::chrono::microseconds(std::max(spin_us_, kOpenSpinUs));
+  bool yielding = false;
   for (;;) {
     for (int i = 0; i < 64; ++i) {
       if (done()) return true;
       cpu_relax();
     }
+    // Past spin_us_ a worker waiting on an open job yields between its looks, so that on a host
+    // with more threads than cores (other processes, or a pool larger than the machine) the
+    // threads with work get the cores; on an idle core the yield returns at once.
+    if (yielding) std::this_thread::yield();
     const auto now = std::chrono::steady_clock::now();
-    if (now >= until && !(while_open && now < open_until && used_.load() != 0)) return done();
+    if (now < until) continue;
+    if (!(while_open && now < open_until && used_.load() != 0)) return done();
+    yielding = true;
   }
 }
 

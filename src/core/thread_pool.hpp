@@ -49,8 +49,9 @@ class ThreadPool {
   // KVS_POOL_SPIN_US in the environment when the pool starts (0 = never spin), else the default.
   static constexpr unsigned kDefaultSpinUs = 50;
   // While some job is still open (a caller waits for its tasks), an idle worker spins up to this
-  // long instead: a task of that job may open a nested one (a KV head's work cut into parts), and
-  // a sleeping worker takes tens of microseconds to wake. Not with spin_us() = 0.
+  // long instead (yielding its core between looks after spin_us()): a task of that job may open a
+  // nested one (a KV head's work cut into parts), and a sleeping worker takes tens of microseconds
+  // to wake. Not with spin_us() = 0.
   static constexpr unsigned kOpenSpinUs = 1000;
   unsigned spin_us() const { return spin_us_; }
 
