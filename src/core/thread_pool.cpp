@@ -50,6 +50,10 @@ void run_serial(int64_t n, const std::function<void(int64_t)>& fn) {
 
 ThreadPool::ThreadPool(unsigned threads) : spin_us_(spin_from_env(kDefaultSpinUs)) {
   threads = resolve(threads);
+  // A pool with more threads than the machine has cores would spin on cores its working threads
+  // need: then idle workers wait on open jobs no longer than on none.
+  const unsigned cores = std::thread::hardware_concurrency();
+  open_spin_us_ = spin_us_ == 0 ? 0 : (cores == 0 || threads <= cores) ? std::max(spin_us_, kOpenSpinUs) : spin_us_;
   workers_.reserve(threads - 1);
   try {
     for (unsigned i = 1; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
@@ -113,7 +117,7 @@ bool ThreadPool::spin_until(F done, bool while_open) const {
   if (spin_us_ == 0) return done();
   const auto start = std::chrono::steady_clock::now();
   const auto until = start + std::chrono::microseconds(spin_us_);
-  const auto open_until = start + std::chrono::microseconds(std::max(spin_us_, kOpenSpinUs));
+  const auto open_until = start + std::chrono::microseconds(open_spin_us_);
   bool yielding = false;
   for (;;) {
     for (int i = 0; i < 64; ++i) {

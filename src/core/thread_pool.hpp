@@ -51,7 +51,7 @@ class ThreadPool {
   // While some job is still open (a caller waits for its tasks), an idle worker spins up to this
   // long instead (yielding its core between looks after spin_us()): a task of that job may open a
   // nested one (a KV head's work cut into parts), and a sleeping worker takes tens of microseconds
-  // to wake. Not with spin_us() = 0.
+  // to wake. Not with spin_us() = 0, nor in a pool of more threads than the machine has cores.
   static constexpr unsigned kOpenSpinUs = 1000;
   unsigned spin_us() const { return spin_us_; }
 
@@ -96,6 +96,7 @@ class ThreadPool {
   std::condition_variable cv_;        // workers wait for a job with tasks left
   std::condition_variable done_;      // callers wait for their job's last tasks
   unsigned spin_us_ = kDefaultSpinUs;
+  unsigned open_spin_us_ = kOpenSpinUs;  // how long an idle worker waits while a job is open
 };
 
 // Where a step runs one task per KV head (8, say) on a pool of more threads (16), a head's long
