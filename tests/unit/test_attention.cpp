@@ -277,6 +277,45 @@ TEST_CASE("thread pool: jobs nested deeper than its 64 slots, exceptions through
   CHECK(kvs::ThreadPool(2).spin_us() == kvs::ThreadPool::kDefaultSpinUs);
 }
 
+TEST_CASE("thread pool: parts_per_task and parallel_ranges cut [0, n) into aligned ranges that cover it once") {
+  kvs::ThreadPool p16(16), p2(2), p1(1);
+  CHECK(kvs::parts_per_task(p16, 8) == 2);
+  CHECK(kvs::parts_per_task(p16, 2) == 4);      // capped at max_parts
+  CHECK(kvs::parts_per_task(p16, 2, 8) == 8);
+  CHECK(kvs::parts_per_task(p16, 32) == 1);
+  CHECK(kvs::parts_per_task(p2, 0) == 2);       // no tasks counts as one
+  CHECK(kvs::parts_per_task(p1, 8) == 1);
+  struct Case {
+    int64_t n, parts, align, min_len, want;  // want: the number of ranges
+  };
+  for (const Case c : {Case{1000, 4, 64, 1, 4}, Case{1000, 4, 64, 300, 3}, Case{1000, 4, 64, 1000, 1}, Case{100, 4, 64, 1, 2},
+                       Case{64, 4, 64, 1, 1}, Case{1, 3, 1, 1, 1}, Case{8192, 3, 64, 512, 3}, Case{0, 4, 64, 1, 0}}) {
+    CAPTURE(c.n);
+    CAPTURE(c.parts);
+    CAPTURE(c.min_len);
+    std::mutex mu;
+    std::vector<std::pair<int64_t, int64_t>> got;
+    std::vector<std::thread::id> who;
+    kvs::parallel_ranges(p16, c.n, c.parts, c.align, c.min_len, [&](int64_t b, int64_t e) {
+      std::lock_guard<std::mutex> g(mu);
+      got.emplace_back(b, e);
+      who.push_back(std::this_thread::get_id());
+    });
+    std::sort(got.begin(), got.end());
+    CHECK(int64_t(got.size()) == c.want);
+    int64_t at = 0;
+    for (const auto& [b, e] : got) {
+      CHECK(b == at);                         // contiguous, in order, no overlap
+      CHECK(e > b);
+      CHECK((b % c.align == 0));              // starts on the alignment
+      if (got.size() > 1) CHECK(e - b >= std::min<int64_t>(c.min_len, c.n));
+      at = e;
+    }
+    CHECK(at == c.n);                         // covers [0, n)
+    if (c.want == 1) CHECK(who[0] == std::this_thread::get_id());  // one part: on the caller
+  }
+}
+
 TEST_CASE("thread pool: sessions asking for the same thread count share one pool") {
   auto a = kvs::ThreadPool::shared(3), b = kvs::ThreadPool::shared(3), c = kvs::ThreadPool::shared(2);
   CHECK(a.get() == b.get());
