@@ -53,7 +53,7 @@ ThreadPool::ThreadPool(unsigned threads) : spin_us_(spin_from_env(kDefaultSpinUs
   // A pool with more threads than the machine has cores would spin on cores its working threads
   // need: then idle workers wait on open jobs no longer than on none.
   const unsigned cores = std::thread::hardware_concurrency();
-  open_spin_us_ = spin_us_ == 0 ? 0 : (cores == 0 || threads <= cores) ? std::max(spin_us_, kOpenSpinUs) : spin_us_;
+  open_spin_us_ = cores == 0 || threads <= cores ? std::max(spin_us_, kOpenSpinUs) : spin_us_;
   workers_.reserve(threads - 1);
   try {
     for (unsigned i = 1; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });

@@ -79,7 +79,7 @@ class ThreadPool {
   // A worker: the newest job's next task, run; false if no job had one.
   bool run_any();
   bool has_work() const { return active_.load() != 0; }
-  // Spins up to spin_us_ until done() holds (up to kOpenSpinUs while a job is open, with
+  // Spins up to spin_us_ until done() holds (up to open_spin_us_ while a job is open, with
   // while_open); returns done().
   template <typename F>
   bool spin_until(F done, bool while_open) const;
@@ -107,24 +107,18 @@ class ThreadPool {
 // whatever the cut (the results do not depend on the thread count); ranges shorter than
 // `min_len` are not worth a task, and one part runs fn(0, n) on the calling thread.
 inline int64_t parts_per_task(const ThreadPool& pool, int64_t tasks, int64_t max_parts = 4) {
-  const int64_t per = int64_t(pool.size()) / (tasks > 0 ? tasks : 1);
-  return per < 1 ? 1 : (per > max_parts ? max_parts : per);
+  return std::clamp<int64_t>(int64_t(pool.size()) / std::max<int64_t>(tasks, 1), 1, std::max<int64_t>(max_parts, 1));
 }
 template <class F>
 void parallel_ranges(ThreadPool& pool, int64_t n, int64_t parts, int64_t align, int64_t min_len, F&& fn) {
   if (n <= 0) return;
-  const int64_t units = (n + align - 1) / align;
-  const int64_t by_len = n / (min_len > 0 ? min_len : 1);
-  if (parts > units) parts = units;
-  if (parts > by_len) parts = by_len;
+  const int64_t units = (n + align - 1) / align;  // parts <= units: every range is non-empty
+  parts = std::min({parts, units, n / std::max<int64_t>(min_len, 1)});
   if (parts <= 1) {
     fn(int64_t(0), n);
     return;
   }
-  pool.parallel_for(parts, [&](int64_t p) {
-    const int64_t b = units * p / parts * align, e = std::min(n, units * (p + 1) / parts * align);
-    if (b < e) fn(b, e);
-  });
+  pool.parallel_for(parts, [&](int64_t p) { fn(units * p / parts * align, std::min(n, units * (p + 1) / parts * align)); });
 }
 
 }  // namespace kvs
